@@ -1,0 +1,92 @@
+"""Capture a model's step with torch.export (non-strict) into an aten FX graph."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from autopar.capture.graph import CapturedGraph
+from autopar.capture.step import CaptureError, TrainStep
+
+# Frames from these packages are the tracer, not the user's model.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep  # type: ignore[arg-type]
+    for m in (torch, __import__("autopar"))
+)
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """``file:line: source`` of the innermost frame that is the user's code, not torch's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None:  # export re-raises; the user's frame may sit in the cause
+        frames += traceback.extract_tb(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
+    for frame in reversed(frames):
+        if not frame.filename.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return None
+
+
+def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
+            loss_fn: Callable[..., torch.Tensor] | None = None,
+            example_kwargs: dict[str, Any] | None = None,
+            example_targets: tuple[Any, ...] = (), train: bool = True) -> CapturedGraph:
+    """Export ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)``.
+
+    Works on meta-device models: export fakifies parameters, so no weight memory is
+    touched. Raises CaptureError naming the source line that could not be traced.
+    """
+    kwargs = dict(example_kwargs or {})
+    step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
+    flat = (*example_inputs, *kwargs.values(), *example_targets)
+    start = time.perf_counter()
+    try:
+        program = torch.export.export(step, flat, strict=False)
+    except CaptureError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
+        where = _user_frame(exc)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        at = f"\n  at {where}" if where else ""
+        raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}") from exc
+    seconds = time.perf_counter() - start
+    return _to_captured(program, train, seconds)
+
+
+def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> CapturedGraph:
+    gm = program.graph_module
+    graph = gm.graph
+    # Runtime dtype asserts carry no data and no sharding decision.
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    parameters: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    user_inputs: list[str] = []
+    for spec in program.graph_signature.input_specs:
+        name = spec.arg.name  # type: ignore[union-attr]
+        if spec.kind == InputKind.PARAMETER:
+            parameters[name] = _strip_step_prefix(spec.target)
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            buffers[name] = _strip_step_prefix(spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+    return CapturedGraph(gm=gm, parameters=parameters, buffers=buffers,
+                         user_inputs=user_inputs, train=train, capture_seconds=seconds)
+
+
+def _strip_step_prefix(fqn: str | None) -> str:
+    """``model.layers.0.w`` -> ``layers.0.w``: FQNs as the user's model names them."""
+    fqn = fqn or ""
+    return fqn[len("model."):] if fqn.startswith("model.") else fqn

@@ -1,0 +1,63 @@
+"""What capture hands to the later stages: an aten graph with shapes and names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor in the graph (all the planner needs of a FakeTensor)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @classmethod
+    def of(cls, value: object) -> "TensorMeta | None":
+        if isinstance(value, torch.Tensor):
+            return cls(tuple(int(s) for s in value.shape), value.dtype)
+        return None
+
+
+@dataclass
+class CapturedGraph:
+    """An exported training (or forward) step.
+
+    ``gm`` is an aten-level FX graph (torch.export's training IR: ``aten.linear``,
+    ``aten.layer_norm``, ``aten.scaled_dot_product_attention`` kept whole). Every node
+    that produces tensors has ``node.meta["val"]`` (FakeTensor) and, for ops,
+    ``node.meta["nn_module_stack"]``.
+    """
+
+    gm: torch.fx.GraphModule
+    parameters: dict[str, str]
+    """Placeholder name -> parameter FQN in the user's model."""
+    buffers: dict[str, str]
+    """Placeholder name -> buffer or constant FQN in the user's model."""
+    user_inputs: list[str]
+    """Placeholder names of the step's inputs: model args, kwargs, then loss targets."""
+    train: bool
+    """True when the graph ends in the scalar loss and a backward pass will follow."""
+    capture_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def nodes(self) -> list[torch.fx.Node]:
+        return list(self.gm.graph.nodes)

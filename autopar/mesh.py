@@ -1,0 +1,105 @@
+"""Logical device mesh with named axes, and the link each axis runs over."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autopar.hardware import HardwareProfile, get_profile
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class AxisLink:
+    """Alpha-beta parameters of the link one mesh axis communicates over."""
+
+    bandwidth: float
+    """Achievable per-direction bandwidth per device, bytes/s (efficiency applied)."""
+    latency: float
+    """Seconds per collective step."""
+    intra_node: bool
+    """True when every group along this axis sits inside one node (NVLink)."""
+
+
+@dataclass(frozen=True, init=False)
+class Mesh:
+    """A named device mesh used for planning; needs no processes.
+
+    Axes are listed outermost first: ranks are laid out row-major, so the last axis
+    holds neighbouring ranks. An axis runs inside a node when the devices it spans,
+    together with all axes inside it, fit in ``devices_per_node``.
+    """
+
+    axes: dict[str, int]
+    """Axis name -> number of devices along it, outermost first."""
+    hardware: HardwareProfile
+    """Profile of every device (a name such as "h100" is looked up)."""
+    devices_per_node: int
+    """Devices sharing one fast interconnect (NVLink domain)."""
+
+    def __init__(self, axes: dict[str, int], hardware: str | HardwareProfile = "h100",
+                 devices_per_node: int = 8) -> None:
+        if not axes:
+            raise ValueError("a mesh needs at least one axis")
+        for name, size in axes.items():
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes must be positive ints")
+        if devices_per_node < 1:
+            raise ValueError("devices_per_node must be >= 1")
+        object.__setattr__(self, "axes", dict(axes))
+        object.__setattr__(self, "hardware", get_profile(hardware))
+        object.__setattr__(self, "devices_per_node", devices_per_node)
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh: "DeviceMesh", hardware: str | HardwareProfile | None = None,
+                         devices_per_node: int = 8) -> "Mesh":
+        """A planning mesh with the shape and axis names of a torch DeviceMesh."""
+        names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(device_mesh.ndim))
+        if hardware is None:
+            hardware = "cpu" if device_mesh.device_type == "cpu" else "h100"
+        return cls(dict(zip(names, device_mesh.shape)), hardware, devices_per_node)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.axes.values())
+
+    @property
+    def ndim(self) -> int:
+        return len(self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def link(self, dim: int) -> AxisLink:
+        """The link mesh dimension ``dim`` communicates over."""
+        span = math.prod(self.shape[dim:])
+        hw = self.hardware
+        if span <= self.devices_per_node:
+            return AxisLink(hw.intra_node_bandwidth * hw.network_efficiency, hw.intra_node_latency, True)
+        return AxisLink(hw.inter_node_bandwidth * hw.network_efficiency, hw.inter_node_latency, False)
+
+    def describe(self) -> str:
+        return " x ".join(f"{n}={s}" for n, s in self.axes.items())
+
+    def to_json(self) -> dict:
+        return {"axes": dict(self.axes), "hardware": self.hardware.name,
+                "devices_per_node": self.devices_per_node}
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """Parse ``"dp=2,tp=4"`` into ``{"dp": 2, "tp": 4}``."""
+    axes: dict[str, int] = {}
+    for part in spec.split(","):
+        name, sep, size = part.strip().partition("=")
+        if not sep or not name or not size.strip().isdigit():
+            raise ValueError(f"bad mesh spec {spec!r}: expected name=size[,name=size...]")
+        axes[name.strip()] = int(size)
+    return axes

@@ -1,0 +1,23 @@
+"""Stage 2: sharding strategies per aten op, one file per op family.
+
+Each family module fills its own ``TABLE``; this module lists them, so which rules
+exist is visible here and nothing registers itself on import elsewhere.
+"""
+
+from __future__ import annotations
+
+from autopar.rules import (attention, dropout, embedding, factory, loss, matmul, norm, pointwise,
+                           reduction, softmax, view)
+from autopar.rules.strategy import DimStrategy, OpCall, Strategy, expand, placement_str
+from autopar.rules.table import Rule, RuleSet, RuleTable
+
+FAMILIES: tuple[RuleTable, ...] = (
+    matmul.TABLE, pointwise.TABLE, reduction.TABLE, softmax.TABLE, norm.TABLE, embedding.TABLE,
+    view.TABLE, attention.TABLE, loss.TABLE, dropout.TABLE, factory.TABLE,
+)
+
+DEFAULT_RULES = RuleSet(FAMILIES)
+"""Every rule autopar ships, looked up by aten overload."""
+
+__all__ = ["DEFAULT_RULES", "FAMILIES", "DimStrategy", "OpCall", "Strategy", "Rule", "RuleSet",
+           "RuleTable", "expand", "placement_str"]

@@ -1,0 +1,73 @@
+"""Losses: cross_entropy_loss and mse_loss split along the batch (rows).
+
+reduction='none' keeps the split; 'sum' gives a Partial sum. 'mean' is also run as
+a Partial: each rank computes the sum over its rows divided by the *global* count
+of counted elements (targets != ignore_index for cross entropy), which costs one
+scalar all-reduce of the count; ``local_mean_loss`` is that local computation.
+Splitting the class dim (vocabulary-parallel cross entropy) is not offered yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from autopar.rules.strategy import P, R, DimStrategy, OpCall, S
+from autopar.rules.table import RuleTable
+
+aten = torch.ops.aten
+TABLE = RuleTable("loss")
+
+REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
+
+MEAN_AS_PARTIAL = {aten.cross_entropy_loss.default, aten.mse_loss.default}
+"""Ops whose batch-split 'mean' runs as sum / global count (see ``local_mean_loss``)."""
+
+
+def _reduction(call: OpCall) -> int:
+    if call.target is aten.cross_entropy_loss.default:
+        return call.arg(3, "reduction", REDUCTION_MEAN)
+    return call.arg(2, "reduction", REDUCTION_MEAN)
+
+
+@TABLE.register(aten.cross_entropy_loss.default)
+def cross_entropy_rule(call: OpCall) -> list[DimStrategy]:
+    x, target = call.args[0], call.args[1]
+    if x.ndim < 2 or target.ndim < 1:
+        return []
+    has_weight = call.arg(2, "weight") is not None
+    weight = (R,) if has_weight else ()
+    out = S(0) if _reduction(call) == REDUCTION_NONE else P
+    return [DimStrategy((out,), (S(0), S(0), *weight))]
+
+
+@TABLE.register(aten.mse_loss.default)
+def mse_rule(call: OpCall) -> list[DimStrategy]:
+    x = call.args[0]
+    if _reduction(call) == REDUCTION_NONE:
+        return [DimStrategy((S(d),), (S(d), S(d))) for d in range(x.ndim)]
+    return [DimStrategy((P,), (S(d), S(d))) for d in range(x.ndim)]
+
+
+def global_count(target_op: object, full_args: tuple) -> torch.Tensor:
+    """Elements a 'mean' divides by, over the whole (unsplit) batch."""
+    if target_op is aten.cross_entropy_loss.default:
+        target = full_args[1]
+        ignore_index = full_args[4] if len(full_args) > 4 else -100
+        if target.is_floating_point():  # class probabilities: every row counts
+            return torch.tensor(float(target.shape[0] if target.ndim > 1 else 1))
+        return (target != ignore_index).sum().to(torch.float32)
+    return torch.tensor(float(full_args[0].numel()))
+
+
+def local_mean_loss(target_op: object, local_args: tuple, count: torch.Tensor) -> torch.Tensor:
+    """One rank's Partial share of a batch-split 'mean' loss: local sum / global count."""
+    if target_op is aten.cross_entropy_loss.default:
+        x, target = local_args[0], local_args[1]
+        weight = local_args[2] if len(local_args) > 2 else None
+        ignore_index = local_args[4] if len(local_args) > 4 else -100
+        smoothing = local_args[5] if len(local_args) > 5 else 0.0
+        total = F.cross_entropy(x, target, weight=weight, reduction="sum",
+                                ignore_index=ignore_index, label_smoothing=smoothing)
+        return total / count
+    return F.mse_loss(local_args[0], local_args[1], reduction="sum") / count

@@ -1,0 +1,158 @@
+"""Sharding strategies in DTensor's vocabulary, for one mesh dimension and for N.
+
+A rule describes an op for *one* mesh dimension (``DimStrategy``): which placement
+each tensor input needs and which placement each output then has. ``expand`` turns
+those into N-D strategies (one placement per mesh dimension per tensor), keeping the
+combinations whose sharded dimensions divide evenly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autopar.capture.graph import TensorMeta
+
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+Placements = tuple[Placement, ...]
+"""One placement per mesh dimension."""
+
+
+@dataclass(frozen=True)
+class DimStrategy:
+    """One way to run an op along one mesh dimension."""
+
+    outputs: tuple[Placement | None, ...]
+    """Placement of each output (None for an output that is not a tensor)."""
+    inputs: tuple[Placement, ...]
+    """Placement each tensor input must arrive in, in ``OpCall.tensor_inputs`` order."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on the whole mesh: per tensor, one placement per mesh dim."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+
+    def is_active(self, mesh_dim: int) -> bool:
+        """True when the op's work is split along ``mesh_dim`` (some output not Replicate).
+
+        A replicated input of an active op receives a Partial gradient: each rank
+        only computed part of the uses of that input.
+        """
+        return any(o is not None and not o[mesh_dim].is_replicate() for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """An op application as rules see it: tensors replaced by their TensorMeta."""
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    outputs: tuple[TensorMeta | None, ...] = ()
+
+    @property
+    def tensor_inputs(self) -> list[TensorMeta]:
+        """Tensor arguments flattened in order (lists such as cat's are expanded)."""
+        found: list[TensorMeta] = []
+        for a in (*self.args, *self.kwargs.values()):
+            if isinstance(a, TensorMeta):
+                found.append(a)
+            elif isinstance(a, (list, tuple)):
+                found.extend(x for x in a if isinstance(x, TensorMeta))
+        return found
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+
+def replicate_all(call: OpCall) -> DimStrategy:
+    """Every rank computes the whole op: always valid."""
+    return DimStrategy(tuple(R if o is not None else None for o in call.outputs),
+                       tuple(R for _ in call.tensor_inputs))
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def divides(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """Every sharded tensor dim divides by the product of the mesh dims sharding it."""
+    ways = [1] * meta.ndim
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < meta.ndim:
+                return False
+            ways[p.dim] *= n
+    return all(w == 1 or (size % w == 0 and size >= w) for w, size in zip(ways, meta.shape))
+
+
+def dedupe(strategies: list[DimStrategy]) -> list[DimStrategy]:
+    seen: dict[DimStrategy, None] = {}
+    for s in strategies:
+        seen.setdefault(s, None)
+    return list(seen)
+
+
+def expand(call: OpCall, dim_strategies: list[DimStrategy], mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """All N-D strategies whose every mesh dim follows one single-dim strategy and divides evenly."""
+    dim_strategies = dedupe([replicate_all(call), *dim_strategies])
+    metas_in = call.tensor_inputs
+    out: list[Strategy] = []
+    for combo in itertools.product(dim_strategies, repeat=len(mesh_shape)):
+        outputs = tuple(
+            None if combo[0].outputs[i] is None else tuple(c.outputs[i] for c in combo)  # type: ignore[misc]
+            for i in range(len(call.outputs))
+        )
+        inputs = tuple(tuple(c.inputs[i] for c in combo) for i in range(len(metas_in)))
+        ok = all(divides(m, pl, mesh_shape) for m, pl in zip(metas_in, inputs))
+        ok = ok and all(pl is None or m is None or divides(m, pl, mesh_shape)
+                        for m, pl in zip(call.outputs, outputs))
+        if ok:
+            out.append(Strategy(outputs, inputs))  # type: ignore[arg-type]
+    return out
+
+
+def local_numel(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """Elements one rank holds of a tensor with these placements."""
+    ways = math.prod(n for p, n in zip(placements, mesh_shape) if isinstance(p, Shard))
+    return meta.numel // ways
+
+
+def placement_str(placements: Placements | None) -> str:
+    """Compact form used in plans: ``S(0)R``, ``RP``."""
+    if placements is None:
+        return "-"
+    parts = []
+    for p in placements:
+        if isinstance(p, Shard):
+            parts.append(f"S({p.dim})")
+        elif isinstance(p, Partial):
+            parts.append("P")
+        else:
+            parts.append("R")
+    return "".join(parts)
+
+
+def is_float(meta: TensorMeta | None) -> bool:
+    return meta is not None and meta.dtype.is_floating_point
+
+
+__all__ = ["R", "P", "S", "DimStrategy", "Strategy", "OpCall", "Placements", "expand",
+           "replicate_all", "normalize_dim", "divides", "local_numel", "placement_str", "torch"]

@@ -1,0 +1,49 @@
+"""Rule tables: each op family file fills one table; ``rules/__init__`` merges them explicitly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from autopar.rules.strategy import DimStrategy, OpCall
+
+Rule = Callable[[OpCall], list[DimStrategy]]
+"""Single-mesh-dimension strategies of one op call (the all-Replicate one is added for free)."""
+
+
+class RuleTable:
+    """Rules of one op family, keyed by aten overload (or another FX call target)."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+        self.rules: dict[Any, Rule] = {}
+
+    def register(self, *targets: Any) -> Callable[[Rule], Rule]:
+        def decorate(rule: Rule) -> Rule:
+            for t in targets:
+                if t in self.rules:
+                    raise ValueError(f"{self.family}: two rules for {t}")
+                self.rules[t] = rule
+            return rule
+        return decorate
+
+    def add(self, targets: Iterable[Any], rule: Rule) -> None:
+        self.register(*targets)(rule)
+
+
+class RuleSet:
+    """Several tables looked up as one; a target in two tables is a mistake."""
+
+    def __init__(self, tables: Iterable[RuleTable]) -> None:
+        self.tables = list(tables)
+        self.rules: dict[Any, Rule] = {}
+        self.family: dict[Any, str] = {}
+        for table in self.tables:
+            for target, rule in table.rules.items():
+                if target in self.rules:
+                    raise ValueError(f"{target} has rules in {self.family[target]} and {table.family}")
+                self.rules[target] = rule
+                self.family[target] = table.family
+
+    def lookup(self, target: Any) -> Rule | None:
+        return self.rules.get(target)

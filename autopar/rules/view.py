@@ -1,0 +1,140 @@
+"""Views and data movement: view/reshape/flatten/unflatten/expand/transpose/permute/
+(un)squeeze, slice/select, cat/stack, split/chunk, getitem.
+
+Dimension mapping comes from DTensor's own view analysis (``_view_ops``): for each
+output dim it says which input dim(s) it came from. A split can follow a dim that
+maps straight through, the first (outermost) dim of a flatten, or the first piece
+of an unflatten (its size must divide: the expansion checks that on the output).
+Every view is linear, so Partial passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.distributed.tensor._ops import _view_ops as dt_views
+
+from autopar.rules.strategy import P, DimStrategy, OpCall, S, normalize_dim
+from autopar.rules.table import RuleTable
+
+aten = torch.ops.aten
+TABLE = RuleTable("view")
+
+
+def _dim_map(call: OpCall) -> tuple:
+    x = call.args[0]
+    t = call.target
+    if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return dt_views.view_groups(x.shape, call.outputs[0].shape)
+    if t is aten.flatten.using_ints:
+        return dt_views.dim_flatten(x.ndim, call.arg(1, "start_dim", 0), call.arg(2, "end_dim", -1))
+    if t is aten.unflatten.int:
+        return dt_views.view_groups(x.shape, call.outputs[0].shape)
+    if t is aten.expand.default:
+        return dt_views.expand(x.shape, call.outputs[0].shape)
+    if t is aten.transpose.int:
+        return dt_views.dim_transpose(x.ndim, call.args[1], call.args[2])
+    if t is aten.t.default:
+        return dt_views.dim_transpose(x.ndim, 0, -1) if x.ndim == 2 else dt_views.dim_transpose(x.ndim, 0, 0)
+    if t is aten.permute.default:
+        return tuple(dt_views.InputDim(normalize_dim(d, x.ndim)) for d in call.args[1])
+    if t is aten.unsqueeze.default:
+        return dt_views.dim_unsqueeze(x.ndim, call.args[1])
+    if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+        return dt_views.dim_squeeze(x.shape, call.arg(1, "dim", None))
+    raise KeyError(t)
+
+
+def _source_dim(spec: object) -> int | None:
+    """The input dim whose split this output dim inherits, if any."""
+    if isinstance(spec, dt_views.InputDim):
+        return spec.input_dim
+    if isinstance(spec, dt_views.Flatten):
+        first = spec.input_dims[0]
+        return first.input_dim if isinstance(first, dt_views.InputDim) else None
+    if isinstance(spec, dt_views.Split) and spec.split_id == 0:
+        return _source_dim(spec.input_dim)
+    return None
+
+
+def view_rule(call: OpCall) -> list[DimStrategy]:
+    strategies = []
+    for out_dim, spec in enumerate(_dim_map(call)):
+        src = _source_dim(spec)
+        if src is not None and call.args[0].shape[src] > 1:
+            strategies.append(DimStrategy((S(out_dim),), (S(src),)))
+    strategies.append(DimStrategy((P,), (P,)))
+    return strategies
+
+
+TABLE.add([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+           aten.unflatten.int, aten.expand.default, aten.transpose.int, aten.t.default,
+           aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+           aten.squeeze.default], view_rule)
+
+
+@TABLE.register(aten.slice.Tensor)
+def slice_rule(call: OpCall) -> list[DimStrategy]:
+    """Slicing along ``dim`` needs it whole; every other dim splits."""
+    x = call.args[0]
+    dim = normalize_dim(call.arg(1, "dim", 0), x.ndim)
+    out = call.outputs[0]
+    full = out is not None and out.shape == x.shape  # a no-op slice keeps every split
+    strategies = [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim) if d != dim or full]
+    return [*strategies, DimStrategy((P,), (P,))]
+
+
+@TABLE.register(aten.select.int)
+def select_rule(call: OpCall) -> list[DimStrategy]:
+    x = call.args[0]
+    dim = normalize_dim(call.args[1], x.ndim)
+    strategies = [DimStrategy((S(d if d < dim else d - 1),), (S(d),)) for d in range(x.ndim) if d != dim]
+    return [*strategies, DimStrategy((P,), (P,))]
+
+
+@TABLE.register(aten.cat.default)
+def cat_rule(call: OpCall) -> list[DimStrategy]:
+    """All inputs split alike on a dim other than the one joined."""
+    tensors = call.tensor_inputs
+    out = call.outputs[0]
+    dim = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    if any(t.ndim != out.ndim for t in tensors):  # legacy empty-tensor cat: replicate
+        return []
+    strategies = [DimStrategy((S(d),), tuple(S(d) for _ in tensors)) for d in range(out.ndim) if d != dim]
+    return [*strategies, DimStrategy((P,), tuple(P for _ in tensors))]
+
+
+@TABLE.register(aten.stack.default)
+def stack_rule(call: OpCall) -> list[DimStrategy]:
+    tensors = call.tensor_inputs
+    out = call.outputs[0]
+    dim = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    strategies = [DimStrategy((S(d if d < dim else d + 1),), tuple(S(d) for _ in tensors))
+                  for d in range(out.ndim - 1)]
+    return [*strategies, DimStrategy((P,), tuple(P for _ in tensors))]
+
+
+@TABLE.register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                aten.unbind.int)
+def split_rule(call: OpCall) -> list[DimStrategy]:
+    """Pieces along ``dim`` (removed, for unbind): every other dim splits, all pieces alike."""
+    x = call.args[0]
+    default_dim = 0
+    dim = normalize_dim(call.arg(2 if call.target is not aten.unbind.int else 1, "dim", default_dim), x.ndim)
+    n_out = len(call.outputs)
+    removed = call.target is aten.unbind.int
+    strategies = [
+        DimStrategy((S(d if not removed or d < dim else d - 1),) * n_out, (S(d),))
+        for d in range(x.ndim) if d != dim
+    ]
+    return [*strategies, DimStrategy((P,) * n_out, (P,))]
+
+
+@TABLE.register(operator.getitem)
+def getitem_rule(call: OpCall) -> list[DimStrategy]:
+    """Picking one output of a multi-output op: the piece keeps its placement."""
+    x = call.outputs[0]
+    if x is None:
+        return []
+    return [*(DimStrategy((S(d),), (S(d),)) for d in range(x.ndim)), DimStrategy((P,), (P,))]

@@ -1,0 +1,140 @@
+"""A Llama-style decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU).
+
+``build()`` is what ``autopar plan examples/llama.py:build`` calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    vocab_size: int = 512
+    """Tokens in the vocabulary."""
+    max_seq_len: int = 64
+    """Sequence length the rotary table covers."""
+    hidden: int = 128
+    """Model width."""
+    heads: int = 4
+    """Query heads; ``hidden`` must divide by it."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention); ``heads`` must divide by it."""
+    ffn_hidden: int = 256
+    """Width of the SwiGLU feed-forward layer."""
+    layers: int = 2
+    """Transformer blocks."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotary_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    head_dim = cfg.hidden // cfg.heads
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = cfg.heads, cfg.kv_heads
+        self.head_dim = cfg.hidden // cfg.heads
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.hidden, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.output = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; ``targets`` are the tokens shifted by one."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+
+
+def build(cfg: LlamaConfig | None = None, batch: int = 8, device: str = "cpu"
+          ) -> tuple[Llama, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """(model, example_inputs, loss_fn, example_targets) for ``autopar plan``."""
+    cfg = cfg or LlamaConfig()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), device=device)
+    targets = torch.roll(tokens, -1, dims=1)
+    return model, (tokens,), lm_loss, (targets,)
