@@ -1,5 +1,13 @@
-"""autopar: automatic DP/TP/SP parallelization of PyTorch models."""
+"""autopar: automatic DP/TP/SP parallelization of PyTorch models.
 
+``autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 4}), example_inputs=...)`` returns the
+cheapest placement of one training step on that mesh.
+"""
+
+from autopar.api import plan
+from autopar.capture import CaptureError
 from autopar.mesh import Mesh
+from autopar.solver.ilp import MemoryLimitError
+from autopar.solver.plan import Plan
 
-__all__ = ["Mesh"]
+__all__ = ["plan", "Mesh", "Plan", "CaptureError", "MemoryLimitError"]

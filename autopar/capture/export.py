@@ -47,7 +47,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     """
     kwargs = dict(example_kwargs or {})
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
-    flat = (*example_inputs, *kwargs.values(), *example_targets)
+    flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
     start = time.perf_counter()
     try:
         program = torch.export.export(step, flat, strict=False)
@@ -62,6 +62,23 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     return _to_captured(program, train, seconds)
 
 
+def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A fresh view (no copy) for each repeat of a tensor object among the step's inputs.
+
+    Export folds a tensor passed twice (HF's ``labels=input_ids``) into one placeholder and
+    leaves the other dead; with a view each argument keeps its own placeholder and uses.
+    """
+    seen: set[int] = set()
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen:
+                value = value.view_as(value)
+            seen.add(id(value))
+        out.append(value)
+    return tuple(out)
+
+
 def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> CapturedGraph:
     gm = program.graph_module
     graph = gm.graph
@@ -70,20 +87,49 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> Captu
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
             graph.erase_node(node)
     graph.eliminate_dead_code()
+    tied = _merge_tied(program)
     gm.recompile()
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
     user_inputs: list[str] = []
     for spec in program.graph_signature.input_specs:
         name = spec.arg.name  # type: ignore[union-attr]
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and _strip_step_prefix(spec.target) in tied:
+            continue
         if spec.kind == InputKind.PARAMETER:
             parameters[name] = _strip_step_prefix(spec.target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             buffers[name] = _strip_step_prefix(spec.target)
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
-    return CapturedGraph(gm=gm, parameters=parameters, buffers=buffers,
-                         user_inputs=user_inputs, train=train, capture_seconds=seconds)
+    return CapturedGraph(gm=gm, parameters=parameters, buffers=buffers, user_inputs=user_inputs,
+                         train=train, capture_seconds=seconds, tied=tied)
+
+
+def _merge_tied(program: ExportedProgram) -> dict[str, str]:
+    """One placeholder per tensor: export gives a tied tensor (GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) one placeholder per name, and only one of them has users.
+
+    Keeps the first name (the one ``named_parameters()`` reports), points every use of the
+    others at it and erases them. Returns alias FQN -> kept FQN.
+    """
+    graph = program.graph_module.graph
+    placeholders = {node.name: node for node in graph.nodes if node.op == "placeholder"}
+    first: dict[int, tuple[str, str]] = {}  # id(tensor) -> (placeholder, FQN) of its first name
+    tied: dict[str, str] = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+            continue
+        tensor = program.state_dict.get(spec.target, program.constants.get(spec.target))  # type: ignore[arg-type]
+        if tensor is None:
+            continue
+        name, fqn = spec.arg.name, _strip_step_prefix(spec.target)  # type: ignore[union-attr]
+        kept_name, kept_fqn = first.setdefault(id(tensor), (name, fqn))
+        if kept_name != name:
+            placeholders[name].replace_all_uses_with(placeholders[kept_name])
+            graph.erase_node(placeholders[name])
+            tied[fqn] = kept_fqn
+    return tied
 
 
 def _strip_step_prefix(fqn: str | None) -> str:

@@ -58,6 +58,9 @@ class CapturedGraph:
     """True when the graph ends in the scalar loss and a backward pass will follow."""
     capture_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    tied: dict[str, str] = field(default_factory=dict)
+    """Alias FQN -> FQN of the parameter (or buffer) it is the same tensor as, e.g.
+    ``{"lm_head.weight": "transformer.wte.weight"}``; an alias has no placeholder of its own."""
 
     def nodes(self) -> list[torch.fx.Node]:
         return list(self.gm.graph.nodes)

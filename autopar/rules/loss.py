@@ -52,11 +52,15 @@ def mse_rule(call: OpCall) -> list[DimStrategy]:
 def global_count(target_op: object, full_args: tuple) -> torch.Tensor:
     """Elements a 'mean' divides by, over the whole (unsplit) batch."""
     if target_op is aten.cross_entropy_loss.default:
-        target = full_args[1]
+        x, target = full_args[0], full_args[1]
+        weight = full_args[2] if len(full_args) > 2 else None
         ignore_index = full_args[4] if len(full_args) > 4 else -100
-        if target.is_floating_point():  # class probabilities: every row counts
-            return torch.tensor(float(target.shape[0] if target.ndim > 1 else 1))
-        return (target != ignore_index).sum().to(torch.float32)
+        if target.is_floating_point():  # class probabilities: every position counts, unweighted
+            return torch.tensor(float(x.numel() // x.shape[1] if x.ndim > 1 else 1))
+        counted = target != ignore_index
+        if weight is not None:  # a weighted mean divides by the counted targets' total weight
+            return weight[target[counted]].sum()
+        return counted.sum().to(torch.float32)
     return torch.tensor(float(full_args[0].numel()))
 
 
@@ -69,5 +73,6 @@ def local_mean_loss(target_op: object, local_args: tuple, count: torch.Tensor) -
         smoothing = local_args[5] if len(local_args) > 5 else 0.0
         total = F.cross_entropy(x, target, weight=weight, reduction="sum",
                                 ignore_index=ignore_index, label_smoothing=smoothing)
-        return total / count
-    return F.mse_loss(local_args[0], local_args[1], reduction="sum") / count
+    else:
+        total = F.mse_loss(local_args[0], local_args[1], reduction="sum")
+    return (total / count).to(total.dtype)  # a float32 count must not promote a bf16 loss

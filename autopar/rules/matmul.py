@@ -26,6 +26,8 @@ def einsum_strategies(equation: str) -> list[DimStrategy]:
     operands = lhs.split(",")
     strategies: list[DimStrategy] = []
     for label in dict.fromkeys(lhs.replace(",", "")):
+        if any(op.count(label) > 1 for op in operands):
+            continue  # a repeated label ("ii->i") pairs two dims: splitting one breaks the diagonal
         inputs = tuple(S(op.index(label)) if label in op else R for op in operands)
         output = S(out.index(label)) if label in out else P
         strategies.append(DimStrategy((output,), inputs))

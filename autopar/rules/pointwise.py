@@ -60,9 +60,10 @@ def pointwise_rule(call: OpCall) -> list[DimStrategy]:
     strategies = broadcast_strategies(call)
     n_in = len(call.tensor_inputs)
     n_out = len(call.outputs)
-    if call.target in LINEAR_UNARY and n_in == 1:
+    if call.target in LINEAR_UNARY and n_in == 1 and _keeps_sums(call):
         strategies.append(DimStrategy((P,) * n_out, (P,)))
-    if call.target in LINEAR_ALL_PARTIAL and n_in >= 1:
+    # Both operands must be tensors: x + 2 on a Partial x would add 2 once per rank.
+    if call.target in LINEAR_ALL_PARTIAL and n_in >= 2 and _is_tensor_arg(call, 1):
         shapes = {t.shape for t in call.tensor_inputs}
         if len(shapes) == 1 and call.arg(2, "alpha", 1) == 1:  # same shape: no broadcast copies
             strategies.append(DimStrategy((P,) * n_out, (P,) * n_in))
@@ -70,6 +71,13 @@ def pointwise_rule(call: OpCall) -> list[DimStrategy]:
         if arg < n_in and _is_tensor_arg(call, arg):
             strategies.append(DimStrategy((P,) * n_out, tuple(P if i == arg else R for i in range(n_in))))
     return strategies
+
+
+def _keeps_sums(call: OpCall) -> bool:
+    """A cast is linear only into a float dtype or the same dtype: casting each Partial
+    part to an int rounds each part (int(0.4) + int(0.6) != int(1.0))."""
+    x, out = call.tensor_inputs[0], call.outputs[0]
+    return out is not None and out.dtype != torch.bool and (out.dtype.is_floating_point or out.dtype == x.dtype)
 
 
 def _is_tensor_arg(call: OpCall, position: int) -> bool:

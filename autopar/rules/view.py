@@ -26,6 +26,8 @@ def _dim_map(call: OpCall) -> tuple:
     x = call.args[0]
     t = call.target
     if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        if not call.outputs[0].shape:  # to a scalar: nothing to map
+            return ()
         return dt_views.view_groups(x.shape, call.outputs[0].shape)
     if t is aten.flatten.using_ints:
         return dt_views.dim_flatten(x.ndim, call.arg(1, "start_dim", 0), call.arg(2, "end_dim", -1))

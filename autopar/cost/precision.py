@@ -1,0 +1,47 @@
+"""Precision policy: the dtypes a plan computes, communicates and keeps state in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.capture.graph import TensorMeta
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """How many bytes each kind of tensor takes under a training precision."""
+
+    name: str
+    """'bf16' (mixed: bf16 compute and communication, fp32 master weights and Adam) or 'fp32'."""
+    activation_bytes: int
+    """Bytes per element of floating activations and of communicated tensors."""
+    state_bytes_per_param: int
+    """Bytes per parameter element kept for training: weights, gradient, master copy, Adam m and v."""
+    weight_bytes_per_param: int
+    """Bytes per parameter element for a forward-only step."""
+
+    def tensor_bytes(self, meta: TensorMeta, numel: int | None = None) -> int:
+        """Bytes of an activation: floats at the compute width, others at their own."""
+        n = meta.numel if numel is None else numel
+        return n * (self.activation_bytes if meta.dtype.is_floating_point else meta.dtype.itemsize)
+
+
+PRECISIONS = {
+    # Mixed precision (Micikevicius et al. 2018; ZeRO paper's 16 bytes/param):
+    # bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m 4 + v 4.
+    "bf16": Precision(name="bf16", activation_bytes=2, state_bytes_per_param=16, weight_bytes_per_param=2),
+    # fp32: weights 4 + grads 4 + Adam m 4 + v 4.
+    "fp32": Precision(name="fp32", activation_bytes=4, state_bytes_per_param=16, weight_bytes_per_param=4),
+}
+
+
+def get_precision(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown precision {name!r}; known: {', '.join(PRECISIONS)}") from None
+
+
+__all__ = ["Precision", "PRECISIONS", "get_precision", "torch"]

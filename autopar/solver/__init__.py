@@ -1,0 +1,1 @@
+"""Stage 4: choose one strategy per node (ILP with HiGHS), repeated blocks solved once."""

@@ -1,0 +1,75 @@
+"""Fold repeated blocks (transformer layers) so each distinct block is solved once.
+
+Nodes are grouped by the indexed container they live in (``layers.3`` -> container
+``layers``, instance 3), from the module path torch.export records. Instances whose
+node sequences match exactly (ops, shapes, dtypes, wiring inside the instance, and
+any pinned placements) share one set of decision variables: the first instance's.
+The solver then weighs each shared node and edge by how many real ones it stands
+for, so the problem size does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from autopar.solver.graph import PlanGraph
+
+_INSTANCE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class Folding:
+    representative: dict[str, str]
+    """Node name -> the node whose decision it shares (itself when not folded)."""
+    multiplicity: dict[str, int]
+    """Representative node -> how many nodes it stands for."""
+    blocks: dict[str, int]
+    """Container path -> number of folded instances (for reporting)."""
+
+
+def _instance_of(module: str) -> tuple[str, int] | None:
+    match = _INSTANCE.match(module)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2))
+
+
+def fold_repeated_blocks(graph: PlanGraph, pins: dict[str, object] | None = None) -> Folding:
+    pins = pins or {}
+    members: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for name in graph.order:
+        inst = _instance_of(graph.nodes[name].module)
+        if inst is not None:
+            members[inst].append(name)
+
+    def signature(names: list[str]) -> tuple:
+        position = {n: i for i, n in enumerate(names)}
+        sig = []
+        for n in names:
+            node = graph.nodes[n]
+            wiring = tuple((position.get(src, -1), idx) for src, idx in node.args)
+            sig.append((node.kind, node.op, node.outputs, wiring, len(node.strategies), repr(pins.get(n))))
+        return tuple(sig)
+
+    representative = {n: n for n in graph.order}
+    blocks: dict[str, int] = {}
+    by_container: dict[str, list[int]] = defaultdict(list)
+    for container, index in members:
+        by_container[container].append(index)
+    for container, indices in by_container.items():
+        classes: dict[tuple, list[str]] = {}
+        for index in sorted(indices):
+            names = members[(container, index)]
+            sig = signature(names)
+            if sig in classes:
+                for rep, n in zip(classes[sig], names):
+                    representative[n] = rep
+                blocks[container] = blocks.get(container, 1) + 1
+            else:
+                classes[sig] = names
+    multiplicity: dict[str, int] = defaultdict(int)
+    for n, rep in representative.items():
+        multiplicity[rep] += 1
+    return Folding(representative, dict(multiplicity), blocks)

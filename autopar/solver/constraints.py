@@ -1,0 +1,141 @@
+"""Pin placements from a hand-written tensor-parallel plan (torchtitan style).
+
+``{"layers.*.attention.wq": ColwiseParallel(), ...}`` fixes, on one mesh axis, the
+placements PyTorch's ``parallelize_module`` would give those modules' parameters and
+ops; everything else (other axes, unlisted ops) stays free, so a user's plan is priced
+by the same cost model as the free plan, and the free plan can only be as fast or faster.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from autopar.solver.graph import PARAM, PlanGraph
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Pin:
+    """Required placements of one node on the pinned mesh axis."""
+
+    output: Placement | None = None
+    inputs: dict[int, Placement] = field(default_factory=dict)
+    reason: str = ""
+
+    def __repr__(self) -> str:
+        return f"Pin({self.output}, {sorted(self.inputs.items())})"
+
+
+def _norm(p: Placement, ndim: int) -> Placement:
+    if isinstance(p, Shard) and p.dim < 0:
+        return Shard(p.dim + ndim)
+    return p
+
+
+def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -> tuple[dict[str, Pin], dict[str, str]]:
+    """Pins per node name, and a printable summary (pattern -> style)."""
+    pins: dict[str, Pin] = {}
+    weak: dict[str, Pin] = {}  # layouts a style asks of its neighbours; yield to their own pins
+    consumers = graph.consumers()
+    summary: dict[str, str] = {}
+    modules = defaultdict(list)
+    for name in graph.order:
+        node = graph.nodes[name]
+        modules[node.module].append(name)
+    for pattern, style in tp_plan.items():
+        matched = [m for m in modules if m and fnmatch.fnmatchcase(m, pattern)]
+        if not matched:
+            raise ValueError(f"constraint {pattern!r} matches no module of the model")
+        summary[pattern] = type(style).__name__
+        for module in matched:
+            for name in modules[module]:
+                node = graph.nodes[name]
+                where = f"{type(style).__name__} on {module}"
+                if node.kind == PARAM:
+                    pins[name] = Pin(output=_param_placement(style, node.fqn or name, where), reason=where)
+                    continue
+                if node.kind != "op":
+                    continue
+                pin = _op_pin(style, node.call, where)
+                if pin is None:
+                    continue
+                pins[name] = pin
+                if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                    x = node.call.tensor_inputs[0]
+                    src, idx = node.args[0]
+                    if idx == 0:
+                        weak[src] = Pin(output=_norm(style.input_layouts[0], x.ndim), reason=where)
+                    out_layout = _norm(style.output_layouts[0], node.outputs[0].ndim)
+                    if isinstance(style, RowwiseParallel):
+                        for consumer, arg, _ in consumers[name]:
+                            weak.setdefault(consumer, Pin(reason=where)).inputs[arg] = out_layout
+    for name, pin in weak.items():
+        if name in pins:
+            continue
+        pins[name] = pin
+    return pins, summary
+
+
+def _param_placement(style: object, fqn: str, where: str) -> Placement:
+    leaf = fqn.rsplit(".", 1)[-1]
+    if isinstance(style, ColwiseParallel):
+        return Shard(0) if leaf in ("weight", "bias") else Replicate()
+    if isinstance(style, RowwiseParallel):
+        return Shard(1) if leaf == "weight" else Replicate()
+    if isinstance(style, SequenceParallel):
+        return Replicate()
+    raise ValueError(f"{where}: style {type(style).__name__} is not supported as a constraint "
+                     "(use ColwiseParallel, RowwiseParallel or SequenceParallel)")
+
+
+def _op_pin(style: object, call, where: str) -> Pin | None:  # noqa: ANN001
+    out = call.outputs[0]
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        if call.target is aten.linear.default:
+            has_bias = len(call.tensor_inputs) == 3
+            if isinstance(style, ColwiseParallel):
+                inputs = {0: Replicate(), 1: Shard(0), **({2: Shard(0)} if has_bias else {})}
+                return Pin(output=Shard(out.ndim - 1), inputs=inputs, reason=where)
+            x = call.tensor_inputs[0]
+            inputs = {0: Shard(x.ndim - 1), 1: Shard(1), **({2: Replicate()} if has_bias else {})}
+            from torch.distributed.tensor import Partial
+            return Pin(output=Partial(), inputs=inputs, reason=where)
+        if call.target is aten.embedding.default:
+            if isinstance(style, RowwiseParallel):
+                raise ValueError(f"{where}: vocabulary-parallel embedding (RowwiseParallel) is not supported yet; "
+                                 "use ColwiseParallel (split the embedding dim)")
+            return Pin(output=Shard(out.ndim - 1), inputs={0: Shard(1), 1: Replicate()}, reason=where)
+        return None  # ops inside the module other than its matmul follow freely
+    if isinstance(style, SequenceParallel):
+        seq = style.sequence_sharding[0]
+        placement = _norm(seq, out.ndim)
+        return Pin(output=placement, inputs={0: _norm(seq, call.tensor_inputs[0].ndim)}, reason=where)
+    raise ValueError(f"{where}: style {type(style).__name__} is not supported as a constraint "
+                     "(use ColwiseParallel, RowwiseParallel or SequenceParallel)")
+
+
+def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str, axis_size: int) -> None:
+    """Keep only the strategies that agree with each pin on ``axis``; explain a pin nothing meets."""
+    for name, pin in pins.items():
+        node = graph.nodes[name]
+        keep = [i for i, s in enumerate(node.strategies)
+                if (pin.output is None or (s.outputs[0] is not None and s.outputs[0][axis] == pin.output))
+                and all(s.inputs[k][axis] == p for k, p in pin.inputs.items())]
+        if not keep:
+            shapes = [tuple(m.shape) for m in node.outputs if m is not None]
+            dims = ""
+            if isinstance(pin.output, Shard) and shapes and pin.output.dim < len(shapes[0]):
+                size = shapes[0][pin.output.dim]
+                if size % axis_size:
+                    dims = f": dim {pin.output.dim} of size {size} does not divide by mesh axis {axis_name}={axis_size}"
+            raise ValueError(f"{pin.reason}: {name} ({node.op}, shape {shapes}) cannot take "
+                             f"{pin.output} on axis {axis_name}{dims}")
+        node.strategies = [node.strategies[i] for i in keep]
+        node.costs = [node.costs[i] for i in keep]

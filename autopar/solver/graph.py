@@ -1,0 +1,170 @@
+"""The planning graph: every captured node with its candidate strategies and costs."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from autopar.capture.graph import CapturedGraph, TensorMeta
+from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
+from autopar.rules import RuleSet, expand
+from autopar.rules.strategy import R, OpCall, Placements, S, Strategy, divides
+
+PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
+FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
+
+
+@dataclass
+class PlanNode:
+    """One FX node the planner places."""
+
+    name: str
+    kind: str
+    """'param', 'buffer', 'input' or 'op'."""
+    op: str
+    """Printable target ('aten.linear.default', 'parameter', ...)."""
+    module: str
+    """Module path the node belongs to ('layers.0.attention.wq'); '' at top level."""
+    call: OpCall | None
+    outputs: tuple[TensorMeta | None, ...]
+    args: list[tuple[str, int]]
+    """Producer (node name, output index) of each tensor input, in ``call.tensor_inputs`` order."""
+    needs_grad: bool
+    strategies: list[Strategy] = field(default_factory=list)
+    costs: list[NodeCost] = field(default_factory=list)
+    fallback: bool = False
+    """No rule for this op: only the all-Replicate strategy was offered."""
+    follower: bool = False
+    """A view or elementwise op of one tensor: it takes its input placement as produced."""
+    fqn: str | None = None
+
+
+@dataclass
+class PlanGraph:
+    nodes: dict[str, PlanNode]
+    order: list[str]
+    loss: str | None
+    """Name of the node holding the scalar loss (training steps)."""
+    output_names: list[str]
+
+    def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
+        """node -> [(consumer, consumer arg index, producer output index)]."""
+        out: dict[str, list[tuple[str, int, int]]] = {n: [] for n in self.order}
+        for name in self.order:
+            for k, (src, idx) in enumerate(self.nodes[name].args):
+                out[src].append((name, k, idx))
+        return out
+
+
+def _meta_tuple(value: Any) -> tuple[TensorMeta | None, ...]:
+    if isinstance(value, (list, tuple)):
+        return tuple(TensorMeta.of(v) for v in value)
+    return (TensorMeta.of(value),)
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    for prefix in ("L__self__.", "model."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return "" if path in ("L__self__", "model") else path
+
+
+def placeholder_strategies(meta: TensorMeta, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """Replicate or Shard(d) on each mesh dim (a leaf cannot start out Partial)."""
+    choices = [R, *(S(d) for d in range(meta.ndim) if meta.shape[d] > 1)]
+    out = []
+    for combo in itertools.product(choices, repeat=len(mesh_shape)):
+        if divides(meta, combo, mesh_shape):
+            out.append(Strategy((tuple(combo),), ()))
+    return out
+
+
+def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) -> PlanGraph:
+    """Candidate strategies and their node costs for every tensor-producing node."""
+    mesh_shape = ctx.mesh.shape
+    nodes: dict[str, PlanNode] = {}
+    order: list[str] = []
+    loss: str | None = None
+    output_names: list[str] = []
+    for node in captured.gm.graph.nodes:
+        if node.op == "output":
+            flat = torch.utils._pytree.tree_leaves(node.args[0])
+            output_names = [a.name for a in flat if isinstance(a, torch.fx.Node)]
+            loss = output_names[0] if captured.train and output_names else None
+            continue
+        outputs = _meta_tuple(node.meta.get("val"))
+        if all(o is None for o in outputs):
+            continue
+        if node.op == "placeholder":
+            kind = PARAM if node.name in captured.parameters else BUFFER if node.name in captured.buffers else INPUT
+            fqn = captured.parameters.get(node.name) or captured.buffers.get(node.name)
+            module = fqn.rsplit(".", 1)[0] if fqn and "." in fqn else ""
+            pn = PlanNode(node.name, kind, "parameter" if kind == PARAM else kind, module, None, outputs, [],
+                          needs_grad=kind == PARAM and ctx.train, fqn=fqn)
+            meta = outputs[0]
+            pn.strategies = placeholder_strategies(meta, mesh_shape)
+            price = parameter_cost if kind == PARAM else input_cost
+            pn.costs = [price(meta, s.outputs[0], ctx) for s in pn.strategies]
+        else:
+            pn = _op_node(node, nodes, rules, ctx, outputs)
+        nodes[pn.name] = pn
+        order.append(pn.name)
+    return PlanGraph(nodes, order, loss, output_names)
+
+
+def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,
+             outputs: tuple[TensorMeta | None, ...]) -> PlanNode:
+    producers: list[tuple[str, int]] = []
+
+    def to_meta(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            src = nodes.get(a.name)
+            if src is None:
+                return a.meta.get("val")  # non-tensor value (symbolic size)
+            producers.append((a.name, 0))
+            return src.outputs[0]
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_meta(x) for x in a)
+        return a
+
+    if node.target is operator.getitem:
+        src, index = node.args[0], node.args[1]
+        producers.append((src.name, index))
+        call = OpCall(node.target, (nodes[src.name].outputs[index], index), {}, outputs)
+    else:
+        args = tuple(to_meta(a) for a in node.args)
+        kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
+        call = OpCall(node.target, args, kwargs, outputs)
+    needs_grad = ctx.train and any(nodes[p].needs_grad for p, _ in producers) and any(
+        o is not None and o.dtype.is_floating_point for o in outputs)
+    pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
+    rule = rules.lookup(node.target)
+    pn.fallback = rule is None
+    pn.follower = rules.family.get(node.target) in FOLLOWER_FAMILIES and len(producers) == 1
+    strategies = expand(call, rule(call) if rule is not None else [], ctx.mesh.shape)
+    pn.strategies = strategies
+    pn.costs = [op_cost(call, s, ctx) for s in strategies]
+    return pn
+
+
+def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, arg: int,
+               produced: Strategy, chosen: Strategy, ctx: CostContext) -> EdgeCost:
+    src = graph.nodes[producer]
+    meta = src.outputs[out_index]
+    assert meta is not None
+    produced_pl = produced.outputs[out_index]
+    assert produced_pl is not None
+    return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx,
+                     from_parameter=src.kind == PARAM, needs_grad=src.needs_grad)
+
+
+__all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "Placements"]

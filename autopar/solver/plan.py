@@ -1,0 +1,154 @@
+"""The chosen plan: placements of every node, the collectives they imply, predicted figures."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopar.cost.collectives import bytes_moved, collective_time
+from autopar.cost.model import CostContext
+from autopar.rules.strategy import Strategy, placement_str
+from autopar.solver.blocks import Folding
+from autopar.solver.graph import PARAM, PlanGraph, price_edge
+from autopar.solver.ilp import Solution
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedCollective:
+    kind: str
+    """all_reduce, all_gather, reduce_scatter or all_to_all."""
+    axis: str
+    """Mesh axis name it runs over."""
+    bytes: int
+    """Size M of the formulas: the full (gathered / reduced) local tensor, in bytes."""
+    phase: str
+    """'forward' or 'backward'."""
+    tensor: str
+    """Node whose output is resharded (a parameter's gradient for 'backward' grad sync)."""
+    consumer: str
+    """Node that needs the new placement ('' for gradient synchronization)."""
+    module: str
+    """Module path of the consumer (or of the parameter)."""
+    time_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodePlacement:
+    name: str
+    op: str
+    module: str
+    outputs: list[str]
+    inputs: list[str]
+    fallback: bool
+
+
+@dataclass(kw_only=True)
+class Predicted:
+    step_time_s: float
+    """Seconds per training step: forward, backward, optimizer and communication (not overlapped)."""
+    compute_time_s: float
+    comm_time_s: float
+    peak_memory_bytes: float
+    """Per device: model state (or weights) plus activations kept for backward."""
+    parameter_memory_bytes: float
+    activation_memory_bytes: float
+    comm_bytes: dict[str, float]
+    """Bytes one device sends per step, by mesh axis."""
+
+
+@dataclass(kw_only=True)
+class Plan:
+    mesh: dict[str, Any]
+    precision: str
+    train: bool
+    parameters: dict[str, str]
+    """Parameter FQN -> placements, one per mesh axis ('S(0)R')."""
+    nodes: list[NodePlacement]
+    collectives: list[PlannedCollective]
+    predicted: Predicted
+    fallbacks: list[str]
+    """Ops with no sharding rule, run replicated."""
+    solver: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    pinned: dict[str, str] = field(default_factory=dict)
+    """Module pattern -> style for plans priced with constraints."""
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["plan_hash"] = self.plan_hash()
+        return out
+
+    def plan_hash(self) -> str:
+        """Fingerprint of the decisions (placements), identical on every rank and run."""
+        decisions = {"mesh": self.mesh, "nodes": [(n.name, n.outputs, n.inputs) for n in self.nodes]}
+        return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        from autopar.solver.report import render_text
+
+        return render_text(self)
+
+
+def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
+               timings: dict[str, float], pinned: dict[str, str]) -> Plan:
+    mesh = ctx.mesh
+    chosen: dict[str, Strategy] = {
+        n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
+    collectives: list[PlannedCollective] = []
+    grad_sync: dict[tuple[str, int], tuple[str, Any]] = {}
+    compute = 0.0
+    param_mem = act_mem = 0.0
+    for name in graph.order:
+        node = graph.nodes[name]
+        idx = solution.choice[folding.representative[name]]
+        cost = node.costs[idx]
+        compute += cost.time
+        if node.kind == PARAM:
+            param_mem += cost.memory
+        else:
+            act_mem += cost.memory
+        for arg, (src, out_index) in enumerate(node.args):
+            producer = graph.nodes[src]
+            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
+            for phase, calls in (("forward", edge.forward), ("backward", edge.backward)):
+                for call in calls:
+                    if producer.kind == PARAM and phase == "backward" and call.kind == "all_reduce":
+                        # One gradient all-reduce per parameter, however many ops use it.
+                        grad_sync[(src, call.mesh_dim)] = (producer.module, call)
+                        continue
+                    collectives.append(PlannedCollective(
+                        kind=call.kind, axis=mesh.names[call.mesh_dim], bytes=call.nbytes, phase=phase,
+                        tensor=src, consumer=name, module=node.module, time_s=collective_time(call, mesh)))
+    for (src, _dim), (module, call) in grad_sync.items():
+        collectives.append(PlannedCollective(
+            kind=call.kind, axis=mesh.names[call.mesh_dim], bytes=call.nbytes, phase="backward", tensor=src,
+            consumer="", module=module, time_s=collective_time(call, mesh)))
+    comm_time = sum(c.time_s for c in collectives)
+    comm_bytes = {axis: 0.0 for axis in mesh.names}
+    for c in collectives:
+        dim = mesh.names.index(c.axis)
+        comm_bytes[c.axis] += bytes_moved(_as_call(c, dim), mesh)
+    nodes = [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
+                           outputs=[placement_str(p) for p in chosen[n].outputs],
+                           inputs=[placement_str(p) for p in chosen[n].inputs], fallback=graph.nodes[n].fallback)
+             for n in graph.order]
+    parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
+                  for n in graph.order if graph.nodes[n].kind == PARAM}
+    fallbacks = sorted({graph.nodes[n].op for n in graph.order if graph.nodes[n].fallback})
+    predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,
+                          peak_memory_bytes=param_mem + act_mem, parameter_memory_bytes=param_mem,
+                          activation_memory_bytes=act_mem, comm_bytes=comm_bytes)
+    solver = {"variables": solution.num_variables, "constraints": solution.num_constraints,
+              "objective_s": solution.objective_s, "folded_blocks": folding.blocks,
+              "distinct_nodes": len(solution.choice), "nodes": len(graph.order)}
+    return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
+                nodes=nodes, collectives=collectives, predicted=predicted, fallbacks=fallbacks, solver=solver,
+                timings=timings, pinned=pinned)
+
+
+def _as_call(c: PlannedCollective, dim: int):  # noqa: ANN202 - tiny adapter
+    from autopar.cost.collectives import CollectiveCall
+
+    return CollectiveCall(c.kind, dim, c.bytes)

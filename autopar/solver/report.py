@@ -1,0 +1,106 @@
+"""The plan as a table a person can read in a terminal (rich), grouped by layer."""
+
+from __future__ import annotations
+
+import io
+import re
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from autopar.units import fmt_bytes, fmt_time
+
+if TYPE_CHECKING:
+    from autopar.solver.plan import Plan
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def layer_of(module: str) -> str:
+    """'layers.3.attention.wq' -> 'layers.3'; 'lm_head' -> 'lm_head'; '' -> '(top)'."""
+    match = _LAYER.match(module)
+    if match:
+        return match.group(1)
+    return module.split(".")[0] if module else "(top)"
+
+
+def _rows(plan: "Plan") -> list[tuple[str, str, str]]:
+    params: dict[str, list[str]] = defaultdict(list)
+    for fqn, placement in plan.parameters.items():
+        module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        layer = layer_of(module)
+        local = fqn[len(layer) + 1:] if fqn.startswith(layer + ".") else fqn
+        params[layer].append(f"{local} {placement}")
+    comms: dict[str, Counter] = defaultdict(Counter)
+    for c in plan.collectives:
+        phase = "fwd" if c.phase == "forward" else "bwd"
+        comms[layer_of(c.module)][(phase, c.kind, c.axis, c.bytes)] += 1
+    order: list[str] = []
+    for n in plan.nodes:
+        layer = layer_of(n.module)
+        if layer not in order and (layer in params or layer in comms):
+            order.append(layer)
+    for layer in list(params) + list(comms):
+        if layer not in order:
+            order.append(layer)
+    rows = []
+    for layer in order:
+        p = "\n".join(params.get(layer, [])) or "-"
+        c = "\n".join(f"{ph} {kind} @{axis} {fmt_bytes(b)}" + (f" x{k}" if k > 1 else "")
+                      for (ph, kind, axis, b), k in sorted(comms.get(layer, Counter()).items())) or "-"
+        rows.append((layer, p, c))
+    return _merge_repeats(rows)
+
+
+def _merge_repeats(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Consecutive identical layers of one container print once: 'layers.0-31'."""
+    merged: list[tuple[str, str, str]] = []
+    run_start = None
+    for layer, p, c in rows:
+        if merged:
+            prev_layer, prev_p, prev_c = merged[-1]
+            base, _, idx = layer.rpartition(".")
+            pbase, _, pidx = prev_layer.rpartition(".")
+            first = pidx.split("-")[0]
+            if idx.isdigit() and pbase == base and (p, c) == (prev_p, prev_c) and first.isdigit():
+                run_start = first
+                merged[-1] = (f"{base}.{run_start}-{idx}", p, c)
+                continue
+        merged.append((layer, p, c))
+    return merged
+
+
+def render(plan: "Plan") -> Group:
+    pred = plan.predicted
+    mesh = plan.mesh
+    summary = Table(title="autopar plan", show_header=False, box=None, pad_edge=False)
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("mesh", " x ".join(f"{k}={v}" for k, v in mesh["axes"].items())
+                    + f"  ({mesh['hardware']}, {mesh['devices_per_node']} per node)")
+    summary.add_row("step", ("training" if plan.train else "forward only") + f", {plan.precision}")
+    summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
+                    f"communication {fmt_time(pred.comm_time_s)})")
+    summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  (parameters+state "
+                    f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)})")
+    summary.add_row("communication", ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in pred.comm_bytes.items())
+                    + " per device per step")
+    if plan.pinned:
+        summary.add_row("pinned", ", ".join(f"{k}: {v}" for k, v in plan.pinned.items()))
+    summary.add_row("fallbacks", ", ".join(plan.fallbacks) + " (replicated: no rule)" if plan.fallbacks else "none")
+    layers = Table(title="placements by layer (one placement per mesh axis: R replicate, S(d) shard dim d, "
+                   "P partial sum)", show_lines=True)
+    layers.add_column("layer", style="cyan", no_wrap=True)
+    layers.add_column("parameters")
+    layers.add_column("collectives (phase kind @axis size)")
+    for layer, p, c in _rows(plan):
+        layers.add_row(layer, p, c)
+    return Group(summary, layers)
+
+
+def render_text(plan: "Plan", width: int = 120) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    console.print(render(plan))
+    return console.file.getvalue()  # type: ignore[attr-defined]

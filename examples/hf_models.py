@@ -1,0 +1,107 @@
+"""Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` from tiny configs, randomly initialised.
+
+Nothing is downloaded (no ``from_pretrained``). ``transformers`` is imported inside the
+builders, so importing this file stays cheap. Two ways in, per model:
+
+``build_gpt2()`` / ``build_llama()`` give the HF model as is, letting it compute its own loss
+from ``labels`` (HF shifts them by one); the result is ``(model, example_inputs, loss_fn=None,
+example_targets=(), example_kwargs={"labels": ids})``::
+
+    model, inputs, loss_fn, targets, kwargs = build_gpt2()
+    captured = capture(model, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs)
+
+``build_gpt2_step()`` / ``build_llama_step()`` have ``examples/gpt.py:build``'s shape,
+``(model, example_inputs, loss_fn, example_targets)``, for ``autopar plan
+examples/hf_models.py:build_gpt2_step``: the same HF model with no wrapper around it (so
+plan FQNs are the HF names), called on ``input_ids`` alone, and ``causal_lm_loss`` computing
+HF's loss from ``output.logits`` and the already shifted ``targets``.
+
+Both set ``use_cache=False`` in the config: a training step has no KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+"""Target value cross entropy skips (HF's convention); the last position has no next token."""
+
+
+def _example(model: nn.Module, vocab: int, seq: int, batch: int, device: str
+             ) -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    model.loss_type = "ForCausalLM"  # what HF would pick anyway, minus its warning
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    return model, (ids,), None, (), {"labels": ids}
+
+
+def build_gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, seq: int = 32,
+               batch: int = 4, device: str = "cpu", attn_implementation: str = "sdpa"
+               ) -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    """A ``GPT2LMHeadModel`` (``lm_head`` tied to ``transformer.wte``) that returns its own loss.
+
+    Returns ``(model, (ids,), None, (), {"labels": ids})``. ``seq`` is also ``n_positions``;
+    ``device="meta"`` builds it without weight memory. Dropout stays at HF's defaults (0.1).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
+                     bos_token_id=vocab - 1, eos_token_id=vocab - 1, use_cache=False,
+                     attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT2LMHeadModel(cfg)
+    return _example(model, vocab, seq, batch, device)
+
+
+def build_llama(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, seq: int = 32,
+                batch: int = 4, device: str = "cpu", kv_heads: int = 2, intermediate: int = 128,
+                attn_implementation: str = "sdpa"
+                ) -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    """A ``LlamaForCausalLM`` (untied ``lm_head``, grouped-query attention) that returns its own loss.
+
+    Returns ``(model, (ids,), None, (), {"labels": ids})``. ``seq`` is also
+    ``max_position_embeddings``; ``device="meta"`` builds it without weight memory.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+                      max_position_embeddings=seq, bos_token_id=1, eos_token_id=2, use_cache=False,
+                      attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return _example(model, vocab, seq, batch, device)
+
+
+def shift_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets as HF makes them from ``labels``: ``ids`` moved left by one, ``-100`` last."""
+    return F.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def causal_lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """HF's causal-LM loss from a model output with ``.logits`` and :func:`shift_labels` targets."""
+    logits = output.logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def _as_step(example: tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]
+             ) -> tuple[nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    model, (ids,), _, _, _ = example
+    return model, (ids,), causal_lm_loss, (shift_labels(ids),)
+
+
+def build_gpt2_step(batch: int = 4, device: str = "cpu", **sizes: Any
+                    ) -> tuple[nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """(model, example_inputs, loss_fn, example_targets) for ``autopar plan``; ``sizes`` as :func:`build_gpt2`."""
+    return _as_step(build_gpt2(batch=batch, device=device, **sizes))
+
+
+def build_llama_step(batch: int = 4, device: str = "cpu", **sizes: Any
+                     ) -> tuple[nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """(model, example_inputs, loss_fn, example_targets) for ``autopar plan``; ``sizes`` as :func:`build_llama`."""
+    return _as_step(build_llama(batch=batch, device=device, **sizes))

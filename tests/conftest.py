@@ -1,0 +1,8 @@
+"""Make ``autopar`` and ``examples`` importable from a checkout without installing it."""
+
+import sys
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)

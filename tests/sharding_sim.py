@@ -1,0 +1,299 @@
+"""A one-process simulator of sharded op execution, used to brute-force check sharding rules.
+
+For a strategy (one placement per mesh dim for every tensor input and output) the
+simulator builds each rank's local inputs from the full tensors, runs the op on every
+rank's local inputs, reassembles each output from the ranks' local results by its
+placements and returns it, so a test can compare it with the unsharded op.
+
+Conventions follow DTensor:
+- ``Shard(d)`` on mesh dim i: dim d is cut into ``mesh_shape[i]`` equal contiguous
+  chunks. A dim sharded on several mesh dims is cut by mesh dim 0 first, then each
+  chunk again by mesh dim 1, ... (mesh-dim-0 outermost).
+- ``Replicate``: every rank of that mesh dim holds the same value.
+- ``Partial`` (sum): the value is the sum of the ranks' values. Inputs get random
+  parts that sum to the tensor, so an op that is not linear where the rule claims it
+  is gives a visibly wrong sum.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from autopar.capture.graph import TensorMeta
+from autopar.rules import loss as loss_rules
+from autopar.rules.strategy import OpCall, Strategy, placement_str
+
+aten = torch.ops.aten
+
+Coord = tuple[int, ...]
+"""A rank's coordinates on the mesh, one index per mesh dim."""
+
+# Ops whose arguments spell the *output* shape: on a rank they must get the local one.
+SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                 aten.expand.default}
+
+
+@dataclass
+class OpCase:
+    """One op applied to concrete full-size tensors."""
+
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+    """Readable test id (op name and shapes)."""
+
+    def __repr__(self) -> str:  # the tensors' values would drown pytest's report
+        return f"OpCase({self.label})"
+
+    def run_full(self) -> tuple[torch.Tensor | None, ...]:
+        return flatten_outputs(self.op(*self.args, **self.kwargs))
+
+    def op_call(self) -> OpCall:
+        """The call as rules see it: tensors replaced by TensorMeta, outputs flattened."""
+        return OpCall(self.op, tuple(_to_meta(a) for a in self.args),
+                      {k: _to_meta(v) for k, v in self.kwargs.items()},
+                      tuple(TensorMeta.of(o) if o is not None else None for o in self.run_full()))
+
+    def tensor_inputs(self) -> list[torch.Tensor]:
+        """Tensor arguments in ``OpCall.tensor_inputs`` order."""
+        return list(_iter_tensors((*self.args, *self.kwargs.values())))
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorMeta.of(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def _iter_tensors(values: Sequence[Any]) -> Iterator[torch.Tensor]:
+    # Same traversal as OpCall.tensor_inputs: top level, then one level of lists.
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _replace_tensors(values: Sequence[Any], replacements: Iterator[torch.Tensor]) -> list[Any]:
+    """``values`` with each tensor (same traversal as ``_iter_tensors``) replaced in order."""
+    out: list[Any] = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            out.append(next(replacements))
+        elif isinstance(a, (list, tuple)):
+            out.append(type(a)(next(replacements) if isinstance(x, torch.Tensor) else x for x in a))
+        else:
+            out.append(a)
+    return out
+
+
+def flatten_outputs(result: Any) -> tuple[torch.Tensor | None, ...]:
+    if isinstance(result, torch.Tensor):
+        return (result,)
+    if isinstance(result, (list, tuple)):
+        return tuple(r if isinstance(r, torch.Tensor) else None for r in result)
+    return (None,)
+
+
+def ranks(mesh_shape: tuple[int, ...]) -> list[Coord]:
+    return list(itertools.product(*(range(n) for n in mesh_shape)))
+
+
+def _partial_parts(x: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """n random tensors summing to x (exactly for ints, to rounding for floats)."""
+    if x.dtype == torch.bool or x.is_complex():
+        raise ValueError(f"Partial placement on a {x.dtype} tensor has no meaning")
+    if x.is_floating_point():
+        parts = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype) for _ in range(n - 1)]
+    else:
+        parts = [torch.randint(-5, 6, x.shape, generator=gen).to(x.dtype) for _ in range(n - 1)]
+    rest = x.clone()
+    for p in parts:
+        rest = rest - p
+    return [*parts, rest]
+
+
+def distribute(x: torch.Tensor, placements: Sequence[Placement], mesh_shape: tuple[int, ...],
+               gen: torch.Generator) -> dict[Coord, torch.Tensor]:
+    """Every rank's local tensor for full tensor ``x`` placed by ``placements``."""
+    locals_: dict[Coord, torch.Tensor] = {(): x}
+    for placement, n in zip(placements, mesh_shape):  # mesh dim 0 outermost
+        refined: dict[Coord, torch.Tensor] = {}
+        for coord, t in locals_.items():
+            if isinstance(placement, Shard):
+                size = t.shape[placement.dim]
+                if size % n:
+                    raise ValueError(f"dim {placement.dim} of size {size} does not split {n} ways")
+                pieces = list(torch.chunk(t, n, dim=placement.dim))
+            elif isinstance(placement, Partial):
+                pieces = _partial_parts(t, n, gen)
+            else:
+                pieces = [t] * n
+            for i, piece in enumerate(pieces):
+                refined[(*coord, i)] = piece.contiguous()
+        locals_ = refined
+    return locals_
+
+
+class ReplicaMismatch(AssertionError):
+    """A Replicate output that differs between ranks."""
+
+
+def assemble(locals_: dict[Coord, torch.Tensor], placements: Sequence[Placement],
+             mesh_shape: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor from every rank's local one, undoing mesh dims innermost first."""
+    current = dict(locals_)
+    for mesh_dim in reversed(range(len(mesh_shape))):
+        placement = placements[mesh_dim]
+        merged: dict[Coord, torch.Tensor] = {}
+        for outer in {c[:mesh_dim] for c in current}:
+            pieces = [current[(*outer, i)] for i in range(mesh_shape[mesh_dim])]
+            if isinstance(placement, Shard):
+                merged[outer] = torch.cat(pieces, dim=placement.dim)
+            elif isinstance(placement, Partial):
+                merged[outer] = torch.stack(pieces).sum(0).to(pieces[0].dtype)
+            else:
+                for i, p in enumerate(pieces[1:], 1):
+                    if p.shape != pieces[0].shape or not _close(p, pieces[0]):
+                        raise ReplicaMismatch(f"Replicate on mesh dim {mesh_dim}: rank {(*outer, i)} "
+                                              f"differs from rank {(*outer, 0)}")
+                merged[outer] = pieces[0]
+        current = merged
+    return current[()]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        assert_matches(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Tight comparison: float64 to ~1e-9, lower precisions to torch's defaults, ints exactly."""
+    if expected.dtype == torch.float64:
+        torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-9, equal_nan=True)
+    else:
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+
+
+def local_shape(meta: TensorMeta, placements: Sequence[Placement], mesh_shape: tuple[int, ...]) -> list[int]:
+    """The shape every rank holds of a tensor with these placements (even splits)."""
+    shape = list(meta.shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            shape[p.dim] //= n
+    return shape
+
+
+def localize_shape_args(case: OpCase, call: OpCall, args: list[Any], strategy: Strategy,
+                        mesh_shape: tuple[int, ...]) -> tuple[Any, list[Any]]:
+    """The op and arguments one rank runs, where the op's arguments depend on global shapes.
+
+    view/reshape/_unsafe_view/expand take the output shape; unflatten the sizes of the
+    dims it creates: both get the local shape. squeeze decides *which* dims to drop
+    from the shape it sees, and a split dim can be size 1 locally but not globally, so
+    it runs as squeeze.dims over the dims that are size 1 globally (a runtime must do
+    the same). split sizes, chunk counts, slice bounds and select indices refer to a dim
+    the rules never split, so they stay as they are.
+    """
+    op = case.op
+    out_meta, out_pl = call.outputs[0], strategy.outputs[0]
+    if op in SHAPE_ARG_OPS:
+        args[1] = local_shape(out_meta, out_pl, mesh_shape)
+    elif op is aten.unflatten.int:
+        dim = args[1] % call.args[0].ndim
+        args[2] = local_shape(out_meta, out_pl, mesh_shape)[dim:dim + len(args[2])]
+    elif op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
+        shape = call.args[0].shape
+        asked = range(len(shape)) if op is aten.squeeze.default else (
+            [args[1]] if op is aten.squeeze.dim else args[1])
+        dims = sorted({d % max(len(shape), 1) for d in asked if shape[d] == 1})
+        op, args = aten.squeeze.dims, [args[0], dims]
+    return op, args
+
+
+def _local_runner(case: OpCase, call: OpCall, strategy: Strategy) -> Callable[[list[Any], dict[str, Any]], Any]:
+    """How one rank computes: the op itself, except for batch-split 'mean' losses.
+
+    A Partial 'mean' loss is run as the local sum divided by the *global* count
+    (``loss.local_mean_loss``), which is what the runtime does for these ops.
+    """
+    out_pl = strategy.outputs[0]
+    if (case.op in loss_rules.MEAN_AS_PARTIAL and out_pl is not None
+            and any(isinstance(p, Partial) for p in out_pl)
+            and loss_rules._reduction(call) == loss_rules.REDUCTION_MEAN):
+        count = loss_rules.global_count(case.op, case.args)
+        return lambda args, kwargs: loss_rules.local_mean_loss(case.op, tuple(args), count)
+    return lambda args, kwargs: case.op(*args, **kwargs)
+
+
+def simulate(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...],
+             seed: int = 0) -> tuple[torch.Tensor | None, ...]:
+    """Run ``case`` sharded by ``strategy`` on a mesh and return each output reassembled."""
+    gen = torch.Generator().manual_seed(seed)
+    call = case.op_call()
+    inputs = case.tensor_inputs()
+    per_input = [distribute(t, pl, mesh_shape, gen) for t, pl in zip(inputs, strategy.inputs)]
+    run = _local_runner(case, call, strategy)
+    n_kw = len(case.kwargs)
+    local_outputs: dict[Coord, tuple[torch.Tensor | None, ...]] = {}
+    for coord in ranks(mesh_shape):
+        local = iter([d[coord] for d in per_input])
+        flat = _replace_tensors([*case.args, *case.kwargs.values()], local)
+        args = flat[:len(flat) - n_kw] if n_kw else flat
+        kwargs = dict(zip(case.kwargs, flat[len(flat) - n_kw:])) if n_kw else {}
+        op, args = localize_shape_args(case, call, args, strategy, mesh_shape)
+        result = run(args, kwargs) if op is case.op else op(*args, **kwargs)
+        local_outputs[coord] = flatten_outputs(result)
+    assembled: list[torch.Tensor | None] = []
+    for i, pl in enumerate(strategy.outputs):
+        if pl is None:
+            assembled.append(None)
+            continue
+        assembled.append(assemble({c: outs[i] for c, outs in local_outputs.items()}, pl, mesh_shape))
+    return tuple(assembled)
+
+
+def strategy_str(strategy: Strategy) -> str:
+    ins = ", ".join(placement_str(p) for p in strategy.inputs)
+    outs = ", ".join(placement_str(p) for p in strategy.outputs)
+    return f"({ins}) -> ({outs})"
+
+
+def check_strategy(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...]) -> str | None:
+    """None when the sharded run matches the unsharded op, else what went wrong."""
+    expected = case.run_full()
+    try:
+        actual = simulate(case, strategy, mesh_shape)
+    except ReplicaMismatch as e:
+        return f"{strategy_str(strategy)}: {e}"
+    except Exception as e:  # a local shape error is as much a wrong rule as a wrong value
+        return f"{strategy_str(strategy)}: sharded run failed: {type(e).__name__}: {str(e)[:300]}"
+    if len(actual) != len(expected):
+        return f"{strategy_str(strategy)}: {len(actual)} outputs, op has {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e is None or a is None:
+            continue
+        try:
+            assert a.shape == e.shape, f"shape {tuple(a.shape)} != {tuple(e.shape)}"
+            assert a.dtype == e.dtype, f"dtype {a.dtype} != {e.dtype}"
+            assert_matches(a, e)
+        except AssertionError as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            return f"{strategy_str(strategy)}: output {i} wrong: {first_line[:300]}"
+    return None
+
+
+__all__ = ["OpCase", "simulate", "check_strategy", "distribute", "assemble", "strategy_str",
+           "ReplicaMismatch", "Replicate"]

@@ -1,0 +1,260 @@
+"""Stage 1, capture: models become aten graphs with shapes on every node and the user's FQNs."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from autopar.capture import CaptureError, CapturedGraph, capture
+from examples import gpt, llama
+
+EXAMPLES = {"gpt": gpt, "llama": llama}
+
+
+def output_values(cg: CapturedGraph) -> list[object]:
+    return [a.meta["val"] for a in tree_leaves(cg.gm.graph.output_node().args[0])]
+
+
+def assert_every_node_has_shape(cg: CapturedGraph) -> None:
+    """Each placeholder and op has ``meta["val"]``; each tensor in it has a concrete shape."""
+    tensors = 0
+    for node in cg.gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        assert "val" in node.meta, f"{node.format_node()} has no meta['val']"
+        for value in tree_leaves(node.meta["val"]):
+            if isinstance(value, torch.Tensor):
+                assert all(isinstance(s, int) for s in value.shape), f"{node.name}: {value.shape}"
+                tensors += 1
+    assert tensors > 20
+
+
+def assert_scalar_loss(cg: CapturedGraph) -> None:
+    (loss,) = output_values(cg)
+    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype.is_floating_point
+    assert cg.train
+
+
+def assert_fqns_match(cg: CapturedGraph, model: nn.Module) -> None:
+    """One placeholder per parameter, named by the FQN ``model.named_parameters()`` gives it."""
+    fqns = list(cg.parameters.values())
+    assert sorted(fqns) == sorted(name for name, _ in model.named_parameters())
+    nodes = {node.name: node for node in cg.gm.graph.nodes if node.op == "placeholder"}
+    for placeholder, fqn in cg.parameters.items():
+        assert nodes[placeholder].meta["val"].shape == model.get_parameter(fqn).shape, fqn
+
+
+def feeds(node: torch.fx.Node, target: object) -> bool:
+    """Whether ``node``'s value flows into some op ``target``."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.target is target:
+            return True
+        if user not in seen:
+            seen.add(user)
+            todo.extend(user.users)
+    return False
+
+
+# ---------------------------------------------------------------- examples/gpt.py, examples/llama.py
+
+
+@pytest.fixture(scope="module", params=sorted(EXAMPLES))
+def example(request: pytest.FixtureRequest) -> tuple[nn.Module, tuple[torch.Tensor, ...], CapturedGraph]:
+    model, inputs, loss_fn, targets = EXAMPLES[request.param].build(batch=2)
+    return model, inputs, capture(model, inputs, loss_fn=loss_fn, example_targets=targets)
+
+
+def test_example_nodes_have_shapes(example) -> None:
+    assert_every_node_has_shape(example[2])
+
+
+def test_example_output_is_scalar_loss(example) -> None:
+    assert_scalar_loss(example[2])
+
+
+def test_example_parameters_and_buffers(example) -> None:
+    model, _, cg = example
+    assert_fqns_match(cg, model)
+    assert cg.tied == {}
+    assert sorted(cg.buffers.values()) == sorted(name for name, _ in model.named_buffers())
+    assert len(cg.user_inputs) == 2  # tokens, then the loss targets
+
+
+def test_example_forward_only_returns_logits(example) -> None:
+    model, inputs, _ = example
+    cg = capture(model, inputs, train=False)
+    (logits,) = output_values(cg)
+    assert logits.shape == (*inputs[0].shape, model.cfg.vocab_size)
+    assert not cg.train
+    assert len(cg.user_inputs) == 1
+    assert_fqns_match(cg, model)
+
+
+# ---------------------------------------------------------------- Hugging Face models
+
+
+@pytest.fixture(scope="module")
+def hf():
+    pytest.importorskip("transformers")
+    from examples import hf_models
+
+    return hf_models
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def hf_captured(request: pytest.FixtureRequest, hf) -> tuple[str, nn.Module, CapturedGraph]:
+    model, (ids,), *_ = getattr(hf, f"build_{request.param}")()
+    # HF computes its own loss from labels; the same tensor as input and labels, as HF users do.
+    return request.param, model, capture(model, (ids,), example_kwargs={"labels": ids})
+
+
+def test_hf_captures_loss_with_sdpa(hf_captured) -> None:
+    _, _, cg = hf_captured
+    assert_scalar_loss(cg)
+    assert_every_node_has_shape(cg)
+    targets = {node.target for node in cg.gm.graph.nodes}
+    assert torch.ops.aten.scaled_dot_product_attention.default in targets
+    assert torch.ops.aten.cross_entropy_loss.default in targets
+
+
+def test_hf_inputs_and_labels_keep_their_own_placeholders(hf_captured) -> None:
+    _, _, cg = hf_captured
+    nodes = {node.name: node for node in cg.gm.graph.nodes if node.op == "placeholder"}
+    ids, labels = cg.user_inputs
+    assert feeds(nodes[ids], torch.ops.aten.embedding.default)
+    assert not feeds(nodes[labels], torch.ops.aten.embedding.default)
+    assert feeds(nodes[labels], torch.ops.aten.cross_entropy_loss.default)
+
+
+def test_hf_parameter_fqns_are_hf_names(hf_captured) -> None:
+    name, model, cg = hf_captured
+    assert_fqns_match(cg, model)
+    assert {n for n, _ in model.named_buffers()} <= set(cg.buffers.values())
+    if name == "llama":
+        assert cg.tied == {} and "lm_head.weight" in cg.parameters.values()
+        return
+    # GPT-2 ties lm_head.weight to transformer.wte.weight. Export gives each name a placeholder
+    # and uses only one; capture keeps the one named_parameters() reports and records the alias.
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert cg.tied == {"lm_head.weight": "transformer.wte.weight"}
+    (wte,) = [p for p, fqn in cg.parameters.items() if fqn == "transformer.wte.weight"]
+    node = next(n for n in cg.gm.graph.nodes if n.name == wte)
+    assert {user.target for user in node.users} == {torch.ops.aten.embedding.default,
+                                                     torch.ops.aten.linear.default}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_eager_attention(hf, name: str) -> None:
+    model, inputs, loss_fn, targets, kwargs = getattr(hf, f"build_{name}")(attn_implementation="eager")
+    cg = capture(model, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs)
+    assert_scalar_loss(cg)
+    targets_ = {node.target for node in cg.gm.graph.nodes}
+    assert torch.ops.aten.scaled_dot_product_attention.default not in targets_
+    assert torch.ops.aten.softmax.int in targets_
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_step_builder_matches_hf_loss(hf, name: str) -> None:
+    """``build_*_step`` has examples/gpt.py's build() shape and computes HF's own loss."""
+    model, inputs, loss_fn, targets = getattr(hf, f"build_{name}_step")(batch=2)
+    with torch.no_grad():
+        torch.manual_seed(1)  # GPT-2 keeps HF's dropout: same seed, same masks
+        ours = loss_fn(model(*inputs), *targets)
+        torch.manual_seed(1)
+        theirs = model(*inputs, labels=inputs[0]).loss
+    torch.testing.assert_close(ours, theirs)
+    cg = capture(model, inputs, loss_fn=loss_fn, example_targets=targets)
+    assert_scalar_loss(cg)
+    assert_fqns_match(cg, model)
+
+
+def test_hf_models_module_imports_transformers_lazily() -> None:
+    """transformers takes seconds to import; examples/hf_models.py defers it to the builders."""
+    source = Path(__file__).resolve().parents[1] / "examples" / "hf_models.py"
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Import):
+            assert not any(alias.name.startswith("transformers") for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert not (node.module or "").startswith("transformers")
+
+
+# ---------------------------------------------------------------- meta device
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_meta_llama_7b_layers_capture_without_weight_memory() -> None:
+    capture(nn.Linear(4, 4), (torch.randn(2, 4),), loss_fn=lambda out: out.sum())  # warm the tracer
+    cfg = llama.LlamaConfig(hidden=4096, heads=32, kv_heads=8, ffn_hidden=11008, layers=4,
+                            vocab_size=32000, max_seq_len=2048)
+    before = resident_bytes()
+    with torch.device("meta"):
+        model = llama.Llama(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len))
+    cg = capture(model, (tokens,), loss_fn=llama.lm_loss, example_targets=(tokens.roll(-1, 1),))
+    grown = resident_bytes() - before
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes > 3 * 2**30  # ~3.6 GiB of fp32 weights, were they real
+    assert grown < 256 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB"
+    assert all(p.is_meta for p in model.parameters())
+    assert_scalar_loss(cg)
+    assert_fqns_match(cg, model)
+    shapes = {tuple(n.meta["val"].shape) for n in cg.gm.graph.nodes
+              if n.target is torch.ops.aten.linear.default}
+    assert (1, 2048, 11008) in shapes and (1, 2048, 32000) in shapes
+
+
+# ---------------------------------------------------------------- errors
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum() > 0:
+            y = y * 2
+        return y
+
+
+def test_data_dependent_branch_names_the_source_line() -> None:
+    lines, first = inspect.getsourcelines(DataDependent.forward)
+    offset = next(i for i, line in enumerate(lines) if "if y.sum() > 0:" in line)
+    with pytest.raises(CaptureError) as info:
+        capture(DataDependent(), (torch.randn(2, 8),), loss_fn=lambda out: out.sum())
+    message = str(info.value)
+    assert f"{Path(__file__).name}:{first + offset}: if y.sum() > 0:" in message
+    assert "data-dependent" in message
+
+
+def test_non_scalar_loss_fn_is_rejected() -> None:
+    with pytest.raises(CaptureError, match="loss_fn must return a one-element tensor"):
+        capture(nn.Linear(8, 8), (torch.randn(2, 8),), loss_fn=lambda out: out * 2)
+
+
+def test_model_returning_logits_needs_a_loss_fn() -> None:
+    with pytest.raises(CaptureError, match="loss_fn"):
+        capture(nn.Linear(8, 8), (torch.randn(2, 8),))
+
+
+def test_forward_only_accepts_a_model_returning_logits() -> None:
+    cg = capture(nn.Linear(8, 8), (torch.randn(2, 8),), train=False)
+    assert [tuple(v.shape) for v in output_values(cg)] == [(2, 8)]
+    assert sorted(cg.parameters.values()) == ["bias", "weight"]
+
