@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Shard
 
 from autopar.capture.graph import TensorMeta
 from autopar.rules import loss as loss_rules
@@ -290,10 +290,10 @@ def check_strategy(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...]
             assert a.dtype == e.dtype, f"dtype {a.dtype} != {e.dtype}"
             assert_matches(a, e)
         except AssertionError as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            return f"{strategy_str(strategy)}: output {i} wrong: {first_line[:300]}"
+            summary = " ".join(line.strip() for line in str(err).strip().splitlines()[:3])
+            return f"{strategy_str(strategy)}: output {i} wrong: {summary[:300]}"
     return None
 
 
 __all__ = ["OpCase", "simulate", "check_strategy", "distribute", "assemble", "strategy_str",
-           "ReplicaMismatch", "Replicate"]
+           "ReplicaMismatch"]

@@ -193,6 +193,7 @@ def view_cases() -> list[OpCase]:
         case(aten.view.default, f64(4, 8), [8, 4], tag="regroup-wider"),
         case(aten.view.default, f64(4, 8), [2, 2, 8], tag="split-first"),
         case(aten.view.default, f64(4, 8), [32], tag="flatten-all"),
+        case(aten.view.default, f64(1, 1), [], tag="to-scalar"),
         case(aten.reshape.default, f64(4, 8, 4), [-1, 4], tag="minus1"),
         case(aten.reshape.default, f64(4, 8), [4, 2, 4], tag="split-last"),
         case(aten._unsafe_view.default, f64(4, 8, 4), [32, 4]),
@@ -289,8 +290,10 @@ def loss_cases() -> list[OpCase]:
         case(aten.mse_loss.default, f64(4, 8), f64(4, 8), 1, tag="mean"),
         case(aten.mse_loss.default, f64(4, 8), f64(4, 8), 2, tag="sum"),
         # [N, 1] vs [N] broadcasts to [N, N] (a classic user bug, but a legal graph).
-        case(aten.mse_loss.default, f64(8, 1), f64(8), 1, tag="broadcast-mean"),
-        case(aten.mse_loss.default, f64(8, 1), f64(8), 0, tag="broadcast-none"),
+        case(aten.mse_loss.default, f64(8, 1), f64(8), 1, tag="broadcast-mean",
+             replicate_only=True),
+        case(aten.mse_loss.default, f64(8, 1), f64(8), 0, tag="broadcast-none",
+             replicate_only=True),
     ]
 
 
@@ -401,6 +404,10 @@ def nd_cases() -> list[OpCase]:
         case(aten.view.default, f64(4, 8, 16), [4, 8, 4, 4], tag="split-heads"),
         case(aten.view.default, f64(4, 8, 4, 4), [4, 8, 16], tag="merge-heads"),
         case(aten.sum.dim_IntList, f64(4, 8, 4), [1]),
+        case(aten.add.Tensor, f64(4, 8, 8), f64(8), tag="broadcast"),
+        case(aten._softmax.default, f64(4, 8, 8), -1, False),
+        case(aten.embedding.default, f64(16, 8), ints(16, 4, 8)),
+        case(aten.cross_entropy_loss.default, f64(8, 4), class_targets(4, 8), None, 1, tag="mean"),
         case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), None, 0.0, True, tag="causal"),
         case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), f64(b, 1, s, s), tag="mask-b1ss"),
     ]
@@ -425,6 +432,8 @@ def _wrong(op_case: OpCase, outputs: tuple, inputs: tuple) -> tuple[OpCase, Stra
 WRONG_STRATEGIES: list[tuple[str, Callable[[], tuple[OpCase, Strategy]]]] = [
     # The contraction dim split but the output claimed row-sharded.
     ("mm-S1,R->S0", lambda: _wrong(case(aten.mm.default, f64(4, 8), f64(8, 4)), (S(0),), (S(1), R))),
+    # Every rank computed the whole product, claimed Partial: the sum counts it twice.
+    ("mm-R,R->P", lambda: _wrong(case(aten.mm.default, f64(4, 8), f64(8, 4)), (P,), (R, R))),
     # Row-sharded output claimed replicated: ranks disagree.
     ("mm-S0,R->R", lambda: _wrong(case(aten.mm.default, f64(4, 8), f64(8, 4)), (R,), (S(0), R))),
     # A contraction split whose partial sums are claimed to be the full value.

@@ -26,6 +26,9 @@ class CollectiveCall:
     kind: str
     mesh_dim: int
     nbytes: int
+    bucketed: bool = False
+    """Gradient synchronization: fused into large buckets (as DDP/FSDP do), so per-tensor
+    latency is amortized away and only bandwidth counts."""
 
 
 def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
@@ -33,7 +36,7 @@ def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
     if n == 1:
         return 0.0
     link = mesh.link(call.mesh_dim)
-    steps = 2 * (n - 1) if call.kind == ALL_REDUCE else n - 1
+    steps = 0 if call.bucketed else 2 * (n - 1) if call.kind == ALL_REDUCE else n - 1
     volume = (2 if call.kind == ALL_REDUCE else 1) * (n - 1) / n * call.nbytes
     return steps * link.latency + volume / link.bandwidth
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -86,6 +87,9 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
         grad_out = tuple(grad_placement_at_producer(p) for p in produced)
         if from_parameter:
             backward.extend(forward)
-        backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
+            backward.extend(dataclasses.replace(c, bucketed=True)
+                            for c in reshard(meta, grad_in, grad_out, mesh, precision))
+        else:
+            backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
     time = sum(collective_time(c, mesh) for c in (*forward, *backward))
     return EdgeCost(time, tuple(forward), tuple(backward))

@@ -43,7 +43,9 @@ def cross_entropy_rule(call: OpCall) -> list[DimStrategy]:
 
 @TABLE.register(aten.mse_loss.default)
 def mse_rule(call: OpCall) -> list[DimStrategy]:
-    x = call.args[0]
+    x, target = call.args[0], call.args[1]
+    if x.shape != target.shape:
+        return []  # broadcast ([N, 1] vs [N] gives [N, N]): dims do not line up, replicate
     if _reduction(call) == REDUCTION_NONE:
         return [DimStrategy((S(d),), (S(d), S(d))) for d in range(x.ndim)]
     return [DimStrategy((P,), (S(d), S(d))) for d in range(x.ndim)]

@@ -151,4 +151,4 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
 def _as_call(c: PlannedCollective, dim: int):  # noqa: ANN202 - tiny adapter
     from autopar.cost.collectives import CollectiveCall
 
-    return CollectiveCall(c.kind, dim, c.bytes)
+    return CollectiveCall(c.kind, dim, c.bytes, bucketed=c.consumer == "")

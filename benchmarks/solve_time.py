@@ -1,0 +1,282 @@
+"""How long ``autopar.plan`` takes on Llama-style models, stage by stage.
+
+For each combination of depth (2 to 80 layers), width (hidden 4096: 32 heads, 8 kv heads,
+ffn 11008; hidden 8192: 64 heads, 8 kv heads, ffn 28672) and mesh (8, 64 and 1024 H100s,
+laid out as 2D ``dp`` x ``tp``), the script builds the model on the meta device (vocab
+32000, sequence 2048, global batch 2 x dp) and times one ``autopar.plan`` call: wall
+seconds for capture, strategy generation (including block folding) and the ILP solve as
+``plan.timings`` records them, plus the end-to-end total (the whole ``plan()`` call). It
+also shows the ILP's size (``plan.solver["variables"]``) and the predicted step time.
+
+Targets (end-to-end ``plan()`` wall time):
+
+* 32 layers, hidden 4096, 64 devices: <= 5 s
+* 80 layers, hidden 8192, 1024 devices: <= 30 s
+
+Every other row is a single run on whatever machine this is, so the figures are noisy;
+target rows take the median (by total) of ``--target-runs`` runs. One untimed warm-up plan
+of a tiny model comes first so that one-off costs (lazy imports, first torch tracing, solver
+load) do not land on the first row. Each run builds a new model and mesh.
+
+Usage: ``python benchmarks/solve_time.py [--quick] [--json out.json] [--target-runs N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` importable when run as a script
+
+import autopar  # noqa: E402
+from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+
+DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "solve_time.json"
+HARDWARE = "h100"
+VOCAB = 32000
+SEQ_LEN = 2048
+BATCH_PER_DP = 2
+
+WIDTHS: dict[int, dict[str, int]] = {
+    4096: {"heads": 32, "kv_heads": 8, "ffn_hidden": 11008},
+    8192: {"heads": 64, "kv_heads": 8, "ffn_hidden": 28672},
+}
+MESHES: dict[int, dict[str, int]] = {
+    8: {"dp": 2, "tp": 4},
+    64: {"dp": 8, "tp": 8},
+    1024: {"dp": 128, "tp": 8},
+}
+LAYERS = (2, 8, 32, 80)
+QUICK = ((2, 4096, 8), (32, 4096, 64))
+
+
+@dataclass(frozen=True)
+class Target:
+    layers: int
+    hidden: int
+    devices: int
+    limit_s: float
+
+    def label(self) -> str:
+        return f"{self.layers}L h{self.hidden} on {self.devices} devices <= {self.limit_s:g} s"
+
+
+TARGETS = (Target(32, 4096, 64, 5.0), Target(80, 8192, 1024, 30.0))
+
+
+@dataclass
+class Run:
+    capture_s: float
+    strategies_s: float
+    solve_s: float
+    total_s: float
+    build_s: float
+    variables: int
+    constraints: int
+    nodes: int
+    step_time_s: float
+
+
+@dataclass
+class Row:
+    layers: int
+    hidden: int
+    devices: int
+    mesh: dict[str, int]
+    batch: int
+    runs: list[Run] = field(default_factory=list)
+    error: str | None = None
+    target_limit_s: float | None = None
+
+    @property
+    def best(self) -> Run | None:
+        """The run with the median total (the middle one; the lower middle for an even count)."""
+        if not self.runs:
+            return None
+        ordered = sorted(self.runs, key=lambda r: r.total_s)
+        return ordered[(len(ordered) - 1) // 2]
+
+    @property
+    def verdict(self) -> str | None:
+        if self.target_limit_s is None:
+            return None
+        run = self.best
+        return "PASS" if run is not None and run.total_s <= self.target_limit_s else "MISS"
+
+
+def target_for(layers: int, hidden: int, devices: int) -> Target | None:
+    return next((t for t in TARGETS if (t.layers, t.hidden, t.devices) == (layers, hidden, devices)), None)
+
+
+def llama_config(layers: int, hidden: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=VOCAB, max_seq_len=SEQ_LEN, hidden=hidden, layers=layers, **WIDTHS[hidden])
+
+
+def build_meta(cfg: LlamaConfig, batch: int) -> tuple[Llama, torch.Tensor]:
+    with torch.device("meta"):
+        model = Llama(cfg)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len))
+    return model, tokens
+
+
+def time_plan(cfg: LlamaConfig, axes: dict[str, int], batch: int) -> Run:
+    """Build a fresh meta model and mesh, plan it once, and return the timings."""
+    gc.collect()
+    start = time.perf_counter()
+    model, tokens = build_meta(cfg, batch)
+    mesh = autopar.Mesh(axes, HARDWARE)
+    build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = autopar.plan(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(tokens,))
+    total_s = time.perf_counter() - start
+    t = plan.timings
+    return Run(capture_s=t["capture"], strategies_s=t["strategies"], solve_s=t["solve"], total_s=total_s,
+               build_s=build_s, variables=int(plan.solver["variables"]),
+               constraints=int(plan.solver["constraints"]), nodes=int(plan.solver["nodes"]),
+               step_time_s=plan.predicted.step_time_s)
+
+
+def warm_up() -> None:
+    """One untimed plan of a tiny model: pays lazy imports and first-trace costs."""
+    time_plan(LlamaConfig(), MESHES[8], BATCH_PER_DP * MESHES[8]["dp"])
+
+
+def grid(quick: bool) -> list[tuple[int, int, int]]:
+    if quick:
+        return list(QUICK)
+    return [(layers, hidden, devices) for devices in MESHES for hidden in WIDTHS for layers in LAYERS]
+
+
+def run_row(layers: int, hidden: int, devices: int, target_runs: int) -> Row:
+    axes = MESHES[devices]
+    target = target_for(layers, hidden, devices)
+    row = Row(layers=layers, hidden=hidden, devices=devices, mesh=dict(axes), batch=BATCH_PER_DP * axes["dp"],
+              target_limit_s=target.limit_s if target else None)
+    cfg = llama_config(layers, hidden)
+    for _ in range(target_runs if target else 1):
+        try:
+            row.runs.append(time_plan(cfg, axes, row.batch))
+        except Exception as exc:  # a benchmark keeps going; the row shows the failure
+            row.error = f"{type(exc).__name__}: {exc}"
+            break
+    return row
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:.2f}"
+
+
+def fmt_step(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def render(rows: list[Row]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"autopar.plan wall time, Llama on meta ({HARDWARE}, seq {SEQ_LEN}, "
+                        f"vocab {VOCAB}, batch {BATCH_PER_DP} x dp)")
+    for name in ("layers", "hidden", "mesh", "capture s", "strategies s", "solve s", "total s", "ILP vars",
+                 "pred. step", "target"):
+        table.add_column(name, justify="left" if name in ("mesh", "target") else "right")
+    previous_devices: int | None = None
+    for row in rows:
+        if previous_devices is not None and row.devices != previous_devices:
+            table.add_section()
+        previous_devices = row.devices
+        mesh = f"{row.devices} (" + " x ".join(f"{n}={s}" for n, s in row.mesh.items()) + ")"
+        run = row.best
+        if run is None:
+            cells = ["-"] * 6
+        else:
+            cells = [fmt_s(run.capture_s), fmt_s(run.strategies_s), fmt_s(run.solve_s), fmt_s(run.total_s),
+                     str(run.variables), fmt_step(run.step_time_s)]
+        mark = ""
+        if row.verdict:
+            colour = "green" if row.verdict == "PASS" else "red"
+            mark = f"[{colour}]{row.verdict}[/] (<= {row.target_limit_s:g} s, median of {len(row.runs)})"
+        if row.error:
+            mark = f"[red]ERROR[/] {row.error[:60]}"
+        table.add_row(str(row.layers), str(row.hidden), mesh, *cells, mark)
+    console = Console(width=None if sys.stdout.isatty() else 140)  # full width when piped to a file
+    console.print(table)
+    console.print("Single runs on a noisy machine (target rows: median of their runs); "
+                  "total = the whole plan() call.")
+    for target in TARGETS:
+        row = next((r for r in rows if (r.layers, r.hidden, r.devices) == (target.layers, target.hidden,
+                                                                             target.devices)), None)
+        if row is None:
+            console.print(f"target {target.label()}: not run")
+        else:
+            total = row.best.total_s if row.best else float("nan")
+            console.print(f"target {target.label()}: {row.verdict} ({total:.2f} s)")
+
+
+def write_json(rows: list[Row], path: Path, quick: bool, elapsed_s: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload: dict[str, Any] = {
+        "benchmark": "solve_time",
+        "quick": quick,
+        "hardware": HARDWARE,
+        "seq_len": SEQ_LEN,
+        "vocab": VOCAB,
+        "batch_per_dp": BATCH_PER_DP,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.platform(),
+        "elapsed_s": elapsed_s,
+        "rows": [],
+    }
+    for row in rows:
+        entry = asdict(row)
+        best = row.best
+        entry["median"] = asdict(best) if best else None
+        entry["total_s_runs"] = [r.total_s for r in row.runs]
+        entry["total_s_median"] = statistics.median(entry["total_s_runs"]) if row.runs else None
+        entry["verdict"] = row.verdict
+        payload["rows"].append(entry)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="only (2 layers, 4096, 8 devices) and (32 layers, 4096, 64 devices)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"output file (default {DEFAULT_JSON})")
+    parser.add_argument("--target-runs", type=int, default=3,
+                        help="runs of each target row, reported as the median (default 3)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    warm_up()
+    rows: list[Row] = []
+    for layers, hidden, devices in grid(args.quick):
+        row = run_row(layers, hidden, devices, max(1, args.target_runs))
+        rows.append(row)
+        best = row.best
+        print(f"  {layers:>2} layers, hidden {hidden}, {devices:>4} devices: "
+              + (f"{best.total_s:.2f} s" if best else f"error {row.error}"), file=sys.stderr, flush=True)
+    elapsed_s = time.perf_counter() - start
+    render(rows)
+    write_json(rows, args.json, args.quick, elapsed_s)
+    print(f"wrote {args.json} ({elapsed_s:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

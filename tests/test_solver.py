@@ -1,0 +1,160 @@
+"""Solver: the ILP's optimum equals brute-force enumeration; folding; determinism; errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.capture import capture
+from autopar.cost import get_precision
+from autopar.cost.model import CostContext
+from autopar.rules import DEFAULT_RULES
+from autopar.solver.blocks import fold_repeated_blocks
+from autopar.solver.graph import build_plan_graph, price_edge
+from autopar.solver.ilp import MemoryLimitError, solve
+from examples import gpt, llama
+
+
+class TwoLayerMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16, bias=False)
+        self.out = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(x)))
+
+
+def _graph(mesh_axes: dict[str, int], hardware: str = "h100"):
+    model = TwoLayerMLP()
+    captured = capture(model, (torch.randn(16, 8),), loss_fn=lambda y: y.sum())
+    ctx = CostContext(mesh=autopar.Mesh(mesh_axes, hardware), precision=get_precision("bf16"), train=True)
+    graph = build_plan_graph(captured, DEFAULT_RULES, ctx)
+    return graph, ctx
+
+
+def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
+    """Objective and memory of one assignment, priced independently of the ILP."""
+    time = memory = 0.0
+    for name in graph.order:
+        node = graph.nodes[name]
+        cost = node.costs[choice[name]]
+        time += cost.time
+        memory += cost.memory
+        for arg, (src, idx) in enumerate(node.args):
+            time += price_edge(graph, src, idx, name, arg, graph.nodes[src].strategies[choice[src]],
+                               node.strategies[choice[name]], ctx).time
+    return time, memory
+
+
+def _brute_force(graph, ctx, memory_limit: float | None = None) -> float:
+    names = graph.order
+    best = math.inf
+    for combo in itertools.product(*(range(len(graph.nodes[n].strategies)) for n in names)):
+        time, memory = _total(graph, ctx, dict(zip(names, combo)))
+        if memory_limit is None or memory <= memory_limit:
+            best = min(best, time)
+    return best
+
+
+@pytest.mark.parametrize("axes", [{"x": 2}, {"x": 4}], ids=["mesh2", "mesh4"])
+@pytest.mark.parametrize("hardware", ["h100", "cpu"])
+def test_ilp_matches_brute_force(axes: dict[str, int], hardware: str) -> None:
+    graph, ctx = _graph(axes, hardware)
+    combos = math.prod(len(graph.nodes[n].strategies) for n in graph.order)
+    assert 1000 < combos < 2_000_000, combos  # big enough to matter, small enough to enumerate
+    folding = fold_repeated_blocks(graph)
+    solution = solve(graph, folding, ctx, None)
+    ilp_time, _ = _total(graph, ctx, solution.choice)
+    assert ilp_time == pytest.approx(solution.objective_s, rel=1e-6)
+    assert ilp_time == pytest.approx(_brute_force(graph, ctx), rel=1e-6)
+
+
+def test_ilp_matches_brute_force_under_memory_limit() -> None:
+    graph, ctx = _graph({"x": 4}, "cpu")
+    folding = fold_repeated_blocks(graph)
+    free = solve(graph, folding, ctx, None)
+    lean = solve(graph, folding, ctx, None, minimize_memory=True)
+    limit = (free.memory_bytes + lean.memory_bytes) / 2
+    assert lean.memory_bytes < free.memory_bytes  # the limit really binds
+    limited = solve(graph, folding, ctx, limit)
+    time, memory = _total(graph, ctx, limited.choice)
+    assert memory <= limit
+    assert time == pytest.approx(_brute_force(graph, ctx, limit), rel=1e-6)
+
+
+def test_memory_limit_no_plan_meets_says_what_best_needs() -> None:
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(MemoryLimitError, match=r"least memory needs [0-9.]+ (MiB|KiB|GiB)"):
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                     memory_limit=1024)
+
+
+def _llama_graph(layers: int):
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=layers))
+    ctx = CostContext(mesh=autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), precision=get_precision("fp32"), train=True)
+    graph = build_plan_graph(capture(model, inputs, loss_fn=loss_fn, example_targets=targets), DEFAULT_RULES, ctx)
+    return graph, ctx
+
+
+def test_repeated_layers_are_solved_once() -> None:
+    sizes = {}
+    for layers in (2, 5):
+        graph, ctx = _llama_graph(layers)
+        folding = fold_repeated_blocks(graph)
+        assert folding.blocks == {"layers": layers}
+        solution = solve(graph, folding, ctx, None)
+        sizes[layers] = solution.num_variables
+        # every layer gets its representative's strategy; the objective counts every layer
+        time, _ = _total(graph, ctx, {n: solution.choice[folding.representative[n]] for n in graph.order})
+        assert time == pytest.approx(solution.objective_s, rel=1e-6)
+    assert sizes[2] == sizes[5]
+
+
+def test_plans_are_deterministic() -> None:
+    model, inputs, loss_fn, targets = llama.build()
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
+    a = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    b = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    ja, jb = a.to_json(), b.to_json()
+    ja.pop("timings"), jb.pop("timings")
+    assert ja == jb
+    assert a.plan_hash() == b.plan_hash()
+
+
+def test_small_model_large_batch_is_pure_data_parallel() -> None:
+    model, inputs, loss_fn, targets = gpt.build(batch=512)
+    plan = autopar.plan(model, autopar.Mesh({"dp": 8}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets)
+    linear_weights = {k: v for k, v in plan.parameters.items() if k.endswith("weight") and "ln" not in k
+                      and not k.startswith(("wte", "wpe"))}
+    assert set(linear_weights.values()) == {"R"}, linear_weights  # no tensor parallelism
+    linears = [n for n in plan.nodes if n.op == "aten.linear.default"]
+    assert len(linears) == 9 and all(n.inputs[0] == "S(0)" for n in linears)  # the batch is split
+    grad_syncs = [c for c in plan.collectives if c.consumer == ""]
+    assert grad_syncs and {(c.kind, c.phase) for c in grad_syncs} == {("all_reduce", "backward")}
+
+
+def test_unknown_hardware_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown hardware 'tpu9'.*h100"):
+        autopar.Mesh({"dp": 2}, "tpu9")
+
+
+def test_op_without_rule_falls_back_to_replicate_and_is_listed() -> None:
+    class Flipper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.flip(self.fc(x), dims=[1]).sum()
+
+    plan = autopar.plan(Flipper(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
+    assert plan.fallbacks == ["aten.flip.default"]
+    assert "aten.flip.default" in str(plan)
+    flip = next(n for n in plan.nodes if n.op == "aten.flip.default")
+    assert flip.outputs == ["R"] and flip.inputs == ["R"] and flip.fallback
