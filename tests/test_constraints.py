@@ -1,0 +1,102 @@
+"""Hand plans (torchtitan-style tp plan dicts) pinned and priced by the same cost model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+import autopar
+from examples import gpt, llama
+
+TP_PLAN = {
+    "layers.*.attention.wq": ColwiseParallel(), "layers.*.attention.wk": ColwiseParallel(),
+    "layers.*.attention.wv": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
+    "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w3": ColwiseParallel(),
+    "layers.*.feed_forward.w2": RowwiseParallel(),
+}
+SP_PLAN = {
+    **{k: ColwiseParallel(input_layouts=Shard(1)) for k, v in TP_PLAN.items() if isinstance(v, ColwiseParallel)},
+    "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel(),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_step():
+    cfg = llama.LlamaConfig(hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, layers=2, vocab_size=8192,
+                            max_seq_len=512)
+    with torch.device("meta"):
+        model = llama.Llama(cfg)
+    tokens = torch.zeros(4, 512, dtype=torch.long, device="meta")
+    return model, (tokens,), llama.lm_loss, (tokens,)
+
+
+def on_axis(placements: str, axis: int) -> str:
+    """'RS(0)' -> ['R', 'S(0)'][axis]."""
+    return re.findall(r"S\(\d+\)|R|P", placements)[axis]
+
+
+def _plan(step, mesh, **kw):
+    model, inputs, loss_fn, targets = step
+    return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **kw)
+
+
+@pytest.mark.parametrize("axes", [{"tp": 4}, {"dp": 2, "tp": 4}], ids=["tp4", "dp2xtp4"])
+def test_pinned_plans_take_their_placements_and_are_never_faster_than_free(llama_step, axes) -> None:
+    mesh = autopar.Mesh(axes, "h100")
+    tp = list(axes).index("tp")
+    free = _plan(llama_step, mesh)
+    pinned_tp = _plan(llama_step, mesh, constraints=TP_PLAN)
+    pinned_sp = _plan(llama_step, mesh, constraints=SP_PLAN)
+    for plan in (pinned_tp, pinned_sp):
+        assert on_axis(plan.parameters["layers.1.attention.wq.weight"], tp) == "S(0)"
+        assert on_axis(plan.parameters["layers.0.feed_forward.w2.weight"], tp) == "S(1)"
+        assert free.predicted.step_time_s <= plan.predicted.step_time_s * (1 + 1e-9)
+    norms_tp = [n.outputs[0] for n in pinned_tp.nodes if n.op == "aten.rms_norm.default" and "layers" in n.module]
+    norms_sp = [n.outputs[0] for n in pinned_sp.nodes if n.op == "aten.rms_norm.default" and "layers" in n.module]
+    assert norms_tp and all(on_axis(o, tp) == "R" for o in norms_tp)  # replicated norms without SP
+    assert norms_sp and all(on_axis(o, tp) == "S(1)" for o in norms_sp)  # sequence-sharded norms with SP
+    assert pinned_sp.pinned["layers.*.ffn_norm"] == "SequenceParallel"
+
+
+def test_free_plan_finds_megatron_sequence_parallelism_when_memory_is_tight() -> None:
+    """Batch 1 cannot be split: under the memory of the TP+SP hand plan, the free plan must
+    shard norms and residuals along the sequence between the TP regions, as Megatron's SP does."""
+    cfg = llama.LlamaConfig(hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, layers=2, vocab_size=8192,
+                            max_seq_len=2048)
+    with torch.device("meta"):
+        model = llama.Llama(cfg)
+    tokens = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    step = (model, (tokens,), llama.lm_loss, (tokens,))
+    mesh = autopar.Mesh({"tp": 4}, "h100")
+    pinned_tp = _plan(step, mesh, constraints=TP_PLAN)
+    pinned_sp = _plan(step, mesh, constraints=SP_PLAN)
+    assert pinned_sp.predicted.peak_memory_bytes < pinned_tp.predicted.peak_memory_bytes
+    free = _plan(step, mesh, memory_limit=pinned_sp.predicted.peak_memory_bytes)
+    assert free.predicted.step_time_s <= pinned_sp.predicted.step_time_s * (1 + 1e-9)
+    norms = [n.outputs[0] for n in free.nodes if n.op == "aten.rms_norm.default"]
+    assert norms == ["S(1)"] * 5
+    kinds = {c.kind for c in free.collectives if c.axis == "tp"}
+    assert {"all_gather", "reduce_scatter"} <= kinds
+
+
+def test_axis_that_does_not_divide_a_pinned_dim_is_a_clear_error() -> None:
+    model, inputs, loss_fn, targets = gpt.build(gpt.GPTConfig(hidden=96, heads=3))
+    with pytest.raises(ValueError, match=r"does not divide by mesh axis tp=5"):
+        autopar.plan(model, autopar.Mesh({"tp": 5}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                     constraints={"blocks.*.mlp.fc": ColwiseParallel()})
+
+
+def test_constraint_matching_nothing_or_missing_axis_is_an_error() -> None:
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(ValueError, match="matches no module"):
+        autopar.plan(model, autopar.Mesh({"tp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                     constraints={"nope.*": ColwiseParallel()})
+    with pytest.raises(ValueError, match="does not have"):
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                     constraints={"blocks.*.mlp.fc": ColwiseParallel()})
