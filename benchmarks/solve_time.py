@@ -98,6 +98,9 @@ class Row:
     batch: int
     runs: list[Run] = field(default_factory=list)
     error: str | None = None
+    """Exception of the failed run, e.g. MemoryLimitError when the model cannot fit the mesh."""
+    error_after_s: float | None = None
+    """Seconds plan() ran before it raised."""
     target_limit_s: float | None = None
 
     @property
@@ -166,10 +169,12 @@ def run_row(layers: int, hidden: int, devices: int, target_runs: int) -> Row:
               target_limit_s=target.limit_s if target else None)
     cfg = llama_config(layers, hidden)
     for _ in range(target_runs if target else 1):
+        start = time.perf_counter()
         try:
             row.runs.append(time_plan(cfg, axes, row.batch))
         except Exception as exc:  # a benchmark keeps going; the row shows the failure
             row.error = f"{type(exc).__name__}: {exc}"
+            row.error_after_s = time.perf_counter() - start
             break
     return row
 
@@ -180,6 +185,12 @@ def fmt_s(seconds: float) -> str:
 
 def fmt_step(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def short_error(error: str) -> str:
+    """``MemoryLimitError: ...; the plan with the least memory needs X`` -> ``MemoryLimitError: ...needs X``."""
+    kind, _, message = error.partition(": ")
+    return f"{kind}: {message.split('; ')[-1][:70]}"
 
 
 def render(rows: list[Row]) -> None:
@@ -199,21 +210,22 @@ def render(rows: list[Row]) -> None:
         mesh = f"{row.devices} (" + " x ".join(f"{n}={s}" for n, s in row.mesh.items()) + ")"
         run = row.best
         if run is None:
-            cells = ["-"] * 6
+            failed_after = fmt_s(row.error_after_s) if row.error_after_s is not None else "-"
+            cells = ["-", "-", "-", failed_after, "-", "-"]
         else:
             cells = [fmt_s(run.capture_s), fmt_s(run.strategies_s), fmt_s(run.solve_s), fmt_s(run.total_s),
                      str(run.variables), fmt_step(run.step_time_s)]
         mark = ""
         if row.verdict:
             colour = "green" if row.verdict == "PASS" else "red"
-            mark = f"[{colour}]{row.verdict}[/] (<= {row.target_limit_s:g} s, median of {len(row.runs)})"
+            mark = f"[{colour}]{row.verdict}[/] <= {row.target_limit_s:g} s (median of {len(row.runs)})"
         if row.error:
-            mark = f"[red]ERROR[/] {row.error[:60]}"
+            mark = f"[red]{short_error(row.error)}[/]"
         table.add_row(str(row.layers), str(row.hidden), mesh, *cells, mark)
-    console = Console(width=None if sys.stdout.isatty() else 140)  # full width when piped to a file
+    console = Console(width=None if sys.stdout.isatty() else 160)  # full width when piped to a file
     console.print(table)
     console.print("Single runs on a noisy machine (target rows: median of their runs); "
-                  "total = the whole plan() call.")
+                  "total = the whole plan() call (for a failed row: time until it raised).")
     for target in TARGETS:
         row = next((r for r in rows if (r.layers, r.hidden, r.devices) == (target.layers, target.hidden,
                                                                              target.devices)), None)
