@@ -1,0 +1,37 @@
+"""Mesh: axes, links, and construction from a torch DeviceMesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar.mesh import parse_mesh_spec
+
+
+def test_axes_inside_a_node_use_nvlink_and_outer_axes_the_network() -> None:
+    mesh = autopar.Mesh({"dp": 16, "tp": 8}, "h100")
+    assert mesh.link(1).intra_node and not mesh.link(0).intra_node
+    assert mesh.link(1).bandwidth > mesh.link(0).bandwidth
+    assert mesh.size == 128 and mesh.names == ("dp", "tp")
+
+
+def test_mesh_from_device_mesh() -> None:
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = autopar.Mesh.from_device_mesh(device_mesh)
+    finally:
+        dist.destroy_process_group()
+    assert mesh.axes == {"dp": 2, "tp": 2}
+    assert mesh.hardware.name == "cpu"
+
+
+def test_mesh_spec_parsing_and_errors() -> None:
+    assert parse_mesh_spec("dp=2, tp=4") == {"dp": 2, "tp": 4}
+    with pytest.raises(ValueError, match="bad mesh spec"):
+        parse_mesh_spec("dp2")
+    with pytest.raises(ValueError, match="positive"):
+        autopar.Mesh({"dp": 0})
