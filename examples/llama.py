@@ -138,3 +138,13 @@ def build(cfg: LlamaConfig | None = None, batch: int = 8, device: str = "cpu"
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), device=device)
     targets = torch.roll(tokens, -1, dims=1)
     return model, (tokens,), lm_loss, (targets,)
+
+
+def build_7b(batch: int = 8) -> tuple[Llama, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """A Llama-2-7B-sized model on the meta device (planning only: no weights are allocated)."""
+    cfg = LlamaConfig(vocab_size=32000, max_seq_len=4096, hidden=4096, heads=32, kv_heads=32,
+                      ffn_hidden=11008, layers=32)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    tokens = torch.zeros(batch, cfg.max_seq_len, dtype=torch.long, device="meta")
+    return model, (tokens,), lm_loss, (tokens,)
