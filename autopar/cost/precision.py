@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from autopar.capture.graph import TensorMeta
 
@@ -44,4 +43,4 @@ def get_precision(name: str) -> Precision:
         raise ValueError(f"unknown precision {name!r}; known: {', '.join(PRECISIONS)}") from None
 
 
-__all__ = ["Precision", "PRECISIONS", "get_precision", "torch"]
+__all__ = ["Precision", "PRECISIONS", "get_precision"]

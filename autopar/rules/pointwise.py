@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.capture.graph import TensorMeta
 from autopar.rules.strategy import P, R, DimStrategy, OpCall, S
 from autopar.rules.table import RuleTable
 
@@ -82,8 +83,6 @@ def _keeps_sums(call: OpCall) -> bool:
 
 def _is_tensor_arg(call: OpCall, position: int) -> bool:
     """True when positional arg ``position`` is the ``position``-th tensor input."""
-    from autopar.capture.graph import TensorMeta
-
     return all(isinstance(a, TensorMeta) for a in call.args[: position + 1])
 
 

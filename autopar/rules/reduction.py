@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, normalize_dim
+from autopar.rules.strategy import P, DimStrategy, OpCall, S, normalize_dim
 from autopar.rules.table import RuleTable
 
 aten = torch.ops.aten

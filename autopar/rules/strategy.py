@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from autopar.capture.graph import TensorMeta
@@ -155,4 +154,4 @@ def is_float(meta: TensorMeta | None) -> bool:
 
 
 __all__ = ["R", "P", "S", "DimStrategy", "Strategy", "OpCall", "Placements", "expand",
-           "replicate_all", "normalize_dim", "divides", "local_numel", "placement_str", "torch"]
+           "replicate_all", "normalize_dim", "divides", "local_numel", "placement_str"]

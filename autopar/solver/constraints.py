@@ -13,9 +13,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from autopar.rules.strategy import OpCall
 from autopar.solver.graph import PARAM, PlanGraph
 
 aten = torch.ops.aten
@@ -95,7 +96,7 @@ def _param_placement(style: object, fqn: str, where: str) -> Placement:
                      "(use ColwiseParallel, RowwiseParallel or SequenceParallel)")
 
 
-def _op_pin(style: object, call, where: str) -> Pin | None:  # noqa: ANN001
+def _op_pin(style: object, call: OpCall, where: str) -> Pin | None:
     out = call.outputs[0]
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         if call.target is aten.linear.default:
@@ -105,7 +106,6 @@ def _op_pin(style: object, call, where: str) -> Pin | None:  # noqa: ANN001
                 return Pin(output=Shard(out.ndim - 1), inputs=inputs, reason=where)
             x = call.tensor_inputs[0]
             inputs = {0: Shard(x.ndim - 1), 1: Shard(1), **({2: Replicate()} if has_bias else {})}
-            from torch.distributed.tensor import Partial
             return Pin(output=Partial(), inputs=inputs, reason=where)
         if call.target is aten.embedding.default:
             if isinstance(style, RowwiseParallel):

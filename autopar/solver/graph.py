@@ -13,7 +13,7 @@ import torch.fx
 from autopar.capture.graph import CapturedGraph, TensorMeta
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
 from autopar.rules import RuleSet, expand
-from autopar.rules.strategy import R, OpCall, Placements, S, Strategy, divides
+from autopar.rules.strategy import R, OpCall, S, Strategy, divides
 
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
@@ -167,4 +167,4 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
                      from_parameter=src.kind == PARAM, needs_grad=src.needs_grad)
 
 
-__all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "Placements"]
+__all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies"]

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autopar.cost.collectives import bytes_moved, collective_time
+from autopar.cost.collectives import CollectiveCall, bytes_moved, collective_time
 from autopar.cost.model import CostContext
 from autopar.rules.strategy import Strategy, placement_str
 from autopar.solver.blocks import Folding
@@ -97,7 +97,15 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     chosen: dict[str, Strategy] = {
         n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
     collectives: list[PlannedCollective] = []
-    grad_sync: dict[tuple[str, int], tuple[str, Any]] = {}
+    comm_bytes = {axis: 0.0 for axis in mesh.names}
+
+    def record(call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str) -> None:
+        collectives.append(PlannedCollective(
+            kind=call.kind, axis=mesh.names[call.mesh_dim], bytes=call.nbytes, phase=phase, tensor=tensor,
+            consumer=consumer, module=module, time_s=collective_time(call, mesh)))
+        comm_bytes[mesh.names[call.mesh_dim]] += bytes_moved(call, mesh)
+
+    grad_sync: dict[tuple[str, int], tuple[str, CollectiveCall]] = {}
     compute = 0.0
     param_mem = act_mem = 0.0
     for name in graph.order:
@@ -118,18 +126,10 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
                         # One gradient all-reduce per parameter, however many ops use it.
                         grad_sync[(src, call.mesh_dim)] = (producer.module, call)
                         continue
-                    collectives.append(PlannedCollective(
-                        kind=call.kind, axis=mesh.names[call.mesh_dim], bytes=call.nbytes, phase=phase,
-                        tensor=src, consumer=name, module=node.module, time_s=collective_time(call, mesh)))
+                    record(call, phase, src, name, node.module)
     for (src, _dim), (module, call) in grad_sync.items():
-        collectives.append(PlannedCollective(
-            kind=call.kind, axis=mesh.names[call.mesh_dim], bytes=call.nbytes, phase="backward", tensor=src,
-            consumer="", module=module, time_s=collective_time(call, mesh)))
+        record(call, "backward", src, "", module)
     comm_time = sum(c.time_s for c in collectives)
-    comm_bytes = {axis: 0.0 for axis in mesh.names}
-    for c in collectives:
-        dim = mesh.names.index(c.axis)
-        comm_bytes[c.axis] += bytes_moved(_as_call(c, dim), mesh)
     nodes = [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
                            outputs=[placement_str(p) for p in chosen[n].outputs],
                            inputs=[placement_str(p) for p in chosen[n].inputs], fallback=graph.nodes[n].fallback)
@@ -147,8 +147,3 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
                 nodes=nodes, collectives=collectives, predicted=predicted, fallbacks=fallbacks, solver=solver,
                 timings=timings, pinned=pinned)
 
-
-def _as_call(c: PlannedCollective, dim: int):  # noqa: ANN202 - tiny adapter
-    from autopar.cost.collectives import CollectiveCall
-
-    return CollectiveCall(c.kind, dim, c.bytes, bucketed=c.consumer == "")
