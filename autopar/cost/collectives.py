@@ -16,7 +16,7 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 
-ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
+from autopar.rules.redistribute import ALL_GATHER, ALL_REDUCE, COLLECTIVES, redistribute_steps
 
 
 @dataclass(frozen=True)
@@ -48,33 +48,26 @@ def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:
     return factor * (n - 1) / n * call.nbytes
 
 
-def _local_bytes(meta: TensorMeta, placements: list[Placement], mesh: Mesh, precision: Precision) -> int:
+def _local_bytes(meta: TensorMeta, placements: tuple[Placement, ...], mesh: Mesh, precision: Precision) -> int:
     ways = math.prod(n for p, n in zip(placements, mesh.shape) if isinstance(p, Shard))
     return precision.tensor_bytes(meta) // ways
 
 
 def reshard(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh: Mesh,
             precision: Precision) -> list[CollectiveCall]:
-    """Collectives turning ``src`` placements into ``dst``, one mesh dim at a time.
+    """The collectives of ``redistribute_steps(src, dst)``, sized at their step.
 
-    Replicate -> Shard or Partial is local (slice, or keep on one rank); Shard -> Partial
-    gathers first. Sizes are the local sizes at that step.
+    M is the gathered size for all-gather, the size before scattering for reduce-scatter,
+    and the local size for all-reduce and all-to-all. Slices and zeroing are free.
     """
-    current = list(src)
-    calls: list[CollectiveCall] = []
-    for i, (a, b) in enumerate(zip(src, dst)):
-        if a == b:
+    calls = []
+    for step in redistribute_steps(src, dst):
+        if step.kind not in COLLECTIVES:
             continue
-        if isinstance(a, Partial) and isinstance(b, Replicate):
-            calls.append(CollectiveCall(ALL_REDUCE, i, _local_bytes(meta, current, mesh, precision)))
-        elif isinstance(a, Partial) and isinstance(b, Shard):
-            calls.append(CollectiveCall(REDUCE_SCATTER, i, _local_bytes(meta, current, mesh, precision)))
-        elif isinstance(a, Shard) and isinstance(b, Shard):
-            calls.append(CollectiveCall(ALL_TO_ALL, i, _local_bytes(meta, current, mesh, precision)))
-        elif isinstance(a, Shard):  # to Replicate, or to Partial through Replicate
-            gathered = current[:i] + [Replicate()] + current[i + 1:]
-            calls.append(CollectiveCall(ALL_GATHER, i, _local_bytes(meta, gathered, mesh, precision)))
-        current[i] = b
+        placements = step.before
+        if step.kind == ALL_GATHER:
+            placements = placements[:step.mesh_dim] + (Replicate(),) + placements[step.mesh_dim + 1:]
+        calls.append(CollectiveCall(step.kind, step.mesh_dim, _local_bytes(meta, placements, mesh, precision)))
     return calls
 
 

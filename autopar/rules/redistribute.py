@@ -1,0 +1,87 @@
+"""How to turn one set of placements into another: the ordered per-mesh-dim steps.
+
+The cost model prices these steps and the runtime executes them, so what a plan lists
+is what runs. Shards on several mesh dims of one tensor dim are nested with the first
+mesh dim outermost (DTensor's convention), so the order matters:
+1. un-shard (all-gather, or all-to-all when nothing else touches the two tensor dims),
+   innermost mesh dim first;
+2. reduce Partials (all-reduce, or reduce-scatter when it keeps the nesting);
+3. shard what is replicated (a local slice) outermost first, and make Partials from
+   replicated values (keep the value on coordinate 0, zeros elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
+SLICE, ZERO = "slice", "zero"
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step on one mesh dim. ``before`` are all placements just before it runs."""
+
+    kind: str
+    mesh_dim: int
+    before: tuple[Placement, ...]
+    src_dim: int = -1
+    """Tensor dim gathered (all_gather, all_to_all)."""
+    dst_dim: int = -1
+    """Tensor dim scattered or sliced (reduce_scatter, all_to_all, slice)."""
+
+
+def _shard_dim(p: Placement) -> int | None:
+    return p.dim if isinstance(p, Shard) else None
+
+
+def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[Step]:
+    cur = list(src)
+    ndim = len(cur)
+    steps: list[Step] = []
+
+    # Mesh dims whose shard must be undone, plus inner mesh dims nested inside them
+    # (gathering an outer shard while an inner one stays would interleave the chunks).
+    unshard: set[int] = set()
+    for i in range(ndim):
+        a, b = _shard_dim(cur[i]), _shard_dim(dst[i])
+        if a is not None and cur[i] != dst[i]:
+            unshard.add(i)
+            unshard.update(j for j in range(i + 1, ndim) if _shard_dim(cur[j]) == a)
+        if b is not None and cur[i] != dst[i]:
+            unshard.update(j for j in range(i + 1, ndim) if _shard_dim(cur[j]) == b)
+    for i in sorted(unshard, reverse=True):
+        a, b = _shard_dim(cur[i]), _shard_dim(dst[i])
+        assert a is not None
+        others = {_shard_dim(cur[j]) for j in range(ndim) if j != i} | {_shard_dim(dst[j]) for j in range(ndim) if j != i}
+        if b is not None and b != a and a not in others and b not in others:
+            steps.append(Step(ALL_TO_ALL, i, tuple(cur), src_dim=a, dst_dim=b))
+            cur[i] = dst[i]
+        else:
+            steps.append(Step(ALL_GATHER, i, tuple(cur), src_dim=a))
+            cur[i] = Replicate()
+
+    for i in range(ndim):
+        if isinstance(cur[i], Partial) and not isinstance(dst[i], Partial):
+            b = _shard_dim(dst[i])
+            nested_inside = any(_shard_dim(cur[j]) == b for j in range(i + 1, ndim)) if b is not None else True
+            if b is not None and not nested_inside:
+                steps.append(Step(REDUCE_SCATTER, i, tuple(cur), dst_dim=b))
+                cur[i] = dst[i]
+            else:
+                steps.append(Step(ALL_REDUCE, i, tuple(cur)))
+                cur[i] = Replicate()
+
+    for i in range(ndim):
+        if cur[i] == dst[i]:
+            continue
+        assert isinstance(cur[i], Replicate), (src, dst, cur)
+        if isinstance(dst[i], Shard):
+            steps.append(Step(SLICE, i, tuple(cur), dst_dim=dst[i].dim))
+        else:
+            steps.append(Step(ZERO, i, tuple(cur)))
+        cur[i] = dst[i]
+    return steps
