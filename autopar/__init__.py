@@ -7,7 +7,8 @@ cheapest placement of one training step on that mesh.
 from autopar.api import plan
 from autopar.capture import CaptureError
 from autopar.mesh import Mesh
+from autopar.runtime import CompileError, ParallelModule, compile
 from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.plan import Plan
 
-__all__ = ["plan", "Mesh", "Plan", "CaptureError", "MemoryLimitError"]
+__all__ = ["plan", "compile", "Mesh", "Plan", "ParallelModule", "CaptureError", "CompileError", "MemoryLimitError"]

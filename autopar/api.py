@@ -10,14 +10,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.capture import capture
+from dataclasses import dataclass
+
+from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
 from autopar.cost.model import CostContext
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
 from autopar.solver.blocks import fold_repeated_blocks
-from autopar.solver.constraints import apply_pins, pins_from_tp_plan
-from autopar.solver.graph import build_plan_graph
+from autopar.rules.strategy import Strategy
+from torch.distributed.tensor import Replicate
+
+from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan
+from autopar.solver.graph import PlanGraph, build_plan_graph
 from autopar.solver.ilp import solve
 from autopar.solver.plan import Plan, build_plan
 
@@ -47,11 +52,18 @@ def _stage(name: str, timings: dict[str, float], progress: bool) -> Iterator[Non
     timings[name] = time.perf_counter() - start
 
 
-def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
-         loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
-         example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
-         precision: str | None = None, constraints: dict[str, object] | None = None,
-         constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False) -> Plan:
+@dataclass
+class PlannedStep:
+    """A plan with what produced it: the captured graph and the chosen strategy per node."""
+
+    plan: Plan
+    captured: CapturedGraph
+    graph: PlanGraph
+    chosen: dict[str, Strategy]
+    ctx: CostContext
+
+
+def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), **kwargs: Any) -> Plan:
     """Find the cheapest DP/TP/SP placement of one training (or forward) step.
 
     ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` is the step;
@@ -59,6 +71,21 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
     bytes per device (None: the hardware's memory). ``constraints`` is a
     ``torch.distributed.tensor.parallel`` plan dict pinned on mesh axis ``constraint_axis``.
     Nothing runs on devices; a meta-device model is planned without allocating weights.
+    """
+    return plan_step(model, mesh, example_inputs, **kwargs).plan
+
+
+def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
+         loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
+         example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
+         precision: str | None = None, constraints: dict[str, object] | None = None,
+         constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False,
+         data_axes: tuple[str, ...] = (), input_sharded: bool = False) -> PlannedStep:
+    """``plan`` keeping the captured graph and chosen strategies (what execution needs).
+
+    ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
+    every user input split along its first (batch) dim. ``input_sharded`` also pins the
+    inputs replicated on every other axis (each rank receives exactly its data shard).
     """
     mesh = _as_mesh(mesh)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
@@ -70,16 +97,37 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
                            example_targets=tuple(example_targets), train=train)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
-        pins: dict = {}
+        node_pins: dict[str, Any] = {}
         pinned: dict[str, str] = {}
         if constraints:
             if constraint_axis not in mesh.names:
                 raise ValueError(f"constraints apply to mesh axis {constraint_axis!r}, which the mesh "
                                  f"({mesh.describe()}) does not have")
             axis = mesh.names.index(constraint_axis)
-            pins, pinned = pins_from_tp_plan(graph, constraints, axis)
-            apply_pins(graph, pins, axis, constraint_axis, mesh.shape[axis])
-        folding = fold_repeated_blocks(graph, pins)
+            tp_pins, pinned = pins_from_tp_plan(graph, constraints, axis)
+            apply_pins(graph, tp_pins, axis, constraint_axis, mesh.shape[axis])
+            node_pins.update(tp_pins)
+        for axis_name in data_axes:
+            if axis_name not in mesh.names:
+                raise ValueError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
+            axis = mesh.names.index(axis_name)
+            data_pins = data_parallel_pins(graph, captured.user_inputs, axis_name)
+            apply_pins(graph, data_pins, axis, axis_name, mesh.shape[axis])
+            for name, pin in data_pins.items():
+                node_pins[name] = (node_pins.get(name), axis_name, pin)
+            pinned[f"{axis_name}: parameters, inputs"] = "data parallel"
+        if input_sharded:
+            for axis, axis_name in enumerate(mesh.names):
+                if axis_name in data_axes:
+                    continue
+                input_pins = {n: Pin(output=Replicate(), reason=f"inputs arrive split on {data_axes} only")
+                              for n in captured.user_inputs if n in graph.nodes}
+                apply_pins(graph, input_pins, axis, axis_name, mesh.shape[axis])
+                for name, pin in input_pins.items():
+                    node_pins[name] = (node_pins.get(name), axis_name, pin)
+        folding = fold_repeated_blocks(graph, node_pins)
     with _stage("solve", timings, progress):
         solution = solve(graph, folding, ctx, limit)
-    return build_plan(graph, folding, solution, ctx, timings, pinned)
+    result = build_plan(graph, folding, solution, ctx, timings, pinned)
+    chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
+    return PlannedStep(result, captured, graph, chosen, ctx)

@@ -92,6 +92,7 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> Captu
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
     user_inputs: list[str] = []
+    constants: dict[str, torch.Tensor] = {}
     for spec in program.graph_signature.input_specs:
         name = spec.arg.name  # type: ignore[union-attr]
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and _strip_step_prefix(spec.target) in tied:
@@ -100,10 +101,12 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> Captu
             parameters[name] = _strip_step_prefix(spec.target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             buffers[name] = _strip_step_prefix(spec.target)
+            if spec.kind == InputKind.CONSTANT_TENSOR:  # made inside forward: not on the model
+                constants[name] = program.constants[spec.target]  # type: ignore[index]
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
     return CapturedGraph(gm=gm, parameters=parameters, buffers=buffers, user_inputs=user_inputs,
-                         train=train, capture_seconds=seconds, tied=tied)
+                         train=train, capture_seconds=seconds, tied=tied, constants=constants)
 
 
 def _merge_tied(program: ExportedProgram) -> dict[str, str]:

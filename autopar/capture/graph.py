@@ -61,6 +61,8 @@ class CapturedGraph:
     tied: dict[str, str] = field(default_factory=dict)
     """Alias FQN -> FQN of the parameter (or buffer) it is the same tensor as, e.g.
     ``{"lm_head.weight": "transformer.wte.weight"}``; an alias has no placeholder of its own."""
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Placeholder name -> value of tensors the model creates inside forward (lifted by export)."""
 
     def nodes(self) -> list[torch.fx.Node]:
         return list(self.gm.graph.nodes)

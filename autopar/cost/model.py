@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 from autopar.capture.graph import TensorMeta
-from autopar.cost.collectives import (CollectiveCall, collective_time, grad_placement_at_consumer,
+from torch.distributed.tensor import Partial, Replicate
+
+from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
 from autopar.cost.compute import BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, roofline_time
 from autopar.cost.precision import Precision
@@ -71,24 +72,42 @@ def input_cost(meta: TensorMeta, placements: Placements, ctx: CostContext) -> No
     return NodeCost(0.0, float(ctx.precision.tensor_bytes(meta, numel)))
 
 
+def grad_sync_dims(produced: Placements, grad_in: Placements) -> frozenset[int]:
+    """Mesh dims where a replicated parameter gets a Partial gradient: synchronized once per
+    step by a bucketed all-reduce (as DDP does), not on the edge."""
+    return frozenset(d for d, (p, g) in enumerate(zip(produced, grad_in))
+                     if isinstance(p, Replicate) and isinstance(g, Partial))
+
+
+def grad_placements(produced: Placements, required: Placements, consumer: Strategy) -> tuple[Placements, Placements]:
+    """(gradient placement the consumer sends back, placement the producer wants)."""
+    grad_in = tuple(grad_placement_at_consumer(r, consumer.is_active(i)) for i, r in enumerate(required))
+    grad_out = tuple(grad_placement_at_producer(p) for p in produced)
+    return grad_in, grad_out
+
+
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,
-              ctx: CostContext, *, from_parameter: bool, needs_grad: bool) -> EdgeCost:
+              ctx: CostContext, *, from_parameter: bool, needs_grad: bool,
+              sync_dims: frozenset[int] | None = None) -> EdgeCost:
     """Collectives between a producer's output and a consumer's input, both directions.
 
     Backward sends the consumer's gradient (placement from the consumer's split) back to
-    the placement the producer's backward wants. A parameter gathered in forward is
-    gathered again in backward (it is freed after use, as FSDP does).
+    the placement the producer's backward wants. A parameter's gradient is left Partial on
+    its sync dims (``sync_dims``: all of its consumers', default this edge's) and reduced
+    there by one bucketed all-reduce, listed with ``bucketed=True``. A parameter gathered in
+    forward stays gathered until backward (no ZeRO-3 re-gather yet).
     """
     mesh, precision = ctx.mesh, ctx.precision
     forward = reshard(meta, produced, required, mesh, precision)
     backward: list[CollectiveCall] = []
     if ctx.train and needs_grad:
-        grad_in = tuple(grad_placement_at_consumer(r, consumer.is_active(i)) for i, r in enumerate(required))
-        grad_out = tuple(grad_placement_at_producer(p) for p in produced)
+        grad_in, grad_out = grad_placements(produced, required, consumer)
         if from_parameter:
-            backward.extend(forward)
-            backward.extend(dataclasses.replace(c, bucketed=True)
-                            for c in reshard(meta, grad_in, grad_out, mesh, precision))
+            sync = grad_sync_dims(produced, grad_in) if sync_dims is None else sync_dims
+            target = tuple(Partial() if d in sync else g for d, g in enumerate(grad_out))
+            backward.extend(reshard(meta, grad_in, target, mesh, precision))
+            nbytes = precision.tensor_bytes(meta, local_numel(meta, produced, mesh.shape))
+            backward.extend(CollectiveCall(ALL_REDUCE, d, nbytes, bucketed=True) for d in sorted(sync))
         else:
             backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
     time = sum(collective_time(c, mesh) for c in (*forward, *backward))

@@ -1,4 +1,43 @@
-"""Stage 5: graph passes that apply a plan (localize shapes, insert collectives, split stages).
+"""Stage 5: graph passes that turn the captured step into one rank's program.
 
-Arrives with issue #3 (execution); the planner's output (``autopar.Plan``) is its input.
+Each pass is a plain function ``(gm, PassContext) -> gm`` in its own module; they run
+in this order:
+1. annotate_placements: each node's chosen strategy into ``node.meta``;
+2. localize_shapes: size arguments become this rank's;
+3. localize_losses: batch-split 'mean' losses become local sum / global count;
+4. insert_reshards: ``self.reshard`` on every edge whose placements differ.
+The ``reshard`` and ``partial_mean_loss`` modules they call come from
+``autopar.passes.ops`` for a given DeviceMesh.
 """
+
+from __future__ import annotations
+
+import torch.fx
+from torch import nn
+
+from autopar.passes.annotate_placements import annotate_placements
+from autopar.passes.context import PassContext
+from autopar.passes.insert_reshards import insert_reshards
+from autopar.passes.localize_losses import localize_losses
+from autopar.passes.localize_shapes import localize_shapes
+
+PASSES = (annotate_placements, localize_shapes, localize_losses, insert_reshards)
+
+
+def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]
+                      ) -> torch.fx.GraphModule:
+    """A per-rank copy of ``gm`` with the plan applied (``gm`` itself is left as it was).
+
+    ``modules`` are the ops the passes call (``reshard``, ``partial_mean_loss``).
+    """
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    gm = torch.fx.GraphModule(gm, graph)
+    for name, module in modules.items():
+        gm.add_submodule(name, module)
+    for run in PASSES:
+        gm = run(gm, pc)
+    return gm
+
+
+__all__ = ["PassContext", "parallelize_graph", "PASSES"]

@@ -78,3 +78,10 @@ def local_mean_loss(target_op: object, local_args: tuple, count: torch.Tensor) -
     else:
         total = F.mse_loss(local_args[0], local_args[1], reduction="sum")
     return (total / count).to(total.dtype)  # a float32 count must not promote a bf16 loss
+
+
+def is_partial_mean_loss(call: OpCall, strategy: object) -> bool:
+    """True when this loss runs as a batch-split 'mean' (local sum / global count)."""
+    outputs = getattr(strategy, "outputs", ())
+    return (call.target in MEAN_AS_PARTIAL and _reduction(call) == REDUCTION_MEAN and bool(outputs)
+            and outputs[0] is not None and any(p.is_partial() for p in outputs[0]))

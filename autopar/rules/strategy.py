@@ -154,4 +154,24 @@ def is_float(meta: TensorMeta | None) -> bool:
 
 
 __all__ = ["R", "P", "S", "DimStrategy", "Strategy", "OpCall", "Placements", "expand",
-           "replicate_all", "normalize_dim", "divides", "local_numel", "placement_str"]
+           "replicate_all", "normalize_dim", "divides", "local_numel", "placement_str", "parse_placements"]
+
+
+def parse_placements(text: str) -> Placements:
+    """Inverse of ``placement_str``: ``"S(0)P"`` -> ``(Shard(0), Partial())``."""
+    out: list[Placement] = []
+    i = 0
+    while i < len(text):
+        if text[i] == "R":
+            out.append(R)
+            i += 1
+        elif text[i] == "P":
+            out.append(P)
+            i += 1
+        elif text.startswith("S(", i):
+            end = text.index(")", i)
+            out.append(Shard(int(text[i + 2:end])))
+            i = end + 1
+        else:
+            raise ValueError(f"bad placements {text!r}")
+    return tuple(out)

@@ -1,4 +1,7 @@
-"""Stage 6: run per-rank graphs on torch.distributed (gradient sync, schedules, checkpoints).
+"""Stage 6: run per-rank programs on torch.distributed: parameter shards, gradient
+synchronization, checkpoints. ``autopar.compile`` is the entry point."""
 
-Arrives with issue #3 (execution).
-"""
+from autopar.runtime.compile import CompileError, compile
+from autopar.runtime.module import ParallelModule
+
+__all__ = ["compile", "CompileError", "ParallelModule"]

@@ -139,3 +139,15 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
                              f"{pin.output} on axis {axis_name}{dims}")
         node.strategies = [node.strategies[i] for i in keep]
         node.costs = [node.costs[i] for i in keep]
+
+
+def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis_name: str) -> dict[str, Pin]:
+    """Plain data parallelism on one axis: parameters replicated, inputs split on dim 0."""
+    pins: dict[str, Pin] = {}
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.kind == PARAM:
+            pins[name] = Pin(output=Replicate(), reason=f"data parallel on {axis_name}")
+        elif name in user_inputs:
+            pins[name] = Pin(output=Shard(0), reason=f"data parallel on {axis_name} (batch split)")
+    return pins

@@ -157,14 +157,15 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
 
 
 def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, arg: int,
-               produced: Strategy, chosen: Strategy, ctx: CostContext) -> EdgeCost:
+               produced: Strategy, chosen: Strategy, ctx: CostContext,
+               sync_dims: frozenset[int] | None = None) -> EdgeCost:
     src = graph.nodes[producer]
     meta = src.outputs[out_index]
     assert meta is not None
     produced_pl = produced.outputs[out_index]
     assert produced_pl is not None
     return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx,
-                     from_parameter=src.kind == PARAM, needs_grad=src.needs_grad)
+                     from_parameter=src.kind == PARAM, needs_grad=src.needs_grad, sync_dims=sync_dims)
 
 
 __all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies"]

@@ -7,11 +7,15 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autopar.cost.collectives import CollectiveCall, bytes_moved, collective_time
-from autopar.cost.model import CostContext
+from torch.distributed.tensor import Replicate
+
+from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time, reshard
+from autopar.cost.buckets import GradBucket, gradient_buckets
+from autopar.cost.model import CostContext, grad_placements, grad_sync_dims
+from autopar.rules.loss import is_partial_mean_loss
 from autopar.rules.strategy import Strategy, placement_str
 from autopar.solver.blocks import Folding
-from autopar.solver.graph import PARAM, PlanGraph, price_edge
+from autopar.solver.graph import PARAM, PlanGraph, PlanNode, price_edge
 from autopar.solver.ilp import Solution
 
 
@@ -70,6 +74,8 @@ class Plan:
     predicted: Predicted
     fallbacks: list[str]
     """Ops with no sharding rule, run replicated."""
+    grad_buckets: list[GradBucket] = field(default_factory=list)
+    """Gradient all-reduce buckets after backward (parameter node names, mesh dims, bytes)."""
     solver: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     pinned: dict[str, str] = field(default_factory=dict)
@@ -91,6 +97,29 @@ class Plan:
         return render_text(self)
 
 
+def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, frozenset[int]]:
+    """Per parameter, the mesh dims its gradient is all-reduced over (any consumer's Partial)."""
+    out: dict[str, frozenset[int]] = {}
+    if not ctx.train:
+        return out
+    for name in graph.order:
+        for arg, (src, idx) in enumerate(graph.nodes[name].args):
+            if graph.nodes[src].kind != PARAM:
+                continue
+            produced = chosen[src].outputs[idx]
+            grad_in, _ = grad_placements(produced, chosen[name].inputs[arg], chosen[name])
+            out[src] = out.get(src, frozenset()) | grad_sync_dims(produced, grad_in)
+    return out
+
+
+def loss_count_reductions(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[tuple[int, CollectiveCall]]:
+    """A batch-split 'mean' loss sums its element count over the split mesh dims (4-byte all-reduces)."""
+    if node.call is None or not is_partial_mean_loss(node.call, strategy):
+        return []
+    out = strategy.outputs[0]
+    return [(d, CollectiveCall(ALL_REDUCE, d, 4)) for d, p in enumerate(out) if p.is_partial()]
+
+
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
                timings: dict[str, float], pinned: dict[str, str]) -> Plan:
     mesh = ctx.mesh
@@ -105,7 +134,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
             consumer=consumer, module=module, time_s=collective_time(call, mesh)))
         comm_bytes[mesh.names[call.mesh_dim]] += bytes_moved(call, mesh)
 
-    grad_sync: dict[tuple[str, int], tuple[str, CollectiveCall]] = {}
+    sync_dims = param_sync_dims(graph, chosen, ctx)
+    grad_sync: dict[tuple[str, int], tuple[str, CollectiveCall]] = {}  # per parameter, before bucketing
     compute = 0.0
     param_mem = act_mem = 0.0
     for name in graph.order:
@@ -118,17 +148,28 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         else:
             act_mem += cost.memory
         for arg, (src, out_index) in enumerate(node.args):
-            producer = graph.nodes[src]
-            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
+            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx, sync_dims.get(src))
             for phase, calls in (("forward", edge.forward), ("backward", edge.backward)):
                 for call in calls:
-                    if producer.kind == PARAM and phase == "backward" and call.kind == "all_reduce":
-                        # One gradient all-reduce per parameter, however many ops use it.
-                        grad_sync[(src, call.mesh_dim)] = (producer.module, call)
-                        continue
-                    record(call, phase, src, name, node.module)
-    for (src, _dim), (module, call) in grad_sync.items():
-        record(call, "backward", src, "", module)
+                    if call.bucketed:  # one gradient all-reduce per parameter, however many ops use it
+                        grad_sync[(src, call.mesh_dim)] = (graph.nodes[src].module, call)
+                    else:
+                        record(call, phase, src, name, node.module)
+        for dim, call in loss_count_reductions(node, chosen[name], ctx):
+            record(call, "forward", name, name, node.module)
+    params = [(n, grad_sync[(n, min(sync_dims[n]))][1].nbytes, sync_dims[n])
+              for n in graph.order if sync_dims.get(n)]
+    buckets = gradient_buckets(params)
+    for bucket in buckets:
+        for dim in bucket.mesh_dims:
+            record(CollectiveCall(ALL_REDUCE, dim, bucket.nbytes, bucketed=True), "backward",
+                   ",".join(bucket.params), "", "(gradient buckets)")
+    if graph.loss is not None:  # every rank returns the whole loss
+        loss = graph.nodes[graph.loss]
+        produced = chosen[graph.loss].outputs[0]
+        replicated = (Replicate(),) * mesh.ndim
+        for call in reshard(loss.outputs[0], produced, replicated, mesh, ctx.precision):
+            record(call, "forward", graph.loss, "output", loss.module)
     comm_time = sum(c.time_s for c in collectives)
     nodes = [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
                            outputs=[placement_str(p) for p in chosen[n].outputs],
@@ -144,6 +185,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
               "objective_s": solution.objective_s, "folded_blocks": folding.blocks,
               "distinct_nodes": len(solution.choice), "nodes": len(graph.order)}
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
-                nodes=nodes, collectives=collectives, predicted=predicted, fallbacks=fallbacks, solver=solver,
+                nodes=nodes, collectives=collectives, predicted=predicted, fallbacks=fallbacks,
+                grad_buckets=buckets, solver=solver,
                 timings=timings, pinned=pinned)
 

@@ -1,0 +1,42 @@
+"""What every pass reads: the plan's chosen strategy per node and the mesh shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx
+
+from autopar.cost.model import CostContext
+from autopar.rules.strategy import Strategy
+from autopar.solver.graph import PlanGraph
+
+STRATEGY = "autopar.strategy"
+"""node.meta key: the Strategy the plan chose for this node."""
+PLAN_NAME = "autopar.plan_name"
+"""node.meta key: the node's name in the plan (survives nodes being replaced)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassContext:
+    graph: PlanGraph
+    """The planning graph (producers of each tensor input, node kinds)."""
+    chosen: dict[str, Strategy]
+    """Node name -> chosen strategy."""
+    ctx: CostContext
+    """Mesh, precision, train."""
+    sync_dims: dict[str, frozenset[int]]
+    """Parameter node -> mesh dims its gradient is all-reduced over after backward."""
+    input_sharded: bool = False
+    """Inputs arrive already split as planned (else every rank passes the whole batch)."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return self.ctx.mesh.shape
+
+
+def strategy_of(node: torch.fx.Node) -> Strategy | None:
+    return node.meta.get(STRATEGY)
+
+
+def plan_name(node: torch.fx.Node) -> str | None:
+    return node.meta.get(PLAN_NAME)

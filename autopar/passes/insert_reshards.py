@@ -1,0 +1,139 @@
+"""insert_reshards: a ``self.reshard`` call on every edge whose placements differ.
+
+Each call names the forward redistribution (producer's placement -> what the consumer
+needs) and the backward one (the gradient the consumer sends -> what the producer
+wants). A parameter's gradient stays Partial on its sync dims; the runtime all-reduces
+it once after backward. User inputs arrive whole and are sliced here unless they come
+already split; a training step's loss is reduced so every rank returns all of it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch.fx
+from torch.distributed.tensor import Partial, Replicate
+
+from autopar.cost.model import grad_placements
+from autopar.passes.context import PassContext, plan_name, strategy_of
+from autopar.rules.redistribute import redistribute_steps
+from autopar.rules.strategy import Placements, placement_str
+from autopar.solver.graph import INPUT, PARAM
+
+
+def _grad_spec(pc: PassContext, src: str, produced: Placements, required: Placements, consumer_name: str
+               ) -> tuple[Placements, Placements] | None:
+    producer = pc.graph.nodes[src]
+    if not (pc.ctx.train and producer.needs_grad):
+        return None
+    grad_in, grad_out = grad_placements(produced, required, pc.chosen[consumer_name])
+    if producer.kind == PARAM:
+        sync = pc.sync_dims.get(src, frozenset())
+        grad_out = tuple(Partial() if d in sync else g for d, g in enumerate(grad_out))
+    return grad_in, grad_out
+
+
+def _reshard_args(x: torch.fx.Node, produced: Placements, required: Placements,
+                  grad: tuple[Placements, Placements] | None) -> tuple[Any, ...] | None:
+    fwd = redistribute_steps(produced, required)
+    bwd = redistribute_steps(*grad) if grad is not None else []
+    if not fwd and not bwd:
+        return None
+    args: tuple[Any, ...] = (x, placement_str(produced), placement_str(required))
+    if bwd:
+        args += (placement_str(grad[0]), placement_str(grad[1]))  # type: ignore[index]
+    return args
+
+
+def _tensor_arg_slots(node: torch.fx.Node, is_planned) -> list[tuple[str, Any]]:  # noqa: ANN001
+    """(container, key) of each planned tensor argument, in the order the plan lists them."""
+    slots: list[tuple[str, Any]] = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, torch.fx.Node) and is_planned(a):
+            slots.append(("args", i))
+        elif isinstance(a, (list, tuple)):
+            slots.extend(("args", (i, j)) for j, b in enumerate(a) if isinstance(b, torch.fx.Node) and is_planned(b))
+    for k, a in node.kwargs.items():
+        if isinstance(a, torch.fx.Node) and is_planned(a):
+            slots.append(("kwargs", k))
+    return slots
+
+
+def _replace_slot(node: torch.fx.Node, slot: tuple[str, Any], new: torch.fx.Node) -> None:
+    where, key = slot
+    if where == "kwargs":
+        node.update_kwarg(key, new)
+        return
+    if isinstance(key, tuple):
+        i, j = key
+        seq = list(node.args[i])
+        seq[j] = new
+        node.update_arg(i, type(node.args[i])(seq))
+    else:
+        node.update_arg(key, new)
+
+
+def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    rerouted: list[tuple[torch.fx.Node, tuple[Any, ...] | None]] = []  # applied after the edge pass
+    for node in list(graph.nodes):
+        name = plan_name(node)
+        strategy = strategy_of(node)
+        if name is None or strategy is None:
+            continue
+        plan_node = pc.graph.nodes[name]
+        if plan_node.kind == INPUT and not pc.input_sharded:
+            whole = (Replicate(),) * len(pc.mesh_shape)
+            rerouted.append((node, _reshard_args(node, whole, strategy.outputs[0], None)))
+        elif node.op == "call_function" and node.target is operator.getitem:
+            # a piece of a multi-output op: reshard the piece after picking it
+            src, idx = plan_node.args[0]
+            produced, required = pc.chosen[src].outputs[idx], strategy.inputs[0]
+            rerouted.append((node, _reshard_args(node, produced, required,
+                                                 _grad_spec(pc, src, produced, required, name))))
+        elif node.op in ("call_function", "call_module"):
+            _reshard_inputs(gm, node, name, pc)
+    for node, args in rerouted:
+        _insert_after(gm, node, args)
+    if pc.graph.loss is not None:
+        loss = next(n for n in graph.nodes if plan_name(n) == pc.graph.loss)
+        _insert_after(gm, loss, _reshard_args(loss, pc.chosen[pc.graph.loss].outputs[0],
+                                              (Replicate(),) * len(pc.mesh_shape), None))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc: PassContext) -> None:
+    plan_node = pc.graph.nodes[name]
+    strategy = pc.chosen[name]
+    slots = _tensor_arg_slots(node, lambda a: plan_name(a) is not None)
+    assert len(slots) == len(plan_node.args), (name, slots, plan_node.args)
+    for k, (slot, (src, idx)) in enumerate(zip(slots, plan_node.args)):
+        produced, required = pc.chosen[src].outputs[idx], strategy.inputs[k]
+        args = _reshard_args(_slot_value(node, slot), produced, required, _grad_spec(pc, src, produced, required, name))
+        if args is not None:
+            with gm.graph.inserting_before(node):
+                reshard = gm.graph.call_module("reshard", args)
+            _replace_slot(node, slot, reshard)
+
+
+def _slot_value(node: torch.fx.Node, slot: tuple[str, Any]) -> torch.fx.Node:
+    where, key = slot
+    if where == "kwargs":
+        return node.kwargs[key]
+    if isinstance(key, tuple):
+        return node.args[key[0]][key[1]]
+    return node.args[key]
+
+
+def _insert_after(gm: torch.fx.GraphModule, node: torch.fx.Node, args: tuple[Any, ...] | None) -> None:
+    """Route every use of ``node`` through ``self.reshard(*args)``."""
+    if args is None:
+        return
+    users = list(node.users)
+    with gm.graph.inserting_after(node):
+        reshard = gm.graph.call_module("reshard", args)
+    for user in users:
+        user.replace_input_with(node, reshard)

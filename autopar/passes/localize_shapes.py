@@ -1,0 +1,51 @@
+"""localize_shapes: size arguments written for the global tensor become this rank's.
+
+view/reshape/expand/unflatten name the output shape: it is divided by the output's
+placements. squeeze without dims would also drop a dim that sharding shrank to size
+1 locally, so it names the globally size-1 dims instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from autopar.passes.context import PassContext, strategy_of
+from autopar.rules.strategy import Placements
+from torch.distributed.tensor import Shard
+
+aten = torch.ops.aten
+SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> list[int]:
+    local = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            local[p.dim] //= n
+    return local
+
+
+def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:
+        strategy = strategy_of(node)
+        if node.op != "call_function" or strategy is None:
+            continue
+        out = node.meta["val"]
+        if node.target in SHAPE_ARG_OPS:
+            node.args = (node.args[0], local_shape(tuple(out.shape), strategy.outputs[0], pc.mesh_shape))
+        elif node.target is aten.unflatten.int:
+            dim = node.args[1]
+            local = local_shape(tuple(out.shape), strategy.outputs[0], pc.mesh_shape)
+            dim = dim if dim >= 0 else dim + node.args[0].meta["val"].ndim
+            node.args = (node.args[0], node.args[1], local[dim: dim + len(node.args[2])])
+        elif node.target in (aten.squeeze.default, aten.squeeze.dim):
+            x = node.args[0].meta["val"]
+            dims = [d for d in range(x.ndim) if x.shape[d] == 1]
+            if node.target is aten.squeeze.dim:
+                d = node.args[1] if node.args[1] >= 0 else node.args[1] + x.ndim
+                dims = [d] if d in dims else []
+            node.target = aten.squeeze.dims
+            node.args = (node.args[0], dims)
+    gm.recompile()
+    return gm

@@ -1,0 +1,128 @@
+"""The ops the passes insert into per-rank graphs, as modules so the code reads plainly:
+``reshard = self.reshard(x, 'S(0)P', 'S(0)R', 'S(0)R', 'S(0)R')`` runs the forward
+redistribution src -> dst and, in backward, turns the gradient grad_src -> grad_dst.
+
+Collectives are torch's functional collectives on the DeviceMesh's groups. Every
+collective run is appended to ``CollectiveLog`` when one is attached, so tests can
+compare what ran with what the plan listed.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as fc
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.rules import loss as loss_rules
+from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SLICE, ZERO,
+                                        Step, redistribute_steps)
+from autopar.rules.strategy import parse_placements
+
+
+@dataclass
+class CollectiveLog:
+    """What ran: (phase, kind, mesh dim, bytes of M) per collective."""
+
+    entries: list[tuple[str, str, int, int]] = field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=4096)
+def _steps(src: str, dst: str) -> tuple[Step, ...]:
+    return tuple(redistribute_steps(parse_placements(src), parse_placements(dst)))
+
+
+class Comm:
+    """Runs redistribution steps for this rank on a DeviceMesh."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.coordinate = mesh.get_coordinate()
+        self.log: CollectiveLog | None = None
+
+    def _record(self, phase: str, kind: str, dim: int, tensor: torch.Tensor) -> None:
+        if self.log is not None:
+            self.log.entries.append((phase, kind, dim, tensor.numel() * tensor.element_size()))
+
+    def run(self, x: torch.Tensor, steps: tuple[Step, ...], phase: str) -> torch.Tensor:
+        for step in steps:
+            x = self._step(x, step, phase)
+        return x
+
+    def _step(self, x: torch.Tensor, step: Step, phase: str) -> torch.Tensor:
+        i = step.mesh_dim
+        n = self.mesh.size(i)
+        group = (self.mesh, i)
+        if step.kind == SLICE:
+            size = x.shape[step.dst_dim] // n
+            return x.narrow(step.dst_dim, self.coordinate[i] * size, size).contiguous()
+        if step.kind == ZERO:
+            return x if self.coordinate[i] == 0 else torch.zeros_like(x)
+        x = x.contiguous()
+        if step.kind == ALL_REDUCE:
+            self._record(phase, ALL_REDUCE, i, x)
+            return fc.wait_tensor(fc.all_reduce(x, "sum", group))
+        if step.kind == ALL_GATHER:
+            out = fc.wait_tensor(fc.all_gather_single(x, step.src_dim, group))
+            self._record(phase, ALL_GATHER, i, out)
+            return out
+        if step.kind == REDUCE_SCATTER:
+            self._record(phase, REDUCE_SCATTER, i, x)
+            return fc.wait_tensor(fc.reduce_scatter_single(x, "sum", step.dst_dim, group))
+        if step.kind == ALL_TO_ALL:
+            self._record(phase, ALL_TO_ALL, i, x)
+            chunks = torch.stack(x.chunk(n, dim=step.dst_dim))  # [n, ...]: chunk j goes to rank j
+            received = fc.wait_tensor(fc.all_to_all_single(chunks.contiguous(), None, None, group))
+            return torch.cat(received.unbind(0), dim=step.src_dim)
+        raise ValueError(step.kind)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, fwd: tuple[Step, ...],  # type: ignore[override]
+                bwd: tuple[Step, ...]) -> torch.Tensor:
+        ctx.comm, ctx.bwd = comm, bwd
+        return comm.run(x, fwd, "forward")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return ctx.comm.run(grad, ctx.bwd, "backward"), None, None, None
+
+
+class Reshard(nn.Module):
+    """``self.reshard(x, src, dst, grad_src, grad_dst)``: placements as printed in plans."""
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, src: str, dst: str, grad_src: str = "", grad_dst: str = "") -> torch.Tensor:
+        fwd = _steps(src, dst)
+        bwd = _steps(grad_src, grad_dst) if grad_src else ()
+        if not x.requires_grad or not torch.is_grad_enabled():
+            return self.comm.run(x, fwd, "forward")
+        return _Redistribute.apply(x, self.comm, fwd, bwd)
+
+
+class PartialMeanLoss(nn.Module):
+    """A batch-split 'mean' loss: local sum / global count, the count summed over ``mesh_dims``.
+
+    ``self.partial_mean_loss(op, mesh_dims, *args)`` with the loss op's own arguments.
+    """
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, op: str, mesh_dims: tuple[int, ...], *args: Any) -> torch.Tensor:
+        target = getattr(torch.ops.aten, op.split(".")[1]).default
+        with torch.no_grad():
+            count = loss_rules.global_count(target, args).to(torch.float32).reshape(1)
+            for dim in mesh_dims:
+                self.comm._record("forward", ALL_REDUCE, dim, count)
+                count = fc.wait_tensor(fc.all_reduce(count, "sum", (self.comm.mesh, dim)))
+        return loss_rules.local_mean_loss(target, args, count.reshape(()))

@@ -1,0 +1,116 @@
+"""``autopar.compile``: plan on every rank, agree, build this rank's program and shards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.api import PlannedStep, plan_step
+from autopar.mesh import Mesh
+from autopar.passes import PassContext, parallelize_graph
+from autopar.passes.ops import Comm, PartialMeanLoss, Reshard
+from autopar.runtime.module import ParallelModule
+from autopar.runtime.parameters import InitFn, local_shard, materialize
+from autopar.solver.graph import BUFFER, INPUT, PARAM
+from autopar.solver.plan import param_sync_dims
+
+T = TypeVar("T")
+
+
+class CompileError(RuntimeError):
+    """Raised on every rank when any rank failed to compile, or ranks disagree."""
+
+
+def _on_every_rank(what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it fails anywhere, raise on every rank (no rank hangs)."""
+    result: Any = None
+    error = ""
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        error = f"{type(exc).__name__}: {exc}"
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, message = failed[0]
+        raise CompileError(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}")
+    return result
+
+
+def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] = (), *,
+            loss_fn: Callable[..., torch.Tensor] | None = None, example_targets: tuple[Any, ...] = (),
+            train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
+            data_axes: tuple[str, ...] = (), input_sharded: bool = False, init_fn: InitFn | None = None,
+            hardware: str | None = None, memory_limit: float | None = None,
+            precision: str | None = None) -> ParallelModule:
+    """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
+
+    Call on every rank with the same arguments. Every rank passes the whole batch, or,
+    with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
+    Errors (mesh size != world size, a failure on any rank, ranks planning differently)
+    are raised on every rank.
+    """
+    if not dist.is_initialized():
+        raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
+    if mesh.size() != dist.get_world_size():
+        raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
+                           f"{dist.get_world_size()} ranks; they must match")
+    if input_sharded and not data_axes:
+        names = mesh.mesh_dim_names or ()
+        if "dp" not in names:
+            raise CompileError("input_sharded=True needs data_axes=(...) naming the axes inputs are split on")
+        data_axes = ("dp",)
+    planning_mesh = Mesh.from_device_mesh(mesh, hardware)
+    step: PlannedStep = _on_every_rank("planning", lambda: plan_step(
+        model, planning_mesh, tuple(example_inputs), loss_fn=loss_fn, example_targets=tuple(example_targets),
+        train=train, constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
+        input_sharded=input_sharded, memory_limit=memory_limit, precision=precision))
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, step.plan.plan_hash())
+    if len(set(hashes)) != 1:
+        raise CompileError("ranks planned differently (plan hashes "
+                           f"{dict(enumerate(hashes))}): pass the same model, inputs and mesh on every rank")
+    return _on_every_rank("building the rank's program", lambda: _build(model, mesh, step, init_fn, input_sharded))
+
+
+def _build(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None,
+           input_sharded: bool) -> ParallelModule:
+    captured, graph, chosen = step.captured, step.graph, step.chosen
+    comm = Comm(mesh)
+    pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
+                     input_sharded=input_sharded)
+    program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "partial_mean_loss": PartialMeanLoss(comm)})
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    placeholders: list[tuple[str, str, str]] = []
+    local: dict[str, torch.Tensor] = {}
+    placements = {}
+    for node in captured.gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        name = node.name
+        plan_node = graph.nodes.get(name)
+        strategy_out = chosen[name].outputs[0] if name in chosen else None
+        if name in captured.constants:
+            placeholders.append((name, "constant", name))
+            local[name] = local_shard(captured.constants[name], strategy_out, mesh).clone()
+        elif plan_node is not None and plan_node.kind in (PARAM, BUFFER):
+            fqn = plan_node.fqn or name
+            placeholders.append((name, "param" if plan_node.kind == PARAM else "buffer", fqn))
+            local[name] = materialize(model, fqn, state[fqn], strategy_out, mesh, init_fn)
+            placements[fqn] = strategy_out
+        else:
+            assert plan_node is None or plan_node.kind == INPUT
+            placeholders.append((name, "input", name))
+    outputs = []
+    for out_name in graph.output_names:
+        strategy = chosen.get(out_name)
+        outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
+    return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
+                          local=local, placements=placements, tied=captured.tied, output_placements=outputs,
+                          input_sharded=input_sharded)
