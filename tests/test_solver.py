@@ -13,7 +13,7 @@ from torch import nn
 import autopar
 from autopar.capture import capture
 from autopar.cost import get_precision
-from autopar.cost.model import CostContext
+from autopar.cost.model import CostContext, gathered_parameter_bytes
 from autopar.rules import DEFAULT_RULES
 from autopar.solver.blocks import fold_repeated_blocks
 from autopar.solver.graph import build_plan_graph, price_edge
@@ -48,6 +48,9 @@ def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
         time += cost.time
         memory += cost.memory
         for arg, (src, idx) in enumerate(node.args):
+            memory += gathered_parameter_bytes(graph.nodes[src].outputs[idx], graph.nodes[src].strategies[choice[src]]
+                                               .outputs[idx], node.strategies[choice[name]].inputs[arg], ctx,
+                                               from_parameter=graph.nodes[src].kind == "param")
             time += price_edge(graph, src, idx, name, arg, graph.nodes[src].strategies[choice[src]],
                                node.strategies[choice[name]], ctx).time
     return time, memory

@@ -112,3 +112,12 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
             backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
     time = sum(collective_time(c, mesh) for c in (*forward, *backward))
     return EdgeCost(time, tuple(forward), tuple(backward))
+
+
+def gathered_parameter_bytes(meta: TensorMeta, produced: Placements, required: Placements, ctx: CostContext,
+                             *, from_parameter: bool) -> float:
+    """Bytes a parameter resharded for its consumer keeps alive until backward (the
+    consumer saves it); 0 when it is used as stored."""
+    if not from_parameter or not ctx.train or tuple(produced) == tuple(required):
+        return 0.0
+    return float(ctx.precision.tensor_bytes(meta, local_numel(meta, required, ctx.mesh.shape)))

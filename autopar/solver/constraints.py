@@ -105,7 +105,9 @@ def _op_pin(style: object, call: OpCall, where: str) -> Pin | None:
                 inputs = {0: Replicate(), 1: Shard(0), **({2: Shard(0)} if has_bias else {})}
                 return Pin(output=Shard(out.ndim - 1), inputs=inputs, reason=where)
             x = call.tensor_inputs[0]
-            inputs = {0: Shard(x.ndim - 1), 1: Shard(1), **({2: Replicate()} if has_bias else {})}
+            # The bias (a replicated parameter) joins the Partial sum on one rank only, which
+            # equals torch's adding it after the all-reduce.
+            inputs = {0: Shard(x.ndim - 1), 1: Shard(1), **({2: Partial()} if has_bias else {})}
             return Pin(output=Partial(), inputs=inputs, reason=where)
         if call.target is aten.embedding.default:
             if isinstance(style, RowwiseParallel):

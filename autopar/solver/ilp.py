@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import highspy
@@ -21,7 +22,8 @@ from highspy._core import _Highs
 
 from autopar.cost.model import CostContext
 from autopar.solver.blocks import Folding
-from autopar.solver.graph import PlanGraph, price_edge
+from autopar.cost.model import gathered_parameter_bytes
+from autopar.solver.graph import PARAM, PlanGraph, price_edge
 from autopar.units import fmt_bytes
 
 SCALE = 1e6
@@ -94,29 +96,31 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
-    if not minimize_memory:
-        cache: dict = {}  # the same reshard recurs on many edges
-        for edge in aggregate_edges(graph, folding):
-            _add_edge(model, graph, ctx, edge, x, cache)
+    cache: dict = {}  # the same reshard recurs on many edges
+    for edge in aggregate_edges(graph, folding):
+        _add_edge(model, graph, ctx, edge, x, cache, memory_row, minimize_memory)
     if memory_limit is not None and not minimize_memory:
         model.rows.append((memory_row, -highspy.kHighsInf, float(memory_limit)))
     build = time.perf_counter() - start
     values, objective = _run(model, time_limit_s)
     if values is None:
         if memory_limit is not None and not minimize_memory:
-            leanest = solve(graph, folding, ctx, None, minimize_memory=True)
+            leanest = solve(graph, folding, ctx, None, minimize_memory=True)  # raises if pins conflict
             raise MemoryLimitError(
                 f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device; the plan with "
                 f"the least memory needs {fmt_bytes(leanest.memory_bytes)} per device")
-        raise RuntimeError("the placement ILP has no solution (every node has a Replicate strategy, so this is a bug)")
+        raise ValueError("no plan satisfies the pinned placements together (constraints, data axes or "
+                         "input_sharded conflict on some edge)")
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
-    memory = sum(memory_row[x[v][s]] for v, s in choice.items())
+    memory = sum(weight * values[j] for j, weight in memory_row.items())
     return Solution(choice, objective if minimize_memory else objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build)
 
 
 def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              cache: dict) -> None:
+              cache: dict, memory_row: dict[int, float], minimize_memory: bool) -> None:
+    """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
+    the memory it keeps: a parameter gathered in forward stays gathered until backward)."""
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
     groups_p: dict[object, list[int]] = defaultdict(list)
     for s, strat in enumerate(prod.strategies):
@@ -128,6 +132,9 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
     keys_p, keys_c = list(groups_p), list(groups_c)
     meta = prod.outputs[edge.out_index]
 
+    def held(a: object, b: tuple) -> float:
+        return gathered_parameter_bytes(meta, a, b[0], ctx, from_parameter=prod.kind == PARAM) * edge.count
+
     def price(a: object, b: tuple) -> float:
         key = (meta, prod.kind, prod.needs_grad, a, b)
         if key not in cache:
@@ -135,27 +142,38 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
                                     prod.strategies[groups_p[a][0]], cons.strategies[groups_c[b][0]], ctx).time
         return cache[key] * SCALE * edge.count
 
-    cost = [[price(a, b) for b in keys_c] for a in keys_p]
-    if cons.follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1:
-        _add_follower_edge(model, edge, x, groups_p, groups_c, cost)
+    mem = [[held(a, b) for b in keys_c] for a in keys_p]
+    cost = mem if minimize_memory else [[price(a, b) for b in keys_c] for a in keys_p]
+
+    def add(j: int, a: int, b: int) -> None:
+        model.cost[j] += cost[a][b]
+        if mem[a][b]:
+            memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
+    inputs_taken = {placement for placement, _ in keys_c}
+    if (cons.follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1
+            and all(a in inputs_taken for a in keys_p)):  # every producer choice stays usable
+        _add_follower_edge(model, edge, x, groups_p, groups_c, add)
         return
     if edge.producer == edge.consumer:  # one decision on both ends
         where_p = {s: i for i, a in enumerate(keys_p) for s in groups_p[a]}
         where_c = {s: i for i, b in enumerate(keys_c) for s in groups_c[b]}
         for s, j in enumerate(x[edge.producer]):
-            model.cost[j] += cost[where_p[s]][where_c[s]]
+            add(j, where_p[s], where_c[s])
         return
     if len(keys_p) == 1 or len(keys_c) == 1:
         for a, ka in enumerate(keys_p):
             for b, kb in enumerate(keys_c):
                 if len(keys_p) == 1:
                     for s in groups_c[kb]:
-                        model.cost[x[edge.consumer][s]] += cost[a][b]
+                        add(x[edge.consumer][s], a, b)
                 else:
                     for s in groups_p[ka]:
-                        model.cost[x[edge.producer][s]] += cost[a][b]
+                        add(x[edge.producer][s], a, b)
         return
-    e = [[model.var(cost[a][b], integer=False) for b in range(len(keys_c))] for a in range(len(keys_p))]
+    e = [[model.var(0.0, integer=False) for b in range(len(keys_c))] for a in range(len(keys_p))]
+    for a in range(len(keys_p)):
+        for b in range(len(keys_c)):
+            add(e[a][b], a, b)
     for a, ka in enumerate(keys_p):
         row = {e[a][b]: 1.0 for b in range(len(keys_c))}
         row.update({x[edge.producer][s]: -1.0 for s in groups_p[ka]})
@@ -167,7 +185,7 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
 
 
 def _add_follower_edge(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-                       cost: list[list[float]]) -> None:
+                       add: Callable[[int, int, int], None]) -> None:
     """A view or elementwise op takes its input as produced: resharding before it costs
     the same as after it, so only matching placements are linked (far fewer variables)."""
     keys_p, keys_c = list(groups_p), list(groups_c)
@@ -177,7 +195,8 @@ def _add_follower_edge(model: _Model, edge: _Edge, x: dict[str, list[int]], grou
         if a is None:  # no producer strategy delivers this input: rule the consumer strategies out
             model.rows.append(({x[edge.consumer][s]: 1.0 for s in groups_c[keys_c[b]]}, 0.0, 0.0))
             continue
-        e = model.var(cost[a][b], integer=False)
+        e = model.var(0.0, integer=False)
+        add(e, a, b)
         flow_in[a][e] = 1.0
         row = {e: 1.0}
         row.update({x[edge.consumer][s]: -1.0 for s in groups_c[keys_c[b]]})

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time, reshard
 from autopar.cost.buckets import GradBucket, gradient_buckets
-from autopar.cost.model import CostContext, grad_placements, grad_sync_dims
+from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims
 from autopar.rules.loss import is_partial_mean_loss
 from autopar.rules.strategy import Strategy, placement_str
 from autopar.solver.blocks import Folding
@@ -149,6 +149,9 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
             act_mem += cost.memory
         for arg, (src, out_index) in enumerate(node.args):
             edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx, sync_dims.get(src))
+            act_mem += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
+                                                chosen[name].inputs[arg], ctx,
+                                                from_parameter=graph.nodes[src].kind == PARAM)
             for phase, calls in (("forward", edge.forward), ("backward", edge.backward)):
                 for call in calls:
                     if call.bucketed:  # one gradient all-reduce per parameter, however many ops use it

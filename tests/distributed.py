@@ -1,0 +1,72 @@
+"""Run a function on N gloo ranks forked from this (already torch-importing) process.
+
+Forking costs well under a second for 8 ranks where spawning costs 10-20 s. The parent
+must not have started an OpenMP thread pool before forking (a forked child then hangs
+in its first parallel op), so conftest pins torch to one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+TIMEOUT_S = 60
+"""Process-group timeout: a deadlock fails the test instead of hanging CI."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(TIMEOUT_S + 30, exit=True)  # last resort if gloo never times out
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        try:
+            queue.put((rank, fn(rank, world, *args), None))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """``fn(rank, world, *args)`` on each rank; returns the results in rank order.
+
+    Results must pickle without tensors (send floats or lists). Raises with the first
+    failing rank's traceback.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        for _ in procs:
+            rank, result, error = queue.get(timeout=TIMEOUT_S + 60)
+            if error:
+                errors[rank] = error
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+    return [results[r] for r in range(world)]

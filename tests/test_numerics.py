@@ -1,0 +1,161 @@
+"""Compiled plans train to the single-device numbers: loss, every gradient, and every
+parameter after 3 AdamW steps (fp32, rtol 1e-4, atol 1e-5), on gloo ranks forked from
+this process; and the collectives a step runs are exactly those the plan lists."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+import autopar
+from autopar.passes.ops import CollectiveLog
+from distributed import run_ranks
+from examples import gpt, hf_models, llama
+
+RTOL, ATOL, LR, STEPS = 1e-4, 1e-5, 1e-3, 3
+# Adam divides by sqrt(v) + eps: a gradient element near eps=1e-8 (fp32 rounding noise of a
+# summation order) turns into an update of lr * O(1) that differs between any two summation
+# orders. eps=1e-6 keeps those elements' updates below the tolerance; real gradients are far
+# larger than both.
+EPS = 1e-6
+
+GPT_TP = {"blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
+          "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()}
+GPT_TP_SP = {"blocks.*.attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
+             "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+             "blocks.*.mlp.fc": ColwiseParallel(input_layouts=Shard(1)),
+             "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+             "blocks.*.ln_1": SequenceParallel(), "blocks.*.ln_2": SequenceParallel()}
+LLAMA_TP = {"layers.*.attention.wq": ColwiseParallel(), "layers.*.attention.wk": ColwiseParallel(),
+            "layers.*.attention.wv": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w3": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel()}
+LLAMA_TP_SP = {**{k: ColwiseParallel(input_layouts=Shard(1)) for k, v in LLAMA_TP.items()
+                  if isinstance(v, ColwiseParallel)},
+               "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+               "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+               "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()}
+
+
+def _hf(builder: Callable[..., Any]) -> Callable[[], Any]:
+    def build() -> Any:
+        model, inputs, loss_fn, targets = builder()
+        model.eval()  # dropout off: random masks cannot match across layouts
+        return model, inputs, loss_fn, targets
+    return build
+
+
+MODELS: dict[str, Callable[[], Any]] = {
+    "gpt": gpt.build, "llama": llama.build,
+    "hf_gpt2": _hf(hf_models.build_gpt2_step), "hf_llama": _hf(hf_models.build_llama_step),
+}
+TP_PLANS = {"gpt": (GPT_TP, GPT_TP_SP), "llama": (LLAMA_TP, LLAMA_TP_SP)}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    plan: str
+    """'free', 'dp', 'tp', 'tp_sp' or 'dp_tp'."""
+    kwargs: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}"
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        if self.plan in ("tp", "tp_sp", "dp_tp"):
+            tp, tp_sp = TP_PLANS[self.model]
+            kw["constraints"] = tp_sp if self.plan == "tp_sp" else tp
+        if self.plan in ("dp", "dp_tp"):
+            kw["data_axes"] = ("dp",)
+        return kw
+
+
+CASES = [
+    Case("gpt", (2,), ("dp",), "free"), Case("gpt", (2,), ("dp",), "dp"), Case("gpt", (4,), ("tp",), "tp"),
+    Case("gpt", (4,), ("tp",), "tp_sp"), Case("gpt", (2, 2), ("dp", "tp"), "dp_tp"),
+    Case("gpt", (2, 2), ("dp", "tp"), "free"), Case("gpt", (2, 4), ("dp", "tp"), "dp_tp"),
+    Case("gpt", (2, 4), ("dp", "tp"), "free"),
+    Case("llama", (2,), ("dp",), "dp"), Case("llama", (4,), ("tp",), "tp"), Case("llama", (4,), ("tp",), "free"),
+    Case("llama", (2, 2), ("dp", "tp"), "tp_sp"), Case("llama", (2, 2), ("dp", "tp"), "free"),
+    Case("llama", (2, 4), ("dp", "tp"), "dp_tp"),
+    Case("hf_gpt2", (2,), ("dp",), "dp"), Case("hf_gpt2", (2, 2), ("dp", "tp"), "free"),
+    Case("hf_llama", (2,), ("dp",), "free"), Case("hf_llama", (2, 2), ("dp", "tp"), "free"),
+]
+
+
+def reference(build: Callable[[], Any]) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model, inputs, loss_fn, targets = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        loss = loss_fn(model(*inputs), *targets)
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    return [f"{k}: max |diff| {(ref[k] - got[k]).abs().max().item():.3g}" for k in ref
+            if not torch.allclose(ref[k], got[k], rtol=RTOL, atol=ATOL)]
+
+
+def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = MODELS[case.model]()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
+    log = CollectiveLog()
+    pm.attach_log(log)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    losses, grads, ran = [], {}, []
+    for step in range(STEPS):
+        loss = pm(*inputs, *targets)
+        assert isinstance(loss, DTensor) and loss.placements == (torch.distributed.tensor.Replicate(),) * mesh.ndim
+        loss.backward()
+        if step == 0:
+            ran = list(log.entries)
+            grads = {k: DTensor.from_local(p.grad, mesh, v.placements, run_check=False).full_tensor()
+                     for (k, p), v in zip(pm.named_parameters(), [pm.state_dict()[k] for k, _ in pm.named_parameters()])}
+        losses.append(loss.full_tensor().item())
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref[2]}
+    names = case.names
+    return {
+        "losses": losses, "grad_mismatches": _mismatches(ref[1], grads), "param_mismatches": _mismatches(ref[2], params),
+        "missing": sorted(set(ref[2]) - set(params)),
+        "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
+        "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_compiled_step_matches_single_device(case: Case) -> None:
+    ref = reference(MODELS[case.model])
+    world = 1
+    for n in case.mesh:
+        world *= n
+    results = run_ranks(train_on_rank, world, case, ref)
+    for rank, result in enumerate(results):
+        assert result["missing"] == [], result["missing"]
+        assert result["losses"] == pytest.approx(ref[0], rel=RTOL, abs=ATOL), f"rank {rank}"
+        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
+        assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
+        assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
+    assert any(r["ran"] for r in results) or case.mesh == (1,)
