@@ -76,11 +76,13 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     if len(set(hashes)) != 1:
         raise CompileError("ranks planned differently (plan hashes "
                            f"{dict(enumerate(hashes))}): pass the same model, inputs and mesh on every rank")
-    return _on_every_rank("building the rank's program", lambda: _build(model, mesh, step, init_fn, input_sharded))
+    return _on_every_rank("building the rank's program", lambda: build_rank_module(model, mesh, step, init_fn, input_sharded))
 
 
-def _build(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None,
-           input_sharded: bool) -> ParallelModule:
+def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
+                      input_sharded: bool = False) -> ParallelModule:
+    """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake
+    process group to inspect the generated program)."""
     captured, graph, chosen = step.captured, step.graph, step.chosen
     comm = Comm(mesh)
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
