@@ -124,7 +124,8 @@ def main() -> None:
     t0 = time.perf_counter()
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(targets,), **kwargs)
     compile_s = time.perf_counter() - t0
-    say(pm.plan)
+    if rank == 0:
+        print(pm.plan)  # placements by layer, collectives, predicted step time and memory
     n_params = sum(p.numel() for p in model.parameters())
     say(f"GPT: {n_params / 1e6:.2f}M parameters, vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers; "
         f"plan '{args.plan}' on mesh {args.mesh}; compiled in {compile_s:.1f} s")

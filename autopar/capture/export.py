@@ -48,6 +48,9 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     kwargs = dict(example_kwargs or {})
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
     flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        # A meta-device model is planned on shapes alone: inputs follow it onto meta.
+        flat = tuple(v.to("meta") if isinstance(v, torch.Tensor) else v for v in flat)
     start = time.perf_counter()
     try:
         program = torch.export.export(step, flat, strict=False)

@@ -5,7 +5,8 @@ in this order:
 1. annotate_placements: each node's chosen strategy into ``node.meta``;
 2. localize_shapes: size arguments become this rank's;
 3. localize_losses: batch-split 'mean' losses become local sum / global count;
-4. insert_reshards: ``self.reshard`` on every edge whose placements differ.
+4. insert_reshards: ``self.reshard`` on every edge whose placements differ;
+5. retarget_devices: tensors the step creates go to the rank's device.
 The ``reshard`` and ``partial_mean_loss`` modules they call come from
 ``autopar.passes.ops`` for a given DeviceMesh.
 """
@@ -20,8 +21,9 @@ from autopar.passes.context import PassContext
 from autopar.passes.insert_reshards import insert_reshards
 from autopar.passes.localize_losses import localize_losses
 from autopar.passes.localize_shapes import localize_shapes
+from autopar.passes.retarget_devices import retarget_devices
 
-PASSES = (annotate_placements, localize_shapes, localize_losses, insert_reshards)
+PASSES = (annotate_placements, localize_shapes, localize_losses, insert_reshards, retarget_devices)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]

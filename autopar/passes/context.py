@@ -28,6 +28,8 @@ class PassContext:
     """Parameter node -> mesh dims its gradient is all-reduced over after backward."""
     input_sharded: bool = False
     """Inputs arrive already split as planned (else every rank passes the whole batch)."""
+    device_type: str = "cpu"
+    """Device the rank's tensors live on ("cpu", "cuda")."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

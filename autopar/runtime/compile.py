@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
 from autopar.passes.ops import Comm, PartialMeanLoss, Reshard
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.parameters import InitFn, local_shard, materialize
+from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.solver.graph import BUFFER, INPUT, PARAM
 from autopar.solver.plan import param_sync_dims
 
@@ -47,12 +48,15 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             loss_fn: Callable[..., torch.Tensor] | None = None, example_targets: tuple[Any, ...] = (),
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
             data_axes: tuple[str, ...] = (), input_sharded: bool = False, init_fn: InitFn | None = None,
+            init_seed: int = 0,
             hardware: str | None = None, memory_limit: float | None = None,
             precision: str | None = None) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
+    A model on the meta device is initialized module by module (``reset_parameters`` or
+    ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
     Errors (mesh size != world size, a failure on any rank, ranks planning differently)
     are raised on every rank.
     """
@@ -67,6 +71,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             raise CompileError("input_sharded=True needs data_axes=(...) naming the axes inputs are split on")
         data_axes = ("dp",)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
+    if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
+        ways = math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in data_axes)  # type: ignore[union-attr]
+        example_inputs = _global_batch(example_inputs, ways)
+        example_targets = _global_batch(example_targets, ways)
     step: PlannedStep = _on_every_rank("planning", lambda: plan_step(
         model, planning_mesh, tuple(example_inputs), loss_fn=loss_fn, example_targets=tuple(example_targets),
         train=train, constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
@@ -76,19 +84,24 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     if len(set(hashes)) != 1:
         raise CompileError("ranks planned differently (plan hashes "
                            f"{dict(enumerate(hashes))}): pass the same model, inputs and mesh on every rank")
-    return _on_every_rank("building the rank's program", lambda: build_rank_module(model, mesh, step, init_fn, input_sharded))
+    return _on_every_rank("building the rank's program", lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed))
+
+
+def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
+    return tuple(torch.cat([v] * ways) if isinstance(v, torch.Tensor) else v for v in values)
 
 
 def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
-                      input_sharded: bool = False) -> ParallelModule:
+                      input_sharded: bool = False, init_seed: int = 0) -> ParallelModule:
     """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake
     process group to inspect the generated program)."""
     captured, graph, chosen = step.captured, step.graph, step.chosen
     comm = Comm(mesh)
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
-                     input_sharded=input_sharded)
+                     input_sharded=input_sharded, device_type=mesh.device_type)
     program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "partial_mean_loss": PartialMeanLoss(comm)})
     state = dict(model.named_parameters()) | dict(model.named_buffers())
+    shards = ShardInitializer(model, mesh, init_fn, init_seed)
     placeholders: list[tuple[str, str, str]] = []
     local: dict[str, torch.Tensor] = {}
     placements = {}
@@ -104,11 +117,12 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
         elif plan_node is not None and plan_node.kind in (PARAM, BUFFER):
             fqn = plan_node.fqn or name
             placeholders.append((name, "param" if plan_node.kind == PARAM else "buffer", fqn))
-            local[name] = materialize(model, fqn, state[fqn], strategy_out, mesh, init_fn)
+            local[name] = shards.local(fqn, state[fqn], strategy_out)
             placements[fqn] = strategy_out
         else:
             assert plan_node is None or plan_node.kind == INPUT
             placeholders.append((name, "input", name))
+    shards.release()
     outputs = []
     for out_name in graph.output_names:
         strategy = chosen.get(out_name)

@@ -1,15 +1,15 @@
 """This rank's shards of parameters and buffers: sliced from real weights, or initialized
-shard by shard for a model built on the meta device."""
+module by module for a model built on the meta device."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
-from torch.distributed.tensor import empty as dtensor_empty
+from torch.distributed.tensor import Placement, Shard
 
 
 def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], mesh: DeviceMesh) -> torch.Tensor:
@@ -25,39 +25,74 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], mesh: Dev
 
 
 InitFn = Callable[[nn.Module], None]
-"""Initializes a module's parameters in place (it may see DTensors), like ``reset_parameters``."""
+"""Initializes a module's own parameters and buffers in place, like ``reset_parameters``."""
 
 
-def _owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    module_path, _, leaf = fqn.rpartition(".")
-    return (model.get_submodule(module_path) if module_path else model), leaf
+class ShardInitializer:
+    """Local shards of a model's tensors: sliced from real weights, or initialized for a
+    model built on the meta device.
 
-
-def materialize(model: nn.Module, fqn: str, tensor: torch.Tensor, placements: tuple[Placement, ...],
-                mesh: DeviceMesh, init_fn: InitFn | None) -> torch.Tensor:
-    """The local shard of parameter/buffer ``fqn`` as a new tensor on the mesh's device.
-
-    A meta tensor is created as a DTensor of local shards only and initialized by its
-    module's ``reset_parameters`` (or ``init_fn``); DTensor's random ops draw each shard
-    as the matching block of the whole tensor, so no rank holds more than its shard.
+    A meta module is initialized one module at a time: its own tensors (not its
+    children's) are created on the mesh's device, seeded from ``seed`` and the module's
+    path, initialized by ``reset_parameters`` (or ``init_fn``), sliced to this rank's shards
+    and released. Every rank draws the same values whatever the mesh, so a checkpoint or a
+    single-device run seeded the same way agrees; the transient peak is one module's own
+    tensors (an embedding table, a linear layer), never the whole model.
     """
-    device = torch.device(mesh.device_type)
-    if not tensor.is_meta:
-        return local_shard(tensor.detach(), placements, mesh).to(device).clone()
-    owner, leaf = _owner(model, fqn)
-    init = init_fn or getattr(owner, "reset_parameters", None)
-    if init is None:
-        raise ValueError(f"{fqn} is on the meta device and {type(owner).__name__} has no reset_parameters; "
-                         "pass init_fn= to autopar.compile")
-    dtensor = dtensor_empty(tuple(tensor.shape), dtype=tensor.dtype, device_mesh=mesh, placements=placements)
-    original = getattr(owner, leaf)
-    is_param = isinstance(original, nn.Parameter)
-    setattr(owner, leaf, nn.Parameter(dtensor, requires_grad=original.requires_grad) if is_param else dtensor)
-    try:
-        with torch.no_grad():
-            init(owner) if init_fn is not None else init()  # type: ignore[misc]
-        value = getattr(owner, leaf)
-        assert isinstance(value, DTensor)
-        return value.to_local().detach().clone()
-    finally:
-        setattr(owner, leaf, original)
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, init_fn: InitFn | None, seed: int = 0) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.init_fn = init_fn
+        self.seed = seed
+        self._initialized: dict[str, dict[str, torch.Tensor]] = {}
+
+    def local(self, fqn: str, tensor: torch.Tensor, placements: tuple[Placement, ...]) -> torch.Tensor:
+        device = torch.device(self.mesh.device_type)
+        if not tensor.is_meta:
+            return local_shard(tensor.detach(), placements, self.mesh).to(device).clone()
+        module_path, _, leaf = fqn.rpartition(".")
+        full = self._init_module(module_path)[leaf]
+        return local_shard(full, placements, self.mesh).clone()
+
+    def _init_module(self, path: str) -> dict[str, torch.Tensor]:
+        if path in self._initialized:
+            return self._initialized[path]
+        owner = self.model.get_submodule(path) if path else self.model
+        init = self.init_fn or getattr(owner, "reset_parameters", None)
+        if init is None:
+            raise ValueError(f"{path or 'the model'} ({type(owner).__name__}) is on the meta device and has no "
+                             "reset_parameters; pass init_fn= to autopar.compile")
+        owner.to_empty(device=torch.device(self.mesh.device_type), recurse=False)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(self.seed + zlib.crc32(path.encode()))
+            init(owner) if self.init_fn is not None else init()  # type: ignore[misc]
+        own = {name: t.detach() for name, t in [*owner.named_parameters(recurse=False),
+                                                 *owner.named_buffers(recurse=False)]}
+        self._initialized[path] = own
+        return own
+
+    def release(self) -> None:
+        """Put initialized modules back on meta: only the shards stay allocated."""
+        for path in self._initialized:
+            owner = self.model.get_submodule(path) if path else self.model
+            owner.to_empty(device=torch.device("meta"), recurse=False)
+        self._initialized.clear()
+
+
+def initialize_like_compile(model: nn.Module, init_fn: InitFn | None = None, seed: int = 0,
+                            device: str = "cpu") -> nn.Module:
+    """Initialize a meta-device model on one device exactly as ``autopar.compile`` does
+    shard by shard (same seeds, module by module): a single-device twin for checks."""
+    for path, module in model.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if not any(t.is_meta for _, t in own):
+            continue
+        init = init_fn or getattr(module, "reset_parameters", None)
+        if init is None:
+            raise ValueError(f"{path or 'the model'} ({type(module).__name__}) has no reset_parameters; pass init_fn=")
+        module.to_empty(device=torch.device(device), recurse=False)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed + zlib.crc32(path.encode()))
+            init(module) if init_fn is not None else init()  # type: ignore[misc]
+    return model

@@ -46,6 +46,8 @@ class NodePlacement:
     outputs: list[str]
     inputs: list[str]
     fallback: bool
+    shapes: list[list[int]]
+    """Global shape of each output (None-free; [] for a scalar)."""
 
 
 @dataclass(kw_only=True)
@@ -88,7 +90,7 @@ class Plan:
 
     def plan_hash(self) -> str:
         """Fingerprint of the decisions (placements), identical on every rank and run."""
-        decisions = {"mesh": self.mesh, "nodes": [(n.name, n.outputs, n.inputs) for n in self.nodes]}
+        decisions = {"mesh": self.mesh, "nodes": [(n.name, n.op, n.shapes, n.outputs, n.inputs) for n in self.nodes]}
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
@@ -176,7 +178,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     comm_time = sum(c.time_s for c in collectives)
     nodes = [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
                            outputs=[placement_str(p) for p in chosen[n].outputs],
-                           inputs=[placement_str(p) for p in chosen[n].inputs], fallback=graph.nodes[n].fallback)
+                           inputs=[placement_str(p) for p in chosen[n].inputs], fallback=graph.nodes[n].fallback,
+                           shapes=[list(m.shape) for m in graph.nodes[n].outputs if m is not None])
              for n in graph.order]
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}

@@ -1,0 +1,154 @@
+"""Runtime on forked gloo ranks: meta-device init, forward-only outputs, sharded inputs,
+checkpoints across meshes, and errors raised on every rank."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.runtime import checkpoint
+from autopar.runtime.parameters import initialize_like_compile
+from distributed import run_ranks
+from examples import gpt
+
+
+def _tokens(batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 512, (batch, 64), generator=gen)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _meta_init_rank(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, _, loss_fn, _ = gpt.build(device="meta")
+    tokens, targets = _tokens()
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,))
+    assert all(not p.is_meta for p in pm.parameters()) and all(p.is_meta for p in model.parameters())
+    local = sum(p.numel() for p in pm.parameters())
+    expected = sum(v.numel() // math.prod(n for p, n in zip(v.placements, mesh.shape) if p.is_shard())
+                   for v in pm.state_dict().values())
+    loss = pm(tokens, targets).full_tensor().item()
+    return {"local_numel": local, "expected_local": expected, "loss": loss,
+            "full": {k: v.tolist() for k, v in checkpoint.full_state_dict(pm).items()}}
+
+
+def test_meta_model_is_initialized_shard_by_shard_like_one_device() -> None:
+    twin, _, loss_fn, _ = gpt.build(device="meta")
+    initialize_like_compile(twin)
+    tokens, targets = _tokens()
+    ref_loss = loss_fn(twin(tokens), targets).item()
+    results = run_ranks(_meta_init_rank, 4)
+    total = sum(p.numel() for p in twin.parameters())
+    for r in results:
+        assert r["local_numel"] == r["expected_local"] < total  # only shards are kept
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for key, value in twin.state_dict().items():
+        assert torch.equal(torch.tensor(results[0]["full"][key]), value), key
+    assert results[1]["full"] == {}  # the full state dict lands on rank 0 only
+
+
+def _forward_only_rank(rank: int, world: int) -> list[float]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model, (tokens,), _, _ = gpt.build()
+    pm = autopar.compile(model, mesh, (tokens,), train=False)
+    logits = pm(tokens)
+    assert isinstance(logits, DTensor)
+    return logits.full_tensor().flatten()[:2048].tolist()
+
+
+def test_forward_only_outputs_are_dtensors_with_the_single_device_value() -> None:
+    model, (tokens,), _, _ = gpt.build()
+    expected = model(tokens).detach().flatten()[:2048]
+    for got in run_ranks(_forward_only_rank, 2):
+        torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-4, atol=1e-5)
+
+
+def _sharded_input_rank(rank: int, world: int) -> float:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, _, loss_fn, _ = gpt.build()
+    tokens, targets = _tokens()
+    half = slice(rank * 4, rank * 4 + 4)
+    pm = autopar.compile(model, mesh, (tokens[half],), loss_fn=loss_fn, example_targets=(targets[half],),
+                         input_sharded=True)
+    return pm(tokens[half], targets[half]).full_tensor().item()
+
+
+def test_input_sharded_each_rank_passes_its_data_shard() -> None:
+    model, _, loss_fn, _ = gpt.build()
+    tokens, targets = _tokens()
+    expected = loss_fn(model(tokens), targets).item()
+    assert run_ranks(_sharded_input_rank, 2) == pytest.approx([expected] * 2, rel=1e-5)
+
+
+def _checkpoint_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+    tokens, targets = _tokens()
+    model, _, loss_fn, _ = gpt.build()
+    mesh_2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pm = autopar.compile(model, mesh_2x2, (tokens,), loss_fn=loss_fn, example_targets=(targets,))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm(tokens, targets).backward()
+    opt.step()
+    checkpoint.save(pm, path)
+    saved = {k: v.full_tensor() for k, v in pm.state_dict().items()}
+    fresh, _, _, _ = gpt.build(gpt.GPTConfig())  # same shapes, other values after training
+    mesh_4 = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    other = autopar.compile(fresh, mesh_4, (tokens,), loss_fn=loss_fn, example_targets=(targets,))
+    changed = [k for k, v in other.state_dict().items() if not torch.equal(v.full_tensor(), saved[k])]
+    checkpoint.load(other, path)
+    mismatched = [k for k, v in other.state_dict().items() if not torch.equal(v.full_tensor(), saved[k])]
+    same_loss = other(tokens, targets).full_tensor().item() == pytest.approx(pm(tokens, targets).full_tensor().item(),
+                                                                           rel=1e-5)
+    return {"changed_before_load": len(changed), "mismatched_after_load": mismatched, "same_loss": same_loss,
+            "keys": sorted(pm.state_dict()) == sorted(model.state_dict())}
+
+
+def test_checkpoint_saved_on_one_mesh_loads_on_another(tmp_path: Path) -> None:
+    for r in run_ranks(_checkpoint_rank, 4, str(tmp_path / "ckpt")):
+        assert r["keys"], "state_dict keys are the original model's"
+        assert r["changed_before_load"] > 0  # the test can fail: the two modules started different
+        assert r["mismatched_after_load"] == []
+        assert r["same_loss"]
+
+
+def _wrong_mesh_rank(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.CompileError, match="2 devices .* 4 ranks") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    return str(info.value)
+
+
+def _rank_disagrees(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build(batch=8 if rank == 0 else 4)
+    with pytest.raises(autopar.CompileError, match="planned differently") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    return str(info.value)
+
+
+def _rank_fails(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+
+    def broken_loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if rank == 1:
+            raise RuntimeError("this rank's loss is broken")
+        return loss_fn(logits, t)
+
+    with pytest.raises(autopar.CompileError, match="rank 1.*loss is broken") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=broken_loss, example_targets=targets)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("scenario,world", [(_wrong_mesh_rank, 4), (_rank_disagrees, 2), (_rank_fails, 2)],
+                         ids=["mesh-size-not-world-size", "ranks-plan-differently", "one-rank-fails"])
+def test_errors_are_raised_on_every_rank(scenario: Any, world: int) -> None:
+    messages = run_ranks(scenario, world)
+    assert len(messages) == world and len(set(messages)) == 1  # every rank raised, and the same error
