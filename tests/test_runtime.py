@@ -152,3 +152,24 @@ def _rank_fails(rank: int, world: int) -> str:
 def test_errors_are_raised_on_every_rank(scenario: Any, world: int) -> None:
     messages = run_ranks(scenario, world)
     assert len(messages) == world and len(set(messages)) == 1  # every rank raised, and the same error
+
+
+def _accumulate_rank(rank: int, world: int) -> dict[str, list[float]]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, _, loss_fn, _ = gpt.build()
+    tokens, targets = _tokens()
+    pm = autopar.compile(model, mesh, (tokens[:4],), loss_fn=loss_fn, example_targets=(targets[:4],),
+                         data_axes=("dp",))
+    for micro in (slice(0, 4), slice(4, 8)):  # two micro-batches, one optimizer step
+        pm(tokens[micro], targets[micro]).backward()
+    return {k: p.grad.flatten()[:64].tolist() for k, p in pm.named_parameters()}
+
+
+def test_gradients_accumulate_over_several_backward_passes() -> None:
+    model, _, loss_fn, _ = gpt.build()
+    tokens, targets = _tokens()
+    for micro in (slice(0, 4), slice(4, 8)):
+        loss_fn(model(tokens[micro]), targets[micro]).backward()
+    for got in run_ranks(_accumulate_rank, 2):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(torch.tensor(got[name]), p.grad.flatten()[:64], rtol=1e-4, atol=1e-5)

@@ -1,9 +1,11 @@
 """Gradient synchronization: the plan's buckets all-reduced once their gradients are ready.
 
-Each bucket launches as soon as backward has accumulated every gradient in it (post-
-accumulate-grad hooks), overlapping the rest of backward; an end-of-backward callback
-waits for all of them and writes the reduced values back, so ``opt.step()`` right after
-``loss.backward()`` sees synchronized gradients.
+A gradient hook on each synchronized parameter sees this backward's contribution (before
+it is added to ``.grad``); when a bucket's contributions are all in, their sum is launched
+as one async all-reduce, overlapping the rest of backward. An end-of-backward callback
+waits and adds the other ranks' part (reduced - own contribution) to ``.grad``, so
+``opt.step()`` right after ``loss.backward()`` sees synchronized gradients, and gradients
+accumulated over several backward passes stay correct.
 """
 
 from __future__ import annotations
@@ -25,27 +27,29 @@ class GradSync:
         self.params = params
         self.mesh = mesh
         self.log: CollectiveLog | None = None
-        self._ready: list[set[str]] = [set() for _ in buckets]
+        self._contributions: list[dict[str, torch.Tensor]] = [{} for _ in buckets]
         self._pending: list[tuple[int, torch.Tensor, Any]] = []
         self._callback_queued = False
         self._bucket_of = {name: i for i, b in enumerate(buckets) for name in b.params}
         for name in self._bucket_of:
-            params[name].register_post_accumulate_grad_hook(self._make_hook(name))
+            params[name].register_hook(self._make_hook(name))
 
     def _make_hook(self, name: str):  # noqa: ANN202
-        def hook(param: torch.Tensor) -> None:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
             i = self._bucket_of[name]
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._callback_queued = True
-            self._ready[i].add(name)
-            if len(self._ready[i]) == len(self.buckets[i].params):
+            contributions = self._contributions[i]
+            contributions[name] = contributions[name] + grad if name in contributions else grad
+            if len(contributions) == len(self.buckets[i].params):
                 self._launch(i)
+            return grad
         return hook
 
     def _launch(self, i: int) -> None:
         bucket = self.buckets[i]
-        flat = torch.cat([self.params[n].grad.reshape(-1) for n in bucket.params])  # type: ignore[union-attr]
+        flat = torch.cat([self._contributions[i][n].reshape(-1) for n in bucket.params])
         first = bucket.mesh_dims[0]
         self._record(first, flat)
         work = dist.all_reduce(flat, group=self.mesh.get_group(first), async_op=True)
@@ -64,10 +68,12 @@ class GradSync:
                 dist.all_reduce(flat, group=self.mesh.get_group(dim))
             offset = 0
             for name in bucket.params:
-                grad = self.params[name].grad
-                assert grad is not None
-                grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+                param = self.params[name]
+                own = self._contributions[i][name]
+                reduced = flat[offset: offset + own.numel()].view_as(own)
+                assert param.grad is not None
+                param.grad.add_(reduced - own)
+                offset += own.numel()
         self._pending.clear()
-        self._ready = [set() for _ in self.buckets]
+        self._contributions = [{} for _ in self.buckets]
         self._callback_queued = False
