@@ -19,8 +19,10 @@ Variants (all on the same mesh, the same initial weights and the same global bat
 * ``autopar tp_sp``    ``autopar.compile(..., constraints=GPT_TP_SP, data_axes=("dp",))``.
 * ``autopar free``     ``autopar.compile(...)`` with no constraints (the solver's choice).
 
-The ratio column is autopar / hand: ``autopar tp`` vs ``hand tp + ddp``, ``autopar tp_sp``
-vs ``hand tp_sp + ddp``, and ``autopar free`` vs the fastest hand variant. Target: <= 1.0.
+The ratio column is autopar / hand per-step time (medians; in brackets the ratio of the
+minima, less sensitive to load): ``autopar tp`` vs ``hand tp + ddp``, ``autopar tp_sp`` vs
+``hand tp_sp + ddp``, and ``autopar free`` vs the fastest hand variant. Target: <= 1.0.
+The last column is autopar's own plan: collectives it lists per step, predicted step time.
 
 What the hand plan needs that autopar does not (hand side only, on a copy of the model):
 torch's ``ColwiseParallel`` hands each rank a *local* tensor, so the example's attention,
@@ -162,6 +164,7 @@ def hand_model(args: argparse.Namespace, mesh: DeviceMesh, plan: str, dp: str) -
 class Variant:
     def __init__(self, name: str, args: argparse.Namespace, mesh: DeviceMesh) -> None:
         self.name = name
+        self.planned: dict[str, Any] = {}
         _, tokens, targets = build(args)
         t0 = time.perf_counter()
         if name.startswith("hand"):
@@ -181,6 +184,8 @@ class Variant:
             self.module = autopar.compile(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(targets,),
                                           **kwargs)
             self.inputs = (tokens, targets)
+            plan_ = self.module.plan
+            self.planned = {"collectives": len(plan_.collectives), "predicted_step_s": plan_.predicted.step_time_s}
         self.setup_s = time.perf_counter() - t0
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
 
@@ -218,10 +223,11 @@ def reference_losses(args: argparse.Namespace) -> list[float]:
     return out
 
 
-def rank_main(rank: int, world: int, args: argparse.Namespace, ref: list[float]) -> dict[str, Any]:
+def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", tuple(MESH.values()), mesh_dim_names=tuple(MESH))
     variants = [Variant(name, args, mesh) for name in args.variants]
-    out: dict[str, Any] = {v.name: {"setup_s": v.setup_s, "losses": [], "times_s": []} for v in variants}
+    out: dict[str, Any] = {v.name: {"setup_s": v.setup_s, "losses": [], "times_s": [], "planned": v.planned}
+                           for v in variants}
     for v in variants:
         for i in range(max(args.warmup, args.check_steps)):
             loss = v.step()
@@ -344,11 +350,11 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=150)
+    console = Console(width=170)
     world = math.prod(MESH.values())
     ref = reference_losses(args)
     t0 = time.perf_counter()
-    results = run_ranks(rank_main, world, args, ref)
+    results = run_ranks(rank_main, world, args)
     wall = time.perf_counter() - t0
     r0 = results[0]
 
@@ -366,9 +372,11 @@ def main() -> None:
         if name == "autopar free" and hand_best is not None:
             against = hand_best[1]
         ratio = medians[name] / medians[against] if against in medians else None
+        ratio_min = min(r0[name]["times_s"]) / min(r0[against]["times_s"]) if against in medians else None
         rows.append({"variant": name, "median_step_s": medians[name], "min_step_s": min(r0[name]["times_s"]),
                      "times_s": r0[name]["times_s"], "setup_s": max(r[name]["setup_s"] for r in results),
-                     "losses": losses, "loss_matches_single_device": ok, "vs": against, "ratio": ratio})
+                     "losses": losses, "autopar_plan": r0[name]["planned"], "loss_matches_single_device": ok,
+                     "vs": against, "ratio": ratio, "ratio_of_mins": ratio_min})
 
     table = Table(title=f"runtime overhead: GPT h{args.hidden} x{args.layers}L vocab {args.vocab}, batch {args.batch}"
                         f" x seq {args.seq}, fp32, mesh dp=2 x tp=2 (gloo, CPU)")
@@ -378,12 +386,16 @@ def main() -> None:
     table.add_column("setup s", justify="right")
     table.add_column("step-0 loss", justify="right")
     table.add_column("losses = 1 device", justify="center")
-    table.add_column("autopar / hand", justify="right")
+    table.add_column("autopar / hand (median)", justify="right")
+    table.add_column("plan: collectives, predicted ms", justify="right")
     for row in rows:
-        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f} (vs {row['vs']})"
+        ratio = "" if row["ratio"] is None else (f"{row['ratio']:.2f} (mins {row['ratio_of_mins']:.2f}) "
+                                                 f"vs {row['vs']}")
         table.add_row(row["variant"], f"{1e3 * row['median_step_s']:.1f}", f"{1e3 * row['min_step_s']:.1f}",
                       f"{row['setup_s']:.1f}", f"{row['losses'][0]:.6f}",
-                      "yes" if row["loss_matches_single_device"] else "[red]NO[/red]", ratio)
+                      "yes" if row["loss_matches_single_device"] else "[red]NO[/red]", ratio,
+                      f"{planned['collectives']}, {1e3 * planned['predicted_step_s']:.1f}" if (
+                          planned := row["autopar_plan"]) else "")
     console.print(table)
     console.print(f"single-device losses (steps 0..{args.check_steps - 1}): "
                   + ", ".join(f"{x:.6f}" for x in ref))

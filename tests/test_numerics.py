@@ -4,6 +4,7 @@ this process; and the collectives a step runs are exactly those the plan lists."
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -136,13 +138,28 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]
         opt.step()
         opt.zero_grad()
     params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref[2]}
+    diverged = _diverged_replicas(pm, mesh)
     names = case.names
     return {
         "losses": losses, "grad_mismatches": _mismatches(ref[1], grads), "param_mismatches": _mismatches(ref[2], params),
-        "missing": sorted(set(ref[2]) - set(params)),
+        "missing": sorted(set(ref[2]) - set(params)), "diverged": diverged,
         "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
         "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
     }
+
+
+def _diverged_replicas(pm: autopar.ParallelModule, mesh: Any) -> list[str]:
+    """Parameters whose copies along a replicated mesh dim are not bit-for-bit equal."""
+    diverged = []
+    for name, value in pm.state_dict().items():
+        digest = hashlib.sha1(value.to_local().detach().numpy().tobytes()).hexdigest()
+        for dim, placement in enumerate(value.placements):
+            if placement.is_replicate():
+                digests: list[Any] = [None] * mesh.size(dim)
+                dist.all_gather_object(digests, digest, group=mesh.get_group(dim))
+                if len(set(digests)) > 1:
+                    diverged.append(f"{name} along {mesh.mesh_dim_names[dim]}")
+    return diverged
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -157,5 +174,6 @@ def test_compiled_step_matches_single_device(case: Case) -> None:
         assert result["losses"] == pytest.approx(ref[0], rel=RTOL, abs=ATOL), f"rank {rank}"
         assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
         assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
+        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
         assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
     assert any(r["ran"] for r in results) or case.mesh == (1,)

@@ -77,6 +77,7 @@ def _replace_slot(node: torch.fx.Node, slot: tuple[str, Any], new: torch.fx.Node
 def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     rerouted: list[tuple[torch.fx.Node, tuple[Any, ...] | None]] = []  # applied after the edge pass
+    shared: dict[tuple[Any, ...], torch.fx.Node] = {}  # one reshard serves every consumer needing it
     for node in list(graph.nodes):
         name = plan_name(node)
         strategy = strategy_of(node)
@@ -93,7 +94,7 @@ def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             rerouted.append((node, _reshard_args(node, produced, required,
                                                  _grad_spec(pc, src, produced, required, name))))
         elif node.op in ("call_function", "call_module"):
-            _reshard_inputs(gm, node, name, pc)
+            _reshard_inputs(gm, node, name, pc, shared)
     for node, args in rerouted:
         _insert_after(gm, node, args)
     if pc.graph.loss is not None:
@@ -105,7 +106,8 @@ def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
     return gm
 
 
-def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc: PassContext) -> None:
+def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc: PassContext,
+                    shared: dict[tuple[Any, ...], torch.fx.Node]) -> None:
     plan_node = pc.graph.nodes[name]
     strategy = pc.chosen[name]
     slots = _tensor_arg_slots(node, lambda a: plan_name(a) is not None)
@@ -113,10 +115,15 @@ def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc
     for k, (slot, (src, idx)) in enumerate(zip(slots, plan_node.args)):
         produced, required = pc.chosen[src].outputs[idx], strategy.inputs[k]
         args = _reshard_args(_slot_value(node, slot), produced, required, _grad_spec(pc, src, produced, required, name))
-        if args is not None:
+        if args is None:
+            continue
+        # Consumers needing the same placement (and sending back the same gradient
+        # placement) share one reshard: autograd sums their gradients before its backward.
+        reshard = shared.get(args)
+        if reshard is None:
             with gm.graph.inserting_before(node):
-                reshard = gm.graph.call_module("reshard", args)
-            _replace_slot(node, slot, reshard)
+                reshard = shared[args] = gm.graph.call_module("reshard", args)
+        _replace_slot(node, slot, reshard)
 
 
 def _slot_value(node: torch.fx.Node, slot: tuple[str, Any]) -> torch.fx.Node:

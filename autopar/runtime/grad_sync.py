@@ -3,9 +3,9 @@
 A gradient hook on each synchronized parameter sees this backward's contribution (before
 it is added to ``.grad``); when a bucket's contributions are all in, their sum is launched
 as one async all-reduce, overlapping the rest of backward. An end-of-backward callback
-waits and adds the other ranks' part (reduced - own contribution) to ``.grad``, so
-``opt.step()`` right after ``loss.backward()`` sees synchronized gradients, and gradients
-accumulated over several backward passes stay correct.
+waits and sets ``.grad`` to what it held before this backward plus the reduced sum, so
+``opt.step()`` right after ``loss.backward()`` sees synchronized gradients, identical on
+every replica, and gradients accumulated over several backward passes stay correct.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class GradSync:
         self.mesh = mesh
         self.log: CollectiveLog | None = None
         self._contributions: list[dict[str, torch.Tensor]] = [{} for _ in buckets]
+        self._before: dict[str, torch.Tensor | None] = {}  # .grad before this backward (accumulation)
         self._pending: list[tuple[int, torch.Tensor, Any]] = []
         self._callback_queued = False
         self._bucket_of = {name: i for i, b in enumerate(buckets) for name in b.params}
@@ -40,6 +41,9 @@ class GradSync:
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._callback_queued = True
+            if name not in self._before:
+                grad_so_far = self.params[name].grad
+                self._before[name] = None if grad_so_far is None else grad_so_far.clone()
             contributions = self._contributions[i]
             contributions[name] = contributions[name] + grad if name in contributions else grad
             if len(contributions) == len(self.buckets[i].params):
@@ -71,9 +75,12 @@ class GradSync:
                 param = self.params[name]
                 own = self._contributions[i][name]
                 reduced = flat[offset: offset + own.numel()].view_as(own)
+                before = self._before[name]
                 assert param.grad is not None
-                param.grad.add_(reduced - own)
+                # Exactly (earlier sum) + (reduced sum): the same bits on every replica.
+                param.grad.copy_(reduced if before is None else before + reduced)
                 offset += own.numel()
         self._pending.clear()
+        self._before.clear()
         self._contributions = [{} for _ in self.buckets]
         self._callback_queued = False

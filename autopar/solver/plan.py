@@ -138,6 +138,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
 
     sync_dims = param_sync_dims(graph, chosen, ctx)
     grad_sync: dict[tuple[str, int], tuple[str, CollectiveCall]] = {}  # per parameter, before bucketing
+    resharded: set[tuple] = set()
     compute = 0.0
     param_mem = act_mem = 0.0
     for name in graph.order:
@@ -150,6 +151,12 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         else:
             act_mem += cost.memory
         for arg, (src, out_index) in enumerate(node.args):
+            required = chosen[name].inputs[arg]
+            grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
+                       if ctx.train and graph.nodes[src].needs_grad else None)
+            if (src, out_index, required, grad_in) in resharded:  # shared with an earlier consumer
+                continue
+            resharded.add((src, out_index, required, grad_in))
             edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx, sync_dims.get(src))
             act_mem += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
                                                 chosen[name].inputs[arg], ctx,
