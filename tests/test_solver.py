@@ -13,6 +13,7 @@ from torch import nn
 import autopar
 from autopar.capture import capture
 from autopar.cost import get_precision
+from autopar.cost.collectives import grad_placement_at_consumer
 from autopar.cost.model import CostContext, gathered_parameter_bytes
 from autopar.rules import DEFAULT_RULES
 from autopar.solver.blocks import fold_repeated_blocks
@@ -40,19 +41,29 @@ def _graph(mesh_axes: dict[str, int], hardware: str = "h100"):
 
 
 def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
-    """Objective and memory of one assignment, priced independently of the ILP."""
+    """Objective and memory of one assignment, priced independently of the ILP: node costs
+    (with the loss's own collectives), and each tensor's reshards once per distinct
+    (placement needed, gradient placement sent back) among its consumers."""
     time = memory = 0.0
+    paid: set[tuple] = set()
     for name in graph.order:
         node = graph.nodes[name]
+        strategy = node.strategies[choice[name]]
         cost = node.costs[choice[name]]
-        time += cost.time
+        time += cost.time + (node.comm_times[choice[name]] if node.comm_times else 0.0)
         memory += cost.memory
         for arg, (src, idx) in enumerate(node.args):
-            memory += gathered_parameter_bytes(graph.nodes[src].outputs[idx], graph.nodes[src].strategies[choice[src]]
-                                               .outputs[idx], node.strategies[choice[name]].inputs[arg], ctx,
-                                               from_parameter=graph.nodes[src].kind == "param")
-            time += price_edge(graph, src, idx, name, arg, graph.nodes[src].strategies[choice[src]],
-                               node.strategies[choice[name]], ctx).time
+            producer = graph.nodes[src]
+            produced = producer.strategies[choice[src]]
+            required = strategy.inputs[arg]
+            grad = (tuple(grad_placement_at_consumer(r, strategy.is_active(d)) for d, r in enumerate(required))
+                    if ctx.train and producer.needs_grad else None)
+            if (src, idx, required, grad) in paid:
+                continue
+            paid.add((src, idx, required, grad))
+            memory += gathered_parameter_bytes(producer.outputs[idx], produced.outputs[idx], required, ctx,
+                                               from_parameter=producer.kind == "param")
+            time += price_edge(graph, src, idx, name, arg, produced, strategy, ctx).time
     return time, memory
 
 

@@ -11,7 +11,9 @@ import torch
 import torch.fx
 
 from autopar.capture.graph import CapturedGraph, TensorMeta
+from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
+from autopar.rules.loss import is_partial_mean_loss
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, OpCall, S, Strategy, divides
 
@@ -39,6 +41,8 @@ class PlanNode:
     costs: list[NodeCost] = field(default_factory=list)
     fallback: bool = False
     """No rule for this op: only the all-Replicate strategy was offered."""
+    comm_times: list[float] = field(default_factory=list)
+    """Seconds of collectives a strategy runs by itself (the loss's reductions), if any."""
     follower: bool = False
     """A view or elementwise op of one tensor: it takes its input placement as produced."""
     fqn: str | None = None
@@ -118,7 +122,28 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             pn = _op_node(node, nodes, rules, ctx, outputs)
         nodes[pn.name] = pn
         order.append(pn.name)
+    if loss is not None:  # the loss's own collectives come with its strategy
+        node = nodes[loss]
+        node.comm_times = [sum(collective_time(c, ctx.mesh) for c in
+                               (*loss_count_reductions(node, s, ctx), *loss_replication(node, s, ctx)))
+                           for s in node.strategies]
     return PlanGraph(nodes, order, loss, output_names)
+
+
+def loss_count_reductions(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
+    """A batch-split 'mean' loss sums its element count over the split mesh dims (4-byte all-reduces)."""
+    if node.call is None or not is_partial_mean_loss(node.call, strategy):
+        return []
+    out = strategy.outputs[0]
+    assert out is not None
+    return [CollectiveCall(ALL_REDUCE, d, 4) for d, p in enumerate(out) if p.is_partial()]
+
+
+def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
+    """Collectives that give every rank the whole loss."""
+    out, meta = strategy.outputs[0], node.outputs[0]
+    assert out is not None and meta is not None
+    return reshard(meta, out, (R,) * ctx.mesh.ndim, ctx.mesh, ctx.precision)
 
 
 def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,

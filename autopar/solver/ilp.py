@@ -23,7 +23,9 @@ from highspy._core import _Highs
 from autopar.cost.model import CostContext
 from autopar.solver.blocks import Folding
 from autopar.cost.model import gathered_parameter_bytes
+from autopar.cost.collectives import grad_placement_at_consumer
 from autopar.solver.graph import PARAM, PlanGraph, price_edge
+from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes
 
 SCALE = 1e6
@@ -90,15 +92,30 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     for v in reps:
         node = graph.nodes[v]
         x[v] = []
-        for cost in node.costs:
-            weight = cost.memory if minimize_memory else cost.time * SCALE
+        own_comm = node.comm_times or [0.0] * len(node.costs)
+        for cost, comm in zip(node.costs, own_comm):
+            weight = cost.memory if minimize_memory else (cost.time + comm) * SCALE
             j = model.var(mult[v] * weight, integer=True)
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
     cache: dict = {}  # the same reshard recurs on many edges
+    classes = sharing_classes(graph, folding)
+    solo: dict[EdgeKey, int] = defaultdict(int)
+    for keys, count in classes.items():
+        if len(keys) == 1:
+            solo[keys[0]] += count
+    shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
+    links: dict[EdgeKey, _Link] = {}
     for edge in aggregate_edges(graph, folding):
-        _add_edge(model, graph, ctx, edge, x, cache, memory_row, minimize_memory)
+        key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
+        link = _add_edge(model, graph, ctx, edge, x, cache, memory_row, minimize_memory,
+                         count=solo.get(key, 0), transport=key in shared_keys)
+        if link is not None:
+            links[key] = link
+    for keys, count in classes.items():
+        if len(keys) > 1:
+            _add_shared(model, [links[k] for k in keys], count, memory_row)
     if memory_limit is not None and not minimize_memory:
         model.rows.append((memory_row, -highspy.kHighsInf, float(memory_limit)))
     build = time.perf_counter() - start
@@ -117,10 +134,26 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build)
 
 
+@dataclass
+class _Link:
+    """An edge's transport variables, for reshards shared with sibling edges."""
+
+    e: list[list[int]]
+    """e[a][b]: producer placement group a feeds consumer group b."""
+    target: list[tuple]
+    """Consumer group b -> what it asks for: (placement, gradient placement sent back)."""
+    cost: dict[tuple[int, tuple], float]
+    """(a, target) -> reshard objective for one real tensor."""
+    mem: dict[tuple[int, tuple], float]
+
+
 def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              cache: dict, memory_row: dict[int, float], minimize_memory: bool) -> None:
+              cache: dict, memory_row: dict[int, float], minimize_memory: bool, *, count: int,
+              transport: bool) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
-    the memory it keeps: a parameter gathered in forward stays gathered until backward)."""
+    the memory it keeps: a parameter gathered in forward stays gathered until backward),
+    ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
+    gets explicit pair variables, returned for pricing reshards shared with other edges."""
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
     groups_p: dict[object, list[int]] = defaultdict(list)
     for s, strat in enumerate(prod.strategies):
@@ -133,22 +166,26 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
     meta = prod.outputs[edge.out_index]
 
     def held(a: object, b: tuple) -> float:
-        return gathered_parameter_bytes(meta, a, b[0], ctx, from_parameter=prod.kind == PARAM) * edge.count
+        return gathered_parameter_bytes(meta, a, b[0], ctx, from_parameter=prod.kind == PARAM)
 
     def price(a: object, b: tuple) -> float:
         key = (meta, prod.kind, prod.needs_grad, a, b)
         if key not in cache:
             cache[key] = price_edge(graph, edge.producer, edge.out_index, edge.consumer, edge.arg,
                                     prod.strategies[groups_p[a][0]], cons.strategies[groups_c[b][0]], ctx).time
-        return cache[key] * SCALE * edge.count
+        return cache[key] * SCALE
 
-    mem = [[held(a, b) for b in keys_c] for a in keys_p]
-    cost = mem if minimize_memory else [[price(a, b) for b in keys_c] for a in keys_p]
+    unit_mem = [[held(a, b) for b in keys_c] for a in keys_p]
+    unit_cost = unit_mem if minimize_memory else [[price(a, b) for b in keys_c] for a in keys_p]
+    mem = [[m * count for m in row] for row in unit_mem]
+    cost = [[c * count for c in row] for row in unit_cost]
 
     def add(j: int, a: int, b: int) -> None:
         model.cost[j] += cost[a][b]
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
+    if transport:
+        return _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
     inputs_taken = {placement for placement, _ in keys_c}
     if (cons.follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1
             and all(a in inputs_taken for a in keys_p)):  # every producer choice stays usable
@@ -170,6 +207,15 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
                     for s in groups_p[ka]:
                         add(x[edge.producer][s], a, b)
         return
+    _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
+    return None
+
+
+def _transport(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
+               add: Callable[[int, int, int], None], ctx: CostContext, needs_grad: bool,
+               unit_cost: list[list[float]], unit_mem: list[list[float]]) -> _Link:
+    """Pair variables e[a][b] whose marginals are the two ends' choices."""
+    keys_p, keys_c = list(groups_p), list(groups_c)
     e = [[model.var(0.0, integer=False) for b in range(len(keys_c))] for a in range(len(keys_p))]
     for a in range(len(keys_p)):
         for b in range(len(keys_c)):
@@ -182,6 +228,26 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
         row = {e[a][b]: 1.0 for a in range(len(keys_p))}
         row.update({x[edge.consumer][s]: -1.0 for s in groups_c[kb]})
         model.rows.append((row, 0.0, 0.0))
+    train = ctx.train and needs_grad
+    target = [(placement, tuple(grad_placement_at_consumer(r, act) for r, act in zip(placement, active))
+               if train else None) for placement, active in keys_c]
+    cost = {(a, target[b]): unit_cost[a][b] for a in range(len(keys_p)) for b in range(len(keys_c))}
+    mem = {(a, target[b]): unit_mem[a][b] for a in range(len(keys_p)) for b in range(len(keys_c))}
+    return _Link(e, target, cost, mem)
+
+
+def _add_shared(model: _Model, links: list[_Link], count: int, memory_row: dict[int, float]) -> None:
+    """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor."""
+    y: dict[tuple[int, tuple], int] = {}
+    for link in links:
+        for a, row in enumerate(link.e):
+            for b, e_ab in enumerate(row):
+                key = (a, link.target[b])
+                if key not in y:
+                    y[key] = model.var(link.cost[key] * count, integer=False)
+                    if link.mem[key]:
+                        memory_row[y[key]] = memory_row.get(y[key], 0.0) + link.mem[key] * count
+                model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, highspy.kHighsInf))
 
 
 def _add_follower_edge(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,

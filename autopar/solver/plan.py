@@ -7,15 +7,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torch.distributed.tensor import Replicate
-
-from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time, reshard
+from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, gradient_buckets
 from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims
-from autopar.rules.loss import is_partial_mean_loss
 from autopar.rules.strategy import Strategy, placement_str
 from autopar.solver.blocks import Folding
-from autopar.solver.graph import PARAM, PlanGraph, PlanNode, price_edge
+from autopar.solver.graph import PARAM, PlanGraph, loss_count_reductions, loss_replication, price_edge
 from autopar.solver.ilp import Solution
 
 
@@ -114,14 +111,6 @@ def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCont
     return out
 
 
-def loss_count_reductions(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[tuple[int, CollectiveCall]]:
-    """A batch-split 'mean' loss sums its element count over the split mesh dims (4-byte all-reduces)."""
-    if node.call is None or not is_partial_mean_loss(node.call, strategy):
-        return []
-    out = strategy.outputs[0]
-    return [(d, CollectiveCall(ALL_REDUCE, d, 4)) for d, p in enumerate(out) if p.is_partial()]
-
-
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
                timings: dict[str, float], pinned: dict[str, str]) -> Plan:
     mesh = ctx.mesh
@@ -167,7 +156,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
                         grad_sync[(src, call.mesh_dim)] = (graph.nodes[src].module, call)
                     else:
                         record(call, phase, src, name, node.module)
-        for dim, call in loss_count_reductions(node, chosen[name], ctx):
+        for call in loss_count_reductions(node, chosen[name], ctx):
             record(call, "forward", name, name, node.module)
     params = [(n, grad_sync[(n, min(sync_dims[n]))][1].nbytes, sync_dims[n])
               for n in graph.order if sync_dims.get(n)]
@@ -178,9 +167,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
                    ",".join(bucket.params), "", "(gradient buckets)")
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
-        produced = chosen[graph.loss].outputs[0]
-        replicated = (Replicate(),) * mesh.ndim
-        for call in reshard(loss.outputs[0], produced, replicated, mesh, ctx.precision):
+        for call in loss_replication(loss, chosen[graph.loss], ctx):
             record(call, "forward", graph.loss, "output", loss.module)
     comm_time = sum(c.time_s for c in collectives)
     nodes = [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,

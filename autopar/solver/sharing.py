@@ -1,0 +1,28 @@
+"""Which edges share a reshard: every consumer of one tensor that needs the same placement
+(and sends back the same gradient placement) uses one ``reshard``, so its collectives are
+paid once per tensor, not once per consumer.
+
+With repeated blocks folded, sharing is counted on the real graph: real tensors whose
+consumers map to the same set of representative edges form a class, and the class pays
+each distinct reshard once per member.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from autopar.solver.blocks import Folding
+from autopar.solver.graph import PlanGraph
+
+EdgeKey = tuple[str, int, str, int]
+"""(representative producer, output index, representative consumer, consumer arg)."""
+
+
+def sharing_classes(graph: PlanGraph, folding: Folding) -> Counter[tuple[EdgeKey, ...]]:
+    """Sorted representative-edge sets of real tensors -> how many real tensors have that set."""
+    rep = folding.representative
+    uses: dict[tuple[str, int], set[EdgeKey]] = defaultdict(set)
+    for name in graph.order:
+        for arg, (src, idx) in enumerate(graph.nodes[name].args):
+            uses[(src, idx)].add((rep[src], idx, rep[name], arg))
+    return Counter(tuple(sorted(keys)) for keys in uses.values())
