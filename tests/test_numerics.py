@@ -59,7 +59,11 @@ MODELS: dict[str, Callable[[], Any]] = {
     "gpt": gpt.build, "llama": llama.build,
     "hf_gpt2": _hf(hf_models.build_gpt2_step), "hf_llama": _hf(hf_models.build_llama_step),
 }
-TP_PLANS = {"gpt": (GPT_TP, GPT_TP_SP), "llama": (LLAMA_TP, LLAMA_TP_SP)}
+HF_LLAMA_TP = {f"model.layers.*.{name}": style for name, style in [
+    ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
+    ("self_attn.v_proj", ColwiseParallel()), ("self_attn.o_proj", RowwiseParallel()),
+    ("mlp.gate_proj", ColwiseParallel()), ("mlp.up_proj", ColwiseParallel()), ("mlp.down_proj", RowwiseParallel())]}
+TP_PLANS = {"gpt": (GPT_TP, GPT_TP_SP), "llama": (LLAMA_TP, LLAMA_TP_SP), "hf_llama": (HF_LLAMA_TP, HF_LLAMA_TP)}
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ CASES = [
     Case("llama", (2, 4), ("dp", "tp"), "dp_tp"),
     Case("hf_gpt2", (2,), ("dp",), "dp"), Case("hf_gpt2", (2, 2), ("dp", "tp"), "free"),
     Case("hf_llama", (2,), ("dp",), "free"), Case("hf_llama", (2, 2), ("dp", "tp"), "free"),
+    Case("hf_llama", (2, 2), ("dp", "tp"), "dp_tp"),
 ]
 
 
