@@ -56,19 +56,14 @@ Usage: ``python benchmarks/runtime_overhead.py [--reps 5] [--steps 10] [--warmup
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
-import multiprocessing as mp
 import platform
-import socket
 import statistics
 import sys
 import time
-import traceback
 import types
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +83,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` importable when run as a script
 
 import autopar  # noqa: E402
+from autopar.runtime.forked import run_ranks  # noqa: E402
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig, lm_loss  # noqa: E402
-from examples.train_gpt import GPT_TP, GPT_TP_SP  # noqa: E402
+from examples.gpt import TP_PLAN as GPT_TP, TP_SP_PLAN as GPT_TP_SP  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "runtime_overhead.json"
 MESH = {"dp": 2, "tp": 2}
@@ -277,53 +273,6 @@ def profile_step(rank: int, auto: Variant, hand: Variant | None) -> dict[str, st
 
 # --------------------------------------------------------------------------- forking (as tests/distributed.py)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
-    import faulthandler
-
-    faulthandler.dump_traceback_later(TIMEOUT_S + 60, exit=True)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        try:
-            queue.put((rank, fn(rank, world, *args), None))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        queue.put((rank, None, traceback.format_exc()))
-
-
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, queue, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    try:
-        for _ in procs:
-            rank, result, error = queue.get(timeout=TIMEOUT_S + 120)
-            if error:
-                errors[rank] = error
-            results[rank] = result
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        rank = min(errors)
-        raise RuntimeError(f"rank {rank} failed:\n{errors[rank]}")
-    return [results[r] for r in range(world)]
-
-
 # --------------------------------------------------------------------------- report
 
 def main() -> None:
@@ -354,7 +303,7 @@ def main() -> None:
     world = math.prod(MESH.values())
     ref = reference_losses(args)
     t0 = time.perf_counter()
-    results = run_ranks(rank_main, world, args)
+    results = run_ranks(rank_main, world, args, timeout_s=TIMEOUT_S)
     wall = time.perf_counter() - t0
     r0 = results[0]
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +90,18 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+# Hand tensor-parallel plans (torch's parallelize_module vocabulary, as torchtitan writes
+# them), for pinning with ``constraints=`` on the "tp" axis: Megatron TP, and TP with
+# sequence-parallel LayerNorms (the residual stream split on the sequence dim).
+TP_PLAN = {"blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
+           "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()}
+TP_SP_PLAN = {"blocks.*.attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
+              "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+              "blocks.*.mlp.fc": ColwiseParallel(input_layouts=Shard(1)),
+              "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
+              "blocks.*.ln_1": SequenceParallel(), "blocks.*.ln_2": SequenceParallel()}
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

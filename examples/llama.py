@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +123,18 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))
+
+
+# Hand tensor-parallel plans for pinning with ``constraints=`` on the "tp" axis.
+TP_PLAN = {f"layers.*.{name}": style for name, style in [
+    ("attention.wq", ColwiseParallel()), ("attention.wk", ColwiseParallel()), ("attention.wv", ColwiseParallel()),
+    ("attention.wo", RowwiseParallel()), ("feed_forward.w1", ColwiseParallel()),
+    ("feed_forward.w3", ColwiseParallel()), ("feed_forward.w2", RowwiseParallel())]}
+TP_SP_PLAN = {**{k: ColwiseParallel(input_layouts=Shard(1)) for k, v in TP_PLAN.items()
+                 if isinstance(v, ColwiseParallel)},
+              "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+              "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+              "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()}
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

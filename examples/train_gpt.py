@@ -27,8 +27,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -36,18 +34,9 @@ if str(ROOT) not in sys.path:
 
 import autopar  # noqa: E402
 from autopar.mesh import parse_mesh_spec  # noqa: E402
-from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
+from examples.gpt import GPT, TP_PLAN, TP_SP_PLAN, GPTConfig, lm_loss  # noqa: E402
 
-# Hand tensor-parallel plans for the example GPT (torch's parallelize_module vocabulary),
-# pinned on the "tp" axis with ``constraints=``.
-GPT_TP = {"blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
-          "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()}
-GPT_TP_SP = {"blocks.*.attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
-             "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-             "blocks.*.mlp.fc": ColwiseParallel(input_layouts=Shard(1)),
-             "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
-             "blocks.*.ln_1": SequenceParallel(), "blocks.*.ln_2": SequenceParallel()}
-PLANS = {"free": None, "tp": GPT_TP, "tp_sp": GPT_TP_SP}
+PLANS = {"free": None, "tp": TP_PLAN, "tp_sp": TP_SP_PLAN}
 
 
 class MarkovData:

@@ -6,24 +6,12 @@ import re
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
 from examples import gpt, llama
 
-TP_PLAN = {
-    "layers.*.attention.wq": ColwiseParallel(), "layers.*.attention.wk": ColwiseParallel(),
-    "layers.*.attention.wv": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
-    "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w3": ColwiseParallel(),
-    "layers.*.feed_forward.w2": RowwiseParallel(),
-}
-SP_PLAN = {
-    **{k: ColwiseParallel(input_layouts=Shard(1)) for k, v in TP_PLAN.items() if isinstance(v, ColwiseParallel)},
-    "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-    "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel(),
-}
+TP_PLAN, SP_PLAN = llama.TP_PLAN, llama.TP_SP_PLAN
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import autopar
 from autopar.passes.ops import CollectiveLog
-from distributed import run_ranks
+from autopar.runtime.forked import run_ranks
 from examples import gpt, hf_models, llama
 
 RTOL, ATOL, LR, STEPS = 1e-4, 1e-5, 1e-3, 3
@@ -29,22 +29,10 @@ RTOL, ATOL, LR, STEPS = 1e-4, 1e-5, 1e-3, 3
 # larger than both.
 EPS = 1e-6
 
-GPT_TP = {"blocks.*.attn.qkv": ColwiseParallel(), "blocks.*.attn.proj": RowwiseParallel(),
-          "blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()}
-GPT_TP_SP = {"blocks.*.attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
-             "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-             "blocks.*.mlp.fc": ColwiseParallel(input_layouts=Shard(1)),
-             "blocks.*.mlp.proj": RowwiseParallel(output_layouts=Shard(1)),
-             "blocks.*.ln_1": SequenceParallel(), "blocks.*.ln_2": SequenceParallel()}
-LLAMA_TP = {"layers.*.attention.wq": ColwiseParallel(), "layers.*.attention.wk": ColwiseParallel(),
-            "layers.*.attention.wv": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
-            "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w3": ColwiseParallel(),
-            "layers.*.feed_forward.w2": RowwiseParallel()}
-LLAMA_TP_SP = {**{k: ColwiseParallel(input_layouts=Shard(1)) for k, v in LLAMA_TP.items()
-                  if isinstance(v, ColwiseParallel)},
-               "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-               "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-               "layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()}
+HF_LLAMA_TP = {f"model.layers.*.{name}": style for name, style in [
+    ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
+    ("self_attn.v_proj", ColwiseParallel()), ("self_attn.o_proj", RowwiseParallel()),
+    ("mlp.gate_proj", ColwiseParallel()), ("mlp.up_proj", ColwiseParallel()), ("mlp.down_proj", RowwiseParallel())]}
 
 
 def _hf(builder: Callable[..., Any]) -> Callable[[], Any]:
@@ -59,11 +47,8 @@ MODELS: dict[str, Callable[[], Any]] = {
     "gpt": gpt.build, "llama": llama.build,
     "hf_gpt2": _hf(hf_models.build_gpt2_step), "hf_llama": _hf(hf_models.build_llama_step),
 }
-HF_LLAMA_TP = {f"model.layers.*.{name}": style for name, style in [
-    ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
-    ("self_attn.v_proj", ColwiseParallel()), ("self_attn.o_proj", RowwiseParallel()),
-    ("mlp.gate_proj", ColwiseParallel()), ("mlp.up_proj", ColwiseParallel()), ("mlp.down_proj", RowwiseParallel())]}
-TP_PLANS = {"gpt": (GPT_TP, GPT_TP_SP), "llama": (LLAMA_TP, LLAMA_TP_SP), "hf_llama": (HF_LLAMA_TP, HF_LLAMA_TP)}
+TP_PLANS = {"gpt": (gpt.TP_PLAN, gpt.TP_SP_PLAN), "llama": (llama.TP_PLAN, llama.TP_SP_PLAN),
+            "hf_llama": (HF_LLAMA_TP, HF_LLAMA_TP)}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.runtime import checkpoint
 from autopar.runtime.parameters import initialize_like_compile
-from distributed import run_ranks
+from autopar.runtime.forked import run_ranks
 from examples import gpt
 
 

@@ -1,8 +1,9 @@
 """Run a function on N gloo ranks forked from this (already torch-importing) process.
 
-Forking costs well under a second for 8 ranks where spawning costs 10-20 s. The parent
-must not have started an OpenMP thread pool before forking (a forked child then hangs
-in its first parallel op), so conftest pins torch to one intra-op thread.
+For tests, benchmarks and quick local runs: forking costs well under a second for 8 ranks
+where spawning or torchrun costs 10-20 s (each child re-imports torch). The parent must not
+have started an OpenMP thread pool before forking (a forked child then hangs in its first
+parallel op): call ``torch.set_num_threads(1)`` before any computation in the parent.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from typing import Any
 import torch.distributed as dist
 
 TIMEOUT_S = 60
-"""Process-group timeout: a deadlock fails the test instead of hanging CI."""
+"""Default process-group timeout: a deadlock fails fast instead of hanging."""
+
+
+class RankFailure(AssertionError):
+    """A forked rank raised; the message holds its traceback."""
 
 
 def _free_port() -> int:
@@ -26,13 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,
+               timeout_s: float) -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(TIMEOUT_S + 30, exit=True)  # last resort if gloo never times out
+    faulthandler.dump_traceback_later(timeout_s + 30, exit=True)  # last resort if gloo never times out
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                                timeout=datetime.timedelta(seconds=timeout_s))
         try:
             queue.put((rank, fn(rank, world, *args), None))
         finally:
@@ -41,7 +47,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: 
         queue.put((rank, None, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = TIMEOUT_S) -> list[Any]:
     """``fn(rank, world, *args)`` on each rank; returns the results in rank order.
 
     Results must pickle without tensors (send floats or lists). Raises with the first
@@ -50,14 +56,15 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue, args, timeout_s))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
         for _ in procs:
-            rank, result, error = queue.get(timeout=TIMEOUT_S + 60)
+            rank, result, error = queue.get(timeout=timeout_s + 60)
             if error:
                 errors[rank] = error
             results[rank] = result
@@ -68,5 +75,5 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
                 p.kill()
     if errors:
         rank = min(errors)
-        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
+        raise RankFailure(f"rank {rank} failed:\n{errors[rank]}")
     return [results[r] for r in range(world)]
