@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from autopar.passes.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.parameters import local_shard
 from autopar.solver.plan import Plan
 
 
@@ -115,8 +116,6 @@ class ParallelModule(nn.Module):
                 if isinstance(value, DTensor):
                     value = value.redistribute(self.device_mesh, self._placements[fqn]).to_local()
                 elif value.shape != tensor.shape:
-                    from autopar.runtime.parameters import local_shard
-
                     value = local_shard(value, self._placements[fqn], self.device_mesh)
                 tensor.copy_(value)
         return None
