@@ -23,6 +23,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan
 from autopar.solver.graph import PlanGraph, build_plan_graph
+from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import solve
 from autopar.solver.plan import Plan, build_plan
 
@@ -97,6 +98,7 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
                            example_targets=tuple(example_targets), train=train)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
+        add_strided_strategies(graph, rules, ctx)
         node_pins: dict[str, Any] = {}
         pinned: dict[str, str] = {}
         if constraints:

@@ -9,6 +9,9 @@ Conventions follow DTensor:
 - ``Shard(d)`` on mesh dim i: dim d is cut into ``mesh_shape[i]`` equal contiguous
   chunks. A dim sharded on several mesh dims is cut by mesh dim 0 first, then each
   chunk again by mesh dim 1, ... (mesh-dim-0 outermost).
+- ``_StridedShard(d, split_factor=k)``: dim d is cut into k blocks, each block into
+  ``mesh_shape[i]`` chunks, and rank j holds its chunk of every block (cut here by
+  DTensor's own ``_split_tensor``, independent of autopar's runtime helpers).
 - ``Replicate``: every rank of that mesh dim holds the same value.
 - ``Partial`` (sum): the value is the sum of the ranks' values. Inputs get random
   parts that sum to the tensor, so an op that is not linear where the rule claims it
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.capture.graph import TensorMeta
 from autopar.rules import loss as loss_rules
@@ -129,7 +133,12 @@ def distribute(x: torch.Tensor, placements: Sequence[Placement], mesh_shape: tup
     for placement, n in zip(placements, mesh_shape):  # mesh dim 0 outermost
         refined: dict[Coord, torch.Tensor] = {}
         for coord, t in locals_.items():
-            if isinstance(placement, Shard):
+            if isinstance(placement, _StridedShard):
+                size = t.shape[placement.dim]
+                if size % (n * placement.split_factor):
+                    raise ValueError(f"dim {placement.dim} of size {size} does not split {placement}")
+                pieces = placement._split_tensor(t, n, with_padding=False)[0]
+            elif isinstance(placement, Shard):
                 size = t.shape[placement.dim]
                 if size % n:
                     raise ValueError(f"dim {placement.dim} of size {size} does not split {n} ways")
@@ -157,7 +166,11 @@ def assemble(locals_: dict[Coord, torch.Tensor], placements: Sequence[Placement]
         merged: dict[Coord, torch.Tensor] = {}
         for outer in {c[:mesh_dim] for c in current}:
             pieces = [current[(*outer, i)] for i in range(mesh_shape[mesh_dim])]
-            if isinstance(placement, Shard):
+            if isinstance(placement, _StridedShard):  # block j is every rank's j-th chunk, in rank order
+                k = placement.split_factor
+                chunks = [p.chunk(k, dim=placement.dim) for p in pieces]
+                merged[outer] = torch.cat([c[j] for j in range(k) for c in chunks], dim=placement.dim)
+            elif isinstance(placement, Shard):
                 merged[outer] = torch.cat(pieces, dim=placement.dim)
             elif isinstance(placement, Partial):
                 merged[outer] = torch.stack(pieces).sum(0).to(pieces[0].dtype)
@@ -191,7 +204,7 @@ def local_shape(meta: TensorMeta, placements: Sequence[Placement], mesh_shape: t
     """The shape every rank holds of a tensor with these placements (even splits)."""
     shape = list(meta.shape)
     for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             shape[p.dim] //= n
     return shape
 
@@ -204,8 +217,9 @@ def localize_shape_args(case: OpCase, call: OpCall, args: list[Any], strategy: S
     dims it creates: both get the local shape. squeeze decides *which* dims to drop
     from the shape it sees, and a split dim can be size 1 locally but not globally, so
     it runs as squeeze.dims over the dims that are size 1 globally (a runtime must do
-    the same). split sizes, chunk counts, slice bounds and select indices refer to a dim
-    the rules never split, so they stay as they are.
+    the same). split sizes are the pieces' sizes along the split dim, local when a
+    strided input splits locally. chunk counts, slice bounds and select indices refer to
+    a dim the rules never split, so they stay as they are.
     """
     op = case.op
     out_meta, out_pl = call.outputs[0], strategy.outputs[0]
@@ -214,6 +228,12 @@ def localize_shape_args(case: OpCase, call: OpCall, args: list[Any], strategy: S
     elif op is aten.unflatten.int:
         dim = args[1] % call.args[0].ndim
         args[2] = local_shape(out_meta, out_pl, mesh_shape)[dim:dim + len(args[2])]
+    elif op is aten.split.Tensor:
+        dim = (args[2] if len(args) > 2 else 0) % call.args[0].ndim
+        args[1] = local_shape(out_meta, out_pl, mesh_shape)[dim]
+    elif op is aten.split_with_sizes.default:
+        dim = (args[2] if len(args) > 2 else 0) % call.args[0].ndim
+        args[1] = [local_shape(m, pl, mesh_shape)[dim] for m, pl in zip(call.outputs, strategy.outputs)]
     elif op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
         shape = call.args[0].shape
         asked = range(len(shape)) if op is aten.squeeze.default else (

@@ -26,7 +26,7 @@ def llama_step():
 
 def on_axis(placements: str, axis: int) -> str:
     """'RS(0)' -> ['R', 'S(0)'][axis]."""
-    return re.findall(r"S\(\d+\)|R|P", placements)[axis]
+    return re.findall(r"S\(\d+(?:/\d+)?\)|R|P", placements)[axis]
 
 
 def _plan(step, mesh, **kw):
@@ -50,6 +50,31 @@ def test_pinned_plans_take_their_placements_and_are_never_faster_than_free(llama
     assert norms_tp and all(on_axis(o, tp) == "R" for o in norms_tp)  # replicated norms without SP
     assert norms_sp and all(on_axis(o, tp) == "S(1)" for o in norms_sp)  # sequence-sharded norms with SP
     assert pinned_sp.pinned["layers.*.ffn_norm"] == "SequenceParallel"
+
+
+@pytest.mark.parametrize("plan_name", ["tp", "free"])
+def test_fused_qkv_runs_as_interleaved_qkv_without_collectives_in_attention(plan_name: str) -> None:
+    """ColwiseParallel on a fused qkv (``qkv(x).split(h)``) is met by a strided shard of its
+    output features, so q, k, v and the heads stay local: Megatron's two all-reduces per
+    block in forward, none between qkv and proj. With plain Shard(0) the split would
+    need the whole qkv back. The free plan, given heads-parallel-friendly sizes (batch 1,
+    long sequence), finds the same layout by itself."""
+    cfg = gpt.GPTConfig(hidden=1024, heads=16, layers=2, vocab_size=8192, max_seq_len=1024)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+    tokens = torch.zeros(1, 1024, dtype=torch.long, device="meta")
+    mesh = autopar.Mesh({"tp": 4}, "h100")
+    kw = {"constraints": gpt.TP_PLAN} if plan_name == "tp" else {}
+    plan = _plan((model, (tokens,), gpt.lm_loss, (tokens,)), mesh, **kw)
+    assert plan.parameters["blocks.1.attn.qkv.weight"] == "S(0/3)"
+    assert plan.parameters["blocks.1.attn.qkv.bias"] == "S(0/3)"
+    # Collectives only where a TP region is entered (a norm's output) or left (a row-parallel output).
+    boundaries = {n.name for n in plan.nodes if n.module in ("blocks.1.attn.proj", "blocks.1.mlp.proj")
+                  or n.op == "aten.layer_norm.default"}
+    block_fwd = [(c.kind, c.tensor) for c in plan.collectives if c.phase == "forward" and c.module.startswith("blocks.1")]
+    assert {t for _, t in block_fwd} <= boundaries, block_fwd
+    kinds = sorted(k for k, _ in block_fwd)  # Megatron TP, or Megatron SP (which the free plan prefers)
+    assert kinds in (["all_reduce"] * 2, ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]), kinds
 
 
 def test_free_plan_finds_megatron_sequence_parallelism_when_memory_is_tight() -> None:

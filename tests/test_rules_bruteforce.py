@@ -18,7 +18,8 @@ import torch
 from sharding_sim import OpCase, check_strategy, simulate, strategy_str
 
 from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, expand
-from autopar.rules.strategy import P, R, S, Strategy
+from autopar.rules.strategy import P, R, S, Strategy, strided
+from autopar.solver.strided import EQUIVARIANT_FAMILIES, _twins
 
 aten = torch.ops.aten
 _GEN = torch.Generator().manual_seed(20240611)
@@ -186,6 +187,7 @@ def view_cases() -> list[OpCase]:
     return [
         case(aten.view.default, f64(4, 8, 16), [4, 8, 4, 4], tag="split-heads"),
         case(aten.view.default, f64(4, 8, 4, 4), [4, 8, 16], tag="merge-heads"),
+        case(aten.view.default, f64(2, 48), [2, 3, 4, 4], tag="fused-heads"),  # strided(1, 3) -> S(2)
         case(aten.view.default, f64(4, 1, 8), [4, 8], tag="drop-size1"),
         case(aten.view.default, f64(8, 4), [4, 8], tag="regroup"),
         case(aten.view.default, f64(16), [4, 4], tag="1d-to-2d"),
@@ -233,6 +235,8 @@ def view_cases() -> list[OpCase]:
         case(aten.cat.default, [f64(4, 8), f64(4, 4)], -1, tag="last"),
         case(aten.split.Tensor, f64(4, 8), 2, 1),
         case(aten.split.Tensor, f64(4, 8), 3, 1, tag="uneven"),
+        case(aten.split.Tensor, f64(4, 24), 8, 1, tag="fused-3"),  # qkv: strided(1, 3) -> S(1) each
+        case(aten.chunk.default, f64(16, 4), 2, tag="fused-2"),  # gate/up: strided(0, 2) -> S(0) each
         case(aten.split.Tensor, f64(8, 4), 4, tag="dim0"),
         case(aten.split_with_sizes.default, f64(8, 4), [2, 6]),
         case(aten.split_with_sizes.default, f64(4, 8), [3, 5], -1, tag="last"),
@@ -444,6 +448,11 @@ WRONG_STRATEGIES: list[tuple[str, Callable[[], tuple[OpCase, Strategy]]]] = [
     ("softmax-S1->S1", lambda: _wrong(case(aten._softmax.default, f64(4, 8), 1, False), (S(1),), (S(1),))),
     # mean over a split dim is not a Partial sum.
     ("mean-S1->P", lambda: _wrong(case(aten.mean.dim, f64(4, 8), [1]), (P,), (S(1),))),
+    # A fused output split plainly (q on rank 0, v on rank 1) is not each piece's shard.
+    ("split-S1->S1", lambda: _wrong(case(aten.split.Tensor, f64(4, 24), 8, 1), (S(1),) * 3, (S(1),))),
+    # Strided and plain operands of one elementwise op hold different columns.
+    ("add-strided,S1->strided", lambda: _wrong(case(aten.add.Tensor, f64(4, 12), f64(4, 12)),
+                                               (strided(1, 3),), (strided(1, 3), S(1)))),
     # Output dim mislabeled after a transpose.
     ("transpose-S0->S0", lambda: _wrong(case(aten.transpose.int, f64(4, 8), 0, 1), (S(0),), (S(0),))),
 ]
@@ -455,6 +464,33 @@ def test_simulator_detects_wrong_strategy(build: Callable[[], tuple[OpCase, Stra
     op_case, strategy = build()
     assert not is_replicate_only(strategy)
     assert check_strategy(op_case, strategy, (2,)) is not None
+
+
+EQUIVARIANT_CASES = [c for c in CASES if DEFAULT_RULES.family[c.op] in EQUIVARIANT_FAMILIES]
+
+
+@pytest.mark.parametrize("factor", [2, 3])
+@pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in EQUIVARIANT_CASES])
+def test_strided_twins_match_unsharded_op(op_case: OpCase, factor: int) -> None:
+    """The solver's strided twins (every Shard of a shard-output strategy made strided) are
+    right for every family it makes them in, wherever the sizes divide."""
+    call, dims = rule_strategies(op_case)
+    twins = _twins(dims, {(i, d, factor) for i, o in enumerate(call.outputs) if o is not None
+                          for d in range(o.ndim)})
+    strategies = [s for s in expand(call, twins, (2,)) if not is_replicate_only(s)]
+    problems = failures(op_case, strategies, (2,))
+    assert not problems, f"{op_case.label} twins x{factor}:\n" + "\n".join(problems)
+
+
+def test_strided_twins_are_exercised() -> None:
+    """Guard against a vacuous twin test: the families' main ops do get checked twins."""
+    checked = set()
+    for c in EQUIVARIANT_CASES:
+        call, dims = rule_strategies(c)
+        twins = _twins(dims, {(i, d, 2) for i, o in enumerate(call.outputs) if o is not None for d in range(o.ndim)})
+        if any(not is_replicate_only(s) for s in expand(call, twins, (2,))):
+            checked.add(DEFAULT_RULES.family[c.op])
+    assert checked == set(EQUIVARIANT_FAMILIES)
 
 
 def test_simulator_partial_inputs_are_really_split() -> None:

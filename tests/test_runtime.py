@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.rules.strategy import is_strided
 from autopar.runtime import checkpoint
 from autopar.runtime.parameters import initialize_like_compile
 from autopar.runtime.forked import run_ranks
@@ -87,11 +88,12 @@ def test_input_sharded_each_rank_passes_its_data_shard() -> None:
     assert run_ranks(_sharded_input_rank, 2) == pytest.approx([expected] * 2, rel=1e-5)
 
 
-def _checkpoint_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+def _checkpoint_rank(rank: int, world: int, path: str, pinned: bool) -> dict[str, Any]:
     tokens, targets = _tokens()
     model, _, loss_fn, _ = gpt.build()
     mesh_2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    pm = autopar.compile(model, mesh_2x2, (tokens,), loss_fn=loss_fn, example_targets=(targets,))
+    tp = {"constraints": gpt.TP_PLAN} if pinned else {}
+    pm = autopar.compile(model, mesh_2x2, (tokens,), loss_fn=loss_fn, example_targets=(targets,), **tp)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     pm(tokens, targets).backward()
     opt.step()
@@ -99,18 +101,24 @@ def _checkpoint_rank(rank: int, world: int, path: str) -> dict[str, Any]:
     saved = {k: v.full_tensor() for k, v in pm.state_dict().items()}
     fresh, _, _, _ = gpt.build(gpt.GPTConfig())  # same shapes, other values after training
     mesh_4 = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    other = autopar.compile(fresh, mesh_4, (tokens,), loss_fn=loss_fn, example_targets=(targets,))
+    other = autopar.compile(fresh, mesh_4, (tokens,), loss_fn=loss_fn, example_targets=(targets,), **tp)
+    strided = [k for k, v in [*pm.state_dict().items(), *other.state_dict().items()]
+               if any(is_strided(p) for p in v.placements)]
     changed = [k for k, v in other.state_dict().items() if not torch.equal(v.full_tensor(), saved[k])]
     checkpoint.load(other, path)
     mismatched = [k for k, v in other.state_dict().items() if not torch.equal(v.full_tensor(), saved[k])]
     same_loss = other(tokens, targets).full_tensor().item() == pytest.approx(pm(tokens, targets).full_tensor().item(),
                                                                            rel=1e-5)
     return {"changed_before_load": len(changed), "mismatched_after_load": mismatched, "same_loss": same_loss,
+            "strided": len(strided),
             "keys": sorted(pm.state_dict()) == sorted(model.state_dict())}
 
 
-def test_checkpoint_saved_on_one_mesh_loads_on_another(tmp_path: Path) -> None:
-    for r in run_ranks(_checkpoint_rank, 4, str(tmp_path / "ckpt")):
+@pytest.mark.parametrize("pinned", [False, True], ids=["free", "tp-interleaved-qkv"])
+def test_checkpoint_saved_on_one_mesh_loads_on_another(tmp_path: Path, pinned: bool) -> None:
+    """Also with strided shards (the pinned TP plan's interleaved qkv) on both sides."""
+    for r in run_ranks(_checkpoint_rank, 4, str(tmp_path / "ckpt"), pinned):
+        assert (r["strided"] > 0) == pinned
         assert r["keys"], "state_dict keys are the original model's"
         assert r["changed_before_load"] > 0  # the test can fail: the two modules started different
         assert r["mismatched_after_load"] == []

@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 
 from autopar.rules.redistribute import ALL_GATHER, ALL_REDUCE, COLLECTIVES, redistribute_steps
+from autopar.rules.strategy import shard_dim
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:
 
 
 def _local_bytes(meta: TensorMeta, placements: tuple[Placement, ...], mesh: Mesh, precision: Precision) -> int:
-    ways = math.prod(n for p, n in zip(placements, mesh.shape) if isinstance(p, Shard))
+    ways = math.prod(n for p, n in zip(placements, mesh.shape) if shard_dim(p) is not None)
     return precision.tensor_bytes(meta) // ways
 
 
@@ -78,7 +79,7 @@ def grad_placement_at_consumer(required: Placement, consumer_active: bool) -> Pl
     a replicated input of an op split along this mesh dim gets a Partial gradient (each rank
     saw only its part of the uses).
     """
-    if isinstance(required, Shard):
+    if shard_dim(required) is not None:
         return required
     if isinstance(required, Partial):
         return Replicate()
@@ -87,4 +88,4 @@ def grad_placement_at_consumer(required: Placement, consumer_active: bool) -> Pl
 
 def grad_placement_at_producer(produced: Placement) -> Placement:
     """Placement the producer's backward wants its output gradient in."""
-    return produced if isinstance(produced, Shard) else Replicate()
+    return produced if shard_dim(produced) is not None else Replicate()

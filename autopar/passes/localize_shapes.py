@@ -1,8 +1,9 @@
 """localize_shapes: size arguments written for the global tensor become this rank's.
 
 view/reshape/expand/unflatten name the output shape: it is divided by the output's
-placements. squeeze without dims would also drop a dim that sharding shrank to size
-1 locally, so it names the globally size-1 dims instead.
+placements. split names the pieces' sizes along the split dim: local ones when a
+strided input splits locally. squeeze without dims would also drop a dim that
+sharding shrank to size 1 locally, so it names the globally size-1 dims instead.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import torch
 import torch.fx
 
 from autopar.passes.context import PassContext, strategy_of
-from autopar.rules.strategy import Placements
-from torch.distributed.tensor import Shard
+from autopar.rules.strategy import Placements, shard_dim
 
 aten = torch.ops.aten
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -21,8 +21,9 @@ SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
 def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> list[int]:
     local = list(shape)
     for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            local[p.dim] //= n
+        d = shard_dim(p)
+        if d is not None:
+            local[d] //= n
     return local
 
 
@@ -39,6 +40,12 @@ def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             local = local_shape(tuple(out.shape), strategy.outputs[0], pc.mesh_shape)
             dim = dim if dim >= 0 else dim + node.args[0].meta["val"].ndim
             node.args = (node.args[0], node.args[1], local[dim: dim + len(node.args[2])])
+        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            x = node.args[0].meta["val"]
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            dim = dim if dim >= 0 else dim + x.ndim
+            sizes = [local_shape(tuple(o.shape), pl, pc.mesh_shape)[dim] for o, pl in zip(out, strategy.outputs)]
+            node.args = (node.args[0], sizes[0] if node.target is aten.split.Tensor else sizes, *node.args[2:])
         elif node.target in (aten.squeeze.default, aten.squeeze.dim):
             x = node.args[0].meta["val"]
             dims = [d for d in range(x.ndim) if x.shape[d] == 1]

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.rules import loss as loss_rules
 from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SLICE, ZERO,
-                                        Step, redistribute_steps)
+                                        Step, redistribute_steps, strided_join, strided_take)
 from autopar.rules.strategy import parse_placements
 
 
@@ -58,6 +58,8 @@ class Comm:
         n = self.mesh.size(i)
         group = (self.mesh, i)
         if step.kind == SLICE:
+            if step.factor > 1:
+                return strided_take(x, step.dst_dim, step.factor, n, self.coordinate[i]).contiguous()
             size = x.shape[step.dst_dim] // n
             return x.narrow(step.dst_dim, self.coordinate[i] * size, size).contiguous()
         if step.kind == ZERO:
@@ -69,7 +71,7 @@ class Comm:
         if step.kind == ALL_GATHER:
             out = fc.wait_tensor(fc.all_gather_single(x, step.src_dim, group))
             self._record(phase, ALL_GATHER, i, out)
-            return out
+            return strided_join(out, step.src_dim, step.factor, n) if step.factor > 1 else out
         if step.kind == REDUCE_SCATTER:
             self._record(phase, REDUCE_SCATTER, i, x)
             return fc.wait_tensor(fc.reduce_scatter_single(x, "sum", step.dst_dim, group))

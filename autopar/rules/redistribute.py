@@ -8,13 +8,20 @@ mesh dim outermost (DTensor's convention), so the order matters:
 2. reduce Partials (all-reduce, or reduce-scatter when it keeps the nesting);
 3. shard what is replicated (a local slice) outermost first, and make Partials from
    replicated values (keep the value on coordinate 0, zeros elsewhere).
+
+A strided shard (``strided(d, k)``: dim d seen as k blocks, each split across the ranks)
+gathers with one all-gather plus a local reorder, and is made by a strided slice; it
+never takes part in an all-to-all or a reduce-scatter (those move contiguous chunks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate
+
+from autopar.rules.strategy import is_strided, shard_dim, split_factor
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
 SLICE, ZERO = "slice", "zero"
@@ -32,10 +39,20 @@ class Step:
     """Tensor dim gathered (all_gather, all_to_all)."""
     dst_dim: int = -1
     """Tensor dim scattered or sliced (reduce_scatter, all_to_all, slice)."""
+    factor: int = 1
+    """Blocks of a strided shard being gathered (all_gather) or made (slice); 1 if plain."""
 
 
-def _shard_dim(p: Placement) -> int | None:
-    return p.dim if isinstance(p, Shard) else None
+def strided_take(x: torch.Tensor, dim: int, factor: int, ways: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s piece of a strided shard: its 1/ways of each of ``factor`` blocks."""
+    blocks = x.unflatten(dim, (factor, ways, x.shape[dim] // (factor * ways)))
+    return blocks.select(dim + 1, index).flatten(dim, dim + 1)
+
+
+def strided_join(gathered: torch.Tensor, dim: int, factor: int, ways: int) -> torch.Tensor:
+    """Undo the rank-major order of an all-gather of strided pieces: rank pieces per block."""
+    pieces = gathered.unflatten(dim, (ways, factor, gathered.shape[dim] // (factor * ways)))
+    return pieces.transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
 def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[Step]:
@@ -47,28 +64,29 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
     # (gathering an outer shard while an inner one stays would interleave the chunks).
     unshard: set[int] = set()
     for i in range(ndim):
-        a, b = _shard_dim(cur[i]), _shard_dim(dst[i])
+        a, b = shard_dim(cur[i]), shard_dim(dst[i])
         if a is not None and cur[i] != dst[i]:
             unshard.add(i)
-            unshard.update(j for j in range(i + 1, ndim) if _shard_dim(cur[j]) == a)
+            unshard.update(j for j in range(i + 1, ndim) if shard_dim(cur[j]) == a)
         if b is not None and cur[i] != dst[i]:
-            unshard.update(j for j in range(i + 1, ndim) if _shard_dim(cur[j]) == b)
+            unshard.update(j for j in range(i + 1, ndim) if shard_dim(cur[j]) == b)
     for i in sorted(unshard, reverse=True):
-        a, b = _shard_dim(cur[i]), _shard_dim(dst[i])
+        a, b = shard_dim(cur[i]), shard_dim(dst[i])
         assert a is not None
-        others = {_shard_dim(cur[j]) for j in range(ndim) if j != i} | {_shard_dim(dst[j]) for j in range(ndim) if j != i}
-        if b is not None and b != a and a not in others and b not in others:
+        others = {shard_dim(cur[j]) for j in range(ndim) if j != i} | {shard_dim(dst[j]) for j in range(ndim) if j != i}
+        plain = not is_strided(cur[i]) and not is_strided(dst[i])
+        if plain and b is not None and b != a and a not in others and b not in others:
             steps.append(Step(ALL_TO_ALL, i, tuple(cur), src_dim=a, dst_dim=b))
             cur[i] = dst[i]
         else:
-            steps.append(Step(ALL_GATHER, i, tuple(cur), src_dim=a))
+            steps.append(Step(ALL_GATHER, i, tuple(cur), src_dim=a, factor=split_factor(cur[i])))
             cur[i] = Replicate()
 
     for i in range(ndim):
         if isinstance(cur[i], Partial) and not isinstance(dst[i], Partial):
-            b = _shard_dim(dst[i])
-            nested_inside = any(_shard_dim(cur[j]) == b for j in range(i + 1, ndim)) if b is not None else True
-            if b is not None and not nested_inside:
+            b = shard_dim(dst[i])
+            nested_inside = any(shard_dim(cur[j]) == b for j in range(i + 1, ndim)) if b is not None else True
+            if b is not None and not nested_inside and not is_strided(dst[i]):
                 steps.append(Step(REDUCE_SCATTER, i, tuple(cur), dst_dim=b))
                 cur[i] = dst[i]
             else:
@@ -79,8 +97,8 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
         if cur[i] == dst[i]:
             continue
         assert isinstance(cur[i], Replicate), (src, dst, cur)
-        if isinstance(dst[i], Shard):
-            steps.append(Step(SLICE, i, tuple(cur), dst_dim=dst[i].dim))
+        if shard_dim(dst[i]) is not None:
+            steps.append(Step(SLICE, i, tuple(cur), dst_dim=shard_dim(dst[i]), factor=split_factor(dst[i])))
         else:
             steps.append(Step(ZERO, i, tuple(cur)))
         cur[i] = dst[i]

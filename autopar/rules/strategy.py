@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.capture.graph import TensorMeta
 
@@ -23,6 +24,32 @@ P = Partial()
 
 def S(dim: int) -> Shard:
     return Shard(dim)
+
+
+def strided(dim: int, factor: int) -> _StridedShard:
+    """Dim ``dim`` viewed as ``factor`` equal blocks, each block split across the ranks.
+
+    A rank holds its piece of every block, concatenated: the layout a fused projection
+    (``qkv = x @ [Wq; Wk; Wv].T``) needs so that ``split(h)`` and the heads stay local,
+    Megatron's interleaved QKV. DTensor's ``_StridedShard(dim, split_factor=factor)``.
+    """
+    return _StridedShard(dim, split_factor=factor)
+
+
+def shard_dim(p: Placement) -> int | None:
+    """The tensor dim a placement splits (plain or strided), else None."""
+    if isinstance(p, (Shard, _StridedShard)):
+        return p.dim
+    return None
+
+
+def split_factor(p: Placement) -> int:
+    """Blocks of a strided shard; 1 for anything else."""
+    return p.split_factor if isinstance(p, _StridedShard) else 1
+
+
+def is_strided(p: Placement) -> bool:
+    return isinstance(p, _StridedShard)
 
 
 Placements = tuple[Placement, ...]
@@ -94,12 +121,18 @@ def normalize_dim(dim: int, ndim: int) -> int:
 def divides(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
     """Every sharded tensor dim divides by the product of the mesh dims sharding it."""
     ways = [1] * meta.ndim
+    factor = [1] * meta.ndim
     for p, n in zip(placements, mesh_shape):
-        if isinstance(p, Shard):
-            if not 0 <= p.dim < meta.ndim:
+        d = shard_dim(p)
+        if d is not None:
+            if not 0 <= d < meta.ndim:
                 return False
-            ways[p.dim] *= n
-    return all(w == 1 or (size % w == 0 and size >= w) for w, size in zip(ways, meta.shape))
+            if factor[d] > 1 or (is_strided(p) and ways[d] > 1):
+                return False  # a strided dim is split on one mesh dim only (no nesting rules needed)
+            ways[d] *= n
+            factor[d] = split_factor(p)
+    return all(w == 1 or (size % (w * f) == 0 and size >= w * f)
+               for w, f, size in zip(ways, factor, meta.shape))
 
 
 def dedupe(strategies: list[DimStrategy]) -> list[DimStrategy]:
@@ -130,17 +163,19 @@ def expand(call: OpCall, dim_strategies: list[DimStrategy], mesh_shape: tuple[in
 
 def local_numel(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     """Elements one rank holds of a tensor with these placements."""
-    ways = math.prod(n for p, n in zip(placements, mesh_shape) if isinstance(p, Shard))
+    ways = math.prod(n for p, n in zip(placements, mesh_shape) if shard_dim(p) is not None)
     return meta.numel // ways
 
 
 def placement_str(placements: Placements | None) -> str:
-    """Compact form used in plans: ``S(0)R``, ``RP``."""
+    """Compact form used in plans: ``S(0)R``, ``RP``; a strided shard is ``S(2/3)`` (dim 2, 3 blocks)."""
     if placements is None:
         return "-"
     parts = []
     for p in placements:
-        if isinstance(p, Shard):
+        if is_strided(p):
+            parts.append(f"S({p.dim}/{split_factor(p)})")
+        elif isinstance(p, Shard):
             parts.append(f"S({p.dim})")
         elif isinstance(p, Partial):
             parts.append("P")
@@ -153,7 +188,7 @@ def is_float(meta: TensorMeta | None) -> bool:
     return meta is not None and meta.dtype.is_floating_point
 
 
-__all__ = ["R", "P", "S", "DimStrategy", "Strategy", "OpCall", "Placements", "expand",
+__all__ = ["R", "P", "S", "strided", "shard_dim", "split_factor", "is_strided", "DimStrategy", "Strategy", "OpCall", "Placements", "expand",
            "replicate_all", "normalize_dim", "divides", "local_numel", "placement_str", "parse_placements"]
 
 
@@ -170,7 +205,8 @@ def parse_placements(text: str) -> Placements:
             i += 1
         elif text.startswith("S(", i):
             end = text.index(")", i)
-            out.append(Shard(int(text[i + 2:end])))
+            dim, _, factor = text[i + 2:end].partition("/")
+            out.append(strided(int(dim), int(factor)) if factor else Shard(int(dim)))
             i = end + 1
         else:
             raise ValueError(f"bad placements {text!r}")

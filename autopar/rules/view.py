@@ -6,6 +6,12 @@ output dim it says which input dim(s) it came from. A split can follow a dim tha
 maps straight through, the first (outermost) dim of a flatten, or the first piece
 of an unflatten (its size must divide: the expansion checks that on the output).
 Every view is linear, so Partial passes through unchanged.
+
+Strided shards (``strided(d, k)``: k blocks, each split across the ranks) end here:
+splitting dim d into k equal pieces gives every piece plain ``Shard(d)``, and
+unflattening dim d into ``(k, m, ...)`` gives ``Shard`` on the ``m`` dim (the ranks'
+pieces of each block are slices of ``m``). The solver makes a strided shard only
+where such a consumer asks for it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import operator
 import torch
 from torch.distributed.tensor._ops import _view_ops as dt_views
 
-from autopar.rules.strategy import P, DimStrategy, OpCall, S, normalize_dim
+from autopar.rules.strategy import P, DimStrategy, OpCall, S, normalize_dim, strided
 from autopar.rules.table import RuleTable
 
 aten = torch.ops.aten
@@ -60,12 +66,24 @@ def _source_dim(spec: object) -> int | None:
     return None
 
 
+def _strided_blocks(spec: object) -> tuple[int, int] | None:
+    """(input dim, k) when this output dim is the second piece of unflattening an input
+    dim into ``(k, ...)`` with k > 1: a ``strided(dim, k)`` input is then sharded here."""
+    if (isinstance(spec, dt_views.Split) and spec.split_id == 1 and isinstance(spec.input_dim, dt_views.InputDim)
+            and spec.group_shape[0] > 1):
+        return spec.input_dim.input_dim, int(spec.group_shape[0])
+    return None
+
+
 def view_rule(call: OpCall) -> list[DimStrategy]:
     strategies = []
     for out_dim, spec in enumerate(_dim_map(call)):
         src = _source_dim(spec)
         if src is not None and call.args[0].shape[src] > 1:
             strategies.append(DimStrategy((S(out_dim),), (S(src),)))
+        blocks = _strided_blocks(spec)
+        if blocks is not None:
+            strategies.append(DimStrategy((S(out_dim),), (strided(blocks[0], blocks[1]),)))
     strategies.append(DimStrategy((P,), (P,)))
     return strategies
 
@@ -130,6 +148,9 @@ def split_rule(call: OpCall) -> list[DimStrategy]:
         DimStrategy((S(d if not removed or d < dim else d - 1),) * n_out, (S(d),))
         for d in range(x.ndim) if d != dim
     ]
+    sizes = set() if removed else {o.shape[dim] for o in call.outputs if o is not None}
+    if n_out > 1 and len(sizes) == 1:  # k equal pieces: a strided(dim, k) input splits locally
+        strategies.append(DimStrategy((S(dim),) * n_out, (strided(dim, n_out),)))
     return [*strategies, DimStrategy((P,) * n_out, (P,))]
 
 

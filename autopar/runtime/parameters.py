@@ -9,7 +9,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement
+
+from autopar.rules.redistribute import strided_take
+from autopar.rules.strategy import shard_dim, split_factor
 
 
 def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], mesh: DeviceMesh) -> torch.Tensor:
@@ -18,9 +21,14 @@ def local_shard(full: torch.Tensor, placements: tuple[Placement, ...], mesh: Dev
     assert coordinate is not None
     local = full
     for dim, p in enumerate(placements):
-        if isinstance(p, Shard):
-            size = local.shape[p.dim] // mesh.size(dim)
-            local = local.narrow(p.dim, coordinate[dim] * size, size)
+        d = shard_dim(p)
+        if d is None:
+            continue
+        if split_factor(p) > 1:
+            local = strided_take(local, d, split_factor(p), mesh.size(dim), coordinate[dim])
+        else:
+            size = local.shape[d] // mesh.size(dim)
+            local = local.narrow(d, coordinate[dim] * size, size)
     return local
 
 

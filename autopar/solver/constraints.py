@@ -4,6 +4,11 @@
 placements PyTorch's ``parallelize_module`` would give those modules' parameters and
 ops; everything else (other axes, unlisted ops) stays free, so a user's plan is priced
 by the same cost model as the free plan, and the free plan can only be as fast or faster.
+
+A pinned ``Shard(d)`` is also met by a strided shard of dim d (``strided(d, k)``): both
+split the same features across the axis, only which rank holds which slice differs. So
+``ColwiseParallel`` on a fused qkv projection may run as Megatron's interleaved QKV,
+where each rank holds its heads' q, k and v and the attention needs no collective.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from autopar.rules.strategy import OpCall
+from autopar.rules.strategy import OpCall, is_strided
 from autopar.solver.graph import PARAM, PlanGraph
 
 aten = torch.ops.aten
@@ -123,13 +128,18 @@ def _op_pin(style: object, call: OpCall, where: str) -> Pin | None:
                      "(use ColwiseParallel, RowwiseParallel or SequenceParallel)")
 
 
+def _meets(actual: Placement, pinned: Placement) -> bool:
+    """``actual`` satisfies a pin: equal, or a strided shard of the pinned Shard's dim."""
+    return actual == pinned or (isinstance(pinned, Shard) and is_strided(actual) and actual.dim == pinned.dim)
+
+
 def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str, axis_size: int) -> None:
     """Keep only the strategies that agree with each pin on ``axis``; explain a pin nothing meets."""
     for name, pin in pins.items():
         node = graph.nodes[name]
         keep = [i for i, s in enumerate(node.strategies)
-                if (pin.output is None or (s.outputs[0] is not None and s.outputs[0][axis] == pin.output))
-                and all(s.inputs[k][axis] == p for k, p in pin.inputs.items())]
+                if (pin.output is None or (s.outputs[0] is not None and _meets(s.outputs[0][axis], pin.output)))
+                and all(_meets(s.inputs[k][axis], p) for k, p in pin.inputs.items())]
         if not keep:
             shapes = [tuple(m.shape) for m in node.outputs if m is not None]
             dims = ""

@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.distributed.tensor import Placement
 
 from autopar.capture.graph import CapturedGraph, TensorMeta
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
 from autopar.rules.loss import is_partial_mean_loss
 from autopar.rules import RuleSet, expand
-from autopar.rules.strategy import R, OpCall, S, Strategy, divides
+from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
 
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
@@ -38,6 +39,8 @@ class PlanNode:
     """Producer (node name, output index) of each tensor input, in ``call.tensor_inputs`` order."""
     needs_grad: bool
     strategies: list[Strategy] = field(default_factory=list)
+    dim_strategies: list[DimStrategy] = field(default_factory=list)
+    """The rule's single-mesh-dim strategies ``strategies`` expand (empty for leaves)."""
     costs: list[NodeCost] = field(default_factory=list)
     fallback: bool = False
     """No rule for this op: only the all-Replicate strategy was offered."""
@@ -82,9 +85,10 @@ def _module_path(node: torch.fx.Node) -> str:
     return "" if path in ("L__self__", "model") else path
 
 
-def placeholder_strategies(meta: TensorMeta, mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    """Replicate or Shard(d) on each mesh dim (a leaf cannot start out Partial)."""
-    choices = [R, *(S(d) for d in range(meta.ndim) if meta.shape[d] > 1)]
+def placeholder_strategies(meta: TensorMeta, mesh_shape: tuple[int, ...],
+                           extra: list[Placement] | None = None) -> list[Strategy]:
+    """Replicate or Shard(d) on each mesh dim (a leaf cannot start out Partial), plus ``extra`` choices."""
+    choices = [R, *(S(d) for d in range(meta.ndim) if meta.shape[d] > 1), *(extra or [])]
     out = []
     for combo in itertools.product(choices, repeat=len(mesh_shape)):
         if divides(meta, combo, mesh_shape):
@@ -175,7 +179,8 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
     rule = rules.lookup(node.target)
     pn.fallback = rule is None
     pn.follower = rules.family.get(node.target) in FOLLOWER_FAMILIES and len(producers) == 1
-    strategies = expand(call, rule(call) if rule is not None else [], ctx.mesh.shape)
+    pn.dim_strategies = rule(call) if rule is not None else []
+    strategies = expand(call, pn.dim_strategies, ctx.mesh.shape)
     pn.strategies = strategies
     pn.costs = [op_cost(call, s, ctx) for s in strategies]
     return pn
