@@ -91,7 +91,7 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     mesh = _as_mesh(mesh)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
     limit = float(mesh.hardware.memory_bytes) if memory_limit is None else float(memory_limit)
-    ctx = CostContext(mesh=mesh, precision=precision_policy, train=train)
+    ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
         captured = capture(model, tuple(example_inputs), loss_fn=loss_fn, example_kwargs=example_kwargs,

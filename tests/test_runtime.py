@@ -88,6 +88,39 @@ def test_input_sharded_each_rank_passes_its_data_shard() -> None:
     assert run_ranks(_sharded_input_rank, 2) == pytest.approx([expected] * 2, rel=1e-5)
 
 
+def _mean_loss_rank(rank: int, world: int) -> dict[str, float]:
+    """Batch-split 'mean' losses whose count needs no all-reduce: counted on the whole
+    targets input (with ignored positions), or fixed by shapes (MSE)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, _, loss_fn, _ = gpt.build()
+    tokens, targets = _tokens()
+    targets = targets.clone()
+    targets[:3, 5:] = -100  # rank 0's half of the batch has far fewer counted positions
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), data_axes=("dp",))
+    torch.manual_seed(5)
+    reg = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(3)), torch.zeros(8, 4)
+    pm_reg = autopar.compile(reg, mesh, (x,), loss_fn=torch.nn.functional.mse_loss, example_targets=(y,),
+                             data_axes=("dp",))
+    counts = [c for p in (pm, pm_reg) for c in p.plan.collectives if c.tensor.startswith(("cross", "mse"))]
+    return {"ce": pm(tokens, targets).full_tensor().item(), "mse": pm_reg(x, y).full_tensor().item(),
+            "count_collectives": len(counts)}
+
+
+def test_mean_loss_counts_without_collectives_when_targets_are_whole() -> None:
+    model, _, loss_fn, _ = gpt.build()
+    tokens, targets = _tokens()
+    targets = targets.clone()
+    targets[:3, 5:] = -100
+    torch.manual_seed(5)
+    reg = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(3)), torch.zeros(8, 4)
+    ce, mse = loss_fn(model(tokens), targets).item(), torch.nn.functional.mse_loss(reg(x), y).item()
+    for r in run_ranks(_mean_loss_rank, 2):
+        assert r["ce"] == pytest.approx(ce, rel=1e-5) and r["mse"] == pytest.approx(mse, rel=1e-5)
+        assert r["count_collectives"] == 0
+
+
 def _checkpoint_rank(rank: int, world: int, path: str, pinned: bool) -> dict[str, Any]:
     tokens, targets = _tokens()
     model, _, loss_fn, _ = gpt.build()

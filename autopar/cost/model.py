@@ -24,6 +24,8 @@ class CostContext:
     precision: Precision
     train: bool
     """Price backward and optimizer too (else forward only)."""
+    inputs_whole: bool = True
+    """Every rank receives the whole global batch (else only its data-parallel shard)."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Each pass is a plain function ``(gm, PassContext) -> gm`` in its own module; the
 in this order:
 1. annotate_placements: each node's chosen strategy into ``node.meta``;
 2. localize_shapes: size arguments become this rank's;
-3. localize_losses: batch-split 'mean' losses become local sum / global count;
-4. insert_reshards: ``self.reshard`` on every edge whose placements differ;
+3. insert_reshards: ``self.reshard`` on every edge whose placements differ;
+4. localize_losses: batch-split 'mean' losses become local sum / global count (after
+   the reshards, so a count can still read the whole targets input);
 5. retarget_devices: tensors the step creates go to the rank's device.
 The ``reshard`` and ``partial_mean_loss`` modules they call come from
 ``autopar.passes.ops`` for a given DeviceMesh.
@@ -23,7 +24,7 @@ from autopar.passes.localize_losses import localize_losses
 from autopar.passes.localize_shapes import localize_shapes
 from autopar.passes.retarget_devices import retarget_devices
 
-PASSES = (annotate_placements, localize_shapes, localize_losses, insert_reshards, retarget_devices)
+PASSES = (annotate_placements, localize_shapes, insert_reshards, localize_losses, retarget_devices)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]

@@ -1,7 +1,10 @@
 """localize_losses: a batch-split 'mean' loss becomes local sum / global count.
 
-Each rank's value is then a Partial of the global mean; the count is summed over the
-split mesh dims (``self.partial_mean_loss``), one small all-reduce per dim.
+Each rank's value is then a Partial of the global mean. The count is a constant when
+shapes fix it, counted on the whole targets input when every rank received it, and
+else summed over the split mesh dims, one small all-reduce per dim
+(``self.partial_mean_loss(op, count_dims, count, *args)``; ``count`` is the constant,
+the whole targets, or None).
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import torch
 import torch.fx
 
 from autopar.passes.context import PassContext, plan_name, strategy_of
-from autopar.rules.loss import is_partial_mean_loss
+from autopar.rules.loss import is_partial_mean_loss, static_count
+from autopar.solver.graph import count_source
 
 
 def _positional(target: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
@@ -22,6 +26,7 @@ def _positional(target: torch._ops.OpOverload, args: tuple, kwargs: dict) -> lis
 
 
 def localize_losses(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
+    inputs = {plan_name(n) or n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for node in list(gm.graph.nodes):
         strategy = strategy_of(node)
         plan_node = pc.graph.nodes.get(plan_name(node) or "")
@@ -29,9 +34,18 @@ def localize_losses(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             continue
         if not is_partial_mean_loss(plan_node.call, strategy):
             continue
-        dims = tuple(d for d, p in enumerate(strategy.outputs[0]) if p.is_partial())
+        source = count_source(plan_node, pc.ctx)
+        dims: tuple[int, ...] = ()
+        count: object = None
+        if source == "static":
+            x, targets = plan_node.call.args[0], plan_node.call.args[1]
+            count = static_count(node.target, tuple(x.shape), not targets.dtype.is_floating_point)
+        elif source == "input":
+            count = inputs[plan_node.targets_input]
+        else:
+            dims = tuple(d for d, p in enumerate(strategy.outputs[0]) if p.is_partial())
         with gm.graph.inserting_before(node):
-            local = gm.graph.call_module("partial_mean_loss", (str(node.target), dims,
+            local = gm.graph.call_module("partial_mean_loss", (str(node.target), dims, count,
                                                                *_positional(node.target, node.args, node.kwargs)))
         local.meta.update(node.meta)
         node.replace_all_uses_with(local)

@@ -111,19 +111,26 @@ class Reshard(nn.Module):
 
 
 class PartialMeanLoss(nn.Module):
-    """A batch-split 'mean' loss: local sum / global count, the count summed over ``mesh_dims``.
+    """A batch-split 'mean' loss: local sum / global count.
 
-    ``self.partial_mean_loss(op, mesh_dims, *args)`` with the loss op's own arguments.
+    ``self.partial_mean_loss(op, mesh_dims, count, *args)`` with the loss op's own
+    arguments. ``count`` is the global count (a number), the whole targets to count it
+    on, or None: count the local targets and sum over ``mesh_dims``.
     """
 
     def __init__(self, comm: Comm) -> None:
         super().__init__()
         self.comm = comm
 
-    def forward(self, op: str, mesh_dims: tuple[int, ...], *args: Any) -> torch.Tensor:
+    def forward(self, op: str, mesh_dims: tuple[int, ...], count: float | torch.Tensor | None,
+                *args: Any) -> torch.Tensor:
         target = getattr(torch.ops.aten, op.split(".")[1]).default
         with torch.no_grad():
-            count = loss_rules.global_count(target, args).to(torch.float32).reshape(1)
+            if isinstance(count, torch.Tensor):  # the whole targets
+                count = loss_rules.global_count(target, (args[0], count, *args[2:]))
+            elif count is None:
+                count = loss_rules.global_count(target, args)
+            count = torch.as_tensor(count, dtype=torch.float32).reshape(1)
             for dim in mesh_dims:
                 self.comm._record("forward", ALL_REDUCE, dim, count)
                 count = fc.wait_tensor(fc.all_reduce(count, "sum", (self.comm.mesh, dim)))

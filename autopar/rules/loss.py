@@ -2,12 +2,17 @@
 
 reduction='none' keeps the split; 'sum' gives a Partial sum. 'mean' is also run as
 a Partial: each rank computes the sum over its rows divided by the *global* count
-of counted elements (targets != ignore_index for cross entropy), which costs one
-scalar all-reduce of the count; ``local_mean_loss`` is that local computation.
+of counted elements (targets != ignore_index for cross entropy); ``local_mean_loss``
+is that local computation. The count is known from shapes alone for MSE and for
+class probabilities (``static_count``); for class ids it is counted on the whole
+targets when every rank has them, else summed over the split mesh dims (one scalar
+all-reduce per dim).
 Splitting the class dim (vocabulary-parallel cross entropy) is not offered yet.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +69,15 @@ def global_count(target_op: object, full_args: tuple) -> torch.Tensor:
             return weight[target[counted]].sum()
         return counted.sum().to(torch.float32)
     return torch.tensor(float(full_args[0].numel()))
+
+
+def static_count(target_op: object, x_shape: tuple[int, ...], targets_are_ids: bool) -> float | None:
+    """The 'mean' divisor when shapes alone fix it (nothing can be ignored), else None."""
+    if target_op is aten.cross_entropy_loss.default:
+        if targets_are_ids:
+            return None  # ignore_index: data-dependent
+        return float(math.prod(x_shape) // x_shape[1] if len(x_shape) > 1 else 1)
+    return float(math.prod(x_shape))
 
 
 def local_mean_loss(target_op: object, local_args: tuple, count: torch.Tensor) -> torch.Tensor:

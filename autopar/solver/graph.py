@@ -14,12 +14,19 @@ from torch.distributed.tensor import Placement
 from autopar.capture.graph import CapturedGraph, TensorMeta
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
-from autopar.rules.loss import is_partial_mean_loss
+from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
 
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
+_aten = torch.ops.aten
+SAME_ELEMENTS = frozenset({
+    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.flatten.using_ints,
+    _aten.unflatten.int, _aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze.default, _aten.unsqueeze.default,
+    _aten.transpose.int, _aten.t.default, _aten.permute.default, _aten.clone.default, _aten.contiguous.default,
+})
+"""Ops whose output holds exactly their input's elements (a count over them is the same)."""
 
 
 @dataclass
@@ -48,6 +55,9 @@ class PlanNode:
     """Seconds of collectives a strategy runs by itself (the loss's reductions), if any."""
     follower: bool = False
     """A view or elementwise op of one tensor: it takes its input placement as produced."""
+    targets_input: str | None = None
+    """For a loss: the user input its targets are a view of, if any (counted whole when
+    every rank receives the whole batch)."""
     fqn: str | None = None
 
 
@@ -134,9 +144,20 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     return PlanGraph(nodes, order, loss, output_names)
 
 
+def count_source(node: PlanNode, ctx: CostContext) -> str:
+    """Where a batch-split 'mean' loss gets its global count: 'static' (shapes), 'input'
+    (the whole targets input every rank received) or 'reduce' (local counts summed)."""
+    assert node.call is not None
+    x, targets = node.call.args[0], node.call.args[1]
+    if static_count(node.call.target, tuple(x.shape), not targets.dtype.is_floating_point) is not None:
+        return "static"
+    return "input" if ctx.inputs_whole and node.targets_input is not None else "reduce"
+
+
 def loss_count_reductions(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
-    """A batch-split 'mean' loss sums its element count over the split mesh dims (4-byte all-reduces)."""
-    if node.call is None or not is_partial_mean_loss(node.call, strategy):
+    """A batch-split 'mean' loss whose count needs data it does not have sums it over the
+    split mesh dims (4-byte all-reduces)."""
+    if node.call is None or not is_partial_mean_loss(node.call, strategy) or count_source(node, ctx) != "reduce":
         return []
     out = strategy.outputs[0]
     assert out is not None
@@ -179,11 +200,21 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
     rule = rules.lookup(node.target)
     pn.fallback = rule is None
     pn.follower = rules.family.get(node.target) in FOLLOWER_FAMILIES and len(producers) == 1
+    if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
+        pn.targets_input = _view_root(producers[1][0], nodes)
     pn.dim_strategies = rule(call) if rule is not None else []
     strategies = expand(call, pn.dim_strategies, ctx.mesh.shape)
     pn.strategies = strategies
     pn.costs = [op_cost(call, s, ctx) for s in strategies]
     return pn
+
+
+def _view_root(name: str, nodes: dict[str, PlanNode]) -> str | None:
+    """The user input ``name`` holds the same elements as (through reshapes only), if any."""
+    node = nodes[name]
+    while node.kind == OP and node.call is not None and node.call.target in SAME_ELEMENTS and len(node.args) == 1:
+        node = nodes[node.args[0][0]]
+    return node.name if node.kind == INPUT else None
 
 
 def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, arg: int,

@@ -91,7 +91,7 @@ def render(plan: "Plan") -> Group:
         summary.add_row("pinned", ", ".join(f"{k}: {v}" for k, v in plan.pinned.items()))
     summary.add_row("fallbacks", ", ".join(plan.fallbacks) + " (replicated: no rule)" if plan.fallbacks else "none")
     layers = Table(title="placements by layer (one placement per mesh axis: R replicate, S(d) shard dim d, "
-                   "P partial sum)", show_lines=True)
+                   "S(d/k) strided: each of k blocks of dim d sharded, P partial sum)", show_lines=True)
     layers.add_column("layer", style="cyan", no_wrap=True)
     layers.add_column("parameters")
     layers.add_column("collectives (phase kind @axis size)")
