@@ -82,14 +82,15 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     # A CPU host running gloo over loopback, as in our CI: figures measured on the
     # 2-core development machine (torch.mm fp32 ~100 GFLOP/s across 2 cores, ~10 GB/s
-    # memory copy; gloo all-reduce of 4 bytes 0.4-0.6 ms and of 4 MiB 3 ms (2 ranks) to
-    # 7.5 ms (4 ranks), i.e. ~150 us per ring step and ~1-2 GB/s). CPUs have no bf16
-    # advantage, so plans there default to fp32.
+    # memory copy). Collectives with 4 ranks sharing the 2 cores, as the tests and
+    # benchmarks run them (``benchmarks/calibrate_collectives.py``, three runs): 530-730 us
+    # per ring step and 0.60-0.66 GB/s effective, so 600 us and 1.3 GB/s at the 0.5
+    # network efficiency. CPUs have no bf16 advantage, so plans there default to fp32.
     "cpu": HardwareProfile(
         name="cpu", peak_flops_bf16=100e9, peak_flops_fp32=100e9,
         memory_bandwidth=10 * GB, memory_bytes=24 * GiB,
-        intra_node_bandwidth=2 * GB, intra_node_latency=150e-6,
-        inter_node_bandwidth=1 * GB, inter_node_latency=100e-6,
+        intra_node_bandwidth=1.3 * GB, intra_node_latency=600e-6,
+        inter_node_bandwidth=1 * GB, inter_node_latency=800e-6,
         compute_efficiency=0.5, memory_efficiency=0.5, network_efficiency=0.5,
         default_precision="fp32",
     ),

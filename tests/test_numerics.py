@@ -43,11 +43,30 @@ def _hf(builder: Callable[..., Any]) -> Callable[[], Any]:
     return build
 
 
+class ViewQKVAttention(gpt.CausalSelfAttention):
+    """The example's attention written as timm's ViT does: ``qkv(x).reshape(b, s, 3, heads,
+    head_dim).permute(2, 0, 3, 1, 4).unbind(0)`` (same parameters, same math)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).reshape(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.dropout(self.proj(y.transpose(1, 2).reshape(b, s, h)))
+
+
+def _gpt_view_qkv() -> Any:
+    model, inputs, loss_fn, targets = gpt.build()
+    for block in model.blocks:
+        block.attn.__class__ = ViewQKVAttention
+    return model, inputs, loss_fn, targets
+
+
 MODELS: dict[str, Callable[[], Any]] = {
-    "gpt": gpt.build, "llama": llama.build,
+    "gpt": gpt.build, "llama": llama.build, "gpt_view_qkv": _gpt_view_qkv,
     "hf_gpt2": _hf(hf_models.build_gpt2_step), "hf_llama": _hf(hf_models.build_llama_step),
 }
 TP_PLANS = {"gpt": (gpt.TP_PLAN, gpt.TP_SP_PLAN), "llama": (llama.TP_PLAN, llama.TP_SP_PLAN),
+            "gpt_view_qkv": (gpt.TP_PLAN, gpt.TP_SP_PLAN),
             "hf_llama": (HF_LLAMA_TP, HF_LLAMA_TP)}
 
 
@@ -78,6 +97,7 @@ CASES = [
     Case("gpt", (2,), ("dp",), "free"), Case("gpt", (2,), ("dp",), "dp"), Case("gpt", (4,), ("tp",), "tp"),
     Case("gpt", (4,), ("tp",), "tp_sp"), Case("gpt", (2, 2), ("dp", "tp"), "dp_tp"),
     Case("gpt", (2, 2), ("dp", "tp"), "free"), Case("gpt", (2, 4), ("dp", "tp"), "dp_tp"),
+    Case("gpt_view_qkv", (2, 2), ("dp", "tp"), "dp_tp"),
     Case("gpt", (2, 4), ("dp", "tp"), "free"),
     Case("llama", (2,), ("dp",), "dp"), Case("llama", (4,), ("tp",), "tp"), Case("llama", (4,), ("tp",), "free"),
     Case("llama", (2, 2), ("dp", "tp"), "tp_sp"), Case("llama", (2, 2), ("dp", "tp"), "free"),
@@ -135,6 +155,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]
         "missing": sorted(set(ref[2]) - set(params)), "diverged": diverged,
         "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
         "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
+        "strided": sorted(k for k, v in pm.plan.parameters.items() if "/" in v),
     }
 
 
@@ -167,3 +188,6 @@ def test_compiled_step_matches_single_device(case: Case) -> None:
         assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
         assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
     assert any(r["ran"] for r in results) or case.mesh == (1,)
+    if case.model.startswith("gpt") and case.plan != "free" and "tp" in case.names:
+        # ColwiseParallel on the fused qkv runs as interleaved qkv (strided shards).
+        assert "blocks.0.attn.qkv.weight" in results[0]["strided"], results[0]["strided"]
