@@ -16,6 +16,7 @@ never takes part in an all-to-all or a reduce-scatter (those move contiguous chu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,9 @@ def strided_join(gathered: torch.Tensor, dim: int, factor: int, ways: int) -> to
     return pieces.transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
-def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[Step]:
+@functools.lru_cache(maxsize=65536)
+def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[Step, ...]:
+    """The steps from ``src`` to ``dst`` (cached: planning asks for the same pairs many times)."""
     cur = list(src)
     ndim = len(cur)
     steps: list[Step] = []
@@ -102,4 +105,4 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
         else:
             steps.append(Step(ZERO, i, tuple(cur)))
         cur[i] = dst[i]
-    return steps
+    return tuple(steps)

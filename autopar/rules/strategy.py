@@ -8,6 +8,7 @@ combinations whose sharded dimensions divide evenly.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -120,19 +121,25 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 def divides(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
     """Every sharded tensor dim divides by the product of the mesh dims sharding it."""
-    ways = [1] * meta.ndim
-    factor = [1] * meta.ndim
+    return _divides(tuple(meta.shape), tuple(placements), mesh_shape)
+
+
+@functools.lru_cache(maxsize=65536)
+def _divides(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    ndim = len(shape)
+    ways = [1] * ndim
+    factor = [1] * ndim
     for p, n in zip(placements, mesh_shape):
         d = shard_dim(p)
         if d is not None:
-            if not 0 <= d < meta.ndim:
+            if not 0 <= d < ndim:
                 return False
             if factor[d] > 1 or (is_strided(p) and ways[d] > 1):
                 return False  # a strided dim is split on one mesh dim only (no nesting rules needed)
             ways[d] *= n
             factor[d] = split_factor(p)
     return all(w == 1 or (size % (w * f) == 0 and size >= w * f)
-               for w, f, size in zip(ways, factor, meta.shape))
+               for w, f, size in zip(ways, factor, shape))
 
 
 def dedupe(strategies: list[DimStrategy]) -> list[DimStrategy]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass, field
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -113,6 +114,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     order: list[str] = []
     loss: str | None = None
     output_names: list[str] = []
+    memo: StrategyMemo = {}
     for node in captured.gm.graph.nodes:
         if node.op == "output":
             flat = torch.utils._pytree.tree_leaves(node.args[0])
@@ -133,7 +135,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             price = parameter_cost if kind == PARAM else input_cost
             pn.costs = [price(meta, s.outputs[0], ctx) for s in pn.strategies]
         else:
-            pn = _op_node(node, nodes, rules, ctx, outputs)
+            pn = _op_node(node, nodes, rules, ctx, outputs, memo)
         nodes[pn.name] = pn
         order.append(pn.name)
     if loss is not None:  # the loss's own collectives come with its strategy
@@ -172,7 +174,7 @@ def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> li
 
 
 def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,
-             outputs: tuple[TensorMeta | None, ...]) -> PlanNode:
+             outputs: tuple[TensorMeta | None, ...], memo: "StrategyMemo") -> PlanNode:
     producers: list[tuple[str, int]] = []
 
     def to_meta(a: Any) -> Any:
@@ -202,11 +204,39 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
     pn.follower = rules.family.get(node.target) in FOLLOWER_FAMILIES and len(producers) == 1
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
         pn.targets_input = _view_root(producers[1][0], nodes)
-    pn.dim_strategies = rule(call) if rule is not None else []
-    strategies = expand(call, pn.dim_strategies, ctx.mesh.shape)
-    pn.strategies = strategies
-    pn.costs = [op_cost(call, s, ctx) for s in strategies]
+    key = call_key(call)
+    known = memo.get(key) if key is not None else None
+    if known is None:
+        dim_strategies = rule(call) if rule is not None else []
+        strategies = expand(call, dim_strategies, ctx.mesh.shape)
+        known = (dim_strategies, strategies, [op_cost(call, s, ctx) for s in strategies])
+        if key is not None:
+            memo[key] = known
+    pn.dim_strategies, pn.strategies, pn.costs = known
     return pn
+
+
+StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost]]]
+"""Strategies and costs per distinct op call: the layers of a deep model repeat the same calls.
+The lists are shared between nodes and never changed in place (passes assign new ones)."""
+
+
+def call_key(call: OpCall) -> Hashable | None:
+    """A hashable identity of an op call (target, arguments, output metas), or None."""
+
+    def freeze(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(freeze(x) for x in a))
+        if isinstance(a, dict):
+            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
+        return a
+
+    key = (call.target, freeze(call.args), freeze(call.kwargs), call.outputs)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _view_root(name: str, nodes: dict[str, PlanNode]) -> str | None:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard
 from autopar.cost.model import CostContext, op_cost, input_cost, parameter_cost
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import DimStrategy, is_strided, split_factor, strided
-from autopar.solver.graph import OP, PARAM, PlanGraph, placeholder_strategies
+from autopar.solver.graph import OP, PARAM, PlanGraph, StrategyMemo, call_key, placeholder_strategies
 
 EQUIVARIANT_FAMILIES = frozenset({"matmul", "pointwise", "view", "dropout"})
 """Op families whose shard-output strategies commute with permuting the sharded dim."""
@@ -62,16 +62,25 @@ def _twins(dim_strategies: list[DimStrategy], demands: set[Demand]) -> list[DimS
 def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -> None:
     """Offer strided layouts upstream of every consumer that can take one (in place)."""
     demands: dict[str, set[Demand]] = defaultdict(set)
+    memo: StrategyMemo = {}  # repeated layers ask for the same twins of the same calls
     for name in reversed(graph.order):
         node = graph.nodes[name]
         wanted = demands.get(name)
         if wanted and node.kind == OP and node.call is not None and \
                 rules.family.get(node.call.target) in EQUIVARIANT_FAMILIES:
-            twins = [t for t in _twins(node.dim_strategies, wanted) if t not in node.dim_strategies]
-            if twins:
-                node.dim_strategies = [*node.dim_strategies, *twins]
-                node.strategies = expand(node.call, node.dim_strategies, ctx.mesh.shape)
-                node.costs = [op_cost(node.call, s, ctx) for s in node.strategies]
+            key = call_key(node.call)
+            key = None if key is None else (key, tuple(sorted(wanted)))
+            known = memo.get(key) if key is not None else None
+            if known is None:
+                twins = [t for t in _twins(node.dim_strategies, wanted) if t not in node.dim_strategies]
+                known = (node.dim_strategies, node.strategies, node.costs)
+                if twins:
+                    dims = [*node.dim_strategies, *twins]
+                    strategies = expand(node.call, dims, ctx.mesh.shape)
+                    known = (dims, strategies, [op_cost(node.call, s, ctx) for s in strategies])
+                if key is not None:
+                    memo[key] = known
+            node.dim_strategies, node.strategies, node.costs = known
         elif wanted and node.kind != OP:
             meta = node.outputs[0]
             assert meta is not None
