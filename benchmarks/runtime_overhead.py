@@ -32,7 +32,9 @@ make it work: (1) the fused qkv weight's rows are permuted so each tp rank's con
 column shard holds its own heads' ``[q; k; v]`` (Megatron's interleaved layout; the math
 of the full model is unchanged), and (2) the attention forward uses local shapes
 (``chunk(3)``, ``view(b, s, -1, head_dim)``, i.e. ``heads / tp`` heads per rank, and
-``reshape(b, s, -1)``). For sequence parallelism the hand plan also shards the residual
+``reshape(b, s, -1)``). autopar needs neither: ``ColwiseParallel`` on the fused qkv
+runs as a strided shard of its output features (``S(2/3)``: each rank holds its heads'
+slices of q, k and v, the same interleaved layout) on the unchanged model. For sequence parallelism the hand plan also shards the residual
 stream on entering ``blocks.0`` (``PrepareModuleInput`` Replicate -> Shard(1), a local
 slice) and gathers it before ``ln_f`` (Shard(1) -> Replicate, an all-gather); embeddings,
 ``ln_f`` and ``lm_head`` stay replicated on tp.
