@@ -113,7 +113,7 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
             if axis_name not in mesh.names:
                 raise ValueError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
             axis = mesh.names.index(axis_name)
-            data_pins = data_parallel_pins(graph, captured.user_inputs, axis_name)
+            data_pins = data_parallel_pins(graph, captured.user_inputs, axis_name, inputs_whole=not input_sharded)
             apply_pins(graph, data_pins, axis, axis_name, mesh.shape[axis])
             for name, pin in data_pins.items():
                 node_pins[name] = (node_pins.get(name), axis_name, pin)

@@ -10,6 +10,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
 from examples import gpt, llama
+from tiny_models import PairwiseBatch
 
 TP_PLAN, SP_PLAN = llama.TP_PLAN, llama.TP_SP_PLAN
 
@@ -113,3 +114,17 @@ def test_constraint_matching_nothing_or_missing_axis_is_an_error() -> None:
     with pytest.raises(ValueError, match="does not have"):
         autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
                      constraints={"blocks.*.mlp.fc": ColwiseParallel()})
+
+
+@pytest.mark.parametrize("input_sharded", [False, True])
+def test_data_parallel_inputs_passed_split_are_contiguous_shards(input_sharded: bool) -> None:
+    """A data-parallel pin on an input the user passes already split must be exactly Shard(0):
+    a strided batch shard would need rows the rank was never given."""
+    x = torch.randn(64, 64)
+    mesh = autopar.Mesh({"dp": 2}, "cpu")
+    plan = autopar.plan(PairwiseBatch(), mesh, (x,), loss_fn=None, data_axes=("dp",), input_sharded=input_sharded)
+    (placement,) = [n.outputs[0] for n in plan.nodes if n.op == "input"]
+    if input_sharded:
+        assert placement == "S(0)"
+    else:  # every rank has the whole batch and slices what the plan wants: the local split wins
+        assert placement == "S(0/2)"

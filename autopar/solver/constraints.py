@@ -34,9 +34,12 @@ class Pin:
     output: Placement | None = None
     inputs: dict[int, Placement] = field(default_factory=dict)
     reason: str = ""
+    strided_ok: bool = False
+    """A strided shard of a pinned ``Shard(d)``'s dim also meets it (a TP style's feature
+    split). Not for a data-parallel batch split: inputs passed already split are contiguous."""
 
     def __repr__(self) -> str:
-        return f"Pin({self.output}, {sorted(self.inputs.items())})"
+        return f"Pin({self.output}, {sorted(self.inputs.items())}, strided_ok={self.strided_ok})"
 
 
 def _norm(p: Placement, ndim: int) -> Placement:
@@ -86,6 +89,8 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
         if name in pins:
             continue
         pins[name] = pin
+    for pin in pins.values():
+        pin.strided_ok = True
     return pins, summary
 
 
@@ -128,9 +133,11 @@ def _op_pin(style: object, call: OpCall, where: str) -> Pin | None:
                      "(use ColwiseParallel, RowwiseParallel or SequenceParallel)")
 
 
-def _meets(actual: Placement, pinned: Placement) -> bool:
-    """``actual`` satisfies a pin: equal, or a strided shard of the pinned Shard's dim."""
-    return actual == pinned or (isinstance(pinned, Shard) and is_strided(actual) and actual.dim == pinned.dim)
+def _meets(actual: Placement, pinned: Placement, pin: Pin) -> bool:
+    """``actual`` satisfies a pin: equal, or (where the pin allows) a strided shard of the pinned Shard's dim."""
+    if actual == pinned:
+        return True
+    return pin.strided_ok and isinstance(pinned, Shard) and is_strided(actual) and actual.dim == pinned.dim
 
 
 def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str, axis_size: int) -> None:
@@ -138,8 +145,8 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
     for name, pin in pins.items():
         node = graph.nodes[name]
         keep = [i for i, s in enumerate(node.strategies)
-                if (pin.output is None or (s.outputs[0] is not None and _meets(s.outputs[0][axis], pin.output)))
-                and all(_meets(s.inputs[k][axis], p) for k, p in pin.inputs.items())]
+                if (pin.output is None or (s.outputs[0] is not None and _meets(s.outputs[0][axis], pin.output, pin)))
+                and all(_meets(s.inputs[k][axis], p, pin) for k, p in pin.inputs.items())]
         if not keep:
             shapes = [tuple(m.shape) for m in node.outputs if m is not None]
             dims = ""
@@ -153,13 +160,16 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
         node.costs = [node.costs[i] for i in keep]
 
 
-def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis_name: str) -> dict[str, Pin]:
-    """Plain data parallelism on one axis: parameters replicated, inputs split on dim 0."""
+def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis_name: str, *,
+                       inputs_whole: bool = True) -> dict[str, Pin]:
+    """Plain data parallelism on one axis: parameters replicated, inputs split on dim 0
+    (strided allowed when every rank receives the whole batch and slices it itself)."""
     pins: dict[str, Pin] = {}
     for name in graph.order:
         node = graph.nodes[name]
         if node.kind == PARAM:
             pins[name] = Pin(output=Replicate(), reason=f"data parallel on {axis_name}")
         elif name in user_inputs:
-            pins[name] = Pin(output=Shard(0), reason=f"data parallel on {axis_name} (batch split)")
+            pins[name] = Pin(output=Shard(0), reason=f"data parallel on {axis_name} (batch split)",
+                             strided_ok=inputs_whole)
     return pins
