@@ -128,3 +128,13 @@ def test_data_parallel_inputs_passed_split_are_contiguous_shards(input_sharded: 
         assert placement == "S(0)"
     else:  # every rank has the whole batch and slices what the plan wants: the local split wins
         assert placement == "S(0/2)"
+
+
+def test_linear_styles_on_a_module_without_a_linear_are_refused() -> None:
+    """HF GPT-2's Conv1D (addmm with a transposed weight) is not what ColwiseParallel splits."""
+    from examples import hf_models
+
+    model, inputs, loss_fn, targets = hf_models.build_gpt2_step()
+    with pytest.raises(ValueError, match="no linear or embedding op"):
+        autopar.plan(model, autopar.Mesh({"tp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                     constraints={"transformer.h.*.attn.c_attn": ColwiseParallel()})

@@ -64,9 +64,15 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
             raise ValueError(f"constraint {pattern!r} matches no module of the model")
         summary[pattern] = type(style).__name__
         for module in matched:
+            where = f"{type(style).__name__} on {module}"
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not any(
+                    graph.nodes[n].kind == "op" and graph.nodes[n].call.target in (aten.linear.default,
+                                                                                   aten.embedding.default)
+                    for n in modules[module]):
+                raise ValueError(f"{where}: the module runs no linear or embedding op; like torch's "
+                                 f"{type(style).__name__}, it applies to nn.Linear and nn.Embedding only")
             for name in modules[module]:
                 node = graph.nodes[name]
-                where = f"{type(style).__name__} on {module}"
                 if node.kind == PARAM:
                     pins[name] = Pin(output=_param_placement(style, node.fqn or name, where), reason=where)
                     continue
