@@ -88,7 +88,10 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
     for i in range(ndim):
         if isinstance(cur[i], Partial) and not isinstance(dst[i], Partial):
             b = shard_dim(dst[i])
-            nested_inside = any(shard_dim(cur[j]) == b for j in range(i + 1, ndim)) if b is not None else True
+            # A reduce-scatter puts its chunk innermost: wrong if an inner mesh dim already
+            # splits dim b, or an outer one still has to slice it (DTensor nests outer first).
+            nested_inside = b is None or any(shard_dim(cur[j]) == b for j in range(i + 1, ndim)) or any(
+                shard_dim(dst[j]) == b and cur[j] != dst[j] for j in range(i))
             if b is not None and not nested_inside and not is_strided(dst[i]):
                 steps.append(Step(REDUCE_SCATTER, i, tuple(cur), dst_dim=b))
                 cur[i] = dst[i]

@@ -121,7 +121,7 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 def divides(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
     """Every sharded tensor dim divides by the product of the mesh dims sharding it."""
-    return _divides(tuple(meta.shape), tuple(placements), mesh_shape)
+    return _divides(tuple(meta.shape), tuple(placements), tuple(mesh_shape))
 
 
 @functools.lru_cache(maxsize=65536)

@@ -44,13 +44,21 @@ def fold_repeated_blocks(graph: PlanGraph, pins: dict[str, object] | None = None
         if inst is not None:
             members[inst].append(name)
 
+    by_object: dict[int, int] = {}  # strategy lists are shared between identical calls: hash each once
+    by_content: dict[tuple, int] = {}
+
+    def strategies_id(strategies: list) -> int:
+        if id(strategies) not in by_object:
+            by_object[id(strategies)] = by_content.setdefault(tuple(strategies), len(by_content))
+        return by_object[id(strategies)]
+
     def signature(names: list[str]) -> tuple:
         position = {n: i for i, n in enumerate(names)}
         sig = []
         for n in names:
             node = graph.nodes[n]
             wiring = tuple((position.get(src, -1), idx) for src, idx in node.args)
-            sig.append((node.kind, node.op, node.outputs, wiring, len(node.strategies), repr(pins.get(n))))
+            sig.append((node.kind, node.op, node.outputs, wiring, strategies_id(node.strategies), repr(pins.get(n))))
         return tuple(sig)
 
     representative = {n: n for n in graph.order}

@@ -164,6 +164,8 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
                              f"{pin.output} on axis {axis_name}{dims}")
         node.strategies = [node.strategies[i] for i in keep]
         node.costs = [node.costs[i] for i in keep]
+        if node.comm_times:
+            node.comm_times = [node.comm_times[i] for i in keep]
 
 
 def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis_name: str, *,
