@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -173,8 +173,13 @@ def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> li
     return reshard(meta, out, (R,) * ctx.mesh.ndim, ctx.mesh, ctx.precision)
 
 
+StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost]]]
+"""Strategies and costs per distinct op call: the layers of a deep model repeat the same calls.
+The lists are shared between nodes and never changed in place (passes assign new ones)."""
+
+
 def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,
-             outputs: tuple[TensorMeta | None, ...], memo: "StrategyMemo") -> PlanNode:
+             outputs: tuple[TensorMeta | None, ...], memo: StrategyMemo) -> PlanNode:
     producers: list[tuple[str, int]] = []
 
     def to_meta(a: Any) -> Any:
@@ -214,11 +219,6 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
             memo[key] = known
     pn.dim_strategies, pn.strategies, pn.costs = known
     return pn
-
-
-StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost]]]
-"""Strategies and costs per distinct op call: the layers of a deep model repeat the same calls.
-The lists are shared between nodes and never changed in place (passes assign new ones)."""
 
 
 def call_key(call: OpCall) -> Hashable | None:
