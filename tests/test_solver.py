@@ -177,8 +177,7 @@ def test_op_without_rule_falls_back_to_replicate_and_is_listed() -> None:
 
 @pytest.mark.parametrize("builder", ["build_gpt2_step", "build_llama_step"])
 def test_hugging_face_models_plan_end_to_end(builder: str) -> None:
-    pytest.importorskip("transformers")
-    from examples import hf_models
+    from examples import hf_models  # needs transformers, a dev dependency
 
     model, inputs, loss_fn, targets = getattr(hf_models, builder)()
     plan = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), inputs, loss_fn=loss_fn,

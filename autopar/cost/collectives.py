@@ -7,7 +7,6 @@ reduce-scatter (n-1)a + (n-1)/n M/b with M the gathered size; all-to-all
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Placement, Replicate
@@ -17,7 +16,7 @@ from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 
 from autopar.rules.redistribute import ALL_GATHER, ALL_REDUCE, COLLECTIVES, redistribute_steps
-from autopar.rules.strategy import shard_dim
+from autopar.rules.strategy import local_numel, shard_dim
 
 
 @dataclass(frozen=True)
@@ -50,8 +49,7 @@ def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:
 
 
 def _local_bytes(meta: TensorMeta, placements: tuple[Placement, ...], mesh: Mesh, precision: Precision) -> int:
-    ways = math.prod(n for p, n in zip(placements, mesh.shape) if shard_dim(p) is not None)
-    return precision.tensor_bytes(meta) // ways
+    return precision.tensor_bytes(meta, local_numel(meta, placements, mesh.shape))
 
 
 def reshard(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh: Mesh,
