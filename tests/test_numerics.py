@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import autopar
-from autopar.passes.ops import CollectiveLog
+from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.forked import run_ranks
 from examples import gpt, hf_models, llama
 

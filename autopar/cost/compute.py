@@ -41,7 +41,7 @@ def op_flops(call: OpCall) -> float:
                   aten._scaled_dot_product_flash_attention_for_cpu.default):
         q, k = inputs[0], inputs[1]
         b_h = math.prod(q.shape[:-2])
-        causal = bool(call.arg(5, "is_causal", False))
+        causal = bool(call.get("is_causal", False))
         full = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]  # QK^T and PV
         return full / 2 if causal else full
     if target in VIEW_OPS:

@@ -8,8 +8,8 @@ in this order:
 4. localize_losses: batch-split 'mean' losses become local sum / global count (after
    the reshards, so a count can still read the whole targets input);
 5. retarget_devices: tensors the step creates go to the rank's device.
-The ``reshard`` and ``partial_mean_loss`` modules they call come from
-``autopar.passes.ops`` for a given DeviceMesh.
+The ``reshard`` and ``partial_mean_loss`` modules they call are runtime code
+(``autopar.runtime.ops``), handed in by the caller: passes only write the calls.
 """
 
 from __future__ import annotations

@@ -14,15 +14,8 @@ import torch.fx
 
 from autopar.passes.context import PassContext, plan_name, strategy_of
 from autopar.rules.loss import is_partial_mean_loss, static_count
+from autopar.rules.strategy import positional_args
 from autopar.solver.graph import count_source
-
-
-def _positional(target: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
-    """All schema arguments in order, defaults filled in."""
-    out = list(args)
-    for arg in target._schema.arguments[len(args):]:
-        out.append(kwargs.get(arg.name, arg.default_value))
-    return out
 
 
 def localize_losses(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
@@ -46,7 +39,7 @@ def localize_losses(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             dims = tuple(d for d, p in enumerate(strategy.outputs[0]) if p.is_partial())
         with gm.graph.inserting_before(node):
             local = gm.graph.call_module("partial_mean_loss", (str(node.target), dims, count,
-                                                               *_positional(node.target, node.args, node.kwargs)))
+                                                               *positional_args(node.target, node.args, node.kwargs)))
         local.meta.update(node.meta)
         node.replace_all_uses_with(local)
         gm.graph.erase_node(node)

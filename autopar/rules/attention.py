@@ -31,7 +31,7 @@ def _mask_placement(mask: TensorMeta, dim: int, size: int) -> Placement:
 @TABLE.register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(call: OpCall) -> list[DimStrategy]:
     q = call.args[0]
-    mask = call.arg(3, "attn_mask")
+    mask = call.get("attn_mask")
     n_out = len(call.outputs)
     strategies = []
     for dim in (0, 1):
@@ -45,7 +45,7 @@ def sdpa_rule(call: OpCall) -> list[DimStrategy]:
 @TABLE.register(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def sdpa_cpu_rule(call: OpCall) -> list[DimStrategy]:
     """The CPU kernel returns (out, logsumexp[b, h, s]): both split like q."""
-    mask = call.arg(5, "attn_mask")
+    mask = call.get("attn_mask")
     strategies = []
     for dim in (0, 1):
         inputs = [S(dim), S(dim), S(dim)]

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from autopar.rules.strategy import P, R, DimStrategy, OpCall, S
+from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, schema_arg
 from autopar.rules.table import RuleTable
 
 aten = torch.ops.aten
@@ -30,9 +30,7 @@ MEAN_AS_PARTIAL = {aten.cross_entropy_loss.default, aten.mse_loss.default}
 
 
 def _reduction(call: OpCall) -> int:
-    if call.target is aten.cross_entropy_loss.default:
-        return call.arg(3, "reduction", REDUCTION_MEAN)
-    return call.arg(2, "reduction", REDUCTION_MEAN)
+    return call.get("reduction", REDUCTION_MEAN)
 
 
 @TABLE.register(aten.cross_entropy_loss.default)
@@ -40,7 +38,7 @@ def cross_entropy_rule(call: OpCall) -> list[DimStrategy]:
     x, target = call.args[0], call.args[1]
     if x.ndim < 2 or target.ndim < 1:
         return []
-    has_weight = call.arg(2, "weight") is not None
+    has_weight = call.get("weight") is not None
     weight = (R,) if has_weight else ()
     out = S(0) if _reduction(call) == REDUCTION_NONE else P
     return [DimStrategy((out,), (S(0), S(0), *weight))]
@@ -60,8 +58,8 @@ def global_count(target_op: object, full_args: tuple) -> torch.Tensor:
     """Elements a 'mean' divides by, over the whole (unsplit) batch."""
     if target_op is aten.cross_entropy_loss.default:
         x, target = full_args[0], full_args[1]
-        weight = full_args[2] if len(full_args) > 2 else None
-        ignore_index = full_args[4] if len(full_args) > 4 else -100
+        weight = schema_arg(target_op, full_args, {}, "weight")
+        ignore_index = schema_arg(target_op, full_args, {}, "ignore_index", -100)
         if target.is_floating_point():  # class probabilities: every position counts, unweighted
             return torch.tensor(float(x.numel() // x.shape[1] if x.ndim > 1 else 1))
         counted = target != ignore_index
@@ -84,9 +82,9 @@ def local_mean_loss(target_op: object, local_args: tuple, count: torch.Tensor) -
     """One rank's Partial share of a batch-split 'mean' loss: local sum / global count."""
     if target_op is aten.cross_entropy_loss.default:
         x, target = local_args[0], local_args[1]
-        weight = local_args[2] if len(local_args) > 2 else None
-        ignore_index = local_args[4] if len(local_args) > 4 else -100
-        smoothing = local_args[5] if len(local_args) > 5 else 0.0
+        weight = schema_arg(target_op, local_args, {}, "weight")
+        ignore_index = schema_arg(target_op, local_args, {}, "ignore_index", -100)
+        smoothing = schema_arg(target_op, local_args, {}, "label_smoothing", 0.0)
         total = F.cross_entropy(x, target, weight=weight, reduction="sum",
                                 ignore_index=ignore_index, label_smoothing=smoothing)
     else:

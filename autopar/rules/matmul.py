@@ -56,7 +56,7 @@ def linear_rule(call: OpCall) -> list[DimStrategy]:
     """y = x @ W.T (+ b): x [..., k], W [n, k], b [n]."""
     x = call.args[0]
     batch = _letters(x.ndim - 1, skip="kn")
-    has_bias = call.arg(2, "bias") is not None
+    has_bias = call.get("bias") is not None
     strategies = []
     for s in einsum_strategies(f"{batch}k,nk->{batch}n"):
         out = s.outputs[0]

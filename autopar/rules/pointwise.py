@@ -66,7 +66,7 @@ def pointwise_rule(call: OpCall) -> list[DimStrategy]:
     # Both operands must be tensors: x + 2 on a Partial x would add 2 once per rank.
     if call.target in LINEAR_ALL_PARTIAL and n_in >= 2 and _is_tensor_arg(call, 1):
         shapes = {t.shape for t in call.tensor_inputs}
-        if len(shapes) == 1 and call.arg(2, "alpha", 1) == 1:  # same shape: no broadcast copies
+        if len(shapes) == 1 and call.get("alpha", 1) == 1:  # same shape: no broadcast copies
             strategies.append(DimStrategy((P,) * n_out, (P,) * n_in))
     for arg in LINEAR_IN_ARG.get(call.target, ()):
         if arg < n_in and _is_tensor_arg(call, arg):

@@ -22,12 +22,12 @@ LINEAR = SUMS | {aten.mean.dim, aten.mean.default}
 
 def _reduced_dims(call: OpCall) -> tuple[set[int], bool]:
     x = call.args[0]
-    dims = call.arg(1, "dim", None)
+    dims = call.get("dim")
     if call.target in (aten.sum.default, aten.mean.default) or dims is None or dims == []:
         return set(range(x.ndim)), False
     if isinstance(dims, int):
         dims = [dims]
-    keepdim = bool(call.arg(2, "keepdim", False))
+    keepdim = bool(call.get("keepdim", False))
     return {normalize_dim(d, x.ndim) for d in dims}, keepdim
 
 

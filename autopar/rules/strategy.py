@@ -103,10 +103,35 @@ class OpCall:
                 found.extend(x for x in a if isinstance(x, TensorMeta))
         return found
 
-    def arg(self, index: int, name: str, default: Any = None) -> Any:
-        if index < len(self.args):
-            return self.args[index]
-        return self.kwargs.get(name, default)
+    def get(self, name: str, default: Any = None) -> Any:
+        """The argument the op's schema calls ``name``, however it was passed (positionally,
+        by keyword, or left at the schema's default); ``default`` where the schema has none."""
+        return schema_arg(self.target, self.args, self.kwargs, name, default)
+
+
+def schema_arg(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a call to ``target`` by the op's schema (never by a fixed index:
+    overloads put the same argument at different positions)."""
+    if name in kwargs:
+        return kwargs[name]
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return default
+    for index, argument in enumerate(schema.arguments):
+        if argument.name != name:
+            continue
+        if index < len(args) and not argument.kwarg_only:
+            return args[index]
+        return argument.default_value if argument.has_default_value() else default
+    return default
+
+
+def positional_args(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Every schema argument of a call to ``target`` in schema order, defaults filled in."""
+    out = list(args)
+    for argument in target._schema.arguments[len(args):]:
+        out.append(kwargs.get(argument.name, argument.default_value if argument.has_default_value() else None))
+    return out
 
 
 def replicate_all(call: OpCall) -> DimStrategy:
@@ -196,7 +221,7 @@ def is_float(meta: TensorMeta | None) -> bool:
 
 
 __all__ = ["R", "P", "S", "strided", "shard_dim", "split_factor", "is_strided", "DimStrategy", "Strategy", "OpCall", "Placements", "expand",
-           "replicate_all", "normalize_dim", "divides", "local_numel", "placement_str", "parse_placements"]
+           "replicate_all", "normalize_dim", "schema_arg", "positional_args", "divides", "local_numel", "placement_str", "parse_placements"]
 
 
 def parse_placements(text: str) -> Placements:

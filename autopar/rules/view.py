@@ -36,7 +36,7 @@ def _dim_map(call: OpCall) -> tuple:
             return ()
         return dt_views.view_groups(x.shape, call.outputs[0].shape)
     if t is aten.flatten.using_ints:
-        return dt_views.dim_flatten(x.ndim, call.arg(1, "start_dim", 0), call.arg(2, "end_dim", -1))
+        return dt_views.dim_flatten(x.ndim, call.get("start_dim", 0), call.get("end_dim", -1))
     if t is aten.unflatten.int:
         return dt_views.view_groups(x.shape, call.outputs[0].shape)
     if t is aten.expand.default:
@@ -50,7 +50,7 @@ def _dim_map(call: OpCall) -> tuple:
     if t is aten.unsqueeze.default:
         return dt_views.dim_unsqueeze(x.ndim, call.args[1])
     if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-        return dt_views.dim_squeeze(x.shape, call.arg(1, "dim", None))
+        return dt_views.dim_squeeze(x.shape, call.get("dim"))
     raise KeyError(t)
 
 
@@ -98,7 +98,7 @@ TABLE.add([aten.view.default, aten.reshape.default, aten._unsafe_view.default, a
 def slice_rule(call: OpCall) -> list[DimStrategy]:
     """Slicing along ``dim`` needs it whole; every other dim splits."""
     x = call.args[0]
-    dim = normalize_dim(call.arg(1, "dim", 0), x.ndim)
+    dim = normalize_dim(call.get("dim", 0), x.ndim)
     out = call.outputs[0]
     full = out is not None and out.shape == x.shape  # a no-op slice keeps every split
     strategies = [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim) if d != dim or full]
@@ -118,7 +118,7 @@ def cat_rule(call: OpCall) -> list[DimStrategy]:
     """All inputs split alike on a dim other than the one joined."""
     tensors = call.tensor_inputs
     out = call.outputs[0]
-    dim = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    dim = normalize_dim(call.get("dim", 0), out.ndim)
     if any(t.ndim != out.ndim for t in tensors):  # legacy empty-tensor cat: replicate
         return []
     strategies = [DimStrategy((S(d),), tuple(S(d) for _ in tensors)) for d in range(out.ndim) if d != dim]
@@ -129,7 +129,7 @@ def cat_rule(call: OpCall) -> list[DimStrategy]:
 def stack_rule(call: OpCall) -> list[DimStrategy]:
     tensors = call.tensor_inputs
     out = call.outputs[0]
-    dim = normalize_dim(call.arg(1, "dim", 0), out.ndim)
+    dim = normalize_dim(call.get("dim", 0), out.ndim)
     strategies = [DimStrategy((S(d if d < dim else d + 1),), tuple(S(d) for _ in tensors))
                   for d in range(out.ndim - 1)]
     return [*strategies, DimStrategy((P,), tuple(P for _ in tensors))]
@@ -140,8 +140,7 @@ def stack_rule(call: OpCall) -> list[DimStrategy]:
 def split_rule(call: OpCall) -> list[DimStrategy]:
     """Pieces along ``dim`` (removed, for unbind): every other dim splits, all pieces alike."""
     x = call.args[0]
-    default_dim = 0
-    dim = normalize_dim(call.arg(2 if call.target is not aten.unbind.int else 1, "dim", default_dim), x.ndim)
+    dim = normalize_dim(call.get("dim", 0), x.ndim)
     n_out = len(call.outputs)
     removed = call.target is aten.unbind.int
     strategies = [

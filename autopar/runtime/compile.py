@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.api import PlannedStep, plan_step
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
-from autopar.passes.ops import Comm, PartialMeanLoss, Reshard
+from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.solver.graph import BUFFER, INPUT, PARAM

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.cost.buckets import GradBucket
-from autopar.passes.ops import CollectiveLog
+from autopar.runtime.ops import CollectiveLog
 
 
 class GradSync:

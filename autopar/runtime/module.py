@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
-from autopar.passes.ops import CollectiveLog, Comm
+from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import local_shard
 from autopar.solver.plan import Plan

@@ -14,6 +14,7 @@ from autopar.rules.strategy import Strategy, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.graph import PARAM, PlanGraph, loss_count_reductions, loss_replication, price_edge
 from autopar.solver.ilp import Solution
+from autopar.solver.report import render_text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +92,6 @@ class Plan:
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
-        from autopar.solver.report import render_text
-
         return render_text(self)
 
 

@@ -5,15 +5,27 @@ from __future__ import annotations
 import io
 import re
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rich.console import Console, Group
 from rich.table import Table
 
 from autopar.units import fmt_bytes, fmt_time
 
-if TYPE_CHECKING:
-    from autopar.solver.plan import Plan
+
+class Plan(Protocol):
+    """What rendering reads of ``autopar.solver.plan.Plan`` (which imports this module,
+    so this one names the fields it needs instead of importing it back)."""
+
+    mesh: dict[str, Any]
+    precision: str
+    train: bool
+    parameters: dict[str, str]
+    nodes: list[Any]
+    collectives: list[Any]
+    predicted: Any
+    fallbacks: list[str]
+    pinned: dict[str, str]
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -26,7 +38,7 @@ def layer_of(module: str) -> str:
     return module.split(".")[0] if module else "(top)"
 
 
-def _rows(plan: "Plan") -> list[tuple[str, str, str]]:
+def _rows(plan: Plan) -> list[tuple[str, str, str]]:
     params: dict[str, list[str]] = defaultdict(list)
     for fqn, placement in plan.parameters.items():
         module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
@@ -72,7 +84,7 @@ def _merge_repeats(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str
     return merged
 
 
-def render(plan: "Plan") -> Group:
+def render(plan: Plan) -> Group:
     pred = plan.predicted
     mesh = plan.mesh
     summary = Table(title="autopar plan", show_header=False, box=None, pad_edge=False)
@@ -100,7 +112,7 @@ def render(plan: "Plan") -> Group:
     return Group(summary, layers)
 
 
-def render_text(plan: "Plan", width: int = 120) -> str:
+def render_text(plan: Plan, width: int = 120) -> str:
     console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
     console.print(render(plan))
     return console.file.getvalue()  # type: ignore[attr-defined]

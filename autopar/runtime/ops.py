@@ -1,5 +1,5 @@
-"""The ops the passes insert into per-rank graphs, as modules so the code reads plainly:
-``reshard = self.reshard(x, 'S(0)P', 'S(0)R', 'S(0)R', 'S(0)R')`` runs the forward
+"""The ops the passes (``autopar.passes``) insert into per-rank graphs, as modules so the
+code reads plainly: ``reshard = self.reshard(x, 'S(0)P', 'S(0)R', 'S(0)R', 'S(0)R')`` runs the forward
 redistribution src -> dst and, in backward, turns the gradient grad_src -> grad_dst.
 
 Collectives are torch's functional collectives on the DeviceMesh's groups. Every
