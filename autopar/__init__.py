@@ -8,7 +8,8 @@ from autopar.api import plan
 from autopar.capture import CaptureError
 from autopar.mesh import Mesh
 from autopar.runtime import CompileError, ParallelModule, compile
-from autopar.solver.ilp import MemoryLimitError
+from autopar.solver.ilp import MemoryLimitError, SolverTimeLimitError
 from autopar.solver.plan import Plan
 
-__all__ = ["plan", "compile", "Mesh", "Plan", "ParallelModule", "CaptureError", "CompileError", "MemoryLimitError"]
+__all__ = ["plan", "compile", "Mesh", "Plan", "ParallelModule", "CaptureError", "CompileError", "MemoryLimitError",
+           "SolverTimeLimitError"]

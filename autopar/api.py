@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
+from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.model import CostContext
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
@@ -26,6 +28,7 @@ from autopar.solver.graph import PlanGraph, build_plan_graph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import solve
 from autopar.solver.plan import Plan, build_plan
+from autopar.solver.report import solver_note
 
 
 def _as_mesh(mesh: Any) -> Mesh:
@@ -81,7 +84,8 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
          example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
          precision: str | None = None, constraints: dict[str, object] | None = None,
          constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False,
-         data_axes: tuple[str, ...] = (), input_sharded: bool = False) -> PlannedStep:
+         data_axes: tuple[str, ...] = (), input_sharded: bool = False,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0) -> PlannedStep:
     """``plan`` keeping the captured graph and chosen strategies (what execution needs).
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -91,7 +95,8 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     mesh = _as_mesh(mesh)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
     limit = float(mesh.hardware.memory_bytes) if memory_limit is None else float(memory_limit)
-    ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded)
+    ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded,
+                      bucket_bytes=bucket_bytes)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
         captured = capture(model, tuple(example_inputs), loss_fn=loss_fn, example_kwargs=example_kwargs,
@@ -113,7 +118,7 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
             if axis_name not in mesh.names:
                 raise ValueError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
             axis = mesh.names.index(axis_name)
-            data_pins = data_parallel_pins(graph, captured.user_inputs, axis_name, inputs_whole=not input_sharded)
+            data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded)
             apply_pins(graph, data_pins, axis, axis_name, mesh.shape[axis])
             for name, pin in data_pins.items():
                 node_pins[name] = (node_pins.get(name), axis_name, pin)
@@ -129,7 +134,9 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
                     node_pins[name] = (node_pins.get(name), axis_name, pin)
         folding = fold_repeated_blocks(graph, node_pins)
     with _stage("solve", timings, progress):
-        solution = solve(graph, folding, ctx, limit)
+        solution = solve(graph, folding, ctx, limit, time_limit_s=solver_time_limit_s)
     result = build_plan(graph, folding, solution, ctx, timings, pinned)
+    if solution.status != "optimal":
+        warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=2)
     chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
     return PlannedStep(result, captured, graph, chosen, ctx)

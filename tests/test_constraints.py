@@ -138,3 +138,30 @@ def test_linear_styles_on_a_module_without_a_linear_are_refused() -> None:
     with pytest.raises(ValueError, match="no linear or embedding op"):
         autopar.plan(model, autopar.Mesh({"tp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
                      constraints={"transformer.h.*.attn.c_attn": ColwiseParallel()})
+
+
+def test_colwise_embedding_splits_the_embedding_dim_as_torch_does() -> None:
+    """torch's ColwiseParallel shards an nn.Embedding's table on dim 1 (its output's last
+    dim): the table is pinned there, so neither forward nor backward moves it."""
+    model, inputs, loss_fn, targets = gpt.build()
+    plan = autopar.plan(model, autopar.Mesh({"tp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        constraints={"wte": ColwiseParallel()})
+    assert plan.parameters["wte.weight"] == "S(1)"
+    assert [c for c in plan.collectives if c.tensor == "p_model_wte_weight"] == []
+    embedding = next(n for n in plan.nodes if n.name == "embedding")
+    assert embedding.inputs == ["S(1)", "R"] and embedding.outputs == ["S(2)"]
+
+
+@pytest.mark.parametrize("hardware", ["h100", "cpu"])
+@pytest.mark.parametrize("axes", [{"dp": 2}, {"dp": 2, "tp": 2}], ids=["dp2", "dp2xtp2"])
+def test_data_axes_keep_the_batch_split_and_synchronize_gradients(axes: dict[str, int], hardware: str) -> None:
+    """Pinned data parallelism runs every op on its part of the batch: nothing computed from
+    the inputs is gathered on the data axis, and the gradients are all-reduced there."""
+    model, inputs, loss_fn, targets = gpt.build()
+    plan = autopar.plan(model, autopar.Mesh(axes, hardware), inputs, loss_fn=loss_fn, example_targets=targets,
+                        data_axes=("dp",))
+    assert not [c for c in plan.collectives if c.axis == "dp" and c.kind in ("all_gather", "all_to_all")]
+    assert {b.mesh_dim for b in plan.grad_buckets} >= {0}
+    linears = [n for n in plan.nodes if n.op == "aten.linear.default"]
+    assert linears and all(on_axis(n.inputs[0], 0).startswith("S(0") for n in linears)
+    assert all(on_axis(p, 0) == "R" for p in plan.parameters.values())

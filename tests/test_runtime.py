@@ -62,14 +62,24 @@ def _forward_only_rank(rank: int, world: int) -> list[float]:
     pm = autopar.compile(model, mesh, (tokens,), train=False)
     logits = pm(tokens)
     assert isinstance(logits, DTensor)
-    return logits.full_tensor().flatten()[:2048].tolist()
+    return _bytes(logits.full_tensor())
+
+
+def _bytes(t: torch.Tensor) -> tuple[list[int], bytes]:
+    """A whole tensor as picklable (shape, fp32 bytes): ranks return results without tensors."""
+    return list(t.shape), t.detach().to(torch.float32).contiguous().numpy().tobytes()
+
+
+def _tensor(shape_and_bytes: tuple[list[int], bytes]) -> torch.Tensor:
+    shape, raw = shape_and_bytes
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
 
 
 def test_forward_only_outputs_are_dtensors_with_the_single_device_value() -> None:
     model, (tokens,), _, _ = gpt.build()
-    expected = model(tokens).detach().flatten()[:2048]
+    expected = model(tokens).detach()
     for got in run_ranks(_forward_only_rank, 2):
-        torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(_tensor(got), expected, rtol=1e-4, atol=1e-5)  # every logit
 
 
 def _sharded_input_rank(rank: int, world: int) -> float:
@@ -204,7 +214,9 @@ def _accumulate_rank(rank: int, world: int) -> dict[str, list[float]]:
                          data_axes=("dp",))
     for micro in (slice(0, 4), slice(4, 8)):  # two micro-batches, one optimizer step
         pm(tokens[micro], targets[micro]).backward()
-    return {k: p.grad.flatten()[:64].tolist() for k, p in pm.named_parameters()}
+    state = pm.state_dict()
+    return {k: _bytes(DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor())
+            for k, p in pm.named_parameters()}
 
 
 def test_gradients_accumulate_over_several_backward_passes() -> None:
@@ -213,8 +225,9 @@ def test_gradients_accumulate_over_several_backward_passes() -> None:
     for micro in (slice(0, 4), slice(4, 8)):
         loss_fn(model(tokens[micro]), targets[micro]).backward()
     for got in run_ranks(_accumulate_rank, 2):
+        assert sorted(got) == sorted(dict(model.named_parameters()))
         for name, p in model.named_parameters():
-            torch.testing.assert_close(torch.tensor(got[name]), p.grad.flatten()[:64], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(_tensor(got[name]), p.grad, rtol=1e-4, atol=1e-5)  # whole gradients
 
 
 def _strided_batch_rank(rank: int, world: int) -> dict[str, Any]:

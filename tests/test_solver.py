@@ -5,19 +5,23 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
+from collections import defaultdict
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate
 
 import autopar
 from autopar.capture import capture
 from autopar.cost import get_precision
-from autopar.cost.collectives import grad_placement_at_consumer
+from autopar.cost.collectives import collective_time, grad_placement_at_consumer, reshard
 from autopar.cost.model import CostContext, gathered_parameter_bytes
 from autopar.rules import DEFAULT_RULES
 from autopar.solver.blocks import fold_repeated_blocks
-from autopar.solver.graph import build_plan_graph, price_edge
+from autopar.rules.strategy import local_numel, shard_dim
+from autopar.solver.graph import build_plan_graph
 from autopar.solver.ilp import MemoryLimitError, solve
 from examples import gpt, llama
 
@@ -41,11 +45,15 @@ def _graph(mesh_axes: dict[str, int], hardware: str = "h100"):
 
 
 def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
-    """Objective and memory of one assignment, priced independently of the ILP: node costs
-    (with the loss's own collectives), and each tensor's reshards once per distinct
-    (placement needed, gradient placement sent back) among its consumers."""
+    """Objective and memory of one assignment, priced independently of the ILP's formulation
+    (and of ``price_edge``): node costs (with the loss's own collectives); each tensor's
+    reshards, forward and backward, once per distinct (placement needed, gradient placement
+    sent back) among its consumers, from the redistribution steps the runtime executes; and
+    gradient buckets by hand: per mesh dim, ceil(gradient bytes / 25 MiB) ring all-reduces."""
+    mesh = ctx.mesh
     time = memory = 0.0
     paid: set[tuple] = set()
+    sync: dict[str, set[int]] = defaultdict(set)
     for name in graph.order:
         node = graph.nodes[name]
         strategy = node.strategies[choice[name]]
@@ -54,16 +62,33 @@ def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
         memory += cost.memory
         for arg, (src, idx) in enumerate(node.args):
             producer = graph.nodes[src]
-            produced = producer.strategies[choice[src]]
+            meta = producer.outputs[idx]
+            produced = producer.strategies[choice[src]].outputs[idx]
             required = strategy.inputs[arg]
             grad = (tuple(grad_placement_at_consumer(r, strategy.is_active(d)) for d, r in enumerate(required))
                     if ctx.train and producer.needs_grad else None)
+            is_param = producer.kind == "param"
+            syncs = {d for d in range(mesh.ndim) if is_param and grad is not None
+                     and produced[d].is_replicate() and grad[d].is_partial()}
+            sync[src] |= syncs
             if (src, idx, required, grad) in paid:
                 continue
             paid.add((src, idx, required, grad))
-            memory += gathered_parameter_bytes(producer.outputs[idx], produced.outputs[idx], required, ctx,
-                                               from_parameter=producer.kind == "param")
-            time += price_edge(graph, src, idx, name, arg, produced, strategy, ctx).time
+            memory += gathered_parameter_bytes(meta, produced, required, ctx, from_parameter=is_param)
+            calls = reshard(meta, produced, required, mesh, ctx.precision)
+            if grad is not None:
+                target = tuple(Partial() if d in syncs else p if shard_dim(p) is not None else Replicate()
+                               for d, p in enumerate(produced))
+                calls += reshard(meta, grad, target, mesh, ctx.precision)
+            time += sum(collective_time(c, mesh) for c in calls)
+    grad_bytes: dict[int, int] = defaultdict(int)
+    for src, dims in sync.items():
+        meta = graph.nodes[src].outputs[0]
+        for d in dims:
+            grad_bytes[d] += ctx.precision.tensor_bytes(meta, local_numel(meta, graph.nodes[src].strategies[choice[src]].outputs[0], mesh.shape))
+    for d, nbytes in grad_bytes.items():
+        n, link = mesh.shape[d], mesh.link(d)
+        time += math.ceil(nbytes / 2**20 / 25) * 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
     return time, memory
 
 
@@ -182,8 +207,62 @@ def test_hugging_face_models_plan_end_to_end(builder: str) -> None:
     model, inputs, loss_fn, targets = getattr(hf_models, builder)()
     plan = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), inputs, loss_fn=loss_fn,
                         example_targets=targets)
-    assert plan.predicted.step_time_s > 0 and plan.predicted.peak_memory_bytes > 0
+    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     assert len(plan.parameters) == len(dict(model.named_parameters()))
+    # model state by hand: fp32 weights, gradients and Adam's m and v (16 bytes), per shard
+    sizes = (2, 2)
+    by_hand = sum(p.numel() * 16 // math.prod(n for n, pl in zip(sizes, re.findall(r"S\([^)]*\)|R|P",
+                                                                                    plan.parameters[k]))
+                                                 if pl.startswith("S"))
+                  for k, p in model.named_parameters())
+    assert plan.predicted.parameter_memory_bytes == by_hand
     # HF's mask construction uses ops we have no rule for: replicated and reported, not hidden
     assert "aten.index.Tensor" in plan.fallbacks
     assert json.dumps(plan.to_json())
+
+
+def test_solver_time_limit_without_a_plan_is_its_own_error() -> None:
+    model, inputs, loss_fn, targets = llama.build()
+    with pytest.raises(autopar.SolverTimeLimitError, match="time limit of 0 s"):
+        autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                     example_targets=targets, solver_time_limit_s=0.0)
+
+
+class _Info:
+    def __init__(self, feasible: bool, gap: float) -> None:
+        self.primal_solution_status = 2 if feasible else 0
+        self.mip_gap = gap
+        self.objective_function_value = 12.5
+
+
+def test_solver_status_is_read_not_assumed() -> None:
+    from highspy import HighsModelStatus
+
+    from autopar.solver.milp import interpret
+
+    stopped = interpret(HighsModelStatus.kTimeLimit, _Info(True, 0.031), lambda: [1.0, 0.0], 5.0)
+    assert (stopped.status, stopped.gap, stopped.values) == ("time_limit", 0.031, [1.0, 0.0])
+    empty = interpret(HighsModelStatus.kTimeLimit, _Info(False, float("inf")), lambda: [], 5.0)
+    assert (empty.status, empty.values) == ("time_limit", None)
+    assert interpret(HighsModelStatus.kInfeasible, _Info(False, 0.0), lambda: [], 5.0).status == "infeasible"
+    assert interpret(HighsModelStatus.kOptimal, _Info(True, 1e-9), lambda: [1.0], 5.0).gap == 0.0
+
+
+def test_a_plan_stopped_at_the_time_limit_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS's incumbent at the time limit comes back as a plan that says it is not proven
+    optimal (in the plan, its table and a warning), with the gap."""
+    import dataclasses
+
+    from autopar.solver import ilp, milp
+
+    def stopped_run(model: milp.Model, time_limit_s: float) -> milp.Result:
+        result = milp.run(model, 120.0)
+        return dataclasses.replace(result, status="time_limit", gap=0.042, time_limit_s=time_limit_s)
+
+    monkeypatch.setattr(ilp, "run", stopped_run)
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.warns(UserWarning, match="NOT PROVEN OPTIMAL.*time limit of 7 s.*within 4.20%"):
+        plan = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                            example_targets=targets, solver_time_limit_s=7.0)
+    assert (plan.solver["status"], plan.solver["gap"], plan.solver["time_limit_s"]) == ("time_limit", 0.042, 7.0)
+    assert "NOT PROVEN OPTIMAL" in str(plan)

@@ -1,12 +1,18 @@
-"""Gradient buckets: parameters whose gradients are all-reduced together after backward.
+"""Gradient buckets: the gradients reduced together, one all-reduce per bucket.
 
-Like DDP, gradients are fused into buckets of about ``cap`` bytes, filled in reverse
-parameter order (the order backward produces them), one bucket per set of mesh dims.
-The plan lists one all-reduce per bucket and mesh dim; the runtime runs exactly these.
+Parameters whose gradient comes back Partial on a mesh dim are all-reduced there once per
+step. Per mesh dim, their local gradients are laid end to end in backward order (reverse
+parameter order, as DDP fills its buckets) and cut into buckets of exactly ``cap`` bytes
+(the last one shorter); a parameter may straddle two buckets. So a mesh dim whose
+gradients total M bytes runs exactly ``ceil(M / cap)`` all-reduces: the ILP prices that
+count (``bucket_count``) and the runtime runs these buckets, so both pay the same
+latency terms. A parameter reduced on several mesh dims is in one bucket stream per dim;
+the runtime reduces them in mesh-dim order.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -14,33 +20,57 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
+class BucketSlice:
+    """Elements ``[start, stop)`` of one parameter's flattened local gradient."""
+
+    param: str
+    """Parameter node name."""
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class GradBucket:
-    params: tuple[str, ...]
-    """Parameter node names, in the order their gradients are packed."""
-    mesh_dims: tuple[int, ...]
-    """Mesh dims the bucket is all-reduced over, in order."""
+    mesh_dim: int
+    """The mesh dim this bucket is all-reduced over."""
+    slices: tuple[BucketSlice, ...]
+    """What the bucket holds, in packing order."""
     nbytes: int
-    """Bytes of the packed gradients (local shards)."""
+    """Bytes of the packed gradients (local shards, at the plan's precision)."""
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.param for s in self.slices))
 
 
-def gradient_buckets(params: list[tuple[str, int, frozenset[int]]], cap: int = DEFAULT_BUCKET_BYTES
-                     ) -> list[GradBucket]:
-    """``params``: (name, local gradient bytes, sync dims) in parameter order."""
-    open_buckets: dict[tuple[int, ...], list[tuple[str, int]]] = {}
-    done: list[GradBucket] = []
+def bucket_count(nbytes: float, cap: int = DEFAULT_BUCKET_BYTES) -> int:
+    """All-reduces ``gradient_buckets`` makes of ``nbytes`` of gradients on one mesh dim."""
+    return math.ceil(nbytes / cap)
 
-    def close(dims: tuple[int, ...]) -> None:
-        members = open_buckets.pop(dims)
-        done.append(GradBucket(tuple(n for n, _ in members), dims, sum(b for _, b in members)))
 
-    for name, nbytes, dims in reversed(params):
-        if not dims:
-            continue
-        key = tuple(sorted(dims))
-        members = open_buckets.setdefault(key, [])
-        members.append((name, nbytes))
-        if sum(b for _, b in members) >= cap:
-            close(key)
-    for key in list(open_buckets):
-        close(key)
-    return done
+def gradient_buckets(params: list[tuple[str, int, frozenset[int]]], itemsize: int,
+                     cap: int = DEFAULT_BUCKET_BYTES) -> list[GradBucket]:
+    """``params``: (name, local gradient elements, sync dims) in parameter order; every
+    gradient element takes ``itemsize`` bytes. Buckets of mesh dim 0 first, then dim 1, ..."""
+    if cap % itemsize:
+        raise ValueError(f"bucket size {cap} is not a whole number of {itemsize}-byte elements")
+    per_bucket = cap // itemsize
+    buckets: list[GradBucket] = []
+    for dim in sorted({d for _, _, dims in params for d in dims}):
+        slices: list[BucketSlice] = []
+        room = per_bucket
+        for name, numel, dims in reversed(params):
+            if dim not in dims:
+                continue
+            start = 0
+            while start < numel:
+                take = min(room, numel - start)
+                slices.append(BucketSlice(name, start, start + take))
+                start += take
+                room -= take
+                if room == 0:
+                    buckets.append(GradBucket(dim, tuple(slices), cap))
+                    slices, room = [], per_bucket
+        if slices:
+            buckets.append(GradBucket(dim, tuple(slices), (per_bucket - room) * itemsize))
+    return buckets

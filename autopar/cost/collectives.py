@@ -27,18 +27,27 @@ class CollectiveCall:
     mesh_dim: int
     nbytes: int
     bucketed: bool = False
-    """Gradient synchronization: fused into large buckets (as DDP/FSDP do), so per-tensor
-    latency is amortized away and only bandwidth counts."""
+    """Gradient synchronization: one bucket of gradients fused into one all-reduce (as DDP
+    does), run after (or overlapping) backward rather than on an edge."""
+
+
+def latency_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
+    """The alpha terms of one collective: 2(n-1) ring steps for all-reduce, n-1 otherwise."""
+    n = mesh.shape[mesh_dim]
+    steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
+    return steps * mesh.link(mesh_dim).latency
+
+
+def transfer_time(call: CollectiveCall, mesh: Mesh) -> float:
+    """The bandwidth term of one collective: linear in ``nbytes``, so per-tensor shares of a
+    bucket add up to the bucket's."""
+    return bytes_moved(call, mesh) / mesh.link(call.mesh_dim).bandwidth
 
 
 def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
-    n = mesh.shape[call.mesh_dim]
-    if n == 1:
+    if mesh.shape[call.mesh_dim] == 1:
         return 0.0
-    link = mesh.link(call.mesh_dim)
-    steps = 0 if call.bucketed else 2 * (n - 1) if call.kind == ALL_REDUCE else n - 1
-    volume = (2 if call.kind == ALL_REDUCE else 1) * (n - 1) / n * call.nbytes
-    return steps * link.latency + volume / link.bandwidth
+    return latency_time(call.kind, call.mesh_dim, mesh) + transfer_time(call, mesh)
 
 
 def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from autopar.capture.graph import TensorMeta
 from torch.distributed.tensor import Partial, Replicate
 
+from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
 from autopar.cost.compute import BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, roofline_time
@@ -26,6 +27,8 @@ class CostContext:
     """Price backward and optimizer too (else forward only)."""
     inputs_whole: bool = True
     """Every rank receives the whole global batch (else only its data-parallel shard)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Gradient bucket size: gradients are all-reduced in buckets of this many bytes."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,13 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
     return NodeCost(time, memory)
 
 
-def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext) -> NodeCost:
-    """Model state of one parameter, and the optimizer's elementwise update over its shard."""
+def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *, trainable: bool = True
+                   ) -> NodeCost:
+    """Model state of one parameter, and the optimizer's elementwise update over its shard.
+    A frozen parameter (``requires_grad=False``) or a forward-only step keeps the weights
+    alone: no gradient, no master copy, no optimizer state, no update."""
     numel = local_numel(meta, placements, ctx.mesh.shape)
-    if not ctx.train:
+    if not ctx.train or not trainable:
         return NodeCost(0.0, float(numel * ctx.precision.weight_bytes_per_param))
     state = numel * ctx.precision.state_bytes_per_param
     # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
@@ -74,13 +80,6 @@ def input_cost(meta: TensorMeta, placements: Placements, ctx: CostContext) -> No
     return NodeCost(0.0, float(ctx.precision.tensor_bytes(meta, numel)))
 
 
-def grad_sync_dims(produced: Placements, grad_in: Placements) -> frozenset[int]:
-    """Mesh dims where a replicated parameter gets a Partial gradient: synchronized once per
-    step by a bucketed all-reduce (as DDP does), not on the edge."""
-    return frozenset(d for d, (p, g) in enumerate(zip(produced, grad_in))
-                     if isinstance(p, Replicate) and isinstance(g, Partial))
-
-
 def grad_placements(produced: Placements, required: Placements, consumer: Strategy) -> tuple[Placements, Placements]:
     """(gradient placement the consumer sends back, placement the producer wants)."""
     grad_in = tuple(grad_placement_at_consumer(r, consumer.is_active(i)) for i, r in enumerate(required))
@@ -88,16 +87,45 @@ def grad_placements(produced: Placements, required: Placements, consumer: Strate
     return grad_in, grad_out
 
 
+def grad_sync_dims(produced: Placements, grad_in: Placements) -> frozenset[int]:
+    """Mesh dims where a parameter stored replicated gets a Partial gradient back from one
+    consumer. The parameter's gradient is reduced there once per step, in buckets (as DDP
+    does), over the union of its consumers' sync dims, never on the edge itself."""
+    return frozenset(d for d, (p, g) in enumerate(zip(produced, grad_in))
+                     if isinstance(p, Replicate) and isinstance(g, Partial))
+
+
+def param_grad_target(produced: Placements, grad_in: Placements, sync_dims: frozenset[int]) -> Placements:
+    """Placement one consumer's gradient of a parameter is resharded to: Partial on the
+    parameter's sync dims (the bucketed all-reduce sums it there; a replicated contribution
+    becomes Partial for free by keeping it on one rank), else what the parameter's shard needs.
+
+    The collectives of ``grad_in -> target`` do not depend on which sync dims besides this
+    consumer's own are in ``sync_dims`` (on those dims the gradient is Replicate or Shard and
+    the parameter Replicate: gathering to Partial or to Replicate runs the same all-gather),
+    so ``edge_cost`` prices each edge with its own sync dims and the program, which needs the
+    union of all consumers', runs the same collectives."""
+    grad_out = tuple(grad_placement_at_producer(p) for p in produced)
+    return tuple(Partial() if d in sync_dims else g for d, g in enumerate(grad_out))
+
+
+def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozenset[int], ctx: CostContext
+                     ) -> list[CollectiveCall]:
+    """One parameter's share of the gradient buckets: an all-reduce of its local gradient on
+    each sync dim. Its transfer time is the parameter's; latency is paid per bucket."""
+    nbytes = ctx.precision.tensor_bytes(meta, local_numel(meta, produced, ctx.mesh.shape))
+    return [CollectiveCall(ALL_REDUCE, d, nbytes, bucketed=True) for d in sorted(sync_dims)]
+
+
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,
-              ctx: CostContext, *, from_parameter: bool, needs_grad: bool,
-              sync_dims: frozenset[int] | None = None) -> EdgeCost:
+              ctx: CostContext, *, from_parameter: bool, needs_grad: bool) -> EdgeCost:
     """Collectives between a producer's output and a consumer's input, both directions.
 
     Backward sends the consumer's gradient (placement from the consumer's split) back to
     the placement the producer's backward wants. A parameter's gradient is left Partial on
-    its sync dims (``sync_dims``: all of its consumers', default this edge's) and reduced
-    there by one bucketed all-reduce, listed with ``bucketed=True``. A parameter gathered in
-    forward stays gathered until backward (no ZeRO-3 re-gather yet).
+    the dims this consumer makes it Partial (``param_grad_target``); the bucketed all-reduce
+    that sums it there is priced once per parameter (``param_sync_calls``), not per edge. A
+    parameter gathered in forward stays gathered until backward (no ZeRO-3 re-gather yet).
     """
     mesh, precision = ctx.mesh, ctx.precision
     forward = reshard(meta, produced, required, mesh, precision)
@@ -105,13 +133,8 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     if ctx.train and needs_grad:
         grad_in, grad_out = grad_placements(produced, required, consumer)
         if from_parameter:
-            sync = grad_sync_dims(produced, grad_in) if sync_dims is None else sync_dims
-            target = tuple(Partial() if d in sync else g for d, g in enumerate(grad_out))
-            backward.extend(reshard(meta, grad_in, target, mesh, precision))
-            nbytes = precision.tensor_bytes(meta, local_numel(meta, produced, mesh.shape))
-            backward.extend(CollectiveCall(ALL_REDUCE, d, nbytes, bucketed=True) for d in sorted(sync))
-        else:
-            backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
+            grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in))
+        backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
     time = sum(collective_time(c, mesh) for c in (*forward, *backward))
     return EdgeCost(time, tuple(forward), tuple(backward))
 

@@ -13,9 +13,9 @@ import operator
 from typing import Any
 
 import torch.fx
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Replicate
 
-from autopar.cost.model import grad_placements
+from autopar.cost.model import grad_placements, param_grad_target
 from autopar.passes.context import PassContext, plan_name, strategy_of
 from autopar.rules.redistribute import redistribute_steps
 from autopar.rules.strategy import Placements, placement_str
@@ -28,9 +28,8 @@ def _grad_spec(pc: PassContext, src: str, produced: Placements, required: Placem
     if not (pc.ctx.train and producer.needs_grad):
         return None
     grad_in, grad_out = grad_placements(produced, required, pc.chosen[consumer_name])
-    if producer.kind == PARAM:
-        sync = pc.sync_dims.get(src, frozenset())
-        grad_out = tuple(Partial() if d in sync else g for d, g in enumerate(grad_out))
+    if producer.kind == PARAM:  # Partial on every sync dim of the parameter: the buckets sum it there
+        grad_out = param_grad_target(produced, grad_in, pc.sync_dims.get(src, frozenset()))
     return grad_in, grad_out
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.api import PlannedStep, plan_step
+from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
 from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
@@ -50,7 +51,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             data_axes: tuple[str, ...] = (), input_sharded: bool = False, init_fn: InitFn | None = None,
             init_seed: int = 0,
             hardware: str | None = None, memory_limit: float | None = None,
-            precision: str | None = None) -> ParallelModule:
+            precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
@@ -78,7 +79,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     step: PlannedStep = _on_every_rank("planning", lambda: plan_step(
         model, planning_mesh, tuple(example_inputs), loss_fn=loss_fn, example_targets=tuple(example_targets),
         train=train, constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
-        input_sharded=input_sharded, memory_limit=memory_limit, precision=precision))
+        input_sharded=input_sharded, memory_limit=memory_limit, precision=precision, bucket_bytes=bucket_bytes))
     hashes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(hashes, step.plan.plan_hash())
     if len(set(hashes)) != 1:
@@ -105,6 +106,7 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
     placeholders: list[tuple[str, str, str]] = []
     local: dict[str, torch.Tensor] = {}
     placements = {}
+    frozen = frozenset(n.fqn or n.name for n in graph.nodes.values() if n.frozen)
     for node in captured.gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -129,4 +131,4 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded)
+                          input_sharded=input_sharded, frozen=frozen)

@@ -41,7 +41,8 @@ class ParallelModule(nn.Module):
     def __init__(self, *, gm: torch.fx.GraphModule, plan: Plan, device_mesh: DeviceMesh, comm: Comm,
                  placeholders: list[tuple[str, str, str]], local: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], tied: dict[str, str],
-                 output_placements: list[tuple[Placement, ...] | None], input_sharded: bool) -> None:
+                 output_placements: list[tuple[Placement, ...] | None], input_sharded: bool,
+                 frozen: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
@@ -56,7 +57,7 @@ class ParallelModule(nn.Module):
         self._constants: dict[str, torch.Tensor] = {}
         for name, kind, fqn in placeholders:
             if kind == "param":
-                param = nn.Parameter(local[name])
+                param = nn.Parameter(local[name], requires_grad=fqn not in frozen)
                 _set_by_path(self, fqn, param, buffer=False)
                 params_by_node[name] = param
             elif kind == "buffer":

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from autopar.rules.strategy import OpCall, is_strided
+from autopar.rules.strategy import OpCall, Strategy, is_strided
 from autopar.solver.graph import PARAM, PlanGraph
 
 aten = torch.ops.aten
@@ -37,9 +37,20 @@ class Pin:
     strided_ok: bool = False
     """A strided shard of a pinned ``Shard(d)``'s dim also meets it (a TP style's feature
     split). Not for a data-parallel batch split: inputs passed already split are contiguous."""
+    split: bool = False
+    """The (first) output must not be Replicate on the axis: data split there stays split."""
 
     def __repr__(self) -> str:
-        return f"Pin({self.output}, {sorted(self.inputs.items())}, strided_ok={self.strided_ok})"
+        return f"Pin({self.output}, {sorted(self.inputs.items())}, strided_ok={self.strided_ok}, split={self.split})"
+
+    def admits(self, strategy: Strategy, axis: int) -> bool:
+        """``strategy`` meets this pin on mesh dim ``axis``."""
+        out = strategy.outputs[0] if strategy.outputs else None
+        if self.output is not None and (out is None or not _meets(out[axis], self.output, self)):
+            return False
+        if self.split and (out is None or isinstance(out[axis], Replicate)):
+            return False
+        return all(_meets(strategy.inputs[k][axis], p, self) for k, p in self.inputs.items())
 
 
 def _norm(p: Placement, ndim: int) -> Placement:
@@ -71,10 +82,12 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
                     for n in modules[module]):
                 raise ValueError(f"{where}: the module runs no linear or embedding op; like torch's "
                                  f"{type(style).__name__}, it applies to nn.Linear and nn.Embedding only")
+            embedding = any(graph.nodes[n].kind == "op" and graph.nodes[n].call.target is aten.embedding.default
+                            for n in modules[module])
             for name in modules[module]:
                 node = graph.nodes[name]
                 if node.kind == PARAM:
-                    pins[name] = Pin(output=_param_placement(style, node.fqn or name, where), reason=where)
+                    pins[name] = Pin(output=_param_placement(style, node.fqn or name, where, embedding), reason=where)
                     continue
                 if node.kind != "op":
                     continue
@@ -100,9 +113,14 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
     return pins, summary
 
 
-def _param_placement(style: object, fqn: str, where: str) -> Placement:
+def _param_placement(style: object, fqn: str, where: str, embedding: bool) -> Placement:
+    """The placement torch's style gives a parameter: an nn.Linear weight is [out, in], so
+    colwise splits dim 0; an nn.Embedding table is [vocab, dim] and colwise splits the
+    embedding dim, dim 1 (rowwise, the vocabulary, is refused in ``_op_pin``)."""
     leaf = fqn.rsplit(".", 1)[-1]
     if isinstance(style, ColwiseParallel):
+        if embedding:
+            return Shard(1) if leaf == "weight" else Replicate()
         return Shard(0) if leaf in ("weight", "bias") else Replicate()
     if isinstance(style, RowwiseParallel):
         return Shard(1) if leaf == "weight" else Replicate()
@@ -150,9 +168,7 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
     """Keep only the strategies that agree with each pin on ``axis``; explain a pin nothing meets."""
     for name, pin in pins.items():
         node = graph.nodes[name]
-        keep = [i for i, s in enumerate(node.strategies)
-                if (pin.output is None or (s.outputs[0] is not None and _meets(s.outputs[0][axis], pin.output, pin)))
-                and all(_meets(s.inputs[k][axis], p, pin) for k, p in pin.inputs.items())]
+        keep = [i for i, s in enumerate(node.strategies) if pin.admits(s, axis)]
         if not keep:
             shapes = [tuple(m.shape) for m in node.outputs if m is not None]
             dims = ""
@@ -168,11 +184,15 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
             node.comm_times = [node.comm_times[i] for i in keep]
 
 
-def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis_name: str, *,
+def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis_name: str, *,
                        inputs_whole: bool = True) -> dict[str, Pin]:
     """Plain data parallelism on one axis: parameters replicated, inputs split on dim 0
-    (strided allowed when every rank receives the whole batch and slices it itself)."""
+    (strided allowed when every rank receives the whole batch and slices it itself), and
+    everything computed from the inputs stays split on the axis (Shard or Partial: each rank
+    works on its part of the batch, never gathers it) wherever the op has such a strategy;
+    an op that can only run replicated (no rule) gathers its input, as the plan then shows."""
     pins: dict[str, Pin] = {}
+    from_data: set[str] = set()
     for name in graph.order:
         node = graph.nodes[name]
         if node.kind == PARAM:
@@ -180,4 +200,10 @@ def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis_name: str,
         elif name in user_inputs:
             pins[name] = Pin(output=Shard(0), reason=f"data parallel on {axis_name} (batch split)",
                              strided_ok=inputs_whole)
+            from_data.add(name)
+        elif node.kind == "op" and any(src in from_data for src, _ in node.args):
+            from_data.add(name)
+            if any(s.outputs and s.outputs[0] is not None and not isinstance(s.outputs[0][axis], Replicate)
+                   for s in node.strategies):
+                pins[name] = Pin(split=True, reason=f"data parallel on {axis_name} (computed from the batch)")
     return pins

@@ -28,6 +28,11 @@ SAME_ELEMENTS = frozenset({
     _aten.transpose.int, _aten.t.default, _aten.permute.default, _aten.clone.default, _aten.contiguous.default,
 })
 """Ops whose output holds exactly their input's elements (a count over them is the same)."""
+NO_GRADIENT = frozenset({_aten.detach.default, _aten.rand_like.default, _aten.randn_like.default,
+                         _aten.randint_like.default})
+"""Ops through which no gradient flows to their inputs (besides the factory family, which
+builds new tensors from shapes and values): a parameter reaching the loss only through them
+gets no gradient, so it must not wait in a gradient bucket."""
 
 
 @dataclass
@@ -60,6 +65,8 @@ class PlanNode:
     """For a loss: the user input its targets are a view of, if any (counted whole when
     every rank receives the whole batch)."""
     fqn: str | None = None
+    frozen: bool = False
+    """A parameter with ``requires_grad=False``: no gradient, no sync, no optimizer state."""
 
 
 @dataclass
@@ -107,6 +114,15 @@ def placeholder_strategies(meta: TensorMeta, mesh_shape: tuple[int, ...],
     return out
 
 
+def leaf_costs(node: PlanNode, ctx: CostContext) -> list[NodeCost]:
+    """Cost of each strategy of a parameter, buffer or input node (what its placement keeps)."""
+    meta = node.outputs[0]
+    assert meta is not None
+    if node.kind == PARAM:  # a parameter that gets no gradient keeps its weights alone
+        return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad) for s in node.strategies]
+    return [input_cost(meta, s.outputs[0], ctx) for s in node.strategies]
+
+
 def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) -> PlanGraph:
     """Candidate strategies and their node costs for every tensor-producing node."""
     mesh_shape = ctx.mesh.shape
@@ -128,22 +144,34 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             kind = PARAM if node.name in captured.parameters else BUFFER if node.name in captured.buffers else INPUT
             fqn = captured.parameters.get(node.name) or captured.buffers.get(node.name)
             module = fqn.rsplit(".", 1)[0] if fqn and "." in fqn else ""
+            trainable = kind == PARAM and bool(getattr(node.meta.get("val"), "requires_grad", True))
             pn = PlanNode(node.name, kind, "parameter" if kind == PARAM else kind, module, None, outputs, [],
-                          needs_grad=kind == PARAM and ctx.train, fqn=fqn)
-            meta = outputs[0]
-            pn.strategies = placeholder_strategies(meta, mesh_shape)
-            price = parameter_cost if kind == PARAM else input_cost
-            pn.costs = [price(meta, s.outputs[0], ctx) for s in pn.strategies]
+                          needs_grad=trainable and ctx.train, fqn=fqn, frozen=kind == PARAM and not trainable)
+            pn.strategies = placeholder_strategies(outputs[0], mesh_shape)
+            pn.costs = leaf_costs(pn, ctx)
         else:
             pn = _op_node(node, nodes, rules, ctx, outputs, memo)
         nodes[pn.name] = pn
         order.append(pn.name)
+    _drop_gradients_nobody_sends(nodes, order, ctx)
     if loss is not None:  # the loss's own collectives come with its strategy
         node = nodes[loss]
         node.comm_times = [sum(collective_time(c, ctx.mesh) for c in
                                (*loss_count_reductions(node, s, ctx), *loss_replication(node, s, ctx)))
                            for s in node.strategies]
     return PlanGraph(nodes, order, loss, output_names)
+
+
+def _drop_gradients_nobody_sends(nodes: dict[str, PlanNode], order: list[str], ctx: CostContext) -> None:
+    """A trainable parameter no gradient reaches (unused by the step, or read only through
+    ``detach``) gets no gradient: nothing to synchronize, and no optimizer state (torch's
+    optimizers skip a parameter whose ``.grad`` is None), so it keeps its weights alone."""
+    reached = {src for name in order if nodes[name].needs_grad for src, _ in nodes[name].args}
+    for name in order:
+        node = nodes[name]
+        if node.kind == PARAM and node.needs_grad and name not in reached:
+            node.needs_grad = False
+            node.costs = leaf_costs(node, ctx)
 
 
 def count_source(node: PlanNode, ctx: CostContext) -> str:
@@ -201,8 +229,9 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         args = tuple(to_meta(a) for a in node.args)
         kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
         call = OpCall(node.target, args, kwargs, outputs)
-    needs_grad = ctx.train and any(nodes[p].needs_grad for p, _ in producers) and any(
-        o is not None and o.dtype.is_floating_point for o in outputs)
+    needs_grad = ctx.train and node.target not in NO_GRADIENT and rules.family.get(node.target) != "factory" \
+        and any(nodes[p].needs_grad for p, _ in producers) \
+        and any(o is not None and o.dtype.is_floating_point for o in outputs)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
     rule = rules.lookup(node.target)
     pn.fallback = rule is None
@@ -248,15 +277,14 @@ def _view_root(name: str, nodes: dict[str, PlanNode]) -> str | None:
 
 
 def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, arg: int,
-               produced: Strategy, chosen: Strategy, ctx: CostContext,
-               sync_dims: frozenset[int] | None = None) -> EdgeCost:
+               produced: Strategy, chosen: Strategy, ctx: CostContext) -> EdgeCost:
     src = graph.nodes[producer]
     meta = src.outputs[out_index]
     assert meta is not None
     produced_pl = produced.outputs[out_index]
     assert produced_pl is not None
     return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx,
-                     from_parameter=src.kind == PARAM, needs_grad=src.needs_grad, sync_dims=sync_dims)
+                     from_parameter=src.kind == PARAM, needs_grad=src.needs_grad)
 
 
-__all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies"]
+__all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "leaf_costs"]

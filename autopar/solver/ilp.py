@@ -5,8 +5,10 @@ one strategy. An edge whose two ends both have several distinct placements at th
 edge gets transport variables e[a, b] (producer placement group a, consumer group b)
 tied to the x's by their marginals, priced by the reshard a -> b; when one end has a
 single placement the edge's cost folds into the other end's x coefficients. With x
-integral the marginals force e integral, so e stays continuous. Memory is one linear
-row: the sum of every node's bytes at peak, weighted by how many nodes it stands for.
+integral the marginals force e integral, so e stays continuous. Gradient all-reduces are
+priced once per parameter and per bucket (``grad_terms``). Memory is one linear row: the
+sum of every node's bytes at peak, weighted by how many nodes it stands for. HiGHS runs in
+``milp``; a run stopped by its time limit returns its best plan with the gap, and says so.
 """
 
 from __future__ import annotations
@@ -16,24 +18,24 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import highspy
 import numpy as np
-from highspy._core import _Highs
 
-from autopar.cost.model import CostContext
-from autopar.solver.blocks import Folding
-from autopar.cost.model import gathered_parameter_bytes
 from autopar.cost.collectives import grad_placement_at_consumer
+from autopar.cost.model import CostContext, gathered_parameter_bytes
+from autopar.solver.blocks import Folding
+from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import PARAM, PlanGraph, price_edge
+from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes
-
-SCALE = 1e6
-"""Objective in microseconds: keeps HiGHS tolerances meaningful for sub-second steps."""
 
 
 class MemoryLimitError(ValueError):
     """No plan fits the memory limit; the message says what the leanest plan needs."""
+
+
+class SolverTimeLimitError(RuntimeError):
+    """The ILP solver reached its time limit before finding any plan."""
 
 
 @dataclass
@@ -46,6 +48,11 @@ class Solution:
     num_constraints: int
     build_seconds: float
     solve_seconds: float
+    status: str = "optimal"
+    """'optimal', or 'time_limit' when HiGHS stopped at its time limit with this plan."""
+    gap: float | None = 0.0
+    """Relative gap to the best bound HiGHS proved (0 when optimal)."""
+    time_limit_s: float = 0.0
 
 
 @dataclass
@@ -66,27 +73,12 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
     return [_Edge(p, i, c, a, n) for (p, i, c, a), n in counts.items()]
 
 
-class _Model:
-    def __init__(self) -> None:
-        self.cost: list[float] = []
-        self.upper: list[float] = []
-        self.integer: list[int] = []
-        self.rows: list[tuple[dict[int, float], float, float]] = []
-
-    def var(self, cost: float, integer: bool) -> int:
-        self.cost.append(cost)
-        self.upper.append(1.0)
-        if integer:
-            self.integer.append(len(self.cost) - 1)
-        return len(self.cost) - 1
-
-
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0) -> Solution:
     start = time.perf_counter()
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
-    model = _Model()
+    model = Model()
     x: dict[str, list[int]] = {}
     memory_row: dict[int, float] = {}
     for v in reps:
@@ -107,31 +99,47 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             solo[keys[0]] += count
     shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
     links: dict[EdgeKey, _Link] = {}
+    sync = GradSyncTerms(model, graph, ctx, mult, priced=not minimize_memory)
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, cache, memory_row, minimize_memory,
+        link = _add_edge(model, graph, ctx, edge, x, cache, memory_row, minimize_memory, sync,
                          count=solo.get(key, 0), transport=key in shared_keys)
         if link is not None:
             links[key] = link
     for keys, count in classes.items():
         if len(keys) > 1:
             _add_shared(model, [links[k] for k in keys], count, memory_row)
+    sync.add_bucket_rows()
     if memory_limit is not None and not minimize_memory:
-        model.rows.append((memory_row, -highspy.kHighsInf, float(memory_limit)))
+        model.rows.append((memory_row, -INF, float(memory_limit)))
     build = time.perf_counter() - start
-    values, objective = _run(model, time_limit_s)
-    if values is None:
-        if memory_limit is not None and not minimize_memory:
-            leanest = solve(graph, folding, ctx, None, minimize_memory=True)  # raises if pins conflict
-            raise MemoryLimitError(
-                f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device; the plan with "
-                f"the least memory needs {fmt_bytes(leanest.memory_bytes)} per device")
-        raise ValueError("no plan satisfies the pinned placements together (constraints, data axes or "
-                         "input_sharded conflict on some edge)")
+    result = run(model, time_limit_s)
+    if result.values is None:
+        _raise_no_plan(graph, folding, ctx, memory_limit, minimize_memory, result.status, time_limit_s)
+    values = result.values
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
     memory = sum(weight * values[j] for j, weight in memory_row.items())
-    return Solution(choice, objective if minimize_memory else objective / SCALE, memory,
-                    len(model.cost), len(model.rows), build, time.perf_counter() - start - build)
+    return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
+                    len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
+                    status=result.status, gap=result.gap, time_limit_s=time_limit_s)
+
+
+def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
+                   minimize_memory: bool, status: str, time_limit_s: float) -> None:
+    """Say why no plan came back: the time limit, the memory limit, or conflicting pins."""
+    if status == "time_limit":
+        raise SolverTimeLimitError(
+            f"the ILP solver (HiGHS) found no plan within its time limit of {time_limit_s:g} s; "
+            "raise the limit (solver_time_limit_s=...)")
+    if status != "infeasible":
+        raise RuntimeError(f"the ILP solver (HiGHS) stopped without a plan: status {status}")
+    if memory_limit is not None and not minimize_memory:
+        leanest = solve(graph, folding, ctx, None, minimize_memory=True, time_limit_s=time_limit_s)
+        raise MemoryLimitError(
+            f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device; the plan with "
+            f"the least memory needs {fmt_bytes(leanest.memory_bytes)} per device")
+    raise ValueError("no plan satisfies the pinned placements together (constraints, data axes or "
+                     "input_sharded conflict on some edge)")
 
 
 @dataclass
@@ -147,9 +155,9 @@ class _Link:
     mem: dict[tuple[int, tuple], float]
 
 
-def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              cache: dict, memory_row: dict[int, float], minimize_memory: bool, *, count: int,
-              transport: bool) -> _Link | None:
+def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
+              cache: dict, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms, *,
+              count: int, transport: bool) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
     the memory it keeps: a parameter gathered in forward stays gathered until backward),
     ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
@@ -180,14 +188,29 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
     mem = [[m * count for m in row] for row in unit_mem]
     cost = [[c * count for c in row] for row in unit_cost]
 
+    syncing = sync.edge(edge.producer, keys_p, keys_c)
+
     def add(j: int, a: int, b: int) -> None:
+        """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
         model.cost[j] += cost[a][b]
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
+        syncing.note(j, a, b)
+    link = None
     if transport:
-        return _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
+        link = _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
+    else:
+        _link_ends(model, edge, x, groups_p, groups_c, add, prod.needs_grad, cons.follower)
+    syncing.close()
+    return link
+
+
+def _link_ends(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
+               add: Callable[[int, int, int], None], needs_grad: bool, follower: bool) -> None:
+    """Tie an edge's ends with as few variables as its shape allows."""
+    keys_p, keys_c = list(groups_p), list(groups_c)
     inputs_taken = {placement for placement, _ in keys_c}
-    if (cons.follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1
+    if (follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1
             and all(a in inputs_taken for a in keys_p)):  # every producer choice stays usable
         _add_follower_edge(model, edge, x, groups_p, groups_c, add)
         return
@@ -207,14 +230,14 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
                     for s in groups_p[ka]:
                         add(x[edge.producer][s], a, b)
         return
-    _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
-    return None
+    _transport(model, edge, x, groups_p, groups_c, add, None, needs_grad, [], [])
 
 
-def _transport(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-               add: Callable[[int, int, int], None], ctx: CostContext, needs_grad: bool,
-               unit_cost: list[list[float]], unit_mem: list[list[float]]) -> _Link:
-    """Pair variables e[a][b] whose marginals are the two ends' choices."""
+def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
+               add: Callable[[int, int, int], None], ctx: CostContext | None, needs_grad: bool,
+               unit_cost: list[list[float]], unit_mem: list[list[float]]) -> _Link | None:
+    """Pair variables e[a][b] whose marginals are the two ends' choices (and, given ``ctx``,
+    the link for pricing reshards shared with sibling edges)."""
     keys_p, keys_c = list(groups_p), list(groups_c)
     e = [[model.var(0.0, integer=False) for b in range(len(keys_c))] for a in range(len(keys_p))]
     for a in range(len(keys_p)):
@@ -228,6 +251,8 @@ def _transport(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: di
         row = {e[a][b]: 1.0 for a in range(len(keys_p))}
         row.update({x[edge.consumer][s]: -1.0 for s in groups_c[kb]})
         model.rows.append((row, 0.0, 0.0))
+    if ctx is None:
+        return None
     train = ctx.train and needs_grad
     target = [(placement, tuple(grad_placement_at_consumer(r, act) for r, act in zip(placement, active))
                if train else None) for placement, active in keys_c]
@@ -236,7 +261,7 @@ def _transport(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: di
     return _Link(e, target, cost, mem)
 
 
-def _add_shared(model: _Model, links: list[_Link], count: int, memory_row: dict[int, float]) -> None:
+def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float]) -> None:
     """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor."""
     y: dict[tuple[int, tuple], int] = {}
     for link in links:
@@ -247,10 +272,10 @@ def _add_shared(model: _Model, links: list[_Link], count: int, memory_row: dict[
                     y[key] = model.var(link.cost[key] * count, integer=False)
                     if link.mem[key]:
                         memory_row[y[key]] = memory_row.get(y[key], 0.0) + link.mem[key] * count
-                model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, highspy.kHighsInf))
+                model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, INF))
 
 
-def _add_follower_edge(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
+def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
                        add: Callable[[int, int, int], None]) -> None:
     """A view or elementwise op takes its input as produced: resharding before it costs
     the same as after it, so only matching placements are linked (far fewer variables)."""
@@ -271,38 +296,3 @@ def _add_follower_edge(model: _Model, edge: _Edge, x: dict[str, list[int]], grou
         row = dict(flow_in[a])
         row.update({x[edge.producer][s]: -1.0 for s in groups_p[ka]})
         model.rows.append((row, 0.0, 0.0))
-
-
-def _run(model: _Model, time_limit_s: float) -> tuple[list[float] | None, float]:
-    # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
-    # banner to stdout doing so, which would land in the CLI's output.
-    h = _Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("random_seed", 0)
-    h.setOptionValue("mip_rel_gap", 1e-7)
-    h.setOptionValue("time_limit", float(time_limit_s))
-    n = len(model.cost)
-    h.addCols(n, np.array(model.cost), np.zeros(n), np.array(model.upper), 0,
-              np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
-    starts, indices, values, lower, upper = [], [], [], [], []
-    for row, lo, hi in model.rows:
-        starts.append(len(indices))
-        for j, v in row.items():
-            indices.append(j)
-            values.append(v)
-        lower.append(lo)
-        upper.append(hi)
-    h.addRows(len(model.rows), np.array(lower), np.array(upper), len(indices),
-              np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
-    if model.integer:
-        h.changeColsIntegrality(len(model.integer), np.array(model.integer, dtype=np.int32),
-                                np.array([highspy.HighsVarType.kInteger] * len(model.integer)))
-    h.run()
-    status = h.getModelStatus()
-    if status != highspy.HighsModelStatus.kOptimal:
-        if status in (highspy.HighsModelStatus.kInfeasible,):
-            return None, 0.0
-        if h.getInfo().primal_solution_status != 2:  # no feasible point found in time
-            return None, 0.0
-    return list(h.getSolution().col_value), h.getInfo().objective_function_value

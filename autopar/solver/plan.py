@@ -10,7 +10,7 @@ from typing import Any
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, gradient_buckets
 from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims
-from autopar.rules.strategy import Strategy, placement_str
+from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.graph import PARAM, PlanGraph, loss_count_reductions, loss_replication, price_edge
 from autopar.solver.ilp import Solution
@@ -102,12 +102,24 @@ def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCont
         return out
     for name in graph.order:
         for arg, (src, idx) in enumerate(graph.nodes[name].args):
-            if graph.nodes[src].kind != PARAM:
+            if graph.nodes[src].kind != PARAM or not graph.nodes[src].needs_grad:
                 continue
             produced = chosen[src].outputs[idx]
             grad_in, _ = grad_placements(produced, chosen[name].inputs[arg], chosen[name])
             out[src] = out.get(src, frozenset()) | grad_sync_dims(produced, grad_in)
     return out
+
+
+def plan_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[str, frozenset[int]],
+                 ctx: CostContext) -> list[GradBucket]:
+    """The gradient buckets of a plan: each synchronized parameter's local gradient, per sync dim."""
+    params = []
+    for name in graph.order:
+        if sync_dims.get(name):
+            meta = graph.nodes[name].outputs[0]
+            assert meta is not None
+            params.append((name, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), sync_dims[name]))
+    return gradient_buckets(params, itemsize=ctx.precision.activation_bytes, cap=ctx.bucket_bytes)
 
 
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
@@ -125,7 +137,6 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         comm_bytes[mesh.names[call.mesh_dim]] += bytes_moved(call, mesh)
 
     sync_dims = param_sync_dims(graph, chosen, ctx)
-    grad_sync: dict[tuple[str, int], tuple[str, CollectiveCall]] = {}  # per parameter, before bucketing
     resharded: set[tuple] = set()
     compute = 0.0
     param_mem = act_mem = 0.0
@@ -145,25 +156,19 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
             if (src, out_index, required, grad_in) in resharded:  # shared with an earlier consumer
                 continue
             resharded.add((src, out_index, required, grad_in))
-            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx, sync_dims.get(src))
+            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
             act_mem += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
                                                 chosen[name].inputs[arg], ctx,
                                                 from_parameter=graph.nodes[src].kind == PARAM)
             for phase, calls in (("forward", edge.forward), ("backward", edge.backward)):
                 for call in calls:
-                    if call.bucketed:  # one gradient all-reduce per parameter, however many ops use it
-                        grad_sync[(src, call.mesh_dim)] = (graph.nodes[src].module, call)
-                    else:
-                        record(call, phase, src, name, node.module)
+                    record(call, phase, src, name, node.module)
         for call in loss_count_reductions(node, chosen[name], ctx):
             record(call, "forward", name, name, node.module)
-    params = [(n, grad_sync[(n, min(sync_dims[n]))][1].nbytes, sync_dims[n])
-              for n in graph.order if sync_dims.get(n)]
-    buckets = gradient_buckets(params)
+    buckets = plan_buckets(graph, chosen, sync_dims, ctx)
     for bucket in buckets:
-        for dim in bucket.mesh_dims:
-            record(CollectiveCall(ALL_REDUCE, dim, bucket.nbytes, bucketed=True), "backward",
-                   ",".join(bucket.params), "", "(gradient buckets)")
+        record(CollectiveCall(ALL_REDUCE, bucket.mesh_dim, bucket.nbytes, bucketed=True), "backward",
+               ",".join(bucket.params), "", "(gradient buckets)")
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
         for call in loss_replication(loss, chosen[graph.loss], ctx):
@@ -180,7 +185,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,
                           peak_memory_bytes=param_mem + act_mem, parameter_memory_bytes=param_mem,
                           activation_memory_bytes=act_mem, comm_bytes=comm_bytes)
-    solver = {"variables": solution.num_variables, "constraints": solution.num_constraints,
+    solver = {"status": solution.status, "gap": solution.gap, "time_limit_s": solution.time_limit_s,
+              "variables": solution.num_variables, "constraints": solution.num_constraints,
               "objective_s": solution.objective_s, "folded_blocks": folding.blocks,
               "distinct_nodes": len(solution.choice), "nodes": len(graph.order)}
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,

@@ -26,6 +26,7 @@ class Plan(Protocol):
     predicted: Any
     fallbacks: list[str]
     pinned: dict[str, str]
+    solver: dict[str, Any]
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -84,6 +85,16 @@ def _merge_repeats(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str
     return merged
 
 
+def solver_note(solver: dict[str, Any]) -> str:
+    """What a plan that is not proven optimal must say about itself."""
+    if solver.get("status") == "time_limit":
+        gap = solver.get("gap")
+        within = f"within {gap:.2%} of the best bound" if gap is not None and gap < float("inf") else "no bound"
+        return (f"NOT PROVEN OPTIMAL: HiGHS stopped at its time limit of {solver.get('time_limit_s', 0):g} s "
+                f"with this plan ({within})")
+    return f"HiGHS status {solver.get('status')}"
+
+
 def render(plan: Plan) -> Group:
     pred = plan.predicted
     mesh = plan.mesh
@@ -102,6 +113,8 @@ def render(plan: Plan) -> Group:
     if plan.pinned:
         summary.add_row("pinned", ", ".join(f"{k}: {v}" for k, v in plan.pinned.items()))
     summary.add_row("fallbacks", ", ".join(plan.fallbacks) + " (replicated: no rule)" if plan.fallbacks else "none")
+    if plan.solver.get("status", "optimal") != "optimal":
+        summary.add_row("solver", solver_note(plan.solver))
     layers = Table(title="placements by layer (one placement per mesh axis: R replicate, S(d) shard dim d, "
                    "S(d/k) strided: each of k blocks of dim d sharded, P partial sum)", show_lines=True)
     layers.add_column("layer", style="cyan", no_wrap=True)

@@ -23,10 +23,10 @@ from collections import defaultdict
 
 from torch.distributed.tensor import Shard
 
-from autopar.cost.model import CostContext, op_cost, input_cost, parameter_cost
+from autopar.cost.model import CostContext, op_cost
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import DimStrategy, is_strided, split_factor, strided
-from autopar.solver.graph import OP, PARAM, PlanGraph, StrategyMemo, call_key, placeholder_strategies
+from autopar.solver.graph import OP, PlanGraph, StrategyMemo, call_key, leaf_costs, placeholder_strategies
 
 EQUIVARIANT_FAMILIES = frozenset({"matmul", "pointwise", "view", "dropout"})
 """Op families whose shard-output strategies commute with permuting the sharded dim."""
@@ -86,8 +86,7 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
             assert meta is not None
             extra = [strided(dim, factor) for index, dim, factor in sorted(wanted) if index == 0]
             node.strategies = placeholder_strategies(meta, ctx.mesh.shape, extra)
-            price = parameter_cost if node.kind == PARAM else input_cost
-            node.costs = [price(meta, s.outputs[0], ctx) for s in node.strategies]
+            node.costs = leaf_costs(node, ctx)
         for s in node.dim_strategies:
             for k, p in enumerate(s.inputs):
                 if is_strided(p):

@@ -1,0 +1,82 @@
+"""Gradient synchronization in the ILP: priced once per parameter and per bucket, as it runs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autopar.cost.buckets import bucket_count
+from autopar.cost.collectives import ALL_REDUCE, grad_placement_at_consumer, latency_time, transfer_time
+from autopar.cost.model import CostContext, grad_sync_dims, param_sync_calls
+from autopar.solver.graph import PARAM, PlanGraph
+from autopar.solver.milp import INF, SCALE, Model
+
+
+class GradSyncTerms:
+    """The gradient all-reduces, priced per parameter (not per consuming edge) and per bucket.
+
+    y[p, a, d] is 1 when parameter p, stored as placement a, has its gradient reduced on
+    mesh dim d: at least one consumer edge sends it back Partial there (``grad_sync_dims``),
+    so y >= each edge's indicator of such a pairing. y carries the transfer time of p's
+    gradient on d. Per mesh dim, the integer k[d] >= (bytes reduced on d) / bucket size is
+    the number of buckets ``gradient_buckets`` cuts them into, each paying the latency.
+    """
+
+    def __init__(self, model: Model, graph: PlanGraph, ctx: CostContext, mult: dict[str, int], *,
+                 priced: bool) -> None:
+        self.model, self.graph, self.ctx, self.mult, self.priced = model, graph, ctx, mult, priced
+        self.y: dict[tuple[str, object, int], int] = {}
+        self.bytes_on: dict[int, dict[int, float]] = defaultdict(dict)  # dim -> {y: bytes it adds}
+
+    def edge(self, producer: str, keys_p: list, keys_c: list) -> "_EdgeSync":
+        node = self.graph.nodes[producer]
+        dims: dict[tuple[int, int], frozenset[int]] = {}
+        if node.kind == PARAM and node.needs_grad and self.ctx.train:
+            for a, produced in enumerate(keys_p):
+                for b, (required, active) in enumerate(keys_c):
+                    grad_in = tuple(grad_placement_at_consumer(r, act) for r, act in zip(required, active))
+                    dims[(a, b)] = grad_sync_dims(produced, grad_in)
+        return _EdgeSync(self, producer, keys_p, dims)
+
+    def var(self, producer: str, produced: object, dim: int) -> int:
+        key = (producer, produced, dim)
+        if key not in self.y:
+            node = self.graph.nodes[producer]
+            meta = node.outputs[0]
+            assert meta is not None
+            call, = param_sync_calls(meta, produced, frozenset({dim}), self.ctx)  # type: ignore[arg-type]
+            weight = self.mult[producer] * transfer_time(call, self.ctx.mesh) * SCALE if self.priced else 0.0
+            self.y[key] = self.model.var(weight, integer=False)
+            self.bytes_on[dim][self.y[key]] = float(self.mult[producer] * call.nbytes)
+        return self.y[key]
+
+    def add_bucket_rows(self) -> None:
+        """k[d] * bucket bytes >= gradient bytes reduced on d, k[d] integer."""
+        mesh = self.ctx.mesh
+        for dim, row in self.bytes_on.items():
+            most = bucket_count(sum(row.values()), self.ctx.bucket_bytes)
+            latency = latency_time(ALL_REDUCE, dim, mesh) if mesh.shape[dim] > 1 else 0.0
+            k = self.model.var(latency * SCALE if self.priced else 0.0, integer=True, upper=float(most))
+            self.model.rows.append(({k: float(self.ctx.bucket_bytes), **{y: -b for y, b in row.items()}},
+                                    0.0, INF))
+
+
+class _EdgeSync:
+    """Collects, for one edge, which variables select a pairing that syncs on each dim."""
+
+    def __init__(self, terms: GradSyncTerms, producer: str, keys_p: list,
+                 dims: dict[tuple[int, int], frozenset[int]]) -> None:
+        self.terms, self.producer, self.keys_p, self.dims = terms, producer, keys_p, dims
+        self.selectors: dict[tuple[int, int], list[int]] = defaultdict(list)
+
+    def note(self, j: int, a: int, b: int) -> None:
+        for d in self.dims.get((a, b), ()):
+            self.selectors[(a, d)].append(j)
+
+    def close(self) -> None:
+        """y[p, a, d] >= the sum of this edge's selectors (at most one of them is 1)."""
+        for (a, d), js in self.selectors.items():
+            y = self.terms.var(self.producer, self.keys_p[a], d)
+            row = {y: 1.0}
+            for j in js:
+                row[j] = row.get(j, 0.0) - 1.0
+            self.terms.model.rows.append((row, 0.0, INF))

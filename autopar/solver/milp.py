@@ -1,0 +1,94 @@
+"""A mixed-integer linear program as HiGHS solves it, and what the solver says of the result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+from highspy._core import _Highs
+
+INF = highspy.kHighsInf
+SCALE = 1e6
+"""Objective units per second: microseconds keep HiGHS's tolerances meaningful for sub-second steps."""
+
+
+class Model:
+    """Columns (cost, upper bound, integrality; lower bounds are 0) and rows (lo <= a.x <= hi)."""
+
+    def __init__(self) -> None:
+        self.cost: list[float] = []
+        self.upper: list[float] = []
+        self.integer: list[int] = []
+        self.rows: list[tuple[dict[int, float], float, float]] = []
+
+    def var(self, cost: float, integer: bool, upper: float = 1.0) -> int:
+        self.cost.append(cost)
+        self.upper.append(upper)
+        if integer:
+            self.integer.append(len(self.cost) - 1)
+        return len(self.cost) - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """What one HiGHS run ended with."""
+
+    values: list[float] | None
+    """Column values of the best plan found; None when none was found."""
+    objective: float
+    status: str
+    """'optimal', 'time_limit' (stopped with or without a plan), 'infeasible', or HiGHS's own
+    status text for anything else."""
+    gap: float | None
+    """Relative gap between the plan found and the best bound (0 when proven optimal; None
+    when no plan was found)."""
+    time_limit_s: float
+
+
+def run(model: Model, time_limit_s: float) -> Result:
+    # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
+    # banner to stdout doing so, which would land in the CLI's output.
+    h = _Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("mip_rel_gap", 1e-7)
+    h.setOptionValue("time_limit", float(time_limit_s))
+    n = len(model.cost)
+    h.addCols(n, np.array(model.cost), np.zeros(n), np.array(model.upper), 0,
+              np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
+    starts, indices, values, lower, upper = [], [], [], [], []
+    for row, lo, hi in model.rows:
+        starts.append(len(indices))
+        for j, v in row.items():
+            indices.append(j)
+            values.append(v)
+        lower.append(lo)
+        upper.append(hi)
+    h.addRows(len(model.rows), np.array(lower), np.array(upper), len(indices),
+              np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
+    if model.integer:
+        h.changeColsIntegrality(len(model.integer), np.array(model.integer, dtype=np.int32),
+                                np.array([highspy.HighsVarType.kInteger] * len(model.integer)))
+    h.run()
+    return interpret(h.getModelStatus(), h.getInfo(), lambda: list(h.getSolution().col_value), time_limit_s)
+
+
+def interpret(status: highspy.HighsModelStatus, info: object, solution: object, time_limit_s: float) -> Result:
+    """Turn HiGHS's status into a Result: a plan is returned only when a feasible one exists."""
+    statuses = highspy.HighsModelStatus
+    feasible = getattr(info, "primal_solution_status", 0) == 2  # kSolutionStatusFeasible
+    if status == statuses.kOptimal:
+        name = "optimal"
+    elif status == statuses.kTimeLimit:
+        name = "time_limit"
+    elif status == statuses.kInfeasible:
+        name, feasible = "infeasible", False
+    else:
+        name = str(status).rsplit(".", 1)[-1]
+    if not feasible:
+        return Result(values=None, objective=0.0, status=name, gap=None, time_limit_s=time_limit_s)
+    gap = 0.0 if name == "optimal" else float(getattr(info, "mip_gap", float("inf")))
+    return Result(values=solution(), objective=float(getattr(info, "objective_function_value")),  # type: ignore[operator]
+                  status=name, gap=gap, time_limit_s=time_limit_s)
