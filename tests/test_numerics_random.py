@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.capture.graph import TensorMeta
@@ -25,12 +25,12 @@ from autopar.cost.compute import roofline_time
 from autopar.cost.model import CostContext, op_cost
 from autopar.cost.precision import PRECISIONS
 from autopar.mesh import Mesh
-from autopar.rules.redistribute import redistribute_steps
 from autopar.rules.strategy import OpCall, Strategy, parse_placements
 from autopar.runtime.forked import run_ranks
-from autopar.runtime.ops import CollectiveLog, take_slice
+from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.random import RandomOps
 from examples import gpt, hf_models
+from sharding_sim import assemble, distribute
 from test_numerics import ATOL, EPS, LR, RTOL, STEPS, _diverged_replicas, _mismatches
 
 aten = torch.ops.aten
@@ -153,13 +153,8 @@ def test_dropout_step_matches_single_device(case: Case) -> None:
         assert wanted in randoms, (wanted, randoms)
 
 
-# The runtime op alone: every rank's slice, put together, is the single-device draw.
-
-def _local(x: torch.Tensor, placements: str, mesh: tuple[int, ...], coord: tuple[int, ...]) -> torch.Tensor:
-    for step in redistribute_steps((Replicate(),) * len(mesh), parse_placements(placements)):
-        x = take_slice(x, step, mesh[step.mesh_dim], coord[step.mesh_dim])
-    return x.contiguous()
-
+# The runtime op alone: every rank's slice, put together (by DTensor's own split, in
+# sharding_sim), is the single-device draw, on 1-D and 2-D meshes.
 
 X = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
 Q = torch.randn(2, 4, 8, 4, generator=torch.Generator().manual_seed(1))
@@ -188,17 +183,21 @@ def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, .
     torch.manual_seed(SEED)
     ref = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     ref = ref[0] if isinstance(ref, tuple) else ref
+    gen = torch.Generator()
     for placements in layouts:
-        mesh = (2, 2) if len(parse_placements(placements)) == 2 else (2,)
-        whole = torch.full_like(ref, float("nan"))
+        pl = parse_placements(placements)
+        mesh = (2,) * len(pl)
+        pieces = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                pieces[i] = distribute(a, pl, mesh, gen)
+        outs = {}
         for coord in itertools.product(*map(range, mesh)):
             ops = RandomOps(mesh, coord, torch.Generator().manual_seed(SEED))
-            local_args = [_local(a, placements, mesh, coord) if isinstance(a, torch.Tensor) else a for a in args]
-            out = ops(str(op), placements, tuple(ref.shape), *local_args)
-            out = out[0] if isinstance(out, tuple) else out
-            index = ops.local_index(tuple(ref.shape), parse_placements(placements), ref.device)
-            whole.view(-1)[index] = out.reshape(-1)
-        assert torch.equal(whole, ref), f"{name} {placements}: slices differ from the single-device draw"
+            out = ops(str(op), placements, tuple(ref.shape),
+                      *[pieces[i][coord].clone() if i in pieces else a for i, a in enumerate(args)])
+            outs[coord] = out[0] if isinstance(out, tuple) else out
+        assert torch.equal(assemble(outs, pl, mesh), ref), f"{name} {placements}: slices differ from the single-device draw"
 
 
 def test_replicated_draw_keeps_generators_in_lockstep() -> None:
@@ -206,7 +205,7 @@ def test_replicated_draw_keeps_generators_in_lockstep() -> None:
     states = []
     for coord in ((0,), (1,)):
         ops = RandomOps((2,), coord, torch.Generator().manual_seed(SEED))
-        ops("aten.dropout.default", "S(0)", tuple(X.shape), _local(X, "S(0)", (2,), coord), 0.5, True)
+        ops("aten.dropout.default", "S(0)", tuple(X.shape), X.chunk(2)[coord[0]].clone(), 0.5, True)
         states.append(ops.generator.get_state())
     assert torch.equal(states[0], states[1])
 

@@ -36,14 +36,6 @@ def _steps(src: str, dst: str) -> tuple[Step, ...]:
     return tuple(redistribute_steps(parse_placements(src), parse_placements(dst)))
 
 
-def take_slice(x: torch.Tensor, step: Step, ways: int, index: int) -> torch.Tensor:
-    """Piece ``index`` of ``ways`` of a replicated ``x`` for a SLICE step (a view where it can be)."""
-    if step.factor > 1:
-        return strided_take(x, step.dst_dim, step.factor, ways, index)
-    size = x.shape[step.dst_dim] // ways
-    return x.narrow(step.dst_dim, index * size, size)
-
-
 class Comm:
     """Runs redistribution steps for this rank on a DeviceMesh."""
 
@@ -66,7 +58,10 @@ class Comm:
         n = self.mesh.size(i)
         group = (self.mesh, i)
         if step.kind == SLICE:
-            return take_slice(x, step, n, self.coordinate[i]).contiguous()
+            if step.factor > 1:
+                return strided_take(x, step.dst_dim, step.factor, n, self.coordinate[i]).contiguous()
+            size = x.shape[step.dst_dim] // n
+            return x.narrow(step.dst_dim, self.coordinate[i] * size, size).contiguous()
         if step.kind == ZERO:
             return x if self.coordinate[i] == 0 else torch.zeros_like(x)
         x = x.contiguous()

@@ -22,7 +22,6 @@ contiguous run of elements).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -33,9 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from autopar.rules import dropout as random_rules
-from autopar.rules.redistribute import redistribute_steps
+from autopar.rules.redistribute import SLICE, redistribute_steps, strided_view
 from autopar.rules.strategy import Placements, R, parse_placements, shard_dim
-from autopar.runtime.ops import take_slice
 
 aten = torch.ops.aten
 SLICEABLE = random_rules.ELEMENTWISE_SAMPLERS | {aten.native_dropout.default, aten._fused_dropout.default}
@@ -75,7 +73,6 @@ class RandomOps(nn.Module):
         self.mesh_shape = tuple(mesh_shape)
         self.coordinate = tuple(coordinate)
         self.generator = generator
-        self._index: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def forward(self, op: str, placements: str, global_shape: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
         target = _resolve(op)
@@ -104,16 +101,21 @@ class RandomOps(nn.Module):
             self.generator.set_state(state)
         return out
 
-    def local_index(self, global_shape: tuple[int, ...], placements: Placements, device: torch.device) -> torch.Tensor:
-        """Flat positions in the global tensor of this rank's elements, in its local layout."""
-        key = (global_shape, placements, device)
-        index = self._index.get(key)
-        if index is None:
-            index = torch.arange(math.prod(global_shape), device=device).view(global_shape)
-            for step in redistribute_steps((R,) * len(placements), placements):
-                index = take_slice(index, step, self.mesh_shape[step.mesh_dim], self.coordinate[step.mesh_dim])
-            index = self._index[key] = index.reshape(-1)
-        return index
+    def region(self, whole: torch.Tensor, placements: Placements) -> torch.Tensor:
+        """This rank's elements of the global ``whole`` as a view (no copy), in its local
+        tensor's order: the slice a reshard from Replicate hands it, with each strided dim
+        left as two, (block, position in this rank's piece)."""
+        view, where = whole, list(range(whole.ndim))  # where each global dim sits in ``view``
+        for step in redistribute_steps((R,) * len(placements), placements):
+            assert step.kind == SLICE, step
+            n, i, d = self.mesh_shape[step.mesh_dim], self.coordinate[step.mesh_dim], where[step.dst_dim]
+            if step.factor > 1:
+                view = strided_view(view, d, step.factor, n, i)
+                where = [w + 1 if w > d else w for w in where]
+            else:
+                size = view.shape[d] // n
+                view = view.narrow(d, i * size, size)
+        return view
 
 
 class _GlobalDraws(TorchDispatchMode):
@@ -139,8 +141,6 @@ class _GlobalDraws(TorchDispatchMode):
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         local_shape = tuple(args[0].shape) if inplace else tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
         global_shape = self._global_shape(func, local_shape)
-        device = tensors[0].device
-        index = self.owner.local_index(global_shape, self.placements, device)
 
         def embed(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
@@ -150,16 +150,22 @@ class _GlobalDraws(TorchDispatchMode):
             # This rank's elements (a broadcast argument broadcast first) in their global
             # places; ones elsewhere (valid probabilities; draws do not depend on them).
             whole = torch.ones(global_shape, dtype=a.dtype, device=a.device)
-            whole.view(-1).index_copy_(0, index, a.expand(local_shape).reshape(-1))
+            mine = self.owner.region(whole, self.placements)
+            mine.copy_(a.expand(local_shape).reshape(mine.shape))
             return whole
+
+        def take(drawn: Any) -> Any:
+            if not isinstance(drawn, torch.Tensor):
+                return drawn
+            return self.owner.region(drawn, self.placements).clone(memory_format=torch.contiguous_format) \
+                .view(local_shape)  # a copy: the local tensor must not keep the global draw alive
 
         if inplace:
             self_ = args[0]
             whole = torch.empty(global_shape, dtype=self_.dtype, device=self_.device)
             drawn = self.owner.draw(func, (whole, *tree_map(embed, args[1:])), tree_map(embed, kwargs))
-            return self_.copy_(drawn.reshape(-1)[index].view(local_shape))
-        drawn = self.owner.draw(func, tree_map(embed, args), tree_map(embed, kwargs))
-        return tree_map(lambda t: t.reshape(-1)[index].view(local_shape) if isinstance(t, torch.Tensor) else t, drawn)
+            return self_.copy_(self.owner.region(drawn, self.placements).reshape(local_shape))
+        return tree_map(take, self.owner.draw(func, tree_map(embed, args), tree_map(embed, kwargs)))
 
     def _global_shape(self, func: Any, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         shape = list(local_shape)
