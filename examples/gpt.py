@@ -27,7 +27,9 @@ class GPTConfig:
     layers: int = 2
     """Transformer blocks."""
     dropout: float = 0.0
-    """Dropout probability after attention and MLP."""
+    """Dropout probability on the embeddings and after attention and MLP."""
+    attn_dropout: float = 0.0
+    """Dropout probability on the attention probabilities (training only)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -37,6 +39,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.attn_dropout = cfg.attn_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -44,7 +47,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, s, self.heads, h // self.heads).transpose(1, 2)
         k = k.view(b, s, self.heads, h // self.heads).transpose(1, 2)
         v = v.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.attn_dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, s, h)
         return self.dropout(self.proj(y))
 

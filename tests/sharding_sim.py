@@ -16,6 +16,11 @@ Conventions follow DTensor:
 - ``Partial`` (sum): the value is the sum of the ranks' values. Inputs get random
   parts that sum to the tensor, so an op that is not linear where the rule claims it
   is gives a visibly wrong sum.
+
+A random op (dropout with p > 0, samplers) runs as the runtime runs it
+(``autopar.runtime.random``): each rank draws from a generator seeded ``RANDOM_SEED``
+and keeps its slice of the global draw; the unsharded op draws from the default
+generator seeded the same, so the two must agree exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.capture.graph import TensorMeta
 from autopar.rules import loss as loss_rules
+from autopar.rules.dropout import draws_random
 from autopar.rules.strategy import OpCall, Strategy, placement_str
+from autopar.runtime.random import RandomOps
 
 aten = torch.ops.aten
 
@@ -41,6 +48,8 @@ Coord = tuple[int, ...]
 # Ops whose arguments spell the *output* shape: on a rank they must get the local one.
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                  aten.expand.default}
+RANDOM_SEED = 4321
+"""The state random ops draw from, unsharded and on every simulated rank alike."""
 
 
 @dataclass
@@ -57,7 +66,15 @@ class OpCase:
         return f"OpCase({self.label})"
 
     def run_full(self) -> tuple[torch.Tensor | None, ...]:
-        return flatten_outputs(self.op(*self.args, **self.kwargs))
+        if not self.is_random():
+            return flatten_outputs(self.op(*self.args, **self.kwargs))
+        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in self.args]  # in-place draws
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            return flatten_outputs(self.op(*args, **self.kwargs))
+
+    def is_random(self) -> bool:
+        return draws_random(self.op, self.args, self.kwargs)
 
     def op_call(self) -> OpCall:
         """The call as rules see it: tensors replaced by TensorMeta, outputs flattened."""
@@ -243,19 +260,30 @@ def localize_shape_args(case: OpCase, call: OpCall, args: list[Any], strategy: S
     return op, args
 
 
-def _local_runner(case: OpCase, call: OpCall, strategy: Strategy) -> Callable[[list[Any], dict[str, Any]], Any]:
-    """How one rank computes: the op itself, except for batch-split 'mean' losses.
+def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...]
+                  ) -> Callable[[list[Any], dict[str, Any], Coord], Any]:
+    """How one rank computes: the op itself, except for batch-split 'mean' losses and
+    random ops.
 
     A Partial 'mean' loss is run as the local sum divided by the *global* count
-    (``loss.local_mean_loss``), which is what the runtime does for these ops.
+    (``loss.local_mean_loss``), which is what the runtime does for these ops. A random
+    op draws its slice of the global draw (``RandomOps``), as the runtime does.
     """
     out_pl = strategy.outputs[0]
     if (case.op in loss_rules.MEAN_AS_PARTIAL and out_pl is not None
             and any(isinstance(p, Partial) for p in out_pl)
             and loss_rules._reduction(call) == loss_rules.REDUCTION_MEAN):
         count = loss_rules.global_count(case.op, case.args)
-        return lambda args, kwargs: loss_rules.local_mean_loss(case.op, tuple(args), count)
-    return lambda args, kwargs: case.op(*args, **kwargs)
+        return lambda args, kwargs, coord: loss_rules.local_mean_loss(case.op, tuple(args), count)
+    if case.is_random():
+        assert out_pl is not None and call.outputs[0] is not None
+        where = (str(case.op), placement_str(out_pl), call.outputs[0].shape)
+
+        def draw(args: list[Any], kwargs: dict[str, Any], coord: Coord) -> Any:
+            ops = RandomOps(mesh_shape, coord, torch.Generator().manual_seed(RANDOM_SEED))
+            return ops(*where, *[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        return draw
+    return lambda args, kwargs, coord: case.op(*args, **kwargs)
 
 
 def simulate(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...],
@@ -265,7 +293,7 @@ def simulate(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...],
     call = case.op_call()
     inputs = case.tensor_inputs()
     per_input = [distribute(t, pl, mesh_shape, gen) for t, pl in zip(inputs, strategy.inputs)]
-    run = _local_runner(case, call, strategy)
+    run = _local_runner(case, call, strategy, mesh_shape)
     n_kw = len(case.kwargs)
     local_outputs: dict[Coord, tuple[torch.Tensor | None, ...]] = {}
     for coord in ranks(mesh_shape):
@@ -274,7 +302,7 @@ def simulate(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...],
         args = flat[:len(flat) - n_kw] if n_kw else flat
         kwargs = dict(zip(case.kwargs, flat[len(flat) - n_kw:])) if n_kw else {}
         op, args = localize_shape_args(case, call, args, strategy, mesh_shape)
-        result = run(args, kwargs) if op is case.op else op(*args, **kwargs)
+        result = run(args, kwargs, coord) if op is case.op else op(*args, **kwargs)
         local_outputs[coord] = flatten_outputs(result)
     assembled: list[torch.Tensor | None] = []
     for i, pl in enumerate(strategy.outputs):

@@ -41,7 +41,7 @@ HF_LLAMA_TP = {f"model.layers.*.{name}": style for name, style in [
 def _hf(builder: Callable[..., Any]) -> Callable[[], Any]:
     def build() -> Any:
         model, inputs, loss_fn, targets = builder()
-        model.eval()  # dropout off: random masks cannot match across layouts
+        model.eval()  # dropout off here; training-mode dropout: test_numerics_random.py
         return model, inputs, loss_fn, targets
     return build
 

@@ -302,13 +302,45 @@ def loss_cases() -> list[OpCase]:
 
 
 def dropout_cases() -> list[OpCase]:
-    # Only deterministic settings: a sharded random mask is a different draw, not a bug.
-    return [
-        case(aten.dropout.default, f64(4, 8), 0.0, True, tag="p0"),
-        case(aten.dropout.default, f64(4, 8), 0.5, False, tag="eval"),
-        case(aten.native_dropout.default, f64(4, 8), 0.0, True, tag="p0"),
-        case(aten.native_dropout.default, f64(4, 8), 0.5, False, tag="eval"),
+    # Random ops run as the runtime runs them (each rank keeps its slice of one global
+    # draw; see sharding_sim): a sharded run must equal the unsharded draw exactly.
+    x, probs = f64(4, 8), torch.rand(4, 8, generator=_GEN, dtype=torch.float64)
+    sdpa = aten.scaled_dot_product_attention.default
+    b, h, s, d = 4, 4, 8, 8
+    cases = [
+        case(aten.dropout.default, x, 0.0, True, tag="p0"),
+        case(aten.dropout.default, x, 0.5, False, tag="eval"),
+        case(aten.native_dropout.default, x, 0.0, True, tag="p0"),
+        case(aten.native_dropout.default, x, 0.5, False, tag="eval"),
+        case(aten.dropout.default, f64(4, 8, 4), 0.3, True, tag="train"),
+        case(aten.native_dropout.default, x, 0.3, True, tag="train"),
+        case(aten.feature_dropout.default, f64(4, 8, 2, 2), 0.5, True, tag="train"),
+        case(aten.feature_alpha_dropout.default, f64(4, 8, 2), 0.5, True, tag="train"),
+        case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), None, 0.2, tag="dropout"),
+        case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), None, 0.2, True, tag="dropout-causal"),
     ]
+    in_place = [aten.dropout_.default, aten.alpha_dropout_.default, aten.feature_dropout_.default,
+                aten.feature_alpha_dropout_.default]
+    cases += [case(op, f64(4, 8, 2), 0.4, True, tag="train") for op in in_place]
+    cases.append(case(aten.alpha_dropout.default, x, 0.4, True, tag="train"))
+    samplers: list[tuple[Any, tuple[Any, ...]]] = [
+        (aten.rand_like.default, (x,)), (aten.randn_like.default, (x,)), (aten.randint_like.default, (x, 7)),
+        (aten.randint_like.low_dtype, (x, 2, 9)), (aten.bernoulli.default, (probs,)), (aten.bernoulli.p, (x, 0.3)),
+        (aten.bernoulli.Tensor, (x, probs)), (aten.bernoulli_.float, (x, 0.6)), (aten.bernoulli_.Tensor, (x, probs)),
+        (aten.uniform.default, (x, -2.0, 3.0)), (aten.uniform_.default, (x,)), (aten.normal_.default, (x, 1.0, 2.0)),
+        (aten.normal.Tensor_float, (x, 0.5)), (aten.normal.float_Tensor, (1.0, probs)),
+        (aten.normal.Tensor_Tensor, (x, probs)), (aten.exponential.default, (x,)), (aten.exponential_.default, (x,)),
+        (aten.cauchy.default, (x,)), (aten.cauchy_.default, (x,)), (aten.log_normal.default, (x,)),
+        (aten.log_normal_.default, (x,)), (aten.geometric.default, (x, 0.3)), (aten.geometric_.default, (x, 0.3)),
+    ]
+    cases += [case(op, *args) for op, args in samplers]
+    cases.append(case(aten.bernoulli.Tensor, x, torch.rand(8, generator=_GEN, dtype=torch.float64), tag="broadcast"))
+    factories: list[tuple[Any, tuple[Any, ...]]] = [
+        (aten.rand.default, ([4, 8],)), (aten.randn.default, ([4, 8],)), (aten.randint.default, (9, [4, 8])),
+        (aten.randint.low, (2, 9, [4, 8])), (aten.normal.float_float, (0.5, 2.0, [4, 8])), (aten.randperm.default, (8,)),
+    ]
+    cases += [case(op, *args, replicate_only=True) for op, args in factories]
+    return cases
 
 
 def factory_cases() -> list[OpCase]:

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Partial, Replicate
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, roofline_time
+from autopar.cost.compute import BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, random_draw_time, roofline_time
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 from autopar.rules.strategy import OpCall, Placements, Strategy, local_numel
@@ -58,6 +58,7 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
         if call.target not in VIEW_OPS:  # outputs saved for backward; views alias them
             memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
                          for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
+    time += random_draw_time(call, mesh, ctx.precision)  # the global draw: not split
     return NodeCost(time, memory)
 
 

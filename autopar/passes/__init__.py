@@ -7,9 +7,12 @@ in this order:
 3. insert_reshards: ``self.reshard`` on every edge whose placements differ;
 4. localize_losses: batch-split 'mean' losses become local sum / global count (after
    the reshards, so a count can still read the whole targets input);
-5. retarget_devices: tensors the step creates go to the rank's device.
-The ``reshard`` and ``partial_mean_loss`` modules they call are runtime code
-(``autopar.runtime.ops``), handed in by the caller: passes only write the calls.
+5. retarget_devices: tensors the step creates go to the rank's device;
+6. localize_random: ops that draw random numbers become ``self.random`` calls (one
+   global draw per op, this rank keeping its slice).
+The ``reshard``, ``partial_mean_loss`` and ``random`` modules they call are runtime code
+(``autopar.runtime.ops``, ``autopar.runtime.random``), handed in by the caller: passes
+only write the calls.
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ from autopar.passes.annotate_placements import annotate_placements
 from autopar.passes.context import PassContext
 from autopar.passes.insert_reshards import insert_reshards
 from autopar.passes.localize_losses import localize_losses
+from autopar.passes.localize_random import localize_random
 from autopar.passes.localize_shapes import localize_shapes
 from autopar.passes.retarget_devices import retarget_devices
 
-PASSES = (annotate_placements, localize_shapes, insert_reshards, localize_losses, retarget_devices)
+PASSES = (annotate_placements, localize_shapes, insert_reshards, localize_losses, retarget_devices,
+          localize_random)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]
                       ) -> torch.fx.GraphModule:
     """A per-rank copy of ``gm`` with the plan applied (``gm`` itself is left as it was).
 
-    ``modules`` are the ops the passes call (``reshard``, ``partial_mean_loss``).
+    ``modules`` are the ops the passes call (``reshard``, ``partial_mean_loss``, ``random``).
     """
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))

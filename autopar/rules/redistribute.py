@@ -44,10 +44,15 @@ class Step:
     """Blocks of a strided shard being gathered (all_gather) or made (slice); 1 if plain."""
 
 
+def strided_view(x: torch.Tensor, dim: int, factor: int, ways: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s piece of a strided shard as a view of ``x``: dim ``dim`` becomes
+    two, (block, position in this rank's piece of the block)."""
+    return x.unflatten(dim, (factor, ways, x.shape[dim] // (factor * ways))).select(dim + 1, index)
+
+
 def strided_take(x: torch.Tensor, dim: int, factor: int, ways: int, index: int) -> torch.Tensor:
     """Rank ``index``'s piece of a strided shard: its 1/ways of each of ``factor`` blocks."""
-    blocks = x.unflatten(dim, (factor, ways, x.shape[dim] // (factor * ways)))
-    return blocks.select(dim + 1, index).flatten(dim, dim + 1)
+    return strided_view(x, dim, factor, ways, index).flatten(dim, dim + 1)
 
 
 def strided_join(gathered: torch.Tensor, dim: int, factor: int, ways: int) -> torch.Tensor:

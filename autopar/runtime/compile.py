@@ -17,6 +17,7 @@ from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
 from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.random import RandomOps, agree_seed, make_generator
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.solver.graph import BUFFER, INPUT, PARAM
 from autopar.solver.plan import param_sync_dims
@@ -49,7 +50,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             loss_fn: Callable[..., torch.Tensor] | None = None, example_targets: tuple[Any, ...] = (),
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
             data_axes: tuple[str, ...] = (), input_sharded: bool = False, init_fn: InitFn | None = None,
-            init_seed: int = 0,
+            init_seed: int = 0, seed: int | None = None,
             hardware: str | None = None, memory_limit: float | None = None,
             precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
@@ -58,8 +59,12 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
     A model on the meta device is initialized module by module (``reset_parameters`` or
     ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
-    Errors (mesh size != world size, a failure on any rank, ranks planning differently)
-    are raised on every rank.
+    Random ops (dropout, ``rand_like``, ...) draw from one generator the module owns
+    (``pm.generator``), seeded ``seed`` on every rank (None: rank 0's
+    ``torch.initial_seed()``): each rank draws the global tensor and keeps its slice, so a
+    step equals the single-device step drawing from a generator in that state.
+    Errors (mesh size != world size, a failure on any rank, ranks planning differently or
+    passing different seeds) are raised on every rank.
     """
     if not dist.is_initialized():
         raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
@@ -72,6 +77,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             raise CompileError("input_sharded=True needs data_axes=(...) naming the axes inputs are split on")
         data_axes = ("dp",)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
+    try:
+        seed = agree_seed(seed)
+    except ValueError as exc:
+        raise CompileError(str(exc)) from None
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
         ways = math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in data_axes)  # type: ignore[union-attr]
         example_inputs = _global_batch(example_inputs, ways)
@@ -85,7 +94,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     if len(set(hashes)) != 1:
         raise CompileError("ranks planned differently (plan hashes "
                            f"{dict(enumerate(hashes))}): pass the same model, inputs and mesh on every rank")
-    return _on_every_rank("building the rank's program", lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed))
+    return _on_every_rank("building the rank's program", lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed))
 
 
 def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
@@ -93,14 +102,16 @@ def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
 
 
 def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
-                      input_sharded: bool = False, init_seed: int = 0) -> ParallelModule:
+                      input_sharded: bool = False, init_seed: int = 0, seed: int = 0) -> ParallelModule:
     """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake
     process group to inspect the generated program)."""
     captured, graph, chosen = step.captured, step.graph, step.chosen
     comm = Comm(mesh)
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
                      input_sharded=input_sharded, device_type=mesh.device_type)
-    program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "partial_mean_loss": PartialMeanLoss(comm)})
+    random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
+    program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "partial_mean_loss": PartialMeanLoss(comm),
+                                                  "random": random_ops})
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     shards = ShardInitializer(model, mesh, init_fn, init_seed)
     placeholders: list[tuple[str, str, str]] = []

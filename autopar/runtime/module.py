@@ -67,6 +67,12 @@ class ParallelModule(nn.Module):
         self._params_by_node = params_by_node
         self.grad_sync = GradSync(plan.grad_buckets, params_by_node, device_mesh)
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator the step's random ops draw from, in the same state on every rank
+        (``get_state``/``set_state`` it to save or restore the random stream)."""
+        return self.program.get_submodule("random").generator
+
     def attach_log(self, log: CollectiveLog | None) -> None:
         """Record every collective this module runs (for checking them against the plan)."""
         self._comm.log = log

@@ -1,0 +1,242 @@
+"""Training-mode dropout (p = 0.1, on the residual stream and the attention probabilities)
+trains to the single-device numbers when the single device draws from a generator seeded
+as the compiled module's: loss, every gradient, every parameter after 3 AdamW steps, on
+dp, pinned tp, tp with sequence parallelism and free dp x tp plans; replicas stay
+bit-identical and the collectives run are those planned. The runtime's random op is also
+checked on its own: the ranks' slices of every supported op, put together, are the
+single-device op's output bit for bit."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.capture.graph import TensorMeta
+from autopar.cost.compute import roofline_time
+from autopar.cost.model import CostContext, op_cost
+from autopar.cost.precision import PRECISIONS
+from autopar.mesh import Mesh
+from autopar.rules.strategy import OpCall, Strategy, parse_placements
+from autopar.runtime.forked import run_ranks
+from autopar.runtime.ops import CollectiveLog
+from autopar.runtime.random import RandomOps
+from examples import gpt, hf_models
+from sharding_sim import assemble, distribute
+from test_numerics import ATOL, EPS, LR, RTOL, STEPS, _diverged_replicas, _mismatches
+
+aten = torch.ops.aten
+P_DROP = 0.1
+SEED = 1234
+
+
+def _gpt() -> Any:
+    return gpt.build(gpt.GPTConfig(dropout=P_DROP, attn_dropout=P_DROP))
+
+
+def _hf_gpt2() -> Any:
+    model, inputs, loss_fn, targets = hf_models.build_gpt2_step()  # HF's dropouts: 0.1 everywhere
+    model.train()
+    return model, inputs, loss_fn, targets
+
+
+MODELS: dict[str, Callable[[], Any]] = {"gpt": _gpt, "hf_gpt2": _hf_gpt2}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    plan: str
+    """'free', 'dp', 'tp' or 'tp_sp'."""
+    seed: int | None = SEED
+    """compile's seed=; None: rank 0's torch.initial_seed() (ranks seed their default
+    generators differently, so this is the case that failed before the RNG discipline)."""
+    sharded: tuple[str, ...] = ()
+    """Random ops (op, placements) the plan must run split, so slicing is exercised."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}" + ("-default-seed" if self.seed is None else "")
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        if self.plan in ("tp", "tp_sp"):
+            return {"constraints": gpt.TP_SP_PLAN if self.plan == "tp_sp" else gpt.TP_PLAN}
+        return {"data_axes": ("dp",)} if self.plan == "dp" else {}
+
+
+DROPOUT, SDPA = "aten.dropout.default", "aten.scaled_dot_product_attention.default"
+CASES = [
+    # tp peers hold the residual stream replicated: before, each drew its own mask.
+    Case("gpt", (4,), ("tp",), "tp", seed=None, sharded=(f"{SDPA} S(1)",)),
+    Case("gpt", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)", f"{SDPA} S(0)")),
+    Case("gpt", (4,), ("tp",), "tp_sp", sharded=(f"{DROPOUT} S(1)", f"{SDPA} S(1)")),
+    Case("gpt", (2, 2), ("dp", "tp"), "free"),
+    Case("hf_gpt2", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)", f"{SDPA} S(0)")),
+    Case("hf_gpt2", (2, 2), ("dp", "tp"), "free"),
+]
+
+
+def reference(build: Callable[[], Any], seed: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model, inputs, loss_fn, targets = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    torch.manual_seed(seed)  # the single device draws from the state the compiled module starts in
+    losses, grads = [], {}
+    for step in range(STEPS):
+        loss = loss_fn(model(*inputs), *targets)
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = MODELS[case.model]()
+    torch.manual_seed(1000 + rank)  # per-rank default seeds: the module's stream must not depend on them
+    seed = {} if case.seed is None else {"seed": case.seed}  # the default: what a user gets without asking
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **seed, **case.compile_kwargs())
+    log = CollectiveLog()
+    pm.attach_log(log)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    losses, grads, ran = [], {}, []
+    for step in range(STEPS):
+        loss = pm(*inputs, *targets)
+        loss.backward()
+        if step == 0:
+            ran = list(log.entries)
+            state = pm.state_dict()
+            grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
+                     for k, p in pm.named_parameters()}
+        losses.append(loss.full_tensor().item())
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref[2]}
+    randoms = [f"{n.args[0]} {n.args[1]}" for n in pm.program.graph.nodes if n.op == "call_module" and n.target == "random"]
+    return {
+        "losses": losses, "grad_mismatches": _mismatches(ref[1], grads), "param_mismatches": _mismatches(ref[2], params),
+        "missing": sorted(set(ref[2]) - set(params)), "diverged": _diverged_replicas(pm, mesh),
+        "ran": sorted(Counter((p, k, case.names[d], b) for p, k, d, b in ran).items()),
+        "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
+        "randoms": randoms,
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_dropout_step_matches_single_device(case: Case) -> None:
+    # With seed=None the module takes rank 0's initial seed: 1000 (see train_on_rank).
+    ref = reference(MODELS[case.model], SEED if case.seed is not None else 1000)
+    results = run_ranks(train_on_rank, len(list(itertools.product(*map(range, case.mesh)))), case, ref)
+    for rank, result in enumerate(results):
+        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
+        assert result["missing"] == [], result["missing"]
+        assert result["losses"] == pytest.approx(ref[0], rel=RTOL, abs=ATOL), f"rank {rank}"
+        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
+        assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
+        assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
+        assert result["losses"] == results[0]["losses"], "ranks return different losses"
+    randoms = results[0]["randoms"]
+    assert randoms, "the step draws nothing: dropout was not captured in training mode"
+    for wanted in case.sharded:
+        assert wanted in randoms, (wanted, randoms)
+
+
+# The runtime op alone: every rank's slice, put together (by DTensor's own split, in
+# sharding_sim), is the single-device draw, on 1-D and 2-D meshes.
+
+X = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+Q = torch.randn(2, 4, 8, 4, generator=torch.Generator().manual_seed(1))
+OPS: list[tuple[str, Any, tuple[Any, ...], tuple[str, ...]]] = [
+    ("dropout", aten.dropout.default, (X, 0.3, True), ("S(0)", "S(1)S(2)", "S(0)S(0)", "RS(2)", "S(1/3)", "R")),
+    ("dropout_", aten.dropout_.default, (X, 0.3, True), ("S(2)",)),
+    ("native_dropout", aten.native_dropout.default, (X, 0.3, True), ("S(1)S(2)",)),
+    ("alpha_dropout", aten.alpha_dropout.default, (X, 0.2, True), ("S(1)S(2)",)),
+    ("feature_dropout", aten.feature_dropout.default, (X, 0.5, True), ("S(1)", "S(0)S(1)")),
+    ("rand_like", aten.rand_like.default, (X,), ("S(1)S(2)", "S(2/2)")),
+    ("randn_like", aten.randn_like.default, (X,), ("S(1)S(2)",)),
+    ("bernoulli_p", aten.bernoulli.p, (X, 0.4), ("S(0)S(0)",)),
+    ("bernoulli_probs", aten.bernoulli.default, (X.sigmoid(),), ("S(1)S(2)",)),
+    ("bernoulli_", aten.bernoulli_.float, (X, 0.7), ("S(1)S(2)",)),
+    ("uniform_", aten.uniform_.default, (X, -1.0, 2.0), ("S(0)S(2)",)),
+    ("normal_", aten.normal_.default, (X,), ("S(1)S(2)",)),
+    ("sdpa_heads", aten.scaled_dot_product_attention.default, (Q, Q, Q, None, 0.2), ("S(1)", "S(0)S(1)")),
+    ("sdpa_causal", aten.scaled_dot_product_attention.default, (Q, Q, Q, None, 0.2, True), ("S(0)S(1)",)),
+    ("rand", aten.rand.default, ([4, 6],), ("R",)),
+    ("randn", aten.randn.default, ([4, 6],), ("R",)),
+]
+
+
+@pytest.mark.parametrize("name,op,args,layouts", OPS, ids=[o[0] for o in OPS])
+def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, ...], layouts: tuple[str, ...]) -> None:
+    torch.manual_seed(SEED)
+    ref = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    gen = torch.Generator()
+    for placements in layouts:
+        pl = parse_placements(placements)
+        mesh = (2,) * len(pl)
+        pieces = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                pieces[i] = distribute(a, pl, mesh, gen)
+        outs = {}
+        for coord in itertools.product(*map(range, mesh)):
+            ops = RandomOps(mesh, coord, torch.Generator().manual_seed(SEED))
+            out = ops(str(op), placements, tuple(ref.shape),
+                      *[pieces[i][coord].clone() if i in pieces else a for i, a in enumerate(args)])
+            outs[coord] = out[0] if isinstance(out, tuple) else out
+        assert torch.equal(assemble(outs, pl, mesh), ref), f"{name} {placements}: slices differ from the single-device draw"
+
+
+def test_replicated_draw_keeps_generators_in_lockstep() -> None:
+    """Ranks holding different pieces advance their generators alike: the next draw agrees."""
+    states = []
+    for coord in ((0,), (1,)):
+        ops = RandomOps((2,), coord, torch.Generator().manual_seed(SEED))
+        ops("aten.dropout.default", "S(0)", tuple(X.shape), X.chunk(2)[coord[0]].clone(), 0.5, True)
+        states.append(ops.generator.get_state())
+    assert torch.equal(states[0], states[1])
+
+
+def test_draw_is_priced_at_global_elements() -> None:
+    """Every rank draws all of dropout's elements: the draw's price does not shrink with the split."""
+    mesh = Mesh({"tp": 4}, hardware="h100")
+    precision = PRECISIONS["fp32"]
+    ctx = CostContext(mesh=mesh, precision=precision, train=True)
+    x = TensorMeta((8, 64, 128), torch.float32)
+    split = Strategy(((parse_placements("S(0)")),), (parse_placements("S(0)"),))
+    drawing = op_cost(OpCall(aten.dropout.default, (x, 0.1, True), {}, (x,)), split, ctx).time
+    plain = op_cost(OpCall(aten.dropout.default, (x, 0.0, True), {}, (x,)), split, ctx).time
+    hw = mesh.hardware
+    n = 8 * 64 * 128
+    by_hand = max(n / (hw.peak_flops_fp32 * hw.compute_efficiency),  # one op per global element
+                  2 * 4 * n / (hw.memory_bandwidth * hw.memory_efficiency))  # written, read back: fp32
+    assert drawing - plain == pytest.approx(by_hand, rel=1e-9)
+    assert by_hand == pytest.approx(roofline_time(n, 8.0 * n, mesh, precision))
+
+
+def _compile_with_rank_seed(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    try:
+        autopar.compile(torch.nn.Linear(4, 4), mesh, (torch.randn(2, 4),), loss_fn=lambda out: out.sum(), seed=rank)
+    except autopar.CompileError as exc:
+        return str(exc)
+    return "compiled"
+
+
+def test_ranks_passing_different_seeds_fail_together() -> None:
+    """Generators seeded differently would draw different masks: every rank refuses."""
+    messages = run_ranks(_compile_with_rank_seed, 2)
+    assert all("rank 0: 0, rank 1: 1" in m for m in messages), messages
