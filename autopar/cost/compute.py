@@ -69,8 +69,6 @@ def conv_flops(call: OpCall) -> float:
 def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta | None, ...],
              precision: Precision) -> float:
     """Bytes the (unsplit) op reads and writes."""
-    if target in CONV_OPS:
-        return conv_flops(call)
     if target in VIEW_OPS:
         return 0.0
     return float(sum(precision.tensor_bytes(t) for t in inputs)
