@@ -25,7 +25,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import autopar
 from autopar.api import plan_step
-from autopar.capture import capture
+from autopar.capture import CaptureError, capture
+from autopar.capture.export import _to_captured
+from autopar.capture.step import TrainStep
 from autopar.cost import get_precision
 from autopar.cost.model import CostContext
 from autopar.hardware import PROFILES
@@ -229,3 +231,21 @@ def test_eval_mode_batch_norm_splits_the_batch() -> None:
         assert "S(0)" in result["bn_input"], result["bn_input"]
         torch.testing.assert_close(torch.tensor(result["outputs"]), expected, rtol=RTOL, atol=ATOL,
                                    msg=f"rank {rank}")
+
+
+def test_capture_keeps_running_stat_updates_in_the_graph() -> None:
+    """Export's training IR updates running stats inside batch_norm and bumps
+    num_batches_tracked with add_, returning the loss alone: buffers are updated where
+    they live. A functionalized program returns them as outputs instead, which is refused."""
+    module, inputs, loss_fn, targets = build_cnn()
+    captured = capture(module, inputs, loss_fn=loss_fn, example_targets=targets)
+    ops = [n for n in captured.gm.graph.nodes if n.op == "call_function"]
+    (bn,) = [n for n in ops if n.target is torch.ops.aten.batch_norm.default]
+    (bump,) = [n for n in ops if n.target is torch.ops.aten.add_.Tensor]
+    assert captured.buffers[bn.args[3].name] == "bn.running_mean" and bn.args[5] is True
+    assert captured.buffers[bump.args[0].name] == "bn.num_batches_tracked"
+    assert len(captured.gm.graph.output_node().args[0]) == 1
+    step = TrainStep(module, loss_fn, 1, (), True)
+    functional = torch.export.export(step, (*inputs, *targets), strict=False).run_decompositions()
+    with pytest.raises(CaptureError, match="BUFFER_MUTATION"):
+        _to_captured(functional, True, 0.0)
