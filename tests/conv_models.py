@@ -11,22 +11,25 @@ from torch.nn import functional as F
 
 
 class TinyCNN(nn.Module):
-    """conv -> batch norm -> relu -> max pool -> grouped conv -> relu -> adaptive average
-    pool -> linear. The first conv has no bias, as in ResNets: batch norm subtracts the
-    mean right after, so a bias there has a zero gradient up to rounding, which Adam
-    would blow up into updates that differ with any summation order."""
+    """conv -> batch norm -> relu -> max pool (with indices) -> grouped conv -> relu ->
+    1x1 conv down to fewer channels -> adaptive average pool -> linear (the last three are
+    linear: a Partial sum from a split contraction may flow through them). The first conv has no bias, as
+    in ResNets: batch norm subtracts the mean right after, so a bias there would have a
+    zero gradient up to rounding, which Adam blows up into updates that differ with any
+    summation order."""
 
     def __init__(self, channels: int = 8, classes: int = 4) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, channels, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(channels)
-        self.pool = nn.MaxPool2d(2)
+        self.pool = nn.MaxPool2d(2, return_indices=True)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, groups=2)
-        self.head = nn.Linear(channels, classes)
+        self.conv3 = nn.Conv2d(channels, channels // 2, 1)
+        self.head = nn.Linear(channels // 2, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pool(F.relu(self.bn(self.conv1(x))))
-        x = F.relu(self.conv2(x))
+        x, _ = self.pool(F.relu(self.bn(self.conv1(x))))
+        x = self.conv3(F.relu(self.conv2(x)))
         return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
