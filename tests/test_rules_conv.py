@@ -121,6 +121,7 @@ def test_rule_matches_unsharded_op(op_case: OpCase, mesh_shape: tuple[int, ...])
 
 
 NOT_DIFFERENTIABLE = {"running_mean", "running_var"}
+"""batch_norm's running statistics: written in training, only read in eval, never differentiated."""
 
 
 def gradient_failure(c: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...]) -> str | None:
