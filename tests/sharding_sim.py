@@ -21,6 +21,11 @@ A random op (dropout with p > 0, samplers) runs as the runtime runs it
 (``autopar.runtime.random``): each rank draws from a generator seeded ``RANDOM_SEED``
 and keeps its slice of the global draw; the unsharded op draws from the default
 generator seeded the same, so the two must agree exactly.
+
+Every rank gets its own copy of its inputs, and after the op the inputs too are
+reassembled and compared with the full op's: an op that writes an input in place
+(batch norm's running statistics) must leave the same values, the same on every
+replica.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch.distributed.tensor import Partial, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.capture.graph import TensorMeta
+from autopar.cost.collectives import grad_placement_at_consumer, grad_placement_at_producer
 from autopar.rules import loss as loss_rules
 from autopar.rules.dropout import draws_random
 from autopar.rules.strategy import OpCall, Strategy, placement_str
@@ -50,6 +56,10 @@ SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
                  aten.expand.default}
 RANDOM_SEED = 4321
 """The state random ops draw from, unsharded and on every simulated rank alike."""
+# Convolutions take ``groups``: a rank holding some whole groups runs with fewer.
+CONV_OPS = {aten.conv1d.default, aten.conv1d.padding, aten.conv2d.default, aten.conv2d.padding,
+            aten.conv3d.default, aten.conv3d.padding, aten.conv_transpose1d.default,
+            aten.conv_transpose2d.input, aten.conv_transpose3d.input, aten.convolution.default}
 
 
 @dataclass
@@ -66,15 +76,25 @@ class OpCase:
         return f"OpCase({self.label})"
 
     def run_full(self) -> tuple[torch.Tensor | None, ...]:
-        if not self.is_random():
-            return flatten_outputs(self.op(*self.args, **self.kwargs))
-        args = [a.clone() if isinstance(a, torch.Tensor) else a for a in self.args]  # in-place draws
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(RANDOM_SEED)
-            return flatten_outputs(self.op(*args, **self.kwargs))
+        return self.run_full_with_inputs()[0]
 
     def is_random(self) -> bool:
         return draws_random(self.op, self.args, self.kwargs)
+
+    def run_full_with_inputs(self) -> tuple[tuple[torch.Tensor | None, ...], list[torch.Tensor]]:
+        """The op's outputs, and its tensor inputs after it ran (on copies: the case's own
+        tensors never change, even for an op that writes an input in place). A random op
+        draws from the default generator seeded ``RANDOM_SEED``."""
+        copies = [t.clone() for t in self.tensor_inputs()]
+        flat = _replace_tensors([*self.args, *self.kwargs.values()], iter(copies))
+        n_kw = len(self.kwargs)
+        args = flat[:len(flat) - n_kw] if n_kw else flat
+        kwargs = dict(zip(self.kwargs, flat[len(flat) - n_kw:])) if n_kw else {}
+        if not self.is_random():
+            return flatten_outputs(self.op(*args, **kwargs)), copies
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(RANDOM_SEED)
+            return flatten_outputs(self.op(*args, **kwargs)), copies
 
     def op_call(self) -> OpCall:
         """The call as rules see it: tensors replaced by TensorMeta, outputs flattened."""
@@ -164,8 +184,8 @@ def distribute(x: torch.Tensor, placements: Sequence[Placement], mesh_shape: tup
                 pieces = _partial_parts(t, n, gen)
             else:
                 pieces = [t] * n
-            for i, piece in enumerate(pieces):
-                refined[(*coord, i)] = piece.contiguous()
+            for i, piece in enumerate(pieces):  # a copy per rank: ops may write inputs in place
+                refined[(*coord, i)] = piece.clone(memory_format=torch.contiguous_format)
         locals_ = refined
     return locals_
 
@@ -257,7 +277,24 @@ def localize_shape_args(case: OpCase, call: OpCall, args: list[Any], strategy: S
             [args[1]] if op is aten.squeeze.dim else args[1])
         dims = sorted({d % max(len(shape), 1) for d in asked if shape[d] == 1})
         op, args = aten.squeeze.dims, [args[0], dims]
+    elif op in CONV_OPS:
+        args = _local_conv_groups(case, args, local_shape(out_meta, out_pl, mesh_shape))
     return op, args
+
+
+def _local_conv_groups(case: OpCase, args: list[Any], out_shape: list[int]) -> list[Any]:
+    """Rank-local ``groups``: weight dim 1 holds one group's channels (input channels, or
+    output channels when transposed); the rank's input (output) channels are whole groups."""
+    names = [a.name for a in case.op._schema.arguments]
+    assert "groups" not in case.kwargs, "simulated convolutions pass groups positionally"
+    full = list(args) + [a.default_value for a in case.op._schema.arguments[len(args):]]
+    x, weight = full[0], full[1]
+    channel = x.ndim - (weight.ndim - 1)
+    transposed = "conv_transpose" in str(case.op) or (
+        case.op is aten.convolution.default and full[names.index("transposed")])
+    channels = out_shape[channel] if transposed else x.shape[channel]
+    full[names.index("groups")] = channels // weight.shape[1]
+    return full
 
 
 def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...]
@@ -281,7 +318,7 @@ def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tu
 
         def draw(args: list[Any], kwargs: dict[str, Any], coord: Coord) -> Any:
             ops = RandomOps(mesh_shape, coord, torch.Generator().manual_seed(RANDOM_SEED))
-            return ops(*where, *[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+            return ops(*where, *args, **kwargs)  # each rank has its own copies: in-place draws write them
         return draw
     return lambda args, kwargs, coord: case.op(*args, **kwargs)
 
@@ -289,10 +326,29 @@ def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tu
 def simulate(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...],
              seed: int = 0) -> tuple[torch.Tensor | None, ...]:
     """Run ``case`` sharded by ``strategy`` on a mesh and return each output reassembled."""
+    return simulate_with_inputs(case, strategy, mesh_shape, seed)[0]
+
+
+def simulate_with_inputs(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...], seed: int = 0
+                         ) -> tuple[tuple[torch.Tensor | None, ...], list[torch.Tensor]]:
+    """``simulate``, and every tensor input reassembled by its placement after the op ran."""
     gen = torch.Generator().manual_seed(seed)
+    per_input = [distribute(t, pl, mesh_shape, gen) for t, pl in zip(case.tensor_inputs(), strategy.inputs)]
+    local_outputs = _run_ranks(case, strategy, per_input, mesh_shape)
+    assembled: list[torch.Tensor | None] = []
+    for i, pl in enumerate(strategy.outputs):
+        if pl is None:
+            assembled.append(None)
+            continue
+        assembled.append(assemble({c: outs[i] for c, outs in local_outputs.items()}, pl, mesh_shape))
+    inputs_after = [assemble(d, pl, mesh_shape) for d, pl in zip(per_input, strategy.inputs)]
+    return tuple(assembled), inputs_after
+
+
+def _run_ranks(case: OpCase, strategy: Strategy, per_input: list[dict[Coord, torch.Tensor]],
+               mesh_shape: tuple[int, ...]) -> dict[Coord, tuple[torch.Tensor | None, ...]]:
+    """Every rank's outputs, computed from its local inputs."""
     call = case.op_call()
-    inputs = case.tensor_inputs()
-    per_input = [distribute(t, pl, mesh_shape, gen) for t, pl in zip(inputs, strategy.inputs)]
     run = _local_runner(case, call, strategy, mesh_shape)
     n_kw = len(case.kwargs)
     local_outputs: dict[Coord, tuple[torch.Tensor | None, ...]] = {}
@@ -304,13 +360,35 @@ def simulate(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...],
         op, args = localize_shape_args(case, call, args, strategy, mesh_shape)
         result = run(args, kwargs, coord) if op is case.op else op(*args, **kwargs)
         local_outputs[coord] = flatten_outputs(result)
+    return local_outputs
+
+
+def simulate_gradients(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...], wanted: Sequence[int],
+                       output_grads: Sequence[torch.Tensor | None], seed: int = 0) -> list[torch.Tensor | None]:
+    """Autograd on each rank's local op, as the runtime runs backward: each output's
+    gradient arrives placed as its producer wants it (sharded as the output, else
+    replicated); the input gradients of tensor inputs ``wanted`` come back reassembled
+    by the placement the runtime assumes (``grad_placement_at_consumer``: sharded as the
+    input; Partial for a replicated input of an op split on that mesh dim; else replicated)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_input = [distribute(t, pl, mesh_shape, gen) for t, pl in zip(case.tensor_inputs(), strategy.inputs)]
+    for i in wanted:
+        for t in per_input[i].values():
+            t.requires_grad_(True)
+    local_outputs = _run_ranks(case, strategy, per_input, mesh_shape)
+    grads_out = {i: distribute(g, [grad_placement_at_producer(p) for p in strategy.outputs[i]], mesh_shape, gen)
+                 for i, g in enumerate(output_grads) if g is not None}
+    local_grads: dict[Coord, tuple[torch.Tensor | None, ...]] = {}
+    for coord, outs in local_outputs.items():
+        used = [i for i in grads_out if outs[i] is not None and outs[i].requires_grad]
+        local_grads[coord] = torch.autograd.grad([outs[i] for i in used], [per_input[i][coord] for i in wanted],
+                                                 [grads_out[i][coord] for i in used], allow_unused=True)
     assembled: list[torch.Tensor | None] = []
-    for i, pl in enumerate(strategy.outputs):
-        if pl is None:
-            assembled.append(None)
-            continue
-        assembled.append(assemble({c: outs[i] for c, outs in local_outputs.items()}, pl, mesh_shape))
-    return tuple(assembled)
+    for k, i in enumerate(wanted):
+        placements = [grad_placement_at_consumer(p, strategy.is_active(d)) for d, p in enumerate(strategy.inputs[i])]
+        pieces = {c: g[k] if g[k] is not None else torch.zeros_like(per_input[i][c]) for c, g in local_grads.items()}
+        assembled.append(assemble(pieces, placements, mesh_shape))
+    return assembled
 
 
 def strategy_str(strategy: Strategy) -> str:
@@ -321,9 +399,9 @@ def strategy_str(strategy: Strategy) -> str:
 
 def check_strategy(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...]) -> str | None:
     """None when the sharded run matches the unsharded op, else what went wrong."""
-    expected = case.run_full()
+    expected, expected_inputs = case.run_full_with_inputs()
     try:
-        actual = simulate(case, strategy, mesh_shape)
+        actual, actual_inputs = simulate_with_inputs(case, strategy, mesh_shape)
     except ReplicaMismatch as e:
         return f"{strategy_str(strategy)}: {e}"
     except Exception as e:  # a local shape error is as much a wrong rule as a wrong value
@@ -340,8 +418,14 @@ def check_strategy(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...]
         except AssertionError as err:
             summary = " ".join(line.strip() for line in str(err).strip().splitlines()[:3])
             return f"{strategy_str(strategy)}: output {i} wrong: {summary[:300]}"
+    for i, (a, e) in enumerate(zip(actual_inputs, expected_inputs)):
+        try:
+            assert_matches(a, e)
+        except AssertionError as err:
+            summary = " ".join(line.strip() for line in str(err).strip().splitlines()[:3])
+            return f"{strategy_str(strategy)}: input {i} after the op (written in place?) wrong: {summary[:300]}"
     return None
 
 
-__all__ = ["OpCase", "simulate", "check_strategy", "distribute", "assemble", "strategy_str",
+__all__ = ["OpCase", "simulate", "simulate_with_inputs", "simulate_gradients", "check_strategy", "distribute", "assemble", "strategy_str",
            "ReplicaMismatch"]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.capture.graph import CapturedGraph
 from autopar.capture.step import CaptureError, TrainStep
@@ -83,6 +83,15 @@ def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> CapturedGraph:
+    # The training IR keeps in-place updates (batch norm's running statistics) inside the
+    # graph and returns the step's outputs only; later stages rely on that (the first
+    # output is the loss, buffers are updated where they live). A functionalized program
+    # would return mutated buffers as extra outputs that nothing writes back.
+    extra = [f"{spec.kind.name} {spec.target}" for spec in program.graph_signature.output_specs
+             if spec.kind != OutputKind.USER_OUTPUT]
+    if extra:
+        raise CaptureError(f"the exported step returns more than its outputs ({', '.join(extra)}); autopar "
+                           "needs torch.export's training IR, where in-place updates stay in the graph")
     gm = program.graph_module
     graph = gm.graph
     # Runtime dtype asserts carry no data and no sharding decision.

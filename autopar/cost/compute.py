@@ -9,6 +9,7 @@ import torch
 from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
+from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
 from autopar.rules.strategy import OpCall
 
@@ -45,9 +46,25 @@ def op_flops(call: OpCall) -> float:
         causal = bool(call.get("is_causal", False))
         full = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]  # QK^T and PV
         return full / 2 if causal else full
+    if target in CONV_OPS:
+        return conv_flops(call)
     if target in VIEW_OPS:
         return 0.0
     return float(sum(o.numel for o in outputs if o is not None))  # about one op per element
+
+
+def conv_flops(call: OpCall) -> float:
+    """2 * output elements * input channels per group * kernel elements (a multiply-add per
+    weight tap). A transposed convolution is the adjoint of a plain one: 2 * input elements
+    * output channels per group * kernel elements. Bias additions are not counted (as
+    torch.utils.flop_counter does not)."""
+    x, weight = call.tensor_inputs[0], call.tensor_inputs[1]
+    out = call.outputs[0]
+    assert out is not None
+    kernel = math.prod(weight.shape[2:])
+    if is_transposed(call):  # weight [C_in, C_out / groups, *kernel]
+        return 2.0 * x.numel * weight.shape[1] * kernel
+    return 2.0 * out.numel * weight.shape[1] * kernel  # weight [C_out, C_in / groups, *kernel]
 
 
 def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta | None, ...],

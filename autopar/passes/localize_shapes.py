@@ -3,7 +3,8 @@
 view/reshape/expand/unflatten name the output shape: it is divided by the output's
 placements. split names the pieces' sizes along the split dim: local ones when a
 strided input splits locally. squeeze without dims would also drop a dim that
-sharding shrank to size 1 locally, so it names the globally size-1 dims instead.
+sharding shrank to size 1 locally, so it names the globally size-1 dims instead. A
+grouped convolution split by groups runs this rank's groups only.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 import torch.fx
 
 from autopar.passes.context import PassContext, strategy_of
-from autopar.rules.strategy import Placements, shard_dim
+from autopar.rules.conv import CONV_OPS, local_groups
+from autopar.rules.strategy import OpCall, Placements, Strategy, positional_args, shard_dim
 
 aten = torch.ops.aten
 SHAPE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
@@ -54,5 +56,20 @@ def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
                 dims = [d] if d in dims else []
             node.target = aten.squeeze.dims
             node.args = (node.args[0], dims)
+        elif node.target in CONV_OPS:
+            _localize_groups(node, strategy, pc.mesh_shape)
     gm.recompile()
     return gm
+
+
+def _localize_groups(node: torch.fx.Node, strategy: Strategy, mesh_shape: tuple[int, ...]) -> None:
+    call = OpCall(node.target, node.args, dict(node.kwargs))
+    groups = local_groups(call, strategy.inputs[1], mesh_shape)
+    if groups == call.get("groups", 1):
+        return
+    if "groups" in node.kwargs:
+        node.update_kwarg("groups", groups)
+        return
+    args = positional_args(node.target, node.args, node.kwargs)  # kwargs folded in by name
+    args[[a.name for a in node.target._schema.arguments].index("groups")] = groups
+    node.args, node.kwargs = tuple(args), {}

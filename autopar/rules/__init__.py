@@ -6,14 +6,15 @@ exist is visible here and nothing registers itself on import elsewhere.
 
 from __future__ import annotations
 
-from autopar.rules import (attention, dropout, embedding, factory, loss, matmul, norm, pointwise,
-                           reduction, softmax, view)
+from autopar.rules import (attention, batch_norm, conv, dropout, embedding, factory, loss, matmul, norm,
+                           pointwise, pool, reduction, softmax, view)
 from autopar.rules.strategy import DimStrategy, OpCall, Strategy, expand, placement_str
 from autopar.rules.table import Rule, RuleSet, RuleTable
 
 FAMILIES: tuple[RuleTable, ...] = (
     matmul.TABLE, pointwise.TABLE, reduction.TABLE, softmax.TABLE, norm.TABLE, embedding.TABLE,
-    view.TABLE, attention.TABLE, loss.TABLE, dropout.TABLE, factory.TABLE,
+    view.TABLE, attention.TABLE, loss.TABLE, dropout.TABLE, factory.TABLE, conv.TABLE, batch_norm.TABLE,
+    pool.TABLE,
 )
 
 DEFAULT_RULES = RuleSet(FAMILIES)

@@ -65,6 +65,10 @@ class DimStrategy:
     """Placement of each output (None for an output that is not a tensor)."""
     inputs: tuple[Placement, ...]
     """Placement each tensor input must arrive in, in ``OpCall.tensor_inputs`` order."""
+    sizes: tuple[int, ...] = ()
+    """Sizes besides tensor dims that this strategy divides among the mesh dim's ranks (a
+    grouped convolution's groups): ``expand`` keeps a combination only where each divides
+    by the product of the mesh dims splitting it."""
 
 
 @dataclass(frozen=True)
@@ -188,9 +192,18 @@ def expand(call: OpCall, dim_strategies: list[DimStrategy], mesh_shape: tuple[in
         ok = all(divides(m, pl, mesh_shape) for m, pl in zip(metas_in, inputs))
         ok = ok and all(pl is None or m is None or divides(m, pl, mesh_shape)
                         for m, pl in zip(call.outputs, outputs))
+        ok = ok and _sizes_divide(combo, mesh_shape)
         if ok:
             out.append(Strategy(outputs, inputs))  # type: ignore[arg-type]
     return out
+
+
+def _sizes_divide(combo: tuple[DimStrategy, ...], mesh_shape: tuple[int, ...]) -> bool:
+    ways: dict[int, int] = {}
+    for strategy, n in zip(combo, mesh_shape):
+        for size in strategy.sizes:
+            ways[size] = ways.get(size, 1) * n
+    return all(size % w == 0 for size, w in ways.items())
 
 
 def local_numel(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> int:

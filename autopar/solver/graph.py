@@ -17,6 +17,7 @@ from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
+from autopar.rules.mutation import written_inputs
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
 
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
@@ -61,6 +62,9 @@ class PlanNode:
     """Seconds of collectives a strategy runs by itself (the loss's reductions), if any."""
     follower: bool = False
     """A view or elementwise op of one tensor: it takes its input placement as produced."""
+    written: frozenset[int] = frozenset()
+    """Inputs (indices into ``args``) the op writes in place, such as batch norm's running
+    statistics: each must arrive exactly as produced, or the write lands in a copy."""
     targets_input: str | None = None
     """For a loss: the user input its targets are a view of, if any (counted whole when
     every rank receives the whole batch)."""
@@ -236,6 +240,8 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
     rule = rules.lookup(node.target)
     pn.fallback = rule is None
     pn.follower = rules.family.get(node.target) in FOLLOWER_FAMILIES and len(producers) == 1
+    if node.target is not operator.getitem:
+        pn.written = written_inputs(call)
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
         pn.targets_input = _view_root(producers[1][0], nodes)
     key = call_key(call)

@@ -107,8 +107,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         if link is not None:
             links[key] = link
     for keys, count in classes.items():
-        if len(keys) > 1:
-            _add_shared(model, [links[k] for k in keys], count, memory_row)
+        if len(keys) > 1:  # an edge into an in-place write has no link: it never reshards
+            _add_shared(model, [links[k] for k in keys if k in links], count, memory_row)
     sync.add_bucket_rows()
     if memory_limit is not None and not minimize_memory:
         model.rows.append((memory_row, -INF, float(memory_limit)))
@@ -197,7 +197,10 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
         syncing.note(j, a, b)
     link = None
-    if transport:
+    if edge.arg in cons.written and edge.producer != edge.consumer:
+        # Written in place: a resharded copy would take the write, so the placements must match.
+        _add_follower_edge(model, edge, x, groups_p, groups_c, add)
+    elif transport:
         link = _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
     else:
         _link_ends(model, edge, x, groups_p, groups_c, add, prod.needs_grad, cons.follower)
@@ -213,7 +216,7 @@ def _link_ends(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
     if (follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1
             and all(a in inputs_taken for a in keys_p)):  # every producer choice stays usable
         _add_follower_edge(model, edge, x, groups_p, groups_c, add)
-        return
+        return None
     if edge.producer == edge.consumer:  # one decision on both ends
         where_p = {s: i for i, a in enumerate(keys_p) for s in groups_p[a]}
         where_c = {s: i for i, b in enumerate(keys_c) for s in groups_c[b]}
