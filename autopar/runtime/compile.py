@@ -45,7 +45,8 @@ def _on_every_rank(what: str, fn: Callable[[], T]) -> T:
 
 
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] = (), *,
-            loss_fn: Callable[..., torch.Tensor] | None = None, example_targets: tuple[Any, ...] = (),
+            loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
+            example_targets: tuple[Any, ...] = (),
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
             data_axes: tuple[str, ...] = (), input_sharded: bool = False, init_fn: InitFn | None = None,
             init_seed: int = 0,
@@ -53,6 +54,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             precision: str | None = None) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
+    The step is ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` (with
+    ``loss_fn=None`` the model returns its loss, as a Hugging Face model called with
+    ``labels=``); the module is then called the same way: ``pm(*inputs, *targets, **kwargs)``.
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
     A model on the meta device is initialized module by module (``reset_parameters`` or
@@ -75,8 +79,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         ways = math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in data_axes)  # type: ignore[union-attr]
         example_inputs = _global_batch(example_inputs, ways)
         example_targets = _global_batch(example_targets, ways)
+        example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
     step: PlannedStep = _on_every_rank("planning", lambda: plan_step(
-        model, planning_mesh, tuple(example_inputs), loss_fn=loss_fn, example_targets=tuple(example_targets),
+        model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+        example_targets=example_targets,
         train=train, constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
         input_sharded=input_sharded, memory_limit=memory_limit, precision=precision))
     hashes: list[Any] = [None] * dist.get_world_size()
@@ -129,4 +135,4 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded)
+                          input_sharded=input_sharded, signature=captured.signature)
