@@ -17,14 +17,14 @@ from autopar.cost import get_precision
 from autopar.cost.model import CostContext
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
-from autopar.solver.blocks import fold_repeated_blocks
+from autopar.solver.blocks import Folding, fold_repeated_blocks
 from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan
 from autopar.solver.graph import PlanGraph, build_plan_graph
 from autopar.solver.strided import add_strided_strategies
-from autopar.solver.ilp import solve
+from autopar.solver.ilp import Solution, solve
 from autopar.solver.plan import Plan, build_plan
 
 
@@ -77,12 +77,37 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
 
 
 def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
-         loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
-         example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
-         precision: str | None = None, constraints: dict[str, object] | None = None,
-         constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False,
-         data_axes: tuple[str, ...] = (), input_sharded: bool = False) -> PlannedStep:
+              progress: bool = False, **kwargs: Any) -> PlannedStep:
     """``plan`` keeping the captured graph and chosen strategies (what execution needs).
+
+    Arguments as :func:`prepare_step`; ``progress`` shows the stage on stderr.
+    """
+    prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
+    return finish_step(prepared, solve_step(prepared, progress=progress))
+
+
+@dataclass
+class PreparedStep:
+    """Everything before the ILP: the captured step, its strategies (pins applied) and the
+    folding of repeated blocks. Every rank of ``compile`` builds one; one rank solves it."""
+
+    captured: CapturedGraph
+    graph: PlanGraph
+    folding: Folding
+    ctx: CostContext
+    memory_limit: float
+    """Bytes per device the plan must fit in."""
+    timings: dict[str, float]
+    pinned: dict[str, str]
+
+
+def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
+                 example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
+                 precision: str | None = None, constraints: dict[str, object] | None = None,
+                 constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False,
+                 data_axes: tuple[str, ...] = (), input_sharded: bool = False) -> PreparedStep:
+    """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
     every user input split along its first (batch) dim. ``input_sharded`` also pins the
@@ -94,8 +119,8 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
-        captured = capture(model, tuple(example_inputs), loss_fn=loss_fn, example_kwargs=example_kwargs,
-                           example_targets=tuple(example_targets), train=train)
+        captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+                           example_targets=example_targets, train=train)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)
@@ -128,8 +153,18 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
                 for name, pin in input_pins.items():
                     node_pins[name] = (node_pins.get(name), axis_name, pin)
         folding = fold_repeated_blocks(graph, node_pins)
-    with _stage("solve", timings, progress):
-        solution = solve(graph, folding, ctx, limit)
-    result = build_plan(graph, folding, solution, ctx, timings, pinned)
+    return PreparedStep(captured, graph, folding, ctx, limit, timings, pinned)
+
+
+def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
+    """The ILP: the cheapest strategy per representative node within the memory limit."""
+    with _stage("solve", prepared.timings, progress):
+        return solve(prepared.graph, prepared.folding, prepared.ctx, prepared.memory_limit)
+
+
+def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
+    """The plan a solution gives (deterministic: every rank builds the same one from it)."""
+    graph, folding = prepared.graph, prepared.folding
+    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned)
     chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
-    return PlannedStep(result, captured, graph, chosen, ctx)
+    return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.runtime.forked import run_ranks
-from examples import hf_models
+from examples import gpt, hf_models
 
 
 def _hf_llama() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -55,3 +55,54 @@ def test_hf_model_called_with_labels_compiles_under_its_own_names() -> None:
         assert "unexpected keyword input 'mask'" in errors["unexpected"] and "labels" in errors["unexpected"]
         assert "1 positional value" in errors["positional"] and "got 2" in errors["positional"]
         assert "got 0" in errors["none"]
+
+
+def _counting_solves_rank(rank: int, world: int) -> dict[str, Any]:
+    import autopar.api
+
+    calls = []
+    real = autopar.api.solve
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(rank)
+        return real(*args, **kwargs)
+
+    autopar.api.solve = counted  # this forked process only
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, inputs, loss_fn, targets = gpt.build()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    return {"solves": len(calls), "hash": pm.plan.plan_hash(), "loss": pm(*inputs, *targets).full_tensor().item()}
+
+
+def test_compile_solves_the_plan_on_rank_zero_only() -> None:
+    """Every rank captures and lists strategies; only rank 0 runs the ILP; all build its plan."""
+    model, inputs, loss_fn, targets = gpt.build()
+    expected = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                            example_targets=targets)
+    results = run_ranks(_counting_solves_rank, 4)
+    assert [r["solves"] for r in results] == [1, 0, 0, 0]
+    assert {r["hash"] for r in results} == {expected.plan_hash()}
+    assert [r["loss"] for r in results] == pytest.approx([loss_fn(model(*inputs), *targets).item()] * 4, rel=1e-5)
+
+
+def _rank_zero_solve_fails(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.CompileError, match="solving the plan failed on rank 0: MemoryLimitError") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=1024)
+    return str(info.value)
+
+
+def _ranks_pass_other_limits(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.CompileError, match="planned differently .*captured steps differ") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=2**30 + rank)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("scenario", [_rank_zero_solve_fails, _ranks_pass_other_limits],
+                         ids=["solver-error-on-rank-0", "ranks-disagree-before-solving"])
+def test_planning_errors_reach_every_rank(scenario: Any) -> None:
+    messages = run_ranks(scenario, 2)
+    assert len(set(messages)) == 1  # every rank raised, the same error
