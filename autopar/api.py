@@ -40,6 +40,18 @@ def _as_mesh(mesh: Any) -> Mesh:
     raise TypeError(f"mesh must be an autopar.Mesh, a dict of axis sizes or a DeviceMesh, got {type(mesh).__name__}")
 
 
+def _memory_limit(mesh: Mesh, memory_limit: float | None, memory_headroom: float | None) -> float:
+    """Bytes per device the plan must fit in: given, or the device's memory less headroom."""
+    if memory_limit is None:
+        return mesh.hardware.memory_limit(memory_headroom)
+    if memory_headroom is not None:
+        raise ValueError("pass memory_limit (bytes per device) or memory_headroom (a fraction of device "
+                         "memory), not both")
+    if not isinstance(memory_limit, (int, float)) or not memory_limit > 0:
+        raise ValueError(f"memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
+    return float(memory_limit)
+
+
 @contextlib.contextmanager
 def _stage(name: str, timings: dict[str, float], progress: bool) -> Iterator[None]:
     start = time.perf_counter()
@@ -69,7 +81,8 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
 
     ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` is the step;
     with ``loss_fn=None`` the model's output must be the scalar loss. ``memory_limit`` is
-    bytes per device (None: the hardware's memory). ``constraints`` is a
+    bytes per device; by default it is the device memory less ``memory_headroom`` (a
+    fraction; None: the hardware profile's, 10%). ``constraints`` is a
     ``torch.distributed.tensor.parallel`` plan dict pinned on mesh axis ``constraint_axis``.
     Nothing runs on devices; a meta-device model is planned without allocating weights.
     """
@@ -104,8 +117,8 @@ class PreparedStep:
 def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
                  example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
-                 precision: str | None = None, constraints: dict[str, object] | None = None,
-                 constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False,
+                 memory_headroom: float | None = None, precision: str | None = None,
+                 constraints: dict[str, object] | None = None, constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False,
                  data_axes: tuple[str, ...] = (), input_sharded: bool = False) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
@@ -115,7 +128,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     """
     mesh = _as_mesh(mesh)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
-    limit = float(mesh.hardware.memory_bytes) if memory_limit is None else float(memory_limit)
+    limit = _memory_limit(mesh, memory_limit, memory_headroom)
     ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
@@ -165,6 +178,7 @@ def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     """The plan a solution gives (deterministic: every rank builds the same one from it)."""
     graph, folding = prepared.graph, prepared.folding
-    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned)
+    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
+                        memory_limit=prepared.memory_limit)
     chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
     return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)

@@ -94,7 +94,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
             data_axes: tuple[str, ...] = (), input_sharded: bool = False, init_fn: InitFn | None = None,
             init_seed: int = 0,
-            hardware: str | None = None, memory_limit: float | None = None,
+            hardware: str | None = None, memory_limit: float | None = None, memory_headroom: float | None = None,
             precision: str | None = None) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
@@ -103,6 +103,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     ``labels=``); the module is then called the same way: ``pm(*inputs, *targets, **kwargs)``.
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
+    ``memory_limit`` (bytes per device) and ``memory_headroom`` (fraction of device memory
+    left free; default the hardware profile's) as in :func:`autopar.plan`.
     A model on the meta device is initialized module by module (``reset_parameters`` or
     ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
 
@@ -131,7 +133,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
         model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
         example_targets=example_targets, train=train, constraints=constraints, constraint_axis=constraint_axis,
-        data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit, precision=precision))
+        data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
+        memory_headroom=memory_headroom, precision=precision))
     _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
     start = time.perf_counter()
     solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))

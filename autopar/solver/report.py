@@ -26,6 +26,7 @@ class Plan(Protocol):
     predicted: Any
     fallbacks: list[str]
     pinned: dict[str, str]
+    memory_limit_bytes: float | None
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -95,8 +96,10 @@ def render(plan: Plan) -> Group:
     summary.add_row("step", ("training" if plan.train else "forward only") + f", {plan.precision}")
     summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
                     f"communication {fmt_time(pred.comm_time_s)})")
+    limit = f", limit {fmt_bytes(plan.memory_limit_bytes)}" if plan.memory_limit_bytes is not None else ""
     summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  (parameters+state "
-                    f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)})")
+                    f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)}"
+                    f"{limit})")
     summary.add_row("communication", ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in pred.comm_bytes.items())
                     + " per device per step")
     if plan.pinned:
