@@ -25,6 +25,7 @@ from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins
 from autopar.solver.graph import PlanGraph, build_plan_graph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import Solution, solve
+from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.plan import Plan, build_plan
 
 
@@ -178,7 +179,10 @@ def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     """The plan a solution gives (deterministic: every rank builds the same one from it)."""
     graph, folding = prepared.graph, prepared.folding
-    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
-                        memory_limit=prepared.memory_limit)
     chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
+    captured = prepared.captured
+    notes = unsplit_batch_notes(graph, chosen, prepared.ctx.mesh, dict(zip(captured.user_inputs,
+                                                                           captured.signature.labels)))
+    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
+                        memory_limit=prepared.memory_limit, notes=notes)
     return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)

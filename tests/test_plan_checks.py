@@ -48,3 +48,37 @@ def test_bad_memory_limits_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
                      loss_fn=lambda out: out.sum(), **kwargs)
+
+
+class _Output:
+    """What a Hugging Face model returns when called without labels: logits, ``loss=None``."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits, self.loss = logits, None
+
+
+class _NoLabels(nn.Linear):
+    def forward(self, x: torch.Tensor) -> _Output:  # type: ignore[override]
+        return _Output(super().forward(x))
+
+
+@pytest.mark.parametrize("model,message", [
+    (nn.Linear(8, 8), r"returned a torch.float32 tensor of shape \(4, 8\); pass loss_fn"),
+    (_NoLabels(8, 8), r"returned _Output whose .loss is None \(a Hugging Face model computes it only when "
+                      r"called with labels=...\)"),
+], ids=["logits", "hf-output-without-labels"])
+def test_a_model_output_that_is_not_a_loss_is_described(model: nn.Module, message: str) -> None:
+    with pytest.raises(autopar.CaptureError, match=message) as info:
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
+    assert "FakeTensor" not in str(info.value)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("model", (torch.randn(4, 8),)), r"the model must be a torch.nn.Module, got 'model' \(str\)"),
+    ((nn.Linear(8, 8), torch.randn(4, 8)), r"example_inputs must be a tuple \(write \(x,\) for one tensor\), "
+                                           r"got a torch.float32 tensor of shape \(4, 8\)"),
+    ((nn.Linear(8, 8), ([torch.randn(4, 8), object()],)), r"example_inputs\[0\]\[1\] is object"),
+], ids=["model-is-a-string", "bare-tensor-inputs", "object-inside-a-list"])
+def test_wrong_argument_types_are_named_before_tracing(args: tuple, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        autopar.plan(args[0], autopar.Mesh({"dp": 2}, "cpu"), args[1], loss_fn=lambda out: out.sum())

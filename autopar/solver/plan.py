@@ -82,6 +82,8 @@ class Plan:
     """Module pattern -> style for plans priced with constraints."""
     memory_limit_bytes: float | None = None
     """Per-device memory the plan had to fit in (device memory less headroom, or as given)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know the plan did not do, e.g. inputs whose batch could not be split."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -113,7 +115,8 @@ def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCont
 
 
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
-               timings: dict[str, float], pinned: dict[str, str], *, memory_limit: float | None = None) -> Plan:
+               timings: dict[str, float], pinned: dict[str, str], *, memory_limit: float | None = None,
+               notes: list[str] | None = None) -> Plan:
     mesh = ctx.mesh
     chosen: dict[str, Strategy] = {
         n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
@@ -188,5 +191,5 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
                 nodes=nodes, collectives=collectives, predicted=predicted, fallbacks=fallbacks,
                 grad_buckets=buckets, solver=solver,
-                timings=timings, pinned=pinned, memory_limit_bytes=memory_limit)
+                timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []))
 

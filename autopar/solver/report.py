@@ -27,6 +27,7 @@ class Plan(Protocol):
     fallbacks: list[str]
     pinned: dict[str, str]
     memory_limit_bytes: float | None
+    notes: list[str]
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -105,6 +106,8 @@ def render(plan: Plan) -> Group:
     if plan.pinned:
         summary.add_row("pinned", ", ".join(f"{k}: {v}" for k, v in plan.pinned.items()))
     summary.add_row("fallbacks", ", ".join(plan.fallbacks) + " (replicated: no rule)" if plan.fallbacks else "none")
+    if plan.notes:
+        summary.add_row("notes", "\n".join(plan.notes))
     layers = Table(title="placements by layer (one placement per mesh axis: R replicate, S(d) shard dim d, "
                    "S(d/k) strided: each of k blocks of dim d sharded, P partial sum)", show_lines=True)
     layers.add_column("layer", style="cyan", no_wrap=True)
