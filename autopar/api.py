@@ -24,7 +24,8 @@ from torch.distributed.tensor import Replicate
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan
 from autopar.solver.graph import PlanGraph, build_plan_graph
 from autopar.solver.strided import add_strided_strategies
-from autopar.solver.ilp import Solution, solve
+from autopar.solver.ilp import MemoryLimitError, Solution, solve
+from autopar.units import fmt_bytes
 from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.plan import Plan, build_plan
 
@@ -111,6 +112,8 @@ class PreparedStep:
     ctx: CostContext
     memory_limit: float
     """Bytes per device the plan must fit in."""
+    memory_limit_origin: str
+    """Where the limit comes from, for a memory-limit error ("" when the user gave it)."""
     timings: dict[str, float]
     pinned: dict[str, str]
 
@@ -130,6 +133,11 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     mesh = _as_mesh(mesh)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
     limit = _memory_limit(mesh, memory_limit, memory_headroom)
+    hw = mesh.hardware
+    origin = "" if memory_limit is not None else (
+        f"the {hw.name}'s {fmt_bytes(hw.memory_bytes)} less a headroom of "
+        f"{hw.memory_headroom if memory_headroom is None else memory_headroom:.0%}: memory_headroom= or "
+        "--memory-headroom changes it")
     ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
@@ -167,13 +175,18 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                 for name, pin in input_pins.items():
                     node_pins[name] = (node_pins.get(name), axis_name, pin)
         folding = fold_repeated_blocks(graph, node_pins)
-    return PreparedStep(captured, graph, folding, ctx, limit, timings, pinned)
+    return PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned)
 
 
 def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
     """The ILP: the cheapest strategy per representative node within the memory limit."""
     with _stage("solve", prepared.timings, progress):
-        return solve(prepared.graph, prepared.folding, prepared.ctx, prepared.memory_limit)
+        try:
+            return solve(prepared.graph, prepared.folding, prepared.ctx, prepared.memory_limit)
+        except MemoryLimitError as exc:
+            if not prepared.memory_limit_origin:
+                raise
+            raise MemoryLimitError(f"{exc} (the limit is {prepared.memory_limit_origin})") from exc
 
 
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:

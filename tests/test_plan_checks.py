@@ -31,7 +31,7 @@ def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count()
     prepared = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, **step)
     leanest = solve(prepared.graph, prepared.folding, prepared.ctx, None, minimize_memory=True).memory_bytes
     tight = dataclasses.replace(PROFILES["cpu"], memory_bytes=int(leanest / 0.95))
-    with pytest.raises(autopar.MemoryLimitError):
+    with pytest.raises(autopar.MemoryLimitError, match=r"\(the limit is the cpu's .* less a headroom of 10%"):
         autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, **step)
     fits = autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, memory_headroom=0.0, **step)
     assert fits.predicted.peak_memory_bytes <= tight.memory_bytes
