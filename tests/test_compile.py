@@ -3,6 +3,7 @@ keyword inputs by name, and clear errors when a call does not match the compiled
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -15,37 +16,44 @@ from autopar.runtime.forked import run_ranks
 from examples import gpt, hf_models
 
 
-def _hf_llama() -> tuple[torch.nn.Module, torch.Tensor]:
-    model, (ids,), _, _, _ = hf_models.build_llama()
+HF_CASES = {"llama": (hf_models.build_llama, (2, 2), ("dp", "tp")), "gpt2": (hf_models.build_gpt2, (2,), ("dp",))}
+
+
+def _hf(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    model, (ids,), _, _, _ = HF_CASES[name][0]()
     model.eval()  # dropout off: masks cannot match across layouts
     return model, ids
 
 
-def _hf_labels_rank(rank: int, world: int) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model, ids = _hf_llama()
+def _hf_labels_rank(rank: int, world: int, name: str) -> dict[str, Any]:
+    _, shape, names = HF_CASES[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model, ids = _hf(name)
     pm = autopar.compile(model, mesh, (ids,), example_kwargs={"labels": ids})
     loss = pm(ids, labels=ids)
     loss.backward()
     grads = {k: DTensor.from_local(p.grad, mesh, pm.state_dict()[k].placements, run_check=False).full_tensor().tolist()
              for k, p in pm.named_parameters()}
     errors = {}
-    for name, call in {"missing": lambda: pm(ids), "unexpected": lambda: pm(ids, labels=ids, mask=ids),
+    for case, call in {"missing": lambda: pm(ids), "unexpected": lambda: pm(ids, labels=ids, mask=ids),
                        "positional": lambda: pm(ids, ids, labels=ids), "none": lambda: pm(labels=ids)}.items():
         with pytest.raises(TypeError) as info:
             call()
-        errors[name] = str(info.value)
+        errors[case] = str(info.value)
     return {"loss": loss.full_tensor().item(), "grads": grads, "names": [k for k, _ in pm.named_parameters()],
             "errors": errors}
 
 
-def test_hf_model_called_with_labels_compiles_under_its_own_names() -> None:
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_hf_model_called_with_labels_compiles_under_its_own_names(name: str) -> None:
     """``compile(..., example_kwargs={"labels": ids})`` with ``loss_fn=None``, called as
-    ``pm(ids, labels=ids)``: HF's parameter names, HF's loss and every gradient."""
-    model, ids = _hf_llama()
+    ``pm(ids, labels=ids)``: HF's parameter names, HF's loss and every gradient (GPT-2's
+    ``lm_head`` tied to ``wte``)."""
+    model, ids = _hf(name)
     ref = model(ids, labels=ids).loss
     ref.backward()
-    for r in run_ranks(_hf_labels_rank, 4):
+    world = math.prod(HF_CASES[name][1])
+    for r in run_ranks(_hf_labels_rank, world, name):
         assert r["names"] == [k for k, _ in model.named_parameters()]
         assert r["loss"] == pytest.approx(ref.item(), rel=1e-5)
         for k, p in model.named_parameters():
@@ -106,3 +114,23 @@ def _ranks_pass_other_limits(rank: int, world: int) -> str:
 def test_planning_errors_reach_every_rank(scenario: Any) -> None:
     messages = run_ranks(scenario, 2)
     assert len(set(messages)) == 1  # every rank raised, the same error
+
+
+def test_a_call_binds_to_the_captured_leaves_and_keeps_non_tensor_inputs_fixed() -> None:
+    """The compiled step was specialized on non-tensor inputs: another value is an error, not ignored."""
+    from autopar.capture.step import StepSignature
+
+    x, y, mask = torch.randn(2, 4), torch.randn(2, 4), torch.ones(2, 4)
+    sig = StepSignature.of((x, 3), {"mask": mask, "scale": None, "pair": (x, 2)}, (y,))
+    assert sig.labels == ("input 0", "input 1", "keyword input 'mask'", "keyword input 'scale'",
+                          "keyword input 'pair'[0]", "keyword input 'pair'[1]", "target 0")
+    leaves = sig.bind((x, 3, y), {"pair": (x, 2), "scale": None, "mask": mask})
+    assert [v is w for v, w in zip(leaves, [x, 3, mask, None, x, 2, y])] == [True] * 7
+    with pytest.raises(ValueError, match=r"input 1 was 3 at compile time and is 4 \(int\) now"):
+        sig.bind((x, 4, y), {"mask": mask, "scale": None, "pair": (x, 2)})
+    with pytest.raises(ValueError, match=r"keyword input 'pair'\[1\] was 2"):
+        sig.bind((x, 3, y), {"mask": mask, "scale": None, "pair": (x, 5)})
+    with pytest.raises(TypeError, match="keyword input 'mask' must be a tensor"):
+        sig.bind((x, 3, y), {"mask": None, "scale": None, "pair": (x, 2)})
+    with pytest.raises(TypeError, match="nested differently"):
+        sig.bind((x, 3, y), {"mask": mask, "scale": None, "pair": (x,)})
