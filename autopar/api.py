@@ -19,14 +19,16 @@ from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.model import CostContext
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
-from autopar.solver.blocks import fold_repeated_blocks
+from autopar.solver.blocks import Folding, fold_repeated_blocks
 from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan
 from autopar.solver.graph import PlanGraph, build_plan_graph
 from autopar.solver.strided import add_strided_strategies
-from autopar.solver.ilp import solve
+from autopar.solver.ilp import MemoryLimitError, Solution, solve
+from autopar.units import fmt_bytes
+from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.plan import Plan, build_plan
 from autopar.solver.report import solver_note
 
@@ -41,6 +43,18 @@ def _as_mesh(mesh: Any) -> Mesh:
     if isinstance(mesh, DeviceMesh):
         return Mesh.from_device_mesh(mesh)
     raise TypeError(f"mesh must be an autopar.Mesh, a dict of axis sizes or a DeviceMesh, got {type(mesh).__name__}")
+
+
+def _memory_limit(mesh: Mesh, memory_limit: float | None, memory_headroom: float | None) -> float:
+    """Bytes per device the plan must fit in: given, or the device's memory less headroom."""
+    if memory_limit is None:
+        return mesh.hardware.memory_limit(memory_headroom)
+    if memory_headroom is not None:
+        raise ValueError("pass memory_limit (bytes per device) or memory_headroom (a fraction of device "
+                         "memory), not both")
+    if not isinstance(memory_limit, (int, float)) or not memory_limit > 0:
+        raise ValueError(f"memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
+    return float(memory_limit)
 
 
 @contextlib.contextmanager
@@ -72,7 +86,8 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
 
     ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` is the step;
     with ``loss_fn=None`` the model's output must be the scalar loss. ``memory_limit`` is
-    bytes per device (None: the hardware's memory). ``constraints`` is a
+    bytes per device; by default it is the device memory less ``memory_headroom`` (a
+    fraction; None: the hardware profile's, 10%). ``constraints`` is a
     ``torch.distributed.tensor.parallel`` plan dict pinned on mesh axis ``constraint_axis``.
     Nothing runs on devices; a meta-device model is planned without allocating weights.
     """
@@ -80,13 +95,43 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
 
 
 def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
-         loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
-         example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
-         precision: str | None = None, constraints: dict[str, object] | None = None,
-         constraint_axis: str = "tp", rules: RuleSet = DEFAULT_RULES, progress: bool = False,
-         data_axes: tuple[str, ...] = (), input_sharded: bool = False,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0) -> PlannedStep:
+              progress: bool = False, **kwargs: Any) -> PlannedStep:
     """``plan`` keeping the captured graph and chosen strategies (what execution needs).
+
+    Arguments as :func:`prepare_step`; ``progress`` shows the stage on stderr.
+    """
+    prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
+    return finish_step(prepared, solve_step(prepared, progress=progress))
+
+
+@dataclass
+class PreparedStep:
+    """Everything before the ILP: the captured step, its strategies (pins applied) and the
+    folding of repeated blocks. Every rank of ``compile`` builds one; one rank solves it."""
+
+    captured: CapturedGraph
+    graph: PlanGraph
+    folding: Folding
+    ctx: CostContext
+    memory_limit: float
+    """Bytes per device the plan must fit in."""
+    memory_limit_origin: str
+    """Where the limit comes from, for a memory-limit error ("" when the user gave it)."""
+    timings: dict[str, float]
+    pinned: dict[str, str]
+    solver_time_limit_s: float = 120.0
+    """Seconds HiGHS may search; a plan found by then is returned and says it is not proven optimal."""
+
+
+def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
+                 loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
+                 example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
+                 memory_headroom: float | None = None, precision: str | None = None,
+                 constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
+                 rules: RuleSet = DEFAULT_RULES, progress: bool = False,
+                 data_axes: tuple[str, ...] = (), input_sharded: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0) -> PreparedStep:
+    """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
     every user input split along its first (batch) dim. ``input_sharded`` also pins the
@@ -94,13 +139,18 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     """
     mesh = _as_mesh(mesh)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
-    limit = float(mesh.hardware.memory_bytes) if memory_limit is None else float(memory_limit)
+    limit = _memory_limit(mesh, memory_limit, memory_headroom)
+    hw = mesh.hardware
+    origin = "" if memory_limit is not None else (
+        f"the {hw.name}'s {fmt_bytes(hw.memory_bytes)} less a headroom of "
+        f"{hw.memory_headroom if memory_headroom is None else memory_headroom:.0%}: memory_headroom= or "
+        "--memory-headroom changes it")
     ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded,
                       bucket_bytes=bucket_bytes)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
-        captured = capture(model, tuple(example_inputs), loss_fn=loss_fn, example_kwargs=example_kwargs,
-                           example_targets=tuple(example_targets), train=train)
+        captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+                           example_targets=example_targets, train=train)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)
@@ -133,10 +183,30 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
                 for name, pin in input_pins.items():
                     node_pins[name] = (node_pins.get(name), axis_name, pin)
         folding = fold_repeated_blocks(graph, node_pins)
-    with _stage("solve", timings, progress):
-        solution = solve(graph, folding, ctx, limit, time_limit_s=solver_time_limit_s)
-    result = build_plan(graph, folding, solution, ctx, timings, pinned)
-    if solution.status != "optimal":
-        warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=2)
+    return PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s)
+
+
+def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
+    """The ILP: the cheapest strategy per representative node within the memory limit."""
+    with _stage("solve", prepared.timings, progress):
+        try:
+            return solve(prepared.graph, prepared.folding, prepared.ctx, prepared.memory_limit,
+                         time_limit_s=prepared.solver_time_limit_s)
+        except MemoryLimitError as exc:
+            if not prepared.memory_limit_origin:
+                raise
+            raise MemoryLimitError(f"{exc} (the limit is {prepared.memory_limit_origin})") from exc
+
+
+def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
+    """The plan a solution gives (deterministic: every rank builds the same one from it)."""
+    graph, folding = prepared.graph, prepared.folding
     chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
-    return PlannedStep(result, captured, graph, chosen, ctx)
+    captured = prepared.captured
+    notes = unsplit_batch_notes(graph, chosen, prepared.ctx.mesh, dict(zip(captured.user_inputs,
+                                                                           captured.signature.labels)))
+    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
+                        memory_limit=prepared.memory_limit, notes=notes)
+    if solution.status != "optimal":
+        warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()
+    return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)

@@ -4,6 +4,14 @@ Every figure names its public source. Bandwidths are per device and per directio
 in bytes/s; latencies in seconds. ``*_efficiency`` factors scale peaks to what
 well-tuned kernels and collectives reach in practice (MFU of large matmuls,
 bus bandwidth of NCCL rings), so predicted step times are achievable, not peak.
+
+A plan's default memory limit is the device memory less ``memory_headroom`` (10%):
+the plan counts parameters, optimizer state and activations, not the CUDA context,
+library workspaces (cuBLAS, NCCL buffers) or the caching allocator's fragmentation, so
+a plan filling the whole device does not run. 10% is what vLLM leaves by default
+(``--gpu-memory-utilization`` 0.9, https://docs.vllm.ai/en/latest/models/engine_args.html);
+PyTorch documents that free memory is less than capacity
+(https://pytorch.org/docs/stable/generated/torch.cuda.set_per_process_memory_fraction.html).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ class HardwareProfile:
     memory_bandwidth: float
     """Device memory bandwidth, bytes/s."""
     memory_bytes: int
-    """Device memory size, bytes: the default per-device memory limit."""
+    """Device memory size, bytes (the default per-device limit is this less ``memory_headroom``)."""
     intra_node_bandwidth: float
     """Per-direction bandwidth between devices of one node (NVLink), bytes/s."""
     intra_node_latency: float
@@ -45,9 +53,20 @@ class HardwareProfile:
     """Fraction of link bandwidth that ring collectives reach (bus bandwidth)."""
     default_precision: str = "bf16"
     """Precision a plan uses unless told otherwise: 'bf16' (mixed) or 'fp32'."""
+    memory_headroom: float = 0.1
+    """Fraction of ``memory_bytes`` the default memory limit leaves free for what a plan does
+    not count (CUDA context, library workspaces, allocator fragmentation); see the module
+    docstring for the source of 10%."""
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_bf16 if precision == "bf16" else self.peak_flops_fp32
+
+    def memory_limit(self, headroom: float | None = None) -> float:
+        """Bytes a plan may use per device: ``memory_bytes`` less ``headroom`` (default: the profile's)."""
+        headroom = self.memory_headroom if headroom is None else headroom
+        if not 0 <= headroom < 1:
+            raise ValueError(f"memory headroom is a fraction of device memory in [0, 1), got {headroom!r}")
+        return self.memory_bytes * (1 - headroom)
 
 
 PROFILES: dict[str, HardwareProfile] = {

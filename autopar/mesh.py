@@ -99,7 +99,10 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     axes: dict[str, int] = {}
     for part in spec.split(","):
         name, sep, size = part.strip().partition("=")
+        name = name.strip()
         if not sep or not name or not size.strip().isdigit():
             raise ValueError(f"bad mesh spec {spec!r}: expected name=size[,name=size...]")
-        axes[name.strip()] = int(size)
+        if name in axes:
+            raise ValueError(f"bad mesh spec {spec!r}: axis {name!r} is named twice")
+        axes[name] = int(size)
     return axes

@@ -27,7 +27,7 @@ import autopar
 from autopar.api import plan_step
 from autopar.capture import CaptureError, capture
 from autopar.capture.export import _to_captured
-from autopar.capture.step import TrainStep
+from autopar.capture.step import StepSignature, TrainStep
 from autopar.cost import get_precision
 from autopar.cost.model import CostContext
 from autopar.hardware import PROFILES
@@ -247,4 +247,4 @@ def test_capture_keeps_running_stat_updates_in_the_graph() -> None:
     step = TrainStep(module, loss_fn, 1, (), True)
     functional = torch.export.export(step, (*inputs, *targets), strict=False).run_decompositions()
     with pytest.raises(CaptureError, match="BUFFER_MUTATION"):
-        _to_captured(functional, True, 0.0)
+        _to_captured(functional, True, 0.0, StepSignature.of(tuple(inputs), {}, tuple(targets)))

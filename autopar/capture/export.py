@@ -14,7 +14,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.capture.graph import CapturedGraph
-from autopar.capture.step import CaptureError, TrainStep
+from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
 
 # Frames from these packages are the tracer, not the user's model.
 _LIBRARY_DIRS = tuple(
@@ -43,9 +43,13 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     """Export ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)``.
 
     Works on meta-device models: export fakifies parameters, so no weight memory is
-    touched. Raises CaptureError naming the source line that could not be traced.
+    touched. Raises TypeError for arguments of the wrong kind and CaptureError naming the
+    source line that could not be traced.
     """
+    check_step_arguments(model, example_inputs, loss_fn, {} if example_kwargs is None else example_kwargs,
+                         example_targets)
     kwargs = dict(example_kwargs or {})
+    signature = StepSignature.of(example_inputs, kwargs, example_targets)
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
     flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
@@ -62,7 +66,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         at = f"\n  at {where}" if where else ""
         raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}") from exc
     seconds = time.perf_counter() - start
-    return _to_captured(program, train, seconds)
+    return _to_captured(program, train, seconds, signature)
 
 
 def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -82,7 +86,7 @@ def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> CapturedGraph:
+def _to_captured(program: ExportedProgram, train: bool, seconds: float, signature: StepSignature) -> CapturedGraph:
     # The training IR keeps in-place updates (batch norm's running statistics) inside the
     # graph and returns the step's outputs only; later stages rely on that (the first
     # output is the loss, buffers are updated where they live). A functionalized program
@@ -118,7 +122,8 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float) -> Captu
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
     return CapturedGraph(gm=gm, parameters=parameters, buffers=buffers, user_inputs=user_inputs,
-                         train=train, capture_seconds=seconds, tied=tied, constants=constants)
+                         train=train, capture_seconds=seconds, tied=tied, constants=constants,
+                         signature=signature)
 
 
 def _merge_tied(program: ExportedProgram) -> dict[str, str]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from autopar.capture.step import StepSignature
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -56,6 +58,9 @@ class CapturedGraph:
     """Placeholder names of the step's inputs: model args, kwargs, then loss targets."""
     train: bool
     """True when the graph ends in the scalar loss and a backward pass will follow."""
+    signature: StepSignature
+    """How the step is called (positional inputs, keyword inputs, targets); one user-input
+    placeholder per leaf of its values, in order."""
     capture_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     tied: dict[str, str] = field(default_factory=dict)

@@ -1,30 +1,130 @@
-"""The training step that is captured: model forward plus loss, as one module."""
+"""The training step that is captured: model forward plus loss, as one module; the checks
+on what the user hands in, and the calling convention the compiled step keeps."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path
 
 
 class CaptureError(RuntimeError):
     """The model (or its loss) cannot be turned into a graph; the message names why and where."""
 
 
+_CONSTANT_TYPES = (bool, int, float, type(None))
+"""Non-tensor values export can take as inputs (specialized into the graph)."""
+
+
+def describe(value: Any) -> str:
+    """What a value is, for error messages: a tensor's dtype and shape, not 'FakeTensor'."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}" + (f" (first: {describe(value[0])})" if value else "")
+    if isinstance(value, dict):
+        return f"a {type(value).__name__} with keys {sorted(map(str, value))}"
+    return f"{value!r} ({type(value).__name__})" if isinstance(value, (str, *_CONSTANT_TYPES)) else type(value).__name__
+
+
+def check_step_arguments(model: Any, example_inputs: Any, loss_fn: Any, example_kwargs: Any,
+                         example_targets: Any) -> None:
+    """Types of what ``plan``/``compile`` receive, checked before tracing so that a wrong
+    builder return value is named instead of failing deep inside torch.export."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model must be a torch.nn.Module, got {describe(model)}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (or None when the model returns its loss), got {describe(loss_fn)}")
+    if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) for k in example_kwargs):
+        raise TypeError(f"example_kwargs must be a dict of keyword name -> value, got {describe(example_kwargs)}")
+    for what, values in (("example_inputs", example_inputs), ("example_targets", example_targets)):
+        if not isinstance(values, tuple):
+            raise TypeError(f"{what} must be a tuple (write (x,) for one tensor), got {describe(values)}")
+    for what, values in (("example_inputs", example_inputs), ("example_kwargs", example_kwargs),
+                         ("example_targets", example_targets)):
+        leaves, _ = tree_flatten_with_path(values)
+        for path, leaf in leaves:
+            if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
+                raise TypeError(f"{what}{keystr(path)} is {describe(leaf)}; inputs must be tensors (or tuples, "
+                                "lists or dicts of tensors, numbers, bools and None)")
+
+
 def loss_from_output(output: Any) -> torch.Tensor:
     """The scalar loss a model returned itself (a tensor, or an object with ``.loss``)."""
-    loss = getattr(output, "loss", output)
-    if isinstance(output, dict) and "loss" in output:
-        loss = output["loss"]
+    loss = output["loss"] if isinstance(output, dict) and "loss" in output else getattr(output, "loss", output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        kind = type(output).__name__
+        if loss is None and output is not None:
+            got = f"{type(output).__name__} whose .loss is None (a Hugging Face model computes it only when called with labels=...)"
+        elif loss is output:
+            got = describe(output)
+        else:
+            got = f"{type(output).__name__} whose .loss is {describe(loss)}"
         raise CaptureError(
             f"loss_fn=None needs the model to return the scalar loss (a one-element tensor or an "
-            f"object with .loss, as a Hugging Face model called with labels), but it returned {kind}; "
+            f"object with .loss, as a Hugging Face model called with labels), but it returned {got}; "
             "pass loss_fn=... or train=False")
     return loss.reshape(())
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSignature:
+    """How the captured step is called: ``model(*inputs, **kwargs)``, then ``loss_fn(out, *targets)``.
+
+    The compiled module takes the same values: ``pm(*inputs, *targets, **kwargs)``; its
+    program has one placeholder per leaf of ``(*inputs, *kwargs.values(), *targets)``.
+    """
+
+    num_inputs: int
+    """Positional inputs of the model."""
+    kwarg_names: tuple[str, ...]
+    """Keyword inputs of the model, in the order they were captured."""
+    num_targets: int
+    """Positional inputs of the loss after the model's output."""
+    spec: TreeSpec
+    """Structure of the flat values (nested tuples, lists and dicts of inputs)."""
+    labels: tuple[str, ...]
+    """Per leaf, how the user names it: "input 0", "keyword input 'labels'", "target 0[1]"."""
+    constants: dict[int, Any]
+    """Leaf index -> the non-tensor value captured (export specializes the graph on it)."""
+
+    @classmethod
+    def of(cls, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> "StepSignature":
+        names = [f"input {i}" for i in range(len(inputs))] + [f"keyword input {k!r}" for k in kwargs]
+        names += [f"target {i}" for i in range(len(targets))]
+        leaves, spec = tree_flatten_with_path((*inputs, *kwargs.values(), *targets))
+        labels = tuple(names[path[0].idx] + keystr(path[1:]) for path, _ in leaves)  # type: ignore[attr-defined]
+        return cls(num_inputs=len(inputs), kwarg_names=tuple(kwargs), num_targets=len(targets), spec=spec,
+                   labels=labels, constants={i: v for i, (_, v) in enumerate(leaves) if not isinstance(v, torch.Tensor)})
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """``pm(*inputs, *targets, **kwargs)``'s values as the leaves the step was captured with."""
+        expected = self.num_inputs + self.num_targets
+        if len(args) != expected:
+            raise TypeError(f"expected {expected} positional value{'s' if expected != 1 else ''} ({self.num_inputs} "
+                            f"model inputs, then {self.num_targets} loss targets), got {len(args)}")
+        missing = [n for n in self.kwarg_names if n not in kwargs]
+        unexpected = [n for n in kwargs if n not in self.kwarg_names]
+        if missing or unexpected:
+            problems = [f"missing keyword input {n!r}" for n in missing]
+            problems += [f"unexpected keyword input {n!r}" for n in unexpected]
+            raise TypeError(f"{'; '.join(problems)}: the step was compiled with keyword inputs "
+                            f"{list(self.kwarg_names)} (example_kwargs)")
+        flat = (*args[: self.num_inputs], *(kwargs[n] for n in self.kwarg_names), *args[self.num_inputs:])
+        leaves, spec = tree_flatten(flat)
+        if spec != self.spec:
+            raise TypeError(f"the inputs are nested differently from the compiled step's: {spec} vs {self.spec}")
+        for index, value in enumerate(leaves):
+            if index in self.constants:
+                if isinstance(value, torch.Tensor) or value != self.constants[index]:
+                    raise ValueError(f"{self.labels[index]} was {self.constants[index]!r} at compile time and is "
+                                     f"{describe(value)} now: non-tensor inputs are fixed when compiling")
+            elif not isinstance(value, torch.Tensor):
+                raise TypeError(f"{self.labels[index]} must be a tensor, as when compiled; got {describe(value)}")
+        return leaves
 
 
 class TrainStep(nn.Module):
@@ -53,5 +153,5 @@ class TrainStep(nn.Module):
             return loss_from_output(output)
         loss = self.loss_fn(output, *targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CaptureError(f"loss_fn must return a one-element tensor, got {type(loss).__name__}")
+            raise CaptureError(f"loss_fn must return a one-element tensor, got {describe(loss)}")
         return loss.reshape(())

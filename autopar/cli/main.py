@@ -6,40 +6,67 @@ import argparse
 import importlib.util
 import json
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from autopar.hardware import PROFILES
+
+EXIT_CODES = """exit status:
+  0  the plan was found (and printed)
+  2  the input cannot be planned: a bad command line, a builder file or function that
+     cannot be loaded, raises or returns the wrong things, a model torch.export cannot
+     capture, no plan within the memory limit, pinned placements that conflict
+  1  an internal error of autopar (a bug: the traceback is printed; please report it)"""
+
+
+class InputError(Exception):
+    """What the user handed in cannot be planned; the message says what and where (exit 2)."""
+
+
+def _user_traceback(exc: BaseException, skip: int) -> str:
+    """The traceback below the CLI's own ``skip`` frames (import machinery dropped)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)[skip:] if not f.filename.startswith("<frozen")]
+    return "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)).rstrip()
+
+
+def _run_user_code(what: str, fn: Callable[[], Any]) -> Any:
+    """Call the user's code; an exception in it becomes an InputError keeping its location."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - reported with the user's own traceback
+        raise InputError(f"{what} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, skip=2)}") from exc
 
 
 def load_builder(spec: str) -> Any:
     """Import ``path/to/file.py:function`` (or ``package.module:function``) and return the function."""
     target, sep, func = spec.rpartition(":")
     if not sep or not target or not func:
-        raise SystemExit(f"autopar: expected FILE.py:FUNCTION, got {spec!r}")
+        raise InputError(f"expected FILE.py:FUNCTION, got {spec!r}")
     if target.endswith(".py"):
         path = Path(target).resolve()
         if not path.exists():
-            raise SystemExit(f"autopar: no such file {target}")
+            raise InputError(f"no such file {target}")
         sys.path.insert(0, str(path.parent.parent))  # lets 'examples/x.py' import 'examples.y'
         sys.path.insert(0, str(path.parent))
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[path.stem] = module  # dataclasses look their module up while defining
-        module_spec.loader.exec_module(module)
+        _run_user_code(f"importing {target}", lambda: module_spec.loader.exec_module(module))  # type: ignore[union-attr]
     else:
-        module = importlib.import_module(target)
-    if not hasattr(module, func):
-        raise SystemExit(f"autopar: {target} has no function {func!r}")
+        module = _run_user_code(f"importing {target}", lambda: importlib.import_module(target))
+    if not callable(getattr(module, func, None)):
+        raise InputError(f"{target} has no function {func!r}")
     return getattr(module, func)
 
 
-def _unpack(built: Any) -> tuple[Any, tuple, Any, tuple]:
-    """build() returns (model, inputs[, loss_fn[, targets]])."""
+def _unpack(built: Any, spec: str) -> tuple[Any, tuple, Any, tuple]:
+    """build() returns (model, inputs[, loss_fn[, targets]]); one tensor stands for a 1-tuple."""
     if not isinstance(built, tuple) or not 2 <= len(built) <= 4:
-        raise SystemExit("autopar: build() must return (model, example_inputs[, loss_fn[, example_targets]])")
+        kind = f"a tuple of {len(built)}" if isinstance(built, tuple) else type(built).__name__
+        raise InputError(f"{spec} must return (model, example_inputs[, loss_fn[, example_targets]]), got {kind}")
     model, inputs = built[0], built[1]
     loss_fn = built[2] if len(built) > 2 else None
     targets = built[3] if len(built) > 3 else ()
@@ -53,12 +80,13 @@ def plan_command(args: argparse.Namespace) -> int:
     from autopar.mesh import Mesh, parse_mesh_spec
     from autopar.solver.report import render
 
-    model, inputs, loss_fn, targets = _unpack(load_builder(args.builder)())
-    mesh = Mesh(parse_mesh_spec(args.mesh), args.hardware, args.devices_per_node)
+    mesh = Mesh(parse_mesh_spec(args.mesh), args.hardware, args.devices_per_node)  # before running user code
+    builder = load_builder(args.builder)
+    model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, builder), args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                        train=not args.forward_only, memory_limit=memory_limit, precision=args.precision,
-                        progress=sys.stderr.isatty())
+                        train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
+                        precision=args.precision, progress=sys.stderr.isatty())
     from rich.console import Console
 
     Console(width=args.width).print(render(plan))
@@ -68,23 +96,57 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization of PyTorch models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="find and print the best DP/TP/SP plan for a model on a mesh")
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization of PyTorch models",
+                                  epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="find and print the best DP/TP/SP plan for a model on a mesh",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("builder", help="FILE.py:FUNCTION returning (model, example_inputs[, loss_fn[, example_targets]])")
-    p.add_argument("--mesh", required=True, help="axes outermost first, e.g. dp=2,tp=4")
+    p.add_argument("--mesh", required=True, help="axes outermost first, each named once, e.g. dp=2,tp=4")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
-    p.add_argument("--devices-per-node", type=int, default=8, help="devices sharing NVLink (default 8)")
-    p.add_argument("--memory-limit-gib", type=float, default=None, help="per-device limit (default: device memory)")
+    p.add_argument("--devices-per-node", type=_positive(int), default=8, help="devices sharing NVLink (default 8)")
+    limit = p.add_mutually_exclusive_group()
+    limit.add_argument("--memory-limit-gib", type=_positive(float), default=None,
+                       help="per-device limit in GiB (default: device memory less the headroom)")
+    limit.add_argument("--memory-headroom", type=_fraction, default=None, metavar="FRACTION",
+                       help="fraction of device memory left free by the default limit (default: the profile's, 0.1)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: the hardware's")
     p.add_argument("--forward-only", action="store_true", help="plan a forward-only step (no backward/optimizer)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)  # a bad command line exits with 2 (argparse's usage error)
+    from autopar.capture import CaptureError
+
     try:
         return plan_command(args)
-    except (ValueError, RuntimeError) as exc:  # CaptureError, MemoryLimitError, bad mesh: one clear line
+    except (InputError, CaptureError, ValueError, TypeError) as exc:  # bad mesh, types, memory limit: one message
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
 

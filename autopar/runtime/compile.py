@@ -1,8 +1,10 @@
-"""``autopar.compile``: plan on every rank, agree, build this rank's program and shards."""
+"""``autopar.compile``: plan once, agree on it everywhere, build this rank's program and shards."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -11,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.api import PlannedStep, plan_step
+from autopar.api import PlannedStep, PreparedStep, finish_step, prepare_step, solve_step
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
@@ -29,6 +31,20 @@ class CompileError(RuntimeError):
     """Raised on every rank when any rank failed to compile, or ranks disagree."""
 
 
+def _gather_errors(what: str, error: str) -> None:
+    """Raise on every rank if ``error`` is set on any (a collective: every rank must call it)."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if failed:
+        rank, message = failed[0]
+        raise CompileError(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}")
+
+
+def _describe_error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _on_every_rank(what: str, fn: Callable[[], T]) -> T:
     """Run ``fn`` on every rank; if it fails anywhere, raise on every rank (no rank hangs)."""
     result: Any = None
@@ -36,35 +52,76 @@ def _on_every_rank(what: str, fn: Callable[[], T]) -> T:
     try:
         result = fn()
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = f"{type(exc).__name__}: {exc}"
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e]
-    if failed:
-        rank, message = failed[0]
-        raise CompileError(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}")
+        error = _describe_error(exc)
+    _gather_errors(what, error)
     return result
 
 
+def _on_rank_zero(what: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank."""
+    box: list[Any] = [None, ""]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            box[1] = _describe_error(exc)
+    dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise CompileError(f"{what} failed on rank 0: {box[1]}")
+    return box[0]
+
+
+def _agree(what: str, fingerprint: str) -> None:
+    """Raise on every rank unless every rank computed the same ``fingerprint``."""
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, fingerprint)
+    if len(set(hashes)) != 1:
+        raise CompileError(f"ranks planned differently ({what}; hashes {dict(enumerate(hashes))}): pass the "
+                           "same model, inputs, mesh and options on every rank")
+
+
+def _step_fingerprint(prepared: PreparedStep) -> str:
+    """What rank 0's solution is applied to: every node with its shapes and number of
+    strategies left after pins, and the options that price them."""
+    graph, ctx = prepared.graph, prepared.ctx
+    items = [(n, graph.nodes[n].op, [m and list(m.shape) for m in graph.nodes[n].outputs],
+              len(graph.nodes[n].strategies)) for n in graph.order]
+    options = (ctx.mesh.to_json(), ctx.precision.name, ctx.train, ctx.inputs_whole, ctx.bucket_bytes,
+               prepared.memory_limit)
+    return hashlib.sha256(repr((items, options)).encode()).hexdigest()[:16]
+
+
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] = (), *,
-            loss_fn: Callable[..., torch.Tensor] | None = None, example_targets: tuple[Any, ...] = (),
+            loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
+            example_targets: tuple[Any, ...] = (),
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
             data_axes: tuple[str, ...] = (), input_sharded: bool = False, init_fn: InitFn | None = None,
             init_seed: int = 0, seed: int | None = None,
-            hardware: str | None = None, memory_limit: float | None = None,
-            precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule:
+            hardware: str | None = None, memory_limit: float | None = None, memory_headroom: float | None = None,
+            precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            solver_time_limit_s: float = 120.0) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
+    The step is ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` (with
+    ``loss_fn=None`` the model returns its loss, as a Hugging Face model called with
+    ``labels=``); the module is then called the same way: ``pm(*inputs, *targets, **kwargs)``.
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
+    ``memory_limit`` (bytes per device) and ``memory_headroom`` (fraction of device memory
+    left free; default the hardware profile's) as in :func:`autopar.plan`.
     A model on the meta device is initialized module by module (``reset_parameters`` or
     ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
     Random ops (dropout, ``rand_like``, ...) draw from one generator the module owns
     (``pm.generator``), seeded ``seed`` on every rank (None: rank 0's
     ``torch.initial_seed()``): each rank draws the global tensor and keeps its slice, so a
     step equals the single-device step drawing from a generator in that state.
-    Errors (mesh size != world size, a failure on any rank, ranks planning differently or
-    passing different seeds) are raised on every rank.
+
+    The plan is solved once: every rank captures the step and lists its strategies (its
+    program is generated from them), rank 0 alone solves the ILP and broadcasts the
+    solution, and every rank builds the plan from it; the ranks check that they captured
+    the same step and built plans with the same hash. Errors (mesh size != world size, a
+    failure on any rank, ranks planning differently or passing different seeds) are
+    raised on every rank.
     """
     if not dist.is_initialized():
         raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
@@ -85,19 +142,26 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         ways = math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in data_axes)  # type: ignore[union-attr]
         example_inputs = _global_batch(example_inputs, ways)
         example_targets = _global_batch(example_targets, ways)
-    step: PlannedStep = _on_every_rank("planning", lambda: plan_step(
-        model, planning_mesh, tuple(example_inputs), loss_fn=loss_fn, example_targets=tuple(example_targets),
-        train=train, constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
-        input_sharded=input_sharded, memory_limit=memory_limit, precision=precision, bucket_bytes=bucket_bytes))
-    hashes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, step.plan.plan_hash())
-    if len(set(hashes)) != 1:
-        raise CompileError("ranks planned differently (plan hashes "
-                           f"{dict(enumerate(hashes))}): pass the same model, inputs and mesh on every rank")
-    return _on_every_rank("building the rank's program", lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed))
+        example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
+    prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
+        model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+        example_targets=example_targets, train=train, constraints=constraints, constraint_axis=constraint_axis,
+        data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
+        memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
+        solver_time_limit_s=solver_time_limit_s))
+    _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
+    start = time.perf_counter()
+    solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))
+    prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
+    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
+    _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
+    return _on_every_rank("building the rank's program",
+                          lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed))
 
 
 def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
+    if not isinstance(values, tuple):
+        return values  # capture names the wrong type on every rank
     return tuple(torch.cat([v] * ways) if isinstance(v, torch.Tensor) else v for v in values)
 
 
@@ -142,4 +206,4 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded, frozen=frozen)
+                          input_sharded=input_sharded, frozen=frozen, signature=captured.signature)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from autopar.capture.step import StepSignature
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import local_shard
@@ -33,16 +34,18 @@ def _set_by_path(root: nn.Module, fqn: str, value: nn.Parameter | torch.Tensor, 
 class ParallelModule(nn.Module):
     """Runs the compiled step on this rank.
 
-    ``pm(*inputs, *targets)`` returns the loss as a replicated DTensor (training) or the
-    model's outputs as DTensors placed as planned (``train=False``). Parameters are this
-    rank's shards, registered under the original FQNs; ``state_dict()`` returns DTensors.
+    ``pm(*inputs, *targets, **kwargs)`` (the model's positional inputs, the loss targets, and
+    the model's keyword inputs by name, as compiled) returns the loss as a replicated DTensor
+    (training) or the model's outputs as DTensors placed as planned (``train=False``).
+    Parameters are this rank's shards, registered under the original FQNs; ``state_dict()``
+    returns DTensors.
     """
 
     def __init__(self, *, gm: torch.fx.GraphModule, plan: Plan, device_mesh: DeviceMesh, comm: Comm,
                  placeholders: list[tuple[str, str, str]], local: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], tied: dict[str, str],
                  output_placements: list[tuple[Placement, ...] | None], input_sharded: bool,
-                 frozen: frozenset[str] = frozenset()) -> None:
+                 frozen: frozenset[str], signature: StepSignature) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
@@ -53,6 +56,7 @@ class ParallelModule(nn.Module):
         self._placements = placements  # FQN -> placements
         self._tied = tied
         self._outputs = output_placements
+        self.signature = signature
         params_by_node: dict[str, nn.Parameter] = {}
         self._constants: dict[str, torch.Tensor] = {}
         for name, kind, fqn in placeholders:
@@ -78,16 +82,12 @@ class ParallelModule(nn.Module):
         self._comm.log = log
         self.grad_sync.log = log
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        user = iter(self.signature.bind(inputs, kwargs))  # one value per input placeholder, in order
         values: list[Any] = []
-        user = iter(inputs)
         for name, kind, fqn in self._placeholders:
             if kind == "input":
-                try:
-                    values.append(next(user))
-                except StopIteration:
-                    raise TypeError(f"expected {sum(k == 'input' for _, k, _ in self._placeholders)} inputs "
-                                    f"(model inputs, then loss targets), got {len(inputs)}") from None
+                values.append(next(user))
             elif kind == "constant":
                 values.append(self._constants[name])
             else:

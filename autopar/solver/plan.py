@@ -80,6 +80,10 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)
     pinned: dict[str, str] = field(default_factory=dict)
     """Module pattern -> style for plans priced with constraints."""
+    memory_limit_bytes: float | None = None
+    """Per-device memory the plan had to fit in (device memory less headroom, or as given)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know the plan did not do, e.g. inputs whose batch could not be split."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -123,7 +127,8 @@ def plan_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[
 
 
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
-               timings: dict[str, float], pinned: dict[str, str]) -> Plan:
+               timings: dict[str, float], pinned: dict[str, str], *, memory_limit: float | None = None,
+               notes: list[str] | None = None) -> Plan:
     mesh = ctx.mesh
     chosen: dict[str, Strategy] = {
         n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
@@ -192,5 +197,5 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
                 nodes=nodes, collectives=collectives, predicted=predicted, fallbacks=fallbacks,
                 grad_buckets=buckets, solver=solver,
-                timings=timings, pinned=pinned)
+                timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []))
 

@@ -27,6 +27,8 @@ class Plan(Protocol):
     fallbacks: list[str]
     pinned: dict[str, str]
     solver: dict[str, Any]
+    memory_limit_bytes: float | None
+    notes: list[str]
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -106,8 +108,10 @@ def render(plan: Plan) -> Group:
     summary.add_row("step", ("training" if plan.train else "forward only") + f", {plan.precision}")
     summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
                     f"communication {fmt_time(pred.comm_time_s)})")
+    limit = f", limit {fmt_bytes(plan.memory_limit_bytes)}" if plan.memory_limit_bytes is not None else ""
     summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  (parameters+state "
-                    f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)})")
+                    f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)}"
+                    f"{limit})")
     summary.add_row("communication", ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in pred.comm_bytes.items())
                     + " per device per step")
     if plan.pinned:
@@ -115,6 +119,8 @@ def render(plan: Plan) -> Group:
     summary.add_row("fallbacks", ", ".join(plan.fallbacks) + " (replicated: no rule)" if plan.fallbacks else "none")
     if plan.solver.get("status", "optimal") != "optimal":
         summary.add_row("solver", solver_note(plan.solver))
+    if plan.notes:
+        summary.add_row("notes", "\n".join(plan.notes))
     layers = Table(title="placements by layer (one placement per mesh axis: R replicate, S(d) shard dim d, "
                    "S(d/k) strided: each of k blocks of dim d sharded, P partial sum)", show_lines=True)
     layers.add_column("layer", style="cyan", no_wrap=True)

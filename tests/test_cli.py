@@ -1,0 +1,157 @@
+"""``autopar plan`` as a new user runs it: bad command lines, builders that return the wrong
+things or raise, outputs that are not a loss, batches that do not split; one exit code
+convention (0 planned, 2 input that cannot be planned, 1 internal error)."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.cli.main import main
+
+GOOD = """
+import torch
+from torch import nn
+
+def build(batch=4):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), (torch.randn(batch, 8),), loss
+
+
+def loss(out):
+    return out.pow(2).mean()
+
+
+def build_3():
+    return build(batch=3)
+"""
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of ``autopar ARGV`` run in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def builder(tmp_path: Path, body: str, name: str = "model_file") -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(GOOD + textwrap.dedent(body))
+    return path
+
+
+def test_a_good_builder_plans_with_exit_code_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu",
+                          "--width", "200"], capsys)
+    assert (code, err) == (0, "")
+    assert "limit 21.60 GiB" in out  # 24 GiB less the cpu profile's 10% headroom
+    code, out, _ = run(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu",
+                        "--memory-headroom", "0.5", "--width", "200"], capsys)
+    assert code == 0 and "limit 12.00 GiB" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--mesh", "dp=2,dp=4"], "axis 'dp' is named twice"),
+    (["--mesh", "dp=0"], "sizes must be positive"),
+    (["--mesh", "dp=two"], "bad mesh spec"),
+    (["--mesh", "dp=2", "--memory-limit-gib", "-1"], "must be positive, got -1"),
+    (["--mesh", "dp=2", "--memory-limit-gib", "0"], "must be positive, got 0"),
+    (["--mesh", "dp=2", "--memory-headroom", "1.5"], r"must be a fraction in \[0, 1\)"),
+    (["--mesh", "dp=2", "--memory-headroom", "0.1", "--memory-limit-gib", "4"], "not allowed with argument"),
+    (["--mesh", "dp=2", "--devices-per-node", "0"], "must be positive"),
+], ids=["duplicate-axis", "zero-axis", "bad-size", "negative-limit", "zero-limit", "headroom-above-1",
+        "limit-and-headroom", "zero-devices-per-node"])
+def test_bad_command_lines_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                  message: str) -> None:
+    code, out, err = run(["plan", f"{builder(tmp_path, '')}:build", *args], capsys)
+    assert code == 2 and out == ""
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("body,function,message", [
+    ("def f():\n    return ('model', (torch.randn(2, 8),))\n", "f",
+     r"the model must be a torch.nn.Module, got 'model' \(str\)"),
+    ("def f():\n    return nn.Linear(8, 8)\n", "f", r"must return \(model, example_inputs.*got Linear"),
+    ("def f():\n    return nn.Linear(8, 8), (torch.randn(2, 8),), torch.zeros(2, 8)\n", "f",
+     r"loss_fn must be callable .*got a torch.float32 tensor of shape \(2, 8\)"),
+    ("def f():\n    return nn.Linear(8, 8), ('tokens',), loss\n", "f",
+     r"example_inputs\[0\] is 'tokens' \(str\); inputs must be tensors"),
+    ("def f():\n    return nn.Linear(8, 8), (torch.randn(2, 8),)\n", "f",
+     r"returned a torch.float32 tensor of shape \(2, 8\); pass loss_fn"),
+    ("", "nothing", "has no function 'nothing'"),
+], ids=["model-is-a-string", "not-a-tuple", "targets-as-loss-fn", "string-input", "non-scalar-output",
+        "no-function"])
+def test_builders_returning_the_wrong_things_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       body: str, function: str, message: str) -> None:
+    code, out, err = run(["plan", f"{builder(tmp_path, body)}:{function}", "--mesh", "dp=2"], capsys)
+    assert code == 2 and out == ""
+    assert re.search(message, err), err
+    assert "FakeTensor" not in err and "Traceback" not in err
+
+
+def test_missing_file_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", "no/such/file.py:build", "--mesh", "dp=2"], capsys)
+    assert code == 2 and "no such file no/such/file.py" in err
+
+
+@pytest.mark.parametrize("where", ["builder", "import"])
+def test_an_exception_in_user_code_keeps_its_location(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      where: str) -> None:
+    body = ("def helper():\n    raise KeyError('no such layer')\n\n"
+            + ("def f():\n    return helper()\n" if where == "builder" else "helper()\n"))
+    path = builder(tmp_path, body)
+    line = GOOD.count("\n") + 2  # the raise, 1-based, after GOOD's lines
+    code, out, err = run(["plan", f"{path}:{'f' if where == 'builder' else 'build'}", "--mesh", "dp=2"], capsys)
+    assert code == 2 and out == ""
+    assert "raised KeyError: 'no such layer'" in err
+    assert f'File "{path}", line {line}, in helper' in err, err
+    assert "autopar/cli" not in err  # the user's frames only
+
+
+def test_a_batch_that_does_not_split_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "plan.json"
+    code, out, err = run(["plan", f"{builder(tmp_path, '')}:build_3", "--mesh", "dp=2", "--hardware", "cpu",
+                          "--json", str(out_json), "--width", "250"], capsys)
+    assert code == 0, err
+    note = "input 0 (shape [3, 8]): batch dim 0 cannot be split on dp=2 (3 does not divide by 2); placed R over dp"
+    assert note in out
+    assert json.loads(out_json.read_text())["notes"] == [note]
+
+
+def test_plans_of_batches_that_split_have_no_notes() -> None:
+    import torch
+
+    model = torch.nn.Linear(8, 8)
+    mesh = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
+    assert autopar.plan(model, mesh, (torch.randn(4, 8),), loss_fn=lambda o: o.sum()).notes == []
+    notes = autopar.plan(model, mesh, (torch.randn(6, 8),), loss_fn=lambda o: o.sum(), data_axes=("dp",)).notes
+    assert notes == ["input 0 (shape [6, 8]): batch dim 0 cannot be split on tp=2 (6 does not divide by 4: it "
+                     "is split 2 ways on other axes); placed S(0)R over dp x tp"], notes
+
+
+def test_an_internal_error_is_not_reported_as_bad_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 1 with the traceback (Python's own for an uncaught exception), not exit 2."""
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a bug in autopar")
+
+    monkeypatch.setattr(autopar, "plan", broken)
+    with pytest.raises(KeyError, match="a bug in autopar"):
+        main(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2"])
+
+
+def test_help_documents_the_exit_codes() -> None:
+    from autopar.cli.main import parser
+
+    text = parser().format_help()
+    for line in ("0  the plan was found", "2  the input cannot be planned", "1  an internal error"):
+        assert line in text
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "exit status" in readme.lower() and "`2`" in readme

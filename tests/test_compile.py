@@ -1,0 +1,136 @@
+"""``autopar.compile`` as a first-time user calls it: Hugging Face models with ``labels=``,
+keyword inputs by name, and clear errors when a call does not match the compiled step."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.runtime.forked import run_ranks
+from examples import gpt, hf_models
+
+
+HF_CASES = {"llama": (hf_models.build_llama, (2, 2), ("dp", "tp")), "gpt2": (hf_models.build_gpt2, (2,), ("dp",))}
+
+
+def _hf(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    model, (ids,), _, _, _ = HF_CASES[name][0]()
+    model.eval()  # dropout off: masks cannot match across layouts
+    return model, ids
+
+
+def _hf_labels_rank(rank: int, world: int, name: str) -> dict[str, Any]:
+    _, shape, names = HF_CASES[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model, ids = _hf(name)
+    pm = autopar.compile(model, mesh, (ids,), example_kwargs={"labels": ids})
+    loss = pm(ids, labels=ids)
+    loss.backward()
+    grads = {k: DTensor.from_local(p.grad, mesh, pm.state_dict()[k].placements, run_check=False).full_tensor().tolist()
+             for k, p in pm.named_parameters()}
+    errors = {}
+    for case, call in {"missing": lambda: pm(ids), "unexpected": lambda: pm(ids, labels=ids, mask=ids),
+                       "positional": lambda: pm(ids, ids, labels=ids), "none": lambda: pm(labels=ids)}.items():
+        with pytest.raises(TypeError) as info:
+            call()
+        errors[case] = str(info.value)
+    return {"loss": loss.full_tensor().item(), "grads": grads, "names": [k for k, _ in pm.named_parameters()],
+            "errors": errors}
+
+
+@pytest.mark.parametrize("name", list(HF_CASES))
+def test_hf_model_called_with_labels_compiles_under_its_own_names(name: str) -> None:
+    """``compile(..., example_kwargs={"labels": ids})`` with ``loss_fn=None``, called as
+    ``pm(ids, labels=ids)``: HF's parameter names, HF's loss and every gradient (GPT-2's
+    ``lm_head`` tied to ``wte``)."""
+    model, ids = _hf(name)
+    ref = model(ids, labels=ids).loss
+    ref.backward()
+    world = math.prod(HF_CASES[name][1])
+    for r in run_ranks(_hf_labels_rank, world, name):
+        assert r["names"] == [k for k, _ in model.named_parameters()]
+        assert r["loss"] == pytest.approx(ref.item(), rel=1e-5)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(torch.tensor(r["grads"][k]), p.grad, rtol=1e-4, atol=1e-5, msg=k)
+        errors = r["errors"]
+        assert "missing keyword input 'labels'" in errors["missing"]
+        assert "unexpected keyword input 'mask'" in errors["unexpected"] and "labels" in errors["unexpected"]
+        assert "1 positional value" in errors["positional"] and "got 2" in errors["positional"]
+        assert "got 0" in errors["none"]
+
+
+def _counting_solves_rank(rank: int, world: int) -> dict[str, Any]:
+    import autopar.api
+
+    calls = []
+    real = autopar.api.solve
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(rank)
+        return real(*args, **kwargs)
+
+    autopar.api.solve = counted  # this forked process only
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, inputs, loss_fn, targets = gpt.build()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    return {"solves": len(calls), "hash": pm.plan.plan_hash(), "loss": pm(*inputs, *targets).full_tensor().item()}
+
+
+def test_compile_solves_the_plan_on_rank_zero_only() -> None:
+    """Every rank captures and lists strategies; only rank 0 runs the ILP; all build its plan."""
+    model, inputs, loss_fn, targets = gpt.build()
+    expected = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                            example_targets=targets)
+    results = run_ranks(_counting_solves_rank, 4)
+    assert [r["solves"] for r in results] == [1, 0, 0, 0]
+    assert {r["hash"] for r in results} == {expected.plan_hash()}
+    assert [r["loss"] for r in results] == pytest.approx([loss_fn(model(*inputs), *targets).item()] * 4, rel=1e-5)
+
+
+def _rank_zero_solve_fails(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.CompileError, match="solving the plan failed on rank 0: MemoryLimitError") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=1024)
+    return str(info.value)
+
+
+def _ranks_pass_other_limits(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.CompileError, match="planned differently .*captured steps differ") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=2**30 + rank)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("scenario", [_rank_zero_solve_fails, _ranks_pass_other_limits],
+                         ids=["solver-error-on-rank-0", "ranks-disagree-before-solving"])
+def test_planning_errors_reach_every_rank(scenario: Any) -> None:
+    messages = run_ranks(scenario, 2)
+    assert len(set(messages)) == 1  # every rank raised, the same error
+
+
+def test_a_call_binds_to_the_captured_leaves_and_keeps_non_tensor_inputs_fixed() -> None:
+    """The compiled step was specialized on non-tensor inputs: another value is an error, not ignored."""
+    from autopar.capture.step import StepSignature
+
+    x, y, mask = torch.randn(2, 4), torch.randn(2, 4), torch.ones(2, 4)
+    sig = StepSignature.of((x, 3), {"mask": mask, "scale": None, "pair": (x, 2)}, (y,))
+    assert sig.labels == ("input 0", "input 1", "keyword input 'mask'", "keyword input 'scale'",
+                          "keyword input 'pair'[0]", "keyword input 'pair'[1]", "target 0")
+    leaves = sig.bind((x, 3, y), {"pair": (x, 2), "scale": None, "mask": mask})
+    assert [v is w for v, w in zip(leaves, [x, 3, mask, None, x, 2, y])] == [True] * 7
+    with pytest.raises(ValueError, match=r"input 1 was 3 at compile time and is 4 \(int\) now"):
+        sig.bind((x, 4, y), {"mask": mask, "scale": None, "pair": (x, 2)})
+    with pytest.raises(ValueError, match=r"keyword input 'pair'\[1\] was 2"):
+        sig.bind((x, 3, y), {"mask": mask, "scale": None, "pair": (x, 5)})
+    with pytest.raises(TypeError, match="keyword input 'mask' must be a tensor"):
+        sig.bind((x, 3, y), {"mask": None, "scale": None, "pair": (x, 2)})
+    with pytest.raises(TypeError, match="nested differently"):
+        sig.bind((x, 3, y), {"mask": mask, "scale": None, "pair": (x,)})

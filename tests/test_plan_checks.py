@@ -1,0 +1,84 @@
+"""What ``autopar.plan`` does with what a new user hands it: the default memory limit leaves
+headroom, wrong argument types and outputs are named, and splits it could not make are said."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.api import prepare_step
+from autopar.hardware import GiB, PROFILES
+from autopar.solver.ilp import solve
+from examples import gpt
+
+
+def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count() -> None:
+    model, inputs, loss_fn, targets = gpt.build()
+    step = dict(loss_fn=loss_fn, example_targets=targets)
+    h100 = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, **step)
+    assert h100.memory_limit_bytes == pytest.approx(0.9 * 80 * GiB)
+    assert "limit 72.00 GiB" in str(h100)
+    whole = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, memory_headroom=0.0, **step)
+    assert whole.memory_limit_bytes == 80 * GiB
+    given = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, memory_limit=3 * GiB, **step)
+    assert given.memory_limit_bytes == 3 * GiB
+
+    # A device whose whole memory just holds the leanest plan: by default the plan must not use it all.
+    prepared = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, **step)
+    leanest = solve(prepared.graph, prepared.folding, prepared.ctx, None, minimize_memory=True).memory_bytes
+    tight = dataclasses.replace(PROFILES["cpu"], memory_bytes=int(leanest / 0.95))
+    with pytest.raises(autopar.MemoryLimitError, match=r"\(the limit is the cpu's .* less a headroom of 10%"):
+        autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, **step)
+    fits = autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, memory_headroom=0.0, **step)
+    assert fits.predicted.peak_memory_bytes <= tight.memory_bytes
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"memory_limit": -1.0}, "memory_limit must be a positive number"),
+    ({"memory_limit": 0}, "memory_limit must be a positive number"),
+    ({"memory_headroom": 1.0}, r"headroom is a fraction of device memory in \[0, 1\)"),
+    ({"memory_headroom": -0.1}, r"headroom is a fraction"),
+    ({"memory_limit": GiB, "memory_headroom": 0.1}, "not both"),
+], ids=["negative-limit", "zero-limit", "headroom-1", "negative-headroom", "limit-and-headroom"])
+def test_bad_memory_limits_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
+                     loss_fn=lambda out: out.sum(), **kwargs)
+
+
+class _Output:
+    """What a Hugging Face model returns when called without labels: logits, ``loss=None``."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits, self.loss = logits, None
+
+
+class _NoLabels(nn.Linear):
+    def forward(self, x: torch.Tensor) -> _Output:  # type: ignore[override]
+        return _Output(super().forward(x))
+
+
+@pytest.mark.parametrize("model,message", [
+    (nn.Linear(8, 8), r"returned a torch.float32 tensor of shape \(4, 8\); pass loss_fn"),
+    (_NoLabels(8, 8), r"returned _Output whose .loss is None \(a Hugging Face model computes it only when "
+                      r"called with labels=...\)"),
+], ids=["logits", "hf-output-without-labels"])
+def test_a_model_output_that_is_not_a_loss_is_described(model: nn.Module, message: str) -> None:
+    with pytest.raises(autopar.CaptureError, match=message) as info:
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
+    assert "FakeTensor" not in str(info.value)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("model", (torch.randn(4, 8),)), r"the model must be a torch.nn.Module, got 'model' \(str\)"),
+    ((nn.Linear(8, 8), torch.randn(4, 8)), r"example_inputs must be a tuple \(write \(x,\) for one tensor\), "
+                                           r"got a torch.float32 tensor of shape \(4, 8\)"),
+    ((nn.Linear(8, 8), ([torch.randn(4, 8), object()],)), r"example_inputs\[0\]\[1\] is object"),
+], ids=["model-is-a-string", "bare-tensor-inputs", "object-inside-a-list"])
+def test_wrong_argument_types_are_named_before_tracing(args: tuple, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        autopar.plan(args[0], autopar.Mesh({"dp": 2}, "cpu"), args[1], loss_fn=lambda out: out.sum())
