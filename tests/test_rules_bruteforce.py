@@ -270,6 +270,50 @@ def attention_cases() -> list[OpCase]:
         case(cpu_flash, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), 0.0, True, tag="causal"),
         case(cpu_flash, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), attn_mask=f64(b, 1, s, s),
              tag="mask-b1ss"),
+        *attention_3d_cases(), *attention_mask_cases(),
+    ]
+
+
+def attention_3d_cases() -> list[OpCase]:
+    """(batch, seq, dim) inputs: the only leading dim is the batch; dim 1 is the sequence."""
+    sdpa = aten.scaled_dot_product_attention.default
+    b, s, d = 4, 8, 8
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return [
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), tag="3d"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), None, 0.0, True, tag="3d-causal"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), is_causal=True, tag="3d-causal-kw"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(s, s), tag="3d-mask-ss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(b, s, s), tag="3d-mask-bss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), bools(1, s, s) | causal, tag="3d-bool-mask-1ss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), attn_mask=f64(b, 1, s), tag="3d-mask-b1s-kw"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(s), tag="3d-mask-s"),
+        case(sdpa, f64(b, s, d), f64(b, 4, d), f64(b, 4, 2), f64(b, s, 4), tag="3d-cross"),
+        case(sdpa, f64(1, s, d), f64(b, s, d), f64(b, s, d), tag="3d-q-broadcast"),
+        case(sdpa, f64(2, 2, 2, s, d), f64(2, 2, 2, s, d), f64(2, 2, 2, s, d), f64(2, 1, s, s), tag="5d"),
+    ]
+
+
+def attention_mask_cases() -> list[OpCase]:
+    """4-D inputs with masks broadcast from every side, for both ops."""
+    sdpa = aten.scaled_dot_product_attention.default
+    cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    b, h, s, d = 4, 4, 8, 8
+    qkv = lambda: (f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d))  # noqa: E731
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return [
+        case(sdpa, *qkv(), f64(h, s, s), tag="mask-hss"),
+        case(sdpa, *qkv(), f64(b, h, 1, s), tag="mask-bh1s"),
+        case(sdpa, *qkv(), bools(1, 1, s, s) | causal, tag="bool-mask-11ss"),
+        case(sdpa, *qkv(), attn_mask=f64(b, 1, 1, s), is_causal=False, tag="mask-b11s-kw"),
+        case(sdpa, f64(b, 4, s, d), f64(b, 1, s, d), f64(b, 1, s, d), f64(b, 1, s, s), enable_gqa=True,
+             tag="mqa-mask"),
+        case(cpu_flash, *qkv(), is_causal=True, tag="causal-kw"),
+        case(cpu_flash, *qkv(), attn_mask=f64(1, h, s, s), tag="mask-1hss"),
+        case(cpu_flash, *qkv(), attn_mask=f64(s, s), tag="mask-ss"),
+        case(cpu_flash, *qkv(), attn_mask=f64(b, h, s, s), tag="mask-bhss"),
+        case(cpu_flash, *qkv(), 0.0, True, attn_mask=f64(b, 1, s, s), tag="causal-mask-b1ss"),
+        case(cpu_flash, *qkv(), attn_mask=f64(b, h, 1, s), tag="mask-bh1s"),
     ]
 
 
@@ -414,6 +458,10 @@ def nd_cases() -> list[OpCase]:
         case(aten.cross_entropy_loss.default, f64(8, 4), class_targets(4, 8), None, 1, tag="mean"),
         case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), None, 0.0, True, tag="causal"),
         case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), f64(b, 1, s, s), tag="mask-b1ss"),
+        case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), f64(h, s, s), tag="mask-hss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(b, s, s), tag="3d-mask-bss"),
+        case(aten._scaled_dot_product_flash_attention_for_cpu.default, f64(b, h, s, d), f64(b, h, s, d),
+             f64(b, h, s, d), attn_mask=f64(1, h, s, s), tag="mask-1hss"),
     ]
 
 
