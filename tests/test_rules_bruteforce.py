@@ -17,7 +17,7 @@ import pytest
 import torch
 from sharding_sim import OpCase, check_strategy, simulate, strategy_str
 
-from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, expand
+from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, Unhandled, expand
 from autopar.rules.strategy import P, R, S, Strategy, strided
 from autopar.solver.strided import EQUIVARIANT_FAMILIES, _twins
 
@@ -65,12 +65,17 @@ def _describe(value: Any) -> str:
     return ""
 
 
-def case(op: Any, *args: Any, tag: str = "", replicate_only: bool = False, **kwargs: Any) -> OpCase:
-    """An OpCase with a readable id: op name, tensor shapes, and a tag for the variant."""
+def case(op: Any, *args: Any, tag: str = "", replicate_only: bool = False, unhandled: bool = False,
+         **kwargs: Any) -> OpCase:
+    """An OpCase with a readable id: op name, tensor shapes, and a tag for the variant.
+
+    ``replicate_only``: the rule offers nothing to split (a factory). ``unhandled``: the rule
+    says it does not handle the call (``Unhandled``), so the plan lists it as a fallback."""
     name = op.__name__ if callable(op) and not hasattr(op, "_schema") else str(op).removeprefix("aten.")
     shapes = ",".join(s for s in map(_describe, (*args, *kwargs.values())) if s)
     c = OpCase(op, args, kwargs, label="-".join(p for p in (name, shapes, tag) if p))
-    c.replicate_only = replicate_only  # type: ignore[attr-defined]
+    c.replicate_only = replicate_only or unhandled  # type: ignore[attr-defined]
+    c.unhandled = unhandled  # type: ignore[attr-defined]
     return c
 
 
@@ -92,7 +97,11 @@ def matmul_cases() -> list[OpCase]:
         case(aten.linear.default, f64(4, 1, 8), f64(8, 8), tag="3d-size1"),
         case(aten.matmul.default, f64(4, 4, 8), f64(8, 4), tag="batched-matrix"),
         case(aten.matmul.default, f64(4, 4, 8), f64(4, 8, 4), tag="batched-batched"),
-        case(aten.matmul.default, f64(4, 8), f64(8), tag="vector", replicate_only=True),
+        case(aten.matmul.default, f64(4, 8), f64(8), tag="vector", unhandled=True),
+        case(aten.matmul.default, f64(4, 4, 8), f64(1, 8, 4), tag="broadcast-batch", unhandled=True),
+        case(aten.einsum.default, "...ij,...jk->...ik", [f64(4, 4, 8), f64(4, 8, 4)], tag="ellipsis",
+             unhandled=True),
+        case(aten.einsum.default, "ij,jk", [f64(4, 8), f64(8, 4)], tag="implicit-output", unhandled=True),
         case(aten.einsum.default, "bij,bjk->bik", [f64(4, 4, 8), f64(4, 8, 4)], tag="bmm"),
         case(aten.einsum.default, "ij,ij->i", [f64(4, 8), f64(4, 8)], tag="rowdot"),
         case(aten.einsum.default, "bii->bi", [f64(4, 8, 8)], tag="diagonal"),
@@ -233,6 +242,7 @@ def view_cases() -> list[OpCase]:
         case(aten.stack.default, [f64(4, 8), f64(4, 8)], tag="dim0"),
         case(aten.stack.default, [f64(4, 8), f64(4, 8)], -1, tag="last"),
         case(aten.cat.default, [f64(4, 8), f64(4, 4)], -1, tag="last"),
+        case(aten.cat.default, [f64(0), f64(4, 8)], 1, tag="legacy-empty", unhandled=True),
         case(aten.split.Tensor, f64(4, 8), 2, 1),
         case(aten.split.Tensor, f64(4, 8), 3, 1, tag="uneven"),
         case(aten.split.Tensor, f64(4, 24), 8, 1, tag="fused-3"),  # qkv: strided(1, 3) -> S(1) each
@@ -338,10 +348,9 @@ def loss_cases() -> list[OpCase]:
         case(aten.mse_loss.default, f64(4, 8), f64(4, 8), 1, tag="mean"),
         case(aten.mse_loss.default, f64(4, 8), f64(4, 8), 2, tag="sum"),
         # [N, 1] vs [N] broadcasts to [N, N] (a classic user bug, but a legal graph).
-        case(aten.mse_loss.default, f64(8, 1), f64(8), 1, tag="broadcast-mean",
-             replicate_only=True),
-        case(aten.mse_loss.default, f64(8, 1), f64(8), 0, tag="broadcast-none",
-             replicate_only=True),
+        case(aten.mse_loss.default, f64(8, 1), f64(8), 1, tag="broadcast-mean", unhandled=True),
+        case(aten.mse_loss.default, f64(8, 1), f64(8), 0, tag="broadcast-none", unhandled=True),
+        case(ce, f64(4), torch.tensor(2), tag="unbatched", unhandled=True),
     ]
 
 
@@ -402,7 +411,10 @@ def rule_strategies(c: OpCase) -> tuple[OpCall, list[DimStrategy]]:
     call = c.op_call()
     rule = DEFAULT_RULES.lookup(c.op)
     assert rule is not None, f"no rule for {c.op}"
-    dims = rule(call)
+    result = rule(call)
+    expected = getattr(c, "unhandled", False)
+    assert isinstance(result, Unhandled) == expected, f"expected {'Unhandled' if expected else 'strategies'}, got {result}"
+    dims = [] if isinstance(result, Unhandled) else result
     for s in dims:
         assert len(s.inputs) == len(call.tensor_inputs), \
             f"{s}: {len(s.inputs)} input placements for {len(call.tensor_inputs)} tensor inputs"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from autopar.rules import (attention, dropout, embedding, factory, loss, matmul, norm, pointwise,
                            reduction, softmax, view)
 from autopar.rules.strategy import DimStrategy, OpCall, Strategy, expand, placement_str
-from autopar.rules.table import Rule, RuleSet, RuleTable
+from autopar.rules.table import NO_RULE, Rule, RuleSet, RuleTable, Unhandled
 
 FAMILIES: tuple[RuleTable, ...] = (
     matmul.TABLE, pointwise.TABLE, reduction.TABLE, softmax.TABLE, norm.TABLE, embedding.TABLE,
@@ -19,5 +19,5 @@ FAMILIES: tuple[RuleTable, ...] = (
 DEFAULT_RULES = RuleSet(FAMILIES)
 """Every rule autopar ships, looked up by aten overload."""
 
-__all__ = ["DEFAULT_RULES", "FAMILIES", "DimStrategy", "OpCall", "Strategy", "Rule", "RuleSet",
-           "RuleTable", "expand", "placement_str"]
+__all__ = ["DEFAULT_RULES", "FAMILIES", "NO_RULE", "DimStrategy", "OpCall", "Strategy", "Rule", "RuleSet",
+           "RuleTable", "Unhandled", "expand", "placement_str"]

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor._ops import _view_ops as dt_views
 
 from autopar.rules.strategy import P, DimStrategy, OpCall, S, normalize_dim, strided
-from autopar.rules.table import RuleTable
+from autopar.rules.table import RuleTable, Unhandled
 
 aten = torch.ops.aten
 TABLE = RuleTable("view")
@@ -114,13 +114,13 @@ def select_rule(call: OpCall) -> list[DimStrategy]:
 
 
 @TABLE.register(aten.cat.default)
-def cat_rule(call: OpCall) -> list[DimStrategy]:
+def cat_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     """All inputs split alike on a dim other than the one joined."""
     tensors = call.tensor_inputs
     out = call.outputs[0]
     dim = normalize_dim(call.get("dim", 0), out.ndim)
-    if any(t.ndim != out.ndim for t in tensors):  # legacy empty-tensor cat: replicate
-        return []
+    if any(t.ndim != out.ndim for t in tensors):
+        return Unhandled("a legacy 1-D empty tensor among the inputs")
     strategies = [DimStrategy((S(d),), tuple(S(d) for _ in tensors)) for d in range(out.ndim) if d != dim]
     return [*strategies, DimStrategy((P,), tuple(P for _ in tensors))]
 

@@ -50,8 +50,9 @@ class PlanNode:
     dim_strategies: list[DimStrategy] = field(default_factory=list)
     """The rule's single-mesh-dim strategies ``strategies`` expand (empty for leaves)."""
     costs: list[NodeCost] = field(default_factory=list)
-    fallback: bool = False
-    """No rule for this op: only the all-Replicate strategy was offered."""
+    fallback: str | None = None
+    """Why only the all-Replicate strategy was offered (no rule for the op, or its rule does
+    not handle this call); None when a rule handled it."""
     comm_times: list[float] = field(default_factory=list)
     """Seconds of collectives a strategy runs by itself (the loss's reductions), if any."""
     follower: bool = False
@@ -173,9 +174,10 @@ def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> li
     return reshard(meta, out, (R,) * ctx.mesh.ndim, ctx.mesh, ctx.precision)
 
 
-StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost]]]
-"""Strategies and costs per distinct op call: the layers of a deep model repeat the same calls.
-The lists are shared between nodes and never changed in place (passes assign new ones)."""
+StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost], str | None]]
+"""Strategies, costs and fallback reason per distinct op call: the layers of a deep model repeat
+the same calls. The lists are shared between nodes and never changed in place (passes assign
+new ones)."""
 
 
 def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,
@@ -204,20 +206,18 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
     needs_grad = ctx.train and any(nodes[p].needs_grad for p, _ in producers) and any(
         o is not None and o.dtype.is_floating_point for o in outputs)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
-    rule = rules.lookup(node.target)
-    pn.fallback = rule is None
     pn.follower = rules.family.get(node.target) in FOLLOWER_FAMILIES and len(producers) == 1
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
         pn.targets_input = _view_root(producers[1][0], nodes)
     key = call_key(call)
     known = memo.get(key) if key is not None else None
     if known is None:
-        dim_strategies = rule(call) if rule is not None else []
+        dim_strategies, fallback = rules.strategies(call)
         strategies = expand(call, dim_strategies, ctx.mesh.shape)
-        known = (dim_strategies, strategies, [op_cost(call, s, ctx) for s in strategies])
+        known = (dim_strategies, strategies, [op_cost(call, s, ctx) for s in strategies], fallback)
         if key is not None:
             memo[key] = known
-    pn.dim_strategies, pn.strategies, pn.costs = known
+    pn.dim_strategies, pn.strategies, pn.costs, pn.fallback = known
     return pn
 
 

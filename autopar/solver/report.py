@@ -24,7 +24,8 @@ class Plan(Protocol):
     nodes: list[Any]
     collectives: list[Any]
     predicted: Any
-    fallbacks: list[str]
+    fallbacks: list[Any]
+    """Each prints as 'op (reason)'."""
     pinned: dict[str, str]
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -101,7 +102,7 @@ def render(plan: Plan) -> Group:
                     + " per device per step")
     if plan.pinned:
         summary.add_row("pinned", ", ".join(f"{k}: {v}" for k, v in plan.pinned.items()))
-    summary.add_row("fallbacks", ", ".join(plan.fallbacks) + " (replicated: no rule)" if plan.fallbacks else "none")
+    summary.add_row("fallbacks", "replicated: " + ", ".join(map(str, plan.fallbacks)) if plan.fallbacks else "none")
     layers = Table(title="placements by layer (one placement per mesh axis: R replicate, S(d) shard dim d, "
                    "S(d/k) strided: each of k blocks of dim d sharded, P partial sum)", show_lines=True)
     layers.add_column("layer", style="cyan", no_wrap=True)
