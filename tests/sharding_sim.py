@@ -57,7 +57,11 @@ class OpCase:
         return f"OpCase({self.label})"
 
     def run_full(self) -> tuple[torch.Tensor | None, ...]:
-        return flatten_outputs(self.op(*self.args, **self.kwargs))
+        """The op on copies of the tensors: an in-place op must not change the case's own."""
+        args = _replace_tensors(self.args, (t.clone() for t in _iter_tensors(self.args)))
+        kwargs = dict(zip(self.kwargs, _replace_tensors(list(self.kwargs.values()),
+                                                        (t.clone() for t in _iter_tensors(self.kwargs.values())))))
+        return flatten_outputs(self.op(*args, **kwargs))
 
     def op_call(self) -> OpCall:
         """The call as rules see it: tensors replaced by TensorMeta, outputs flattened."""
@@ -148,7 +152,7 @@ def distribute(x: torch.Tensor, placements: Sequence[Placement], mesh_shape: tup
             else:
                 pieces = [t] * n
             for i, piece in enumerate(pieces):
-                refined[(*coord, i)] = piece.contiguous()
+                refined[(*coord, i)] = piece.clone(memory_format=torch.contiguous_format)  # ranks own their memory
         locals_ = refined
     return locals_
 

@@ -364,6 +364,36 @@ def dropout_cases() -> list[OpCase]:
     ]
 
 
+def masking_cases() -> list[OpCase]:
+    """where / masked_fill / fill / copy in their scalar, tensor and in-place forms (T5, HF masks)."""
+    f64_0d = torch.tensor(-1.5, dtype=torch.float64)
+    return [
+        case(aten.where.self, bools(4, 1), f64(4, 8), f64(4, 8), tag="cond-broadcast"),
+        case(aten.where.self, bools(4, 8), f64(4, 8), f64_0d, tag="0d-other"),
+        case(aten.where.ScalarOther, bools(4, 8), f64(4, 8), 0.0),
+        case(aten.where.ScalarOther, bools(1, 8), f64(4, 8), -1e9, tag="cond-broadcast"),
+        case(aten.where.ScalarSelf, bools(4, 1), 1.0, f64(4, 8)),
+        case(aten.where.Scalar, bools(4, 8), 1.0, 0.0),
+        case(aten.masked_fill.Scalar, f64(4, 8), bools(4, 8), 0.0, tag="full-mask"),
+        case(aten.masked_fill.Scalar, ints(9, 4, 8), bools(1, 8), 0, tag="int"),
+        case(aten.masked_fill.Tensor, f64(4, 8), bools(4, 1), f64_0d),
+        case(aten.masked_fill_.Scalar, f64(4, 8), bools(4, 8), 0.5),
+        case(aten.masked_fill_.Scalar, ints(9, 4, 8), bools(1, 8), -100, tag="int-broadcast"),
+        case(aten.masked_fill_.Tensor, f64(4, 8), bools(4, 1), f64_0d),
+        case(aten.fill.Scalar, f64(4, 8), 3),
+        case(aten.fill.Tensor, f64(4, 8), f64_0d),
+        case(aten.fill_.Scalar, f64(4, 8), 2.5),
+        case(aten.fill_.Scalar, ints(9, 4, 8), 7, tag="int"),
+        case(aten.fill_.Tensor, f64(4, 8), f64_0d),
+        case(aten.copy.default, f64(4, 8), f64(8), tag="broadcast"),
+        case(aten.copy_.default, f64(4, 8), f64(4, 8)),
+        case(aten.copy_.default, f64(4, 8), f64(8), tag="broadcast"),
+        case(aten.copy_.default, f64(4, 8), f64(4, 1), tag="broadcast-size1"),
+        case(aten.copy_.default, f64(4, 8), ints(9, 4, 8), tag="cast"),
+        case(aten.copy_.default, ints(9, 4, 8), f64_0d, tag="0d-src"),
+    ]
+
+
 def factory_cases() -> list[OpCase]:
     f = torch.float64
     x = f64(4, 8)
@@ -388,7 +418,7 @@ def factory_cases() -> list[OpCase]:
 CASES: list[OpCase] = [
     *matmul_cases(), *pointwise_cases(), *reduction_cases(), *softmax_cases(), *norm_cases(),
     *embedding_cases(), *view_cases(), *attention_cases(), *loss_cases(), *dropout_cases(),
-    *factory_cases(),
+    *factory_cases(), *masking_cases(),
 ]
 
 # Registered targets that no case runs, and why (every other target of a non-pointwise
@@ -474,6 +504,9 @@ def nd_cases() -> list[OpCase]:
         case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(b, s, s), tag="3d-mask-bss"),
         case(aten._scaled_dot_product_flash_attention_for_cpu.default, f64(b, h, s, d), f64(b, h, s, d),
              f64(b, h, s, d), attn_mask=f64(1, h, s, s), tag="mask-1hss"),
+        case(aten.masked_fill_.Scalar, f64(4, 8, 4), bools(1, 8, 1), -1.0),
+        case(aten.copy_.default, f64(4, 8, 4), f64(8, 4), tag="broadcast"),
+        case(aten.where.ScalarOther, bools(4, 1, 4), f64(4, 8, 4), 0.0),
     ]
 
 
@@ -560,6 +593,21 @@ def test_simulator_partial_inputs_are_really_split() -> None:
     assert strategy.inputs == ((P,),)
     (out,) = simulate(op_case, strategy, (2,))
     torch.testing.assert_close(out, -op_case.args[0])
+
+
+def test_in_place_ops_keep_their_first_input_placement() -> None:
+    """An in-place op returns its first input: every strategy places output and input alike."""
+    checked = set()
+    for c in CASES:
+        argument = c.op._schema.arguments[0] if hasattr(c.op, "_schema") else None
+        if argument is None or argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        call, dims = rule_strategies(c)
+        for s in expand(call, dims, (2, 2)):
+            assert s.outputs[0] == s.inputs[0], f"{c.label}: {strategy_str(s)}"
+        checked.add(c.op)
+    assert {aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.fill_.Tensor,
+            aten.copy_.default} <= checked
 
 
 def test_every_family_has_cases() -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Placement
 
+from autopar.capture.aliasing import as_produced_args, read_versions
 from autopar.capture.graph import CapturedGraph, TensorMeta
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
@@ -61,6 +62,16 @@ class PlanNode:
     """For a loss: the user input its targets are a view of, if any (counted whole when
     every rank receives the whole batch)."""
     fqn: str | None = None
+    as_produced: frozenset[int] = frozenset()
+    """Tensor inputs (indices into ``args``) that must arrive exactly as produced, never
+    resharded: the op writes into them in place, or they are the base of a view that some
+    op writes through (``capture.aliasing``)."""
+    read_versions: tuple[int, ...] = ()
+    """Per tensor input, how many in-place writes into its storage came before this read
+    (empty: none). Reads of different versions cannot share one reshard."""
+
+    def version(self, arg: int) -> int:
+        return self.read_versions[arg] if self.read_versions else 0
 
 
 @dataclass
@@ -116,6 +127,8 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     loss: str | None = None
     output_names: list[str] = []
     memo: StrategyMemo = {}
+    pinned = {n.name: {a.name for a in args} for n, args in as_produced_args(captured.gm.graph).items()}
+    versions = {(reader.name, arg.name): v for (reader, arg), v in read_versions(captured.gm.graph).items()}
     for node in captured.gm.graph.nodes:
         if node.op == "output":
             flat = torch.utils._pytree.tree_leaves(node.args[0])
@@ -137,6 +150,9 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             pn.costs = [price(meta, s.outputs[0], ctx) for s in pn.strategies]
         else:
             pn = _op_node(node, nodes, rules, ctx, outputs, memo)
+            pn.as_produced = frozenset(k for k, (src, _) in enumerate(pn.args) if src in pinned.get(pn.name, ()))
+            if any((pn.name, src) in versions for src, _ in pn.args):
+                pn.read_versions = tuple(versions.get((pn.name, src), 0) for src, _ in pn.args)
         nodes[pn.name] = pn
         order.append(pn.name)
     if loss is not None:  # the loss's own collectives come with its strategy

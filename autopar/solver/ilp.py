@@ -184,6 +184,10 @@ def _add_edge(model: _Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x:
         model.cost[j] += cost[a][b]
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
+    if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
+        link = _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost,
+                          unit_mem) if transport else None
+        return _add_as_produced_edge(model, edge, x, groups_p, groups_c, add, link)
     if transport:
         return _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
     inputs_taken = {placement for placement, _ in keys_c}
@@ -271,6 +275,30 @@ def _add_follower_edge(model: _Model, edge: _Edge, x: dict[str, list[int]], grou
         row = dict(flow_in[a])
         row.update({x[edge.producer][s]: -1.0 for s in groups_p[ka]})
         model.rows.append((row, 0.0, 0.0))
+
+
+def _add_as_produced_edge(model: _Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
+                          add: Callable[[int, int, int], None], link: _Link | None) -> _Link | None:
+    """The consumer takes the input exactly as produced: only equal placements are linked
+    (with transport variables already made for a shared reshard, the others are fixed to 0)."""
+    keys_p, keys_c = list(groups_p), list(groups_c)
+    if link is not None:
+        for a, ka in enumerate(keys_p):
+            for b, (placement, _active) in enumerate(keys_c):
+                if ka != placement:
+                    model.rows.append(({link.e[a][b]: 1.0}, 0.0, 0.0))
+        return link
+    if edge.producer == edge.consumer:  # one decision on both ends: rule out the strategies that differ
+        for s in range(len(x[edge.consumer])):
+            a = next(i for i, k in enumerate(keys_p) if s in groups_p[k])
+            b = next(i for i, k in enumerate(keys_c) if s in groups_c[k])
+            if keys_p[a] != keys_c[b][0]:
+                model.rows.append(({x[edge.consumer][s]: 1.0}, 0.0, 0.0))
+            else:
+                add(x[edge.consumer][s], a, b)
+        return None
+    _add_follower_edge(model, edge, x, groups_p, groups_c, add)
+    return None
 
 
 def _run(model: _Model, time_limit_s: float) -> tuple[list[float] | None, float]:

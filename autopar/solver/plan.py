@@ -168,9 +168,10 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
             required = chosen[name].inputs[arg]
             grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
                        if ctx.train and graph.nodes[src].needs_grad else None)
-            if (src, out_index, required, grad_in) in resharded:  # shared with an earlier consumer
+            version = node.version(arg)  # a write in place between two reads: nothing shared
+            if (src, out_index, version, required, grad_in) in resharded:  # shared with an earlier consumer
                 continue
-            resharded.add((src, out_index, required, grad_in))
+            resharded.add((src, out_index, version, required, grad_in))
             edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx, sync_dims.get(src))
             act_mem += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
                                                 chosen[name].inputs[arg], ctx,
