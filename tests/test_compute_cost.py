@@ -71,3 +71,17 @@ def test_3d_attention_flops() -> None:
     full = 4.0 * B * L * L * E
     assert op_flops(_call(SDPA, q, q, q)) == full
     assert op_flops(_call(SDPA, q, q, q, is_causal=True)) == full / 2
+
+
+def test_index_reads_only_the_gathered_elements() -> None:
+    """x[idx] on a [1000, 64] table with 8 indices reads 8 rows, not the table (hand-counted)."""
+    from autopar.cost.compute import op_bytes
+    from autopar.cost.precision import PRECISIONS
+
+    table, idx, out = _meta(1000, 64), TensorMeta((8,), torch.int64), _meta(8, 64)
+    fp32 = PRECISIONS["fp32"]
+    assert op_bytes(aten.index.Tensor, [table, idx], (out,), fp32) == 8 * 64 * 4 + 8 * 8 + 8 * 64 * 4
+    small = _meta(4, 64)  # fewer source elements than picked ones: the source is read whole
+    big_out = _meta(16, 64)
+    assert op_bytes(aten.index.Tensor, [small, TensorMeta((16,), torch.int64)], (big_out,), fp32) == \
+        4 * 64 * 4 + 16 * 8 + 16 * 64 * 4

@@ -1,4 +1,4 @@
-"""In-place ops (T5's) compiled on gloo ranks forked
+"""Masking, in-place, scan, pad and gather ops (T5's and HF's) compiled on gloo ranks forked
 from this process train to the single-device numbers: loss, every gradient (whole
 tensors), every parameter after 3 AdamW steps; and the collectives a step runs are the
 plan's.
@@ -30,6 +30,31 @@ from autopar.runtime.ops import CollectiveLog
 
 RTOL, ATOL = 1e-4, 1e-5
 VOCAB, BATCH, SEQ = 32, 4, 8
+
+
+class MaskedOps(nn.Module):
+    """where / masked_fill (scalar and in place) / diff / pad / index / copy_ into a view /
+    fill_ through a view, on activations that stay batch-split under data parallelism."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        keep = tokens != 0
+        h = self.fc(self.embed(tokens))
+        h = h + torch.diff(h, dim=1, prepend=h[:, :1])
+        h = torch.where(keep[..., None], h, 0.0)
+        h = F.pad(h, (0, 0, 1, 0))[:, :-1]
+        y = h + h[:, torch.arange(s - 1, -1, -1, device=h.device)]  # index.Tensor(h, [None, rev])
+        y.masked_fill_(~keep[..., None], 0.0)
+        out = y.clone()
+        out[:, 1:].copy_(y[:, :-1])  # copy_ into a view of an activation
+        out[:, 0].fill_(0.5)  # fill_ through another view of it
+        return self.head(out)
 
 
 class ShiftRight(nn.Module):
@@ -67,7 +92,7 @@ class ReadWriteRead(nn.Module):
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
-    "shift_right": (ShiftRight, BATCH, SEQ),
+    "masked_ops": (MaskedOps, BATCH, SEQ), "shift_right": (ShiftRight, BATCH, SEQ),
     "read_write_read": (ReadWriteRead, 8, 32),
 }
 
@@ -102,6 +127,8 @@ class Case:
 
 
 CASES = [
+    Case("masked_ops", (2,), ("dp",)), Case("masked_ops", (2, 2), ("dp", "tp")),
+    Case("masked_ops", (2, 2), ("dp", "tp"), data_parallel=False),
     Case("shift_right", (2,), ("dp",)), Case("shift_right", (2, 2), ("dp", "tp")),
     Case("read_write_read", (2,), ("dp",)),
 ]
@@ -132,7 +159,9 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]
     return {"losses": losses, "grad_mismatches": _mismatches(ref[1], grads),
             "param_mismatches": _mismatches(ref[2], params), "diverged": _diverged_replicas(pm, mesh),
             "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
-            "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items())}
+            "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
+            "in_place": {n.name: n.outputs[0] for n in pm.plan.nodes
+                         if n.op.startswith("aten.") and n.op.split(".")[1].endswith("_")}}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -148,6 +177,8 @@ def test_compiled_ops_match_single_device(case: Case) -> None:
         assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
         assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
         assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
+    if case.model == "masked_ops" and case.data_parallel:  # the in-place ops really ran batch-split
+        assert all(p.startswith("S(0)") for p in results[0]["in_place"].values()), results[0]["in_place"]
 
 
 def _plan(name: str, mesh: dict[str, int]) -> Any:

@@ -394,6 +394,48 @@ def masking_cases() -> list[OpCase]:
     ]
 
 
+def scan_pad_cases() -> list[OpCase]:
+    """diff along a dim (HF's position ids); pad in every mode, on the last dims or cropping."""
+    diff, pad, cpad = aten.diff.default, aten.pad.default, aten.constant_pad_nd.default
+    return [
+        case(diff, f64(4, 8)),
+        case(diff, f64(4, 8), 1, 0, tag="dim0"),
+        case(diff, f64(4, 8, 4), 2, 1, tag="n2"),
+        case(diff, ints(9, 4, 8), 1, -1, ints(9, 4, 1), tag="prepend"),  # HF: diff(mask, prepend=...)
+        case(diff, f64(4, 8), 1, -2, None, f64(2, 8), tag="append"),
+        case(diff, f64(4, 8), dim=1, prepend=f64(4, 2), append=f64(4, 1), tag="both-kw"),
+        case(diff, bools(4, 8), tag="bool"),
+        case(pad, f64(4, 8), [1, 1]),
+        case(pad, ints(9, 4, 8), [0, 1], "constant", -100.0, tag="value"),  # HF's shifted labels
+        case(pad, f64(4, 8, 4), [1, 1, 2, 0], tag="two-dims"),
+        case(pad, f64(4, 8, 4), [0, 0, 1, 1], tag="middle-dim"),
+        case(pad, f64(4, 8), [-1, -2], tag="crop"),
+        case(pad, f64(4, 4, 6), [1, 2], "reflect", tag="reflect"),
+        case(pad, f64(4, 4, 6), [2, 1], "replicate", tag="replicate"),
+        case(pad, f64(4, 4, 6), [1, 1], "circular", tag="circular"),
+        case(cpad, f64(4, 8), [1, 1]),
+        case(cpad, f64(4, 8), [1, 1], 2.5, tag="value"),
+        case(cpad, f64(4, 8, 4), [0, 0, 0, 2], tag="middle-dim"),
+    ]
+
+
+def indexing_cases() -> list[OpCase]:
+    index = aten.index.Tensor
+    positions = torch.arange(8)
+    batch = torch.arange(4)
+    return [
+        # HF's mask building: x[batch[:, None, None, None], pos[None, None, :, None]]
+        case(index, ints(2, 4, 8), [batch.view(4, 1, 1, 1), positions.view(1, 1, 8, 1)], tag="hf-mask"),
+        case(index, f64(4, 8), [batch.view(4, 1, 1, 1), positions.view(1, 1, 1, 8)], tag="hf-mask-row"),
+        case(index, f64(4, 8), [ints(4, 6)], tag="rows"),
+        case(index, f64(4, 8), [None, ints(8, 6) - 8], tag="cols-negative"),
+        case(index, f64(16, 8), [ints(16, 4, 6)], tag="2d-index"),
+        case(index, f64(4, 6, 8), [ints(4, 2, 4), None, ints(8, 4)], tag="non-adjacent"),
+        case(index, f64(4, 6, 8), [None, ints(6, 4, 1), ints(8, 1, 2).int()], tag="adjacent-int32"),
+        case(index, f64(4, 8), [bools(4, 8)], tag="bool-mask", unhandled=True),
+    ]
+
+
 def factory_cases() -> list[OpCase]:
     f = torch.float64
     x = f64(4, 8)
@@ -418,7 +460,7 @@ def factory_cases() -> list[OpCase]:
 CASES: list[OpCase] = [
     *matmul_cases(), *pointwise_cases(), *reduction_cases(), *softmax_cases(), *norm_cases(),
     *embedding_cases(), *view_cases(), *attention_cases(), *loss_cases(), *dropout_cases(),
-    *factory_cases(), *masking_cases(),
+    *factory_cases(), *masking_cases(), *scan_pad_cases(), *indexing_cases(),
 ]
 
 # Registered targets that no case runs, and why (every other target of a non-pointwise
@@ -507,6 +549,10 @@ def nd_cases() -> list[OpCase]:
         case(aten.masked_fill_.Scalar, f64(4, 8, 4), bools(1, 8, 1), -1.0),
         case(aten.copy_.default, f64(4, 8, 4), f64(8, 4), tag="broadcast"),
         case(aten.where.ScalarOther, bools(4, 1, 4), f64(4, 8, 4), 0.0),
+        case(aten.diff.default, f64(4, 8, 4), 1, 1, f64(4, 2, 4), tag="prepend"),
+        case(aten.pad.default, f64(4, 8, 4), [1, 1]),
+        case(aten.index.Tensor, f64(4, 8), [torch.arange(4).view(4, 1, 1, 1), torch.arange(8).view(1, 1, 8, 1)],
+             tag="hf-mask"),
     ]
 
 

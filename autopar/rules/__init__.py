@@ -6,14 +6,14 @@ exist is visible here and nothing registers itself on import elsewhere.
 
 from __future__ import annotations
 
-from autopar.rules import (attention, dropout, embedding, factory, loss, matmul, norm, pointwise,
-                           reduction, softmax, view)
+from autopar.rules import (attention, dropout, embedding, factory, indexing, loss, matmul, norm,
+                           pointwise, reduction, softmax, view)
 from autopar.rules.strategy import DimStrategy, OpCall, Strategy, expand, placement_str
 from autopar.rules.table import NO_RULE, Rule, RuleSet, RuleTable, Unhandled
 
 FAMILIES: tuple[RuleTable, ...] = (
     matmul.TABLE, pointwise.TABLE, reduction.TABLE, softmax.TABLE, norm.TABLE, embedding.TABLE,
-    view.TABLE, attention.TABLE, loss.TABLE, dropout.TABLE, factory.TABLE,
+    view.TABLE, indexing.TABLE, attention.TABLE, loss.TABLE, dropout.TABLE, factory.TABLE,
 )
 
 DEFAULT_RULES = RuleSet(FAMILIES)

@@ -1,5 +1,5 @@
 """Views and data movement: view/reshape/flatten/unflatten/expand/transpose/permute/
-(un)squeeze, slice/select, cat/stack, split/chunk, getitem.
+(un)squeeze, slice/select, pad, cat/stack, split/chunk, getitem.
 
 Dimension mapping comes from DTensor's own view analysis (``_view_ops``): for each
 output dim it says which input dim(s) it came from. A split can follow a dim that
@@ -103,6 +103,20 @@ def slice_rule(call: OpCall) -> list[DimStrategy]:
     full = out is not None and out.shape == x.shape  # a no-op slice keeps every split
     strategies = [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim) if d != dim or full]
     return [*strategies, DimStrategy((P,), (P,))]
+
+
+@TABLE.register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(call: OpCall) -> list[DimStrategy]:
+    """Padding (or cropping) a dim needs it whole; the dims it leaves alone split. A zero
+    constant pad is linear, so Partial passes (reflect/replicate/circular copy values)."""
+    x = call.get("self")
+    pad = call.get("pad")
+    touched = {x.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    strategies = [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim) if d not in touched]
+    constant = call.get("mode", "constant") == "constant"
+    if constant and not call.get("value") and x.dtype != torch.bool:
+        strategies.append(DimStrategy((P,), (P,)))
+    return strategies
 
 
 @TABLE.register(aten.select.int)
