@@ -91,9 +91,26 @@ class ReadWriteRead(nn.Module):
         return self.head(before + after)
 
 
+class T5Step(nn.Module):
+    """HF's T5 (tiny, no dropout) reconstructing its input: the labels go through T5's own
+    ``_shift_right`` (copy_ into a slice, fill_, masked_fill_) and the decoder attention
+    concatenates its empty KV cache (a legacy (0,) tensor) to k and v."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration  # a dev dependency
+
+        cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                       num_heads=4, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+        self.t5 = T5ForConditionalGeneration(cfg)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.t5(input_ids=tokens, labels=tokens).logits
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
     "masked_ops": (MaskedOps, BATCH, SEQ), "shift_right": (ShiftRight, BATCH, SEQ),
-    "read_write_read": (ReadWriteRead, 8, 32),
+    "read_write_read": (ReadWriteRead, 8, 32), "hf_t5": (T5Step, BATCH, SEQ),
 }
 
 
@@ -130,7 +147,7 @@ CASES = [
     Case("masked_ops", (2,), ("dp",)), Case("masked_ops", (2, 2), ("dp", "tp")),
     Case("masked_ops", (2, 2), ("dp", "tp"), data_parallel=False),
     Case("shift_right", (2,), ("dp",)), Case("shift_right", (2, 2), ("dp", "tp")),
-    Case("read_write_read", (2,), ("dp",)),
+    Case("read_write_read", (2,), ("dp",)), Case("hf_t5", (2, 2), ("dp", "tp")),
 ]
 
 
@@ -198,6 +215,11 @@ def test_written_tensors_are_never_resharded() -> None:
     for consumer, producer in chain.items():
         assert placed[consumer].inputs[0] == placed[producer].outputs[0], (consumer, producer)
     assert not [c for c in plan.collectives if c.consumer in chain], plan.collectives
+
+
+def test_t5_plans_with_no_fallback() -> None:
+    plan = _plan("hf_t5", {"dp": 2, "tp": 2})
+    assert plan.fallbacks == []
 
 
 def test_reads_after_a_write_get_their_own_reshard() -> None:

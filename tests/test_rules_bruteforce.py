@@ -242,7 +242,8 @@ def view_cases() -> list[OpCase]:
         case(aten.stack.default, [f64(4, 8), f64(4, 8)], tag="dim0"),
         case(aten.stack.default, [f64(4, 8), f64(4, 8)], -1, tag="last"),
         case(aten.cat.default, [f64(4, 8), f64(4, 4)], -1, tag="last"),
-        case(aten.cat.default, [f64(0), f64(4, 8)], 1, tag="legacy-empty", unhandled=True),
+        case(aten.cat.default, [f64(0), f64(4, 8)], 1, tag="legacy-empty"),
+        case(aten.cat.default, [f64(4, 2, 8), f64(0), f64(4, 2, 8)], -2, tag="legacy-empty-middle"),
         case(aten.split.Tensor, f64(4, 8), 2, 1),
         case(aten.split.Tensor, f64(4, 8), 3, 1, tag="uneven"),
         case(aten.split.Tensor, f64(4, 24), 8, 1, tag="fused-3"),  # qkv: strided(1, 3) -> S(1) each
@@ -391,6 +392,7 @@ def masking_cases() -> list[OpCase]:
         case(aten.copy_.default, f64(4, 8), f64(4, 1), tag="broadcast-size1"),
         case(aten.copy_.default, f64(4, 8), ints(9, 4, 8), tag="cast"),
         case(aten.copy_.default, ints(9, 4, 8), f64_0d, tag="0d-src"),
+        case(aten.detach_.default, f64(4, 8)),
     ]
 
 

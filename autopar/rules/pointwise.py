@@ -27,7 +27,7 @@ EXTRA_POINTWISE = [
     aten.type_as.default, aten.detach.default, aten.lift_fresh_copy.default,
     aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Tensor,
     aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.fill.Scalar, aten.fill.Tensor,
-    aten.fill_.Scalar, aten.fill_.Tensor, aten.copy.default, aten.copy_.default,
+    aten.fill_.Scalar, aten.fill_.Tensor, aten.copy.default, aten.copy_.default, aten.detach_.default,
 ]
 
 # f(sum x_i) = sum f(x_i): a Partial input gives a Partial output.

@@ -19,10 +19,11 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.distributed.tensor import Placement
 from torch.distributed.tensor._ops import _view_ops as dt_views
 
-from autopar.rules.strategy import P, DimStrategy, OpCall, S, normalize_dim, strided
-from autopar.rules.table import RuleTable, Unhandled
+from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, normalize_dim, strided
+from autopar.rules.table import RuleTable
 
 aten = torch.ops.aten
 TABLE = RuleTable("view")
@@ -128,15 +129,20 @@ def select_rule(call: OpCall) -> list[DimStrategy]:
 
 
 @TABLE.register(aten.cat.default)
-def cat_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
-    """All inputs split alike on a dim other than the one joined."""
+def cat_rule(call: OpCall) -> list[DimStrategy]:
+    """All inputs split alike on a dim other than the one joined. torch.cat skips a legacy
+    empty tensor (shape (0,), T5's empty KV cache) whatever the others' rank: there is
+    nothing of it to split, so every rank takes it whole."""
     tensors = call.tensor_inputs
     out = call.outputs[0]
     dim = normalize_dim(call.get("dim", 0), out.ndim)
-    if any(t.ndim != out.ndim for t in tensors):
-        return Unhandled("a legacy 1-D empty tensor among the inputs")
-    strategies = [DimStrategy((S(d),), tuple(S(d) for _ in tensors)) for d in range(out.ndim) if d != dim]
-    return [*strategies, DimStrategy((P,), tuple(P for _ in tensors))]
+    skipped = [t.ndim != out.ndim for t in tensors]  # only a (0,) tensor may differ in rank
+
+    def each(p: Placement) -> tuple[Placement, ...]:
+        return tuple(R if skip else p for skip in skipped)
+
+    strategies = [DimStrategy((S(d),), each(S(d))) for d in range(out.ndim) if d != dim]
+    return [*strategies, DimStrategy((P,), each(P))]
 
 
 @TABLE.register(aten.stack.default)
