@@ -85,3 +85,19 @@ def test_index_reads_only_the_gathered_elements() -> None:
     big_out = _meta(16, 64)
     assert op_bytes(aten.index.Tensor, [small, TensorMeta((16,), torch.int64)], (big_out,), fp32) == \
         4 * 64 * 4 + 16 * 8 + 16 * 64 * 4
+
+
+def test_in_place_ops_keep_no_new_memory() -> None:
+    """masked_fill_ returns its input's memory; masked_fill keeps a new output for backward."""
+    import autopar
+    from autopar.cost.model import CostContext, op_cost
+    from autopar.cost.precision import PRECISIONS
+    from autopar.rules.strategy import R, Strategy
+
+    x, mask = _meta(8, 16), TensorMeta((8, 16), torch.bool)
+    ctx = CostContext(mesh=autopar.Mesh({"dp": 2}, "cpu"), precision=PRECISIONS["fp32"], train=True)
+    replicated = Strategy(((R,),), ((R,), (R,)))
+    out_of_place = OpCall(aten.masked_fill.Scalar, (x, mask, 0.0), {}, (x,))
+    in_place = OpCall(aten.masked_fill_.Scalar, (x, mask, 0.0), {}, (x,))
+    assert op_cost(out_of_place, replicated, ctx).memory == 8 * 16 * 4
+    assert op_cost(in_place, replicated, ctx).memory == 0

@@ -22,6 +22,15 @@ def _schema(node: torch.fx.Node) -> Any:
     return getattr(node.target, "_schema", None) if node.op == "call_function" else None
 
 
+def writes_first_arg(target: Any) -> bool:
+    """True for an in-place op (``Tensor(a!) self``): it writes into and returns its first input."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Tensors ``node`` writes into in place (``self`` of ``copy_``, ``out`` of an out= op)."""
     schema = _schema(node)
@@ -106,4 +115,4 @@ def _inputs(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
             yield a
 
 
-__all__ = ["written_args", "viewed_arg", "storage_root", "as_produced_args", "read_versions"]
+__all__ = ["writes_first_arg", "written_args", "viewed_arg", "storage_root", "as_produced_args", "read_versions"]

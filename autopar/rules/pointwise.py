@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.capture.aliasing import writes_first_arg
 from autopar.capture.graph import TensorMeta
 from autopar.rules.strategy import P, R, DimStrategy, OpCall, S
 from autopar.rules.table import RuleTable
@@ -65,7 +66,7 @@ def broadcast_strategies(call: OpCall) -> list[DimStrategy]:
 
 def pointwise_rule(call: OpCall) -> list[DimStrategy]:
     strategies = broadcast_strategies(call)
-    if writes_first_input(call):  # the output is the input: the same placement (self never broadcasts)
+    if writes_first_arg(call.target):  # the output is the input: the same placement (self never broadcasts)
         return [s for s in strategies if s.outputs[0] == s.inputs[0]]
     n_in = len(call.tensor_inputs)
     n_out = len(call.outputs)
@@ -80,13 +81,6 @@ def pointwise_rule(call: OpCall) -> list[DimStrategy]:
         if arg < n_in and _is_tensor_arg(call, arg):
             strategies.append(DimStrategy((P,) * n_out, tuple(P if i == arg else R for i in range(n_in))))
     return strategies
-
-
-def writes_first_input(call: OpCall) -> bool:
-    """True for an in-place op (``Tensor(a!) self``): it returns its first input."""
-    schema = getattr(call.target, "_schema", None)
-    return bool(schema and schema.arguments and schema.arguments[0].alias_info is not None
-                and schema.arguments[0].alias_info.is_write)
 
 
 def _keeps_sums(call: OpCall) -> bool:
