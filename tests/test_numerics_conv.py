@@ -61,7 +61,7 @@ def _hardware(name: str) -> Any:
 def _check_running_stats_in_place(step: Any) -> None:
     """Every op writing an input in place (batch norm's running stats) takes it as produced."""
     for name, node in step.graph.nodes.items():
-        for k in node.written:
+        for k in node.as_produced:
             src, idx = node.args[k]
             assert step.chosen[name].inputs[k] == step.chosen[src].outputs[idx], (name, src)
 
@@ -123,7 +123,7 @@ def test_running_stats_are_never_updated_in_a_copy() -> None:
     graph = build_plan_graph(capture(module, inputs, loss_fn=loss_fn, example_targets=targets), DEFAULT_RULES, ctx)
     bn = next(n for n in graph.order if graph.nodes[n].op == "aten.batch_norm.default")
     running_mean = graph.nodes[bn].args[3][0]
-    assert graph.nodes[running_mean].fqn == "bn.running_mean" and 3 in graph.nodes[bn].written
+    assert graph.nodes[running_mean].fqn == "bn.running_mean" and 3 in graph.nodes[bn].as_produced
     pins = {running_mean: Pin(output=Replicate(), reason="test"), bn: Pin(output=Shard(1), reason="test")}
     apply_pins(graph, pins, 0, "tp", 2)
     with pytest.raises(ValueError, match="no plan satisfies"):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from sharding_sim import OpCase, check_strategy, simulate, strategy_str
 
-from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, expand
+from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, Unhandled, expand
 from autopar.rules.strategy import P, R, S, Strategy, strided
 from autopar.solver.strided import EQUIVARIANT_FAMILIES, _twins
 
@@ -65,12 +65,17 @@ def _describe(value: Any) -> str:
     return ""
 
 
-def case(op: Any, *args: Any, tag: str = "", replicate_only: bool = False, **kwargs: Any) -> OpCase:
-    """An OpCase with a readable id: op name, tensor shapes, and a tag for the variant."""
+def case(op: Any, *args: Any, tag: str = "", replicate_only: bool = False, unhandled: bool = False,
+         **kwargs: Any) -> OpCase:
+    """An OpCase with a readable id: op name, tensor shapes, and a tag for the variant.
+
+    ``replicate_only``: the rule offers nothing to split (a factory). ``unhandled``: the rule
+    says it does not handle the call (``Unhandled``), so the plan lists it as a fallback."""
     name = op.__name__ if callable(op) and not hasattr(op, "_schema") else str(op).removeprefix("aten.")
     shapes = ",".join(s for s in map(_describe, (*args, *kwargs.values())) if s)
     c = OpCase(op, args, kwargs, label="-".join(p for p in (name, shapes, tag) if p))
-    c.replicate_only = replicate_only  # type: ignore[attr-defined]
+    c.replicate_only = replicate_only or unhandled  # type: ignore[attr-defined]
+    c.unhandled = unhandled  # type: ignore[attr-defined]
     return c
 
 
@@ -92,7 +97,11 @@ def matmul_cases() -> list[OpCase]:
         case(aten.linear.default, f64(4, 1, 8), f64(8, 8), tag="3d-size1"),
         case(aten.matmul.default, f64(4, 4, 8), f64(8, 4), tag="batched-matrix"),
         case(aten.matmul.default, f64(4, 4, 8), f64(4, 8, 4), tag="batched-batched"),
-        case(aten.matmul.default, f64(4, 8), f64(8), tag="vector", replicate_only=True),
+        case(aten.matmul.default, f64(4, 8), f64(8), tag="vector", unhandled=True),
+        case(aten.matmul.default, f64(4, 4, 8), f64(1, 8, 4), tag="broadcast-batch", unhandled=True),
+        case(aten.einsum.default, "...ij,...jk->...ik", [f64(4, 4, 8), f64(4, 8, 4)], tag="ellipsis",
+             unhandled=True),
+        case(aten.einsum.default, "ij,jk", [f64(4, 8), f64(8, 4)], tag="implicit-output", unhandled=True),
         case(aten.einsum.default, "bij,bjk->bik", [f64(4, 4, 8), f64(4, 8, 4)], tag="bmm"),
         case(aten.einsum.default, "ij,ij->i", [f64(4, 8), f64(4, 8)], tag="rowdot"),
         case(aten.einsum.default, "bii->bi", [f64(4, 8, 8)], tag="diagonal"),
@@ -233,6 +242,8 @@ def view_cases() -> list[OpCase]:
         case(aten.stack.default, [f64(4, 8), f64(4, 8)], tag="dim0"),
         case(aten.stack.default, [f64(4, 8), f64(4, 8)], -1, tag="last"),
         case(aten.cat.default, [f64(4, 8), f64(4, 4)], -1, tag="last"),
+        case(aten.cat.default, [f64(0), f64(4, 8)], 1, tag="legacy-empty"),
+        case(aten.cat.default, [f64(4, 2, 8), f64(0), f64(4, 2, 8)], -2, tag="legacy-empty-middle"),
         case(aten.split.Tensor, f64(4, 8), 2, 1),
         case(aten.split.Tensor, f64(4, 8), 3, 1, tag="uneven"),
         case(aten.split.Tensor, f64(4, 24), 8, 1, tag="fused-3"),  # qkv: strided(1, 3) -> S(1) each
@@ -270,6 +281,50 @@ def attention_cases() -> list[OpCase]:
         case(cpu_flash, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), 0.0, True, tag="causal"),
         case(cpu_flash, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), attn_mask=f64(b, 1, s, s),
              tag="mask-b1ss"),
+        *attention_3d_cases(), *attention_mask_cases(),
+    ]
+
+
+def attention_3d_cases() -> list[OpCase]:
+    """(batch, seq, dim) inputs: the only leading dim is the batch; dim 1 is the sequence."""
+    sdpa = aten.scaled_dot_product_attention.default
+    b, s, d = 4, 8, 8
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return [
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), tag="3d"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), None, 0.0, True, tag="3d-causal"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), is_causal=True, tag="3d-causal-kw"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(s, s), tag="3d-mask-ss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(b, s, s), tag="3d-mask-bss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), bools(1, s, s) | causal, tag="3d-bool-mask-1ss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), attn_mask=f64(b, 1, s), tag="3d-mask-b1s-kw"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(s), tag="3d-mask-s"),
+        case(sdpa, f64(b, s, d), f64(b, 4, d), f64(b, 4, 2), f64(b, s, 4), tag="3d-cross"),
+        case(sdpa, f64(1, s, d), f64(b, s, d), f64(b, s, d), tag="3d-q-broadcast"),
+        case(sdpa, f64(2, 2, 2, s, d), f64(2, 2, 2, s, d), f64(2, 2, 2, s, d), f64(2, 1, s, s), tag="5d"),
+    ]
+
+
+def attention_mask_cases() -> list[OpCase]:
+    """4-D inputs with masks broadcast from every side, for both ops."""
+    sdpa = aten.scaled_dot_product_attention.default
+    cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    b, h, s, d = 4, 4, 8, 8
+    qkv = lambda: (f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d))  # noqa: E731
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    return [
+        case(sdpa, *qkv(), f64(h, s, s), tag="mask-hss"),
+        case(sdpa, *qkv(), f64(b, h, 1, s), tag="mask-bh1s"),
+        case(sdpa, *qkv(), bools(1, 1, s, s) | causal, tag="bool-mask-11ss"),
+        case(sdpa, *qkv(), attn_mask=f64(b, 1, 1, s), is_causal=False, tag="mask-b11s-kw"),
+        case(sdpa, f64(b, 4, s, d), f64(b, 1, s, d), f64(b, 1, s, d), f64(b, 1, s, s), enable_gqa=True,
+             tag="mqa-mask"),
+        case(cpu_flash, *qkv(), is_causal=True, tag="causal-kw"),
+        case(cpu_flash, *qkv(), attn_mask=f64(1, h, s, s), tag="mask-1hss"),
+        case(cpu_flash, *qkv(), attn_mask=f64(s, s), tag="mask-ss"),
+        case(cpu_flash, *qkv(), attn_mask=f64(b, h, s, s), tag="mask-bhss"),
+        case(cpu_flash, *qkv(), 0.0, True, attn_mask=f64(b, 1, s, s), tag="causal-mask-b1ss"),
+        case(cpu_flash, *qkv(), attn_mask=f64(b, h, 1, s), tag="mask-bh1s"),
     ]
 
 
@@ -294,10 +349,9 @@ def loss_cases() -> list[OpCase]:
         case(aten.mse_loss.default, f64(4, 8), f64(4, 8), 1, tag="mean"),
         case(aten.mse_loss.default, f64(4, 8), f64(4, 8), 2, tag="sum"),
         # [N, 1] vs [N] broadcasts to [N, N] (a classic user bug, but a legal graph).
-        case(aten.mse_loss.default, f64(8, 1), f64(8), 1, tag="broadcast-mean",
-             replicate_only=True),
-        case(aten.mse_loss.default, f64(8, 1), f64(8), 0, tag="broadcast-none",
-             replicate_only=True),
+        case(aten.mse_loss.default, f64(8, 1), f64(8), 1, tag="broadcast-mean", unhandled=True),
+        case(aten.mse_loss.default, f64(8, 1), f64(8), 0, tag="broadcast-none", unhandled=True),
+        case(ce, f64(4), torch.tensor(2), tag="unbatched", unhandled=True),
     ]
 
 
@@ -343,6 +397,79 @@ def dropout_cases() -> list[OpCase]:
     return cases
 
 
+def masking_cases() -> list[OpCase]:
+    """where / masked_fill / fill / copy in their scalar, tensor and in-place forms (T5, HF masks)."""
+    f64_0d = torch.tensor(-1.5, dtype=torch.float64)
+    return [
+        case(aten.where.self, bools(4, 1), f64(4, 8), f64(4, 8), tag="cond-broadcast"),
+        case(aten.where.self, bools(4, 8), f64(4, 8), f64_0d, tag="0d-other"),
+        case(aten.where.ScalarOther, bools(4, 8), f64(4, 8), 0.0),
+        case(aten.where.ScalarOther, bools(1, 8), f64(4, 8), -1e9, tag="cond-broadcast"),
+        case(aten.where.ScalarSelf, bools(4, 1), 1.0, f64(4, 8)),
+        case(aten.where.Scalar, bools(4, 8), 1.0, 0.0),
+        case(aten.masked_fill.Scalar, f64(4, 8), bools(4, 8), 0.0, tag="full-mask"),
+        case(aten.masked_fill.Scalar, ints(9, 4, 8), bools(1, 8), 0, tag="int"),
+        case(aten.masked_fill.Tensor, f64(4, 8), bools(4, 1), f64_0d),
+        case(aten.masked_fill_.Scalar, f64(4, 8), bools(4, 8), 0.5),
+        case(aten.masked_fill_.Scalar, ints(9, 4, 8), bools(1, 8), -100, tag="int-broadcast"),
+        case(aten.masked_fill_.Tensor, f64(4, 8), bools(4, 1), f64_0d),
+        case(aten.fill.Scalar, f64(4, 8), 3),
+        case(aten.fill.Tensor, f64(4, 8), f64_0d),
+        case(aten.fill_.Scalar, f64(4, 8), 2.5),
+        case(aten.fill_.Scalar, ints(9, 4, 8), 7, tag="int"),
+        case(aten.fill_.Tensor, f64(4, 8), f64_0d),
+        case(aten.copy.default, f64(4, 8), f64(8), tag="broadcast"),
+        case(aten.copy_.default, f64(4, 8), f64(4, 8)),
+        case(aten.copy_.default, f64(4, 8), f64(8), tag="broadcast"),
+        case(aten.copy_.default, f64(4, 8), f64(4, 1), tag="broadcast-size1"),
+        case(aten.copy_.default, f64(4, 8), ints(9, 4, 8), tag="cast"),
+        case(aten.copy_.default, ints(9, 4, 8), f64_0d, tag="0d-src"),
+        case(aten.detach_.default, f64(4, 8)),
+    ]
+
+
+def scan_pad_cases() -> list[OpCase]:
+    """diff along a dim (HF's position ids); pad in every mode, on the last dims or cropping."""
+    diff, pad, cpad = aten.diff.default, aten.pad.default, aten.constant_pad_nd.default
+    return [
+        case(diff, f64(4, 8)),
+        case(diff, f64(4, 8), 1, 0, tag="dim0"),
+        case(diff, f64(4, 8, 4), 2, 1, tag="n2"),
+        case(diff, ints(9, 4, 8), 1, -1, ints(9, 4, 1), tag="prepend"),  # HF: diff(mask, prepend=...)
+        case(diff, f64(4, 8), 1, -2, None, f64(2, 8), tag="append"),
+        case(diff, f64(4, 8), dim=1, prepend=f64(4, 2), append=f64(4, 1), tag="both-kw"),
+        case(diff, bools(4, 8), tag="bool"),
+        case(pad, f64(4, 8), [1, 1]),
+        case(pad, ints(9, 4, 8), [0, 1], "constant", -100.0, tag="value"),  # HF's shifted labels
+        case(pad, f64(4, 8, 4), [1, 1, 2, 0], tag="two-dims"),
+        case(pad, f64(4, 8, 4), [0, 0, 1, 1], tag="middle-dim"),
+        case(pad, f64(4, 8), [-1, -2], tag="crop"),
+        case(pad, f64(4, 4, 6), [1, 2], "reflect", tag="reflect"),
+        case(pad, f64(4, 4, 6), [2, 1], "replicate", tag="replicate"),
+        case(pad, f64(4, 4, 6), [1, 1], "circular", tag="circular"),
+        case(cpad, f64(4, 8), [1, 1]),
+        case(cpad, f64(4, 8), [1, 1], 2.5, tag="value"),
+        case(cpad, f64(4, 8, 4), [0, 0, 0, 2], tag="middle-dim"),
+    ]
+
+
+def indexing_cases() -> list[OpCase]:
+    index = aten.index.Tensor
+    positions = torch.arange(8)
+    batch = torch.arange(4)
+    return [
+        # HF's mask building: x[batch[:, None, None, None], pos[None, None, :, None]]
+        case(index, ints(2, 4, 8), [batch.view(4, 1, 1, 1), positions.view(1, 1, 8, 1)], tag="hf-mask"),
+        case(index, f64(4, 8), [batch.view(4, 1, 1, 1), positions.view(1, 1, 1, 8)], tag="hf-mask-row"),
+        case(index, f64(4, 8), [ints(4, 6)], tag="rows"),
+        case(index, f64(4, 8), [None, ints(8, 6) - 8], tag="cols-negative"),
+        case(index, f64(16, 8), [ints(16, 4, 6)], tag="2d-index"),
+        case(index, f64(4, 6, 8), [ints(4, 2, 4), None, ints(8, 4)], tag="non-adjacent"),
+        case(index, f64(4, 6, 8), [None, ints(6, 4, 1), ints(8, 1, 2).int()], tag="adjacent-int32"),
+        case(index, f64(4, 8), [bools(4, 8)], tag="bool-mask", unhandled=True),
+    ]
+
+
 def factory_cases() -> list[OpCase]:
     f = torch.float64
     x = f64(4, 8)
@@ -355,19 +482,22 @@ def factory_cases() -> list[OpCase]:
         case(aten.ones.default, [4, 8], **only),
         case(aten.full.default, [4, 8], 2.5, **only),
         case(aten.scalar_tensor.default, 3.0, **only),
-        case(aten.new_ones.default, x, [4, 8], **only),
-        case(aten.new_zeros.default, x, [8], **only),
-        case(aten.new_full.default, x, [4], 1.5, **only),
-        case(aten.zeros_like.default, x, **only),
-        case(aten.ones_like.default, x, **only),
-        case(aten.full_like.default, x, 2.0, **only),
+        # the input gives dtype and device (new_*) or the shape (*_like), never values
+        case(aten.new_ones.default, x, [4, 8]),
+        case(aten.new_zeros.default, x, [8]),
+        case(aten.new_zeros.default, ints(9, 4, 8), [4, 8], tag="int"),
+        case(aten.new_full.default, x, [4], 1.5),
+        case(aten.zeros_like.default, x),
+        case(aten.ones_like.default, f64(4, 1, 8)),
+        case(aten.full_like.default, x, 2.0),
+        case(aten.zeros_like.default, ints(9, 8, 4), tag="int"),
     ]
 
 
 CASES: list[OpCase] = [
     *matmul_cases(), *pointwise_cases(), *reduction_cases(), *softmax_cases(), *norm_cases(),
     *embedding_cases(), *view_cases(), *attention_cases(), *loss_cases(), *dropout_cases(),
-    *factory_cases(),
+    *factory_cases(), *masking_cases(), *scan_pad_cases(), *indexing_cases(),
 ]
 
 # Registered targets that no case runs, and why (every other target of a non-pointwise
@@ -390,7 +520,10 @@ def rule_strategies(c: OpCase) -> tuple[OpCall, list[DimStrategy]]:
     call = c.op_call()
     rule = DEFAULT_RULES.lookup(c.op)
     assert rule is not None, f"no rule for {c.op}"
-    dims = rule(call)
+    result = rule(call)
+    expected = getattr(c, "unhandled", False)
+    assert isinstance(result, Unhandled) == expected, f"expected {'Unhandled' if expected else 'strategies'}, got {result}"
+    dims = [] if isinstance(result, Unhandled) else result
     for s in dims:
         assert len(s.inputs) == len(call.tensor_inputs), \
             f"{s}: {len(s.inputs)} input placements for {len(call.tensor_inputs)} tensor inputs"
@@ -446,6 +579,17 @@ def nd_cases() -> list[OpCase]:
         case(aten.cross_entropy_loss.default, f64(8, 4), class_targets(4, 8), None, 1, tag="mean"),
         case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), None, 0.0, True, tag="causal"),
         case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), f64(b, 1, s, s), tag="mask-b1ss"),
+        case(sdpa, f64(b, h, s, d), f64(b, h, s, d), f64(b, h, s, d), f64(h, s, s), tag="mask-hss"),
+        case(sdpa, f64(b, s, d), f64(b, s, d), f64(b, s, d), f64(b, s, s), tag="3d-mask-bss"),
+        case(aten._scaled_dot_product_flash_attention_for_cpu.default, f64(b, h, s, d), f64(b, h, s, d),
+             f64(b, h, s, d), attn_mask=f64(1, h, s, s), tag="mask-1hss"),
+        case(aten.masked_fill_.Scalar, f64(4, 8, 4), bools(1, 8, 1), -1.0),
+        case(aten.copy_.default, f64(4, 8, 4), f64(8, 4), tag="broadcast"),
+        case(aten.where.ScalarOther, bools(4, 1, 4), f64(4, 8, 4), 0.0),
+        case(aten.diff.default, f64(4, 8, 4), 1, 1, f64(4, 2, 4), tag="prepend"),
+        case(aten.pad.default, f64(4, 8, 4), [1, 1]),
+        case(aten.index.Tensor, f64(4, 8), [torch.arange(4).view(4, 1, 1, 1), torch.arange(8).view(1, 1, 8, 1)],
+             tag="hf-mask"),
     ]
 
 
@@ -540,6 +684,21 @@ def _all_cases() -> list[OpCase]:
     from test_rules_conv import CASES as CONV_CASES
 
     return [*CASES, *CONV_CASES]
+
+
+def test_in_place_ops_keep_their_first_input_placement() -> None:
+    """An in-place op returns its first input: every strategy places output and input alike."""
+    checked = set()
+    for c in CASES:
+        argument = c.op._schema.arguments[0] if hasattr(c.op, "_schema") else None
+        if argument is None or argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        call, dims = rule_strategies(c)
+        for s in expand(call, dims, (2, 2)):
+            assert s.outputs[0] == s.inputs[0], f"{c.label}: {strategy_str(s)}"
+        checked.add(c.op)
+    assert {aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.fill_.Scalar, aten.fill_.Tensor,
+            aten.copy_.default} <= checked
 
 
 def test_every_family_has_cases() -> None:

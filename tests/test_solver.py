@@ -18,11 +18,12 @@ from autopar.capture import capture
 from autopar.cost import get_precision
 from autopar.cost.collectives import collective_time, grad_placement_at_consumer, reshard
 from autopar.cost.model import CostContext, gathered_parameter_bytes
-from autopar.rules import DEFAULT_RULES
+from autopar.rules import DEFAULT_RULES, NO_RULE
 from autopar.solver.blocks import fold_repeated_blocks
 from autopar.rules.strategy import local_numel, shard_dim
 from autopar.solver.graph import build_plan_graph
 from autopar.solver.ilp import MemoryLimitError, solve
+from autopar.solver.plan import Fallback
 from examples import gpt, llama
 
 
@@ -194,10 +195,42 @@ def test_op_without_rule_falls_back_to_replicate_and_is_listed() -> None:
             return torch.flip(self.fc(x), dims=[1]).sum()
 
     plan = autopar.plan(Flipper(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
-    assert plan.fallbacks == ["aten.flip.default"]
-    assert "aten.flip.default" in str(plan)
+    assert plan.fallbacks == [Fallback(op="aten.flip.default", reason=NO_RULE, nodes=["flip"])]
+    assert f"aten.flip.default ({NO_RULE})" in " ".join(str(plan).split())
     flip = next(n for n in plan.nodes if n.op == "aten.flip.default")
-    assert flip.outputs == ["R"] and flip.inputs == ["R"] and flip.fallback
+    assert flip.outputs == ["R"] and flip.inputs == ["R"] and flip.fallback == NO_RULE
+
+
+def test_call_a_rule_does_not_handle_is_listed_with_its_reason() -> None:
+    """A matmul with a vector operand and an einsum with an ellipsis have rules, but not for
+    these forms: they run replicated and the plan says so, and why (not only ops with no rule)."""
+
+    class Scorer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.v = nn.Parameter(torch.randn(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            scores = torch.matmul(h, self.v)  # [4, 8] @ [8]: a vector operand
+            gram = torch.einsum("...i,...j->...ij", h, h)
+            return scores.sum() + gram.sum()
+
+    plan = autopar.plan(Scorer(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
+    reasons = {f.op: f.reason for f in plan.fallbacks}
+    assert reasons == {"aten.matmul.default": "a vector (1-D) operand",
+                       "aten.einsum.default": "ellipsis in the equation '...i,...j->...ij'"}
+    assert [f.nodes for f in plan.fallbacks] == [["einsum"], ["matmul"]]
+    matmul = next(n for n in plan.nodes if n.op == "aten.matmul.default")
+    assert matmul.fallback == "a vector (1-D) operand" and matmul.outputs == ["R"]
+    linear = next(n for n in plan.nodes if n.op == "aten.linear.default")
+    assert linear.fallback is None
+    text = " ".join(str(plan).split())
+    assert "aten.matmul.default (a vector (1-D) operand)" in text
+    assert "aten.einsum.default (ellipsis in the equation '...i,...j->...ij')" in text
+    data = json.loads(json.dumps(plan.to_json()))
+    assert {"op": "aten.matmul.default", "reason": "a vector (1-D) operand", "nodes": ["matmul"]} in data["fallbacks"]
 
 
 @pytest.mark.parametrize("builder", ["build_gpt2_step", "build_llama_step"])
@@ -216,8 +249,9 @@ def test_hugging_face_models_plan_end_to_end(builder: str) -> None:
                                                  if pl.startswith("S"))
                   for k, p in model.named_parameters())
     assert plan.predicted.parameter_memory_bytes == by_hand
-    # HF's mask construction uses ops we have no rule for: replicated and reported, not hidden
-    assert "aten.index.Tensor" in plan.fallbacks
+    # HF's mask construction (diff for position ids, index for the mask) has rules: no fallback
+    assert plan.fallbacks == []
+    assert any(n.op == "aten.index.Tensor" for n in plan.nodes)
     assert json.dumps(plan.to_json())
 
 

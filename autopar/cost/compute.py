@@ -72,8 +72,12 @@ def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta
     """Bytes the (unsplit) op reads and writes."""
     if target in VIEW_OPS:
         return 0.0
-    return float(sum(precision.tensor_bytes(t) for t in inputs)
-                 + sum(precision.tensor_bytes(o) for o in outputs if o is not None))
+    read = [precision.tensor_bytes(t) for t in inputs]
+    if target is aten.index.Tensor and outputs and outputs[0] is not None:
+        # A gather reads the picked elements of its source, not all of it (an embedding-sized
+        # table indexed by a few positions).
+        read[0] = min(read[0], precision.tensor_bytes(inputs[0], numel=outputs[0].numel))
+    return float(sum(read) + sum(precision.tensor_bytes(o) for o in outputs if o is not None))
 
 
 def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.capture.aliasing import writes_first_arg
 from autopar.capture.graph import TensorMeta
 from torch.distributed.tensor import Partial, Replicate
 
@@ -55,7 +56,8 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
     memory = 0.0
     if ctx.train:
         time *= 1 + BACKWARD_FACTOR
-        if call.target not in VIEW_OPS:  # outputs saved for backward; views alias them
+        # outputs saved for backward; views and in-place ops return their input's memory
+        if call.target not in VIEW_OPS and not writes_first_arg(call.target):
             memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
                          for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
     time += random_draw_time(call, mesh, ctx.precision)  # the global draw: not split

@@ -76,7 +76,7 @@ def _replace_slot(node: torch.fx.Node, slot: tuple[str, Any], new: torch.fx.Node
 def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     rerouted: list[tuple[torch.fx.Node, tuple[Any, ...] | None]] = []  # applied after the edge pass
-    shared: dict[tuple[Any, ...], torch.fx.Node] = {}  # one reshard serves every consumer needing it
+    shared: dict[tuple[Any, ...], torch.fx.Node] = {}  # one reshard serves every consumer needing it (per version)
     for node in list(graph.nodes):
         name = plan_name(node)
         strategy = strategy_of(node)
@@ -116,12 +116,18 @@ def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc
         args = _reshard_args(_slot_value(node, slot), produced, required, _grad_spec(pc, src, produced, required, name))
         if args is None:
             continue
+        if k in plan_node.as_produced:  # the solver links only equal placements on these edges
+            raise RuntimeError(f"{name} must take {src} as produced (it writes into it in place, or is a view "
+                               f"of a tensor written in place), but the plan reshards it: {args[1:]} "
+                               "(forward, and gradient, placements)")
         # Consumers needing the same placement (and sending back the same gradient
         # placement) share one reshard: autograd sums their gradients before its backward.
-        reshard = shared.get(args)
+        # Not across a write in place: a reshard made before it holds the old values.
+        key = (args, plan_node.version(k))
+        reshard = shared.get(key)
         if reshard is None:
             with gm.graph.inserting_before(node):
-                reshard = shared[args] = gm.graph.call_module("reshard", args)
+                reshard = shared[key] = gm.graph.call_module("reshard", args)
         _replace_slot(node, slot, reshard)
 
 

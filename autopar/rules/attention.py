@@ -1,19 +1,26 @@
-"""scaled_dot_product_attention(q [b, h, s, d], k, v [b, hkv, s, d], mask?).
+"""scaled_dot_product_attention(q [..., L, E], k [..., S, E], v [..., S, Ev], mask?).
 
-Attention is independent per batch row and per head, so split batch (everything
-on dim 0) or heads (q, k, v on dim 1: with grouped-query attention query head j
-reads kv head j // (h / hkv), so contiguous head blocks line up when hkv divides).
-A mask follows a dim it has at full size and is replicated where it broadcasts.
-Splitting the sequence is context parallelism (needs ring attention): not here.
+Attention mixes positions only along the last two dims (queries L against keys S);
+every leading dim (batch, heads, or any other batch-like dim: a 3-D ``(batch, seq,
+dim)`` call has one, the usual 4-D ``(batch, heads, seq, head_dim)`` call two) is
+independent, so any of them can split, with q, k, v, the mask and the outputs split on
+it together. The leading dims are counted from the call's ranks, never assumed.
+
+Operands line up with the output by right-aligned broadcasting: an operand holding
+the dim at full size is split on it, one that broadcasts there (size 1, or missing)
+is replicated. The mask broadcasts against ``(..., L, S)``. With grouped-query
+attention (``enable_gqa``) k and v have fewer heads (dim -3): query head j reads kv
+head j // (h / hkv), so contiguous blocks of query heads line up with contiguous
+blocks of kv heads when the split divides hkv (the expansion checks that).
+Splitting L or S is context parallelism (ring attention): not offered here.
 """
 
 from __future__ import annotations
 
 import torch
-
-from autopar.capture.graph import TensorMeta
 from torch.distributed.tensor import Placement
 
+from autopar.capture.graph import TensorMeta
 from autopar.rules.strategy import R, DimStrategy, OpCall, S
 from autopar.rules.table import RuleTable
 
@@ -21,36 +28,44 @@ aten = torch.ops.aten
 TABLE = RuleTable("attention")
 
 
-def _mask_placement(mask: TensorMeta, dim: int, size: int) -> Placement:
-    from_right = 4 - dim
-    if mask.ndim >= from_right and mask.shape[mask.ndim - from_right] == size and size > 1:
-        return S(mask.ndim - from_right)
-    return R
+def _aligned(t: TensorMeta, out_dim: int, out_ndim: int, size: int, grouped: bool = False) -> Placement:
+    """How operand ``t`` follows a split of output dim ``out_dim`` (right-aligned)."""
+    from_right = out_ndim - out_dim
+    if t.ndim < from_right:
+        return R  # broadcast: every rank needs all of it
+    own = t.shape[t.ndim - from_right]
+    if own == size or (grouped and own > 1):
+        return S(t.ndim - from_right)
+    return R  # size 1, broadcast
+
+
+def _attention_strategies(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta) -> list[DimStrategy]:
+    out = call.outputs[0]
+    assert out is not None
+    mask = call.get("attn_mask")
+    gqa = bool(call.get("enable_gqa", False)) and k.shape[-3:-2] != q.shape[-3:-2]
+    strategies = []
+    for d in range(out.ndim - 2):  # the leading (batch-like) dims
+        size = out.shape[d]
+        if size == 1:
+            continue
+        heads = gqa and d == out.ndim - 3
+        inputs = [_aligned(q, d, out.ndim, size), _aligned(k, d, out.ndim, size, heads),
+                  _aligned(v, d, out.ndim, size, heads)]
+        if isinstance(mask, TensorMeta):  # broadcast against (..., L, S): the same leading dims
+            inputs.append(_aligned(mask, d, out.ndim, size))
+        # Every output (the CPU kernel's logsumexp [..., L] too) starts with the leading dims.
+        outputs = tuple(None if o is None else S(d) for o in call.outputs)
+        strategies.append(DimStrategy(outputs, tuple(inputs)))
+    return strategies
 
 
 @TABLE.register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(call: OpCall) -> list[DimStrategy]:
-    q = call.args[0]
-    mask = call.get("attn_mask")
-    n_out = len(call.outputs)
-    strategies = []
-    for dim in (0, 1):
-        inputs = [S(dim), S(dim), S(dim)]
-        if isinstance(mask, TensorMeta):
-            inputs.append(_mask_placement(mask, dim, q.shape[dim]))
-        strategies.append(DimStrategy((S(dim),) * n_out, tuple(inputs)))
-    return strategies
+    return _attention_strategies(call, call.get("query"), call.get("key"), call.get("value"))
 
 
 @TABLE.register(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def sdpa_cpu_rule(call: OpCall) -> list[DimStrategy]:
-    """The CPU kernel returns (out, logsumexp[b, h, s]): both split like q."""
-    mask = call.get("attn_mask")
-    strategies = []
-    for dim in (0, 1):
-        inputs = [S(dim), S(dim), S(dim)]
-        if isinstance(mask, TensorMeta):
-            inputs.append(_mask_placement(mask, dim, call.args[0].shape[dim]))
-        outputs = tuple(S(dim) if o is not None else None for o in call.outputs)
-        strategies.append(DimStrategy(outputs, tuple(inputs)))
-    return strategies
+    """The CPU kernel returns (out, logsumexp [..., L]); attn_mask is keyword-only."""
+    return _attention_strategies(call, call.get("query"), call.get("key"), call.get("value"))

@@ -2,7 +2,8 @@
 
 In training mode the statistics run over the batch and spatial dims, so only the
 channel dim splits: weight, bias and the running statistics split with it on dim 0,
-and each rank updates its own channels' running statistics in place. In eval mode
+and each rank updates its own channels' running statistics in place (the planner keeps
+them as produced there: ``capture.aliasing.written_arg_names``). In eval mode
 (running statistics given) it is an elementwise affine map per channel, so the batch
 and spatial dims split too, everything per-channel replicated.
 Normalization is not linear: no Partial.
@@ -23,14 +24,6 @@ CHANNEL = 1
 def uses_batch_statistics(call: OpCall) -> bool:
     """Training mode, or no running statistics to normalize with."""
     return bool(call.get("training")) or call.get("running_mean") is None
-
-
-def updated_running_stats(call: OpCall) -> tuple[str, ...]:
-    """Schema names of the running statistics this call updates in place (the schema does
-    not mark them written: native_batch_norm updates them inside the composite op)."""
-    if not call.get("training"):
-        return ()
-    return tuple(name for name in ("running_mean", "running_var") if call.get(name) is not None)
 
 
 @TABLE.register(aten.batch_norm.default)

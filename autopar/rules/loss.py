@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, schema_arg
-from autopar.rules.table import RuleTable
+from autopar.rules.table import RuleTable, Unhandled
 
 aten = torch.ops.aten
 TABLE = RuleTable("loss")
@@ -34,10 +34,10 @@ def _reduction(call: OpCall) -> int:
 
 
 @TABLE.register(aten.cross_entropy_loss.default)
-def cross_entropy_rule(call: OpCall) -> list[DimStrategy]:
+def cross_entropy_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     x, target = call.args[0], call.args[1]
     if x.ndim < 2 or target.ndim < 1:
-        return []
+        return Unhandled(f"no batch dim to split (input {list(x.shape)}, target {list(target.shape)})")
     has_weight = call.get("weight") is not None
     weight = (R,) if has_weight else ()
     out = S(0) if _reduction(call) == REDUCTION_NONE else P
@@ -45,10 +45,10 @@ def cross_entropy_rule(call: OpCall) -> list[DimStrategy]:
 
 
 @TABLE.register(aten.mse_loss.default)
-def mse_rule(call: OpCall) -> list[DimStrategy]:
+def mse_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     x, target = call.args[0], call.args[1]
-    if x.shape != target.shape:
-        return []  # broadcast ([N, 1] vs [N] gives [N, N]): dims do not line up, replicate
+    if x.shape != target.shape:  # [N, 1] vs [N] gives [N, N]: dims do not line up
+        return Unhandled(f"input and target broadcast ({list(x.shape)} vs {list(target.shape)})")
     if _reduction(call) == REDUCTION_NONE:
         return [DimStrategy((S(d),), (S(d), S(d))) for d in range(x.ndim)]
     return [DimStrategy((P,), (S(d), S(d))) for d in range(x.ndim)]

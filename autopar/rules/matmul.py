@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from autopar.rules.strategy import P, R, DimStrategy, OpCall, S
-from autopar.rules.table import RuleTable
+from autopar.rules.table import RuleTable, Unhandled
 
 aten = torch.ops.aten
 TABLE = RuleTable("matmul")
@@ -96,19 +96,23 @@ def addmm_rule(call: OpCall) -> list[DimStrategy]:
 
 
 @TABLE.register(aten.matmul.default)
-def matmul_rule(call: OpCall) -> list[DimStrategy]:
+def matmul_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     """a [..., m, k] @ b [..., k, n] with equal batch dims, or b a matrix."""
     a, b = call.args[0], call.args[1]
-    if a.ndim < 2 or b.ndim < 2 or (b.ndim > 2 and a.shape[:-2] != b.shape[:-2]):
-        return []  # broadcasting/vector forms: replicate only
+    if a.ndim < 2 or b.ndim < 2:
+        return Unhandled("a vector (1-D) operand")
+    if b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
+        return Unhandled(f"batch dims broadcast ({list(a.shape)} @ {list(b.shape)})")
     batch = _letters(a.ndim - 2, skip="mkn")
     b_batch = batch if b.ndim > 2 else ""
     return einsum_strategies(f"{batch}mk,{b_batch}kn->{batch}mn")
 
 
 @TABLE.register(aten.einsum.default)
-def einsum_rule(call: OpCall) -> list[DimStrategy]:
+def einsum_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     equation = call.args[0]
-    if "." in equation or "->" not in equation:
-        return []  # ellipsis or implicit output: replicate only
+    if "." in equation:
+        return Unhandled(f"ellipsis in the equation {equation!r}")
+    if "->" not in equation:
+        return Unhandled(f"implicit output in the equation {equation!r}")
     return einsum_strategies(equation)

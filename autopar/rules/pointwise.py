@@ -1,15 +1,18 @@
-"""Elementwise ops (PyTorch's own ``torch.Tag.pointwise`` table, plus casts and copies).
+"""Elementwise ops (PyTorch's own ``torch.Tag.pointwise`` table, plus casts, copies, fills
+and the scalar forms of where / masked_fill).
 
 An elementwise op computes each output element from the same-index input elements,
 so any output dim can be split if every input holding that dim (after broadcasting)
 is split the same way; inputs broadcast along it are replicated. Ops linear in an
-input keep a Partial sum Partial.
+input keep a Partial sum Partial. An in-place op (``masked_fill_``, ``copy_``, ``fill_``,
+``add_``) returns its first input, so its output placement is that input's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from autopar.capture.aliasing import writes_first_arg
 from autopar.capture.graph import TensorMeta
 from autopar.rules.strategy import P, R, DimStrategy, OpCall, S
 from autopar.rules.table import RuleTable
@@ -17,11 +20,15 @@ from autopar.rules.table import RuleTable
 aten = torch.ops.aten
 TABLE = RuleTable("pointwise")
 
-# Ops that are elementwise but carry no pointwise tag: casts, copies, bitwise tensor ops.
+# Ops that are elementwise but carry no pointwise tag: casts, copies, bitwise tensor ops,
+# fills, and where / masked_fill with a scalar or 0-d tensor operand (T5, HF masks).
 EXTRA_POINTWISE = [
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
     aten.contiguous.default, aten.alias.default, aten.__and__.Tensor, aten.__or__.Tensor,
     aten.type_as.default, aten.detach.default, aten.lift_fresh_copy.default,
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Tensor,
+    aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.fill.Scalar, aten.fill.Tensor,
+    aten.fill_.Scalar, aten.fill_.Tensor, aten.copy.default, aten.copy_.default, aten.detach_.default,
 ]
 
 # f(sum x_i) = sum f(x_i): a Partial input gives a Partial output.
@@ -59,6 +66,8 @@ def broadcast_strategies(call: OpCall) -> list[DimStrategy]:
 
 def pointwise_rule(call: OpCall) -> list[DimStrategy]:
     strategies = broadcast_strategies(call)
+    if writes_first_arg(call.target):  # the output is the input: the same placement (self never broadcasts)
+        return [s for s in strategies if s.outputs[0] == s.inputs[0]]
     n_in = len(call.tensor_inputs)
     n_out = len(call.outputs)
     if call.target in LINEAR_UNARY and n_in == 1 and _keeps_sums(call):

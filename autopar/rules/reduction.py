@@ -1,4 +1,5 @@
-"""Reductions: sum, mean, amax/amin, and friends along given dims.
+"""Reductions: sum, mean, amax/amin, and friends along given dims; scans along one dim
+(cumsum, diff).
 
 A dim that is kept can be split freely (each rank reduces its own rows). A dim that
 is reduced can be split only when the reduction is a sum: each rank's sum over its
@@ -56,4 +57,19 @@ def cumsum_rule(call: OpCall) -> list[DimStrategy]:
     dim = normalize_dim(call.args[1], max(x.ndim, 1))
     strategies = [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim) if d != dim]
     strategies.append(DimStrategy((P,), (P,)))
+    return strategies
+
+
+@TABLE.register(aten.diff.default)
+def diff_rule(call: OpCall) -> list[DimStrategy]:
+    """Differences along ``dim`` (of ``cat(prepend, x, append)``) need it whole; the other dims
+    split, with prepend/append (same shape but along ``dim``) split alike. It is linear in all
+    of them at once (bool tensors differ by xor: not linear): Partial everywhere gives a
+    Partial output."""
+    x = call.get("self")
+    dim = normalize_dim(call.get("dim", -1), max(x.ndim, 1))
+    n_in = len(call.tensor_inputs)
+    strategies = [DimStrategy((S(d),), (S(d),) * n_in) for d in range(x.ndim) if d != dim]
+    if x.dtype != torch.bool:
+        strategies.append(DimStrategy((P,), (P,) * n_in))
     return strategies

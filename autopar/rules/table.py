@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from autopar.rules.strategy import DimStrategy, OpCall
 
-Rule = Callable[[OpCall], list[DimStrategy]]
-"""Single-mesh-dimension strategies of one op call (the all-Replicate one is added for free)."""
+
+@dataclass(frozen=True)
+class Unhandled:
+    """A rule's answer for a call it does not handle (a shape or argument form it has no
+    strategies for): the call runs replicated and the plan lists it as a fallback, with
+    ``reason``. An empty strategy list means something else: replication is the complete
+    answer (a factory has nothing to split)."""
+
+    reason: str
+    """Why, for the person reading the plan ('vector operand', 'ellipsis in the equation')."""
+
+
+NO_RULE = "no sharding rule for this op"
+
+Rule = Callable[[OpCall], list[DimStrategy] | Unhandled]
+"""Single-mesh-dimension strategies of one op call (the all-Replicate one is added for free),
+or ``Unhandled`` for a call the rule does not cover."""
 
 
 class RuleTable:
@@ -47,3 +63,14 @@ class RuleSet:
 
     def lookup(self, target: Any) -> Rule | None:
         return self.rules.get(target)
+
+    def strategies(self, call: OpCall) -> tuple[list[DimStrategy], str | None]:
+        """The call's single-dim strategies, and why it falls back to replication (None when
+        a rule handled it): no rule for the op, or its rule said ``Unhandled``."""
+        rule = self.lookup(call.target)
+        if rule is None:
+            return [], NO_RULE
+        result = rule(call)
+        if isinstance(result, Unhandled):
+            return [], result.reason
+        return result, None

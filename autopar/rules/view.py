@@ -1,5 +1,5 @@
 """Views and data movement: view/reshape/flatten/unflatten/expand/transpose/permute/
-(un)squeeze, slice/select, cat/stack, split/chunk, getitem.
+(un)squeeze, slice/select, pad, cat/stack, split/chunk, getitem.
 
 Dimension mapping comes from DTensor's own view analysis (``_view_ops``): for each
 output dim it says which input dim(s) it came from. A split can follow a dim that
@@ -19,9 +19,10 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch.distributed.tensor import Placement
 from torch.distributed.tensor._ops import _view_ops as dt_views
 
-from autopar.rules.strategy import P, DimStrategy, OpCall, S, normalize_dim, strided
+from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, normalize_dim, strided
 from autopar.rules.table import RuleTable
 
 aten = torch.ops.aten
@@ -105,6 +106,20 @@ def slice_rule(call: OpCall) -> list[DimStrategy]:
     return [*strategies, DimStrategy((P,), (P,))]
 
 
+@TABLE.register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(call: OpCall) -> list[DimStrategy]:
+    """Padding (or cropping) a dim needs it whole; the dims it leaves alone split. A zero
+    constant pad is linear, so Partial passes (reflect/replicate/circular copy values)."""
+    x = call.get("self")
+    pad = call.get("pad")
+    touched = {x.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    strategies = [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim) if d not in touched]
+    constant = call.get("mode", "constant") == "constant"
+    if constant and not call.get("value") and x.dtype != torch.bool:
+        strategies.append(DimStrategy((P,), (P,)))
+    return strategies
+
+
 @TABLE.register(aten.select.int)
 def select_rule(call: OpCall) -> list[DimStrategy]:
     x = call.args[0]
@@ -115,14 +130,19 @@ def select_rule(call: OpCall) -> list[DimStrategy]:
 
 @TABLE.register(aten.cat.default)
 def cat_rule(call: OpCall) -> list[DimStrategy]:
-    """All inputs split alike on a dim other than the one joined."""
+    """All inputs split alike on a dim other than the one joined. torch.cat skips a legacy
+    empty tensor (shape (0,), T5's empty KV cache) whatever the others' rank: there is
+    nothing of it to split, so every rank takes it whole."""
     tensors = call.tensor_inputs
     out = call.outputs[0]
     dim = normalize_dim(call.get("dim", 0), out.ndim)
-    if any(t.ndim != out.ndim for t in tensors):  # legacy empty-tensor cat: replicate
-        return []
-    strategies = [DimStrategy((S(d),), tuple(S(d) for _ in tensors)) for d in range(out.ndim) if d != dim]
-    return [*strategies, DimStrategy((P,), tuple(P for _ in tensors))]
+    skipped = [t.ndim != out.ndim for t in tensors]  # only a (0,) tensor may differ in rank
+
+    def each(p: Placement) -> tuple[Placement, ...]:
+        return tuple(R if skip else p for skip in skipped)
+
+    strategies = [DimStrategy((S(d),), each(S(d))) for d in range(out.ndim) if d != dim]
+    return [*strategies, DimStrategy((P,), each(P))]
 
 
 @TABLE.register(aten.stack.default)

@@ -190,7 +190,8 @@ def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis
     (strided allowed when every rank receives the whole batch and slices it itself), and
     everything computed from the inputs stays split on the axis (Shard or Partial: each rank
     works on its part of the batch, never gathers it) wherever the op has such a strategy;
-    an op that can only run replicated (no rule) gathers its input, as the plan then shows."""
+    an op that can only run replicated (no rule), or writes into a replicated tensor in
+    place, gathers its input, as the plan then shows."""
     pins: dict[str, Pin] = {}
     from_data: set[str] = set()
     for name in graph.order:
@@ -201,8 +202,10 @@ def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis
             pins[name] = Pin(output=Shard(0), reason=f"data parallel on {axis_name} (batch split)",
                              strided_ok=inputs_whole)
             from_data.add(name)
-        elif node.kind == "op" and any(src in from_data for src, _ in node.args):
-            from_data.add(name)
+        elif node.kind == "op" and node.family != "factory" and any(src in from_data for src, _ in node.args):
+            from_data.add(name)  # (a factory reads only the shape of what it is given)
+            if node.as_produced:  # an in-place write (or view written through) follows its tensor
+                continue
             if any(s.outputs and s.outputs[0] is not None and not isinstance(s.outputs[0][axis], Replicate)
                    for s in node.strategies):
                 pins[name] = Pin(split=True, reason=f"data parallel on {axis_name} (computed from the batch)")

@@ -12,12 +12,12 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Placement
 
+from autopar.capture.aliasing import as_produced_args, read_versions
 from autopar.capture.graph import CapturedGraph, TensorMeta
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
-from autopar.rules.mutation import written_inputs
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
 
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
@@ -56,21 +56,31 @@ class PlanNode:
     dim_strategies: list[DimStrategy] = field(default_factory=list)
     """The rule's single-mesh-dim strategies ``strategies`` expand (empty for leaves)."""
     costs: list[NodeCost] = field(default_factory=list)
-    fallback: bool = False
-    """No rule for this op: only the all-Replicate strategy was offered."""
+    family: str | None = None
+    """The rule family of an op ('matmul', 'factory', ...); None without a rule."""
+    fallback: str | None = None
+    """Why only the all-Replicate strategy was offered (no rule for the op, or its rule does
+    not handle this call); None when a rule handled it."""
     comm_times: list[float] = field(default_factory=list)
     """Seconds of collectives a strategy runs by itself (the loss's reductions), if any."""
     follower: bool = False
     """A view or elementwise op of one tensor: it takes its input placement as produced."""
-    written: frozenset[int] = frozenset()
-    """Inputs (indices into ``args``) the op writes in place, such as batch norm's running
-    statistics: each must arrive exactly as produced, or the write lands in a copy."""
     targets_input: str | None = None
     """For a loss: the user input its targets are a view of, if any (counted whole when
     every rank receives the whole batch)."""
     fqn: str | None = None
     frozen: bool = False
     """A parameter with ``requires_grad=False``: no gradient, no sync, no optimizer state."""
+    as_produced: frozenset[int] = frozenset()
+    """Tensor inputs (indices into ``args``) that must arrive exactly as produced, never
+    resharded: the op writes into them in place, or they are the base of a view that some
+    op writes through (``capture.aliasing``)."""
+    read_versions: tuple[int, ...] = ()
+    """Per tensor input, how many in-place writes into its storage came before this read
+    (empty: none). Reads of different versions cannot share one reshard."""
+
+    def version(self, arg: int) -> int:
+        return self.read_versions[arg] if self.read_versions else 0
 
 
 @dataclass
@@ -135,6 +145,8 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     loss: str | None = None
     output_names: list[str] = []
     memo: StrategyMemo = {}
+    pinned = {n.name: {a.name for a in args} for n, args in as_produced_args(captured.gm.graph).items()}
+    versions = {(reader.name, arg.name): v for (reader, arg), v in read_versions(captured.gm.graph).items()}
     for node in captured.gm.graph.nodes:
         if node.op == "output":
             flat = torch.utils._pytree.tree_leaves(node.args[0])
@@ -155,6 +167,9 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             pn.costs = leaf_costs(pn, ctx)
         else:
             pn = _op_node(node, nodes, rules, ctx, outputs, memo)
+            pn.as_produced = frozenset(k for k, (src, _) in enumerate(pn.args) if src in pinned.get(pn.name, ()))
+            if any((pn.name, src) in versions for src, _ in pn.args):
+                pn.read_versions = tuple(versions.get((pn.name, src), 0) for src, _ in pn.args)
         nodes[pn.name] = pn
         order.append(pn.name)
     _drop_gradients_nobody_sends(nodes, order, ctx)
@@ -205,9 +220,10 @@ def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> li
     return reshard(meta, out, (R,) * ctx.mesh.ndim, ctx.mesh, ctx.precision)
 
 
-StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost]]]
-"""Strategies and costs per distinct op call: the layers of a deep model repeat the same calls.
-The lists are shared between nodes and never changed in place (passes assign new ones)."""
+StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost], str | None]]
+"""Strategies, costs and fallback reason per distinct op call: the layers of a deep model repeat
+the same calls. The lists are shared between nodes and never changed in place (passes assign
+new ones)."""
 
 
 def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,
@@ -237,22 +253,19 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         and any(nodes[p].needs_grad for p, _ in producers) \
         and any(o is not None and o.dtype.is_floating_point for o in outputs)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
-    rule = rules.lookup(node.target)
-    pn.fallback = rule is None
-    pn.follower = rules.family.get(node.target) in FOLLOWER_FAMILIES and len(producers) == 1
-    if node.target is not operator.getitem:
-        pn.written = written_inputs(call)
+    pn.family = rules.family.get(node.target)
+    pn.follower = pn.family in FOLLOWER_FAMILIES and len(producers) == 1
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
         pn.targets_input = _view_root(producers[1][0], nodes)
     key = call_key(call)
     known = memo.get(key) if key is not None else None
     if known is None:
-        dim_strategies = rule(call) if rule is not None else []
+        dim_strategies, fallback = rules.strategies(call)
         strategies = expand(call, dim_strategies, ctx.mesh.shape)
-        known = (dim_strategies, strategies, [op_cost(call, s, ctx) for s in strategies])
+        known = (dim_strategies, strategies, [op_cost(call, s, ctx) for s in strategies], fallback)
         if key is not None:
             memo[key] = known
-    pn.dim_strategies, pn.strategies, pn.costs = known
+    pn.dim_strategies, pn.strategies, pn.costs, pn.fallback = known
     return pn
 
 

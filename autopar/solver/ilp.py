@@ -107,8 +107,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         if link is not None:
             links[key] = link
     for keys, count in classes.items():
-        if len(keys) > 1:  # an edge into an in-place write has no link: it never reshards
-            _add_shared(model, [links[k] for k in keys if k in links], count, memory_row)
+        if len(keys) > 1:
+            _add_shared(model, [links[k] for k in keys], count, memory_row)
     sync.add_bucket_rows()
     if memory_limit is not None and not minimize_memory:
         model.rows.append((memory_row, -INF, float(memory_limit)))
@@ -197,9 +197,10 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
         syncing.note(j, a, b)
     link = None
-    if edge.arg in cons.written and edge.producer != edge.consumer:
-        # Written in place: a resharded copy would take the write, so the placements must match.
-        _add_follower_edge(model, edge, x, groups_p, groups_c, add)
+    if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
+        if transport:
+            link = _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
+        link = _add_as_produced_edge(model, edge, x, groups_p, groups_c, add, link)
     elif transport:
         link = _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
     else:
@@ -299,3 +300,27 @@ def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], group
         row = dict(flow_in[a])
         row.update({x[edge.producer][s]: -1.0 for s in groups_p[ka]})
         model.rows.append((row, 0.0, 0.0))
+
+
+def _add_as_produced_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
+                          add: Callable[[int, int, int], None], link: _Link | None) -> _Link | None:
+    """The consumer takes the input exactly as produced: only equal placements are linked
+    (with transport variables already made for a shared reshard, the others are fixed to 0)."""
+    keys_p, keys_c = list(groups_p), list(groups_c)
+    if link is not None:
+        for a, ka in enumerate(keys_p):
+            for b, (placement, _active) in enumerate(keys_c):
+                if ka != placement:
+                    model.rows.append(({link.e[a][b]: 1.0}, 0.0, 0.0))
+        return link
+    if edge.producer == edge.consumer:  # one decision on both ends: rule out the strategies that differ
+        for s in range(len(x[edge.consumer])):
+            a = next(i for i, k in enumerate(keys_p) if s in groups_p[k])
+            b = next(i for i, k in enumerate(keys_c) if s in groups_c[k])
+            if keys_p[a] != keys_c[b][0]:
+                model.rows.append(({x[edge.consumer][s]: 1.0}, 0.0, 0.0))
+            else:
+                add(x[edge.consumer][s], a, b)
+        return None
+    _add_follower_edge(model, edge, x, groups_p, groups_c, add)
+    return None

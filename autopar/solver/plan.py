@@ -43,9 +43,25 @@ class NodePlacement:
     module: str
     outputs: list[str]
     inputs: list[str]
-    fallback: bool
+    fallback: str | None
+    """Why the op runs replicated only (no rule, or a call its rule does not handle); None otherwise."""
     shapes: list[list[int]]
     """Global shape of each output (None-free; [] for a scalar)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fallback:
+    """Nodes of one op that run replicated for one reason."""
+
+    op: str
+    """The aten overload ('aten.matmul.default')."""
+    reason: str
+    """'no sharding rule for this op', or what the op's rule does not handle in these calls."""
+    nodes: list[str]
+    """The graph nodes concerned, in graph order."""
+
+    def __str__(self) -> str:
+        return f"{self.op} ({self.reason}) x{len(self.nodes)}" if len(self.nodes) > 1 else f"{self.op} ({self.reason})"
 
 
 @dataclass(kw_only=True)
@@ -72,8 +88,8 @@ class Plan:
     nodes: list[NodePlacement]
     collectives: list[PlannedCollective]
     predicted: Predicted
-    fallbacks: list[str]
-    """Ops with no sharding rule, run replicated."""
+    fallbacks: list[Fallback]
+    """Calls run replicated because no rule handles them, grouped by op and reason."""
     grad_buckets: list[GradBucket] = field(default_factory=list)
     """Gradient all-reduce buckets after backward (parameter node names, mesh dims, bytes)."""
     solver: dict[str, Any] = field(default_factory=dict)
@@ -97,6 +113,16 @@ class Plan:
 
     def __str__(self) -> str:
         return render_text(self)
+
+
+def fallback_groups(graph: PlanGraph) -> list[Fallback]:
+    """Fallback nodes grouped by (op, reason), sorted so every rank and run lists them alike."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in graph.order:
+        reason = graph.nodes[name].fallback
+        if reason is not None:
+            groups.setdefault((graph.nodes[name].op, reason), []).append(name)
+    return [Fallback(op=op, reason=reason, nodes=nodes) for (op, reason), nodes in sorted(groups.items())]
 
 
 def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, frozenset[int]]:
@@ -158,9 +184,10 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
             required = chosen[name].inputs[arg]
             grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
                        if ctx.train and graph.nodes[src].needs_grad else None)
-            if (src, out_index, required, grad_in) in resharded:  # shared with an earlier consumer
+            version = node.version(arg)  # a write in place between two reads: nothing shared
+            if (src, out_index, version, required, grad_in) in resharded:  # shared with an earlier consumer
                 continue
-            resharded.add((src, out_index, required, grad_in))
+            resharded.add((src, out_index, version, required, grad_in))
             edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
             act_mem += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
                                                 chosen[name].inputs[arg], ctx,
@@ -186,7 +213,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
              for n in graph.order]
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}
-    fallbacks = sorted({graph.nodes[n].op for n in graph.order if graph.nodes[n].fallback})
+    fallbacks = fallback_groups(graph)
     predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,
                           peak_memory_bytes=param_mem + act_mem, parameter_memory_bytes=param_mem,
                           activation_memory_bytes=act_mem, comm_bytes=comm_bytes)

@@ -24,7 +24,8 @@ class Plan(Protocol):
     nodes: list[Any]
     collectives: list[Any]
     predicted: Any
-    fallbacks: list[str]
+    fallbacks: list[Any]
+    """Each prints as 'op (reason)'."""
     pinned: dict[str, str]
     solver: dict[str, Any]
     memory_limit_bytes: float | None
@@ -116,7 +117,7 @@ def render(plan: Plan) -> Group:
                     + " per device per step")
     if plan.pinned:
         summary.add_row("pinned", ", ".join(f"{k}: {v}" for k, v in plan.pinned.items()))
-    summary.add_row("fallbacks", ", ".join(plan.fallbacks) + " (replicated: no rule)" if plan.fallbacks else "none")
+    summary.add_row("fallbacks", "replicated: " + ", ".join(map(str, plan.fallbacks)) if plan.fallbacks else "none")
     if plan.solver.get("status", "optimal") != "optimal":
         summary.add_row("solver", solver_note(plan.solver))
     if plan.notes:

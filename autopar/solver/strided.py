@@ -73,14 +73,14 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
             known = memo.get(key) if key is not None else None
             if known is None:
                 twins = [t for t in _twins(node.dim_strategies, wanted) if t not in node.dim_strategies]
-                known = (node.dim_strategies, node.strategies, node.costs)
+                known = (node.dim_strategies, node.strategies, node.costs, node.fallback)
                 if twins:
                     dims = [*node.dim_strategies, *twins]
                     strategies = expand(node.call, dims, ctx.mesh.shape)
-                    known = (dims, strategies, [op_cost(node.call, s, ctx) for s in strategies])
+                    known = (dims, strategies, [op_cost(node.call, s, ctx) for s in strategies], node.fallback)
                 if key is not None:
                     memo[key] = known
-            node.dim_strategies, node.strategies, node.costs = known
+            node.dim_strategies, node.strategies, node.costs, _ = known
         elif wanted and node.kind != OP:
             meta = node.outputs[0]
             assert meta is not None
