@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -50,12 +51,14 @@ def op_flops(call: OpCall) -> float:
 
 
 def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta | None, ...],
-             precision: Precision) -> float:
-    """Bytes the (unsplit) op reads and writes."""
+             precision: Precision, local_numel: Callable[[TensorMeta, int], int] | None = None) -> float:
+    """Bytes the op reads and writes: whole tensors, or with ``local_numel(meta, k)`` the
+    elements one rank holds of tensor ``k`` (inputs, then outputs, in order)."""
     if target in VIEW_OPS:
         return 0.0
-    return float(sum(precision.tensor_bytes(t) for t in inputs)
-                 + sum(precision.tensor_bytes(o) for o in outputs if o is not None))
+    tensors = [*inputs, *outputs]
+    return float(sum(precision.tensor_bytes(t, None if local_numel is None else local_numel(t, k))
+                     for k, t in enumerate(tensors) if t is not None))
 
 
 def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision) -> float:

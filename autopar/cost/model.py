@@ -13,7 +13,7 @@ from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_tim
 from autopar.cost.compute import BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, roofline_time
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
-from autopar.rules.strategy import OpCall, Placements, Strategy, local_numel
+from autopar.rules.strategy import OpCall, Placements, Strategy, local_numel, shard_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,11 +43,33 @@ class EdgeCost:
     backward: tuple[CollectiveCall, ...]
 
 
+def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
+    """True when each rank does only its part of the op's work along ``mesh_dim``.
+
+    The work is split by inputs that are actually split: some input sharded (plain or
+    strided) on this dim, a split contraction with a Partial output included. Partial and
+    replicated inputs are whole tensors on every rank, so an op reading only those does
+    the whole work whatever its output (``mm(Partial, Replicate) -> Partial`` multiplies
+    the whole matrix on every rank). An op with neither, producing a sharded output (a
+    factory building its slice), computes only its slice. This is not
+    ``Strategy.is_active``, which decides where gradients come back Partial.
+    """
+    inputs = [placements[mesh_dim] for placements in strategy.inputs]
+    if any(shard_dim(p) is not None for p in inputs):
+        return True
+    if any(isinstance(p, Partial) for p in inputs):
+        return False
+    return any(o is not None and shard_dim(o[mesh_dim]) is not None for o in strategy.outputs)
+
+
 def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
     mesh = ctx.mesh
-    ways = math.prod(n for i, n in enumerate(mesh.shape) if strategy.is_active(i))
+    ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
     flops = op_flops(call) / ways
-    nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision) / ways
+    placements = [*strategy.inputs, *strategy.outputs]
+    # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
+    nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,
+                      lambda meta, k: local_numel(meta, placements[k] or (), mesh.shape))
     time = roofline_time(flops, nbytes, mesh, ctx.precision)
     memory = 0.0
     if ctx.train:
