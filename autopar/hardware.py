@@ -43,6 +43,19 @@ class HardwareProfile:
     """Fraction of peak memory bandwidth that elementwise kernels reach."""
     network_efficiency: float = 0.8
     """Fraction of link bandwidth that ring collectives reach (bus bandwidth)."""
+    op_overhead: float = 0.0
+    """Fixed seconds of one kernel-running op in forward, whatever its size: framework
+    dispatch (Python, PyTorch's dispatcher, autograd recording) and the kernel launch."""
+    backward_op_overhead: float = 0.0
+    """Fixed seconds of one op's backward: its autograd node and the kernels it launches."""
+    collective_overhead: float = 0.0
+    """Fixed seconds of one collective call besides its ring steps: dispatch and launch,
+    and on CPUs gloo's handshake with the peers."""
+    optimizer_param_overhead: float = 0.0
+    """Fixed seconds the optimizer spends per parameter tensor and step."""
+    overlapped_dispatch: bool = False
+    """The host dispatches ahead of the device (CUDA streams): an op takes the longer of
+    its work and its fixed cost, not their sum."""
     default_precision: str = "bf16"
     """Precision a plan uses unless told otherwise: 'bf16' (mixed) or 'fp32'."""
 
