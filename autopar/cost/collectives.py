@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Placement, Replicate
 
 from autopar.capture.graph import TensorMeta
+from autopar.cost.compute import with_fixed_cost
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 
@@ -32,13 +33,17 @@ class CollectiveCall:
 
 
 def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
+    """Ring steps times the link latency and bytes over its bandwidth, after the call's
+    fixed cost (``collective_overhead``). A bucketed gradient all-reduce is priced per
+    parameter, its call's fixed cost amortized over the bucket like its ring steps."""
     n = mesh.shape[call.mesh_dim]
     if n == 1:
         return 0.0
-    link = mesh.link(call.mesh_dim)
+    hw, link = mesh.hardware, mesh.link(call.mesh_dim)
     steps = 0 if call.bucketed else 2 * (n - 1) if call.kind == ALL_REDUCE else n - 1
     volume = (2 if call.kind == ALL_REDUCE else 1) * (n - 1) / n * call.nbytes
-    return steps * link.latency + volume / link.bandwidth
+    fixed = 0.0 if call.bucketed else hw.collective_overhead
+    return with_fixed_cost(steps * link.latency + volume / link.bandwidth, fixed, hw)
 
 
 def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 import torch
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
+from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
 from autopar.rules.strategy import OpCall
 
@@ -21,6 +23,7 @@ VIEW_OPS = {
     aten.expand.default, aten.slice.Tensor, aten.select.int, aten.alias.default, aten.flatten.using_ints,
     aten.unflatten.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
     aten.detach.default,
+    operator.getitem,  # picks one output of a multi-output op: Python, not even a dispatch
 }
 
 
@@ -67,6 +70,14 @@ def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision)
     compute = flops / (hw.peak_flops(precision.name) * hw.compute_efficiency)
     memory = nbytes / (hw.memory_bandwidth * hw.memory_efficiency)
     return max(compute, memory)
+
+
+def with_fixed_cost(work: float, fixed: float, hw: HardwareProfile) -> float:
+    """Seconds of an op doing ``work`` seconds of device work after ``fixed`` seconds of
+    dispatch: their sum where the host runs the op itself (CPU), the longer of the two where
+    it dispatches ahead of the device (``overlapped_dispatch``: a kernel shorter than its
+    launch leaves the device waiting on the host, a longer one hides it)."""
+    return max(work, fixed) if hw.overlapped_dispatch else work + fixed
 
 
 BACKWARD_FACTOR = 2.0

@@ -10,10 +10,11 @@ from torch.distributed.tensor import Partial, Replicate
 
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, roofline_time
+from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, roofline_time,
+                                  with_fixed_cost)
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
-from autopar.rules.strategy import OpCall, Placements, Strategy, local_numel, shard_dim
+from autopar.rules.strategy import OpCall, Placements, Strategy, is_float, local_numel, shard_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,9 @@ def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
 
 
 def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
+    """One rank's seconds for the op in a step (its share of the work by roofline, forward
+    and, when training, backward at ``BACKWARD_FACTOR`` times, each phase after its fixed
+    cost), and the bytes it keeps for backward."""
     mesh = ctx.mesh
     ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
     flops = op_flops(call) / ways
@@ -70,11 +74,15 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
     # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
     nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,
                       lambda meta, k: local_numel(meta, placements[k] or (), mesh.shape))
-    time = roofline_time(flops, nbytes, mesh, ctx.precision)
+    work = roofline_time(flops, nbytes, mesh, ctx.precision)
+    hw = mesh.hardware
+    kernel = call.target not in VIEW_OPS  # a view runs no kernel: priced free
+    time = with_fixed_cost(work, hw.op_overhead if kernel else 0.0, hw)
     memory = 0.0
     if ctx.train:
-        time *= 1 + BACKWARD_FACTOR
-        if call.target not in VIEW_OPS:  # outputs saved for backward; views alias them
+        if any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
+            time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead if kernel else 0.0, hw)
+        if kernel:  # outputs saved for backward; views alias them
             memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
                          for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
     return NodeCost(time, memory)
@@ -87,7 +95,9 @@ def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext) -
         return NodeCost(0.0, float(numel * ctx.precision.weight_bytes_per_param))
     state = numel * ctx.precision.state_bytes_per_param
     # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
-    update = roofline_time(10.0 * numel, 2.0 * state, ctx.mesh, ctx.precision)
+    hw = ctx.mesh.hardware
+    update = with_fixed_cost(roofline_time(10.0 * numel, 2.0 * state, ctx.mesh, ctx.precision),
+                             hw.optimizer_param_overhead, hw)
     return NodeCost(update, float(state))
 
 
