@@ -116,23 +116,24 @@ PROFILES: dict[str, HardwareProfile] = {
     # busy and nothing else runs; wall times under other helpers' load, 1-min load average
     # 6-28, were 1.5-4x higher), medians of three runs, so the efficiencies are 1.
     # ``benchmarks/calibrate_ops.py``: fp32 linears forward and backward at the examples'
-    # per-rank shapes (256 tokens x 128 -> 192 ... 128 -> 512) 27-32 GFLOP/s; their other
+    # per-rank shapes (256 tokens x 128 -> 192 ... 128 -> 512) 28-32 GFLOP/s; their other
     # ops together (norms, activations, add, mul, cat, dropout, embedding, cross-entropy)
-    # 3.5-3.9 GB/s of ``op_bytes``, slower than a bare add (9-37 GB/s): the compute of
-    # erf, exp and reductions, cold caches between ops; fixed costs 11-12 us per op forward
-    # and 12-13 us per op backward (medians over 11 ops on 64 elements; a view measures
-    # 5-6 us, priced free), AdamW's per-tensor loop 61-65 us per parameter.
+    # 3.7-4.2 GB/s of ``op_bytes``, slower than a bare add (9-37 GB/s): the compute of
+    # erf, exp and reductions, cold caches between ops; fixed costs 17-18 us per op forward
+    # and 27-29 us per op backward (means over 11 ops on 64 elements, from 5 us for neg to
+    # 70/100 us for sdpa; a view measures 5-6 us, priced free), AdamW's per-tensor loop
+    # 61-65 us per parameter.
     # ``benchmarks/calibrate_collectives.py`` (through autopar's runtime ``Reshard``, on
     # both axes of a 2 x 2 mesh and a flat mesh of 4): 1.40-1.62 ms per call, 0-64 us per
     # ring step, 0.60-0.90 GB/s. CPUs have no bf16 advantage: plans default to fp32.
     # Inter-node figures are not measured (the CI mesh fits in one node).
     "cpu": HardwareProfile(
-        name="cpu", peak_flops_bf16=31e9, peak_flops_fp32=31e9,
-        memory_bandwidth=3.8 * GB, memory_bytes=24 * GiB,
+        name="cpu", peak_flops_bf16=32e9, peak_flops_fp32=32e9,
+        memory_bandwidth=4.1 * GB, memory_bytes=24 * GiB,
         intra_node_bandwidth=0.75 * GB, intra_node_latency=40e-6,
         inter_node_bandwidth=0.6 * GB, inter_node_latency=60e-6,
         compute_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
-        op_overhead=11e-6, backward_op_overhead=12e-6, collective_overhead=1.45e-3,
+        op_overhead=17.5e-6, backward_op_overhead=28e-6, collective_overhead=1.45e-3,
         optimizer_param_overhead=64e-6,
         default_precision="fp32",
     ),

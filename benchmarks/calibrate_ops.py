@@ -11,8 +11,8 @@ rank running the same measurements at the same time, and fits those figures:
 * fixed cost per op: chains of ``--chain`` ops on 64-element tensors (no work to speak of),
   of the kinds transformer graphs run, called as the compiled program calls them
   (``torch.ops.aten.<op>.<overload>``, autograd recording); forward = chain / K, backward =
-  (backward of the chain - backward of an empty chain) / K. Views are measured apart (the
-  cost model prices them free).
+  (backward of the chain - backward of an empty chain) / K; the mean over the ops. Views
+  are measured apart (the cost model prices them free).
 * work: the example models' ops at their per-rank shapes on a dp=2 x tp=2 mesh (256 tokens,
   width 128, MLP 256, 2 heads of 32), forward and backward, inputs rotating over
   ``--sets`` copies so that, as in a step, they are not all in cache. Linears give the FLOP
@@ -267,8 +267,10 @@ def summarize(results: list[dict], world: int, cores: int) -> dict[str, Any]:
     fixed = {name: _median_over_ranks(results, ("fixed", name), share) for name in results[0]["fixed"]}
     work = {name: {"kind": v["kind"], "flops": v["flops"], "bytes": v["bytes"],
                    **_median_over_ranks(results, ("work", name), share)} for name, v in results[0]["work"].items()}
-    op_fwd = statistics.median(v["ci"]["forward"] for k, v in fixed.items() if k.startswith("op:"))
-    op_bwd = statistics.median(v["ci"]["backward"] for k, v in fixed.items() if k.startswith("op:"))
+    # Means, not medians: a step pays the sum over its ops, and decomposed ops (rms_norm,
+    # sdpa, gelu's backward) cost several times the simple ones.
+    op_fwd = statistics.mean(v["ci"]["forward"] for k, v in fixed.items() if k.startswith("op:"))
+    op_bwd = statistics.mean(v["ci"]["backward"] for k, v in fixed.items() if k.startswith("op:"))
     for v in work.values():  # the model: forward = work + op_fwd, backward = 2 work + op_bwd
         v["work_s"] = max(v["ci"]["forward"] + v["ci"]["backward"] - op_fwd - op_bwd, 1e-9) / 3
         v["rate"] = (v["bytes"] if v["kind"] == "bytes" else v["flops"]) / v["work_s"]
@@ -279,9 +281,9 @@ def summarize(results: list[dict], world: int, cores: int) -> dict[str, Any]:
         "world": world, "cores": cores, "loadavg": [min(load), max(load)], "fixed": fixed, "work": work,
         "optimizer_per_param": _median_over_ranks(results, ("optimizer",), share),
         "fit": {"op_overhead_s": op_fwd, "backward_op_overhead_s": op_bwd,
-                "view_forward_s": statistics.median(v["ci"]["forward"] for k, v in fixed.items() if k.startswith("view:")),
-                "view_backward_s": statistics.median(v["ci"]["backward"] for k, v in fixed.items()
-                                                     if k.startswith("view:")),
+                "view_forward_s": statistics.mean(v["ci"]["forward"] for k, v in fixed.items() if k.startswith("view:")),
+                "view_backward_s": statistics.mean(v["ci"]["backward"] for k, v in fixed.items()
+                                                   if k.startswith("view:")),
                 "flops_per_s": sum(v["flops"] for v in matmuls) / sum(v["work_s"] for v in matmuls),
                 "bytes_per_s": sum(v["bytes"] for v in memory_bound) / sum(v["work_s"] for v in memory_bound),
                 "optimizer_param_overhead_s": None},
