@@ -305,11 +305,9 @@ def profile_step(rank: int, auto: Variant, hand: Variant | None) -> dict[str, st
     return result
 
 
-# --------------------------------------------------------------------------- forking (as tests/distributed.py)
-
 # --------------------------------------------------------------------------- report
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
@@ -331,62 +329,48 @@ def main() -> None:
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    return args
 
-    from rich.console import Console
-    from rich.table import Table
 
-    console = Console(width=200)
-    world = math.prod(MESH.values())
-    cores = os.cpu_count() or 1
-    refs = {m: reference_losses(args, m) for m in sorted({model_of(n) for n in args.variants})}
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    results = run_ranks(rank_main, world, args, timeout_s=TIMEOUT_S)
-    wall = time.perf_counter() - t0
-    load_after = os.getloadavg()[0]
+def make_rows(args: argparse.Namespace, results: list[dict[str, Any]], refs: dict[str, list[float]],
+              cpu_share: float) -> list[dict[str, Any]]:
+    """One row per variant: times, losses checked against one device, ratios to the hand
+    plan and to the prediction. ``cpu_share``: ranks / cores (the CPU-bound estimate's factor)."""
     r0 = results[0]
-
-    rows = []
     medians = {name: statistics.median(r0[name]["times_s"]) for name in args.variants}
-    hand_best = min((m, n) for n, m in medians.items() if n.startswith("hand")) if any(
-        n.startswith("hand") for n in medians) else None
-    sane_all = True
+    hand = [(m, n) for n, m in medians.items() if n.startswith("hand")]
+    rows = []
     for name in args.variants:
         ref = refs[model_of(name)]
-        losses = r0[name]["losses"]
         ok = (all(math.isclose(r[name]["losses"][0], ref[0], rel_tol=1e-5) for r in results)
               and all(math.isclose(a, b, rel_tol=1e-4) for r in results for a, b in zip(r[name]["losses"], ref)))
-        sane_all &= ok
-        against = PAIRS.get(name) if name in PAIRS else None
-        if name == "autopar free" and hand_best is not None:
-            against = hand_best[1]
+        against = min(hand)[1] if name == "autopar free" and hand else PAIRS.get(name)
         ratio = medians[name] / medians[against] if against in medians else None
         ratio_min = min(r0[name]["times_s"]) / min(r0[against]["times_s"]) if against in medians else None
         # CPU-bound estimate: mean over ranks of each rank's median CPU time per step, x ranks / cores.
-        cpu_est = statistics.mean(statistics.median(r[name]["cpu_s"]) for r in results) * max(world / cores, 1.0)
+        cpu_est = statistics.mean(statistics.median(r[name]["cpu_s"]) for r in results) * cpu_share
         planned = r0[name]["planned"]
         predicted = planned.get("predicted_step_s")
         rows.append({"variant": name, "model": model_of(name), "median_step_s": medians[name],
                      "min_step_s": min(r0[name]["times_s"]), "times_s": r0[name]["times_s"],
                      "cpu_estimate_step_s": cpu_est, "cpu_s_per_rank": [r[name]["cpu_s"] for r in results],
                      "setup_s": max(r[name]["setup_s"] for r in results),
-                     "losses": losses, "autopar_plan": planned, "loss_matches_single_device": ok,
+                     "losses": r0[name]["losses"], "autopar_plan": planned, "loss_matches_single_device": ok,
                      "vs": against, "ratio": ratio, "ratio_of_mins": ratio_min,
                      "measured_over_predicted": medians[name] / predicted if predicted else None,
                      "cpu_estimate_over_predicted": cpu_est / predicted if predicted else None})
+    return rows
+
+
+def render(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
 
     table = Table(title=f"runtime overhead: GPT / Llama h{args.hidden} x{args.layers}L vocab {args.vocab}, batch "
                         f"{args.batch} x seq {args.seq}, fp32, mesh dp=2 x tp=2 (gloo, CPU)")
-    table.add_column("variant")
-    table.add_column("median ms/step", justify="right")
-    table.add_column("min ms/step", justify="right")
-    table.add_column("cpu est. ms", justify="right")
-    table.add_column("predicted ms", justify="right")
-    table.add_column("measured / predicted (cpu est.)", justify="right")
-    table.add_column("setup s", justify="right")
-    table.add_column("losses = 1 device", justify="center")
-    table.add_column("autopar / hand (median)", justify="right")
-    table.add_column("plan collectives", justify="right")
+    for column in ("variant", "median ms/step", "min ms/step", "cpu est. ms", "predicted ms",
+                   "measured / predicted (cpu est.)", "setup s", "losses = 1 device", "autopar / hand (median)",
+                   "plan collectives"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
     for row in rows:
         ratio = "" if row["ratio"] is None else (f"{row['ratio']:.2f} (mins {row['ratio_of_mins']:.2f}) "
                                                  f"vs {row['vs']}")
@@ -398,19 +382,35 @@ def main() -> None:
                       if planned else "",
                       f"{row['setup_s']:.1f}", "yes" if row["loss_matches_single_device"] else "[red]NO[/red]",
                       ratio, str(planned["collectives"]) if planned else "")
-    console.print(table)
+    return table
+
+
+def main() -> None:
+    args = parse_args()
+    from rich.console import Console
+
+    console = Console(width=200)
+    world = math.prod(MESH.values())
+    cores = os.cpu_count() or 1
+    refs = {m: reference_losses(args, m) for m in sorted({model_of(n) for n in args.variants})}
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    results = run_ranks(rank_main, world, args, timeout_s=TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
+    rows = make_rows(args, results, refs, max(world / cores, 1.0))
+    console.print(render(args, rows))
     for model_name, ref in refs.items():
         console.print(f"{model_name} single-device losses (steps 0..{args.check_steps - 1}): "
                       + ", ".join(f"{x:.6f}" for x in ref))
     console.print(f"{args.reps} repetitions x {args.steps} timed steps after {max(args.warmup, args.check_steps)} "
                   f"warm-up steps per variant; wall {wall:.1f} s; 1-min load average {load_before:.1f} before, "
                   f"{load_after:.1f} after ({world} ranks on {cores} cores)")
-    if not sane_all:
+    if not all(row["loss_matches_single_device"] for row in rows):
         console.print("[red]some variant's losses differ from the single-device model's[/red]")
-    if "profile" in r0:
-        for name, text in r0["profile"].items():
-            console.print(f"\n[bold]cProfile, rank 0, 5 steps of {name}[/bold]")
-            print(text)
+    for name, text in results[0].get("profile", {}).items():
+        console.print(f"\n[bold]cProfile, rank 0, 5 steps of {name}[/bold]")
+        print(text)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     payload = {
