@@ -51,6 +51,19 @@ class HardwareProfile:
     """Fraction of peak memory bandwidth that elementwise kernels reach."""
     network_efficiency: float = 0.8
     """Fraction of link bandwidth that ring collectives reach (bus bandwidth)."""
+    op_overhead: float = 0.0
+    """Fixed seconds of one kernel-running op in forward, whatever its size: framework
+    dispatch (Python, PyTorch's dispatcher, autograd recording) and the kernel launch."""
+    backward_op_overhead: float = 0.0
+    """Fixed seconds of one op's backward: its autograd node and the kernels it launches."""
+    collective_overhead: float = 0.0
+    """Fixed seconds of one collective call besides its ring steps: dispatch and launch,
+    and on CPUs gloo's handshake with the peers."""
+    optimizer_param_overhead: float = 0.0
+    """Fixed seconds the optimizer spends per parameter tensor and step."""
+    overlapped_dispatch: bool = False
+    """The host dispatches ahead of the device (CUDA streams): an op takes the longer of
+    its work and its fixed cost, not their sum."""
     default_precision: str = "bf16"
     """Precision a plan uses unless told otherwise: 'bf16' (mixed) or 'fp32'."""
     memory_headroom: float = 0.1
@@ -69,6 +82,19 @@ class HardwareProfile:
         return self.memory_bytes * (1 - headroom)
 
 
+# Fixed costs of PyTorch eager on a CUDA GPU. Host side, per op: Python, PyTorch's
+# dispatcher and autograd recording, several us (the same host work measures 5-6 us of
+# CPU time per op on our CPU machine, benchmarks/calibrate_ops.py), then cudaLaunchKernel,
+# a few us (NVIDIA Technical Blog, "Getting Started with CUDA Graphs", 2019: kernels of
+# 2.9 us run back to back take 3.8 us each, 9.6 us with a sync after each). So 10 us per
+# op, 10 us per op's backward (its autograd node and the kernels it launches) and 10 us
+# per collective call (the functional collective's dispatch and NCCL's kernel launch).
+# The host runs ahead of the GPU, so a kernel longer than that hides it. AdamW's default
+# on CUDA is the foreach implementation: a dozen multi-tensor kernels per step for all
+# parameters together, nothing per parameter worth pricing.
+_CUDA_EAGER = {"op_overhead": 10e-6, "backward_op_overhead": 10e-6, "collective_overhead": 10e-6,
+               "overlapped_dispatch": True}
+
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOPS bf16 dense,
     # 19.5 TFLOPS fp32, 2,039 GB/s HBM2e, NVLink 600 GB/s bidirectional (300 per
@@ -80,6 +106,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=2039 * GB, memory_bytes=80 * GiB,
         intra_node_bandwidth=300 * GB, intra_node_latency=5e-6,
         inter_node_bandwidth=25 * GB, inter_node_latency=10e-6,
+        **_CUDA_EAGER,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): 989 TFLOPS bf16 dense,
     # 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s bidirectional (450 per
@@ -89,6 +116,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=3350 * GB, memory_bytes=80 * GiB,
         intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
         inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
+        **_CUDA_EAGER,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM
     # (989 TFLOPS bf16 dense, 67 TFLOPS fp32), 141 GB HBM3e at 4.8 TB/s,
@@ -98,19 +126,34 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=4800 * GB, memory_bytes=141 * GB,
         intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
         inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
+        **_CUDA_EAGER,
     ),
-    # A CPU host running gloo over loopback, as in our CI: figures measured on the
-    # 2-core development machine (torch.mm fp32 ~100 GFLOP/s across 2 cores, ~10 GB/s
-    # memory copy). Collectives with 4 ranks sharing the 2 cores, as the tests and
-    # benchmarks run them (``benchmarks/calibrate_collectives.py``, three runs): 530-730 us
-    # per ring step and 0.60-0.66 GB/s effective, so 600 us and 1.3 GB/s at the 0.5
-    # network efficiency. CPUs have no bf16 advantage, so plans there default to fp32.
+    # A CPU host running gloo over loopback, as in our CI: 4 ranks forked on the 2-core
+    # development machine (AMD EPYC, KVM), one thread each, as the tests and benchmarks run
+    # them; a device is one rank. Every figure is measured with the 4 ranks running, as
+    # each rank's CPU time x ranks / cores (its wall time when the ranks keep the cores
+    # busy and nothing else runs; wall times under other helpers' load, 1-min load average
+    # 6-28, were 1.5-4x higher), medians of three runs, so the efficiencies are 1.
+    # ``benchmarks/calibrate_ops.py``: fp32 linears forward and backward at the examples'
+    # per-rank shapes (256 tokens x 128 -> 192 ... 128 -> 512) 28-32 GFLOP/s; their other
+    # ops together (norms, activations, add, mul, cat, dropout, embedding, cross-entropy)
+    # 3.7-4.2 GB/s of ``op_bytes``, slower than a bare add (9-37 GB/s): the compute of
+    # erf, exp and reductions, cold caches between ops; fixed costs 17-18 us per op forward
+    # and 27-29 us per op backward (means over 11 ops on 64 elements, from 5 us for neg to
+    # 70/100 us for sdpa; a view measures 5-6 us, priced free), AdamW's per-tensor loop
+    # 61-65 us per parameter.
+    # ``benchmarks/calibrate_collectives.py`` (through autopar's runtime ``Reshard``, on
+    # both axes of a 2 x 2 mesh and a flat mesh of 4): 1.40-1.62 ms per call, 0-64 us per
+    # ring step, 0.60-0.90 GB/s. CPUs have no bf16 advantage: plans default to fp32.
+    # Inter-node figures are not measured (the CI mesh fits in one node).
     "cpu": HardwareProfile(
-        name="cpu", peak_flops_bf16=100e9, peak_flops_fp32=100e9,
-        memory_bandwidth=10 * GB, memory_bytes=24 * GiB,
-        intra_node_bandwidth=1.3 * GB, intra_node_latency=600e-6,
-        inter_node_bandwidth=1 * GB, inter_node_latency=800e-6,
-        compute_efficiency=0.5, memory_efficiency=0.5, network_efficiency=0.5,
+        name="cpu", peak_flops_bf16=32e9, peak_flops_fp32=32e9,
+        memory_bandwidth=4.1 * GB, memory_bytes=24 * GiB,
+        intra_node_bandwidth=0.75 * GB, intra_node_latency=40e-6,
+        inter_node_bandwidth=0.6 * GB, inter_node_latency=60e-6,
+        compute_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
+        op_overhead=17.5e-6, backward_op_overhead=28e-6, collective_overhead=1.45e-3,
+        optimizer_param_overhead=64e-6,
         default_precision="fp32",
     ),
 }

@@ -1,9 +1,11 @@
-"""Per-step time of ``autopar.compile``'d training vs PyTorch's own hand-written plan.
+"""Per-step time of ``autopar.compile``'d training vs PyTorch's own hand-written plan, and
+vs the step time autopar's cost model predicts.
 
-Model: the example GPT (``examples/gpt.py``), fp32, dropout off. Mesh ``dp=2,tp=2``: 4 gloo
-ranks on CPU, forked from this process (as ``tests/distributed.py`` does; forking costs well
-under a second where spawning or torchrun costs 10-20 s). One training step is forward,
-loss, backward, AdamW update and ``zero_grad``, on a fixed global batch.
+Models: the example GPT (``examples/gpt.py``) and Llama (``examples/llama.py``), fp32,
+dropout off (hand plans for the GPT only). Mesh ``dp=2,tp=2``: 4 gloo ranks on CPU, forked
+from this process (as ``tests/distributed.py`` does; forking costs well under a second where
+spawning or torchrun costs 10-20 s). One training step is forward, loss, backward, AdamW
+update and ``zero_grad``, on a fixed global batch.
 
 Variants (all on the same mesh, the same initial weights and the same global batch):
 
@@ -18,11 +20,21 @@ Variants (all on the same mesh, the same initial weights and the same global bat
 * ``autopar tp``       ``autopar.compile(..., constraints=GPT_TP, data_axes=("dp",))``.
 * ``autopar tp_sp``    ``autopar.compile(..., constraints=GPT_TP_SP, data_axes=("dp",))``.
 * ``autopar free``     ``autopar.compile(...)`` with no constraints (the solver's choice).
+* ``llama autopar tp``, ``llama autopar tp_sp``, ``llama autopar free``: the same three on
+  the Llama example (its ``TP_PLAN`` / ``TP_SP_PLAN``; same width, depth, vocabulary, batch
+  and sequence, ``--kv-heads`` and ``--ffn``).
+
+Predicted vs measured: for each autopar variant, ``plan.predicted.step_time_s`` (the cost
+model on the mesh's hardware profile, ``cpu`` here) next to the measured median, and their
+ratio (target: within +-25%). Other processes on the machine slow the ranks down: the
+``cpu est.`` column is each rank's CPU time per step (all its threads) times ranks / cores,
+averaged over ranks: what the step would take with the ranks alone on the cores if they
+were CPU-bound throughout. The 1-minute load average before and after is printed.
 
 The ratio column is autopar / hand per-step time (medians; in brackets the ratio of the
 minima, less sensitive to load): ``autopar tp`` vs ``hand tp + ddp``, ``autopar tp_sp`` vs
 ``hand tp_sp + ddp``, and ``autopar free`` vs the fastest hand variant. Target: <= 1.0.
-The last column is autopar's own plan: collectives it lists per step, predicted step time.
+The last column is the number of collectives autopar's plan lists per step.
 
 What the hand plan needs that autopar does not (hand side only, on a copy of the model):
 torch's ``ColwiseParallel`` hands each rank a *local* tensor, so the example's attention,
@@ -51,8 +63,9 @@ On a 2-core machine 4 ranks oversubscribe the cores: absolute numbers are noisy 
 measure per-op overhead, which is what a runtime-overhead comparison wants at this size.
 
 Usage: ``python benchmarks/runtime_overhead.py [--reps 5] [--steps 10] [--warmup 3]
-[--batch 8] [--seq 64] [--hidden 128] [--layers 2] [--vocab 512] [--json PATH]
-[--profile]`` (``--profile``: cProfile one autopar tp step on rank 0, top functions).
+[--batch 8] [--seq 64] [--hidden 128] [--layers 2] [--vocab 512] [--kv-heads 2] [--ffn 256]
+[--variants V1,V2] [--json PATH] [--profile]`` (``--profile``: cProfile one autopar tp step
+on rank 0, top functions).
 """
 
 from __future__ import annotations
@@ -61,6 +74,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -86,6 +100,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import autopar  # noqa: E402
 from autopar.runtime.forked import run_ranks  # noqa: E402
+from examples import llama  # noqa: E402
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig, lm_loss  # noqa: E402
 from examples.gpt import TP_PLAN as GPT_TP, TP_SP_PLAN as GPT_TP_SP  # noqa: E402
 
@@ -93,18 +108,28 @@ DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "runtime_overhead.json"
 MESH = {"dp": 2, "tp": 2}
 LR = 1e-3
 TIMEOUT_S = 300
-VARIANTS = ("hand tp + ddp", "hand tp_sp + ddp", "hand tp + fsdp2", "autopar tp", "autopar tp_sp", "autopar free")
+VARIANTS = ("hand tp + ddp", "hand tp_sp + ddp", "hand tp + fsdp2", "autopar tp", "autopar tp_sp", "autopar free",
+            "llama autopar tp", "llama autopar tp_sp", "llama autopar free")
 PAIRS = {"autopar tp": "hand tp + ddp", "autopar tp_sp": "hand tp_sp + ddp", "autopar free": None}
+TP_PLANS = {"gpt": {"tp": GPT_TP, "tp_sp": GPT_TP_SP}, "llama": {"tp": llama.TP_PLAN, "tp_sp": llama.TP_SP_PLAN}}
 
 
 # --------------------------------------------------------------------------- model and data
 
-def build(args: argparse.Namespace) -> tuple[GPT, torch.Tensor, torch.Tensor]:
-    cfg = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, hidden=args.hidden, heads=args.heads,
-                    layers=args.layers, dropout=0.0)
+def model_of(variant: str) -> str:
+    return "llama" if variant.startswith("llama ") else "gpt"
+
+
+def build(args: argparse.Namespace, model_name: str = "gpt") -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    model = GPT(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len), generator=torch.Generator().manual_seed(1))
+    if model_name == "llama":
+        model: nn.Module = llama.Llama(llama.LlamaConfig(
+            vocab_size=args.vocab, max_seq_len=args.seq, hidden=args.hidden, heads=args.heads,
+            kv_heads=args.kv_heads, ffn_hidden=args.ffn, layers=args.layers))
+    else:
+        model = GPT(GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, hidden=args.hidden, heads=args.heads,
+                              layers=args.layers, dropout=0.0))
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     return model, tokens, torch.roll(tokens, -1, dims=1)
 
 
@@ -174,16 +199,19 @@ class Variant:
             self.dp_group = mesh.get_group("dp")
             self.dp_size = dp_size
         else:
-            plan = name.split()[1]
+            model_name = model_of(name)
+            plan = name.split()[-1]
             kwargs: dict[str, Any] = {}
             if plan != "free":
-                kwargs = {"constraints": GPT_TP if plan == "tp" else GPT_TP_SP, "data_axes": ("dp",)}
-            model, _, _ = build(args)
+                kwargs = {"constraints": TP_PLANS[model_name][plan], "data_axes": ("dp",)}
+            model, tokens, targets = build(args, model_name)
             self.module = autopar.compile(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(targets,),
                                           **kwargs)
             self.inputs = (tokens, targets)
             plan_ = self.module.plan
-            self.planned = {"collectives": len(plan_.collectives), "predicted_step_s": plan_.predicted.step_time_s}
+            self.planned = {"collectives": len(plan_.collectives), "predicted_step_s": plan_.predicted.step_time_s,
+                            "predicted_compute_s": plan_.predicted.compute_time_s,
+                            "predicted_comm_s": plan_.predicted.comm_time_s, "hardware": plan_.mesh["hardware"]}
         self.setup_s = time.perf_counter() - t0
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=LR)
 
@@ -208,8 +236,8 @@ class Variant:
 
 # --------------------------------------------------------------------------- per rank
 
-def reference_losses(args: argparse.Namespace) -> list[float]:
-    model, tokens, targets = build(args)
+def reference_losses(args: argparse.Namespace, model_name: str) -> list[float]:
+    model, tokens, targets = build(args, model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out = []
     for _ in range(args.check_steps):
@@ -231,17 +259,21 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
             loss = v.step()
             if i < args.check_steps:
                 out[v.name]["losses"].append(v.global_loss(loss))
+    for v in variants:
+        out[v.name]["cpu_s"] = []
     for _ in range(args.reps):
         for v in variants:
             gc.collect()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 v.step()
+            cpu = time.process_time() - c0  # this rank's CPU time, all threads (gloo's included)
             dist.barrier()
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             out[v.name]["times_s"].append(elapsed.item() / args.steps)
+            out[v.name]["cpu_s"].append(cpu / args.steps)
     if args.profile and any(v.name == "autopar tp" for v in variants):
         out["profile"] = profile_step(rank, next(v for v in variants if v.name == "autopar tp"),
                                       next((v for v in variants if v.name == "hand tp + ddp"), None))
@@ -273,11 +305,9 @@ def profile_step(rank: int, auto: Variant, hand: Variant | None) -> dict[str, st
     return result
 
 
-# --------------------------------------------------------------------------- forking (as tests/distributed.py)
-
 # --------------------------------------------------------------------------- report
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per repetition")
@@ -289,6 +319,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--kv-heads", type=int, default=2, help="Llama key/value heads")
+    ap.add_argument("--ffn", type=int, default=256, help="Llama feed-forward width")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
     ap.add_argument("--profile", action="store_true", help="cProfile 5 steps of autopar tp and hand tp + ddp")
@@ -297,75 +329,96 @@ def main() -> None:
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    return args
 
-    from rich.console import Console
-    from rich.table import Table
 
-    console = Console(width=170)
-    world = math.prod(MESH.values())
-    ref = reference_losses(args)
-    t0 = time.perf_counter()
-    results = run_ranks(rank_main, world, args, timeout_s=TIMEOUT_S)
-    wall = time.perf_counter() - t0
+def make_rows(args: argparse.Namespace, results: list[dict[str, Any]], refs: dict[str, list[float]],
+              cpu_share: float) -> list[dict[str, Any]]:
+    """One row per variant: times, losses checked against one device, ratios to the hand
+    plan and to the prediction. ``cpu_share``: ranks / cores (the CPU-bound estimate's factor)."""
     r0 = results[0]
-
-    rows = []
     medians = {name: statistics.median(r0[name]["times_s"]) for name in args.variants}
-    hand_best = min((m, n) for n, m in medians.items() if n.startswith("hand")) if any(
-        n.startswith("hand") for n in medians) else None
-    sane_all = True
+    hand = [(m, n) for n, m in medians.items() if n.startswith("hand")]
+    rows = []
     for name in args.variants:
-        losses = r0[name]["losses"]
+        ref = refs[model_of(name)]
         ok = (all(math.isclose(r[name]["losses"][0], ref[0], rel_tol=1e-5) for r in results)
               and all(math.isclose(a, b, rel_tol=1e-4) for r in results for a, b in zip(r[name]["losses"], ref)))
-        sane_all &= ok
-        against = PAIRS.get(name) if name in PAIRS else None
-        if name == "autopar free" and hand_best is not None:
-            against = hand_best[1]
+        against = min(hand)[1] if name == "autopar free" and hand else PAIRS.get(name)
         ratio = medians[name] / medians[against] if against in medians else None
         ratio_min = min(r0[name]["times_s"]) / min(r0[against]["times_s"]) if against in medians else None
-        rows.append({"variant": name, "median_step_s": medians[name], "min_step_s": min(r0[name]["times_s"]),
-                     "times_s": r0[name]["times_s"], "setup_s": max(r[name]["setup_s"] for r in results),
-                     "losses": losses, "autopar_plan": r0[name]["planned"], "loss_matches_single_device": ok,
-                     "vs": against, "ratio": ratio, "ratio_of_mins": ratio_min})
+        # CPU-bound estimate: mean over ranks of each rank's median CPU time per step, x ranks / cores.
+        cpu_est = statistics.mean(statistics.median(r[name]["cpu_s"]) for r in results) * cpu_share
+        planned = r0[name]["planned"]
+        predicted = planned.get("predicted_step_s")
+        rows.append({"variant": name, "model": model_of(name), "median_step_s": medians[name],
+                     "min_step_s": min(r0[name]["times_s"]), "times_s": r0[name]["times_s"],
+                     "cpu_estimate_step_s": cpu_est, "cpu_s_per_rank": [r[name]["cpu_s"] for r in results],
+                     "setup_s": max(r[name]["setup_s"] for r in results),
+                     "losses": r0[name]["losses"], "autopar_plan": planned, "loss_matches_single_device": ok,
+                     "vs": against, "ratio": ratio, "ratio_of_mins": ratio_min,
+                     "measured_over_predicted": medians[name] / predicted if predicted else None,
+                     "cpu_estimate_over_predicted": cpu_est / predicted if predicted else None})
+    return rows
 
-    table = Table(title=f"runtime overhead: GPT h{args.hidden} x{args.layers}L vocab {args.vocab}, batch {args.batch}"
-                        f" x seq {args.seq}, fp32, mesh dp=2 x tp=2 (gloo, CPU)")
-    table.add_column("variant")
-    table.add_column("median ms/step", justify="right")
-    table.add_column("min ms/step", justify="right")
-    table.add_column("setup s", justify="right")
-    table.add_column("step-0 loss", justify="right")
-    table.add_column("losses = 1 device", justify="center")
-    table.add_column("autopar / hand (median)", justify="right")
-    table.add_column("plan: collectives, predicted ms", justify="right")
+
+def render(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"runtime overhead: GPT / Llama h{args.hidden} x{args.layers}L vocab {args.vocab}, batch "
+                        f"{args.batch} x seq {args.seq}, fp32, mesh dp=2 x tp=2 (gloo, CPU)")
+    for column in ("variant", "median ms/step", "min ms/step", "cpu est. ms", "predicted ms",
+                   "measured / predicted (cpu est.)", "setup s", "losses = 1 device", "autopar / hand (median)",
+                   "plan collectives"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
     for row in rows:
         ratio = "" if row["ratio"] is None else (f"{row['ratio']:.2f} (mins {row['ratio_of_mins']:.2f}) "
                                                  f"vs {row['vs']}")
+        planned = row["autopar_plan"]
         table.add_row(row["variant"], f"{1e3 * row['median_step_s']:.1f}", f"{1e3 * row['min_step_s']:.1f}",
-                      f"{row['setup_s']:.1f}", f"{row['losses'][0]:.6f}",
-                      "yes" if row["loss_matches_single_device"] else "[red]NO[/red]", ratio,
-                      f"{planned['collectives']}, {1e3 * planned['predicted_step_s']:.1f}" if (
-                          planned := row["autopar_plan"]) else "")
-    console.print(table)
-    console.print(f"single-device losses (steps 0..{args.check_steps - 1}): "
-                  + ", ".join(f"{x:.6f}" for x in ref))
+                      f"{1e3 * row['cpu_estimate_step_s']:.1f}",
+                      f"{1e3 * planned['predicted_step_s']:.1f}" if planned else "",
+                      f"{row['measured_over_predicted']:.2f} ({row['cpu_estimate_over_predicted']:.2f})"
+                      if planned else "",
+                      f"{row['setup_s']:.1f}", "yes" if row["loss_matches_single_device"] else "[red]NO[/red]",
+                      ratio, str(planned["collectives"]) if planned else "")
+    return table
+
+
+def main() -> None:
+    args = parse_args()
+    from rich.console import Console
+
+    console = Console(width=200)
+    world = math.prod(MESH.values())
+    cores = os.cpu_count() or 1
+    refs = {m: reference_losses(args, m) for m in sorted({model_of(n) for n in args.variants})}
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    results = run_ranks(rank_main, world, args, timeout_s=TIMEOUT_S)
+    wall = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
+    rows = make_rows(args, results, refs, max(world / cores, 1.0))
+    console.print(render(args, rows))
+    for model_name, ref in refs.items():
+        console.print(f"{model_name} single-device losses (steps 0..{args.check_steps - 1}): "
+                      + ", ".join(f"{x:.6f}" for x in ref))
     console.print(f"{args.reps} repetitions x {args.steps} timed steps after {max(args.warmup, args.check_steps)} "
-                  f"warm-up steps per variant; wall {wall:.1f} s")
-    if not sane_all:
+                  f"warm-up steps per variant; wall {wall:.1f} s; 1-min load average {load_before:.1f} before, "
+                  f"{load_after:.1f} after ({world} ranks on {cores} cores)")
+    if not all(row["loss_matches_single_device"] for row in rows):
         console.print("[red]some variant's losses differ from the single-device model's[/red]")
-    if "profile" in r0:
-        for name, text in r0["profile"].items():
-            console.print(f"\n[bold]cProfile, rank 0, 5 steps of {name}[/bold]")
-            print(text)
+    for name, text in results[0].get("profile", {}).items():
+        console.print(f"\n[bold]cProfile, rank 0, 5 steps of {name}[/bold]")
+        print(text)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "mesh": MESH, "backend": "gloo", "device": "cpu",
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "cpus": __import__("os").cpu_count()},
-        "reference_losses": ref, "rows": rows, "wall_s": wall,
+                    "torch": torch.__version__, "cpus": cores},
+        "reference_losses": refs, "rows": rows, "wall_s": wall, "loadavg": [load_before, load_after],
     }
     args.json.write_text(json.dumps(payload, indent=2) + "\n")
     console.print(f"wrote {args.json.relative_to(REPO_ROOT) if args.json.is_relative_to(REPO_ROOT) else args.json}")

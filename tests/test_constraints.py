@@ -59,11 +59,12 @@ def test_fused_qkv_runs_as_interleaved_qkv_without_collectives_in_attention(plan
     output features, so q, k, v and the heads stay local: Megatron's two all-reduces per
     block in forward, none between qkv and proj. With plain Shard(0) the split would
     need the whole qkv back. The free plan, given heads-parallel-friendly sizes (batch 1,
-    long sequence), finds the same layout by itself."""
-    cfg = gpt.GPTConfig(hidden=1024, heads=16, layers=2, vocab_size=8192, max_seq_len=1024)
+    long sequence) at which a quarter of each matmul still outlasts its dispatch on H100,
+    finds the same layout by itself."""
+    cfg = gpt.GPTConfig(hidden=2048, heads=16, layers=2, vocab_size=8192, max_seq_len=2048)
     with torch.device("meta"):
         model = gpt.GPT(cfg)
-    tokens = torch.zeros(1, 1024, dtype=torch.long, device="meta")
+    tokens = torch.zeros(1, cfg.max_seq_len, dtype=torch.long, device="meta")
     mesh = autopar.Mesh({"tp": 4}, "h100")
     kw = {"constraints": gpt.TP_PLAN} if plan_name == "tp" else {}
     plan = _plan((model, (tokens,), gpt.lm_loss, (tokens,)), mesh, **kw)

@@ -54,6 +54,8 @@ VARIANTS = {
     "gpt-tp_sp-dp-small_buckets": (gpt.build, {"constraints": gpt.TP_SP_PLAN, "data_axes": ("dp",),
                                                "bucket_bytes": 65536}),
     "llama-dp-small_buckets": (llama.build, {"data_axes": ("dp",), "bucket_bytes": 16384}),
+    # inputs passed split: the loss sums its count with a collective of its own
+    "gpt-tp-input_sharded": (gpt.build, {"constraints": gpt.TP_PLAN, "data_axes": ("dp",), "input_sharded": True}),
 }
 
 
@@ -79,7 +81,8 @@ def test_gradient_sync_by_hand_for_a_tiny_mlp() -> None:
     grad_bytes = (8 * 16 + 16 + 16 * 4 + 4) * 4
     hw = get_profile("cpu")
     alpha, bandwidth = hw.intra_node_latency, hw.intra_node_bandwidth * hw.network_efficiency
-    ring = {b: 2 * alpha + b / bandwidth for b in (grad_bytes, 4)}  # all-reduce, n = 2: 2(n-1) steps, 2(n-1)/n M
+    # all-reduce, n = 2: the call's fixed cost, 2(n-1) ring steps, 2(n-1)/n M bytes sent
+    ring = {b: hw.collective_overhead + 2 * alpha + b / bandwidth for b in (grad_bytes, 4)}
     got = sorted((c.kind, c.phase, c.bytes, c.consumer == "") for c in plan.collectives)
     assert got == [("all_reduce", "backward", grad_bytes, True), ("all_reduce", "forward", 4, False)]
     assert plan.predicted.comm_time_s == pytest.approx(ring[grad_bytes] + ring[4], rel=1e-12)

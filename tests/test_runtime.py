@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
-from autopar.rules.strategy import is_strided
+from autopar.rules.strategy import is_strided, shard_dim
 from autopar.runtime import checkpoint
 from autopar.runtime.parameters import initialize_like_compile
 from autopar.runtime.forked import run_ranks
@@ -31,11 +31,14 @@ def _meta_init_rank(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, _, loss_fn, _ = gpt.build(device="meta")
     tokens, targets = _tokens()
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,))
+    # Pinned TP, so that parameters are sharded (the free plan of this tiny model on the cpu
+    # profile is plain data parallelism: every parameter replicated).
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
+                         constraints=gpt.TP_PLAN)
     assert all(not p.is_meta for p in pm.parameters()) and all(p.is_meta for p in model.parameters())
     local = sum(p.numel() for p in pm.parameters())
-    expected = sum(v.numel() // math.prod(n for p, n in zip(v.placements, mesh.shape) if p.is_shard())
-                   for v in pm.state_dict().values())
+    expected = sum(v.numel() // math.prod(n for p, n in zip(v.placements, mesh.shape) if shard_dim(p) is not None)
+                   for v in pm.state_dict().values())  # strided shards (the fused qkv's S(0/3)) count
     loss = pm(tokens, targets).full_tensor().item()
     return {"local_numel": local, "expected_local": expected, "loss": loss,
             "full": {k: v.tolist() for k, v in checkpoint.full_state_dict(pm).items()}}

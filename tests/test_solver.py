@@ -50,7 +50,8 @@ def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
     (and of ``price_edge``): node costs (with the loss's own collectives); each tensor's
     reshards, forward and backward, once per distinct (placement needed, gradient placement
     sent back) among its consumers, from the redistribution steps the runtime executes; and
-    gradient buckets by hand: per mesh dim, ceil(gradient bytes / 25 MiB) ring all-reduces."""
+    gradient buckets by hand: per mesh dim, ceil(gradient bytes / 25 MiB) ring all-reduces,
+    each paying its call's fixed cost."""
     mesh = ctx.mesh
     time = memory = 0.0
     paid: set[tuple] = set()
@@ -89,7 +90,8 @@ def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
             grad_bytes[d] += ctx.precision.tensor_bytes(meta, local_numel(meta, graph.nodes[src].strategies[choice[src]].outputs[0], mesh.shape))
     for d, nbytes in grad_bytes.items():
         n, link = mesh.shape[d], mesh.link(d)
-        time += math.ceil(nbytes / 2**20 / 25) * 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+        per_call = mesh.hardware.collective_overhead + 2 * (n - 1) * link.latency
+        time += math.ceil(nbytes / 2**20 / 25) * per_call + 2 * (n - 1) / n * nbytes / link.bandwidth
     return time, memory
 
 

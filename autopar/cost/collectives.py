@@ -31,11 +31,14 @@ class CollectiveCall:
     does), run after (or overlapping) backward rather than on an edge."""
 
 
-def latency_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
-    """The alpha terms of one collective: 2(n-1) ring steps for all-reduce, n-1 otherwise."""
+def call_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
+    """What one collective costs whatever its size: the call's fixed cost and the alpha terms,
+    2(n-1) ring steps for all-reduce, n-1 otherwise (0 on a mesh dim of size 1)."""
     n = mesh.shape[mesh_dim]
+    if n == 1:
+        return 0.0
     steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
-    return steps * mesh.link(mesh_dim).latency
+    return mesh.hardware.collective_overhead + steps * mesh.link(mesh_dim).latency
 
 
 def transfer_time(call: CollectiveCall, mesh: Mesh) -> float:
@@ -45,9 +48,13 @@ def transfer_time(call: CollectiveCall, mesh: Mesh) -> float:
 
 
 def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
+    """Alpha-beta time of one collective, after the call's fixed cost
+    (``collective_overhead``: its launch and the wait for the slowest rank, added even where
+    the host dispatches ahead, so a bucket's time splits linearly into a per-call part,
+    ``call_time``, and per-gradient transfers, ``transfer_time``)."""
     if mesh.shape[call.mesh_dim] == 1:
         return 0.0
-    return latency_time(call.kind, call.mesh_dim, mesh) + transfer_time(call, mesh)
+    return call_time(call.kind, call.mesh_dim, mesh) + transfer_time(call, mesh)
 
 
 def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:

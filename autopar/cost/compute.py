@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
 
 import torch
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
+from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
@@ -22,6 +25,7 @@ VIEW_OPS = {
     aten.expand.default, aten.slice.Tensor, aten.select.int, aten.alias.default, aten.flatten.using_ints,
     aten.unflatten.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
     aten.detach.default,
+    operator.getitem,  # picks one output of a multi-output op: Python, not even a dispatch
 }
 
 
@@ -68,16 +72,27 @@ def conv_flops(call: OpCall) -> float:
 
 
 def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta | None, ...],
-             precision: Precision) -> float:
-    """Bytes the (unsplit) op reads and writes."""
+             precision: Precision, local_numel: Callable[[TensorMeta, int], int] | None = None) -> float:
+    """Bytes the op reads and writes: whole tensors, or with ``local_numel(meta, k)`` the
+    elements one rank holds of tensor ``k`` (inputs, then outputs, in order)."""
     if target in VIEW_OPS:
         return 0.0
-    read = [precision.tensor_bytes(t) for t in inputs]
+    tensors = [*inputs, *outputs]
+
+    def size(k: int, numel: int | None = None) -> int:
+        t = tensors[k]
+        assert t is not None
+        if numel is None and local_numel is not None:
+            numel = local_numel(t, k)
+        return precision.tensor_bytes(t, numel)
+
+    read = [size(k) for k in range(len(inputs))]
     if target is aten.index.Tensor and outputs and outputs[0] is not None:
         # A gather reads the picked elements of its source, not all of it (an embedding-sized
         # table indexed by a few positions).
-        read[0] = min(read[0], precision.tensor_bytes(inputs[0], numel=outputs[0].numel))
-    return float(sum(read) + sum(precision.tensor_bytes(o) for o in outputs if o is not None))
+        picked = outputs[0].numel if local_numel is None else local_numel(outputs[0], len(inputs))
+        read[0] = min(read[0], size(0, picked))
+    return float(sum(read) + sum(size(k) for k in range(len(inputs), len(tensors)) if tensors[k] is not None))
 
 
 def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision) -> float:
@@ -100,6 +115,14 @@ def random_draw_time(call: OpCall, mesh: Mesh, precision: Precision) -> float:
     out = call.outputs[0] if call.outputs and call.outputs[0] is not None else None
     width = precision.tensor_bytes(out, 1) if out is not None else precision.activation_bytes
     return roofline_time(float(n), 2.0 * n * width, mesh, precision)
+
+
+def with_fixed_cost(work: float, fixed: float, hw: HardwareProfile) -> float:
+    """Seconds of an op doing ``work`` seconds of device work after ``fixed`` seconds of
+    dispatch: their sum where the host runs the op itself (CPU), the longer of the two where
+    it dispatches ahead of the device (``overlapped_dispatch``: a kernel shorter than its
+    launch leaves the device waiting on the host, a longer one hides it)."""
+    return max(work, fixed) if hw.overlapped_dispatch else work + fixed
 
 
 BACKWARD_FACTOR = 2.0

@@ -12,10 +12,11 @@ from torch.distributed.tensor import Partial, Replicate
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, random_draw_time, roofline_time
+from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, random_draw_time, roofline_time,
+                                  with_fixed_cost)
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
-from autopar.rules.strategy import OpCall, Placements, Strategy, local_numel
+from autopar.rules.strategy import OpCall, Placements, Strategy, is_float, local_numel, shard_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,17 +48,46 @@ class EdgeCost:
     backward: tuple[CollectiveCall, ...]
 
 
+def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
+    """True when each rank does only its part of the op's work along ``mesh_dim``.
+
+    The work is split by inputs that are actually split: some input sharded (plain or
+    strided) on this dim, a split contraction with a Partial output included. Partial and
+    replicated inputs are whole tensors on every rank, so an op reading only those does
+    the whole work whatever its output (``mm(Partial, Replicate) -> Partial`` multiplies
+    the whole matrix on every rank). An op with neither, producing a sharded output (a
+    factory building its slice), computes only its slice. This is not
+    ``Strategy.is_active``, which decides where gradients come back Partial.
+    """
+    inputs = [placements[mesh_dim] for placements in strategy.inputs]
+    if any(shard_dim(p) is not None for p in inputs):
+        return True
+    if any(isinstance(p, Partial) for p in inputs):
+        return False
+    return any(o is not None and shard_dim(o[mesh_dim]) is not None for o in strategy.outputs)
+
+
 def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
+    """One rank's seconds for the op in a step (its share of the work by roofline, forward
+    and, when training, backward at ``BACKWARD_FACTOR`` times, each phase after its fixed
+    cost), and the bytes it keeps for backward."""
     mesh = ctx.mesh
-    ways = math.prod(n for i, n in enumerate(mesh.shape) if strategy.is_active(i))
+    ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
     flops = op_flops(call) / ways
-    nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision) / ways
-    time = roofline_time(flops, nbytes, mesh, ctx.precision)
+    placements = [*strategy.inputs, *strategy.outputs]
+    # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
+    nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,
+                      lambda meta, k: local_numel(meta, placements[k] or (), mesh.shape))
+    work = roofline_time(flops, nbytes, mesh, ctx.precision)
+    hw = mesh.hardware
+    kernel = call.target not in VIEW_OPS  # a view runs no kernel: priced free
+    time = with_fixed_cost(work, hw.op_overhead if kernel else 0.0, hw)
     memory = 0.0
     if ctx.train:
-        time *= 1 + BACKWARD_FACTOR
+        if any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
+            time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead if kernel else 0.0, hw)
         # outputs saved for backward; views and in-place ops return their input's memory
-        if call.target not in VIEW_OPS and not writes_first_arg(call.target):
+        if kernel and not writes_first_arg(call.target):
             memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
                          for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
     time += random_draw_time(call, mesh, ctx.precision)  # the global draw: not split
@@ -74,7 +104,9 @@ def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *
         return NodeCost(0.0, float(numel * ctx.precision.weight_bytes_per_param))
     state = numel * ctx.precision.state_bytes_per_param
     # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
-    update = roofline_time(10.0 * numel, 2.0 * state, ctx.mesh, ctx.precision)
+    hw = ctx.mesh.hardware
+    update = with_fixed_cost(roofline_time(10.0 * numel, 2.0 * state, ctx.mesh, ctx.precision),
+                             hw.optimizer_param_overhead, hw)
     return NodeCost(update, float(state))
 
 

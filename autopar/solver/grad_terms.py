@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autopar.cost.buckets import bucket_count
-from autopar.cost.collectives import ALL_REDUCE, grad_placement_at_consumer, latency_time, transfer_time
+from autopar.cost.collectives import ALL_REDUCE, call_time, grad_placement_at_consumer, transfer_time
 from autopar.cost.model import CostContext, grad_sync_dims, param_sync_calls
 from autopar.solver.graph import PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model
@@ -18,7 +18,8 @@ class GradSyncTerms:
     mesh dim d: at least one consumer edge sends it back Partial there (``grad_sync_dims``),
     so y >= each edge's indicator of such a pairing. y carries the transfer time of p's
     gradient on d. Per mesh dim, the integer k[d] >= (bytes reduced on d) / bucket size is
-    the number of buckets ``gradient_buckets`` cuts them into, each paying the latency.
+    the number of buckets ``gradient_buckets`` cuts them into, each paying a call's fixed cost
+    and latency (``call_time``).
     """
 
     def __init__(self, model: Model, graph: PlanGraph, ctx: CostContext, mult: dict[str, int], *,
@@ -54,8 +55,8 @@ class GradSyncTerms:
         mesh = self.ctx.mesh
         for dim, row in self.bytes_on.items():
             most = bucket_count(sum(row.values()), self.ctx.bucket_bytes)
-            latency = latency_time(ALL_REDUCE, dim, mesh) if mesh.shape[dim] > 1 else 0.0
-            k = self.model.var(latency * SCALE if self.priced else 0.0, integer=True, upper=float(most))
+            per_call = call_time(ALL_REDUCE, dim, mesh)
+            k = self.model.var(per_call * SCALE if self.priced else 0.0, integer=True, upper=float(most))
             self.model.rows.append(({k: float(self.ctx.bucket_bytes), **{y: -b for y, b in row.items()}},
                                     0.0, INF))
 

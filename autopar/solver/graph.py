@@ -173,12 +173,19 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
         nodes[pn.name] = pn
         order.append(pn.name)
     _drop_gradients_nobody_sends(nodes, order, ctx)
-    if loss is not None:  # the loss's own collectives come with its strategy
-        node = nodes[loss]
-        node.comm_times = [sum(collective_time(c, ctx.mesh) for c in
-                               (*loss_count_reductions(node, s, ctx), *loss_replication(node, s, ctx)))
-                           for s in node.strategies]
+    for name in order:  # a loss's own collectives (its count, the whole loss) come with its strategy
+        node = nodes[name]
+        if name == loss or (node.call is not None and node.call.target in MEAN_AS_PARTIAL):
+            node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(node, s, ctx, name == loss))
+                               for s in node.strategies]
     return PlanGraph(nodes, order, loss, output_names)
+
+
+def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool) -> list[CollectiveCall]:
+    """Collectives a node's strategy runs by itself: a batch-split mean loss summing its count,
+    and the step's loss reduced so that every rank returns all of it."""
+    calls = loss_count_reductions(node, strategy, ctx)
+    return [*calls, *loss_replication(node, strategy, ctx)] if is_loss else calls
 
 
 def _drop_gradients_nobody_sends(nodes: dict[str, PlanNode], order: list[str], ctx: CostContext) -> None:
