@@ -155,3 +155,9 @@ def test_help_documents_the_exit_codes() -> None:
         assert line in text
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "exit status" in readme.lower() and "`2`" in readme
+
+
+def test_no_plan_within_the_solver_time_limit_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu",
+                        "--solver-time-limit", "0.000001"], capsys)
+    assert code == 2 and "no plan within its time limit" in err, err

@@ -17,7 +17,8 @@ EXIT_CODES = """exit status:
   0  the plan was found (and printed)
   2  the input cannot be planned: a bad command line, a builder file or function that
      cannot be loaded, raises or returns the wrong things, a model torch.export cannot
-     capture, no plan within the memory limit, pinned placements that conflict
+     capture, no plan within the memory limit or the solver's time limit, pinned
+     placements that conflict
   1  an internal error of autopar (a bug: the traceback is printed; please report it)"""
 
 
@@ -86,7 +87,8 @@ def plan_command(args: argparse.Namespace) -> int:
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
-                        precision=args.precision, progress=sys.stderr.isatty())
+                        precision=args.precision, solver_time_limit_s=args.solver_time_limit,
+                        progress=sys.stderr.isatty())
     from rich.console import Console
 
     Console(width=args.width).print(render(plan))
@@ -135,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
                        help="fraction of device memory left free by the default limit (default: the profile's, 0.1)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: the hardware's")
     p.add_argument("--forward-only", action="store_true", help="plan a forward-only step (no backward/optimizer)")
+    p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
+                   help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
     return top
@@ -143,10 +147,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line exits with 2 (argparse's usage error)
     from autopar.capture import CaptureError
+    from autopar.solver.ilp import SolverTimeLimitError
 
     try:
         return plan_command(args)
-    except (InputError, CaptureError, ValueError, TypeError) as exc:  # bad mesh, types, memory limit: one message
+    except (InputError, CaptureError, ValueError, TypeError, SolverTimeLimitError) as exc:  # one message
+        # bad mesh, types, memory limit, no plan within the solver's time limit
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
 
