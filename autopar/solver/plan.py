@@ -152,34 +152,29 @@ def plan_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[
     return gradient_buckets(params, itemsize=ctx.precision.activation_bytes, cap=ctx.bucket_bytes)
 
 
-def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
-               timings: dict[str, float], pinned: dict[str, str], *, memory_limit: float | None = None,
-               notes: list[str] | None = None) -> Plan:
-    mesh = ctx.mesh
-    chosen: dict[str, Strategy] = {
-        n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
-    collectives: list[PlannedCollective] = []
-    comm_bytes = {axis: 0.0 for axis in mesh.names}
+class _Ledger:
+    """The collectives a plan lists, and the bytes each mesh axis sends for them."""
 
-    def record(call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str) -> None:
-        collectives.append(PlannedCollective(
-            kind=call.kind, axis=mesh.names[call.mesh_dim], bytes=call.nbytes, phase=phase, tensor=tensor,
-            consumer=consumer, module=module, time_s=collective_time(call, mesh)))
-        comm_bytes[mesh.names[call.mesh_dim]] += bytes_moved(call, mesh)
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self.collectives: list[PlannedCollective] = []
+        self.comm_bytes = {axis: 0.0 for axis in mesh.names}
 
-    sync_dims = param_sync_dims(graph, chosen, ctx)
+    def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str) -> None:
+        axis = self.mesh.names[call.mesh_dim]
+        self.collectives.append(PlannedCollective(
+            kind=call.kind, axis=axis, bytes=call.nbytes, phase=phase, tensor=tensor,
+            consumer=consumer, module=module, time_s=collective_time(call, self.mesh)))
+        self.comm_bytes[axis] += bytes_moved(call, self.mesh)
+
+
+def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger) -> float:
+    """Every reshard the step runs (once per tensor, version and placement among its
+    consumers) and every loss count reduction; returns the bytes gathered parameters keep."""
     resharded: set[tuple] = set()
-    compute = 0.0
-    param_mem = act_mem = 0.0
+    held = 0.0
     for name in graph.order:
         node = graph.nodes[name]
-        idx = solution.choice[folding.representative[name]]
-        cost = node.costs[idx]
-        compute += cost.time
-        if node.kind == PARAM:
-            param_mem += cost.memory
-        else:
-            act_mem += cost.memory
         for arg, (src, out_index) in enumerate(node.args):
             required = chosen[name].inputs[arg]
             grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
@@ -189,40 +184,56 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
                 continue
             resharded.add((src, out_index, version, required, grad_in))
             edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
-            act_mem += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
-                                                chosen[name].inputs[arg], ctx,
-                                                from_parameter=graph.nodes[src].kind == PARAM)
+            held += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
+                                             required, ctx, from_parameter=graph.nodes[src].kind == PARAM)
             for phase, calls in (("forward", edge.forward), ("backward", edge.backward)):
                 for call in calls:
-                    record(call, phase, src, name, node.module)
+                    ledger.record(call, phase, src, name, node.module)
         for call in loss_count_reductions(node, chosen[name], ctx):
-            record(call, "forward", name, name, node.module)
-    buckets = plan_buckets(graph, chosen, sync_dims, ctx)
+            ledger.record(call, "forward", name, name, node.module)
+    return held
+
+
+def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy]) -> list[NodePlacement]:
+    return [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
+                          outputs=[placement_str(p) for p in chosen[n].outputs],
+                          inputs=[placement_str(p) for p in chosen[n].inputs], fallback=graph.nodes[n].fallback,
+                          shapes=[list(m.shape) for m in graph.nodes[n].outputs if m is not None])
+            for n in graph.order]
+
+
+def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
+               timings: dict[str, float], pinned: dict[str, str], *, memory_limit: float | None = None,
+               notes: list[str] | None = None) -> Plan:
+    """The plan of a solution, priced by the same functions as the ILP's objective."""
+    mesh = ctx.mesh
+    chosen: dict[str, Strategy] = {
+        n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
+    costs = [graph.nodes[n].costs[solution.choice[folding.representative[n]]] for n in graph.order]
+    compute = sum(c.time for c in costs)
+    param_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind == PARAM)
+    act_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind != PARAM)
+    ledger = _Ledger(mesh)
+    act_mem += _record_reshards(graph, chosen, ctx, ledger)
+    buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     for bucket in buckets:
-        record(CollectiveCall(ALL_REDUCE, bucket.mesh_dim, bucket.nbytes, bucketed=True), "backward",
-               ",".join(bucket.params), "", "(gradient buckets)")
+        ledger.record(CollectiveCall(ALL_REDUCE, bucket.mesh_dim, bucket.nbytes, bucketed=True), "backward",
+                      ",".join(bucket.params), "", "(gradient buckets)")
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
         for call in loss_replication(loss, chosen[graph.loss], ctx):
-            record(call, "forward", graph.loss, "output", loss.module)
-    comm_time = sum(c.time_s for c in collectives)
-    nodes = [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
-                           outputs=[placement_str(p) for p in chosen[n].outputs],
-                           inputs=[placement_str(p) for p in chosen[n].inputs], fallback=graph.nodes[n].fallback,
-                           shapes=[list(m.shape) for m in graph.nodes[n].outputs if m is not None])
-             for n in graph.order]
+            ledger.record(call, "forward", graph.loss, "output", loss.module)
+    comm_time = sum(c.time_s for c in ledger.collectives)
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}
-    fallbacks = fallback_groups(graph)
     predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,
                           peak_memory_bytes=param_mem + act_mem, parameter_memory_bytes=param_mem,
-                          activation_memory_bytes=act_mem, comm_bytes=comm_bytes)
+                          activation_memory_bytes=act_mem, comm_bytes=ledger.comm_bytes)
     solver = {"status": solution.status, "gap": solution.gap, "time_limit_s": solution.time_limit_s,
               "variables": solution.num_variables, "constraints": solution.num_constraints,
               "objective_s": solution.objective_s, "folded_blocks": folding.blocks,
               "distinct_nodes": len(solution.choice), "nodes": len(graph.order)}
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
-                nodes=nodes, collectives=collectives, predicted=predicted, fallbacks=fallbacks,
-                grad_buckets=buckets, solver=solver,
+                nodes=_node_placements(graph, chosen), collectives=ledger.collectives, predicted=predicted,
+                fallbacks=fallback_groups(graph), grad_buckets=buckets, solver=solver,
                 timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []))
-
