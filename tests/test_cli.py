@@ -113,7 +113,19 @@ def test_an_exception_in_user_code_keeps_its_location(tmp_path: Path, capsys: py
     assert code == 2 and out == ""
     assert "raised KeyError: 'no such layer'" in err
     assert f'File "{path}", line {line}, in helper' in err, err
+    if where == "builder":  # the builder's own frame, which called the helper, is shown too
+        assert f'File "{path}", line {line + 3}, in f' in err, err
     assert "autopar/cli" not in err  # the user's frames only
+
+
+def test_an_error_raised_by_the_builder_itself_keeps_its_location(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A torch error raised in the builder's own body (no Python frame below it) still
+    names the builder's line."""
+    path = builder(tmp_path, "def f():\n    return torch.randn(2) @ torch.randn(3)\n")
+    code, out, err = run(["plan", f"{path}:f", "--mesh", "dp=2"], capsys)
+    assert code == 2 and out == ""
+    assert f'File "{path}", line {GOOD.count(chr(10)) + 2}, in f' in err, err
 
 
 def test_a_batch_that_does_not_split_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,7 +33,10 @@ def _user_traceback(exc: BaseException, skip: int) -> str:
 
 
 def _run_user_code(what: str, fn: Callable[[], Any]) -> Any:
-    """Call the user's code; an exception in it becomes an InputError keeping its location."""
+    """Call the user's code; an exception in it becomes an InputError keeping its location.
+
+    ``fn`` is a lambda around the user's call: the traceback drops this frame and the
+    lambda's (``skip=2``), so the user's own function is the first frame shown."""
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - reported with the user's own traceback
@@ -83,7 +86,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
     mesh = Mesh(parse_mesh_spec(args.mesh), args.hardware, args.devices_per_node)  # before running user code
     builder = load_builder(args.builder)
-    model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, builder), args.builder)
+    model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
