@@ -24,7 +24,8 @@ from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan
-from autopar.solver.graph import PlanGraph, build_plan_graph
+from autopar.solver.graph import build_plan_graph
+from autopar.solver.nodes import PlanGraph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, solve
 from autopar.units import fmt_bytes

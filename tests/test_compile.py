@@ -134,3 +134,23 @@ def test_a_call_binds_to_the_captured_leaves_and_keeps_non_tensor_inputs_fixed()
         sig.bind((x, 3, y), {"mask": None, "scale": None, "pair": (x, 2)})
     with pytest.raises(TypeError, match="nested differently"):
         sig.bind((x, 3, y), {"mask": mask, "scale": None, "pair": (x,)})
+
+
+def _precision_rank(rank: int, world: int, precision: str | None, dtype: torch.dtype) -> str:
+    model, inputs, loss_fn, targets = gpt.build()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    try:
+        pm = autopar.compile(model.to(dtype), mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                             precision=precision)
+    except autopar.CompileError as exc:
+        return str(exc)
+    return pm.plan.precision
+
+
+def test_the_plan_prices_the_precision_the_model_runs_in() -> None:
+    """The runtime casts nothing: gradients move in the parameters' dtype, so the plan takes
+    the model's precision, and a different one asked for is refused on every rank."""
+    assert run_ranks(_precision_rank, 2, None, torch.bfloat16) == ["bf16", "bf16"]
+    assert run_ranks(_precision_rank, 2, None, torch.float32) == ["fp32", "fp32"]
+    for message in run_ranks(_precision_rank, 2, "bf16", torch.float32):
+        assert "precision='bf16' but the model's parameters are fp32" in message

@@ -166,3 +166,27 @@ def test_data_axes_keep_the_batch_split_and_synchronize_gradients(axes: dict[str
     linears = [n for n in plan.nodes if n.op == "aten.linear.default"]
     assert linears and all(on_axis(n.inputs[0], 0).startswith("S(0") for n in linears)
     assert all(on_axis(p, 0) == "R" for p in plan.parameters.values())
+
+
+class _Biased(torch.nn.Module):
+    """An MLP that also takes a per-feature input (not data: no batch dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + shift
+
+
+@pytest.mark.parametrize("hardware", ["h100", "cpu"])
+def test_data_axes_never_gather_the_batch_into_a_matmul(hardware: str) -> None:
+    """A Partial output does not make a split: the linear must take its batch split, not all
+    of it gathered against a zero-padded (Partial) weight."""
+    plan = autopar.plan(_Biased(), autopar.Mesh({"dp": 2}, hardware), (torch.randn(8, 16), torch.randn(16)),
+                        loss_fn=lambda y: y.sum(), data_axes=("dp",))
+    linear = next(n for n in plan.nodes if n.op == "aten.linear.default")
+    assert linear.inputs == ["S(0)", "R", "R"] and linear.outputs == ["S(0)"]
+    assert not [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_gather"]
+    shift = next(n for n in plan.nodes if n.op == "input" and n.shapes == [[16]])
+    assert shift.outputs == ["R"]  # not batch: not split on the data axis

@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
+from autopar.api import plan_step
 from autopar.cost.buckets import BucketSlice, GradBucket, gradient_buckets
+from autopar.cost.model import op_cost
 from autopar.hardware import get_profile
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.grad_sync import GradSync
@@ -44,6 +46,12 @@ def _tied_gpt() -> tuple[Any, ...]:
     return model, inputs, loss_fn, targets
 
 
+def _frozen(built: tuple[Any, ...], prefix: str) -> tuple[Any, ...]:
+    for name, p in built[0].named_parameters():
+        p.requires_grad_(not name.startswith(prefix))
+    return built
+
+
 VARIANTS = {
     "gpt-free": (gpt.build, {}),
     "llama-free": (llama.build, {}),
@@ -54,6 +62,8 @@ VARIANTS = {
     "gpt-tp_sp-dp-small_buckets": (gpt.build, {"constraints": gpt.TP_SP_PLAN, "data_axes": ("dp",),
                                                "bucket_bytes": 65536}),
     "llama-dp-small_buckets": (llama.build, {"data_axes": ("dp",), "bucket_bytes": 16384}),
+    # one of two repeated layers frozen: the layers must not fold together
+    "llama-partly_frozen": (lambda: _frozen(llama.build(), "layers.0."), {}),
     # inputs passed split: the loss sums its count with a collective of its own
     "gpt-tp-input_sharded": (gpt.build, {"constraints": gpt.TP_PLAN, "data_axes": ("dp",), "input_sharded": True}),
 }
@@ -142,3 +152,63 @@ def _incomplete_bucket_rank(rank: int, world: int) -> str:
 def test_a_bucket_that_cannot_complete_is_an_error_on_every_rank() -> None:
     for message in run_ranks(_incomplete_bucket_rank, 2):
         assert "no gradient arrived in this backward for b" in message
+
+
+class Gated(nn.Module):
+    """The gate reaches the loss only through a comparison: autograd gives it no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate, self.a = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * (self.gate(x) > 0).float()
+
+
+def test_parameters_behind_a_comparison_get_no_gradient_and_no_sync() -> None:
+    plan = autopar.plan(Gated(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
+                        loss_fn=lambda y: y.pow(2).sum(), data_axes=("dp",))
+    synced = {p for b in plan.grad_buckets for p in b.params}
+    assert synced == {"p_model_a_weight", "p_model_a_bias"}
+    by_hand = (8 * 8 + 8) * 4 + (8 * 8 + 8) * 16  # the gate keeps its fp32 weights alone, a gets Adam state
+    assert plan.predicted.parameter_memory_bytes == by_hand
+    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+def _gated_rank(rank: int, world: int) -> dict[str, Any]:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    pm = autopar.compile(Gated(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x,),
+                         loss_fn=lambda y: y.pow(2).sum(), data_axes=("dp",))
+    pm(x).backward()
+    return {k: None if p.grad is None else p.grad.tolist() for k, p in pm.named_parameters()}
+
+
+def test_a_step_whose_gate_gets_no_gradient_trains_like_one_device() -> None:
+    model, x = Gated(), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model(x).pow(2).sum().backward()
+    for got in run_ranks(_gated_rank, 2):
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                assert got[name] is None, name
+            else:
+                torch.testing.assert_close(torch.tensor(got[name]), p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_prefix_runs_no_backward() -> None:
+    """Layers before the first trainable parameter run forward only: no backward op and no
+    saved activation is priced for them (their outputs' consumers have no backward either)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    step = plan_step(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(32, 64),), loss_fn=lambda y: y.sum())
+    graph, ctx = step.graph, step.ctx
+    first = next(n for n in graph.order if graph.nodes[n].op == "aten.linear.default")
+    relu = next(n for n in graph.order if graph.nodes[n].op == "aten.relu.default")
+    assert not graph.nodes[first].needs_grad and not graph.nodes[relu].needs_grad
+    for name in (first, relu):
+        node = graph.nodes[name]
+        strategy = step.chosen[name]
+        forward_only = op_cost(node.call, strategy, ctx, backward=False, saved=name == relu)
+        assert node.costs[node.strategies.index(strategy)] == forward_only
+    assert graph.nodes[relu].saved and not graph.nodes[first].saved  # the second linear keeps relu's output

@@ -70,6 +70,14 @@ def _gpt_bf16() -> Any:
     return model.to(torch.bfloat16), inputs, loss_fn, targets
 
 
+def _regression() -> Any:
+    """An MLP with F.mse_loss, which broadcasts its input and target (broadcast_tensors)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    gen = torch.Generator().manual_seed(2)
+    return model, (torch.randn(32, 16, generator=gen),), torch.nn.functional.mse_loss, (torch.randn(32, 16, generator=gen),)
+
+
 def _gpt_tied() -> Any:
     """GPT-2's weight tying: the output head is the token table (one parameter, two uses)."""
     model, inputs, loss_fn, targets = gpt.build()
@@ -101,7 +109,7 @@ def _gpt_frozen() -> Any:
 
 MODELS: dict[str, Callable[[], Any]] = {
     "gpt": gpt.build, "llama": llama.build, "gpt_view_qkv": _gpt_view_qkv, "gpt_tied": _gpt_tied,
-    "gpt_frozen": _gpt_frozen, "gpt_bf16": _gpt_bf16,
+    "gpt_frozen": _gpt_frozen, "gpt_bf16": _gpt_bf16, "regression": _regression,
     # batch 8 and 16: at batch 4 the cpu profile rightly prices plain replication cheapest (no collectives)
     "hf_gpt2": _hf(lambda: hf_models.build_gpt2_step(batch=8)),
     "hf_llama": _hf(lambda: hf_models.build_llama_step(batch=16)),
@@ -157,6 +165,8 @@ CASES = [
     # LayerNorms' weights, one on tp after dp
     Case("gpt", (2, 2), ("dp", "tp"), "tp_sp", {"data_axes": ("dp",), "bucket_bytes": 65536}),
     Case("gpt_bf16", (2, 2), ("dp", "tp"), "tp_sp", {"data_axes": ("dp",), "precision": "bf16"}),
+    Case("regression", (2,), ("dp",), "dp"), Case("regression", (2, 2), ("dp", "tp"), "dp"),
+    Case("gpt", (1, 2), ("dp", "tp"), "dp_tp"),  # a mesh dim of one rank: nothing runs on it
 ]
 
 

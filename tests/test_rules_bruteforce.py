@@ -258,6 +258,17 @@ def view_cases() -> list[OpCase]:
     ]
 
 
+def broadcast_cases() -> list[OpCase]:
+    """broadcast_tensors, as F.mse_loss exports it (input and target of other shapes)."""
+    bt = aten.broadcast_tensors.default
+    return [
+        case(bt, [f64(4, 8), f64(4, 8)], tag="same"),
+        case(bt, [f64(4, 8), f64(8)], tag="row"),
+        case(bt, [f64(4, 1, 8), f64(6, 1)], tag="both-expand"),
+        case(bt, [f64(2, 4, 8), f64(4, 8), f64(1, 1, 8)], tag="three"),
+    ]
+
+
 def attention_cases() -> list[OpCase]:
     sdpa = aten.scaled_dot_product_attention.default
     cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -495,6 +506,7 @@ def factory_cases() -> list[OpCase]:
 
 
 CASES: list[OpCase] = [
+    *broadcast_cases(),
     *matmul_cases(), *pointwise_cases(), *reduction_cases(), *softmax_cases(), *norm_cases(),
     *embedding_cases(), *view_cases(), *attention_cases(), *loss_cases(), *dropout_cases(),
     *factory_cases(), *masking_cases(), *scan_pad_cases(), *indexing_cases(),

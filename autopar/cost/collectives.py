@@ -77,7 +77,7 @@ def reshard(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, 
     """
     calls = []
     for step in redistribute_steps(src, dst):
-        if step.kind not in COLLECTIVES:
+        if step.kind not in COLLECTIVES or mesh.shape[step.mesh_dim] == 1:  # one rank: nothing to exchange
             continue
         placements = step.before
         if step.kind == ALL_GATHER:

@@ -67,10 +67,15 @@ def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
     return any(o is not None and shard_dim(o[mesh_dim]) is not None for o in strategy.outputs)
 
 
-def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
+def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: bool | None = None,
+            saved: bool | None = None) -> NodeCost:
     """One rank's seconds for the op in a step (its share of the work by roofline, forward
-    and, when training, backward at ``BACKWARD_FACTOR`` times, each phase after its fixed
-    cost), and the bytes it keeps for backward."""
+    and, when its backward runs, backward at ``BACKWARD_FACTOR`` times, each phase after its
+    fixed cost), and the bytes of its outputs kept for backward. ``backward`` (default: a
+    training step) says the op's backward runs; ``saved`` (default: likewise) that some
+    consumer's backward keeps its outputs (a frozen prefix runs neither)."""
+    backward = ctx.train if backward is None else backward
+    saved = ctx.train if saved is None else saved
     mesh = ctx.mesh
     ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
     flops = op_flops(call) / ways
@@ -83,13 +88,12 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext) -> NodeCost:
     kernel = call.target not in VIEW_OPS  # a view runs no kernel: priced free
     time = with_fixed_cost(work, hw.op_overhead if kernel else 0.0, hw)
     memory = 0.0
-    if ctx.train:
-        if any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
-            time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead if kernel else 0.0, hw)
-        # outputs saved for backward; views and in-place ops return their input's memory
-        if kernel and not writes_first_arg(call.target):
-            memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
-                         for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
+    if backward and any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
+        time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead if kernel else 0.0, hw)
+    # outputs saved for backward; views and in-place ops return their input's memory
+    if saved and kernel and not writes_first_arg(call.target):
+        memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
+                     for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
     time += random_draw_time(call, mesh, ctx.precision)  # the global draw: not split
     return NodeCost(time, memory)
 
@@ -122,12 +126,13 @@ def grad_placements(produced: Placements, required: Placements, consumer: Strate
     return grad_in, grad_out
 
 
-def grad_sync_dims(produced: Placements, grad_in: Placements) -> frozenset[int]:
+def grad_sync_dims(produced: Placements, grad_in: Placements, mesh_shape: tuple[int, ...]) -> frozenset[int]:
     """Mesh dims where a parameter stored replicated gets a Partial gradient back from one
     consumer. The parameter's gradient is reduced there once per step, in buckets (as DDP
-    does), over the union of its consumers' sync dims, never on the edge itself."""
+    does), over the union of its consumers' sync dims, never on the edge itself. A mesh dim
+    of one rank has nothing to reduce."""
     return frozenset(d for d, (p, g) in enumerate(zip(produced, grad_in))
-                     if isinstance(p, Replicate) and isinstance(g, Partial))
+                     if isinstance(p, Replicate) and isinstance(g, Partial) and mesh_shape[d] > 1)
 
 
 def param_grad_target(produced: Placements, grad_in: Placements, sync_dims: frozenset[int]) -> Placements:
@@ -168,7 +173,7 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     if ctx.train and needs_grad:
         grad_in, grad_out = grad_placements(produced, required, consumer)
         if from_parameter:
-            grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in))
+            grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
     time = sum(collective_time(c, mesh) for c in (*forward, *backward))
     return EdgeCost(time, tuple(forward), tuple(backward))

@@ -8,7 +8,7 @@ import torch.fx
 
 from autopar.cost.model import CostContext
 from autopar.rules.strategy import Strategy
-from autopar.solver.graph import PlanGraph
+from autopar.solver.nodes import PlanGraph
 
 STRATEGY = "autopar.strategy"
 """node.meta key: the Strategy the plan chose for this node."""

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import Placement
 from torch.distributed.tensor._ops import _view_ops as dt_views
 
+from autopar.rules.pointwise import broadcast_strategies
 from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, normalize_dim, strided
 from autopar.rules.table import RuleTable
 
@@ -180,3 +181,17 @@ def getitem_rule(call: OpCall) -> list[DimStrategy]:
     if x is None:
         return []
     return [*(DimStrategy((S(d),), (S(d),)) for d in range(x.ndim)), DimStrategy((P,), (P,))]
+
+
+@TABLE.register(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(call: OpCall) -> list[DimStrategy]:
+    """Each output is input i expanded to the common shape (F.mse_loss broadcasts its input
+    and target so): an output dim splits where every input holding it at full size splits
+    too (as elementwise ops broadcast), and expanding is linear in each input, so a Partial
+    input gives its own output Partial with the others replicated."""
+    strategies = broadcast_strategies(call)
+    n = len(call.tensor_inputs)
+    for i in range(n):
+        strategies.append(DimStrategy(tuple(P if j == i else R for j in range(n)),
+                                      tuple(P if j == i else R for j in range(n))))
+    return strategies

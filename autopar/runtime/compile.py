@@ -21,7 +21,7 @@ from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.random import RandomOps, agree_seed, make_generator
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
-from autopar.solver.graph import BUFFER, INPUT, PARAM
+from autopar.solver.nodes import BUFFER, INPUT, PARAM
 from autopar.solver.plan import param_sync_dims
 
 T = TypeVar("T")
@@ -134,6 +134,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             raise CompileError("input_sharded=True needs data_axes=(...) naming the axes inputs are split on")
         data_axes = ("dp",)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
+    precision = _running_precision(model, precision)
     try:
         seed = agree_seed(seed)
     except ValueError as exc:
@@ -157,6 +158,23 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
     return _on_every_rank("building the rank's program",
                           lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed))
+
+
+PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _running_precision(model: nn.Module, precision: str | None) -> str:
+    """The precision the program really runs in: the model's own (the runtime casts nothing,
+    so gradients and activations move in the parameters' dtype, and the plan must price that)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) > 1 or (dtypes and next(iter(dtypes)) not in PRECISION_OF_DTYPE):
+        raise CompileError(f"the model's parameters are {sorted(map(str, dtypes))}: autopar runs a model in one "
+                           "of float32 or bfloat16 (cast it with model.to(...))")
+    own = PRECISION_OF_DTYPE[next(iter(dtypes))] if dtypes else "fp32"
+    if precision is not None and precision != own:
+        raise CompileError(f"precision={precision!r} but the model's parameters are {own}: the runtime runs the "
+                           f"model as it is, so plan it as {own!r} or cast the model first")
+    return own
 
 
 def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:

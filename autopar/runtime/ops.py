@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.rules import loss as loss_rules
-from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SLICE, ZERO,
+from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVES, REDUCE_SCATTER, SLICE, ZERO,
                                         Step, redistribute_steps, strided_join, strided_take)
 from autopar.rules.strategy import parse_placements
 
@@ -57,6 +57,8 @@ class Comm:
         i = step.mesh_dim
         n = self.mesh.size(i)
         group = (self.mesh, i)
+        if n == 1 and step.kind in COLLECTIVES:  # one rank on this mesh dim: its data is already the result
+            return x
         if step.kind == SLICE:
             if step.factor > 1:
                 return strided_take(x, step.dst_dim, step.factor, n, self.coordinate[i]).contiguous()
@@ -131,7 +133,7 @@ class PartialMeanLoss(nn.Module):
             elif count is None:
                 count = loss_rules.global_count(target, args)
             count = torch.as_tensor(count, dtype=torch.float32).reshape(1)
-            for dim in mesh_dims:
+            for dim in (d for d in mesh_dims if self.comm.mesh.size(d) > 1):
                 self.comm._record("forward", ALL_REDUCE, dim, count)
                 count = fc.wait_tensor(fc.all_reduce(count, "sum", (self.comm.mesh, dim)))
         return loss_rules.local_mean_loss(target, args, count.reshape(()))

@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from autopar.solver.graph import PlanGraph
+from autopar.solver.nodes import PlanGraph
 
 _INSTANCE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -58,7 +58,9 @@ def fold_repeated_blocks(graph: PlanGraph, pins: dict[str, object] | None = None
         for n in names:
             node = graph.nodes[n]
             wiring = tuple((position.get(src, -1), idx) for src, idx in node.args)
-            sig.append((node.kind, node.op, node.outputs, wiring, strategies_id(node.strategies), repr(pins.get(n))))
+            # costs differ with what gets a gradient (frozen, no backward) even where strategies match
+            sig.append((node.kind, node.op, node.outputs, wiring, strategies_id(node.strategies), repr(pins.get(n)),
+                        node.needs_grad, node.saved, node.frozen))
         return tuple(sig)
 
     representative = {n: n for n in graph.order}

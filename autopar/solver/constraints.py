@@ -22,7 +22,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from autopar.rules.strategy import OpCall, Strategy, is_strided
-from autopar.solver.graph import PARAM, PlanGraph
+from autopar.solver.nodes import PARAM, PlanGraph
 
 aten = torch.ops.aten
 
@@ -39,9 +39,12 @@ class Pin:
     split). Not for a data-parallel batch split: inputs passed already split are contiguous."""
     split: bool = False
     """The (first) output must not be Replicate on the axis: data split there stays split."""
+    split_inputs: tuple[int, ...] = ()
+    """Tensor inputs that must not arrive Replicate on the axis (data split there is not gathered)."""
 
     def __repr__(self) -> str:
-        return f"Pin({self.output}, {sorted(self.inputs.items())}, strided_ok={self.strided_ok}, split={self.split})"
+        return (f"Pin({self.output}, {sorted(self.inputs.items())}, strided_ok={self.strided_ok}, split={self.split}, "
+                f"split_inputs={self.split_inputs})")
 
     def admits(self, strategy: Strategy, axis: int) -> bool:
         """``strategy`` meets this pin on mesh dim ``axis``."""
@@ -49,6 +52,8 @@ class Pin:
         if self.output is not None and (out is None or not _meets(out[axis], self.output, self)):
             return False
         if self.split and (out is None or isinstance(out[axis], Replicate)):
+            return False
+        if any(isinstance(strategy.inputs[k][axis], Replicate) for k in self.split_inputs):
             return False
         return all(_meets(strategy.inputs[k][axis], p, self) for k, p in self.inputs.items())
 
@@ -186,7 +191,7 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
 
 def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis_name: str, *,
                        inputs_whole: bool = True) -> dict[str, Pin]:
-    """Plain data parallelism on one axis: parameters replicated, inputs split on dim 0
+    """Plain data parallelism on one axis: parameters replicated, batch inputs split on dim 0
     (strided allowed when every rank receives the whole batch and slices it itself), and
     everything computed from the inputs stays split on the axis (Shard or Partial: each rank
     works on its part of the batch, never gathers it) wherever the op has such a strategy;
@@ -194,11 +199,12 @@ def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis
     place, gathers its input, as the plan then shows."""
     pins: dict[str, Pin] = {}
     from_data: set[str] = set()
+    batch = _batch_size(graph, user_inputs)
     for name in graph.order:
         node = graph.nodes[name]
         if node.kind == PARAM:
             pins[name] = Pin(output=Replicate(), reason=f"data parallel on {axis_name}")
-        elif name in user_inputs:
+        elif name in user_inputs and node.outputs[0] is not None and node.outputs[0].shape[:1] == (batch,):
             pins[name] = Pin(output=Shard(0), reason=f"data parallel on {axis_name} (batch split)",
                              strided_ok=inputs_whole)
             from_data.add(name)
@@ -206,7 +212,18 @@ def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis
             from_data.add(name)  # (a factory reads only the shape of what it is given)
             if node.as_produced:  # an in-place write (or view written through) follows its tensor
                 continue
-            if any(s.outputs and s.outputs[0] is not None and not isinstance(s.outputs[0][axis], Replicate)
-                   for s in node.strategies):
-                pins[name] = Pin(split=True, reason=f"data parallel on {axis_name} (computed from the batch)")
+            data_args = tuple(k for k, (src, _) in enumerate(node.args) if src in from_data)
+            pin = Pin(split=True, split_inputs=data_args, reason=f"data parallel on {axis_name} (computed from the batch)")
+            if any(pin.admits(s, axis) for s in node.strategies):
+                pins[name] = pin
     return pins
+
+
+def _batch_size(graph: PlanGraph, user_inputs: list[str]) -> int | None:
+    """The batch: the leading dim of the first input that has one. Inputs without that
+    leading dim (a bias vector, a scalar) are not data to split; they stay free."""
+    for name in user_inputs:
+        meta = graph.nodes[name].outputs[0] if name in graph.nodes else None
+        if meta is not None and meta.ndim >= 1:
+            return meta.shape[0]
+    return None

@@ -7,7 +7,7 @@ from collections import defaultdict
 from autopar.cost.buckets import bucket_count
 from autopar.cost.collectives import ALL_REDUCE, call_time, grad_placement_at_consumer, transfer_time
 from autopar.cost.model import CostContext, grad_sync_dims, param_sync_calls
-from autopar.solver.graph import PARAM, PlanGraph
+from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model
 
 
@@ -35,7 +35,7 @@ class GradSyncTerms:
             for a, produced in enumerate(keys_p):
                 for b, (required, active) in enumerate(keys_c):
                     grad_in = tuple(grad_placement_at_consumer(r, act) for r, act in zip(required, active))
-                    dims[(a, b)] = grad_sync_dims(produced, grad_in)
+                    dims[(a, b)] = grad_sync_dims(produced, grad_in, self.ctx.mesh.shape)
         return _EdgeSync(self, producer, keys_p, dims)
 
     def var(self, producer: str, produced: object, dim: int) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,8 +18,9 @@ from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
+from autopar.solver.gradients import may_need_grad, settle_gradients
+from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 
-PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
 _aten = torch.ops.aten
 SAME_ELEMENTS = frozenset({
@@ -29,75 +29,6 @@ SAME_ELEMENTS = frozenset({
     _aten.transpose.int, _aten.t.default, _aten.permute.default, _aten.clone.default, _aten.contiguous.default,
 })
 """Ops whose output holds exactly their input's elements (a count over them is the same)."""
-NO_GRADIENT = frozenset({_aten.detach.default, _aten.rand_like.default, _aten.randn_like.default,
-                         _aten.randint_like.default})
-"""Ops through which no gradient flows to their inputs (besides the factory family, which
-builds new tensors from shapes and values): a parameter reaching the loss only through them
-gets no gradient, so it must not wait in a gradient bucket."""
-
-
-@dataclass
-class PlanNode:
-    """One FX node the planner places."""
-
-    name: str
-    kind: str
-    """'param', 'buffer', 'input' or 'op'."""
-    op: str
-    """Printable target ('aten.linear.default', 'parameter', ...)."""
-    module: str
-    """Module path the node belongs to ('layers.0.attention.wq'); '' at top level."""
-    call: OpCall | None
-    outputs: tuple[TensorMeta | None, ...]
-    args: list[tuple[str, int]]
-    """Producer (node name, output index) of each tensor input, in ``call.tensor_inputs`` order."""
-    needs_grad: bool
-    strategies: list[Strategy] = field(default_factory=list)
-    dim_strategies: list[DimStrategy] = field(default_factory=list)
-    """The rule's single-mesh-dim strategies ``strategies`` expand (empty for leaves)."""
-    costs: list[NodeCost] = field(default_factory=list)
-    family: str | None = None
-    """The rule family of an op ('matmul', 'factory', ...); None without a rule."""
-    fallback: str | None = None
-    """Why only the all-Replicate strategy was offered (no rule for the op, or its rule does
-    not handle this call); None when a rule handled it."""
-    comm_times: list[float] = field(default_factory=list)
-    """Seconds of collectives a strategy runs by itself (the loss's reductions), if any."""
-    follower: bool = False
-    """A view or elementwise op of one tensor: it takes its input placement as produced."""
-    targets_input: str | None = None
-    """For a loss: the user input its targets are a view of, if any (counted whole when
-    every rank receives the whole batch)."""
-    fqn: str | None = None
-    frozen: bool = False
-    """A parameter with ``requires_grad=False``: no gradient, no sync, no optimizer state."""
-    as_produced: frozenset[int] = frozenset()
-    """Tensor inputs (indices into ``args``) that must arrive exactly as produced, never
-    resharded: the op writes into them in place, or they are the base of a view that some
-    op writes through (``capture.aliasing``)."""
-    read_versions: tuple[int, ...] = ()
-    """Per tensor input, how many in-place writes into its storage came before this read
-    (empty: none). Reads of different versions cannot share one reshard."""
-
-    def version(self, arg: int) -> int:
-        return self.read_versions[arg] if self.read_versions else 0
-
-
-@dataclass
-class PlanGraph:
-    nodes: dict[str, PlanNode]
-    order: list[str]
-    loss: str | None
-    """Name of the node holding the scalar loss (training steps)."""
-    output_names: list[str]
-
-    def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
-        """node -> [(consumer, consumer arg index, producer output index)]."""
-        out: dict[str, list[tuple[str, int, int]]] = {n: [] for n in self.order}
-        for name in self.order:
-            for k, (src, idx) in enumerate(self.nodes[name].args):
-                out[src].append((name, k, idx))
-        return out
 
 
 def _meta_tuple(value: Any) -> tuple[TensorMeta | None, ...]:
@@ -172,7 +103,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
                 pn.read_versions = tuple(versions.get((pn.name, src), 0) for src, _ in pn.args)
         nodes[pn.name] = pn
         order.append(pn.name)
-    _drop_gradients_nobody_sends(nodes, order, ctx)
+    settle_gradients(nodes, order, loss, ctx, leaf_costs)
     for name in order:  # a loss's own collectives (its count, the whole loss) come with its strategy
         node = nodes[name]
         if name == loss or (node.call is not None and node.call.target in MEAN_AS_PARTIAL):
@@ -186,18 +117,6 @@ def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_los
     and the step's loss reduced so that every rank returns all of it."""
     calls = loss_count_reductions(node, strategy, ctx)
     return [*calls, *loss_replication(node, strategy, ctx)] if is_loss else calls
-
-
-def _drop_gradients_nobody_sends(nodes: dict[str, PlanNode], order: list[str], ctx: CostContext) -> None:
-    """A trainable parameter no gradient reaches (unused by the step, or read only through
-    ``detach``) gets no gradient: nothing to synchronize, and no optimizer state (torch's
-    optimizers skip a parameter whose ``.grad`` is None), so it keeps its weights alone."""
-    reached = {src for name in order if nodes[name].needs_grad for src, _ in nodes[name].args}
-    for name in order:
-        node = nodes[name]
-        if node.kind == PARAM and node.needs_grad and name not in reached:
-            node.needs_grad = False
-            node.costs = leaf_costs(node, ctx)
 
 
 def count_source(node: PlanNode, ctx: CostContext) -> str:
@@ -217,7 +136,7 @@ def loss_count_reductions(node: PlanNode, strategy: Strategy, ctx: CostContext) 
         return []
     out = strategy.outputs[0]
     assert out is not None
-    return [CollectiveCall(ALL_REDUCE, d, 4) for d, p in enumerate(out) if p.is_partial()]
+    return [CollectiveCall(ALL_REDUCE, d, 4) for d, p in enumerate(out) if p.is_partial() and ctx.mesh.shape[d] > 1]
 
 
 def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
@@ -256,9 +175,9 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         args = tuple(to_meta(a) for a in node.args)
         kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
         call = OpCall(node.target, args, kwargs, outputs)
-    needs_grad = ctx.train and node.target not in NO_GRADIENT and rules.family.get(node.target) != "factory" \
-        and any(nodes[p].needs_grad for p, _ in producers) \
-        and any(o is not None and o.dtype.is_floating_point for o in outputs)
+    source = nodes[node.args[0].name] if node.target is operator.getitem else None
+    needs_grad = may_need_grad(node.target, rules.family.get(node.target), producers, nodes, outputs, ctx.train,
+                               source, node.args[1] if source is not None else 0)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
     pn.family = rules.family.get(node.target)
     pn.follower = pn.family in FOLLOWER_FAMILIES and len(producers) == 1

@@ -24,7 +24,8 @@ from autopar.cost.collectives import grad_placement_at_consumer
 from autopar.cost.model import CostContext, gathered_parameter_bytes
 from autopar.solver.blocks import Folding
 from autopar.solver.grad_terms import GradSyncTerms
-from autopar.solver.graph import PARAM, PlanGraph, price_edge
+from autopar.solver.graph import price_edge
+from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, placement_str, shard_dim
-from autopar.solver.graph import INPUT, PlanGraph
+from autopar.solver.nodes import INPUT, PlanGraph
 
 
 def unsplit_batch_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh,

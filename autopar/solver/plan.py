@@ -12,7 +12,8 @@ from autopar.cost.buckets import GradBucket, gradient_buckets
 from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
-from autopar.solver.graph import PARAM, PlanGraph, loss_count_reductions, loss_replication, price_edge
+from autopar.solver.graph import loss_count_reductions, loss_replication, price_edge
+from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
 
@@ -136,7 +137,7 @@ def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCont
                 continue
             produced = chosen[src].outputs[idx]
             grad_in, _ = grad_placements(produced, chosen[name].inputs[arg], chosen[name])
-            out[src] = out.get(src, frozenset()) | grad_sync_dims(produced, grad_in)
+            out[src] = out.get(src, frozenset()) | grad_sync_dims(produced, grad_in, ctx.mesh.shape)
     return out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from autopar.solver.blocks import Folding
-from autopar.solver.graph import PlanGraph
+from autopar.solver.nodes import PlanGraph
 
 EdgeKey = tuple[str, int, str, int]
 """(representative producer, output index, representative consumer, consumer arg)."""

@@ -26,7 +26,8 @@ from torch.distributed.tensor import Shard
 from autopar.cost.model import CostContext, op_cost
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import DimStrategy, is_strided, split_factor, strided
-from autopar.solver.graph import OP, PlanGraph, StrategyMemo, call_key, leaf_costs, placeholder_strategies
+from autopar.solver.graph import StrategyMemo, call_key, leaf_costs, placeholder_strategies
+from autopar.solver.nodes import OP, PlanGraph
 
 EQUIVARIANT_FAMILIES = frozenset({"matmul", "pointwise", "view", "dropout"})
 """Op families whose shard-output strategies commute with permuting the sharded dim."""
@@ -69,7 +70,7 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
         if wanted and node.kind == OP and node.call is not None and \
                 rules.family.get(node.call.target) in EQUIVARIANT_FAMILIES:
             key = call_key(node.call)
-            key = None if key is None else (key, tuple(sorted(wanted)))
+            key = None if key is None else (key, tuple(sorted(wanted)), node.needs_grad, node.saved)
             known = memo.get(key) if key is not None else None
             if known is None:
                 twins = [t for t in _twins(node.dim_strategies, wanted) if t not in node.dim_strategies]
@@ -77,7 +78,8 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
                 if twins:
                     dims = [*node.dim_strategies, *twins]
                     strategies = expand(node.call, dims, ctx.mesh.shape)
-                    known = (dims, strategies, [op_cost(node.call, s, ctx) for s in strategies], node.fallback)
+                    costs = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved) for s in strategies]
+                    known = (dims, strategies, costs, node.fallback)
                 if key is not None:
                     memo[key] = known
             node.dim_strategies, node.strategies, node.costs, _ = known

@@ -1,0 +1,73 @@
+"""Which nodes of a training step get a gradient, as autograd will run it.
+
+Forward, a node may need a gradient when some input does and the op is differentiable
+(``may_need_grad``). Backward decides what actually runs: a node gets a gradient only on a
+differentiable path to the loss, so a parameter that reaches the loss only through a
+comparison (``(gate(x) > 0).float()``), ``detach`` or a factory gets none: no gradient
+reduction waits for it, no optimizer state is priced for it, and no backward op or saved
+activation is priced along a path no gradient takes (``settle_gradients``).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from autopar.capture.graph import TensorMeta
+from autopar.cost.model import CostContext, NodeCost, op_cost
+from autopar.solver.nodes import OP, PARAM, PlanNode
+
+aten = torch.ops.aten
+
+NO_GRADIENT = frozenset({aten.detach.default, aten.rand_like.default, aten.randn_like.default,
+                         aten.randint_like.default})
+"""Ops through which no gradient flows to their inputs (besides the factory family, which
+builds new tensors from shapes and values)."""
+
+VIEW_OF_EACH_INPUT = frozenset({aten.broadcast_tensors.default})
+"""Multi-output ops whose output i is a view of input i alone: it needs a gradient only if
+that input does (F.mse_loss broadcasts its target, which needs none, with its input)."""
+
+
+def may_need_grad(target: Any, family: str | None, producers: list[tuple[str, int]],
+                  nodes: dict[str, PlanNode], outputs: tuple[TensorMeta | None, ...], train: bool,
+                  source: PlanNode | None = None, index: int = 0) -> bool:
+    """Forward: a floating output of a differentiable op with an input that needs a gradient.
+    For ``operator.getitem`` of ``source``'s output ``index``, per output where it differs."""
+    if not train or target in NO_GRADIENT or family == "factory":
+        return False
+    if not any(o is not None and o.dtype.is_floating_point for o in outputs):
+        return False
+    if target is operator.getitem and source is not None and source.call is not None \
+            and source.call.target in VIEW_OF_EACH_INPUT:
+        src, _ = source.args[index]
+        return nodes[src].needs_grad
+    return any(nodes[p].needs_grad for p, _ in producers)
+
+
+def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | None, ctx: CostContext,
+                     leaf_costs: Any) -> None:
+    """Keep ``needs_grad`` only where a gradient arrives from the loss, and reprice what changed."""
+    if not ctx.train:
+        return
+    receives: set[str] = {loss} if loss is not None and nodes[loss].needs_grad else set()
+    for name in reversed(order):
+        if name in receives:
+            receives.update(src for src, _ in nodes[name].args if nodes[src].needs_grad)
+    saved: set[str] = {src for name in receives for src, _ in nodes[name].args}
+    repriced: dict[tuple[int, bool, bool], list[NodeCost]] = {}  # repeated layers share strategy lists
+    for name in order:
+        node = nodes[name]
+        if node.needs_grad and name not in receives:
+            node.needs_grad = False
+            if node.kind == PARAM:
+                node.costs = leaf_costs(node, ctx)
+        if node.kind == OP and node.call is not None and (not node.needs_grad or name not in saved):
+            node.saved = name in saved
+            key = (id(node.strategies), node.needs_grad, node.saved)
+            if key not in repriced:
+                repriced[key] = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved)
+                                 for s in node.strategies]
+            node.costs = repriced[key]

@@ -1,0 +1,78 @@
+"""The planning graph's data: every captured node the planner places, with its candidate
+strategies and their costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.capture.graph import TensorMeta
+from autopar.cost.model import NodeCost
+from autopar.rules.strategy import DimStrategy, OpCall, Strategy
+
+PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
+
+
+@dataclass
+class PlanNode:
+    """One FX node the planner places."""
+
+    name: str
+    kind: str
+    """'param', 'buffer', 'input' or 'op'."""
+    op: str
+    """Printable target ('aten.linear.default', 'parameter', ...)."""
+    module: str
+    """Module path the node belongs to ('layers.0.attention.wq'); '' at top level."""
+    call: OpCall | None
+    outputs: tuple[TensorMeta | None, ...]
+    args: list[tuple[str, int]]
+    """Producer (node name, output index) of each tensor input, in ``call.tensor_inputs`` order."""
+    needs_grad: bool
+    strategies: list[Strategy] = field(default_factory=list)
+    dim_strategies: list[DimStrategy] = field(default_factory=list)
+    """The rule's single-mesh-dim strategies ``strategies`` expand (empty for leaves)."""
+    costs: list[NodeCost] = field(default_factory=list)
+    family: str | None = None
+    """The rule family of an op ('matmul', 'factory', ...); None without a rule."""
+    fallback: str | None = None
+    """Why only the all-Replicate strategy was offered (no rule for the op, or its rule does
+    not handle this call); None when a rule handled it."""
+    comm_times: list[float] = field(default_factory=list)
+    """Seconds of collectives a strategy runs by itself (the loss's reductions), if any."""
+    follower: bool = False
+    """A view or elementwise op of one tensor: it takes its input placement as produced."""
+    targets_input: str | None = None
+    """For a loss: the user input its targets are a view of, if any (counted whole when
+    every rank receives the whole batch)."""
+    fqn: str | None = None
+    frozen: bool = False
+    """A parameter with ``requires_grad=False``: no gradient, no sync, no optimizer state."""
+    saved: bool = True
+    """Some consumer's backward keeps this op's outputs (priced as activation memory)."""
+    as_produced: frozenset[int] = frozenset()
+    """Tensor inputs (indices into ``args``) that must arrive exactly as produced, never
+    resharded: the op writes into them in place, or they are the base of a view that some
+    op writes through (``capture.aliasing``)."""
+    read_versions: tuple[int, ...] = ()
+    """Per tensor input, how many in-place writes into its storage came before this read
+    (empty: none). Reads of different versions cannot share one reshard."""
+
+    def version(self, arg: int) -> int:
+        return self.read_versions[arg] if self.read_versions else 0
+
+
+@dataclass
+class PlanGraph:
+    nodes: dict[str, PlanNode]
+    order: list[str]
+    loss: str | None
+    """Name of the node holding the scalar loss (training steps)."""
+    output_names: list[str]
+
+    def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
+        """node -> [(consumer, consumer arg index, producer output index)]."""
+        out: dict[str, list[tuple[str, int, int]]] = {n: [] for n in self.order}
+        for name in self.order:
+            for k, (src, idx) in enumerate(self.nodes[name].args):
+                out[src].append((name, k, idx))
+        return out
