@@ -1,36 +1,22 @@
 """Compiled plans train to the single-device numbers: loss, every gradient, and every
-parameter after 3 AdamW steps (fp32, rtol 1e-4, atol 1e-5), on gloo ranks forked from
-this process; and the collectives a step runs are exactly those the plan lists."""
+parameter after 3 AdamW steps (``numerics_harness``), on gloo ranks forked from this
+process; and the collectives a step runs are exactly those the plan lists."""
 
 from __future__ import annotations
 
-import hashlib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import autopar
-from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.forked import run_ranks
 from examples import gpt, hf_models, llama
-
-RTOL, ATOL, LR, STEPS = 1e-4, 1e-5, 1e-3, 3
-# bf16 keeps 8 bits of mantissa: another summation order changes a sum by ~2^-8 relative, and
-# an Adam step (lr 1e-3, about lr per element) can round either way at a parameter's scale.
-TOLERANCE = {torch.float32: (RTOL, ATOL), torch.bfloat16: (2e-2, 4e-3)}
-# Adam divides by sqrt(v) + eps: a gradient element near eps=1e-8 (fp32 rounding noise of a
-# summation order) turns into an update of lr * O(1) that differs between any two summation
-# orders. eps=1e-6 keeps those elements' updates below the tolerance; real gradients are far
-# larger than both.
-EPS = 1e-6
+from numerics_harness import Reference, check, reference, run_compiled
 
 HF_LLAMA_TP = {f"model.layers.*.{name}": style for name, style in [
     ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
@@ -170,72 +156,12 @@ CASES = [
 ]
 
 
-def reference(build: Callable[[], Any]) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model, inputs, loss_fn, targets = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = loss_fn(model(*inputs), *targets)
-        loss.backward()
-        if step == 0:  # a frozen, unused or detached parameter has no gradient
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
-
-
-def _mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    return [f"{k}: missing" if k not in got else f"{k}: max |diff| {(ref[k] - got[k]).abs().max().item():.3g}"
-            for k in ref if k not in got or not torch.allclose(ref[k], got[k], *TOLERANCE[ref[k].dtype])]
-
-
-def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]:
+def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
-    log = CollectiveLog()
-    pm.attach_log(log)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, grads, ran = [], {}, []
-    for step in range(STEPS):
-        loss = pm(*inputs, *targets)
-        assert isinstance(loss, DTensor) and loss.placements == (torch.distributed.tensor.Replicate(),) * mesh.ndim
-        loss.backward()
-        if step == 0:
-            ran = list(log.entries)
-            state = pm.state_dict()
-            grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
-                     for k, p in pm.named_parameters() if p.grad is not None}
-            frozen = sorted(k for k, p in pm.named_parameters() if not p.requires_grad)
-        losses.append(loss.full_tensor().item())
-        opt.step()
-        opt.zero_grad()
-    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref[2]}
-    diverged = _diverged_replicas(pm, mesh)
-    names = case.names
-    return {
-        "losses": losses, "grad_mismatches": _mismatches(ref[1], grads), "param_mismatches": _mismatches(ref[2], params),
-        "with_grad": sorted(grads), "frozen": frozen,
-        "missing": sorted(set(ref[2]) - set(params)), "diverged": diverged,
-        "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
-        "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
-        "strided": sorted(k for k, v in pm.plan.parameters.items() if "/" in v),
-    }
-
-
-def _diverged_replicas(pm: autopar.ParallelModule, mesh: Any) -> list[str]:
-    """Parameters whose copies along a replicated mesh dim are not bit-for-bit equal."""
-    diverged = []
-    for name, value in pm.state_dict().items():
-        digest = hashlib.sha1(value.to_local().detach().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-        for dim, placement in enumerate(value.placements):
-            if placement.is_replicate():
-                digests: list[Any] = [None] * mesh.size(dim)
-                dist.all_gather_object(digests, digest, group=mesh.get_group(dim))
-                if len(set(digests)) > 1:
-                    diverged.append(f"{name} along {mesh.mesh_dim_names[dim]}")
-    return diverged
+    return {**run_compiled(pm, (*inputs, *targets), ref),
+            "strided": sorted(k for k, v in pm.plan.parameters.items() if "/" in v)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -245,15 +171,7 @@ def test_compiled_step_matches_single_device(case: Case) -> None:
     for n in case.mesh:
         world *= n
     results = run_ranks(train_on_rank, world, case, ref)
-    for rank, result in enumerate(results):
-        assert result["missing"] == [], result["missing"]
-        rtol, atol = TOLERANCE[next(iter(ref[2].values())).dtype]
-        assert result["losses"] == pytest.approx(ref[0], rel=rtol, abs=atol), f"rank {rank}"
-        assert result["with_grad"] == sorted(ref[1]), f"rank {rank}: gradients of other parameters"
-        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
-        assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
-        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
-        assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
+    check(results, ref)
     assert any(r["ran"] for r in results) or case.mesh == (1,)
     model = MODELS[case.model]()[0]
     assert results[0]["frozen"] == sorted(k for k, p in model.named_parameters() if not p.requires_grad)

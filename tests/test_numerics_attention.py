@@ -17,16 +17,14 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_numerics import EPS, LR, STEPS, _diverged_replicas, _mismatches, reference
+from numerics_harness import Reference, check, reference, run_compiled
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import autopar
 from autopar.runtime.forked import run_ranks
 
-RTOL, ATOL = 1e-4, 1e-5
 VOCAB, DIM, HEADS, BATCH, SEQ = 32, 16, 4, 4, 8
 
 
@@ -112,27 +110,12 @@ CASES = [
 ]
 
 
-def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]:
+def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = build(case.heads, case.masked)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = pm(*inputs, *targets)
-        loss.backward()
-        if step == 0:
-            state = pm.state_dict()
-            grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
-                     for k, p in pm.named_parameters()}
-        losses.append(loss.full_tensor().item())
-        opt.step()
-        opt.zero_grad()
-    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref[2]}
     sdpa = [n for n in pm.plan.nodes if n.op == "aten.scaled_dot_product_attention.default"]
-    return {"losses": losses, "grad_mismatches": _mismatches(ref[1], grads),
-            "param_mismatches": _mismatches(ref[2], params), "missing": sorted(set(ref[2]) - set(params)),
-            "diverged": _diverged_replicas(pm, mesh), "sdpa_inputs": [n.inputs for n in sdpa]}
+    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa]}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -142,12 +125,7 @@ def test_compiled_attention_matches_single_device(case: Case) -> None:
     for n in case.mesh:
         world *= n
     results = run_ranks(train_on_rank, world, case, ref)
-    for rank, result in enumerate(results):
-        assert result["missing"] == [], result["missing"]
-        assert result["losses"] == pytest.approx(ref[0], rel=RTOL, abs=ATOL), f"rank {rank}"
-        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
-        assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
-        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
+    check(results, ref)
     assert len(results[0]["sdpa_inputs"]) == 1
 
 

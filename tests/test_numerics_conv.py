@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from conv_models import build_cnn, build_patch_embed
+from numerics_harness import ATOL, RTOL, Reference, check, reference, run_compiled
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -38,7 +38,6 @@ from autopar.solver.constraints import Pin, apply_pins
 from autopar.solver.graph import build_plan_graph
 from autopar.solver.ilp import solve
 
-RTOL, ATOL, LR, STEPS, EPS = 1e-4, 1e-5, 1e-3, 3, 1e-6
 
 SPLIT_HAPPY = dataclasses.replace(
     PROFILES["cpu"], name="split-happy", peak_flops_fp32=1e6, peak_flops_bf16=1e6, memory_bandwidth=1e6,
@@ -134,76 +133,22 @@ def test_running_stats_are_never_updated_in_a_copy() -> None:
         solve(graph, fold_repeated_blocks(graph, pins), ctx, None)
 
 
-def reference(model: str) -> dict[str, Any]:
-    module, inputs, loss_fn, targets = MODELS[model]()
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = loss_fn(module(*inputs), *targets)
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in module.named_parameters()}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads, "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
-
-
-def _mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    out = [f"{k}: missing" for k in ref if k not in got]
-    return out + [f"{k}: max |diff| {(ref[k].double() - got[k].double()).abs().max().item():.3g}"
-                  for k in ref if k in got and not torch.allclose(ref[k], got[k], rtol=RTOL, atol=ATOL)]
-
-
 def train_on_rank(rank: int, world: int, model: str, mesh: str, hardware: str, data: bool,
-                  ref: dict[str, Any]) -> dict[str, Any]:
+                  ref: Reference) -> dict[str, Any]:
     shape, names = MESHES[mesh]
     device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     module, inputs, loss_fn, targets = MODELS[model]()
     pm = autopar.compile(module, device_mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                          hardware=_hardware(hardware), data_axes=("dp",) if data else ())
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = pm(*inputs, *targets)
-        loss.backward()
-        if step == 0:
-            state = pm.state_dict()
-            grads = {k: DTensor.from_local(p.grad, device_mesh, state[k].placements, run_check=False).full_tensor()
-                     for k, p in pm.named_parameters()}
-        losses.append(loss.full_tensor().item())
-        opt.step()
-        opt.zero_grad()
-    state = {k: v.full_tensor() for k, v in pm.state_dict().items()}
-    return {"losses": losses, "grads": _mismatches(ref["grads"], grads), "state": _mismatches(ref["state"], state),
-            "diverged": _diverged_replicas(pm)}
-
-
-def _diverged_replicas(pm: autopar.ParallelModule) -> list[str]:
-    """Parameters and buffers whose copies along a replicated mesh dim differ in any bit."""
-    mesh = pm.device_mesh
-    diverged = []
-    for name, value in pm.state_dict().items():
-        local = value.to_local().detach()
-        for dim, placement in enumerate(value.placements):
-            if placement.is_replicate():
-                copies = [torch.empty_like(local) for _ in range(mesh.size(dim))]
-                dist.all_gather(copies, local.contiguous(), group=mesh.get_group(dim))
-                if any(not torch.equal(c, copies[0]) for c in copies):
-                    diverged.append(f"{name} along {mesh.mesh_dim_names[dim]}")
-    return diverged
+    return run_compiled(pm, (*inputs, *targets), ref)
 
 
 @pytest.mark.parametrize(("model", "mesh", "hardware", "data"), COMPILED)
 def test_compiled_step_matches_single_device(model: str, mesh: str, hardware: str, data: bool) -> None:
-    ref = reference(model)
+    """Parameters and buffers (running statistics, num_batches_tracked) after the steps."""
+    ref = reference(MODELS[model])
     shape, _ = MESHES[mesh]
-    results = run_ranks(train_on_rank, math.prod(shape), model, mesh, hardware, data, ref)
-    for rank, result in enumerate(results):
-        assert result["losses"] == pytest.approx(ref["losses"], rel=RTOL, abs=ATOL), f"rank {rank}"
-        assert result["grads"] == [], f"rank {rank}: {result['grads']}"
-        assert result["state"] == [], f"rank {rank} (parameters and buffers): {result['state']}"
-        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
+    check(run_ranks(train_on_rank, math.prod(shape), model, mesh, hardware, data, ref), ref)
 
 
 def _eval_cnn() -> tuple[torch.nn.Module, tuple[Any, ...]]:

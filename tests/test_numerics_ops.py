@@ -11,7 +11,6 @@ a write must not reuse a reshard made of it before.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,16 +18,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_numerics import EPS, LR, STEPS, _diverged_replicas, _mismatches, reference
+from numerics_harness import Reference, check, reference, run_compiled
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.runtime.forked import run_ranks
-from autopar.runtime.ops import CollectiveLog
 
-RTOL, ATOL = 1e-4, 1e-5
 VOCAB, BATCH, SEQ = 32, 4, 8
 
 
@@ -151,34 +147,14 @@ CASES = [
 ]
 
 
-def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]:
+def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = build(case.model)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                          data_axes=("dp",) if case.data_parallel else ())
-    log = CollectiveLog()
-    pm.attach_log(log)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, grads, ran = [], {}, []
-    for step in range(STEPS):
-        loss = pm(*inputs, *targets)
-        loss.backward()
-        if step == 0:
-            ran = list(log.entries)
-            state = pm.state_dict()
-            grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
-                     for k, p in pm.named_parameters()}
-        losses.append(loss.full_tensor().item())
-        opt.step()
-        opt.zero_grad()
-    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref[2]}
-    names = case.names
-    return {"losses": losses, "grad_mismatches": _mismatches(ref[1], grads),
-            "param_mismatches": _mismatches(ref[2], params), "diverged": _diverged_replicas(pm, mesh),
-            "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
-            "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
-            "in_place": {n.name: n.outputs[0] for n in pm.plan.nodes
-                         if n.op.startswith("aten.") and n.op.split(".")[1].endswith("_")}}
+    in_place = {n.name: n.outputs[0] for n in pm.plan.nodes
+                if n.op.startswith("aten.") and n.op.split(".")[1].endswith("_")}
+    return {**run_compiled(pm, (*inputs, *targets), ref), "in_place": in_place}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -188,12 +164,7 @@ def test_compiled_ops_match_single_device(case: Case) -> None:
     for n in case.mesh:
         world *= n
     results = run_ranks(train_on_rank, world, case, ref)
-    for rank, result in enumerate(results):
-        assert result["losses"] == pytest.approx(ref[0], rel=RTOL, abs=ATOL), f"rank {rank}"
-        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
-        assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
-        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
-        assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
+    check(results, ref)
     if case.model == "masked_ops" and case.data_parallel:  # the in-place ops really ran batch-split
         assert all(p.startswith("S(0)") for p in results[0]["in_place"].values()), results[0]["in_place"]
 

@@ -9,7 +9,6 @@ single-device op's output bit for bit."""
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.capture.graph import TensorMeta
@@ -27,11 +25,10 @@ from autopar.cost.precision import PRECISIONS
 from autopar.mesh import Mesh
 from autopar.rules.strategy import OpCall, Strategy, parse_placements
 from autopar.runtime.forked import run_ranks
-from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.random import RandomOps
 from examples import gpt, hf_models
 from sharding_sim import assemble, distribute
-from test_numerics import ATOL, EPS, LR, RTOL, STEPS, _diverged_replicas, _mismatches
+from numerics_harness import Reference, check, reference, run_compiled
 
 aten = torch.ops.aten
 P_DROP = 0.1
@@ -86,67 +83,24 @@ CASES = [
 ]
 
 
-def reference(build: Callable[[], Any], seed: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model, inputs, loss_fn, targets = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    torch.manual_seed(seed)  # the single device draws from the state the compiled module starts in
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = loss_fn(model(*inputs), *targets)
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
-
-
-def train_on_rank(rank: int, world: int, case: Case, ref: Any) -> dict[str, Any]:
+def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
     torch.manual_seed(1000 + rank)  # per-rank default seeds: the module's stream must not depend on them
     seed = {} if case.seed is None else {"seed": case.seed}  # the default: what a user gets without asking
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **seed, **case.compile_kwargs())
-    log = CollectiveLog()
-    pm.attach_log(log)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, grads, ran = [], {}, []
-    for step in range(STEPS):
-        loss = pm(*inputs, *targets)
-        loss.backward()
-        if step == 0:
-            ran = list(log.entries)
-            state = pm.state_dict()
-            grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
-                     for k, p in pm.named_parameters()}
-        losses.append(loss.full_tensor().item())
-        opt.step()
-        opt.zero_grad()
-    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref[2]}
     randoms = [f"{n.args[0]} {n.args[1]}" for n in pm.program.graph.nodes if n.op == "call_module" and n.target == "random"]
-    return {
-        "losses": losses, "grad_mismatches": _mismatches(ref[1], grads), "param_mismatches": _mismatches(ref[2], params),
-        "missing": sorted(set(ref[2]) - set(params)), "diverged": _diverged_replicas(pm, mesh),
-        "ran": sorted(Counter((p, k, case.names[d], b) for p, k, d, b in ran).items()),
-        "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items()),
-        "randoms": randoms,
-    }
+    return {**run_compiled(pm, (*inputs, *targets), ref), "randoms": randoms}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_dropout_step_matches_single_device(case: Case) -> None:
-    # With seed=None the module takes rank 0's initial seed: 1000 (see train_on_rank).
-    ref = reference(MODELS[case.model], SEED if case.seed is not None else 1000)
+    # With seed=None the module takes rank 0's initial seed: 1000 (see train_on_rank); the
+    # single device draws from the state the compiled module starts in.
+    ref = reference(MODELS[case.model], seed=SEED if case.seed is not None else 1000)
     results = run_ranks(train_on_rank, len(list(itertools.product(*map(range, case.mesh)))), case, ref)
-    for rank, result in enumerate(results):
-        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
-        assert result["missing"] == [], result["missing"]
-        assert result["losses"] == pytest.approx(ref[0], rel=RTOL, abs=ATOL), f"rank {rank}"
-        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
-        assert result["param_mismatches"] == [], f"rank {rank}: {result['param_mismatches']}"
-        assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
-        assert result["losses"] == results[0]["losses"], "ranks return different losses"
+    check(results, ref)
+    assert all(r["losses"] == results[0]["losses"] for r in results), "ranks return different losses"
     randoms = results[0]["randoms"]
     assert randoms, "the step draws nothing: dropout was not captured in training mode"
     for wanted in case.sharded:
