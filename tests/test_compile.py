@@ -134,3 +134,56 @@ def test_a_call_binds_to_the_captured_leaves_and_keeps_non_tensor_inputs_fixed()
         sig.bind((x, 3, y), {"mask": None, "scale": None, "pair": (x, 2)})
     with pytest.raises(TypeError, match="nested differently"):
         sig.bind((x, 3, y), {"mask": mask, "scale": None, "pair": (x,)})
+
+
+def test_a_call_must_pass_the_compiled_shapes_and_dtypes() -> None:
+    """The program is specialized on the captured shapes (view sizes, a mean loss's count):
+    another batch size or dtype is refused by name, not run to a wrong loss."""
+    from autopar.capture.step import StepSignature
+
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    sig = StepSignature.of((x,), {}, (y,))
+    assert sig.tensors == {0: ((4, 8), torch.float32), 1: ((4, 2), torch.float32)}
+    sig.bind((torch.randn(4, 8), torch.randn(4, 2)), {})
+    with pytest.raises(ValueError, match=r"input 0 is a torch.float32 tensor of shape \(8, 8\), but the step was "
+                                         r"compiled for a torch.float32 tensor of shape \(4, 8\): .*compile again"):
+        sig.bind((torch.randn(8, 8), torch.randn(8, 2)), {})
+    with pytest.raises(ValueError, match=r"target 0 is a torch.float64 tensor of shape \(4, 2\), but .*"
+                                         r"torch.float32 tensor of shape \(4, 2\)"):
+        sig.bind((x, y.double()), {})
+    local = sig.sharded({0: (2, 8), 1: (2, 2)}, " (this rank's shard)")
+    local.bind((x[:2], y[:2]), {})
+    with pytest.raises(ValueError, match=r"input 0 .* shape \(4, 8\), but .* shape \(2, 8\) \(this rank's shard\)"):
+        local.bind((x, y), {})
+
+
+def _other_batch_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    x4, y4, x8, y8 = torch.randn(4, 8), torch.randn(4, 4), torch.randn(8, 8), torch.randn(8, 4)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    step = dict(loss_fn=torch.nn.functional.mse_loss, data_axes=("dp",))
+    whole = autopar.compile(model, mesh, (x4,), example_targets=(y4,), **step)
+    sharded = autopar.compile(model, mesh, (x4[:2],), example_targets=(y4[:2],), input_sharded=True, **step)
+    errors = {}
+    for what, pm, args in (("whole", whole, (x8, y8)), ("sharded", sharded, (x4, y4)),
+                           ("dtype", whole, (x4.double(), y4))):
+        with pytest.raises(ValueError) as info:
+            pm(*args)
+        errors[what] = str(info.value)
+    return {"errors": errors, "whole": whole(x4, y4).full_tensor().item(),
+            "sharded": sharded(x4[2 * rank: 2 * rank + 2], y4[2 * rank: 2 * rank + 2]).full_tensor().item(),
+            "expected": torch.nn.functional.mse_loss(model(x4), y4).item()}
+
+
+def test_a_compiled_module_refuses_another_batch_size_on_every_rank() -> None:
+    """Compiled at batch 4 and called at 8, the loss's static count was 4: a wrong loss, silently."""
+    for r in run_ranks(_other_batch_rank, 2):
+        assert r["whole"] == pytest.approx(r["expected"], rel=1e-5)
+        assert r["sharded"] == pytest.approx(r["expected"], rel=1e-5)
+        errors = r["errors"]
+        assert "input 0 is a torch.float32 tensor of shape (8, 8), but the step was compiled for a " \
+               "torch.float32 tensor of shape (4, 8):" in errors["whole"]
+        assert "input 0 is a torch.float32 tensor of shape (4, 8), but the step was compiled for a " \
+               "torch.float32 tensor of shape (2, 8) (this rank's shard" in errors["sharded"]
+        assert "input 0 is a torch.float64 tensor" in errors["dtype"]

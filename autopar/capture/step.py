@@ -4,7 +4,7 @@ on what the user hands in, and the calling convention the compiled step keeps.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -90,6 +90,12 @@ class StepSignature:
     """Per leaf, how the user names it: "input 0", "keyword input 'labels'", "target 0[1]"."""
     constants: dict[int, Any]
     """Leaf index -> the non-tensor value captured (export specializes the graph on it)."""
+    tensors: dict[int, tuple[tuple[int, ...], torch.dtype]]
+    """Leaf index -> shape and dtype a call must pass there: the program is specialized on
+    them (view sizes, a mean loss's count). The captured (global) shape, or this rank's
+    shard of it when each rank passes its own shard."""
+    shard_note: str = ""
+    """Why ``tensors`` differ from the captured shapes, for the error message ("" when they do not)."""
 
     @classmethod
     def of(cls, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> "StepSignature":
@@ -98,7 +104,14 @@ class StepSignature:
         leaves, spec = tree_flatten_with_path((*inputs, *kwargs.values(), *targets))
         labels = tuple(names[path[0].idx] + keystr(path[1:]) for path, _ in leaves)  # type: ignore[attr-defined]
         return cls(num_inputs=len(inputs), kwarg_names=tuple(kwargs), num_targets=len(targets), spec=spec,
-                   labels=labels, constants={i: v for i, (_, v) in enumerate(leaves) if not isinstance(v, torch.Tensor)})
+                   labels=labels, constants={i: v for i, (_, v) in enumerate(leaves) if not isinstance(v, torch.Tensor)},
+                   tensors={i: (tuple(v.shape), v.dtype) for i, (_, v) in enumerate(leaves)
+                            if isinstance(v, torch.Tensor)})
+
+    def sharded(self, shapes: dict[int, tuple[int, ...]], note: str) -> "StepSignature":
+        """The same signature taking this rank's shards: leaf index -> its local shape."""
+        tensors = {i: (shapes.get(i, shape), dtype) for i, (shape, dtype) in self.tensors.items()}
+        return replace(self, tensors=tensors, shard_note=note)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """``pm(*inputs, *targets, **kwargs)``'s values as the leaves the step was captured with."""
@@ -124,7 +137,16 @@ class StepSignature:
                                      f"{describe(value)} now: non-tensor inputs are fixed when compiling")
             elif not isinstance(value, torch.Tensor):
                 raise TypeError(f"{self.labels[index]} must be a tensor, as when compiled; got {describe(value)}")
+            elif value.shape != self.tensors[index][0] or value.dtype != self.tensors[index][1]:
+                self._wrong_tensor(index, value)
         return leaves
+
+    def _wrong_tensor(self, index: int, value: torch.Tensor) -> None:
+        shape, dtype = self.tensors[index]
+        raise ValueError(
+            f"{self.labels[index]} is {describe(value)}, but the step was compiled for a {dtype} tensor of shape "
+            f"{shape}{self.shard_note}: the program is specialized on the compiled shapes and dtypes (view sizes, "
+            "a mean loss's count), so pass that, or compile again for this shape and dtype")
 
 
 class TrainStep(nn.Module):

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.api import PlannedStep, PreparedStep, finish_step, prepare_step, solve_step
+from autopar.capture.step import StepSignature
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
@@ -22,6 +23,7 @@ from autopar.runtime.module import ParallelModule
 from autopar.runtime.random import RandomOps, agree_seed, make_generator
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.solver.graph import BUFFER, INPUT, PARAM
+from autopar.rules.strategy import Strategy
 from autopar.solver.plan import param_sync_dims
 
 T = TypeVar("T")
@@ -200,10 +202,27 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
             assert plan_node is None or plan_node.kind == INPUT
             placeholders.append((name, "input", name))
     shards.release()
+    signature = captured.signature
+    if input_sharded:
+        signature = _sharded_signature(signature, captured.user_inputs, chosen, mesh)
     outputs = []
     for out_name in graph.output_names:
         strategy = chosen.get(out_name)
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded, frozen=frozen, signature=captured.signature)
+                          input_sharded=input_sharded, frozen=frozen, signature=signature)
+
+
+def _sharded_signature(signature: StepSignature, user_inputs: list[str], chosen: dict[str, Strategy],
+                       mesh: DeviceMesh) -> StepSignature:
+    """The calls of a module whose ranks pass their own shards: each tensor input's shape is
+    this rank's block of the captured (global) one under the input's planned placement,
+    sliced as the program reads it."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for index, name in enumerate(user_inputs):  # one input placeholder per leaf, in order
+        if index in signature.tensors and name in chosen:
+            shape, dtype = signature.tensors[index]
+            whole = torch.empty(shape, dtype=dtype, device="meta")
+            shapes[index] = tuple(local_shard(whole, chosen[name].outputs[0], mesh).shape)
+    return signature.sharded(shapes, " (this rank's shard of the global batch: input_sharded=True)")
