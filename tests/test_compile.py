@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
 from autopar.runtime.forked import run_ranks
@@ -187,3 +188,39 @@ def test_a_compiled_module_refuses_another_batch_size_on_every_rank() -> None:
         assert "input 0 is a torch.float32 tensor of shape (4, 8), but the step was compiled for a " \
                "torch.float32 tensor of shape (2, 8) (this rank's shard" in errors["sharded"]
         assert "input 0 is a torch.float64 tensor" in errors["dtype"]
+
+
+def _bad_axes_rank(rank: int, world: int) -> dict[str, str]:
+    named = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    unnamed = init_device_mesh("cpu", (2,))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    step = dict(loss_fn=torch.nn.functional.mse_loss, example_targets=(y,))
+    cases = {"unknown": (named, dict(data_axes=("data",), input_sharded=True)),
+             "unnamed": (unnamed, dict(data_axes=("dp",), input_sharded=True)),
+             "unnamed-default": (unnamed, dict(input_sharded=True)),
+             "string": (named, dict(data_axes="dp")),
+             "twice": (named, dict(data_axes=("dp", "dp"), input_sharded=True)),
+             "constraint-axis": (named, dict(constraints={"": ColwiseParallel()}))}
+    errors = {}
+    for what, (mesh, kwargs) in cases.items():
+        with pytest.raises(autopar.CompileError) as info:
+            autopar.compile(torch.nn.Linear(8, 4), mesh, (x,), **step, **kwargs)  # type: ignore[arg-type]
+        errors[what] = str(info.value)
+    return errors
+
+
+def test_mesh_axes_the_options_name_are_checked_against_the_device_mesh() -> None:
+    """A data or constraint axis the DeviceMesh lacks is named with the mesh's axes, on every
+    rank, before planning (it was a bare tuple.index or NoneType error)."""
+    results = run_ranks(_bad_axes_rank, 2)
+    assert results[0] == results[1]
+    errors = results[0]
+    assert all(e.startswith("checking the mesh axes failed on rank 0 (of 2 failing)") for e in errors.values())
+    assert "data_axes ('data',) names 'data', not an axis of the mesh; the mesh's axes are ('dp',) (dp=2)" \
+        in errors["unknown"]
+    assert "names 'dp', not an axis of the mesh; the mesh's axes are ('dim0',)" in errors["unnamed"]
+    assert "input_sharded=True needs data_axes=(...)" in errors["unnamed-default"]
+    assert "data_axes must be a tuple of axis names (write ('dp',))" in errors["string"]
+    assert "names an axis twice" in errors["twice"]
+    assert "constraints apply to mesh axis 'tp' (constraint_axis=), not an axis of the mesh; the mesh's axes " \
+           "are ('dp',)" in errors["constraint-axis"]

@@ -130,18 +130,17 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     if mesh.size() != dist.get_world_size():
         raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
                            f"{dist.get_world_size()} ranks; they must match")
-    if input_sharded and not data_axes:
-        names = mesh.mesh_dim_names or ()
-        if "dp" not in names:
-            raise CompileError("input_sharded=True needs data_axes=(...) naming the axes inputs are split on")
-        data_axes = ("dp",)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
+    if input_sharded and not data_axes and "dp" in planning_mesh.names:
+        data_axes = ("dp",)
+    _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
+                                                         constraint_axis if constraints else None))
     try:
         seed = agree_seed(seed)
     except ValueError as exc:
         raise CompileError(str(exc)) from None
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
-        ways = math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in data_axes)  # type: ignore[union-attr]
+        ways = math.prod(planning_mesh.axes[a] for a in data_axes)
         example_inputs = _global_batch(example_inputs, ways)
         example_targets = _global_batch(example_targets, ways)
         example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
@@ -159,6 +158,24 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
     return _on_every_rank("building the rank's program",
                           lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed))
+
+
+def _axes_error(mesh: Mesh, data_axes: tuple[str, ...], input_sharded: bool, constraint_axis: str | None) -> str:
+    """What is wrong with the mesh axes the options name ("" if nothing), checked before
+    anything uses them. An unnamed DeviceMesh's axes are dim0, dim1, ... as in its plan."""
+    axes = f"the mesh's axes are {mesh.names} ({mesh.describe()})"
+    if isinstance(data_axes, str):
+        return f"data_axes must be a tuple of axis names (write ({data_axes!r},)), got {data_axes!r}; {axes}"
+    if input_sharded and not data_axes:
+        return f"input_sharded=True needs data_axes=(...) naming the axes inputs are split on; {axes}"
+    unknown = [a for a in data_axes if a not in mesh.names]
+    if unknown:
+        return f"data_axes {tuple(data_axes)} names {', '.join(map(repr, unknown))}, not an axis of the mesh; {axes}"
+    if len(set(data_axes)) != len(data_axes):
+        return f"data_axes {tuple(data_axes)} names an axis twice; {axes}"
+    if constraint_axis is not None and constraint_axis not in mesh.names:
+        return f"constraints apply to mesh axis {constraint_axis!r} (constraint_axis=), not an axis of the mesh; {axes}"
+    return ""
 
 
 def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
