@@ -57,6 +57,22 @@ def _memory_limit(mesh: Mesh, memory_limit: float | None, memory_headroom: float
     return float(memory_limit)
 
 
+BUCKET_ALIGN_BYTES = 8
+"""``bucket_bytes`` is a multiple of this: a whole number of elements of any gradient dtype."""
+
+
+def _check_solve_options(bucket_bytes: int, solver_time_limit_s: float) -> None:
+    """Refuse option values the plan would only trip over after capture and the solve."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
+            or bucket_bytes % BUCKET_ALIGN_BYTES:
+        raise ValueError(f"bucket_bytes must be a positive whole number of bytes, a multiple of "
+                         f"{BUCKET_ALIGN_BYTES} (so that gradients of any dtype fill a bucket exactly), "
+                         f"got {bucket_bytes!r}")
+    if isinstance(solver_time_limit_s, bool) or not isinstance(solver_time_limit_s, (int, float)) \
+            or not solver_time_limit_s > 0:
+        raise ValueError(f"solver_time_limit_s must be a positive number of seconds, got {solver_time_limit_s!r}")
+
+
 @contextlib.contextmanager
 def _stage(name: str, timings: dict[str, float], progress: bool) -> Iterator[None]:
     start = time.perf_counter()
@@ -138,6 +154,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     inputs replicated on every other axis (each rank receives exactly its data shard).
     """
     mesh = _as_mesh(mesh)
+    _check_solve_options(bucket_bytes, solver_time_limit_s)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
     limit = _memory_limit(mesh, memory_limit, memory_headroom)
     hw = mesh.hardware

@@ -82,3 +82,24 @@ def test_a_model_output_that_is_not_a_loss_is_described(model: nn.Module, messag
 def test_wrong_argument_types_are_named_before_tracing(args: tuple, message: str) -> None:
     with pytest.raises(TypeError, match=message):
         autopar.plan(args[0], autopar.Mesh({"dp": 2}, "cpu"), args[1], loss_fn=lambda out: out.sum())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"bucket_bytes": 0}, r"bucket_bytes must be a positive whole number of bytes, a multiple of 8 .*got 0"),
+    ({"bucket_bytes": -4}, r"bucket_bytes must be a positive .*got -4"),
+    ({"bucket_bytes": 12}, r"bucket_bytes must be .* a multiple of 8 .*got 12"),
+    ({"bucket_bytes": 1024.0}, r"bucket_bytes must be .*got 1024.0"),
+    ({"solver_time_limit_s": 0}, r"solver_time_limit_s must be a positive number of seconds, got 0"),
+    ({"solver_time_limit_s": -1.0}, r"solver_time_limit_s must be a positive .*got -1.0"),
+    ({"solver_time_limit_s": float("nan")}, r"solver_time_limit_s must be a positive .*got nan"),
+], ids=["bucket-0", "bucket-negative", "bucket-not-aligned", "bucket-float", "time-0", "time-negative", "time-nan"])
+def test_bad_bucket_sizes_and_solver_time_limits_are_refused_before_capture(
+        kwargs: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """They failed as a ZeroDivisionError, a wrong 'no plan satisfies the pins', or only after the solve."""
+    def no_capture(*args: object, **kw: object) -> None:
+        raise AssertionError("captured before checking the options")
+
+    monkeypatch.setattr("autopar.api.capture", no_capture)
+    with pytest.raises(ValueError, match=message):
+        autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
+                     loss_fn=lambda out: out.sum(), **kwargs)
