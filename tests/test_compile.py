@@ -146,8 +146,9 @@ def test_a_call_must_pass_the_compiled_shapes_and_dtypes() -> None:
     sig = StepSignature.of((x,), {}, (y,))
     assert sig.tensors == {0: ((4, 8), torch.float32), 1: ((4, 2), torch.float32)}
     sig.bind((torch.randn(4, 8), torch.randn(4, 2)), {})
-    with pytest.raises(ValueError, match=r"input 0 is a torch.float32 tensor of shape \(8, 8\), but the step was "
-                                         r"compiled for a torch.float32 tensor of shape \(4, 8\): .*compile again"):
+    with pytest.raises(autopar.InputError, match=r"input 0 is a torch.float32 tensor of shape \(8, 8\), but the "
+                                                 r"step was compiled for a torch.float32 tensor of shape "
+                                                 r"\(4, 8\): .*compile again"):
         sig.bind((torch.randn(8, 8), torch.randn(8, 2)), {})
     with pytest.raises(ValueError, match=r"target 0 is a torch.float64 tensor of shape \(4, 2\), but .*"
                                          r"torch.float32 tensor of shape \(4, 2\)"):
