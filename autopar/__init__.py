@@ -6,10 +6,11 @@ cheapest placement of one training step on that mesh.
 
 from autopar.api import plan
 from autopar.capture import CaptureError
+from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.runtime import CompileError, ParallelModule, compile
 from autopar.solver.ilp import MemoryLimitError, SolverTimeLimitError
 from autopar.solver.plan import Plan
 
-__all__ = ["plan", "compile", "Mesh", "Plan", "ParallelModule", "CaptureError", "CompileError", "MemoryLimitError",
-           "SolverTimeLimitError"]
+__all__ = ["plan", "compile", "Mesh", "Plan", "ParallelModule", "InputError", "InputTypeError", "CaptureError",
+           "CompileError", "MemoryLimitError", "SolverTimeLimitError"]

@@ -17,6 +17,7 @@ from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.model import CostContext
+from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
 from autopar.solver.blocks import Folding, fold_repeated_blocks
@@ -43,7 +44,8 @@ def _as_mesh(mesh: Any) -> Mesh:
 
     if isinstance(mesh, DeviceMesh):
         return Mesh.from_device_mesh(mesh)
-    raise TypeError(f"mesh must be an autopar.Mesh, a dict of axis sizes or a DeviceMesh, got {type(mesh).__name__}")
+    raise InputTypeError(f"mesh must be an autopar.Mesh, a dict of axis sizes or a DeviceMesh, "
+                         f"got {type(mesh).__name__}")
 
 
 def _memory_limit(mesh: Mesh, memory_limit: float | None, memory_headroom: float | None) -> float:
@@ -51,11 +53,27 @@ def _memory_limit(mesh: Mesh, memory_limit: float | None, memory_headroom: float
     if memory_limit is None:
         return mesh.hardware.memory_limit(memory_headroom)
     if memory_headroom is not None:
-        raise ValueError("pass memory_limit (bytes per device) or memory_headroom (a fraction of device "
+        raise InputError("pass memory_limit (bytes per device) or memory_headroom (a fraction of device "
                          "memory), not both")
     if not isinstance(memory_limit, (int, float)) or not memory_limit > 0:
-        raise ValueError(f"memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
+        raise InputError(f"memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
     return float(memory_limit)
+
+
+BUCKET_ALIGN_BYTES = 8
+"""``bucket_bytes`` is a multiple of this: a whole number of elements of any gradient dtype."""
+
+
+def _check_solve_options(bucket_bytes: int, solver_time_limit_s: float) -> None:
+    """Refuse option values the plan would only trip over after capture and the solve."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0 \
+            or bucket_bytes % BUCKET_ALIGN_BYTES:
+        raise InputError(f"bucket_bytes must be a positive whole number of bytes, a multiple of "
+                         f"{BUCKET_ALIGN_BYTES} (so that gradients of any dtype fill a bucket exactly), "
+                         f"got {bucket_bytes!r}")
+    if isinstance(solver_time_limit_s, bool) or not isinstance(solver_time_limit_s, (int, float)) \
+            or not solver_time_limit_s > 0:
+        raise InputError(f"solver_time_limit_s must be a positive number of seconds, got {solver_time_limit_s!r}")
 
 
 @contextlib.contextmanager
@@ -139,6 +157,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     inputs replicated on every other axis (each rank receives exactly its data shard).
     """
     mesh = _as_mesh(mesh)
+    _check_solve_options(bucket_bytes, solver_time_limit_s)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
     limit = _memory_limit(mesh, memory_limit, memory_headroom)
     hw = mesh.hardware
@@ -159,7 +178,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         pinned: dict[str, str] = {}
         if constraints:
             if constraint_axis not in mesh.names:
-                raise ValueError(f"constraints apply to mesh axis {constraint_axis!r}, which the mesh "
+                raise InputError(f"constraints apply to mesh axis {constraint_axis!r}, which the mesh "
                                  f"({mesh.describe()}) does not have")
             axis = mesh.names.index(constraint_axis)
             tp_pins, pinned = pins_from_tp_plan(graph, constraints, axis)
@@ -167,7 +186,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
             node_pins.update(tp_pins)
         for axis_name in data_axes:
             if axis_name not in mesh.names:
-                raise ValueError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
+                raise InputError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
             axis = mesh.names.index(axis_name)
             data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded)
             apply_pins(graph, data_pins, axis, axis_name, mesh.shape[axis])

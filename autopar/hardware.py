@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.errors import InputError
+
 GB = 1e9
 GiB = 2**30
 TFLOPS = 1e12
@@ -78,7 +80,7 @@ class HardwareProfile:
         """Bytes a plan may use per device: ``memory_bytes`` less ``headroom`` (default: the profile's)."""
         headroom = self.memory_headroom if headroom is None else headroom
         if not 0 <= headroom < 1:
-            raise ValueError(f"memory headroom is a fraction of device memory in [0, 1), got {headroom!r}")
+            raise InputError(f"memory headroom is a fraction of device memory in [0, 1), got {headroom!r}")
         return self.memory_bytes * (1 - headroom)
 
 
@@ -167,4 +169,4 @@ def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
         return PROFILES[hardware.lower()]
     except KeyError:
         known = ", ".join(sorted(PROFILES))
-        raise ValueError(f"unknown hardware {hardware!r}; known profiles: {known}") from None
+        raise InputError(f"unknown hardware {hardware!r}; known profiles: {known}") from None

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autopar.errors import InputError
 from autopar.hardware import HardwareProfile, get_profile
 
 if TYPE_CHECKING:
@@ -43,12 +44,12 @@ class Mesh:
     def __init__(self, axes: dict[str, int], hardware: str | HardwareProfile = "h100",
                  devices_per_node: int = 8) -> None:
         if not axes:
-            raise ValueError("a mesh needs at least one axis")
+            raise InputError("a mesh needs at least one axis")
         for name, size in axes.items():
             if not isinstance(size, int) or size < 1:
-                raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes must be positive ints")
+                raise InputError(f"mesh axis {name!r} has size {size!r}; sizes must be positive ints")
         if devices_per_node < 1:
-            raise ValueError("devices_per_node must be >= 1")
+            raise InputError("devices_per_node must be >= 1")
         object.__setattr__(self, "axes", dict(axes))
         object.__setattr__(self, "hardware", get_profile(hardware))
         object.__setattr__(self, "devices_per_node", devices_per_node)
@@ -101,8 +102,8 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
         name, sep, size = part.strip().partition("=")
         name = name.strip()
         if not sep or not name or not size.strip().isdigit():
-            raise ValueError(f"bad mesh spec {spec!r}: expected name=size[,name=size...]")
+            raise InputError(f"bad mesh spec {spec!r}: expected name=size[,name=size...]")
         if name in axes:
-            raise ValueError(f"bad mesh spec {spec!r}: axis {name!r} is named twice")
+            raise InputError(f"bad mesh spec {spec!r}: axis {name!r} is named twice")
         axes[name] = int(size)
     return axes

@@ -149,14 +149,38 @@ def test_plans_of_batches_that_split_have_no_notes() -> None:
                      "is split 2 ways on other axes); placed S(0)R over dp x tp"], notes
 
 
-def test_an_internal_error_is_not_reported_as_bad_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exit 1 with the traceback (Python's own for an uncaught exception), not exit 2."""
+@pytest.mark.parametrize("error,code", [
+    (KeyError("a bug in autopar"), 1),
+    (ValueError("a bug in autopar"), 1),
+    (TypeError("a bug in autopar"), 1),
+    (autopar.InputError("pins that cannot be met"), 2),
+    (autopar.InputTypeError("an argument of the wrong type"), 2),
+], ids=["KeyError", "ValueError", "TypeError", "InputError", "InputTypeError"])
+def test_an_internal_error_is_not_reported_as_bad_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        error: Exception, code: int) -> None:
+    """Raised from inside autopar's planning: a ValueError or TypeError there is a bug like any
+    other (exit 1, with its traceback), not input that cannot be planned (exit 2, one message)."""
     def broken(*args: object, **kwargs: object) -> None:
-        raise KeyError("a bug in autopar")
+        raise error
 
-    monkeypatch.setattr(autopar, "plan", broken)
-    with pytest.raises(KeyError, match="a bug in autopar"):
-        main(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2"])
+    monkeypatch.setattr("autopar.api.fold_repeated_blocks", broken)
+    got, out, err = run(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu"], capsys)
+    assert (got, out) == (code, "")
+    if code == 1:
+        assert "Traceback (most recent call last)" in err and 'autopar/api.py", line' in err, err
+        assert f"{type(error).__name__}: {error}" in err
+        assert err.rstrip().endswith("autopar: internal error (a bug in autopar; please report it with the "
+                                     "traceback above)")
+    else:
+        assert err == f"autopar: error: {error}\n"
+
+
+def test_no_plan_within_the_memory_limit_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu",
+                          "--memory-limit-gib", "1e-7"], capsys)
+    assert (code, out) == (2, "")
+    assert "no plan fits the memory limit" in err and "Traceback" not in err, err
 
 
 def test_help_documents_the_exit_codes() -> None:

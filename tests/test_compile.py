@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
 from autopar.runtime.forked import run_ranks
@@ -154,3 +155,93 @@ def test_the_plan_prices_the_precision_the_model_runs_in() -> None:
     assert run_ranks(_precision_rank, 2, None, torch.float32) == ["fp32", "fp32"]
     for message in run_ranks(_precision_rank, 2, "bf16", torch.float32):
         assert "precision='bf16' but the model's parameters are fp32" in message
+
+
+def test_a_call_must_pass_the_compiled_shapes_and_dtypes() -> None:
+    """The program is specialized on the captured shapes (view sizes, a mean loss's count):
+    another batch size or dtype is refused by name, not run to a wrong loss."""
+    from autopar.capture.step import StepSignature
+
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    sig = StepSignature.of((x,), {}, (y,))
+    assert sig.tensors == {0: ((4, 8), torch.float32), 1: ((4, 2), torch.float32)}
+    sig.bind((torch.randn(4, 8), torch.randn(4, 2)), {})
+    with pytest.raises(autopar.InputError, match=r"input 0 is a torch.float32 tensor of shape \(8, 8\), but the "
+                                                 r"step was compiled for a torch.float32 tensor of shape "
+                                                 r"\(4, 8\): .*compile again"):
+        sig.bind((torch.randn(8, 8), torch.randn(8, 2)), {})
+    with pytest.raises(ValueError, match=r"target 0 is a torch.float64 tensor of shape \(4, 2\), but .*"
+                                         r"torch.float32 tensor of shape \(4, 2\)"):
+        sig.bind((x, y.double()), {})
+    local = sig.sharded({0: (2, 8), 1: (2, 2)}, " (this rank's shard)")
+    local.bind((x[:2], y[:2]), {})
+    with pytest.raises(ValueError, match=r"input 0 .* shape \(4, 8\), but .* shape \(2, 8\) \(this rank's shard\)"):
+        local.bind((x, y), {})
+
+
+def _other_batch_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    x4, y4, x8, y8 = torch.randn(4, 8), torch.randn(4, 4), torch.randn(8, 8), torch.randn(8, 4)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    step = dict(loss_fn=torch.nn.functional.mse_loss, data_axes=("dp",))
+    whole = autopar.compile(model, mesh, (x4,), example_targets=(y4,), **step)
+    sharded = autopar.compile(model, mesh, (x4[:2],), example_targets=(y4[:2],), input_sharded=True, **step)
+    errors = {}
+    for what, pm, args in (("whole", whole, (x8, y8)), ("sharded", sharded, (x4, y4)),
+                           ("dtype", whole, (x4.double(), y4))):
+        with pytest.raises(ValueError) as info:
+            pm(*args)
+        errors[what] = str(info.value)
+    return {"errors": errors, "whole": whole(x4, y4).full_tensor().item(),
+            "sharded": sharded(x4[2 * rank: 2 * rank + 2], y4[2 * rank: 2 * rank + 2]).full_tensor().item(),
+            "expected": torch.nn.functional.mse_loss(model(x4), y4).item()}
+
+
+def test_a_compiled_module_refuses_another_batch_size_on_every_rank() -> None:
+    """Compiled at batch 4 and called at 8, the loss's static count was 4: a wrong loss, silently."""
+    for r in run_ranks(_other_batch_rank, 2):
+        assert r["whole"] == pytest.approx(r["expected"], rel=1e-5)
+        assert r["sharded"] == pytest.approx(r["expected"], rel=1e-5)
+        errors = r["errors"]
+        assert "input 0 is a torch.float32 tensor of shape (8, 8), but the step was compiled for a " \
+               "torch.float32 tensor of shape (4, 8):" in errors["whole"]
+        assert "input 0 is a torch.float32 tensor of shape (4, 8), but the step was compiled for a " \
+               "torch.float32 tensor of shape (2, 8) (this rank's shard" in errors["sharded"]
+        assert "input 0 is a torch.float64 tensor" in errors["dtype"]
+
+
+def _bad_axes_rank(rank: int, world: int) -> dict[str, str]:
+    named = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    unnamed = init_device_mesh("cpu", (2,))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    step = dict(loss_fn=torch.nn.functional.mse_loss, example_targets=(y,))
+    cases = {"unknown": (named, dict(data_axes=("data",), input_sharded=True)),
+             "unnamed": (unnamed, dict(data_axes=("dp",), input_sharded=True)),
+             "unnamed-default": (unnamed, dict(input_sharded=True)),
+             "string": (named, dict(data_axes="dp")),
+             "twice": (named, dict(data_axes=("dp", "dp"), input_sharded=True)),
+             "constraint-axis": (named, dict(constraints={"": ColwiseParallel()}))}
+    errors = {}
+    for what, (mesh, kwargs) in cases.items():
+        with pytest.raises(autopar.CompileError) as info:
+            autopar.compile(torch.nn.Linear(8, 4), mesh, (x,), **step, **kwargs)  # type: ignore[arg-type]
+        errors[what] = str(info.value)
+    return errors
+
+
+def test_mesh_axes_the_options_name_are_checked_against_the_device_mesh() -> None:
+    """A data or constraint axis the DeviceMesh lacks is named with the mesh's axes, on every
+    rank, before planning (it was a bare tuple.index or NoneType error)."""
+    results = run_ranks(_bad_axes_rank, 2)
+    assert results[0] == results[1]
+    errors = results[0]
+    assert all(e.startswith("checking the mesh axes failed on rank 0 (of 2 failing)") for e in errors.values())
+    assert "data_axes ('data',) names 'data', not an axis of the mesh; the mesh's axes are ('dp',) (dp=2)" \
+        in errors["unknown"]
+    assert "names 'dp', not an axis of the mesh; the mesh's axes are ('dim0',)" in errors["unnamed"]
+    assert "input_sharded=True needs data_axes=(...)" in errors["unnamed-default"]
+    assert "data_axes must be a tuple of axis names (write ('dp',))" in errors["string"]
+    assert "names an axis twice" in errors["twice"]
+    assert "constraints apply to mesh axis 'tp' (constraint_axis=), not an axis of the mesh; the mesh's axes " \
+           "are ('dp',)" in errors["constraint-axis"]

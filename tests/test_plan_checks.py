@@ -4,14 +4,17 @@ headroom, wrong argument types and outputs are named, and splits it could not ma
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
 from autopar.api import prepare_step
 from autopar.hardware import GiB, PROFILES
+from autopar.mesh import parse_mesh_spec
 from autopar.solver.ilp import solve
 from examples import gpt
 
@@ -45,7 +48,7 @@ def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count()
     ({"memory_limit": GiB, "memory_headroom": 0.1}, "not both"),
 ], ids=["negative-limit", "zero-limit", "headroom-1", "negative-headroom", "limit-and-headroom"])
 def test_bad_memory_limits_are_refused(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(autopar.InputError, match=message):
         autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
                      loss_fn=lambda out: out.sum(), **kwargs)
 
@@ -80,5 +83,55 @@ def test_a_model_output_that_is_not_a_loss_is_described(model: nn.Module, messag
     ((nn.Linear(8, 8), ([torch.randn(4, 8), object()],)), r"example_inputs\[0\]\[1\] is object"),
 ], ids=["model-is-a-string", "bare-tensor-inputs", "object-inside-a-list"])
 def test_wrong_argument_types_are_named_before_tracing(args: tuple, message: str) -> None:
-    with pytest.raises(TypeError, match=message):
+    with pytest.raises(autopar.InputTypeError, match=message) as info:
         autopar.plan(args[0], autopar.Mesh({"dp": 2}, "cpu"), args[1], loss_fn=lambda out: out.sum())
+    assert isinstance(info.value, TypeError)  # as Python's own type errors
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"bucket_bytes": 0}, r"bucket_bytes must be a positive whole number of bytes, a multiple of 8 .*got 0"),
+    ({"bucket_bytes": -4}, r"bucket_bytes must be a positive .*got -4"),
+    ({"bucket_bytes": 12}, r"bucket_bytes must be .* a multiple of 8 .*got 12"),
+    ({"bucket_bytes": 1024.0}, r"bucket_bytes must be .*got 1024.0"),
+    ({"solver_time_limit_s": 0}, r"solver_time_limit_s must be a positive number of seconds, got 0"),
+    ({"solver_time_limit_s": -1.0}, r"solver_time_limit_s must be a positive .*got -1.0"),
+    ({"solver_time_limit_s": float("nan")}, r"solver_time_limit_s must be a positive .*got nan"),
+], ids=["bucket-0", "bucket-negative", "bucket-not-aligned", "bucket-float", "time-0", "time-negative", "time-nan"])
+def test_bad_bucket_sizes_and_solver_time_limits_are_refused_before_capture(
+        kwargs: dict, message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """They failed as a ZeroDivisionError, a wrong 'no plan satisfies the pins', or only after the solve."""
+    def no_capture(*args: object, **kw: object) -> None:
+        raise AssertionError("captured before checking the options")
+
+    monkeypatch.setattr("autopar.api.capture", no_capture)
+    with pytest.raises(autopar.InputError, match=message):
+        autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
+                     loss_fn=lambda out: out.sum(), **kwargs)
+
+
+def _plan_linear(**kwargs: object) -> autopar.Plan:
+    return autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
+                        **{"loss_fn": lambda out: out.sum(), **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: autopar.Mesh({"dp": 0}), ValueError, "sizes must be positive"),
+    (lambda: parse_mesh_spec("dp=2,dp=4"), ValueError, "named twice"),
+    (lambda: autopar.Mesh({"dp": 2}, "tpu9"), ValueError, "unknown hardware 'tpu9'"),
+    (lambda: _plan_linear(precision="fp8"), ValueError, "unknown precision 'fp8'"),
+    (lambda: autopar.plan(nn.Linear(8, 8), None, (torch.randn(4, 8),)), TypeError, "mesh must be an autopar.Mesh"),
+    (lambda: _plan_linear(data_axes=("tp",)), ValueError, "data axis 'tp' is not an axis of the mesh"),
+    (lambda: _plan_linear(constraints={"": ColwiseParallel()}), ValueError, "mesh axis 'tp', which the mesh"),
+    (lambda: _plan_linear(constraints={"nothing": ColwiseParallel()}, constraint_axis="dp"), ValueError,
+     "matches no module"),
+    (lambda: _plan_linear(memory_limit=1.0), ValueError, "no plan fits the memory limit"),
+    (lambda: _plan_linear(solver_time_limit_s=1e-9), RuntimeError, "no plan within its time limit"),
+    (lambda: _plan_linear(loss_fn=None), RuntimeError, "pass loss_fn"),
+], ids=["mesh-size", "mesh-spec", "hardware", "precision", "mesh-type", "data-axis",
+        "constraint-axis", "constraint-pattern", "memory-limit", "solver-time-limit", "capture"])
+def test_what_the_user_hands_in_is_refused_with_an_input_error(call: Any, error: type, message: str) -> None:
+    """One base for every user-facing input error (the command line exits 2 on exactly these),
+    each still the builtin type callers caught before."""
+    with pytest.raises(autopar.InputError, match=message) as info:
+        call()
+    assert isinstance(info.value, error)

@@ -4,15 +4,17 @@ on what the user hands in, and the calling convention the compiled step keeps.""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path
 
+from autopar.errors import InputError, InputTypeError
 
-class CaptureError(RuntimeError):
+
+class CaptureError(InputError, RuntimeError):
     """The model (or its loss) cannot be turned into a graph; the message names why and where."""
 
 
@@ -36,21 +38,22 @@ def check_step_arguments(model: Any, example_inputs: Any, loss_fn: Any, example_
     """Types of what ``plan``/``compile`` receive, checked before tracing so that a wrong
     builder return value is named instead of failing deep inside torch.export."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"the model must be a torch.nn.Module, got {describe(model)}")
+        raise InputTypeError(f"the model must be a torch.nn.Module, got {describe(model)}")
     if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (or None when the model returns its loss), got {describe(loss_fn)}")
+        raise InputTypeError(f"loss_fn must be callable (or None when the model returns its loss), "
+                             f"got {describe(loss_fn)}")
     if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) for k in example_kwargs):
-        raise TypeError(f"example_kwargs must be a dict of keyword name -> value, got {describe(example_kwargs)}")
+        raise InputTypeError(f"example_kwargs must be a dict of keyword name -> value, got {describe(example_kwargs)}")
     for what, values in (("example_inputs", example_inputs), ("example_targets", example_targets)):
         if not isinstance(values, tuple):
-            raise TypeError(f"{what} must be a tuple (write (x,) for one tensor), got {describe(values)}")
+            raise InputTypeError(f"{what} must be a tuple (write (x,) for one tensor), got {describe(values)}")
     for what, values in (("example_inputs", example_inputs), ("example_kwargs", example_kwargs),
                          ("example_targets", example_targets)):
         leaves, _ = tree_flatten_with_path(values)
         for path, leaf in leaves:
             if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
-                raise TypeError(f"{what}{keystr(path)} is {describe(leaf)}; inputs must be tensors (or tuples, "
-                                "lists or dicts of tensors, numbers, bools and None)")
+                raise InputTypeError(f"{what}{keystr(path)} is {describe(leaf)}; inputs must be tensors (or tuples, "
+                                     "lists or dicts of tensors, numbers, bools and None)")
 
 
 def loss_from_output(output: Any) -> torch.Tensor:
@@ -90,6 +93,12 @@ class StepSignature:
     """Per leaf, how the user names it: "input 0", "keyword input 'labels'", "target 0[1]"."""
     constants: dict[int, Any]
     """Leaf index -> the non-tensor value captured (export specializes the graph on it)."""
+    tensors: dict[int, tuple[tuple[int, ...], torch.dtype]]
+    """Leaf index -> shape and dtype a call must pass there: the program is specialized on
+    them (view sizes, a mean loss's count). The captured (global) shape, or this rank's
+    shard of it when each rank passes its own shard."""
+    shard_note: str = ""
+    """Why ``tensors`` differ from the captured shapes, for the error message ("" when they do not)."""
 
     @classmethod
     def of(cls, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> "StepSignature":
@@ -97,34 +106,51 @@ class StepSignature:
         names += [f"target {i}" for i in range(len(targets))]
         leaves, spec = tree_flatten_with_path((*inputs, *kwargs.values(), *targets))
         labels = tuple(names[path[0].idx] + keystr(path[1:]) for path, _ in leaves)  # type: ignore[attr-defined]
+        values = [v for _, v in leaves]
         return cls(num_inputs=len(inputs), kwarg_names=tuple(kwargs), num_targets=len(targets), spec=spec,
-                   labels=labels, constants={i: v for i, (_, v) in enumerate(leaves) if not isinstance(v, torch.Tensor)})
+                   labels=labels, constants={i: v for i, v in enumerate(values) if not isinstance(v, torch.Tensor)},
+                   tensors={i: (tuple(v.shape), v.dtype) for i, v in enumerate(values) if isinstance(v, torch.Tensor)})
+
+    def sharded(self, shapes: dict[int, tuple[int, ...]], note: str) -> "StepSignature":
+        """The same signature taking this rank's shards: leaf index -> its local shape."""
+        tensors = {i: (shapes.get(i, shape), dtype) for i, (shape, dtype) in self.tensors.items()}
+        return replace(self, tensors=tensors, shard_note=note)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """``pm(*inputs, *targets, **kwargs)``'s values as the leaves the step was captured with."""
         expected = self.num_inputs + self.num_targets
         if len(args) != expected:
-            raise TypeError(f"expected {expected} positional value{'s' if expected != 1 else ''} ({self.num_inputs} "
-                            f"model inputs, then {self.num_targets} loss targets), got {len(args)}")
+            raise InputTypeError(f"expected {expected} positional value{'s' if expected != 1 else ''} "
+                                 f"({self.num_inputs} model inputs, then {self.num_targets} loss targets), "
+                                 f"got {len(args)}")
         missing = [n for n in self.kwarg_names if n not in kwargs]
         unexpected = [n for n in kwargs if n not in self.kwarg_names]
         if missing or unexpected:
             problems = [f"missing keyword input {n!r}" for n in missing]
             problems += [f"unexpected keyword input {n!r}" for n in unexpected]
-            raise TypeError(f"{'; '.join(problems)}: the step was compiled with keyword inputs "
-                            f"{list(self.kwarg_names)} (example_kwargs)")
+            raise InputTypeError(f"{'; '.join(problems)}: the step was compiled with keyword inputs "
+                                 f"{list(self.kwarg_names)} (example_kwargs)")
         flat = (*args[: self.num_inputs], *(kwargs[n] for n in self.kwarg_names), *args[self.num_inputs:])
         leaves, spec = tree_flatten(flat)
         if spec != self.spec:
-            raise TypeError(f"the inputs are nested differently from the compiled step's: {spec} vs {self.spec}")
+            raise InputTypeError(f"the inputs are nested differently from the compiled step's: {spec} vs {self.spec}")
         for index, value in enumerate(leaves):
             if index in self.constants:
                 if isinstance(value, torch.Tensor) or value != self.constants[index]:
-                    raise ValueError(f"{self.labels[index]} was {self.constants[index]!r} at compile time and is "
+                    raise InputError(f"{self.labels[index]} was {self.constants[index]!r} at compile time and is "
                                      f"{describe(value)} now: non-tensor inputs are fixed when compiling")
             elif not isinstance(value, torch.Tensor):
-                raise TypeError(f"{self.labels[index]} must be a tensor, as when compiled; got {describe(value)}")
+                raise InputTypeError(f"{self.labels[index]} must be a tensor, as when compiled; got {describe(value)}")
+            elif value.shape != self.tensors[index][0] or value.dtype != self.tensors[index][1]:
+                self._wrong_tensor(index, value)
         return leaves
+
+    def _wrong_tensor(self, index: int, value: torch.Tensor) -> None:
+        shape, dtype = self.tensors[index]
+        raise InputError(
+            f"{self.labels[index]} is {describe(value)}, but the step was compiled for a {dtype} tensor of shape "
+            f"{shape}{self.shard_note}: the program is specialized on the compiled shapes and dtypes (view sizes, "
+            "a mean loss's count), so pass that, or compile again for this shape and dtype")
 
 
 class TrainStep(nn.Module):

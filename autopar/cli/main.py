@@ -11,19 +11,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from autopar.errors import InputError
 from autopar.hardware import PROFILES
 
 EXIT_CODES = """exit status:
   0  the plan was found (and printed)
-  2  the input cannot be planned: a bad command line, a builder file or function that
-     cannot be loaded, raises or returns the wrong things, a model torch.export cannot
-     capture, no plan within the memory limit or the solver's time limit, pinned
-     placements that conflict
-  1  an internal error of autopar (a bug: the traceback is printed; please report it)"""
-
-
-class InputError(Exception):
-    """What the user handed in cannot be planned; the message says what and where (exit 2)."""
+  2  the input cannot be planned (one message says why): a bad command line,
+     a builder file or function that cannot be loaded, raises or returns the wrong things,
+     a model torch.export cannot capture, no plan within the memory limit or the
+     solver's time limit, pinned placements that conflict
+  1  an internal error of autopar, whatever its type (a bug: the traceback is printed;
+     please report it)"""
 
 
 def _user_traceback(exc: BaseException, skip: int) -> str:
@@ -149,15 +147,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line exits with 2 (argparse's usage error)
-    from autopar.capture import CaptureError
-    from autopar.solver.ilp import SolverTimeLimitError
-
     try:
         return plan_command(args)
-    except (InputError, CaptureError, ValueError, TypeError, SolverTimeLimitError) as exc:  # one message
-        # bad mesh, types, memory limit, no plan within the solver's time limit
+    except InputError as exc:  # what the user handed in (capture, memory and time limits included): one message
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2
+    except Exception:  # noqa: BLE001 - anything else is autopar's bug, whatever its type: keep the traceback
+        traceback.print_exc()
+        print("autopar: internal error (a bug in autopar; please report it with the traceback above)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

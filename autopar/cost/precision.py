@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 
 from autopar.capture.graph import TensorMeta
+from autopar.errors import InputError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +41,7 @@ def get_precision(name: str) -> Precision:
     try:
         return PRECISIONS[name]
     except KeyError:
-        raise ValueError(f"unknown precision {name!r}; known: {', '.join(PRECISIONS)}") from None
+        raise InputError(f"unknown precision {name!r}; known: {', '.join(PRECISIONS)}") from None
 
 
 __all__ = ["Precision", "PRECISIONS", "get_precision"]

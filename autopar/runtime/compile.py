@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.api import PlannedStep, PreparedStep, finish_step, prepare_step, solve_step
+from autopar.capture.step import StepSignature
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
@@ -21,6 +22,7 @@ from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.random import RandomOps, agree_seed, make_generator
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
+from autopar.rules.strategy import Strategy
 from autopar.solver.nodes import BUFFER, INPUT, PARAM
 from autopar.solver.plan import param_sync_dims
 
@@ -128,19 +130,18 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     if mesh.size() != dist.get_world_size():
         raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
                            f"{dist.get_world_size()} ranks; they must match")
-    if input_sharded and not data_axes:
-        names = mesh.mesh_dim_names or ()
-        if "dp" not in names:
-            raise CompileError("input_sharded=True needs data_axes=(...) naming the axes inputs are split on")
-        data_axes = ("dp",)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
     precision = _running_precision(model, precision)
+    if input_sharded and not data_axes and "dp" in planning_mesh.names:
+        data_axes = ("dp",)
+    _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
+                                                         constraint_axis if constraints else None))
     try:
         seed = agree_seed(seed)
     except ValueError as exc:
         raise CompileError(str(exc)) from None
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
-        ways = math.prod(mesh.size(mesh.mesh_dim_names.index(a)) for a in data_axes)  # type: ignore[union-attr]
+        ways = math.prod(planning_mesh.axes[a] for a in data_axes)
         example_inputs = _global_batch(example_inputs, ways)
         example_targets = _global_batch(example_targets, ways)
         example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
@@ -175,6 +176,24 @@ def _running_precision(model: nn.Module, precision: str | None) -> str:
         raise CompileError(f"precision={precision!r} but the model's parameters are {own}: the runtime runs the "
                            f"model as it is, so plan it as {own!r} or cast the model first")
     return own
+
+
+def _axes_error(mesh: Mesh, data_axes: tuple[str, ...], input_sharded: bool, constraint_axis: str | None) -> str:
+    """What is wrong with the mesh axes the options name ("" if nothing), checked before
+    anything uses them. An unnamed DeviceMesh's axes are dim0, dim1, ... as in its plan."""
+    axes = f"the mesh's axes are {mesh.names} ({mesh.describe()})"
+    if isinstance(data_axes, str):
+        return f"data_axes must be a tuple of axis names (write ({data_axes!r},)), got {data_axes!r}; {axes}"
+    if input_sharded and not data_axes:
+        return f"input_sharded=True needs data_axes=(...) naming the axes inputs are split on; {axes}"
+    unknown = [a for a in data_axes if a not in mesh.names]
+    if unknown:
+        return f"data_axes {tuple(data_axes)} names {', '.join(map(repr, unknown))}, not an axis of the mesh; {axes}"
+    if len(set(data_axes)) != len(data_axes):
+        return f"data_axes {tuple(data_axes)} names an axis twice; {axes}"
+    if constraint_axis is not None and constraint_axis not in mesh.names:
+        return f"constraints apply to mesh axis {constraint_axis!r} (constraint_axis=), not an axis of the mesh; {axes}"
+    return ""
 
 
 def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
@@ -218,10 +237,27 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
             assert plan_node is None or plan_node.kind == INPUT
             placeholders.append((name, "input", name))
     shards.release()
+    signature = captured.signature
+    if input_sharded:
+        signature = _sharded_signature(signature, captured.user_inputs, chosen, mesh)
     outputs = []
     for out_name in graph.output_names:
         strategy = chosen.get(out_name)
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded, frozen=frozen, signature=captured.signature)
+                          input_sharded=input_sharded, frozen=frozen, signature=signature)
+
+
+def _sharded_signature(signature: StepSignature, user_inputs: list[str], chosen: dict[str, Strategy],
+                       mesh: DeviceMesh) -> StepSignature:
+    """The calls of a module whose ranks pass their own shards: each tensor input's shape is
+    this rank's block of the captured (global) one under the input's planned placement,
+    sliced as the program reads it."""
+    shapes: dict[int, tuple[int, ...]] = {}
+    for index, name in enumerate(user_inputs):  # one input placeholder per leaf, in order
+        if index in signature.tensors and name in chosen:
+            shape, dtype = signature.tensors[index]
+            whole = torch.empty(shape, dtype=dtype, device="meta")
+            shapes[index] = tuple(local_shard(whole, chosen[name].outputs[0], mesh).shape)
+    return signature.sharded(shapes, " (this rank's shard of the global batch: input_sharded=True)")

@@ -36,7 +36,9 @@ class ParallelModule(nn.Module):
 
     ``pm(*inputs, *targets, **kwargs)`` (the model's positional inputs, the loss targets, and
     the model's keyword inputs by name, as compiled) returns the loss as a replicated DTensor
-    (training) or the model's outputs as DTensors placed as planned (``train=False``).
+    (training) or the model's outputs as DTensors placed as planned (``train=False``). Each
+    tensor has the shape and dtype compiled (this rank's shard with ``input_sharded``): the
+    program is specialized on them, and another shape is refused by name.
     Parameters are this rank's shards, registered under the original FQNs; ``state_dict()``
     returns DTensors.
     """

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
+from autopar.errors import InputError
 from autopar.rules.redistribute import strided_take
 from autopar.rules.strategy import shard_dim, split_factor
 
@@ -69,7 +70,7 @@ class ShardInitializer:
         owner = self.model.get_submodule(path) if path else self.model
         init = self.init_fn or getattr(owner, "reset_parameters", None)
         if init is None:
-            raise ValueError(f"{path or 'the model'} ({type(owner).__name__}) is on the meta device and has no "
+            raise InputError(f"{path or 'the model'} ({type(owner).__name__}) is on the meta device and has no "
                              "reset_parameters; pass init_fn= to autopar.compile")
         owner.to_empty(device=torch.device(self.mesh.device_type), recurse=False)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -98,7 +99,7 @@ def initialize_like_compile(model: nn.Module, init_fn: InitFn | None = None, see
             continue
         init = init_fn or getattr(module, "reset_parameters", None)
         if init is None:
-            raise ValueError(f"{path or 'the model'} ({type(module).__name__}) has no reset_parameters; pass init_fn=")
+            raise InputError(f"{path or 'the model'} ({type(module).__name__}) has no reset_parameters; pass init_fn=")
         module.to_empty(device=torch.device(device), recurse=False)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(seed + zlib.crc32(path.encode()))

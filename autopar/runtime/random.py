@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from autopar.errors import InputError
 from autopar.rules import dropout as random_rules
 from autopar.rules.redistribute import SLICE, redistribute_steps, strided_view
 from autopar.rules.strategy import Placements, R, parse_placements, shard_dim
@@ -191,8 +192,8 @@ def agree_seed(seed: int | None) -> int:
     dist.all_gather_object(pairs, (seed, torch.initial_seed()))
     given = {s for s, _ in pairs}
     if len(given) > 1:
-        raise ValueError(f"ranks passed different seeds ({', '.join(f'rank {r}: {s}' for r, (s, _) in enumerate(pairs))}):"
-                         " pass the same seed= on every rank")
+        seeds = ", ".join(f"rank {r}: {s}" for r, (s, _) in enumerate(pairs))
+        raise InputError(f"ranks passed different seeds ({seeds}): pass the same seed= on every rank")
     return seed if seed is not None else pairs[0][1]
 
 

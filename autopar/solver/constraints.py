@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+from autopar.errors import InputError
 from autopar.rules.strategy import OpCall, Strategy, is_strided
 from autopar.solver.nodes import PARAM, PlanGraph
 
@@ -77,7 +78,7 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
     for pattern, style in tp_plan.items():
         matched = [m for m in modules if m and fnmatch.fnmatchcase(m, pattern)]
         if not matched:
-            raise ValueError(f"constraint {pattern!r} matches no module of the model")
+            raise InputError(f"constraint {pattern!r} matches no module of the model")
         summary[pattern] = type(style).__name__
         for module in matched:
             where = f"{type(style).__name__} on {module}"
@@ -85,7 +86,7 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
                     graph.nodes[n].kind == "op" and graph.nodes[n].call.target in (aten.linear.default,
                                                                                    aten.embedding.default)
                     for n in modules[module]):
-                raise ValueError(f"{where}: the module runs no linear or embedding op; like torch's "
+                raise InputError(f"{where}: the module runs no linear or embedding op; like torch's "
                                  f"{type(style).__name__}, it applies to nn.Linear and nn.Embedding only")
             embedding = any(graph.nodes[n].kind == "op" and graph.nodes[n].call.target is aten.embedding.default
                             for n in modules[module])
@@ -131,7 +132,7 @@ def _param_placement(style: object, fqn: str, where: str, embedding: bool) -> Pl
         return Shard(1) if leaf == "weight" else Replicate()
     if isinstance(style, SequenceParallel):
         return Replicate()
-    raise ValueError(f"{where}: style {type(style).__name__} is not supported as a constraint "
+    raise InputError(f"{where}: style {type(style).__name__} is not supported as a constraint "
                      "(use ColwiseParallel, RowwiseParallel or SequenceParallel)")
 
 
@@ -150,7 +151,7 @@ def _op_pin(style: object, call: OpCall, where: str) -> Pin | None:
             return Pin(output=Partial(), inputs=inputs, reason=where)
         if call.target is aten.embedding.default:
             if isinstance(style, RowwiseParallel):
-                raise ValueError(f"{where}: vocabulary-parallel embedding (RowwiseParallel) is not supported yet; "
+                raise InputError(f"{where}: vocabulary-parallel embedding (RowwiseParallel) is not supported yet; "
                                  "use ColwiseParallel (split the embedding dim)")
             return Pin(output=Shard(out.ndim - 1), inputs={0: Shard(1), 1: Replicate()}, reason=where)
         return None  # ops inside the module other than its matmul follow freely
@@ -158,7 +159,7 @@ def _op_pin(style: object, call: OpCall, where: str) -> Pin | None:
         seq = style.sequence_sharding[0]
         placement = _norm(seq, out.ndim)
         return Pin(output=placement, inputs={0: _norm(seq, call.tensor_inputs[0].ndim)}, reason=where)
-    raise ValueError(f"{where}: style {type(style).__name__} is not supported as a constraint "
+    raise InputError(f"{where}: style {type(style).__name__} is not supported as a constraint "
                      "(use ColwiseParallel, RowwiseParallel or SequenceParallel)")
 
 
@@ -181,7 +182,7 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
                 size = shapes[0][pin.output.dim]
                 if size % axis_size:
                     dims = f": dim {pin.output.dim} of size {size} does not divide by mesh axis {axis_name}={axis_size}"
-            raise ValueError(f"{pin.reason}: {name} ({node.op}, shape {shapes}) cannot take "
+            raise InputError(f"{pin.reason}: {name} ({node.op}, shape {shapes}) cannot take "
                              f"{pin.output} on axis {axis_name}{dims}")
         node.strategies = [node.strategies[i] for i in keep]
         node.costs = [node.costs[i] for i in keep]

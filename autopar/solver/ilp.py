@@ -22,6 +22,7 @@ import numpy as np
 
 from autopar.cost.collectives import grad_placement_at_consumer
 from autopar.cost.model import CostContext, gathered_parameter_bytes
+from autopar.errors import InputError
 from autopar.solver.blocks import Folding
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import price_edge
@@ -31,11 +32,11 @@ from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes
 
 
-class MemoryLimitError(ValueError):
+class MemoryLimitError(InputError):
     """No plan fits the memory limit; the message says what the leanest plan needs."""
 
 
-class SolverTimeLimitError(RuntimeError):
+class SolverTimeLimitError(InputError, RuntimeError):
     """The ILP solver reached its time limit before finding any plan."""
 
 
@@ -139,7 +140,7 @@ def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_
         raise MemoryLimitError(
             f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device; the plan with "
             f"the least memory needs {fmt_bytes(leanest.memory_bytes)} per device")
-    raise ValueError("no plan satisfies the pinned placements together (constraints, data axes or "
+    raise InputError("no plan satisfies the pinned placements together (constraints, data axes or "
                      "input_sharded conflict on some edge)")
 
 
