@@ -10,6 +10,7 @@ already split; a training step's loss is reduced so every rank returns all of it
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch.fx
@@ -45,7 +46,7 @@ def _reshard_args(x: torch.fx.Node, produced: Placements, required: Placements,
     return args
 
 
-def _tensor_arg_slots(node: torch.fx.Node, is_planned) -> list[tuple[str, Any]]:  # noqa: ANN001
+def _tensor_arg_slots(node: torch.fx.Node, is_planned: Callable[[torch.fx.Node], bool]) -> list[tuple[str, Any]]:
     """(container, key) of each planned tensor argument, in the order the plan lists them."""
     slots: list[tuple[str, Any]] = []
     for i, a in enumerate(node.args):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,7 +72,7 @@ class GradSync:
         self._work: dict[int, Any] = {}  # launched bucket -> async work
         self._callback_queued = False
 
-    def _make_hook(self, name: str):  # noqa: ANN202
+    def _make_hook(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             self._receive(name, grad)
             return grad

@@ -182,8 +182,10 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
                 size = shapes[0][pin.output.dim]
                 if size % axis_size:
                     dims = f": dim {pin.output.dim} of size {size} does not divide by mesh axis {axis_name}={axis_size}"
-            raise InputError(f"{pin.reason}: {name} ({node.op}, shape {shapes}) cannot take "
-                             f"{pin.output} on axis {axis_name}{dims}")
+            shown = ", ".join(str(tuple(sh)) for sh in shapes)
+            wanted = pin.output if pin.output is not None else "a split output" if pin.split else "its pinned inputs"
+            raise InputError(f"{pin.reason}: {name} ({node.op}, shape {shown}) cannot take "
+                             f"{wanted} on axis {axis_name}{dims}")
         node.strategies = [node.strategies[i] for i in keep]
         node.costs = [node.costs[i] for i in keep]
         if node.comm_times:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Placement, Shard
 
 from autopar.cost.model import CostContext, op_cost
 from autopar.rules import RuleSet, expand
@@ -39,7 +39,7 @@ Demand = tuple[int, int, int]
 def strided_twin(strategy: DimStrategy, factor: int) -> DimStrategy:
     """The same strategy with every plain Shard strided by ``factor``."""
 
-    def twin(p):  # type: ignore[no-untyped-def]
+    def twin(p: Placement) -> Placement:
         return strided(p.dim, factor) if isinstance(p, Shard) else p
 
     return DimStrategy(tuple(None if p is None else twin(p) for p in strategy.outputs),
