@@ -12,8 +12,9 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Placement
 
-from autopar.capture.aliasing import as_produced_args, read_versions
+from autopar.capture.aliasing import as_produced_args, read_versions, written_args
 from autopar.capture.graph import CapturedGraph, TensorMeta
+from autopar.capture.subgraphs import runs_without_grad
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
@@ -91,6 +92,11 @@ class PlanGraph:
     """Name of the node holding the scalar loss (training steps)."""
     output_names: list[str]
 
+    def sends_gradient(self, producer: str, consumer: str) -> bool:
+        """True when backward sends a gradient from ``consumer`` to ``producer``: both need one
+        (not into a ``torch.no_grad()`` block, a ``detach`` or a comparison)."""
+        return self.nodes[producer].needs_grad and self.nodes[consumer].needs_grad
+
     def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
         """node -> [(consumer, consumer arg index, producer output index)]."""
         out: dict[str, list[tuple[str, int, int]]] = {n: [] for n in self.order}
@@ -154,8 +160,8 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             loss = output_names[0] if captured.train and output_names else None
             continue
         outputs = _meta_tuple(node.meta.get("val"))
-        if all(o is None for o in outputs):
-            continue
+        if all(o is None for o in outputs) and not written_args(node):
+            continue  # placed only for what it writes (a no_grad block updating buffers, returning nothing)
         if node.op == "placeholder":
             kind = PARAM if node.name in captured.parameters else BUFFER if node.name in captured.buffers else INPUT
             fqn = captured.parameters.get(node.name) or captured.buffers.get(node.name)
@@ -257,6 +263,7 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
         call = OpCall(node.target, args, kwargs, outputs)
     needs_grad = ctx.train and node.target not in NO_GRADIENT and rules.family.get(node.target) != "factory" \
+        and not runs_without_grad(node) \
         and any(nodes[p].needs_grad for p, _ in producers) \
         and any(o is not None and o.dtype.is_floating_point for o in outputs)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
@@ -310,7 +317,7 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
     produced_pl = produced.outputs[out_index]
     assert produced_pl is not None
     return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx,
-                     from_parameter=src.kind == PARAM, needs_grad=src.needs_grad)
+                     from_parameter=src.kind == PARAM, needs_grad=graph.sends_gradient(producer, consumer))
 
 
 __all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "leaf_costs"]
