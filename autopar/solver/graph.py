@@ -15,6 +15,7 @@ from torch.distributed.tensor import Placement
 from autopar.capture.aliasing import as_produced_args, read_versions, written_args
 from autopar.capture.graph import CapturedGraph, TensorMeta
 from autopar.capture.subgraphs import runs_without_grad
+from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
@@ -280,6 +281,9 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         if key is not None:
             memo[key] = known
     pn.dim_strategies, pn.strategies, pn.costs, pn.fallback = known
+    block = block_cost(node, ctx)
+    if block is not None:  # a no_grad block runs its subgraph's ops (replicated: its only strategy)
+        pn.costs = [block for _ in pn.strategies]
     return pn
 
 
