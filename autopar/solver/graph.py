@@ -12,8 +12,9 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Placement
 
-from autopar.capture.aliasing import as_produced_args, read_versions, written_args
+from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, writes_first_arg, written_args
 from autopar.capture.graph import CapturedGraph, TensorMeta
+from autopar.capture.step import CaptureError
 from autopar.capture.subgraphs import runs_without_grad
 from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
@@ -179,6 +180,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
                 pn.read_versions = tuple(versions.get((pn.name, src), 0) for src, _ in pn.args)
         nodes[pn.name] = pn
         order.append(pn.name)
+    _check_buffer_writes(captured, nodes)
     _drop_gradients_nobody_sends(nodes, order, ctx)
     for name in order:  # a loss's own collectives (its count, the whole loss) come with its strategy
         node = nodes[name]
@@ -186,6 +188,25 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(node, s, ctx, name == loss))
                                for s in node.strategies]
     return PlanGraph(nodes, order, loss, output_names)
+
+
+def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode]) -> None:
+    """Refuse a buffer written in place from values that need a gradient: the buffer would
+    carry each step's autograd graph into the next (whose backward then fails, or which
+    keeps every step's graph alive). In eager code such a write is usually inside
+    ``torch.inference_mode()``, which torch.export does not record (it records
+    ``torch.no_grad()``), so the captured step differs from the model."""
+    for node in captured.gm.graph.nodes:
+        plan_node = nodes.get(node.name)
+        if plan_node is None or not plan_node.needs_grad or node.op != "call_function" \
+                or not writes_first_arg(node.target):
+            continue
+        root = storage_root(node).name
+        if root in captured.buffers and root not in captured.constants:
+            raise CaptureError(
+                f"buffer {captured.buffers[root]!r} is written in place ({node.target}) from values that need a "
+                "gradient, so it would carry this step's autograd graph into the next; update buffers under "
+                "torch.no_grad() (torch.export does not record torch.inference_mode() blocks)")
 
 
 def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool) -> list[CollectiveCall]:
