@@ -1,0 +1,138 @@
+"""What every numerics test does: run a step on one device and compiled on forked gloo ranks,
+and compare loss, every gradient (whole tensors), parameters and buffers after AdamW steps,
+replicas bit for bit, and the collectives that ran against the plan's list.
+
+fp32 to rtol 1e-4 / atol 1e-5 (bf16 looser, see ``TOLERANCE``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+import autopar
+from autopar.runtime.ops import CollectiveLog
+
+RTOL, ATOL, LR, STEPS = 1e-4, 1e-5, 1e-3, 3
+# bf16 keeps 8 bits of mantissa: another summation order changes a sum by ~2^-8 relative, and
+# an Adam step (lr 1e-3, about lr per element) can round either way at a parameter's scale.
+TOLERANCE = {torch.float32: (RTOL, ATOL), torch.bfloat16: (2e-2, 4e-3), torch.int64: (0.0, 0.0)}
+# Adam divides by sqrt(v) + eps: a gradient element near eps=1e-8 (fp32 rounding noise of a
+# summation order) turns into an update of lr * O(1) that differs between any two summation
+# orders. eps=1e-6 keeps those elements' updates below the tolerance; real gradients are far
+# larger than both.
+EPS = 1e-6
+
+
+@dataclass
+class Reference:
+    """One device's run of the steps."""
+
+    losses: list[float]
+    grads: dict[str, torch.Tensor]
+    """First step's gradient of every parameter that got one (frozen, unused ones: none)."""
+    state: dict[str, torch.Tensor]
+    """Parameters and buffers after the steps."""
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        floats = [t for t in self.state.values() if t.is_floating_point()]
+        return TOLERANCE[floats[0].dtype] if floats else TOLERANCE[torch.float32]
+
+
+def reference(build: Callable[[], Any], steps: int = STEPS, seed: int | None = None) -> Reference:
+    """``build() -> (model, inputs, loss_fn, targets)`` run ``steps`` AdamW steps on one device
+    (random ops drawing from the default generator seeded ``seed``, when given)."""
+    model, inputs, loss_fn, targets = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    if seed is not None:
+        torch.manual_seed(seed)
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = loss_fn(model(*inputs), *targets) if loss_fn is not None else model(*inputs)
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return Reference(losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose whole tensors differ beyond the tolerance of their dtype (or are missing)."""
+    out = []
+    for k, want in ref.items():
+        if k not in got:
+            out.append(f"{k}: missing")
+        elif not torch.allclose(want, got[k], *TOLERANCE.get(want.dtype, (RTOL, ATOL))):
+            out.append(f"{k}: max |diff| {(want.double() - got[k].double()).abs().max().item():.3g}")
+    return out
+
+
+def diverged_replicas(pm: autopar.ParallelModule) -> list[str]:
+    """Parameters and buffers whose copies along a replicated mesh dim differ in any bit."""
+    mesh = pm.device_mesh
+    diverged = []
+    for name, value in pm.state_dict().items():
+        raw = value.to_local().detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+        digest = hashlib.sha1(raw).hexdigest()
+        for dim, placement in enumerate(value.placements):
+            if placement.is_replicate():
+                digests: list[Any] = [None] * mesh.size(dim)
+                dist.all_gather_object(digests, digest, group=mesh.get_group(dim))
+                if len(set(digests)) > 1:
+                    diverged.append(f"{name} along {mesh.mesh_dim_names[dim]}")
+    return diverged
+
+
+def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Reference, steps: int = STEPS,
+                 kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``pm(*args, **kwargs)`` for ``steps`` AdamW steps on this rank, compared with ``ref``."""
+    mesh = pm.device_mesh
+    log = CollectiveLog()
+    pm.attach_log(log)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    losses: list[float] = []
+    grads: dict[str, torch.Tensor] = {}
+    ran: list[tuple[str, str, int, int]] = []
+    for step in range(steps):
+        loss = pm(*args, **(kwargs or {}))
+        assert isinstance(loss, DTensor) and loss.placements == (Replicate(),) * mesh.ndim
+        loss.backward()
+        if step == 0:
+            ran = list(log.entries)
+            state = pm.state_dict()
+            grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
+                     for k, p in pm.named_parameters() if p.grad is not None}
+        losses.append(loss.full_tensor().item())
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
+    names = mesh.mesh_dim_names
+    return {"losses": losses, "grad_mismatches": mismatches(ref.grads, grads),
+            "state_mismatches": mismatches(ref.state, state), "with_grad": sorted(grads),
+            "frozen": sorted(k for k, p in pm.named_parameters() if not p.requires_grad),
+            "diverged": diverged_replicas(pm),
+            "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
+            "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items())}
+
+
+def check(results: list[dict[str, Any]], ref: Reference) -> None:
+    """Every rank matched one device, kept its replicas identical and ran what was planned."""
+    rtol, atol = ref.tolerance
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(ref.losses, rel=rtol, abs=atol), f"rank {rank}"
+        assert result["with_grad"] == sorted(ref.grads), f"rank {rank}: gradients of other parameters"
+        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
+        assert result["state_mismatches"] == [], f"rank {rank}: {result['state_mismatches']}"
+        assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
+        assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
