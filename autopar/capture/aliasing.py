@@ -7,17 +7,22 @@ single-device program did: into the tensor as produced, which a reshard would re
 with a copy. So in a storage tree that some op writes into (a root tensor, the views of
 it, the in-place ops on them), every view and in-place op takes its input as produced,
 and a tensor read after a write is a new version (a reshard made of the old one is stale).
+
+A higher-order op (a ``torch.no_grad()`` block, ``capture.subgraphs``) writes into the
+operands its subgraph writes into, directly or through views or nested blocks, and an
+output of it that returns an operand's storage is a view of that operand.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.fx
 
 from autopar.capture.schema import schema_arg
+from autopar.capture.subgraphs import is_higher_order, operands, placeholders, subgraph_call, subgraphs
 
 
 def _schema(node: torch.fx.Node) -> Any:
@@ -48,7 +53,9 @@ def written_arg_names(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Tensors ``node`` writes into in place (``self`` of ``copy_``, ``out`` of an out= op,
-    batch norm's running statistics)."""
+    batch norm's running statistics, what a higher-order op's subgraph writes into)."""
+    if is_higher_order(node):
+        return _written_operands(node)
     schema = _schema(node)
     if schema is None:
         return []
@@ -57,12 +64,73 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [value for value in values if isinstance(value, torch.fx.Node)]
 
 
+def written_placeholders(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The placeholders of a subgraph whose storage it writes into."""
+    return {root for root in _written_roots(gm.graph) if root.op == "placeholder"}
+
+
+def _written_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
+    call = subgraph_call(node)
+    if call is not None:
+        gm, values = call
+        written = written_placeholders(gm)
+        return [v for p, v in zip(placeholders(gm), values) if p in written and isinstance(v, torch.fx.Node)]
+    # An op whose operands autopar cannot match to its subgraphs' placeholders: any may be written.
+    return operands(node) if any(written_placeholders(sub) for sub in subgraphs(node)) else []
+
+
+def _returned_operand(node: torch.fx.Node, index: int, follow: Callable[[torch.fx.Node], torch.fx.Node] | None = None
+                      ) -> torch.fx.Node | None:
+    """The operand of higher-order op ``node`` whose storage its output ``index`` is, if any
+    (with ``follow=same_tensor``: the operand that output is, as a tensor object)."""
+    call = subgraph_call(node)
+    if call is None:
+        return None
+    gm, values = call
+    returned = gm.graph.output_node().args[0]
+    value = returned[index] if isinstance(returned, (list, tuple)) else returned
+    if not isinstance(value, torch.fx.Node) or (root := (follow or storage_root)(value)).op != "placeholder":
+        return None
+    operand = values[placeholders(gm).index(root)]
+    return operand if isinstance(operand, torch.fx.Node) else None
+
+
+def same_tensor(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose tensor object ``node`` is at run time: an in-place op returns its input
+    itself, a block (higher-order op) can return an operand itself. A view is a new tensor
+    (with its own autograd identity: one made under no_grad needs no gradient)."""
+    while True:
+        if node.op == "call_function" and writes_first_arg(node.target) and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]
+        elif node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(source := node.args[0], torch.fx.Node) and is_higher_order(source) and \
+                (operand := _returned_operand(source, node.args[1], same_tensor)) is not None:
+            node = operand
+        else:
+            return node
+
+
+def returned_operand(node: torch.fx.Node, index: int) -> torch.fx.Node | None:
+    """The operand that output ``index`` of higher-order op ``node`` is, as a tensor object
+    (``self.w.clamp_(-1, 1)`` inside a no_grad block returns the parameter itself)."""
+    return _returned_operand(node, index, same_tensor)
+
+
+def _returned_operands(node: torch.fx.Node) -> set[torch.fx.Node]:
+    outputs = node.meta.get("val")
+    count = len(outputs) if isinstance(outputs, (list, tuple)) else 1
+    return {a for i in range(count) if (a := _returned_operand(node, i)) is not None}
+
+
 def viewed_arg(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor ``node``'s output shares storage with: the viewed (or in-place written)
-    first argument, or for ``getitem`` the multi-output view (``split``) it picks from."""
+    first argument, or for ``getitem`` the multi-output view (``split``) it picks from, or
+    the operand of a higher-order op that the picked output returns."""
     if node.op == "call_function" and node.target is operator.getitem:
         source = node.args[0]
-        return viewed_arg(source) if isinstance(source, torch.fx.Node) else None
+        if not isinstance(source, torch.fx.Node):
+            return None
+        return _returned_operand(source, node.args[1]) if is_higher_order(source) else viewed_arg(source)
     schema = _schema(node)
     if schema is None or not schema.arguments or schema.arguments[0].alias_info is None:
         return None
@@ -96,6 +164,8 @@ def as_produced_args(graph: torch.fx.Graph) -> dict[torch.fx.Node, set[torch.fx.
         if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and \
                 storage_root(node) in roots:
             pinned.add(node.args[0])
+        if is_higher_order(node):  # an operand it returns is viewed by its output
+            pinned |= {a for a in _returned_operands(node) if storage_root(a) in roots}
         if pinned:
             out[node] = pinned
     return out
@@ -126,4 +196,5 @@ def _inputs(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
             yield a
 
 
-__all__ = ["writes_first_arg", "written_arg_names", "written_args", "viewed_arg", "storage_root", "as_produced_args", "read_versions"]
+__all__ = ["writes_first_arg", "written_arg_names", "written_args", "written_placeholders", "viewed_arg",
+           "storage_root", "same_tensor", "returned_operand", "as_produced_args", "read_versions"]

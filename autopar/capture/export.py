@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 import traceback
@@ -13,8 +14,10 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autopar.capture.aliasing import returned_operand, written_args
 from autopar.capture.graph import CapturedGraph
 from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
+from autopar.capture.subgraphs import is_higher_order, nested_graph_modules
 
 # Frames from these packages are the tracer, not the user's model.
 _LIBRARY_DIRS = tuple(
@@ -97,12 +100,8 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float, signatur
         raise CaptureError(f"the exported step returns more than its outputs ({', '.join(extra)}); autopar "
                            "needs torch.export's training IR, where in-place updates stay in the graph")
     gm = program.graph_module
-    graph = gm.graph
-    # Runtime dtype asserts carry no data and no sharding decision.
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
-            graph.erase_node(node)
-    graph.eliminate_dead_code()
+    _use_returned_operands(gm.graph)
+    _eliminate_dead_code(gm)
     tied = _merge_tied(program)
     gm.recompile()
     parameters: dict[str, str] = {}
@@ -124,6 +123,44 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float, signatur
     return CapturedGraph(gm=gm, parameters=parameters, buffers=buffers, user_inputs=user_inputs,
                          train=train, capture_seconds=seconds, tied=tied, constants=constants,
                          signature=signature)
+
+
+def _use_returned_operands(graph: torch.fx.Graph) -> None:
+    """Read an operand that a block returns as itself (``self.w.clamp_(-1, 1)`` under
+    no_grad returns the parameter) from the operand, not from the block's output.
+
+    It is the same tensor at run time, so gradients reach it through its later uses; planned
+    through the block (which runs without gradients), the parameter would seem to get none.
+    The reads still come after the block's write (``capture.aliasing`` versions them).
+    """
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is operator.getitem and \
+                isinstance(node.args[0], torch.fx.Node) and is_higher_order(node.args[0]):
+            operand = returned_operand(node.args[0], node.args[1])
+            if operand is not None:
+                node.replace_all_uses_with(operand)
+
+
+def _eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
+    """Erase runtime dtype asserts (no data, no sharding decision; their device is the one
+    captured on) and unused nodes without side effects, in ``gm`` and every subgraph.
+
+    A side effect includes a higher-order op whose subgraph writes in place (a
+    ``torch.no_grad()`` block updating a buffer, its result unused), which FX's purity test
+    misses. ``Graph.eliminate_dead_code(is_impure_node=...)`` takes a better test, but then
+    sweeps the subgraphs with its default one, which erases a nested block: so this is its
+    sweep, graph by graph.
+    """
+    for module in (gm, *nested_graph_modules(gm)):
+        graph = module.graph
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+                graph.erase_node(node)
+        for node in reversed(graph.nodes):  # users first: their inputs may become dead in turn
+            if not node.users and not node.is_impure() and not written_args(node):
+                graph.erase_node(node)
+        graph.lint()
+        module.recompile()
 
 
 def _merge_tied(program: ExportedProgram) -> dict[str, str]:

@@ -10,6 +10,9 @@ in this order:
 5. retarget_devices: tensors the step creates go to the rank's device;
 6. localize_random: ops that draw random numbers become ``self.random`` calls (one
    global draw per op, this rank keeping its slice).
+A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
+its global shapes and reshards nothing; only retarget_devices and localize_random, which
+rewrite an op whatever its placement, rewrite inside subgraphs too.
 The ``reshard``, ``partial_mean_loss`` and ``random`` modules they call are runtime code
 (``autopar.runtime.ops``, ``autopar.runtime.random``), handed in by the caller: passes
 only write the calls.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch.fx
 from torch import nn
 
+from autopar.capture.subgraphs import module_of
 from autopar.passes.annotate_placements import annotate_placements
 from autopar.passes.context import PassContext
 from autopar.passes.insert_reshards import insert_reshards
@@ -38,14 +42,24 @@ def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[s
 
     ``modules`` are the ops the passes call (``reshard``, ``partial_mean_loss``, ``random``).
     """
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    gm = torch.fx.GraphModule(gm, graph)
+    gm = _copy(gm)
     for name, module in modules.items():
         gm.add_submodule(name, module)
     for run in PASSES:
         gm = run(gm, pc)
     return gm
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with a graph of its own, and a copy of every subgraph its higher-order ops run."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    out = torch.fx.GraphModule(gm, graph)
+    for node in out.graph.nodes:
+        sub = module_of(node)
+        if sub is not None:
+            setattr(out, str(node.target), _copy(sub))
+    return out
 
 
 __all__ = ["PassContext", "parallelize_graph", "PASSES"]

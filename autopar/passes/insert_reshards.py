@@ -26,7 +26,7 @@ from autopar.solver.nodes import INPUT, PARAM
 def _grad_spec(pc: PassContext, src: str, produced: Placements, required: Placements, consumer_name: str
                ) -> tuple[Placements, Placements] | None:
     producer = pc.graph.nodes[src]
-    if not (pc.ctx.train and producer.needs_grad):
+    if not (pc.ctx.train and pc.graph.sends_gradient(src, consumer_name)):
         return None
     grad_in, grad_out = grad_placements(produced, required, pc.chosen[consumer_name])
     if producer.kind == PARAM:  # Partial on every sync dim of the parameter: the buckets sum it there

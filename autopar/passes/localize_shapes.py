@@ -4,7 +4,9 @@ view/reshape/expand/unflatten name the output shape: it is divided by the output
 placements. split names the pieces' sizes along the split dim: local ones when a
 strided input splits locally. squeeze without dims would also drop a dim that
 sharding shrank to size 1 locally, so it names the globally size-1 dims instead. A
-grouped convolution split by groups runs this rank's groups only.
+grouped convolution split by groups runs this rank's groups only. The subgraph of a
+higher-order op (a ``torch.no_grad()`` block) keeps its global sizes: the op must run
+replicated, which is checked here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from autopar.capture.subgraphs import is_higher_order
 from autopar.passes.context import PassContext, strategy_of
 from autopar.rules.conv import CONV_OPS, local_groups
 from autopar.rules.strategy import OpCall, Placements, Strategy, positional_args, shard_dim
@@ -33,6 +36,9 @@ def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
     for node in gm.graph.nodes:
         strategy = strategy_of(node)
         if node.op != "call_function" or strategy is None:
+            continue
+        if is_higher_order(node):
+            _check_replicated(node, strategy)
             continue
         out = node.meta["val"]
         if node.target in SHAPE_ARG_OPS:
@@ -60,6 +66,13 @@ def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             _localize_groups(node, strategy, pc.mesh_shape)
     gm.recompile()
     return gm
+
+
+def _check_replicated(node: torch.fx.Node, strategy: Strategy) -> None:
+    placements = [p for pl in (*strategy.inputs, *strategy.outputs) if pl is not None for p in pl]
+    if not all(p.is_replicate() for p in placements):
+        raise RuntimeError(f"{node.name} ({node.target}) runs a subgraph written for whole tensors, but the plan "
+                           f"places it {strategy}: it must run replicated")
 
 
 def _localize_groups(node: torch.fx.Node, strategy: Strategy, mesh_shape: tuple[int, ...]) -> None:

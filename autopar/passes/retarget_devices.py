@@ -1,7 +1,8 @@
 """retarget_devices: tensors the step creates go to this rank's device.
 
 A step captured from a meta-device model creates its own tensors (``arange``, masks)
-on ``meta``; at run time they belong on the mesh's device.
+on ``meta``; at run time they belong on the mesh's device. Inside the subgraphs of
+higher-order ops (a ``torch.no_grad()`` block) too.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from autopar.capture.subgraphs import nested_graph_modules
 from autopar.passes.context import PassContext
 
 
@@ -18,9 +20,10 @@ def retarget_devices(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Grap
     def swap(value: object) -> object:
         return target if isinstance(value, torch.device) and value != target else value
 
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = tuple(swap(a) for a in node.args)
-            node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
-    gm.recompile()
+    for module in (gm, *nested_graph_modules(gm)):
+        for node in module.graph.nodes:
+            if node.op == "call_function":
+                node.args = tuple(swap(a) for a in node.args)
+                node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+        module.recompile()
     return gm

@@ -28,10 +28,11 @@ class GradSyncTerms:
         self.y: dict[tuple[str, object, int], int] = {}
         self.bytes_on: dict[int, dict[int, float]] = defaultdict(dict)  # dim -> {y: bytes it adds}
 
-    def edge(self, producer: str, keys_p: list, keys_c: list) -> "_EdgeSync":
+    def edge(self, producer: str, keys_p: list, keys_c: list, sends_gradient: bool) -> "_EdgeSync":
+        """The sync terms of one edge out of ``producer``; none unless its consumer sends a gradient back."""
         node = self.graph.nodes[producer]
         dims: dict[tuple[int, int], frozenset[int]] = {}
-        if node.kind == PARAM and node.needs_grad and self.ctx.train:
+        if node.kind == PARAM and sends_gradient and self.ctx.train:
             for a, produced in enumerate(keys_p):
                 for b, (required, active) in enumerate(keys_c):
                     grad_in = tuple(grad_placement_at_consumer(r, act) for r, act in zip(required, active))

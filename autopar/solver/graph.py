@@ -11,8 +11,11 @@ import torch
 import torch.fx
 from torch.distributed.tensor import Placement
 
-from autopar.capture.aliasing import as_produced_args, read_versions
+from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, writes_first_arg, written_args
 from autopar.capture.graph import CapturedGraph, TensorMeta
+from autopar.capture.step import CaptureError
+from autopar.capture.subgraphs import runs_without_grad, subgraph_call
+from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
@@ -75,6 +78,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     order: list[str] = []
     loss: str | None = None
     output_names: list[str] = []
+    blocks: dict[str, torch.fx.Node] = {}  # higher-order ops priced by their subgraphs
     memo: StrategyMemo = {}
     pinned = {n.name: {a.name for a in args} for n, args in as_produced_args(captured.gm.graph).items()}
     versions = {(reader.name, arg.name): v for (reader, arg), v in read_versions(captured.gm.graph).items()}
@@ -85,8 +89,8 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             loss = output_names[0] if captured.train and output_names else None
             continue
         outputs = _meta_tuple(node.meta.get("val"))
-        if all(o is None for o in outputs):
-            continue
+        if all(o is None for o in outputs) and not written_args(node):
+            continue  # placed only for what it writes (a no_grad block updating buffers, returning nothing)
         if node.op == "placeholder":
             kind = PARAM if node.name in captured.parameters else BUFFER if node.name in captured.buffers else INPUT
             fqn = captured.parameters.get(node.name) or captured.buffers.get(node.name)
@@ -101,15 +105,39 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             pn.as_produced = frozenset(k for k, (src, _) in enumerate(pn.args) if src in pinned.get(pn.name, ()))
             if any((pn.name, src) in versions for src, _ in pn.args):
                 pn.read_versions = tuple(versions.get((pn.name, src), 0) for src, _ in pn.args)
+        if subgraph_call(node) is not None:
+            blocks[pn.name] = node
         nodes[pn.name] = pn
         order.append(pn.name)
+    _check_buffer_writes(captured, nodes)  # before settling: autograd records what may need a gradient
     settle_gradients(nodes, order, loss, ctx, leaf_costs)
+    for name, fx_node in blocks.items():  # priced by their subgraphs, with or without their backward
+        nodes[name].costs = [block_cost(fx_node, ctx, backward=nodes[name].needs_grad)] * len(nodes[name].strategies)
     for name in order:  # a loss's own collectives (its count, the whole loss) come with its strategy
         node = nodes[name]
         if name == loss or (node.call is not None and node.call.target in MEAN_AS_PARTIAL):
             node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(node, s, ctx, name == loss))
                                for s in node.strategies]
     return PlanGraph(nodes, order, loss, output_names)
+
+
+def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode]) -> None:
+    """Refuse a buffer written in place from values that need a gradient: the buffer would
+    carry each step's autograd graph into the next (whose backward then fails, or which
+    keeps every step's graph alive). In eager code such a write is usually inside
+    ``torch.inference_mode()``, which torch.export does not record (it records
+    ``torch.no_grad()``), so the captured step differs from the model."""
+    for node in captured.gm.graph.nodes:
+        plan_node = nodes.get(node.name)
+        if plan_node is None or not plan_node.needs_grad or node.op != "call_function" \
+                or not writes_first_arg(node.target):
+            continue
+        root = storage_root(node).name
+        if root in captured.buffers and root not in captured.constants:
+            raise CaptureError(
+                f"buffer {captured.buffers[root]!r} is written in place ({node.target}) from values that need a "
+                "gradient, so it would carry this step's autograd graph into the next; update buffers under "
+                "torch.no_grad() (torch.export does not record torch.inference_mode() blocks)")
 
 
 def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool) -> list[CollectiveCall]:
@@ -177,7 +205,8 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         call = OpCall(node.target, args, kwargs, outputs)
     source = nodes[node.args[0].name] if node.target is operator.getitem else None
     needs_grad = may_need_grad(node.target, rules.family.get(node.target), producers, nodes, outputs, ctx.train,
-                               source, node.args[1] if source is not None else 0)
+                               source, node.args[1] if source is not None else 0) \
+        and not runs_without_grad(node)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
     pn.family = rules.family.get(node.target)
     pn.follower = pn.family in FOLLOWER_FAMILIES and len(producers) == 1
@@ -229,7 +258,7 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
     produced_pl = produced.outputs[out_index]
     assert produced_pl is not None
     return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx,
-                     from_parameter=src.kind == PARAM, needs_grad=src.needs_grad)
+                     from_parameter=src.kind == PARAM, needs_grad=graph.sends_gradient(producer, consumer))
 
 
 __all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "leaf_costs"]

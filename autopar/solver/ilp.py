@@ -165,6 +165,7 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
     gets explicit pair variables, returned for pricing reshards shared with other edges."""
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
+    grad = graph.sends_gradient(edge.producer, edge.consumer)
     groups_p: dict[object, list[int]] = defaultdict(list)
     for s, strat in enumerate(prod.strategies):
         groups_p[strat.outputs[edge.out_index]].append(s)
@@ -179,7 +180,7 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
         return gathered_parameter_bytes(meta, a, b[0], ctx, from_parameter=prod.kind == PARAM)
 
     def price(a: object, b: tuple) -> float:
-        key = (meta, prod.kind, prod.needs_grad, a, b)
+        key = (meta, prod.kind, grad, a, b)
         if key not in cache:
             cache[key] = price_edge(graph, edge.producer, edge.out_index, edge.consumer, edge.arg,
                                     prod.strategies[groups_p[a][0]], cons.strategies[groups_c[b][0]], ctx).time
@@ -190,7 +191,7 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     mem = [[m * count for m in row] for row in unit_mem]
     cost = [[c * count for c in row] for row in unit_cost]
 
-    syncing = sync.edge(edge.producer, keys_p, keys_c)
+    syncing = sync.edge(edge.producer, keys_p, keys_c, grad)
 
     def add(j: int, a: int, b: int) -> None:
         """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
@@ -201,12 +202,12 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     link = None
     if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
         if transport:
-            link = _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
+            link = _transport(model, edge, x, groups_p, groups_c, add, ctx, grad, unit_cost, unit_mem)
         link = _add_as_produced_edge(model, edge, x, groups_p, groups_c, add, link)
     elif transport:
-        link = _transport(model, edge, x, groups_p, groups_c, add, ctx, prod.needs_grad, unit_cost, unit_mem)
+        link = _transport(model, edge, x, groups_p, groups_c, add, ctx, grad, unit_cost, unit_mem)
     else:
-        _link_ends(model, edge, x, groups_p, groups_c, add, prod.needs_grad, cons.follower)
+        _link_ends(model, edge, x, groups_p, groups_c, add, grad, cons.follower)
     syncing.close()
     return link
 

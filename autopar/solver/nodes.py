@@ -69,6 +69,11 @@ class PlanGraph:
     """Name of the node holding the scalar loss (training steps)."""
     output_names: list[str]
 
+    def sends_gradient(self, producer: str, consumer: str) -> bool:
+        """True when backward sends a gradient from ``consumer`` to ``producer``: both need one
+        (not into a ``torch.no_grad()`` block, a ``detach`` or a comparison)."""
+        return self.nodes[producer].needs_grad and self.nodes[consumer].needs_grad
+
     def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
         """node -> [(consumer, consumer arg index, producer output index)]."""
         out: dict[str, list[tuple[str, int, int]]] = {n: [] for n in self.order}

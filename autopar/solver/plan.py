@@ -133,7 +133,7 @@ def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCont
         return out
     for name in graph.order:
         for arg, (src, idx) in enumerate(graph.nodes[name].args):
-            if graph.nodes[src].kind != PARAM or not graph.nodes[src].needs_grad:
+            if graph.nodes[src].kind != PARAM or not graph.sends_gradient(src, name):
                 continue
             produced = chosen[src].outputs[idx]
             grad_in, _ = grad_placements(produced, chosen[name].inputs[arg], chosen[name])
@@ -179,7 +179,7 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
         for arg, (src, out_index) in enumerate(node.args):
             required = chosen[name].inputs[arg]
             grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
-                       if ctx.train and graph.nodes[src].needs_grad else None)
+                       if ctx.train and graph.sends_gradient(src, name) else None)
             version = node.version(arg)  # a write in place between two reads: nothing shared
             if (src, out_index, version, required, grad_in) in resharded:  # shared with an earlier consumer
                 continue
