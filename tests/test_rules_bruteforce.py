@@ -214,6 +214,9 @@ def view_cases() -> list[OpCase]:
         case(aten.unflatten.int, f64(4, 32), 1, [8, 4]),
         case(aten.unflatten.int, f64(8, 4), 0, [4, 2], tag="leading"),
         case(aten.unflatten.int, f64(4, 32), -1, [4, 8], tag="negative-dim"),
+        # OpInfo sweep: DTensor's view_groups loops forever on these; a 0-d t/transpose raised.
+        case(aten.unflatten.int, f64(4, 0), 1, [2, 0, 0, 0], tag="zero-size"),
+        case(aten.view.default, f64(3, 0, 2), [0], tag="zero-size"),
         case(aten.expand.default, f64(4, 1, 8), [4, 4, 8]),
         case(aten.expand.default, f64(8), [4, 8], tag="new-dim"),
         case(aten.expand.default, f64(4, 1, 8), [-1, 4, -1], tag="minus1"),
@@ -221,6 +224,8 @@ def view_cases() -> list[OpCase]:
         case(aten.transpose.int, f64(4, 8, 4), -1, -2, tag="negative"),
         case(aten.t.default, f64(4, 8)),
         case(aten.t.default, f64(8), tag="1d"),
+        case(aten.t.default, f64(), tag="0d"),
+        case(aten.transpose.int, f64(), 0, -1, tag="0d"),
         case(aten.permute.default, f64(4, 8, 4), [2, 0, 1]),
         case(aten.permute.default, f64(4, 8, 4), [0, -1, -2], tag="negative"),
         case(aten.unsqueeze.default, f64(4, 8), 1),
