@@ -138,6 +138,11 @@ def pointwise_cases() -> list[OpCase]:
         case(aten.to.dtype, f64(4, 8), torch.float32, tag="f32"),
         case(aten.to.dtype, f64(4, 8) * 10, torch.int64, tag="to-int"),
         case(aten._to_copy.default, f64(4, 8) * 10, dtype=torch.int64, tag="to-int"),
+        # Found by the OpInfo sweep: a narrowing cast of a Partial rounds each part, a bool has no sum.
+        case(aten.to.dtype, f64(4, 8), torch.float16, tag="to-f16"),
+        case(aten._to_copy.default, f64(4, 8), dtype=torch.bfloat16, tag="to-bf16"),
+        case(aten._to_copy.default, bools(4, 8), dtype=torch.float64, tag="from-bool"),
+        case(aten.add.Tensor, bools(4, 8), bools(4, 8), tag="bool"),
         case(aten._to_copy.default, ints(9, 4, 8), dtype=torch.float64, tag="from-int"),
         case(aten.clone.default, x),
         case(aten.contiguous.default, f64(8, 4).t(), tag="transposed"),
@@ -151,6 +156,7 @@ def reduction_cases() -> list[OpCase]:
         case(aten.sum.dim_IntList, f64(4, 8, 4), [1], True, tag="keepdim1"),
         case(aten.sum.dim_IntList, f64(4, 8, 4), [0, -1], tag="two-dims"),
         case(aten.sum.dim_IntList, ints(9, 4, 8), [1], tag="int"),
+        case(aten.sum.dim_IntList, bools(4, 8), [1], tag="bool"),  # OpInfo sweep: no Partial bool input
         case(aten.sum.default, f64(4, 8)),
         case(aten.sum.dim_IntList, f64(4, 8), None, tag="all-dims"),
         case(aten.mean.dim, f64(4, 8, 4), [1]),
