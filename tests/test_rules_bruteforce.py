@@ -242,6 +242,7 @@ def view_cases() -> list[OpCase]:
         case(aten.squeeze.dims, f64(4, 1, 8, 1), [1, 3]),
         case(aten.squeeze.dims, f64(4, 1, 2), [1, 2], tag="size2"),
         case(aten.squeeze.default, f64(1, 4, 1, 8)),
+        case(aten.squeeze.dim, f64(), 0, tag="0d"),
         case(aten.slice.Tensor, f64(4, 8), 1, 2, 6, tag="along"),
         case(aten.slice.Tensor, f64(4, 8), 1, 0, 8, 2, tag="step"),
         case(aten.slice.Tensor, f64(4, 8), 0, 0, big, tag="full"),
@@ -266,6 +267,7 @@ def view_cases() -> list[OpCase]:
         case(aten.unbind.int, f64(4, 8), 1),
         case(aten.unbind.int, f64(4, 4, 8), tag="dim0"),
         case(aten.unbind.int, f64(4, 4, 2), -1, tag="last"),
+        case(aten.unbind.int, f64(0), tag="size0"),  # no outputs at all
     ]
 
 
