@@ -259,6 +259,8 @@ def localize_shape_args(case: OpCase, call: OpCall, args: list[Any], strategy: S
     a dim the rules never split, so they stay as they are.
     """
     op = case.op
+    if not call.outputs:  # unbind of a size-0 dim: nothing comes out, nothing to localize
+        return op, args
     out_meta, out_pl = call.outputs[0], strategy.outputs[0]
     if op in SHAPE_ARG_OPS:
         args[1] = local_shape(out_meta, out_pl, mesh_shape)
@@ -275,7 +277,7 @@ def localize_shape_args(case: OpCase, call: OpCall, args: list[Any], strategy: S
         shape = call.args[0].shape
         asked = range(len(shape)) if op is aten.squeeze.default else (
             [args[1]] if op is aten.squeeze.dim else args[1])
-        dims = sorted({d % max(len(shape), 1) for d in asked if shape[d] == 1})
+        dims = sorted({d % len(shape) for d in asked if shape[d] == 1}) if shape else []  # a 0-d tensor stays
         op, args = aten.squeeze.dims, [args[0], dims]
     elif op in CONV_OPS:
         args = _local_conv_groups(case, args, local_shape(out_meta, out_pl, mesh_shape))
@@ -306,7 +308,7 @@ def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tu
     (``loss.local_mean_loss``), which is what the runtime does for these ops. A random
     op draws its slice of the global draw (``RandomOps``), as the runtime does.
     """
-    out_pl = strategy.outputs[0]
+    out_pl = strategy.outputs[0] if strategy.outputs else None  # unbind of a size-0 dim has no outputs
     if (case.op in loss_rules.MEAN_AS_PARTIAL and out_pl is not None
             and any(isinstance(p, Partial) for p in out_pl)
             and loss_rules._reduction(call) == loss_rules.REDUCTION_MEAN):

@@ -138,6 +138,11 @@ def pointwise_cases() -> list[OpCase]:
         case(aten.to.dtype, f64(4, 8), torch.float32, tag="f32"),
         case(aten.to.dtype, f64(4, 8) * 10, torch.int64, tag="to-int"),
         case(aten._to_copy.default, f64(4, 8) * 10, dtype=torch.int64, tag="to-int"),
+        # Found by the OpInfo sweep: a narrowing cast of a Partial rounds each part, a bool has no sum.
+        case(aten.to.dtype, f64(4, 8), torch.float16, tag="to-f16"),
+        case(aten._to_copy.default, f64(4, 8), dtype=torch.bfloat16, tag="to-bf16"),
+        case(aten._to_copy.default, bools(4, 8), dtype=torch.float64, tag="from-bool"),
+        case(aten.add.Tensor, bools(4, 8), bools(4, 8), tag="bool"),
         case(aten._to_copy.default, ints(9, 4, 8), dtype=torch.float64, tag="from-int"),
         case(aten.clone.default, x),
         case(aten.contiguous.default, f64(8, 4).t(), tag="transposed"),
@@ -151,6 +156,7 @@ def reduction_cases() -> list[OpCase]:
         case(aten.sum.dim_IntList, f64(4, 8, 4), [1], True, tag="keepdim1"),
         case(aten.sum.dim_IntList, f64(4, 8, 4), [0, -1], tag="two-dims"),
         case(aten.sum.dim_IntList, ints(9, 4, 8), [1], tag="int"),
+        case(aten.sum.dim_IntList, bools(4, 8), [1], tag="bool"),  # OpInfo sweep: no Partial bool input
         case(aten.sum.default, f64(4, 8)),
         case(aten.sum.dim_IntList, f64(4, 8), None, tag="all-dims"),
         case(aten.mean.dim, f64(4, 8, 4), [1]),
@@ -214,6 +220,9 @@ def view_cases() -> list[OpCase]:
         case(aten.unflatten.int, f64(4, 32), 1, [8, 4]),
         case(aten.unflatten.int, f64(8, 4), 0, [4, 2], tag="leading"),
         case(aten.unflatten.int, f64(4, 32), -1, [4, 8], tag="negative-dim"),
+        # OpInfo sweep: DTensor's view_groups loops forever on these; a 0-d t/transpose raised.
+        case(aten.unflatten.int, f64(4, 0), 1, [2, 0, 0, 0], tag="zero-size"),
+        case(aten.view.default, f64(3, 0, 2), [0], tag="zero-size"),
         case(aten.expand.default, f64(4, 1, 8), [4, 4, 8]),
         case(aten.expand.default, f64(8), [4, 8], tag="new-dim"),
         case(aten.expand.default, f64(4, 1, 8), [-1, 4, -1], tag="minus1"),
@@ -221,6 +230,8 @@ def view_cases() -> list[OpCase]:
         case(aten.transpose.int, f64(4, 8, 4), -1, -2, tag="negative"),
         case(aten.t.default, f64(4, 8)),
         case(aten.t.default, f64(8), tag="1d"),
+        case(aten.t.default, f64(), tag="0d"),
+        case(aten.transpose.int, f64(), 0, -1, tag="0d"),
         case(aten.permute.default, f64(4, 8, 4), [2, 0, 1]),
         case(aten.permute.default, f64(4, 8, 4), [0, -1, -2], tag="negative"),
         case(aten.unsqueeze.default, f64(4, 8), 1),
@@ -231,6 +242,7 @@ def view_cases() -> list[OpCase]:
         case(aten.squeeze.dims, f64(4, 1, 8, 1), [1, 3]),
         case(aten.squeeze.dims, f64(4, 1, 2), [1, 2], tag="size2"),
         case(aten.squeeze.default, f64(1, 4, 1, 8)),
+        case(aten.squeeze.dim, f64(), 0, tag="0d"),
         case(aten.slice.Tensor, f64(4, 8), 1, 2, 6, tag="along"),
         case(aten.slice.Tensor, f64(4, 8), 1, 0, 8, 2, tag="step"),
         case(aten.slice.Tensor, f64(4, 8), 0, 0, big, tag="full"),
@@ -255,6 +267,7 @@ def view_cases() -> list[OpCase]:
         case(aten.unbind.int, f64(4, 8), 1),
         case(aten.unbind.int, f64(4, 4, 8), tag="dim0"),
         case(aten.unbind.int, f64(4, 4, 2), -1, tag="last"),
+        case(aten.unbind.int, f64(0), tag="size0"),  # no outputs at all
     ]
 
 

@@ -84,10 +84,19 @@ def pointwise_rule(call: OpCall) -> list[DimStrategy]:
 
 
 def _keeps_sums(call: OpCall) -> bool:
-    """A cast is linear only into a float dtype or the same dtype: casting each Partial
-    part to an int rounds each part (int(0.4) + int(0.6) != int(1.0))."""
+    """A cast keeps a Partial sum only where it rounds no part: into the same dtype, a float
+    dtype that holds every value of the input's float dtype (float32 -> float64), or a float
+    from an int. Casting parts to an int rounds each (int(0.4) + int(0.6) != int(1.0)), and
+    so does narrowing a float: float64 -> float16 parts summed in float16 differ from the sum
+    rounded once, by about an ulp of the parts, which can be far larger than the sum."""
     x, out = call.tensor_inputs[0], call.outputs[0]
-    return out is not None and out.dtype != torch.bool and (out.dtype.is_floating_point or out.dtype == x.dtype)
+    if out is None or out.dtype == torch.bool:
+        return False
+    if out.dtype == x.dtype:
+        return True
+    if not out.dtype.is_floating_point:
+        return False
+    return not x.dtype.is_floating_point or torch.promote_types(x.dtype, out.dtype) == out.dtype
 
 
 def _is_tensor_arg(call: OpCall, position: int) -> bool:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -155,8 +156,11 @@ def dedupe(strategies: list[DimStrategy]) -> list[DimStrategy]:
 
 
 def expand(call: OpCall, dim_strategies: list[DimStrategy], mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    """All N-D strategies whose every mesh dim follows one single-dim strategy and divides evenly."""
-    dim_strategies = dedupe([replicate_all(call), *dim_strategies])
+    """All N-D strategies whose every mesh dim follows one single-dim strategy and divides evenly.
+
+    A single-dim strategy placing a bool tensor Partial is dropped here, for every rule: a
+    Partial is a pending sum and a bool tensor has none (an all-reduce cannot make one)."""
+    dim_strategies = dedupe([replicate_all(call), *(s for s in dim_strategies if _sums_are_defined(call, s))])
     metas_in = call.tensor_inputs
     out: list[Strategy] = []
     for combo in itertools.product(dim_strategies, repeat=len(mesh_shape)):
@@ -172,6 +176,11 @@ def expand(call: OpCall, dim_strategies: list[DimStrategy], mesh_shape: tuple[in
         if ok:
             out.append(Strategy(outputs, inputs))  # type: ignore[arg-type]
     return out
+
+
+def _sums_are_defined(call: OpCall, strategy: DimStrategy) -> bool:
+    placed = [*zip(call.tensor_inputs, strategy.inputs), *zip(call.outputs, strategy.outputs)]
+    return not any(m is not None and p is not None and p.is_partial() and m.dtype == torch.bool for m, p in placed)
 
 
 def _sizes_divide(combo: tuple[DimStrategy, ...], mesh_shape: tuple[int, ...]) -> bool:

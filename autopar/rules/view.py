@@ -43,10 +43,10 @@ def _dim_map(call: OpCall) -> tuple:
         return dt_views.view_groups(x.shape, call.outputs[0].shape)
     if t is aten.expand.default:
         return dt_views.expand(x.shape, call.outputs[0].shape)
-    if t is aten.transpose.int:
-        return dt_views.dim_transpose(x.ndim, call.args[1], call.args[2])
-    if t is aten.t.default:
-        return dt_views.dim_transpose(x.ndim, 0, -1) if x.ndim == 2 else dt_views.dim_transpose(x.ndim, 0, 0)
+    if t is aten.transpose.int:  # a 0-d tensor (dims 0 or -1) is returned as it is
+        return dt_views.dim_transpose(x.ndim, call.args[1], call.args[2]) if x.ndim else ()
+    if t is aten.t.default:  # a 0-d or 1-d tensor is returned as it is
+        return dt_views.dim_transpose(x.ndim, 0, -1) if x.ndim == 2 else tuple(map(dt_views.InputDim, range(x.ndim)))
     if t is aten.permute.default:
         return tuple(dt_views.InputDim(normalize_dim(d, x.ndim)) for d in call.args[1])
     if t is aten.unsqueeze.default:
@@ -78,6 +78,8 @@ def _strided_blocks(spec: object) -> tuple[int, int] | None:
 
 
 def view_rule(call: OpCall) -> list[DimStrategy]:
+    if call.args[0].numel == 0:  # nothing to split; DTensor's view_groups loops forever on size-0 dims
+        return [DimStrategy((P,), (P,))]
     strategies = []
     for out_dim, spec in enumerate(_dim_map(call)):
         src = _source_dim(spec)
