@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
@@ -24,13 +24,14 @@ from autopar.solver.blocks import Folding, fold_repeated_blocks
 from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
-from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan
+from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
 from autopar.solver.graph import build_plan_graph
 from autopar.solver.nodes import PlanGraph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, solve
 from autopar.units import fmt_bytes
 from autopar.solver.notes import unsplit_batch_notes
+from autopar.solver.memory import MemoryOptions, MemoryPlan, example_batch, repeated_blocks, slice_batch
 from autopar.solver.plan import Plan, build_plan
 from autopar.solver.report import solver_note
 
@@ -140,6 +141,11 @@ class PreparedStep:
     pinned: dict[str, str]
     solver_time_limit_s: float = 120.0
     """Seconds HiGHS may search; a plan found by then is returned and says it is not proven optimal."""
+    memory_options: MemoryOptions = MemoryOptions()
+    """What the user pinned about memory (ZeRO stages, checkpointing, offload, micro-batches)."""
+    regather: list[str] = field(default_factory=list)
+    """Parameter FQNs a pinned ZeRO-3 stores split and gathers again in backward."""
+    memory_notes: list[str] = field(default_factory=list)
 
 
 def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
@@ -149,15 +155,31 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
                  rules: RuleSet = DEFAULT_RULES, progress: bool = False,
                  data_axes: tuple[str, ...] = (), input_sharded: bool = False,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0) -> PreparedStep:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
+                 zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
+                 micro_batches: int | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
     every user input split along its first (batch) dim. ``input_sharded`` also pins the
     inputs replicated on every other axis (each rank receives exactly its data shard).
+    ``zero``, ``checkpoint``, ``offload`` and ``micro_batches`` pin memory choices
+    (``MemoryOptions``); with ``micro_batches=m`` the step is captured at batch / m.
     """
     mesh = _as_mesh(mesh)
     _check_solve_options(bucket_bytes, solver_time_limit_s)
+    options = MemoryOptions(zero=zero, checkpoint=checkpoint, offload=offload, micro_batches=micro_batches)
+    options.check(mesh.names)
+    m = micro_batches or 1
+    if m > 1 and train:
+        batch = example_batch((example_inputs, example_kwargs, example_targets))
+        if batch is None or batch % m:
+            raise InputError(f"micro_batches={m} must divide the batch (the leading dim of the first input"
+                             f"{'' if batch is None else f', {batch}'})")
+        example_inputs, example_kwargs, example_targets = slice_batch(
+            (example_inputs, example_kwargs, example_targets), batch, m)
+    elif m > 1:
+        raise InputError("micro_batches applies to training steps (train=True)")
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
     limit = _memory_limit(mesh, memory_limit, memory_headroom)
     hw = mesh.hardware
@@ -166,7 +188,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         f"{hw.memory_headroom if memory_headroom is None else memory_headroom:.0%}: memory_headroom= or "
         "--memory-headroom changes it")
     ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded,
-                      bucket_bytes=bucket_bytes)
+                      bucket_bytes=bucket_bytes, micro_batches=m)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
         captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
@@ -189,6 +211,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                 raise InputError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
             axis = mesh.names.index(axis_name)
             data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded)
+            if (zero or {}).get(axis_name, 0) >= 2:  # parameters stored split: ZeRO's pins below say how
+                data_pins = {n: p for n, p in data_pins.items() if graph.nodes[n].kind != PARAM}
             apply_pins(graph, data_pins, axis, axis_name, mesh.shape[axis])
             for name, pin in data_pins.items():
                 node_pins[name] = (node_pins.get(name), axis_name, pin)
@@ -202,8 +226,32 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                 apply_pins(graph, input_pins, axis, axis_name, mesh.shape[axis])
                 for name, pin in input_pins.items():
                     node_pins[name] = (node_pins.get(name), axis_name, pin)
+        regather, memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
-    return PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s)
+    return PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
+                        options, regather, memory_notes)
+
+
+def _apply_zero_pins(graph: PlanGraph, mesh: Mesh, zero: dict[str, int], node_pins: dict[str, Any],
+                     pinned: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Pin each ZeRO stage on its axis; the parameters a ZeRO-3 gathers again in backward,
+    and notes on parameters that could not be split."""
+    regather: set[str] = set()
+    notes = []
+    for axis_name, stage in zero.items():
+        axis = mesh.names.index(axis_name)
+        pins, unsplittable = zero_pins(graph, axis, axis_name, stage, mesh.shape[axis])
+        apply_pins(graph, pins, axis, axis_name, mesh.shape[axis])
+        for name, pin in pins.items():
+            node_pins[name] = (node_pins.get(name), axis_name, pin)
+        if stage == 3:
+            regather |= {graph.nodes[n].fqn or n for n in pins}
+        pinned[f"{axis_name}: parameters"] = f"ZeRO-{stage}"
+        if unsplittable:
+            notes.append(f"ZeRO-{stage} on {axis_name}: {len(unsplittable)} parameters have no dim that divides "
+                         f"by {mesh.shape[axis]} and stay replicated ({', '.join(unsplittable[:4])}"
+                         f"{', ...' if len(unsplittable) > 4 else ''})")
+    return sorted(regather), notes
 
 
 def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
@@ -218,6 +266,17 @@ def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
             raise MemoryLimitError(f"{exc} (the limit is {prepared.memory_limit_origin})") from exc
 
 
+def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
+    """The memory decisions the plan runs (as pinned; the planner's own choices come later)."""
+    options, graph = prepared.memory_options, prepared.graph
+    policy = options.checkpoint or "none"
+    blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if policy != "none" else []
+    offload = sorted(graph.nodes[n].fqn or n for n in graph.order
+                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if options.offload else []
+    return MemoryPlan(micro_batches=prepared.ctx.micro_batches, checkpoint=policy, checkpoint_blocks=blocks,
+                      regather=list(prepared.regather), offload=offload, zero=dict(options.zero or {}))
+
+
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     """The plan a solution gives (deterministic: every rank builds the same one from it)."""
     graph, folding = prepared.graph, prepared.folding
@@ -226,7 +285,8 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     notes = unsplit_batch_notes(graph, chosen, prepared.ctx.mesh, dict(zip(captured.user_inputs,
                                                                            captured.signature.labels)))
     result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
-                        memory_limit=prepared.memory_limit, notes=notes)
+                        memory_limit=prepared.memory_limit, notes=notes + prepared.memory_notes,
+                        memory=_memory_plan(prepared))
     if solution.status != "optimal":
         warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()
     return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)

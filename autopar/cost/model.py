@@ -31,6 +31,9 @@ class CostContext:
     """Every rank receives the whole global batch (else only its data-parallel shard)."""
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradient bucket size: gradients are all-reduced in buckets of this many bytes."""
+    micro_batches: int = 1
+    """The captured step is one micro-batch; a training step runs it this many times
+    (forward, backward and their collectives), then syncs gradients and updates once."""
 
 
 @dataclass(frozen=True)

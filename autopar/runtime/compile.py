@@ -89,7 +89,7 @@ def _step_fingerprint(prepared: PreparedStep) -> str:
     items = [(n, graph.nodes[n].op, [m and list(m.shape) for m in graph.nodes[n].outputs],
               len(graph.nodes[n].strategies)) for n in graph.order]
     options = (ctx.mesh.to_json(), ctx.precision.name, ctx.train, ctx.inputs_whole, ctx.bucket_bytes,
-               prepared.memory_limit)
+               prepared.memory_limit, prepared.memory_options, ctx.micro_batches)
     return hashlib.sha256(repr((items, options)).encode()).hexdigest()[:16]
 
 
@@ -101,7 +101,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             init_seed: int = 0, seed: int | None = None,
             hardware: str | None = None, memory_limit: float | None = None, memory_headroom: float | None = None,
             precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            solver_time_limit_s: float = 120.0) -> ParallelModule:
+            solver_time_limit_s: float = 120.0, zero: dict[str, int] | None = None, checkpoint: str | None = None,
+            offload: bool | None = None, micro_batches: int | None = None) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
     The step is ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` (with
@@ -110,7 +111,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
     ``memory_limit`` (bytes per device) and ``memory_headroom`` (fraction of device memory
-    left free; default the hardware profile's) as in :func:`autopar.plan`.
+    left free; default the hardware profile's) as in :func:`autopar.plan`; so are the
+    memory pins ``zero``, ``checkpoint``, ``offload`` and ``micro_batches``.
     A model on the meta device is initialized module by module (``reset_parameters`` or
     ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
     Random ops (dropout, ``rand_like``, ...) draw from one generator the module owns
@@ -150,7 +152,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         example_targets=example_targets, train=train, constraints=constraints, constraint_axis=constraint_axis,
         data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
         memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
-        solver_time_limit_s=solver_time_limit_s))
+        solver_time_limit_s=solver_time_limit_s, zero=zero, checkpoint=checkpoint, offload=offload,
+        micro_batches=micro_batches))
     _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
     start = time.perf_counter()
     solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))

@@ -230,3 +230,27 @@ def _batch_size(graph: PlanGraph, user_inputs: list[str]) -> int | None:
         if meta is not None and meta.ndim >= 1:
             return meta.shape[0]
     return None
+
+
+def zero_pins(graph: PlanGraph, axis: int, axis_name: str, stage: int, axis_size: int
+              ) -> tuple[dict[str, Pin], list[str]]:
+    """A ZeRO stage pinned on a data axis: every parameter replicated there (stage 0, DDP),
+    or stored split there (2 and 3: a shard of any dim, strided over another axis's split
+    included, as FSDP on top of TP). Returns the pins and the parameters no dim of which
+    divides by the axis, which stay replicated (as FSDP would pad them; the plan notes them).
+    Frozen parameters are sharded too: they keep weights only, which sharding still shrinks."""
+    pins: dict[str, Pin] = {}
+    unsplittable: list[str] = []
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.kind != PARAM:
+            continue
+        if stage == 0:
+            pins[name] = Pin(output=Replicate(), reason=f"ZeRO-0 (DDP) on {axis_name}")
+            continue
+        pin = Pin(split=True, reason=f"ZeRO-{stage} on {axis_name}")
+        if axis_size > 1 and any(pin.admits(s, axis) for s in node.strategies):
+            pins[name] = pin
+        elif axis_size > 1:
+            unsplittable.append(node.fqn or name)
+    return pins, unsplittable

@@ -12,6 +12,7 @@ from autopar.cost.buckets import GradBucket, gradient_buckets
 from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
+from autopar.solver.memory import MemoryPlan
 from autopar.solver.graph import loss_count_reductions, loss_replication, price_edge
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.ilp import Solution
@@ -101,6 +102,8 @@ class Plan:
     """Per-device memory the plan had to fit in (device memory less headroom, or as given)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know the plan did not do, e.g. inputs whose batch could not be split."""
+    memory: MemoryPlan = field(default_factory=MemoryPlan)
+    """Micro-batches, activation checkpointing, ZeRO stages and offload the plan runs."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -109,7 +112,8 @@ class Plan:
 
     def plan_hash(self) -> str:
         """Fingerprint of the decisions (placements), identical on every rank and run."""
-        decisions = {"mesh": self.mesh, "nodes": [(n.name, n.op, n.shapes, n.outputs, n.inputs) for n in self.nodes]}
+        decisions = {"mesh": self.mesh, "nodes": [(n.name, n.op, n.shapes, n.outputs, n.inputs) for n in self.nodes],
+                     "memory": asdict(self.memory)}
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
     def __str__(self) -> str:
@@ -205,7 +209,7 @@ def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy]) -> list[Node
 
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
                timings: dict[str, float], pinned: dict[str, str], *, memory_limit: float | None = None,
-               notes: list[str] | None = None) -> Plan:
+               notes: list[str] | None = None, memory: MemoryPlan | None = None) -> Plan:
     """The plan of a solution, priced by the same functions as the ILP's objective."""
     mesh = ctx.mesh
     chosen: dict[str, Strategy] = {
@@ -237,4 +241,5 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
                 nodes=_node_placements(graph, chosen), collectives=ledger.collectives, predicted=predicted,
                 fallbacks=fallback_groups(graph), grad_buckets=buckets, solver=solver,
-                timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []))
+                timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []),
+                memory=memory or MemoryPlan())

@@ -30,6 +30,8 @@ class Plan(Protocol):
     solver: dict[str, Any]
     memory_limit_bytes: float | None
     notes: list[str]
+    memory: Any
+    """``MemoryPlan``: ``describe()`` gives its line."""
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -113,6 +115,8 @@ def render(plan: Plan) -> Group:
     summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  (parameters+state "
                     f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)}"
                     f"{limit})")
+    if plan.train and plan.memory.describe() != "1 micro-batch":
+        summary.add_row("memory plan", plan.memory.describe())
     summary.add_row("communication", ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in pred.comm_bytes.items())
                     + " per device per step")
     if plan.pinned:

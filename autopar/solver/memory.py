@@ -1,0 +1,139 @@
+"""Memory decisions of a plan: how parameters are stored on data axes (ZeRO stage), which
+blocks recompute their activations in backward, whose optimizer state lives in host
+memory, and how many micro-batches one step runs.
+
+``MemoryOptions`` is what a user pins (None: the planner chooses); ``MemoryPlan`` is what
+a plan decided, the part of ``Plan`` the runtime reads besides placements.
+
+ZeRO stages on a data axis (Rajbhandari et al. 2020), as autopar runs them:
+- 0 (DDP): the parameter is replicated on the axis; its gradient is all-reduced.
+- 2: the parameter is stored sharded on the axis (gradient and optimizer state follow
+  the shard); it is all-gathered where used in forward and kept until backward (FSDP2's
+  ``reshard_after_forward=False``); its gradient is reduce-scattered.
+- 3: stored sharded as in 2, but the gathered copy is freed after its forward use and
+  gathered again in backward (``reshard_after_forward=True``): the parameter is listed
+  in ``MemoryPlan.regather``.
+Stage 1 (optimizer state sharded, gradients whole) differs from 2 only by holding whole
+gradients, which matters with micro-batches; it is not offered yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.errors import InputError
+
+ZERO_STAGES = (0, 2, 3)
+"""ZeRO stages a data axis can be pinned to (see the module docstring)."""
+CHECKPOINT_POLICIES = ("none", "selective", "full")
+"""Activation checkpointing per repeated block: keep every saved activation; keep matmul
+and attention outputs and recompute the rest (torch's selective checkpointing, as
+torchtitan's "op" policy); keep only the block's inputs and recompute the whole block."""
+
+_INSTANCE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    """Memory choices a user pins (each None: the planner decides by the memory limit)."""
+
+    zero: dict[str, int] | None = None
+    """Data axis name -> ZeRO stage (0, 2 or 3) for every trainable parameter on that axis."""
+    checkpoint: str | None = None
+    """Activation checkpointing policy for every repeated block: 'none', 'selective' or 'full'."""
+    offload: bool | None = None
+    """Keep optimizer state (and fp32 master weights) in host memory, stepping there."""
+    micro_batches: int | None = None
+    """Run the step's batch as this many micro-batches (gradient accumulation): activations
+    scale with batch / micro_batches; gradients are synchronized once per step."""
+
+    def check(self, mesh_names: tuple[str, ...] | list[str]) -> None:
+        """Refuse values the planner could only trip over later."""
+        for axis, stage in (self.zero or {}).items():
+            if axis not in mesh_names:
+                raise InputError(f"zero= names axis {axis!r}, which is not an axis of the mesh {tuple(mesh_names)}")
+            if isinstance(stage, bool) or stage not in ZERO_STAGES:
+                extra = " (stage 1 is not offered yet: stage 2 moves as many bytes and keeps less)" if stage == 1 else ""
+                raise InputError(f"zero={{{axis!r}: {stage!r}}}: a ZeRO stage is one of {ZERO_STAGES}{extra}")
+        if self.checkpoint is not None and self.checkpoint not in CHECKPOINT_POLICIES:
+            raise InputError(f"checkpoint={self.checkpoint!r}: the policies are {', '.join(CHECKPOINT_POLICIES)}")
+        if self.offload is not None and not isinstance(self.offload, bool):
+            raise InputError(f"offload must be True, False or None, got {self.offload!r}")
+        m = self.micro_batches
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise InputError(f"micro_batches must be a positive whole number, got {m!r}")
+
+
+@dataclass(kw_only=True)
+class MemoryPlan:
+    """What a plan decided about memory (the runtime executes exactly this)."""
+
+    micro_batches: int = 1
+    """The step runs as this many micro-batches of the captured (micro-batch) size; gradients
+    are accumulated and synchronized once, after the last."""
+    checkpoint: str = "none"
+    """Activation checkpointing policy of the blocks in ``checkpoint_blocks``."""
+    checkpoint_blocks: list[str] = field(default_factory=list)
+    """Module paths of the blocks that recompute activations in backward ('layers.0', ...):
+    a node belongs to a block when its module path is the block's or starts with it + '.'."""
+    regather: list[str] = field(default_factory=list)
+    """Parameter FQNs gathered for each forward use and freed after it, gathered again for
+    backward (ZeRO-3 / FSDP ``reshard_after_forward=True``); the others stay gathered from
+    their forward use until backward."""
+    offload: list[str] = field(default_factory=list)
+    """Parameter FQNs whose optimizer state (and fp32 master weights) live in host memory;
+    their update runs on the host."""
+    zero: dict[str, int] = field(default_factory=dict)
+    """Data axis -> ZeRO stage of its parameters (for display; where parameters differ, the
+    highest stage any trainable parameter uses on the axis)."""
+
+    def describe(self) -> str:
+        """One line for the plan's table."""
+        parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}"]
+        if self.checkpoint != "none":
+            parts.append(f"checkpointing {self.checkpoint} ({len(self.checkpoint_blocks)} blocks)")
+        parts += [f"ZeRO-{stage} on {axis}" for axis, stage in self.zero.items() if stage]
+        if self.regather:
+            parts.append(f"{len(self.regather)} parameters gathered again in backward")
+        if self.offload:
+            parts.append(f"optimizer state of {len(self.offload)} parameters on the host")
+        return ", ".join(parts)
+
+
+def block_of(module: str) -> str | None:
+    """The repeated block a module path lies in: 'layers.3.attn.wq' -> 'layers.3'; None
+    outside any indexed container."""
+    match = _INSTANCE.match(module)
+    return match.group(1) if match else None
+
+
+def repeated_blocks(modules: list[str]) -> list[str]:
+    """Every block instance the module paths reach, in first-seen order."""
+    return list(dict.fromkeys(b for b in map(block_of, modules) if b is not None))
+
+
+def in_block(module: str, block: str) -> bool:
+    return module == block or module.startswith(block + ".")
+
+
+def slice_batch(values: Any, batch: int, micro_batches: int) -> Any:
+    """The first micro-batch of example values: each tensor whose leading dim is the batch,
+    cut to batch / micro_batches rows; other values as they are."""
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t[: batch // micro_batches] if t.ndim and t.shape[0] == batch
+                         else t, values)
+
+
+def example_batch(values: Any) -> int | None:
+    """The batch size of example values: the leading dim of the first tensor that has one."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(values):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim:
+            return int(leaf.shape[0])
+    return None
