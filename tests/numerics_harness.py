@@ -123,7 +123,15 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
             "frozen": sorted(k for k, p in pm.named_parameters() if not p.requires_grad),
             "diverged": diverged_replicas(pm),
             "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
-            "planned": sorted(Counter((c.phase, c.kind, c.axis, c.bytes) for c in pm.plan.collectives).items())}
+            "planned": sorted(planned_counts(pm.plan).items())}
+
+
+def planned_counts(plan: Any) -> Counter:
+    """(phase, kind, axis, bytes) -> how many times the plan runs it in a step."""
+    counts: Counter = Counter()
+    for c in plan.collectives:
+        counts[(c.phase, c.kind, c.axis, c.bytes)] += c.count
+    return counts
 
 
 def check(results: list[dict[str, Any]], ref: Reference) -> None:

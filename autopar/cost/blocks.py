@@ -22,7 +22,7 @@ def block_cost(node: torch.fx.Node, ctx: CostContext, *, backward: bool) -> Node
     if call is None:
         return None
     backward = backward and not runs_without_grad(node)
-    time = memory = 0.0
+    time = memory = forward = 0.0
     for op in call[0].graph.nodes:
         if op.op != "call_function":
             continue
@@ -33,7 +33,8 @@ def block_cost(node: torch.fx.Node, ctx: CostContext, *, backward: bool) -> Node
             cost = op_cost(op_call, replicated, ctx, backward=backward, saved=backward)
         time += cost.time
         memory += cost.memory
-    return NodeCost(time, memory)
+        forward += cost.forward
+    return NodeCost(time, memory, forward)
 
 
 def _op_call(node: torch.fx.Node) -> OpCall:

@@ -39,14 +39,17 @@ class CostContext:
 @dataclass(frozen=True)
 class NodeCost:
     time: float
-    """Seconds of compute per step (forward, plus backward when training)."""
+    """Seconds of compute per step (forward, plus backward when training; every micro-batch)."""
     memory: float
     """Bytes per device this node keeps alive at peak (model state or saved activation)."""
+    forward: float = 0.0
+    """Seconds of the forward part of ``time`` (what recomputing the op in backward costs)."""
 
 
 @dataclass(frozen=True)
 class EdgeCost:
     time: float
+    """Seconds of the collectives below per step (each runs once per micro-batch)."""
     forward: tuple[CollectiveCall, ...]
     backward: tuple[CollectiveCall, ...]
 
@@ -89,7 +92,9 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     work = roofline_time(flops, nbytes, mesh, ctx.precision)
     hw = mesh.hardware
     kernel = call.target not in VIEW_OPS  # a view runs no kernel: priced free
-    time = with_fixed_cost(work, hw.op_overhead if kernel else 0.0, hw)
+    # the global draw of a random op is not split
+    forward = with_fixed_cost(work, hw.op_overhead if kernel else 0.0, hw) + random_draw_time(call, mesh, ctx.precision)
+    time = forward
     memory = 0.0
     if backward and any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
         time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead if kernel else 0.0, hw)
@@ -97,8 +102,13 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     if saved and kernel and not writes_first_arg(call.target):
         memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
                      for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
-    time += random_draw_time(call, mesh, ctx.precision)  # the global draw: not split
-    return NodeCost(time, memory)
+    runs = step_repeats(ctx)  # every micro-batch runs the op; one micro-batch's activations are alive at a time
+    return NodeCost(time * runs, memory, forward * runs)
+
+
+def step_repeats(ctx: CostContext) -> int:
+    """How many times a step runs the captured (micro-batch) program: once per micro-batch."""
+    return ctx.micro_batches if ctx.train else 1
 
 
 def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *, trainable: bool = True
@@ -178,7 +188,7 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
         if from_parameter:
             grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
-    time = sum(collective_time(c, mesh) for c in (*forward, *backward))
+    time = sum(collective_time(c, mesh) for c in (*forward, *backward)) * step_repeats(ctx)
     return EdgeCost(time, tuple(forward), tuple(backward))
 
 

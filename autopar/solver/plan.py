@@ -9,7 +9,7 @@ from typing import Any
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, gradient_buckets
-from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims
+from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims, step_repeats
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
@@ -36,6 +36,10 @@ class PlannedCollective:
     module: str
     """Module path of the consumer (or of the parameter)."""
     time_s: float
+    """Seconds of one run."""
+    count: int = 1
+    """Runs per step: once per micro-batch for the program's own collectives, once for
+    gradient buckets."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,12 +169,13 @@ class _Ledger:
         self.collectives: list[PlannedCollective] = []
         self.comm_bytes = {axis: 0.0 for axis in mesh.names}
 
-    def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str) -> None:
+    def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1
+               ) -> None:
         axis = self.mesh.names[call.mesh_dim]
         self.collectives.append(PlannedCollective(
             kind=call.kind, axis=axis, bytes=call.nbytes, phase=phase, tensor=tensor,
-            consumer=consumer, module=module, time_s=collective_time(call, self.mesh)))
-        self.comm_bytes[axis] += bytes_moved(call, self.mesh)
+            consumer=consumer, module=module, time_s=collective_time(call, self.mesh), count=count))
+        self.comm_bytes[axis] += bytes_moved(call, self.mesh) * count
 
 
 def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger) -> float:
@@ -193,9 +198,9 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
                                              required, ctx, from_parameter=graph.nodes[src].kind == PARAM)
             for phase, calls in (("forward", edge.forward), ("backward", edge.backward)):
                 for call in calls:
-                    ledger.record(call, phase, src, name, node.module)
+                    ledger.record(call, phase, src, name, node.module, step_repeats(ctx))
         for call in loss_count_reductions(node, chosen[name], ctx):
-            ledger.record(call, "forward", name, name, node.module)
+            ledger.record(call, "forward", name, name, node.module, step_repeats(ctx))
     return held
 
 
@@ -227,8 +232,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
         for call in loss_replication(loss, chosen[graph.loss], ctx):
-            ledger.record(call, "forward", graph.loss, "output", loss.module)
-    comm_time = sum(c.time_s for c in ledger.collectives)
+            ledger.record(call, "forward", graph.loss, "output", loss.module, step_repeats(ctx))
+    comm_time = sum(c.time_s * c.count for c in ledger.collectives)
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}
     predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,

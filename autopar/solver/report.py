@@ -54,7 +54,7 @@ def _rows(plan: Plan) -> list[tuple[str, str, str]]:
     comms: dict[str, Counter] = defaultdict(Counter)
     for c in plan.collectives:
         phase = "fwd" if c.phase == "forward" else "bwd"
-        comms[layer_of(c.module)][(phase, c.kind, c.axis, c.bytes)] += 1
+        comms[layer_of(c.module)][(phase, c.kind, c.axis, c.bytes)] += c.count
     order: list[str] = []
     for n in plan.nodes:
         layer = layer_of(n.module)
