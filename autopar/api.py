@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
@@ -26,13 +26,15 @@ from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
 from autopar.solver.graph import build_plan_graph
-from autopar.solver.nodes import PlanGraph
+from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, solve
 from autopar.units import fmt_bytes
 from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.memory import MemoryOptions, MemoryPlan, example_batch, repeated_blocks, slice_batch
 from autopar.solver.plan import Plan, build_plan
+from autopar.solver.recompute import checkpointed
+from autopar.scenarios import Scenario, candidates, leanest
 from autopar.solver.report import solver_note
 
 
@@ -143,9 +145,36 @@ class PreparedStep:
     """Seconds HiGHS may search; a plan found by then is returned and says it is not proven optimal."""
     memory_options: MemoryOptions = MemoryOptions()
     """What the user pinned about memory (ZeRO stages, checkpointing, offload, micro-batches)."""
-    regather: list[str] = field(default_factory=list)
-    """Parameter FQNs a pinned ZeRO-3 stores split and gathers again in backward."""
     memory_notes: list[str] = field(default_factory=list)
+    scenario: Scenario = Scenario()
+    """The memory scenario ``graph`` and ``ctx`` are priced under."""
+    base_graph: PlanGraph | None = None
+    """The graph as captured at this micro-batch size, before a scenario re-priced it."""
+    batch: int | None = None
+    """The step's whole batch (the leading dim of the first example input)."""
+    recapture: Callable[[int], PreparedStep] | None = None
+    """Prepares the step again at another micro-batch count."""
+    variants: dict[int, PreparedStep] = field(default_factory=dict)
+    """Preparations by micro-batch count, shared by every scenario of one step."""
+
+    def scenarios(self) -> list[Scenario]:
+        """The scenarios ``solve_step`` searches, today's default first."""
+        graph = self.base_graph or self.graph
+        has_blocks = bool(repeated_blocks([graph.nodes[n].module for n in graph.order]))
+        return candidates(self.memory_options, self.batch, has_blocks, self.ctx.train)
+
+    def under(self, scenario: Scenario) -> PreparedStep:
+        """This step priced under ``scenario`` (captured again if its micro-batch count differs)."""
+        m = scenario.micro_batches
+        if m not in self.variants:
+            assert self.recapture is not None
+            self.variants[m] = self.recapture(m)
+            self.variants[m].variants = self.variants
+        base = self.variants[m]
+        graph = base.base_graph or base.graph
+        blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if scenario.checkpoint != "none" else []
+        return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks),
+                       ctx=replace(base.ctx, regather=scenario.regather), scenario=scenario)
 
 
 def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
@@ -157,7 +186,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  data_axes: tuple[str, ...] = (), input_sharded: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
-                 micro_batches: int | None = None) -> PreparedStep:
+                 micro_batches: int | None = None, _capture_micro_batches: int | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -165,14 +194,21 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     inputs replicated on every other axis (each rank receives exactly its data shard).
     ``zero``, ``checkpoint``, ``offload`` and ``micro_batches`` pin memory choices
     (``MemoryOptions``); with ``micro_batches=m`` the step is captured at batch / m.
+    The result is priced under the first scenario ``solve_step`` searches (``scenarios``);
+    ``PreparedStep.under`` re-prices it (and re-captures it) for another.
     """
+    arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
+
+    def recapture(m: int) -> PreparedStep:
+        return prepare_step(model, mesh, example_inputs, **{**arguments, "_capture_micro_batches": m})
+    whole_batch = example_batch((example_inputs, example_kwargs, example_targets))
     mesh = _as_mesh(mesh)
     _check_solve_options(bucket_bytes, solver_time_limit_s)
     options = MemoryOptions(zero=zero, checkpoint=checkpoint, offload=offload, micro_batches=micro_batches)
     options.check(mesh.names)
-    m = micro_batches or 1
+    m = _capture_micro_batches or micro_batches or 1
     if m > 1 and train:
-        batch = example_batch((example_inputs, example_kwargs, example_targets))
+        batch = whole_batch
         if batch is None or batch % m:
             raise InputError(f"micro_batches={m} must divide the batch (the leading dim of the first input"
                              f"{'' if batch is None else f', {batch}'})")
@@ -226,17 +262,19 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                 apply_pins(graph, input_pins, axis, axis_name, mesh.shape[axis])
                 for name, pin in input_pins.items():
                     node_pins[name] = (node_pins.get(name), axis_name, pin)
-        regather, memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
+        memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
-    return PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
-                        options, regather, memory_notes)
+    prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
+                            options, memory_notes, base_graph=graph, batch=whole_batch, recapture=recapture)
+    if _capture_micro_batches is not None:
+        return prepared
+    prepared.variants[m] = prepared
+    return prepared.under(prepared.scenarios()[0])
 
 
 def _apply_zero_pins(graph: PlanGraph, mesh: Mesh, zero: dict[str, int], node_pins: dict[str, Any],
-                     pinned: dict[str, str]) -> tuple[list[str], list[str]]:
-    """Pin each ZeRO stage on its axis; the parameters a ZeRO-3 gathers again in backward,
-    and notes on parameters that could not be split."""
-    regather: set[str] = set()
+                     pinned: dict[str, str]) -> list[str]:
+    """Pin each ZeRO stage on its axis; notes on parameters that could not be split."""
     notes = []
     for axis_name, stage in zero.items():
         axis = mesh.names.index(axis_name)
@@ -244,41 +282,82 @@ def _apply_zero_pins(graph: PlanGraph, mesh: Mesh, zero: dict[str, int], node_pi
         apply_pins(graph, pins, axis, axis_name, mesh.shape[axis])
         for name, pin in pins.items():
             node_pins[name] = (node_pins.get(name), axis_name, pin)
-        if stage == 3:
-            regather |= {graph.nodes[n].fqn or n for n in pins}
         pinned[f"{axis_name}: parameters"] = f"ZeRO-{stage}"
         if unsplittable:
             notes.append(f"ZeRO-{stage} on {axis_name}: {len(unsplittable)} parameters have no dim that divides "
                          f"by {mesh.shape[axis]} and stay replicated ({', '.join(unsplittable[:4])}"
                          f"{', ...' if len(unsplittable) > 4 else ''})")
-    return sorted(regather), notes
+    return notes
 
 
 def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
-    """The ILP: the cheapest strategy per representative node within the memory limit."""
+    """The cheapest plan within the memory limit over the memory scenarios (``scenarios``)."""
     with _stage("solve", prepared.timings, progress):
         try:
-            return solve(prepared.graph, prepared.folding, prepared.ctx, prepared.memory_limit,
-                         time_limit_s=prepared.solver_time_limit_s)
+            return _search(prepared)
         except MemoryLimitError as exc:
             if not prepared.memory_limit_origin:
                 raise
             raise MemoryLimitError(f"{exc} (the limit is {prepared.memory_limit_origin})") from exc
 
 
+def _solve(prepared: PreparedStep, memory_limit: float | None, **kwargs: Any) -> Solution:
+    solution = solve(prepared.graph, prepared.folding, prepared.ctx, memory_limit,
+                     time_limit_s=prepared.solver_time_limit_s, **kwargs)
+    solution.scenario = prepared.scenario
+    return solution
+
+
+def _search(prepared: PreparedStep) -> Solution:
+    """Today's scenario unconstrained if its plan fits; else the fastest plan of every scenario."""
+    scenarios = prepared.scenarios()
+    first = prepared.under(scenarios[0]) if prepared.scenario != scenarios[0] else prepared
+    if len(scenarios) == 1:
+        return _solve(first, prepared.memory_limit)
+    free = _solve(first, None)
+    if free.memory_bytes <= prepared.memory_limit:
+        return free
+    best: Solution | None = None
+    for scenario in scenarios:
+        try:
+            found = _solve(prepared.under(scenario), prepared.memory_limit, explain=False)
+        except MemoryLimitError:
+            continue
+        if best is None or found.objective_s < best.objective_s:
+            best = found
+    if best is None:
+        raise _nothing_fits(prepared, scenarios)
+    return best
+
+
+def _nothing_fits(prepared: PreparedStep, scenarios: list[Scenario]) -> MemoryLimitError:
+    """The error when no scenario fits: what the leanest plan needs, and its largest parts."""
+    lean = prepared.under(leanest(scenarios))
+    solution = _solve(lean, None, minimize_memory=True)
+    predicted = finish_step(lean, solution).plan.predicted
+    return MemoryLimitError(
+        f"no plan fits the memory limit of {fmt_bytes(prepared.memory_limit)} per device; the plan with the least "
+        f"memory ({lean.scenario.describe()}) needs {fmt_bytes(predicted.peak_memory_bytes)} per device: parameters, "
+        f"gradients and optimizer state {fmt_bytes(predicted.parameter_memory_bytes)}, activations "
+        f"{fmt_bytes(predicted.activation_memory_bytes)}")
+
+
 def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
-    """The memory decisions the plan runs (as pinned; the planner's own choices come later)."""
-    options, graph = prepared.memory_options, prepared.graph
-    policy = options.checkpoint or "none"
-    blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if policy != "none" else []
+    """The memory decisions of the scenario the plan was solved under (``build_plan`` adds
+    which parameters are gathered again)."""
+    scenario, graph = prepared.scenario, prepared.graph
+    blocks = sorted({n.block for n in graph.nodes.values() if n.block is not None},
+                    key=[graph.nodes[n].block for n in graph.order].index)
     offload = sorted(graph.nodes[n].fqn or n for n in graph.order
-                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if options.offload else []
-    return MemoryPlan(micro_batches=prepared.ctx.micro_batches, checkpoint=policy, checkpoint_blocks=blocks,
-                      regather=list(prepared.regather), offload=offload, zero=dict(options.zero or {}))
+                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if prepared.memory_options.offload else []
+    return MemoryPlan(micro_batches=prepared.ctx.micro_batches, checkpoint=scenario.checkpoint if blocks else "none",
+                      checkpoint_blocks=blocks, offload=offload, zero=dict(prepared.memory_options.zero or {}))
 
 
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     """The plan a solution gives (deterministic: every rank builds the same one from it)."""
+    if solution.scenario is not None and solution.scenario != prepared.scenario:
+        prepared = prepared.under(solution.scenario)
     graph, folding = prepared.graph, prepared.folding
     chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
     captured = prepared.captured

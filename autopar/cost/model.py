@@ -34,6 +34,9 @@ class CostContext:
     micro_batches: int = 1
     """The captured step is one micro-batch; a training step runs it this many times
     (forward, backward and their collectives), then syncs gradients and updates once."""
+    regather: bool = False
+    """A parameter gathered for a forward use is freed after it and gathered again for
+    backward (ZeRO-3, FSDP's ``reshard_after_forward``), instead of being held."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class EdgeCost:
     """Seconds of the collectives below per step (each runs once per micro-batch)."""
     forward: tuple[CollectiveCall, ...]
     backward: tuple[CollectiveCall, ...]
+    recompute: tuple[CollectiveCall, ...] = ()
+    """Forward reshards run again in backward: the consumer recomputes (a checkpointed
+    block), or a parameter is gathered again instead of held (``CostContext.regather``)."""
 
 
 def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
@@ -171,14 +177,18 @@ def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozense
 
 
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,
-              ctx: CostContext, *, from_parameter: bool, needs_grad: bool) -> EdgeCost:
+              ctx: CostContext, *, from_parameter: bool, needs_grad: bool, recomputed: bool = False,
+              saves_parameter: bool = True) -> EdgeCost:
     """Collectives between a producer's output and a consumer's input, both directions.
 
     Backward sends the consumer's gradient (placement from the consumer's split) back to
     the placement the producer's backward wants. A parameter's gradient is left Partial on
     the dims this consumer makes it Partial (``param_grad_target``); the bucketed all-reduce
-    that sums it there is priced once per parameter (``param_sync_calls``), not per edge. A
-    parameter gathered in forward stays gathered until backward (no ZeRO-3 re-gather yet).
+    that sums it there is priced once per parameter (``param_sync_calls``), not per edge.
+    The forward reshard runs again in backward when the consumer is ``recomputed`` (a
+    checkpointed block replays it) or when it gathers a parameter the consumer saves
+    (``saves_parameter``) under ``ctx.regather``; otherwise a gathered parameter is held
+    until backward (``gathered_parameter_bytes``).
     """
     mesh, precision = ctx.mesh, ctx.precision
     forward = reshard(meta, produced, required, mesh, precision)
@@ -188,14 +198,26 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
         if from_parameter:
             grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
-    time = sum(collective_time(c, mesh) for c in (*forward, *backward)) * step_repeats(ctx)
-    return EdgeCost(time, tuple(forward), tuple(backward))
+    again = forward if regathered(ctx, from_parameter, needs_grad, recomputed, saves_parameter) else []
+    time = sum(collective_time(c, mesh) for c in (*forward, *backward, *again)) * step_repeats(ctx)
+    return EdgeCost(time, tuple(forward), tuple(backward), tuple(again))
+
+
+def regathered(ctx: CostContext, from_parameter: bool, needs_grad: bool, recomputed: bool,
+               saves_parameter: bool) -> bool:
+    """The edge's forward reshard runs again in backward (see ``edge_cost``)."""
+    if not ctx.train:
+        return False
+    return recomputed or (from_parameter and ctx.regather and needs_grad and saves_parameter)
 
 
 def gathered_parameter_bytes(meta: TensorMeta, produced: Placements, required: Placements, ctx: CostContext,
-                             *, from_parameter: bool) -> float:
+                             *, from_parameter: bool, recomputed: bool = False, needs_grad: bool = True,
+                             saves_parameter: bool = True) -> float:
     """Bytes a parameter resharded for its consumer keeps alive until backward (the
-    consumer saves it); 0 when it is used as stored."""
+    consumer saves it); 0 when it is used as stored, or gathered again in backward."""
     if not from_parameter or not ctx.train or tuple(produced) == tuple(required):
+        return 0.0
+    if recomputed or (ctx.regather and needs_grad and saves_parameter):
         return 0.0
     return float(ctx.precision.tensor_bytes(meta, local_numel(meta, required, ctx.mesh.shape)))

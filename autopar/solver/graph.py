@@ -258,8 +258,22 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
     assert meta is not None
     produced_pl = produced.outputs[out_index]
     assert produced_pl is not None
-    return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx,
-                     from_parameter=src.kind == PARAM, needs_grad=graph.sends_gradient(producer, consumer))
+    return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx, **edge_flags(graph, producer, consumer, arg))
+
+
+NOT_SAVED = {_aten.embedding.default: frozenset({0})}
+"""Tensor inputs an op's backward does not keep: an embedding's backward needs the indices, not the table."""
+
+
+def edge_flags(graph: PlanGraph, producer: str, consumer: str, arg: int) -> dict[str, bool]:
+    """What ``edge_cost`` and ``gathered_parameter_bytes`` need to know about an edge
+    besides placements: a parameter's edge, whether a gradient flows back, whether the
+    consumer recomputes in backward and whether its backward keeps this input."""
+    node = graph.nodes[consumer]
+    target = node.call.target if node.call is not None else None
+    return {"from_parameter": graph.nodes[producer].kind == PARAM,
+            "needs_grad": graph.sends_gradient(producer, consumer), "recomputed": node.recompute,
+            "saves_parameter": arg not in NOT_SAVED.get(target, frozenset())}
 
 
 __all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "leaf_costs"]

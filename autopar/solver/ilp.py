@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from autopar.cost.model import CostContext, gathered_parameter_bytes
 from autopar.errors import InputError
 from autopar.solver.blocks import Folding
 from autopar.solver.grad_terms import GradSyncTerms
-from autopar.solver.graph import price_edge
+from autopar.solver.graph import edge_flags, price_edge
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.sharing import EdgeKey, sharing_classes
@@ -55,6 +56,9 @@ class Solution:
     gap: float | None = 0.0
     """Relative gap to the best bound HiGHS proved (0 when optimal)."""
     time_limit_s: float = 0.0
+    scenario: Any = None
+    """The memory scenario (``autopar.scenarios.Scenario``) the plan was solved under; None: the
+    step's own."""
 
 
 @dataclass
@@ -76,7 +80,9 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
 
 
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
-          *, minimize_memory: bool = False, time_limit_s: float = 120.0) -> Solution:
+          *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True) -> Solution:
+    """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``).
+    With ``explain`` a MemoryLimitError says what the leanest plan needs (another solve)."""
     start = time.perf_counter()
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
@@ -112,11 +118,14 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         if len(keys) > 1:
             _add_shared(model, [links[k] for k in keys], count, memory_row)
     sync.add_bucket_rows()
+    _add_recompute_peak(model, graph, reps, x, memory_row, minimize_memory)
     if memory_limit is not None and not minimize_memory:
         model.rows.append((memory_row, -INF, float(memory_limit)))
     build = time.perf_counter() - start
     result = run(model, time_limit_s)
     if result.values is None:
+        if not explain and result.status == "infeasible" and memory_limit is not None:
+            raise MemoryLimitError(f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
         _raise_no_plan(graph, folding, ctx, memory_limit, minimize_memory, result.status, time_limit_s)
     values = result.values
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
@@ -124,6 +133,25 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
                     status=result.status, gap=result.gap, time_limit_s=time_limit_s)
+
+
+def _add_recompute_peak(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]],
+                        memory_row: dict[int, float], minimize_memory: bool) -> None:
+    """t >= the bytes each checkpointed block brings back while it recomputes; the memory
+    row holds t once (one block recomputes at a time). Folded blocks share their first
+    instance's variables, so its row stands for all of them."""
+    per_block: dict[str, dict[int, float]] = defaultdict(dict)
+    for v in reps:
+        node = graph.nodes[v]
+        if node.block is not None and any(node.recompute_memory):
+            for j, dropped in zip(x[v], node.recompute_memory):
+                per_block[node.block][j] = dropped
+    if not per_block:
+        return
+    t = model.var(1.0 if minimize_memory else 0.0, integer=False, upper=INF)
+    memory_row[t] = 1.0
+    for row in per_block.values():
+        model.rows.append(({t: 1.0, **{j: -b for j, b in row.items()}}, 0.0, INF))
 
 
 def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
@@ -176,11 +204,13 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     keys_p, keys_c = list(groups_p), list(groups_c)
     meta = prod.outputs[edge.out_index]
 
+    flags = edge_flags(graph, edge.producer, edge.consumer, edge.arg)
+
     def held(a: object, b: tuple) -> float:
-        return gathered_parameter_bytes(meta, a, b[0], ctx, from_parameter=prod.kind == PARAM)
+        return gathered_parameter_bytes(meta, a, b[0], ctx, **flags)
 
     def price(a: object, b: tuple) -> float:
-        key = (meta, prod.kind, grad, a, b)
+        key = (meta, tuple(flags.values()), a, b)
         if key not in cache:
             cache[key] = price_edge(graph, edge.producer, edge.out_index, edge.consumer, edge.arg,
                                     prod.strategies[groups_p[a][0]], cons.strategies[groups_c[b][0]], ctx).time

@@ -57,6 +57,17 @@ class PlanNode:
     """Per tensor input, how many in-place writes into its storage came before this read
     (empty: none). Reads of different versions cannot share one reshard."""
 
+    block: str | None = None
+    """The checkpointed block (module path) this op recomputes in, if any."""
+    recompute_memory: list[float] = field(default_factory=list)
+    """Per strategy, bytes of this op's outputs that a checkpointed block drops after forward
+    and brings back while recomputing in backward (empty: nothing recomputed)."""
+
+    @property
+    def recompute(self) -> bool:
+        """In a checkpointed block: its forward (and its inputs' forward reshards) run again in backward."""
+        return self.block is not None
+
     def version(self, arg: int) -> int:
         return self.read_versions[arg] if self.read_versions else 0
 

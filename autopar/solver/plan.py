@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
@@ -13,8 +13,9 @@ from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_place
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
-from autopar.solver.graph import loss_count_reductions, loss_replication, price_edge
+from autopar.solver.graph import edge_flags, loss_count_reductions, loss_replication, price_edge
 from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.recompute import block_peak
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
 
@@ -178,11 +179,14 @@ class _Ledger:
         self.comm_bytes[axis] += bytes_moved(call, self.mesh) * count
 
 
-def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger) -> float:
+def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger
+                     ) -> tuple[float, set[str]]:
     """Every reshard the step runs (once per tensor, version and placement among its
-    consumers) and every loss count reduction; returns the bytes gathered parameters keep."""
+    consumers) and every loss count reduction; returns the bytes gathered parameters keep
+    and the parameters gathered again in backward."""
     resharded: set[tuple] = set()
     held = 0.0
+    regathered: set[str] = set()
     for name in graph.order:
         node = graph.nodes[name]
         for arg, (src, out_index) in enumerate(node.args):
@@ -195,13 +199,16 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
             resharded.add((src, out_index, version, required, grad_in))
             edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
             held += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
-                                             required, ctx, from_parameter=graph.nodes[src].kind == PARAM)
-            for phase, calls in (("forward", edge.forward), ("backward", edge.backward)):
+                                             required, ctx, **edge_flags(graph, src, name, arg))
+            again = "recompute" if node.recompute else "backward"  # a block's replay, or a parameter gathered again
+            if edge.recompute and not node.recompute:
+                regathered.add(graph.nodes[src].fqn or src)
+            for phase, calls in (("forward", edge.forward), ("backward", edge.backward), (again, edge.recompute)):
                 for call in calls:
                     ledger.record(call, phase, src, name, node.module, step_repeats(ctx))
         for call in loss_count_reductions(node, chosen[name], ctx):
             ledger.record(call, "forward", name, name, node.module, step_repeats(ctx))
-    return held
+    return held, regathered
 
 
 def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy]) -> list[NodePlacement]:
@@ -224,7 +231,11 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     param_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind == PARAM)
     act_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind != PARAM)
     ledger = _Ledger(mesh)
-    act_mem += _record_reshards(graph, chosen, ctx, ledger)
+    held, regathered = _record_reshards(graph, chosen, ctx, ledger)
+    act_mem += held
+    memory = replace(memory or MemoryPlan(), regather=sorted(regathered))
+    act_mem += block_peak(graph, {n: graph.nodes[n].recompute_memory[solution.choice[folding.representative[n]]]
+                                  for n in graph.order if graph.nodes[n].recompute_memory})
     buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     for bucket in buckets:
         ledger.record(CollectiveCall(ALL_REDUCE, bucket.mesh_dim, bucket.nbytes, bucketed=True), "backward",
@@ -247,4 +258,4 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
                 nodes=_node_placements(graph, chosen), collectives=ledger.collectives, predicted=predicted,
                 fallbacks=fallback_groups(graph), grad_buckets=buckets, solver=solver,
                 timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []),
-                memory=memory or MemoryPlan())
+                memory=memory)

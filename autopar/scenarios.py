@@ -1,0 +1,74 @@
+"""Memory scenarios around the placement ILP: micro-batches, activation checkpointing and
+gathering parameters again in backward.
+
+The ILP decides placements, and with them which parameters are stored split on a data
+axis (ZeRO/FSDP sharding is a placement). Three choices change what every node costs
+rather than which strategy it runs, so they are searched around it, each combination a
+``Scenario`` priced by the same functions the plan and the runtime use:
+- micro-batches m (the step captured at batch / m: work and collectives run m times,
+  activations of one micro-batch are alive at a time, gradients sync once);
+- activation checkpointing of the repeated blocks (none, selective, full);
+- re-gathering parameters in backward instead of holding them (ZeRO-3).
+
+With memory to spare none of them pays off: each adds time to every plan (a replay, a
+second gather, per-micro-batch fixed costs) and frees only memory. So the search first
+solves today's scenario without the memory row; if that plan fits, it is the plan (one
+solve, as before). Otherwise every candidate scenario is solved under the limit and the
+fastest plan wins; the candidate set does not depend on the limit, so a tighter limit
+never gives a faster plan. Pinned choices (``MemoryOptions``) fix their dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.solver.memory import CHECKPOINT_POLICIES, MemoryOptions
+
+MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
+"""Micro-batch counts the planner tries (those dividing the batch)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """One combination of the choices searched around the ILP."""
+
+    micro_batches: int = 1
+    checkpoint: str = "none"
+    """Policy for every repeated block."""
+    regather: bool = False
+    """Parameters gathered for a forward use are gathered again in backward (ZeRO-3)."""
+
+    def describe(self) -> str:
+        parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}",
+                 f"{self.checkpoint} checkpointing" if self.checkpoint != "none" else "no checkpointing"]
+        if self.regather:
+            parts.append("parameters gathered again in backward")
+        return ", ".join(parts)
+
+
+def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, train: bool) -> list[Scenario]:
+    """The scenarios to search, cheapest-looking first (the first is today's default)."""
+    pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
+                      regather=_pinned_regather(options) or False)
+    if not train:
+        return [pinned]
+    if options.micro_batches:
+        counts = [options.micro_batches]
+    else:
+        counts = [m for m in MICRO_BATCH_CANDIDATES if batch is not None and m <= batch and batch % m == 0] or [1]
+    policies = [options.checkpoint] if options.checkpoint else list(CHECKPOINT_POLICIES) if has_blocks else ["none"]
+    regathers = [_pinned_regather(options)] if options.zero is not None else [False, True]
+    return [Scenario(micro_batches=m, checkpoint=c, regather=bool(r))
+            for m in counts for c in policies for r in regathers]
+
+
+def leanest(scenarios: list[Scenario]) -> Scenario:
+    """The scenario keeping the least memory: most micro-batches, full checkpointing, re-gathering."""
+    order = {p: i for i, p in enumerate(CHECKPOINT_POLICIES)}
+    return max(scenarios, key=lambda s: (s.micro_batches, order[s.checkpoint], s.regather))
+
+
+def _pinned_regather(options: MemoryOptions) -> bool | None:
+    if options.zero is None:
+        return None
+    return any(stage == 3 for stage in options.zero.values())

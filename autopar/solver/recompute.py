@@ -1,0 +1,62 @@
+"""Activation checkpointing in the planning graph: which ops of checkpointed blocks keep
+their outputs for backward, which drop them and recompute, and what that costs.
+
+A checkpointed block (``MemoryPlan.checkpoint_blocks``) replays its forward in backward:
+- time: every op the replay re-executes adds its forward seconds again (``full``: all of
+  them; ``selective``: all but the kept matmul/attention outputs, which the replay reads
+  from its cache), and every forward reshard feeding an op of the block runs again
+  (``edge_cost(recomputed=True)``);
+- memory: an op's outputs stay alive until backward only if the policy keeps them or they
+  leave the block (the next block's or the head's input: kept either way); the others are
+  dropped after forward and come back one block at a time while that block recomputes, so
+  the plan's peak adds the largest block's dropped bytes (``recompute_memory``), not all.
+A parameter gathered inside a checkpointed block is not held until backward either: the
+replay gathers it again (that is one of the recomputed reshards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autopar.cost.model import NodeCost
+from autopar.cost.recompute import kept_by_policy
+from autopar.solver.memory import block_of
+from autopar.solver.nodes import OP, PlanGraph, PlanNode
+
+
+def checkpointed(graph: PlanGraph, policy: str, blocks: list[str]) -> PlanGraph:
+    """A copy of ``graph`` priced with ``blocks`` checkpointed under ``policy`` (the
+    original graph and its shared cost lists are left as they are)."""
+    if policy == "none" or not blocks:
+        return graph
+    chosen = set(blocks)
+    consumers = graph.consumers()
+    nodes = dict(graph.nodes)
+    for name in graph.order:
+        node = graph.nodes[name]
+        block = block_of(node.module)
+        if node.kind != OP or block not in chosen or not node.needs_grad:
+            continue  # ops with no backward save nothing and replay nothing
+        leaves = any(block_of(graph.nodes[c].module) != block for c, _, _ in consumers[name]) \
+            or name in graph.output_names
+        nodes[name] = _recomputed(node, block, policy, keep=leaves or kept_by_policy(policy, node.family))
+    return replace(graph, nodes=nodes)
+
+
+def _recomputed(node: PlanNode, block: str, policy: str, *, keep: bool) -> PlanNode:
+    cached = policy == "selective" and kept_by_policy(policy, node.family)  # the replay reads it, runs nothing
+    costs = [NodeCost(c.time + (0.0 if cached else c.forward), c.memory if keep else 0.0, c.forward)
+             for c in node.costs]
+    dropped = [0.0 if keep else c.memory for c in node.costs]
+    return replace(node, costs=costs, block=block, recompute_memory=dropped)
+
+
+def block_peak(graph: PlanGraph, memory_of: dict[str, float]) -> float:
+    """The largest bytes one block brings back while recomputing, given each node's
+    ``recompute_memory`` under its chosen strategy."""
+    per_block: dict[str, float] = {}
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.block is not None:
+            per_block[node.block] = per_block.get(node.block, 0.0) + memory_of.get(name, 0.0)
+    return max(per_block.values(), default=0.0)
