@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
 from autopar.rules.strategy import is_strided
@@ -154,3 +155,31 @@ def test_checkpoint_converts_to_one_torch_save_file(tmp_path: Path) -> None:
     _train(model, opt, tokens, targets, 1, loss_fn)
     single_device = reference(gpt.build, steps=3).state
     _check_resumed(dict(model.state_dict()), _tensors(saved["state"]), single_device)
+
+
+def _tied_gpt() -> tuple[Any, ...]:
+    model, inputs, loss_fn, targets = gpt.build()
+    model.lm_head.weight = model.wte.weight  # GPT-2's tie: one parameter, two keys
+    return model, inputs, loss_fn, targets
+
+
+def _save_tied_rank(rank: int, world: int, path: str) -> None:
+    model, (tokens,), loss_fn, (targets,) = _tied_gpt()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
+                         constraints={**gpt.TP_PLAN, "lm_head": ColwiseParallel()})
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    _train(pm, opt, tokens, targets, 2)
+    checkpoint.save(pm, path, opt)
+
+
+def test_tied_parameter_resumes_on_one_device(tmp_path: Path) -> None:
+    """The optimizer's state of a tied parameter is keyed by the name the plain model reports."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_tied_rank, 2, path)
+    model, (tokens,), loss_fn, (targets,) = _tied_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    checkpoint.load_single_device(model, path, opt)
+    assert model.lm_head.weight is model.wte.weight
+    _train(model, opt, tokens, targets, 1, loss_fn)
+    assert mismatches(reference(_tied_gpt, steps=3).state, dict(model.state_dict())) == []
