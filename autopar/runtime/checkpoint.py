@@ -45,7 +45,7 @@ def save(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer 
     shape, 0-d ones (Adam's ``step``) as they are. An optimizer that has not stepped yet is
     given zero state by a step with lr 0 (torch's ``get_optimizer_state_dict`` does that).
     """
-    state = _contiguous_chunks(pm.state_dict())
+    state: dict[str, Any] = dict(pm.state_dict())
     if optimizer is not None:
         state[OPTIMIZER] = _map_state(_optimizer_state(pm, optimizer), _sharded(pm))
     dcp.save(_contiguous_chunks(state), checkpoint_id=str(path))
@@ -59,8 +59,8 @@ def load(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer 
     """
     state: dict[str, Any] = {k: _template(v) for k, v in pm.state_dict().items()}
     if optimizer is not None:
-        local = _optimizer_state(pm, optimizer)
-        state[OPTIMIZER] = _map_state(local, lambda fqn, t: _template(_sharded(pm)(fqn, t)))
+        sharded = _sharded(pm)
+        state[OPTIMIZER] = _map_state(_optimizer_state(pm, optimizer), lambda fqn, t: _template(sharded(fqn, t)))
     dcp.load(state, checkpoint_id=str(path))
     pm.load_state_dict(state)  # redistributes back to the module's own (strided) placements
     if optimizer is not None:
