@@ -1,6 +1,11 @@
-"""Checkpoints of a ParallelModule: its ``state_dict()`` is DTensors under the model's own
-keys, so ``torch.distributed.checkpoint`` saves each rank's shards and loads them back into
-a module compiled for any mesh (DCP reshards on load).
+"""Checkpoints of a ParallelModule and its optimizer with ``torch.distributed.checkpoint``.
+
+The checkpoint holds the module's ``state_dict()`` (DTensors under the model's own keys)
+at its top level, and, when an optimizer is passed, its state under ``"optimizer"``:
+``{"state": {fqn: {"exp_avg": DTensor, "step": tensor, ...}}, "param_groups": [...]}``,
+keyed by parameter FQN (torch's ``get_optimizer_state_dict`` layout) and placed like the
+parameter. DCP reshards on load, so a module compiled for any mesh and plan, or a plain
+single-device module (``load_single_device``), loads it.
 
 DCP stores each rank's shard as one contiguous chunk of the global tensor. A strided
 shard (the interleaved qkv of a fused projection) is several chunks per rank, so those
@@ -11,39 +16,149 @@ to the one a plain layout writes (loadable on any mesh and plan).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard
 
+from autopar.errors import InputError
 from autopar.rules.strategy import is_strided
 
 from autopar.runtime.module import ParallelModule
 
-
-def save(pm: ParallelModule, path: str | Path) -> None:
-    """Every rank writes its shards under ``path`` (a directory)."""
-    dcp.save(_contiguous_chunks(pm.state_dict()), checkpoint_id=str(path))
+OPTIMIZER = "optimizer"
+"""Key of the optimizer's state in a checkpoint (the model's keys sit beside it)."""
 
 
-def load(pm: ParallelModule, path: str | Path) -> None:
-    """Load a checkpoint saved from any mesh into ``pm``'s shards, in place."""
-    state = _contiguous_chunks(pm.state_dict())
+def save(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Every rank writes its shards of ``pm`` (and of ``optimizer``'s state) under ``path``.
+
+    ``optimizer`` is any torch optimizer over ``pm.parameters()``: per-parameter state
+    tensors of the parameter's local shape are saved as shards of the parameter's global
+    shape, 0-d ones (Adam's ``step``) as they are. An optimizer that has not stepped yet is
+    given zero state by a step with lr 0 (torch's ``get_optimizer_state_dict`` does that).
+    """
+    state: dict[str, Any] = dict(pm.state_dict())
+    if optimizer is not None:
+        state[OPTIMIZER] = _map_state(_optimizer_state(pm, optimizer), _sharded(pm))
+    dcp.save(_contiguous_chunks(state), checkpoint_id=str(path))
+
+
+def load(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint saved from any mesh into ``pm``'s shards (and ``optimizer``), in place.
+
+    The optimizer's state and param groups (lr, betas, ...) are the checkpoint's, matched
+    to parameters by FQN, so the plan and the order of parameters may differ from the saving run.
+    """
+    state: dict[str, Any] = {k: _template(v) for k, v in pm.state_dict().items()}
+    if optimizer is not None:
+        sharded = _sharded(pm)
+        state[OPTIMIZER] = _map_state(_optimizer_state(pm, optimizer), lambda fqn, t: _template(sharded(fqn, t)))
     dcp.load(state, checkpoint_id=str(path))
     pm.load_state_dict(state)  # redistributes back to the module's own (strided) placements
+    if optimizer is not None:
+        own = _map_state(state[OPTIMIZER], lambda fqn, t: _to_local(pm, fqn, t))
+        set_optimizer_state_dict(pm, optimizer, own)
 
 
-def _contiguous_chunks(state: dict[str, object]) -> dict[str, object]:
-    """The state dict with strided shards redistributed to plain shards of the same dim."""
-    out = {}
+def load_single_device(model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint into a plain module (and an optimizer over ``model.parameters()``)
+    in one process, without autopar's plan or a process group: DCP reads every shard of
+    each tensor into the module's whole tensors. Continue training on one device from there.
+    """
+    state: dict[str, Any] = dict(model.state_dict())
+    if optimizer is not None:
+        state[OPTIMIZER] = _optimizer_state(model, optimizer)
+    with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict({k: v for k, v in state.items() if k != OPTIMIZER})
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state[OPTIMIZER])
+
+
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s FQN-keyed state dict; a fresh optimizer gets its zero state first.
+
+    torch creates that state by a step with lr 0 on zero gradients, and skips it when a
+    gradient is already there (a backward before the first step), which would leave no
+    state to save or to load into: gradients are set aside for that step and put back.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grads = [p.grad for p in params]
+    if not optimizer.state:
+        for p in params:
+            p.grad = None
+    try:
+        return get_optimizer_state_dict(model, optimizer)
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def _map_state(osd: dict[str, Any], fn: Callable[[str, torch.Tensor], Any]) -> dict[str, Any]:
+    """``osd`` (FQN-keyed optimizer state dict) with every per-parameter tensor ``t`` of
+    parameter ``fqn`` replaced by ``fn(fqn, t)``; param groups are kept as they are."""
+    state = {fqn: {name: fn(fqn, value) if isinstance(value, torch.Tensor) else value
+                   for name, value in entries.items()}
+             for fqn, entries in osd["state"].items()}
+    return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def _sharded(pm: ParallelModule) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """A function making parameter ``fqn``'s optimizer state tensor a DTensor placed like the parameter."""
+    params = dict(pm.named_parameters())
+
+    def wrap(fqn: str, value: torch.Tensor) -> torch.Tensor:
+        local = params[fqn]
+        if value.shape == local.shape:
+            return DTensor.from_local(value, pm.device_mesh, pm._placements[fqn], run_check=False)
+        if value.dim() == 0:
+            return value  # a scalar such as Adam's step: the same on every rank, saved once
+        raise InputError(f"optimizer state of {fqn} has shape {tuple(value.shape)}, neither the parameter's "
+                         f"local shape {tuple(local.shape)} nor a scalar: its global shape is unknown")
+
+    return wrap
+
+
+def _plain(value: DTensor) -> tuple[Any, ...]:
+    return tuple(Shard(p.dim) if is_strided(p) else p for p in value.placements)
+
+
+def _contiguous_chunks(state: dict[str, Any]) -> dict[str, Any]:
+    """The (nested) state dict with strided shards redistributed to plain shards of the same dim."""
+    out: dict[str, Any] = {}
     for key, value in state.items():
-        if isinstance(value, DTensor) and any(is_strided(p) for p in value.placements):
-            plain = tuple(Shard(p.dim) if is_strided(p) else p for p in value.placements)
-            value = value.redistribute(value.device_mesh, plain)
+        if isinstance(value, dict):
+            value = _contiguous_chunks(value)
+        elif isinstance(value, DTensor) and any(is_strided(p) for p in value.placements):
+            value = value.redistribute(value.device_mesh, _plain(value))
         out[key] = value
     return out
+
+
+def _template(value: Any) -> Any:
+    """What DCP loads ``value``'s checkpointed data into: a plain-sharded DTensor of the same
+    global shape for a strided one (no collective: its values are about to be overwritten,
+    and a strided shard has the same local shape as the plain shard of its dim)."""
+    if isinstance(value, DTensor) and any(is_strided(p) for p in value.placements):
+        return DTensor.from_local(torch.empty_like(value.to_local()), value.device_mesh, _plain(value),
+                                  run_check=False, shape=value.shape, stride=value.stride())
+    return value
+
+
+def _to_local(pm: ParallelModule, fqn: str, value: torch.Tensor) -> torch.Tensor:
+    """A loaded optimizer state tensor as this rank's shard in ``pm``'s placement of ``fqn``."""
+    if isinstance(value, DTensor):
+        return value.redistribute(pm.device_mesh, pm._placements[fqn]).to_local()
+    return value
 
 
 def full_state_dict(pm: ParallelModule, rank0_only: bool = True) -> dict[str, torch.Tensor]:
