@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
 from autopar.solver.graph import build_plan_graph
-from autopar.solver.nodes import PlanGraph
+from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, solve
 from autopar.units import fmt_bytes
