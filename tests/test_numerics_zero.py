@@ -19,7 +19,7 @@ import torch.fx
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.cost.saved import saved_inputs
+from autopar.cost.saved import saved_inputs, saved_inputs_of_node
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
 from autopar.runtime.forked import run_ranks
@@ -176,3 +176,11 @@ def test_a_frozen_weight_is_saved_for_the_input_gradient_only() -> None:
     x, w = torch.ones(2, 8), torch.ones(4, 8)
     assert saved_inputs(AT.linear.default, (x, w), needs_grad=[True, False]) == (False, True)
     assert saved_inputs(AT.linear.default, (x, w), needs_grad=[False, True]) == (True, False)
+
+
+def test_saved_inputs_of_a_captured_node() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 4))
+    gm = torch.export.export(model, (torch.zeros(2, 3, dtype=torch.long),), strict=False).module()
+    calls = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    assert saved_inputs_of_node(calls[AT.embedding.default]) == (False, True)
+    assert saved_inputs_of_node(calls[AT.linear.default]) == (True, True, False)

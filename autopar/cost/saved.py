@@ -20,7 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+_CACHE: dict[Any, tuple[bool, ...]] = {}
+"""Probe results by (op, argument geometry, tree structure, which inputs need gradients)."""
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
@@ -53,26 +58,15 @@ def saved_inputs(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
     if len(needs_grad) != len(tensor_at):
         raise ValueError(f"needs_grad has {len(needs_grad)} entries for {len(tensor_at)} tensor arguments")
     key = (target, _describe(leaves), str(spec), tuple(bool(g) for g in needs_grad))
-    try:
-        return _probe_cached(key, tuple(leaves), spec)
-    except TypeError:  # an argument that does not hash (repr is its key, so this is rare)
-        return _probe(target, list(leaves), spec, tuple(needs_grad))
+    if key not in _CACHE:  # the key is all tuples of strings, shapes and dtypes: it hashes
+        _CACHE[key] = _probe(target, list(leaves), spec, key[3])
+    return _CACHE[key]
 
 
 def saves_input(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None, index: int,
                 needs_grad: Sequence[bool] | None = None) -> bool:
     """Whether autograd saves the ``index``-th tensor argument (order as ``saved_inputs``)."""
     return saved_inputs(target, args, kwargs, needs_grad)[index]
-
-
-_CACHE: dict[Any, tuple[bool, ...]] = {}
-
-
-def _probe_cached(key: tuple[Any, ...], leaves: tuple[Any, ...], spec: Any) -> tuple[bool, ...]:
-    hash(key)  # TypeError for an unhashable key: the caller probes uncached
-    if key not in _CACHE:
-        _CACHE[key] = _probe(key[0], list(leaves), spec, key[3])
-    return _CACHE[key]
 
 
 def _probe(target: Callable[..., Any], leaves: list[Any], spec: Any, needs_grad: tuple[bool, ...]
@@ -91,6 +85,17 @@ def _probe(target: Callable[..., Any], leaves: list[Any], spec: Any, needs_grad:
         return t
 
     args, kwargs = tree_unflatten(leaves, spec)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        target(*args, **kwargs)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op meta tensors cannot run (it reads data): assume it
+        return tuple(True for _ in inputs)  # saves everything, the side that never underprices memory
     return tuple(any(r is t for r in saved_roots) for t in inputs)
+
+
+def saved_inputs_of_node(node: torch.fx.Node, needs_grad: Sequence[bool] | None = None) -> tuple[bool, ...]:
+    """``saved_inputs`` of a call in a captured graph, its arguments read from ``meta["val"]``."""
+    def val(a: torch.fx.Node) -> Any:
+        return a.meta.get("val")
+    return saved_inputs(node.target, torch.fx.node.map_arg(node.args, val),  # type: ignore[arg-type]
+                        torch.fx.node.map_arg(node.kwargs, val), needs_grad)
