@@ -26,7 +26,15 @@ from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
 from numerics_harness import Reference, check, reference, run_compiled
 
-MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build}
+def _gpt_tied() -> Any:
+    """GPT-2's tied head: one ZeRO-3 parameter read by an embedding (saves only the indices)
+    and by the head's linear (saves the weight): gathered again once, for the linear."""
+    model, inputs, loss_fn, targets = gpt.build()
+    model.lm_head.weight = model.wte.weight
+    return model, inputs, loss_fn, targets
+
+
+MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build, "gpt_tied": _gpt_tied}
 TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
 
 
@@ -50,9 +58,9 @@ class Case:
         return kw
 
 
-CASES = [Case(model, mesh, names, stage) for model in MODELS
+CASES = [Case(model, mesh, names, stage) for model in ("gpt", "llama")
          for mesh, names, stage in [((2,), ("dp",), 2), ((2,), ("dp",), 3), ((4,), ("dp",), 2), ((4,), ("dp",), 3),
-                                    ((2, 2), ("dp", "tp"), 3)]]
+                                    ((2, 2), ("dp", "tp"), 3)]] + [Case("gpt_tied", (2,), ("dp",), 3)]
 
 
 def _source_val(node: Any) -> Any:
@@ -114,6 +122,8 @@ def test_zero_matches_single_device(case: Case) -> None:
         else:
             assert r["regather_calls"] > 0
             assert r["got"] == r["want"] and r["got"], (r["got"], r["want"])
+        if case.model == "gpt_tied":  # the embedding's use saves nothing; the head's saves the table
+            assert sum(n for k, n in r["got"].items() if k in ("wte.weight", "lm_head.weight")) == 1, r["got"]
 
 
 def _gathers_alive(rank: int, world: int, stage: int) -> dict[str, Any]:
