@@ -104,18 +104,23 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
     losses: list[float] = []
     grads: dict[str, torch.Tensor] = {}
     ran: list[tuple[str, str, int, int]] = []
+    regathered: list[tuple[str, tuple[str, str, int, int]]] = []
     for step in range(steps):
         loss = pm(*args, **(kwargs or {}))
         assert isinstance(loss, DTensor) and loss.placements == (Replicate(),) * mesh.ndim
         loss.backward()
         if step == 0:
             ran = list(log.entries)
+            regathered = list(log.regathers)
             state = pm.state_dict()
             grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
                      for k, p in pm.named_parameters() if p.grad is not None}
         losses.append(loss.full_tensor().item())
         opt.step()
         opt.zero_grad()
+    # the optimizer registered the shards, so its state is as small as they are
+    adam_shapes = {k: (tuple(p.shape), tuple(opt.state[p]["exp_avg"].shape))
+                   for k, p in pm.named_parameters() if p in opt.state}
     state = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
     names = mesh.mesh_dim_names
     return {"losses": losses, "grad_mismatches": mismatches(ref.grads, grads),
@@ -123,6 +128,8 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
             "frozen": sorted(k for k, p in pm.named_parameters() if not p.requires_grad),
             "diverged": diverged_replicas(pm),
             "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
+            "regathered": sorted(Counter((fqn, p, k, names[d], b) for fqn, (p, k, d, b) in regathered).items()),
+            "regather_planned": sorted(pm.plan.memory.regather), "adam_shapes": adam_shapes,
             "planned": sorted(planned_counts(pm.plan).items())}
 
 
@@ -144,3 +151,6 @@ def check(results: list[dict[str, Any]], ref: Reference) -> None:
         assert result["state_mismatches"] == [], f"rank {rank}: {result['state_mismatches']}"
         assert result["diverged"] == [], f"rank {rank}: replicas differ bitwise: {result['diverged']}"
         assert result["ran"] == result["planned"], f"rank {rank}: executed collectives differ from the plan"
+        stray = {fqn for (fqn, *_), _ in result["regathered"]} - set(result["regather_planned"])
+        assert not stray, f"rank {rank}: gathered again in backward without being planned so: {sorted(stray)}"
+        assert all(p == "backward" and k == "all_gather" for (_, p, k, *_), _ in result["regathered"])

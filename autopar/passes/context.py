@@ -30,6 +30,9 @@ class PassContext:
     """Inputs arrive already split as planned (else every rank passes the whole batch)."""
     device_type: str = "cpu"
     """Device the rank's tensors live on ("cpu", "cuda")."""
+    regather: frozenset[str] = frozenset()
+    """FQNs of the parameters whose gathers run as ``self.regather`` (ZeRO-3: the plan's
+    ``memory.regather``)."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

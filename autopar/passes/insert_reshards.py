@@ -5,6 +5,7 @@ needs) and the backward one (the gradient the consumer sends -> what the produce
 wants). A parameter's gradient stays Partial on its sync dims; the runtime all-reduces
 it once after backward. User inputs arrive whole and are sliced here unless they come
 already split; a training step's loss is reduced so every rank returns all of it.
+A ZeRO-3 parameter's gather is a ``self.regather`` call instead (``autopar.runtime.regather``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.cost.model import grad_placements, param_grad_target
 from autopar.passes.context import PassContext, plan_name, strategy_of
-from autopar.rules.redistribute import redistribute_steps
+from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import Placements, placement_str
 from autopar.solver.nodes import INPUT, PARAM
 
@@ -121,15 +122,30 @@ def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc
             raise RuntimeError(f"{name} must take {src} as produced (it writes into it in place, or is a view "
                                f"of a tensor written in place), but the plan reshards it: {args[1:]} "
                                "(forward, and gradient, placements)")
+        target, args = _regather_call(pc, src, produced, required, args)
         # Consumers needing the same placement (and sending back the same gradient
         # placement) share one reshard: autograd sums their gradients before its backward.
         # Not across a write in place: a reshard made before it holds the old values.
-        key = (args, plan_node.version(k))
+        key = (target, args, plan_node.version(k))
         reshard = shared.get(key)
         if reshard is None:
             with gm.graph.inserting_before(node):
-                reshard = shared[key] = gm.graph.call_module("reshard", args)
+                reshard = shared[key] = gm.graph.call_module(target, args)
         _replace_slot(node, slot, reshard)
+
+
+def _regather_call(pc: PassContext, src: str, produced: Placements, required: Placements, args: tuple[Any, ...]
+                   ) -> tuple[str, tuple[Any, ...]]:
+    """``self.regather(x, fqn, ...)`` for a ZeRO-3 parameter's gather (its gathered copy is
+    not kept for backward: the runtime gathers it again there), else ``self.reshard(...)``.
+    Only a forward that gathers: any other step leaves a tensor no bigger than the shard."""
+    producer = pc.graph.nodes[src]
+    fqn = producer.fqn or src
+    if producer.kind != PARAM or fqn not in pc.regather:
+        return "reshard", args
+    if not any(step.kind == ALL_GATHER for step in redistribute_steps(produced, required)):
+        return "reshard", args
+    return "regather", (args[0], fqn, *args[1:])
 
 
 def _slot_value(node: torch.fx.Node, slot: tuple[str, Any]) -> torch.fx.Node:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from autopar.capture.step import StepSignature
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import local_shard
+from autopar.runtime.regather import regather_hooks
 from autopar.solver.plan import Plan
 
 
@@ -71,6 +73,8 @@ class ParallelModule(nn.Module):
             elif kind == "constant":
                 self._constants[name] = local[name]
         self._params_by_node = params_by_node
+        # ZeRO-3: saved gathered parameters are swapped for handles and gathered again in backward
+        self._regathers = any(n.op == "call_module" and n.target == "regather" for n in gm.graph.nodes)
         self.grad_sync = GradSync(plan.grad_buckets, params_by_node, device_mesh)
 
     @property
@@ -94,7 +98,8 @@ class ParallelModule(nn.Module):
                 values.append(self._constants[name])
             else:
                 values.append(self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn))
-        outputs = self.program(*values)
+        with regather_hooks() if self._regathers else contextlib.nullcontext():
+            outputs = self.program(*values)
         wrapped = [DTensor.from_local(o, self.device_mesh, placements or (Replicate(),) * self.device_mesh.ndim,
                                       run_check=False) if isinstance(o, torch.Tensor) else o
                    for o, placements in zip(outputs, self._outputs)]

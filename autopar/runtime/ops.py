@@ -29,6 +29,9 @@ class CollectiveLog:
     """What ran: (phase, kind, mesh dim, bytes of M) per collective."""
 
     entries: list[tuple[str, str, int, int]] = field(default_factory=list)
+    regathers: list[tuple[str, tuple[str, str, int, int]]] = field(default_factory=list)
+    """(parameter FQN, entry) for each collective of a ZeRO-3 regather in backward (also in
+    ``entries``): the plan does not list them yet."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -88,13 +91,16 @@ class Comm:
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, fwd: tuple[Step, ...],  # type: ignore[override]
-                bwd: tuple[Step, ...]) -> torch.Tensor:
+                bwd: tuple[Step, ...], own_storage: bool = False) -> torch.Tensor:
         ctx.comm, ctx.bwd = comm, bwd
-        return comm.run(x, fwd, "forward")
+        out = comm.run(x, fwd, "forward")
+        if own_storage and (out._base is not None or not out.is_contiguous() or out.storage_offset() != 0):
+            out = out.clone(memory_format=torch.contiguous_format)  # a view would keep its whole base alive
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        return ctx.comm.run(grad, ctx.bwd, "backward"), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return ctx.comm.run(grad, ctx.bwd, "backward"), None, None, None, None
 
 
 class Reshard(nn.Module):

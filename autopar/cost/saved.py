@@ -1,0 +1,101 @@
+"""Which inputs of an op autograd saves for backward.
+
+ZeRO-3 frees a parameter's gathered copy after its forward use and gathers it again for
+each saved use in backward (``autopar.runtime.regather``). So a consuming edge costs a
+backward all-gather exactly when its op saves that input (or a view of it: linear saves
+``weight.t()``), and a ZeRO-2 parameter stays gathered until backward only through such
+uses. Examples (checked in tests/test_numerics_zero.py against eager autograd):
+``linear`` saves its weight (for the input's gradient) but not its bias; ``layer_norm``
+saves weight and bias; ``rms_norm`` and ``mul`` save a factor when the other factor
+needs a gradient; ``embedding`` saves only its indices, so its table is never regathered.
+
+The answer is read off autograd itself: the op runs once on meta tensors (no data, no
+compute) under ``saved_tensors_hooks`` that note which inputs, or views of them, get
+saved. Results are cached per op, argument geometry and which inputs need gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+_CACHE: dict[Any, tuple[bool, ...]] = {}
+"""Probe results by (op, argument geometry, tree structure, which inputs need gradients)."""
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def _describe(value: Any) -> Any:
+    """A hashable stand-in for one argument: tensors by geometry and dtype."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_describe(v) for v in value))
+    return ("V", repr(value))
+
+
+def saved_inputs(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None = None,
+                 needs_grad: Sequence[bool] | None = None) -> tuple[bool, ...]:
+    """For each tensor argument of ``target(*args, **kwargs)`` (positional ones first, inside
+    lists too, then keyword ones: the order insert_reshards lists an op's tensor slots),
+    whether autograd saves it, or a view of it, for backward.
+
+    Tensors may be real, fake or meta; only their shapes and dtypes are read.
+    ``needs_grad`` says which of them require a gradient (default: every floating one).
+    """
+    kwargs = kwargs or {}
+    leaves, spec = tree_flatten((list(args), dict(kwargs)))
+    tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if needs_grad is None:
+        needs_grad = [leaves[i].is_floating_point() for i in tensor_at]
+    if len(needs_grad) != len(tensor_at):
+        raise ValueError(f"needs_grad has {len(needs_grad)} entries for {len(tensor_at)} tensor arguments")
+    key = (target, _describe(leaves), str(spec), tuple(bool(g) for g in needs_grad))
+    if key not in _CACHE:  # the key is all tuples of strings, shapes and dtypes: it hashes
+        _CACHE[key] = _probe(target, list(leaves), spec, key[3])
+    return _CACHE[key]
+
+
+def saves_input(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None, index: int,
+                needs_grad: Sequence[bool] | None = None) -> bool:
+    """Whether autograd saves the ``index``-th tensor argument (order as ``saved_inputs``)."""
+    return saved_inputs(target, args, kwargs, needs_grad)[index]
+
+
+def _probe(target: Callable[..., Any], leaves: list[Any], spec: Any, needs_grad: tuple[bool, ...]
+           ) -> tuple[bool, ...]:
+    inputs: list[torch.Tensor] = []
+    grads = iter(needs_grad)
+    for i, v in enumerate(leaves):
+        if isinstance(v, torch.Tensor):
+            t = torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+            leaves[i] = t.requires_grad_(next(grads) and t.is_floating_point())
+            inputs.append(leaves[i])
+    saved_roots: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved_roots.append(_root(t))
+        return t
+
+    args, kwargs = tree_unflatten(leaves, spec)
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op meta tensors cannot run (it reads data): assume it
+        return tuple(True for _ in inputs)  # saves everything, the side that never underprices memory
+    return tuple(any(r is t for r in saved_roots) for t in inputs)
+
+
+def saved_inputs_of_node(node: torch.fx.Node, needs_grad: Sequence[bool] | None = None) -> tuple[bool, ...]:
+    """``saved_inputs`` of a call in a captured graph, its arguments read from ``meta["val"]``."""
+    def val(a: torch.fx.Node) -> Any:
+        return a.meta.get("val")
+    return saved_inputs(node.target, torch.fx.node.map_arg(node.args, val),  # type: ignore[arg-type]
+                        torch.fx.node.map_arg(node.kwargs, val), needs_grad)

@@ -1,0 +1,116 @@
+"""ZeRO-3 (FSDP ``reshard_after_forward=True``): a parameter's gathered copy is freed after
+its forward use and gathered again in backward.
+
+``self.regather(p, fqn, src, dst, grad_src, grad_dst)`` runs like ``self.reshard`` (same
+forward gather, same backward reduce-scatter of the gradient) but tags its output. While
+the program runs under ``regather_hooks()``, autograd's pack hook swaps every saved
+tensor that is a tagged output, or a view of one (linear saves ``weight.t()``), for a
+small handle: the local shard, the redistribution steps and the view's geometry. Nothing
+then holds the gathered tensor past its consumers, so it is freed when the program drops
+it. Unpacking in backward runs the gather again (logged as a backward all_gather) and
+rebuilds the view; each saved use gathers on its own (no caching: the copy lives only as
+long as the backward op reading it). Which ops save the parameter, and so cost a
+regather: ``autopar.cost.saved``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.rules.redistribute import Step
+from autopar.runtime.ops import Comm, _Redistribute, _steps
+
+_TAG = "_autopar_regather"
+"""Attribute of a gathered output holding its ``_Source``."""
+
+
+@dataclass(frozen=True)
+class _Source:
+    """How to make a gathered parameter again: its local shard and the forward steps."""
+
+    comm: Comm
+    shard: torch.Tensor
+    """The parameter's local shard, detached (the optimizer steps only after backward, so
+    it still holds the forward's values when backward regathers)."""
+    steps: tuple[Step, ...]
+    fqn: str
+
+    def gather(self) -> torch.Tensor:
+        """The gathered tensor again, contiguous and owning its storage (as in forward)."""
+        log = self.comm.log
+        first = len(log.entries) if log is not None else 0
+        with torch.no_grad():
+            out = _own_storage(self.comm.run(self.shard, self.steps, "backward"))
+        if log is not None:
+            log.regathers.extend((self.fqn, entry) for entry in log.entries[first:])
+        return out
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A saved tensor's stand-in: where to gather from and the view to rebuild."""
+
+    source: _Source
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    whole: bool
+    """The saved tensor was the gathered tensor itself, not a view of it."""
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor that is no view (a slice of a gather would otherwise keep
+    the whole gather alive as its base, and its views' offsets would not be reproducible)."""
+    if t._base is not None or not t.is_contiguous() or t.storage_offset() != 0:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _pack(t: torch.Tensor) -> Any:
+    root = t if t._base is None else t._base
+    source: _Source | None = getattr(root, _TAG, None)
+    if source is None or t.dtype != root.dtype:
+        return t
+    whole = t is root
+    return _Saved(source, tuple(t.shape), tuple(t.stride()), t.storage_offset(), whole)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    if not isinstance(saved, _Saved):
+        return saved
+    full = saved.source.gather()
+    return full if saved.whole else full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+@contextlib.contextmanager
+def regather_hooks() -> Iterator[None]:
+    """Run a program so that the tagged gathered parameters it saves are gathered again in backward."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        yield
+
+
+class Regather(nn.Module):
+    """``self.regather(x, fqn, src, dst, grad_src, grad_dst)``: ``self.reshard`` for a
+    ZeRO-3 parameter ``fqn``, whose gathered output autograd does not keep."""
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, fqn: str, src: str, dst: str, grad_src: str = "",
+                grad_dst: str = "") -> torch.Tensor:
+        fwd = _steps(src, dst)
+        bwd = _steps(grad_src, grad_dst) if grad_src else ()
+        if x.requires_grad and torch.is_grad_enabled():
+            out = _Redistribute.apply(x, self.comm, fwd, bwd, True)
+        else:
+            out = _own_storage(self.comm.run(x, fwd, "forward"))
+        if out is not x and out._base is not x:  # nothing ran (one rank on the axis): x is no copy
+            setattr(out, _TAG, _Source(self.comm, x.detach(), fwd, fqn))
+        return out
