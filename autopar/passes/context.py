@@ -8,6 +8,7 @@ import torch.fx
 
 from autopar.cost.model import CostContext
 from autopar.rules.strategy import Strategy
+from autopar.solver.memory import MemoryPlan
 from autopar.solver.nodes import PlanGraph
 
 STRATEGY = "autopar.strategy"
@@ -30,6 +31,8 @@ class PassContext:
     """Inputs arrive already split as planned (else every rank passes the whole batch)."""
     device_type: str = "cpu"
     """Device the rank's tensors live on ("cpu", "cuda")."""
+    memory: MemoryPlan | None = None
+    """The plan's memory decisions (which blocks recompute in backward); None: none."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
