@@ -123,6 +123,7 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
                    for k, p in pm.named_parameters() if p in opt.state}
     state = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
     names = mesh.mesh_dim_names
+    recomputed = [e for e in ran if e[0] == "recompute"]  # also checked against the blocks' forward collectives
     return {"losses": losses, "grad_mismatches": mismatches(ref.grads, grads),
             "state_mismatches": mismatches(ref.state, state), "with_grad": sorted(grads),
             "frozen": sorted(k for k, p in pm.named_parameters() if not p.requires_grad),
@@ -130,6 +131,7 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
             "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),
             "regathered": sorted(Counter((fqn, p, k, names[d], b) for fqn, (p, k, d, b) in regathered).items()),
             "regather_planned": sorted(pm.plan.memory.regather), "adam_shapes": adam_shapes,
+            "recomputed": sorted(Counter((p, k, names[d], b) for p, k, d, b in recomputed).items()),
             "planned": sorted(planned_counts(pm.plan).items())}
 
 

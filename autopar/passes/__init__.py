@@ -9,13 +9,15 @@ in this order:
    the reshards, so a count can still read the whole targets input);
 5. retarget_devices: tensors the step creates go to the rank's device;
 6. localize_random: ops that draw random numbers become ``self.random`` calls (one
-   global draw per op, this rank keeping its slice).
+   global draw per op, this rank keeping its slice);
+7. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
+   call of a submodule holding its nodes (last: a block takes its reshards and draws along).
 A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
 rewrite an op whatever its placement, rewrite inside subgraphs too.
-The ``reshard``, ``partial_mean_loss`` and ``random`` modules they call are runtime code
-(``autopar.runtime.ops``, ``autopar.runtime.random``), handed in by the caller: passes
-only write the calls.
+The ``reshard``, ``partial_mean_loss``, ``random`` and ``recompute`` modules they call are
+runtime code (``autopar.runtime.ops``, ``autopar.runtime.random``,
+``autopar.runtime.recompute``), handed in by the caller: passes only write the calls.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from autopar.capture.subgraphs import module_of
 from autopar.passes.annotate_placements import annotate_placements
+from autopar.passes.checkpoint_blocks import checkpoint_blocks
 from autopar.passes.context import PassContext
 from autopar.passes.insert_reshards import insert_reshards
 from autopar.passes.localize_losses import localize_losses
@@ -33,14 +36,15 @@ from autopar.passes.localize_shapes import localize_shapes
 from autopar.passes.retarget_devices import retarget_devices
 
 PASSES = (annotate_placements, localize_shapes, insert_reshards, localize_losses, retarget_devices,
-          localize_random)
+          localize_random, checkpoint_blocks)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]
                       ) -> torch.fx.GraphModule:
     """A per-rank copy of ``gm`` with the plan applied (``gm`` itself is left as it was).
 
-    ``modules`` are the ops the passes call (``reshard``, ``partial_mean_loss``, ``random``).
+    ``modules`` are the ops the passes call (``reshard``, ``partial_mean_loss``, ``random``,
+    ``recompute``).
     """
     gm = _copy(gm)
     for name, module in modules.items():

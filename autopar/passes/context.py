@@ -8,6 +8,7 @@ import torch.fx
 
 from autopar.cost.model import CostContext
 from autopar.rules.strategy import Strategy
+from autopar.solver.memory import MemoryPlan
 from autopar.solver.nodes import PlanGraph
 
 STRATEGY = "autopar.strategy"
@@ -33,6 +34,8 @@ class PassContext:
     regather: frozenset[str] = frozenset()
     """FQNs of the parameters whose gathers run as ``self.regather`` (ZeRO-3: the plan's
     ``memory.regather``)."""
+    memory: MemoryPlan | None = None
+    """The plan's memory decisions (which blocks recompute in backward); None: none."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

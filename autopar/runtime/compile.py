@@ -22,6 +22,7 @@ from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.regather import Regather
 from autopar.runtime.random import RandomOps, agree_seed, make_generator
+from autopar.runtime.recompute import Recompute
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.rules.strategy import Strategy
 from autopar.solver.nodes import BUFFER, INPUT, PARAM
@@ -214,10 +215,11 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
     comm = Comm(mesh)
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
                      input_sharded=input_sharded, device_type=mesh.device_type,
-                     regather=frozenset(step.plan.memory.regather))
+                     regather=frozenset(step.plan.memory.regather), memory=step.plan.memory)
     random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
     program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
-                                                  "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops})
+                                                  "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
+                                                  "recompute": Recompute(comm, random_ops.generator)})
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     shards = ShardInitializer(model, mesh, init_fn, init_seed)
     placeholders: list[tuple[str, str, str]] = []

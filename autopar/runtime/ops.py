@@ -4,12 +4,15 @@ redistribution src -> dst and, in backward, turns the gradient grad_src -> grad_
 
 Collectives are torch's functional collectives on the DeviceMesh's groups. Every
 collective run is appended to ``CollectiveLog`` when one is attached, so tests can
-compare what ran with what the plan listed.
+compare what ran with what the plan listed. A forward collective that runs again while a
+checkpointed block recomputes its activations in backward is logged as phase "recompute".
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +49,21 @@ class Comm:
         self.mesh = mesh
         self.coordinate = mesh.get_coordinate()
         self.log: CollectiveLog | None = None
+        self._recomputing = False
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Forward collectives run inside are a block's recompute (logged as such)."""
+        previous, self._recomputing = self._recomputing, True
+        try:
+            yield
+        finally:
+            self._recomputing = previous
 
     def _record(self, phase: str, kind: str, dim: int, tensor: torch.Tensor) -> None:
         if self.log is not None:
+            if self._recomputing and phase == "forward":
+                phase = "recompute"
             self.log.entries.append((phase, kind, dim, tensor.numel() * tensor.element_size()))
 
     def run(self, x: torch.Tensor, steps: tuple[Step, ...], phase: str) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_map_only
 from torch.distributed.tensor import Placement
 
 from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, writes_first_arg, written_args
@@ -17,6 +18,7 @@ from autopar.capture.step import CaptureError
 from autopar.capture.subgraphs import runs_without_grad, subgraph_call
 from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
+from autopar.cost.saved import saved_inputs
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
                                 step_repeats)
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
@@ -261,19 +263,32 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
     return edge_cost(meta, produced_pl, chosen.inputs[arg], chosen, ctx, **edge_flags(graph, producer, consumer, arg))
 
 
-NOT_SAVED = {_aten.embedding.default: frozenset({0})}
-"""Tensor inputs an op's backward does not keep: an embedding's backward needs the indices, not the table."""
-
-
 def edge_flags(graph: PlanGraph, producer: str, consumer: str, arg: int) -> dict[str, bool]:
     """What ``edge_cost`` and ``gathered_parameter_bytes`` need to know about an edge
     besides placements: a parameter's edge, whether a gradient flows back, whether the
     consumer recomputes in backward and whether its backward keeps this input."""
     node = graph.nodes[consumer]
-    target = node.call.target if node.call is not None else None
     return {"from_parameter": graph.nodes[producer].kind == PARAM,
             "needs_grad": graph.sends_gradient(producer, consumer), "recomputed": node.recompute,
-            "saves_parameter": arg not in NOT_SAVED.get(target, frozenset())}
+            "saves_parameter": graph.nodes[producer].kind != PARAM or _saves_input(graph, node, arg)}
+
+
+def _saves_input(graph: PlanGraph, node: PlanNode, arg: int) -> bool:
+    """Whether the op's backward keeps its ``arg``-th tensor input (``cost.saved``, read off
+    autograd on meta tensors): an embedding keeps its indices, not its table."""
+    call = node.call
+    if call is None or node.kind != OP or call.target is operator.getitem \
+            or isinstance(call.target, torch._ops.HigherOrderOperator):
+        return True
+
+    def meta(a: Any) -> Any:
+        return torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, TensorMeta) else a
+    needs_grad = [graph.nodes[src].needs_grad for src, _ in node.args]
+    try:
+        return saved_inputs(call.target, tree_map_only(TensorMeta, meta, call.args),
+                            tree_map_only(TensorMeta, meta, call.kwargs), needs_grad)[arg]
+    except (ValueError, IndexError, TypeError):  # arguments it cannot lay out: assume kept (never underpriced)
+        return True
 
 
 __all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "leaf_costs"]

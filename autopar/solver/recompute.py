@@ -39,16 +39,20 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str]) -> PlanGraph:
             continue  # ops with no backward save nothing and replay nothing
         leaves = any(block_of(graph.nodes[c].module) != block for c, _, _ in consumers[name]) \
             or name in graph.output_names
-        nodes[name] = _recomputed(node, block, policy, keep=leaves or kept_by_policy(policy, node.family))
+        nodes[name] = _recomputed(node, block, policy, keep=leaves or kept_by_policy(policy, _target(node)))
     return replace(graph, nodes=nodes)
 
 
 def _recomputed(node: PlanNode, block: str, policy: str, *, keep: bool) -> PlanNode:
-    cached = policy == "selective" and kept_by_policy(policy, node.family)  # the replay reads it, runs nothing
+    cached = kept_by_policy(policy, _target(node))  # the replay reads it from its cache, runs nothing
     costs = [NodeCost(c.time + (0.0 if cached else c.forward), c.memory if keep else 0.0, c.forward)
              for c in node.costs]
     dropped = [0.0 if keep else c.memory for c in node.costs]
     return replace(node, costs=costs, block=block, recompute_memory=dropped)
+
+
+def _target(node: PlanNode) -> object:
+    return node.call.target if node.call is not None else None
 
 
 def block_peak(graph: PlanGraph, memory_of: dict[str, float]) -> float:
