@@ -318,9 +318,10 @@ def _search(prepared: PreparedStep) -> Solution:
     if free.memory_bytes <= prepared.memory_limit:
         return free
     best: Solution | None = None
-    for scenario in scenarios:
+    for scenario in scenarios:  # each only needs to beat the best so far: HiGHS prunes by it
         try:
-            found = _solve(prepared.under(scenario), prepared.memory_limit, explain=False)
+            found = _solve(prepared.under(scenario), prepared.memory_limit, explain=False,
+                           cutoff_s=None if best is None else best.objective_s)
         except MemoryLimitError:
             continue
         if best is None or found.objective_s < best.objective_s:

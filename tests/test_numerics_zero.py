@@ -122,7 +122,8 @@ def test_zero_matches_single_device(case: Case) -> None:
         else:
             assert r["regather_calls"] > 0
             assert r["got"] == r["want"] and r["got"], (r["got"], r["want"])
-        if case.model == "gpt_tied":  # the embedding's use saves nothing; the head's saves the table
+        if case.model == "gpt_tied" and "wte.weight" in r["regather_planned"]:
+            # the embedding's use saves nothing; the head's saves the table (when the plan gathers it)
             assert sum(n for k, n in r["got"].items() if k in ("wte.weight", "lm_head.weight")) == 1, r["got"]
 
 
@@ -154,7 +155,7 @@ def _gathers_alive(rank: int, world: int, stage: int) -> dict[str, Any]:
 def test_zero3_frees_gathered_parameters_after_forward() -> None:
     zero2 = run_ranks(_gathers_alive, 2, 2)[0]
     zero3 = run_ranks(_gathers_alive, 2, 3)[0]
-    assert zero3["gathers"] == zero2["gathers"] > 0
+    assert zero3["gathers"] > 0 and zero2["gathers"] > 0  # (the plans may differ: a re-gather is priced)
     assert zero3["alive"] == 0
     assert zero2["alive"] > 0  # linear and layer_norm keep theirs until backward (embedding does not)
 

@@ -89,6 +89,7 @@ def plan_command(args: argparse.Namespace) -> int:
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
+                        zero=args.zero, checkpoint=args.checkpoint, micro_batches=args.micro_batches,
                         progress=sys.stderr.isatty())
     from rich.console import Console
 
@@ -109,6 +110,17 @@ def _positive(kind: type) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
     return parse
+
+
+def _zero_stages(text: str) -> dict[str, int]:
+    """``dp=3,fsdp=2`` -> {"dp": 3, "fsdp": 2} (stages are checked against the mesh later)."""
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        axis, _, stage = item.partition("=")
+        if not axis or not stage.isdigit() or axis in out:
+            raise argparse.ArgumentTypeError(f"expected AXIS=STAGE[,AXIS=STAGE...] with each axis once, got {text!r}")
+        out[axis] = int(stage)
+    return out
 
 
 def _fraction(text: str) -> float:
@@ -140,6 +152,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-only", action="store_true", help="plan a forward-only step (no backward/optimizer)")
     p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
+    memory = p.add_argument_group("memory choices (default: the planner picks them by the memory limit)")
+    memory.add_argument("--zero", type=_zero_stages, default=None, metavar="AXIS=STAGE,...",
+                        help="pin a ZeRO stage per data axis: 0 (DDP), 2 (parameters stored split, kept gathered "
+                             "until backward), 3 (gathered again in backward), e.g. dp=3")
+    memory.add_argument("--checkpoint", choices=["none", "selective", "full"], default=None,
+                        help="pin activation checkpointing of the repeated blocks")
+    memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",
+                        help="pin the number of micro-batches a step runs (must divide the batch)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
     return top

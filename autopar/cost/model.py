@@ -112,6 +112,19 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     return NodeCost(time * runs, memory, forward * runs)
 
 
+def backward_time(cost: NodeCost, ctx: CostContext) -> float:
+    """Seconds of an op's backward in the last micro-batch (what gradient buckets can overlap;
+    a checkpointed op's recompute runs in backward too)."""
+    return (cost.time - cost.forward) / step_repeats(ctx)
+
+
+def exposed_sync_time(sync_s: float, backward_s: float, ctx: CostContext) -> float:
+    """Seconds of gradient bucket all-reduces a step waits for: those beyond what runs beside
+    the last micro-batch's backward (``HardwareProfile.grad_sync_overlap``)."""
+    overlap = ctx.mesh.hardware.grad_sync_overlap if ctx.train else 0.0
+    return max(0.0, sync_s - overlap * backward_s)
+
+
 def step_repeats(ctx: CostContext) -> int:
     """How many times a step runs the captured (micro-batch) program: once per micro-batch."""
     return ctx.micro_batches if ctx.train else 1

@@ -20,6 +20,11 @@ class GradSyncTerms:
     gradient on d. Per mesh dim, the integer k[d] >= (bytes reduced on d) / bucket size is
     the number of buckets ``gradient_buckets`` cuts them into, each paying a call's fixed cost
     and latency (``call_time``).
+
+    Buckets run beside backward, so where the hardware hides them (``grad_sync_overlap``
+    > 0) their seconds go into one exposed-time variable instead of the objective:
+    e >= (sync seconds) - overlap x (the last micro-batch's backward seconds), e >= 0
+    (``exposed_sync_time`` prices the plan the same way).
     """
 
     def __init__(self, model: Model, graph: PlanGraph, ctx: CostContext, mult: dict[str, int], *,
@@ -27,6 +32,8 @@ class GradSyncTerms:
         self.model, self.graph, self.ctx, self.mult, self.priced = model, graph, ctx, mult, priced
         self.y: dict[tuple[str, object, int], int] = {}
         self.bytes_on: dict[int, dict[int, float]] = defaultdict(dict)  # dim -> {y: bytes it adds}
+        self.overlap = ctx.mesh.hardware.grad_sync_overlap if priced and ctx.train else 0.0
+        self.seconds: dict[int, float] = {}  # sync variable -> objective units it adds, when overlapped
 
     def edge(self, producer: str, keys_p: list, keys_c: list, sends_gradient: bool) -> "_EdgeSync":
         """The sync terms of one edge out of ``producer``; none unless its consumer sends a gradient back."""
@@ -47,7 +54,7 @@ class GradSyncTerms:
             assert meta is not None
             call, = param_sync_calls(meta, produced, frozenset({dim}), self.ctx)  # type: ignore[arg-type]
             weight = self.mult[producer] * transfer_time(call, self.ctx.mesh) * SCALE if self.priced else 0.0
-            self.y[key] = self.model.var(weight, integer=False)
+            self.y[key] = self._priced_var(weight, integer=False, upper=1.0)
             self.bytes_on[dim][self.y[key]] = float(self.mult[producer] * call.nbytes)
         return self.y[key]
 
@@ -57,9 +64,28 @@ class GradSyncTerms:
         for dim, row in self.bytes_on.items():
             most = bucket_count(sum(row.values()), self.ctx.bucket_bytes)
             per_call = call_time(ALL_REDUCE, dim, mesh)
-            k = self.model.var(per_call * SCALE if self.priced else 0.0, integer=True, upper=float(most))
+            k = self._priced_var(per_call * SCALE if self.priced else 0.0, integer=True, upper=float(most))
             self.model.rows.append(({k: float(self.ctx.bucket_bytes), **{y: -b for y, b in row.items()}},
                                     0.0, INF))
+
+
+    def _priced_var(self, weight: float, *, integer: bool, upper: float) -> int:
+        if not self.overlap:
+            return self.model.var(weight, integer=integer, upper=upper)
+        j = self.model.var(0.0, integer=integer, upper=upper)
+        self.seconds[j] = weight
+        return j
+
+    def add_overlap_row(self, backward: dict[int, float]) -> None:
+        """e >= sync - overlap x backward (both in objective units), e >= 0, e in the objective.
+        ``backward``: variable -> the last micro-batch's backward seconds (x SCALE) it selects."""
+        if not self.seconds:
+            return
+        e = self.model.var(1.0, integer=False, upper=INF)
+        row = {e: 1.0, **{j: -w for j, w in self.seconds.items()}}
+        for j, w in backward.items():
+            row[j] = row.get(j, 0.0) + self.overlap * w
+        self.model.rows.append((row, 0.0, INF))
 
 
 class _EdgeSync:

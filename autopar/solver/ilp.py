@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 
 from autopar.cost.collectives import grad_placement_at_consumer
-from autopar.cost.model import CostContext, gathered_parameter_bytes
+from autopar.cost.model import CostContext, backward_time, gathered_parameter_bytes
 from autopar.errors import InputError
 from autopar.solver.blocks import Folding
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import edge_flags, price_edge
-from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes
@@ -80,9 +80,11 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
 
 
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
-          *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True) -> Solution:
+          *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
+          cutoff_s: float | None = None) -> Solution:
     """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``).
-    With ``explain`` a MemoryLimitError says what the leanest plan needs (another solve)."""
+    With ``explain`` a MemoryLimitError says what the leanest plan needs (another solve).
+    With ``cutoff_s`` only a plan faster than that counts (else MemoryLimitError, unexplained)."""
     start = time.perf_counter()
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
@@ -118,13 +120,15 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         if len(keys) > 1:
             _add_shared(model, [links[k] for k in keys], count, memory_row)
     sync.add_bucket_rows()
+    sync.add_overlap_row({j: mult[v] * backward_time(cost, ctx) * SCALE for v in reps if graph.nodes[v].kind == OP
+                          for j, cost in zip(x[v], graph.nodes[v].costs)})
     _add_recompute_peak(model, graph, reps, x, memory_row, minimize_memory)
     if memory_limit is not None and not minimize_memory:
         model.rows.append((memory_row, -INF, float(memory_limit)))
     build = time.perf_counter() - start
-    result = run(model, time_limit_s)
+    result = run(model, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE)
     if result.values is None:
-        if not explain and result.status == "infeasible" and memory_limit is not None:
+        if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
             raise MemoryLimitError(f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
         _raise_no_plan(graph, folding, ctx, memory_limit, minimize_memory, result.status, time_limit_s)
     values = result.values

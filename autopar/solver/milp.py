@@ -46,7 +46,9 @@ class Result:
     time_limit_s: float
 
 
-def run(model: Model, time_limit_s: float) -> Result:
+def run(model: Model, time_limit_s: float, cutoff: float | None = None) -> Result:
+    """Solve ``model``; with ``cutoff`` (objective units) only a plan cheaper than it counts:
+    HiGHS prunes by it and reports 'infeasible' when there is none."""
     # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
     # banner to stdout doing so, which would land in the CLI's output.
     h = _Highs()
@@ -55,6 +57,8 @@ def run(model: Model, time_limit_s: float) -> Result:
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("mip_rel_gap", 1e-7)
     h.setOptionValue("time_limit", float(time_limit_s))
+    if cutoff is not None:
+        h.setOptionValue("objective_bound", float(cutoff))
     n = len(model.cost)
     h.addCols(n, np.array(model.cost), np.zeros(n), np.array(model.upper), 0,
               np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))

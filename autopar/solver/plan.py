@@ -9,12 +9,13 @@ from typing import Any
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, gradient_buckets
-from autopar.cost.model import CostContext, gathered_parameter_bytes, grad_placements, grad_sync_dims, step_repeats
+from autopar.cost.model import (CostContext, backward_time, exposed_sync_time, gathered_parameter_bytes, grad_placements,
+                                grad_sync_dims, step_repeats)
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
 from autopar.solver.graph import edge_flags, loss_count_reductions, loss_replication, price_edge
-from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute import block_peak
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
@@ -74,15 +75,18 @@ class Fallback:
 @dataclass(kw_only=True)
 class Predicted:
     step_time_s: float
-    """Seconds per training step: forward, backward, optimizer and communication (not overlapped)."""
+    """Seconds per training step: forward, backward, optimizer and the communication not hidden."""
     compute_time_s: float
     comm_time_s: float
+    """Seconds of communication the step waits for (exposed)."""
     peak_memory_bytes: float
     """Per device: model state (or weights) plus activations kept for backward."""
     parameter_memory_bytes: float
     activation_memory_bytes: float
     comm_bytes: dict[str, float]
     """Bytes one device sends per step, by mesh axis."""
+    hidden_comm_time_s: float = 0.0
+    """Seconds of gradient-bucket all-reduces that run beside backward compute (not in the step time)."""
 
 
 @dataclass(kw_only=True)
@@ -244,10 +248,15 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         loss = graph.nodes[graph.loss]
         for call in loss_replication(loss, chosen[graph.loss], ctx):
             ledger.record(call, "forward", graph.loss, "output", loss.module, step_repeats(ctx))
-    comm_time = sum(c.time_s * c.count for c in ledger.collectives)
+    total_comm = sum(c.time_s * c.count for c in ledger.collectives)
+    sync = sum(c.time_s * c.count for c in ledger.collectives if c.consumer == "")  # the gradient buckets
+    backward = sum(backward_time(c, ctx) for n, c in zip(graph.order, costs) if graph.nodes[n].kind == OP)
+    hidden = sync - exposed_sync_time(sync, backward, ctx)
+    comm_time = total_comm - hidden
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}
     predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,
+                          hidden_comm_time_s=hidden,
                           peak_memory_bytes=param_mem + act_mem, parameter_memory_bytes=param_mem,
                           activation_memory_bytes=act_mem, comm_bytes=ledger.comm_bytes)
     solver = {"status": solution.status, "gap": solution.gap, "time_limit_s": solution.time_limit_s,

@@ -109,8 +109,9 @@ def render(plan: Plan) -> Group:
     summary.add_row("mesh", " x ".join(f"{k}={v}" for k, v in mesh["axes"].items())
                     + f"  ({mesh['hardware']}, {mesh['devices_per_node']} per node)")
     summary.add_row("step", ("training" if plan.train else "forward only") + f", {plan.precision}")
+    hidden = f", {fmt_time(pred.hidden_comm_time_s)} more hidden behind backward" if pred.hidden_comm_time_s else ""
     summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
-                    f"communication {fmt_time(pred.comm_time_s)})")
+                    f"communication {fmt_time(pred.comm_time_s)}{hidden})")
     limit = f", limit {fmt_bytes(plan.memory_limit_bytes)}" if plan.memory_limit_bytes is not None else ""
     summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  (parameters+state "
                     f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)}"
