@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from autopar.solver.memory import CHECKPOINT_POLICIES, MemoryOptions
 
-MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
+MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch counts the planner tries (those dividing the batch)."""
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
+from autopar import scenarios
 from autopar.api import prepare_step
 from autopar.hardware import GiB, PROFILES
 from autopar.mesh import parse_mesh_spec
@@ -32,6 +33,7 @@ def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count()
 
     # A device whose whole memory just holds the leanest plan: by default the plan must not use it all.
     prepared = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, **step)
+    prepared = prepared.under(scenarios.leanest(prepared.scenarios()))  # micro-batches, checkpointing, ...
     leanest = solve(prepared.graph, prepared.folding, prepared.ctx, None, minimize_memory=True).memory_bytes
     tight = dataclasses.replace(PROFILES["cpu"], memory_bytes=int(leanest / 0.95))
     with pytest.raises(autopar.MemoryLimitError, match=r"\(the limit is the cpu's .* less a headroom of 10%"):

@@ -133,7 +133,8 @@ def test_ilp_matches_brute_force_under_memory_limit() -> None:
 
 def test_memory_limit_no_plan_meets_says_what_best_needs() -> None:
     model, inputs, loss_fn, targets = gpt.build()
-    with pytest.raises(MemoryLimitError, match=r"least memory needs [0-9.]+ (MiB|KiB|GiB)"):
+    with pytest.raises(MemoryLimitError, match=r"least memory .*needs [0-9.]+ (MiB|KiB|GiB) per device: parameters, gradients and optimizer state "
+                       r"[0-9.]+ (MiB|KiB|GiB), activations"):
         autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
                      memory_limit=1024)
 
@@ -291,8 +292,8 @@ def test_a_plan_stopped_at_the_time_limit_says_so(monkeypatch: pytest.MonkeyPatc
 
     from autopar.solver import ilp, milp
 
-    def stopped_run(model: milp.Model, time_limit_s: float) -> milp.Result:
-        result = milp.run(model, 120.0)
+    def stopped_run(model: milp.Model, time_limit_s: float, cutoff: float | None = None) -> milp.Result:
+        result = milp.run(model, 120.0, cutoff)
         return dataclasses.replace(result, status="time_limit", gap=0.042, time_limit_s=time_limit_s)
 
     monkeypatch.setattr(ilp, "run", stopped_run)

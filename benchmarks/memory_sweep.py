@@ -1,0 +1,173 @@
+"""What the planner chooses as memory gets tight, and how close its figures come to published runs.
+
+Three tables, every plan made by ``autopar.plan`` on meta-device models (nothing runs):
+
+1. The Llama-3-8B shape (vocab 128256, hidden 4096, 32 layers, 32 heads / 8 kv heads,
+   ffn 14336, sequence 4096, global batch 8) on 8 H100s (one ``dp`` axis, which the
+   planner may also use for tensor parallelism or to store parameters split) at memory
+   limits of 80, 40, 24 and 16 GiB: the memory plan chosen, predicted step time and peak
+   memory, and planning seconds. A tighter limit must never predict a faster step.
+2. The Llama-3-70B shape (hidden 8192, 80 layers, 64 / 8 heads, ffn 28672) on 64 H100s
+   (dp=8 x tp=8) at 80 GiB.
+3. Megatron-LM's pipeline-free GPT rows (Narayanan et al. 2021, arXiv 2104.04473, Table 1:
+   1.7B on 32, 3.6B on 64, 7.5B on 128, 18.4B on 256 A100s; sequence 2048, vocab 51200,
+   global batch 512 or 1024; measured 137, 138, 142 and 135 TFLOP/s per GPU with full
+   recomputation), each on Megatron's own dp x tp mesh, with the predicted TFLOP/s per GPU
+   (Megatron's formula: 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step, recomputation
+   included, over the predicted step time) beside the published figure.
+
+Usage: ``python benchmarks/memory_sweep.py [--quick] [--json out.json]`` (``--quick``: the
+8B rows at 80 and 40 GiB only). Single runs on whatever machine this is: planning seconds are
+noisy; the plans and predictions are deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` importable when run as a script
+
+import autopar  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.gpt import lm_loss as gpt_loss  # noqa: E402
+from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+
+DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "memory_sweep.json"
+GiB = 2**30
+LLAMA_8B = LlamaConfig(vocab_size=128256, max_seq_len=4096, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                       layers=32, rope_theta=500000.0)
+LLAMA_70B = LlamaConfig(vocab_size=128256, max_seq_len=4096, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
+                        layers=80, rope_theta=500000.0)
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    """One pipeline-free row of Table 1 of arXiv 2104.04473."""
+
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    gpus: int
+    batch: int
+    published_tflops: float
+
+
+MEGATRON = (MegatronRow("1.7B", 24, 2304, 24, 1, 32, 512, 137.0), MegatronRow("3.6B", 32, 3072, 30, 2, 64, 512, 138.0),
+            MegatronRow("7.5B", 32, 4096, 36, 4, 128, 512, 142.0), MegatronRow("18.4B", 48, 6144, 40, 8, 256, 1024, 135.0))
+
+
+@dataclass
+class Result:
+    label: str
+    mesh: dict[str, int]
+    limit_gib: float | None
+    memory_plan: str = ""
+    step_ms: float | None = None
+    peak_gib: float | None = None
+    plan_s: float = 0.0
+    error: str | None = None
+    tflops: float | None = None
+    published_tflops: float | None = None
+
+
+def plan_row(label: str, model: torch.nn.Module, tokens: torch.Tensor, loss: Any, mesh: autopar.Mesh,
+             limit_gib: float | None) -> Result:
+    result = Result(label, dict(zip(mesh.names, mesh.shape)), limit_gib)
+    start = time.perf_counter()
+    try:
+        plan = autopar.plan(model, mesh, (tokens,), loss_fn=loss, example_targets=(tokens,),
+                            memory_limit=None if limit_gib is None else limit_gib * GiB)
+        result.memory_plan = plan.memory.describe()
+        result.step_ms = plan.predicted.step_time_s * 1e3
+        result.peak_gib = plan.predicted.peak_memory_bytes / GiB
+    except autopar.MemoryLimitError as exc:
+        result.error = str(exc)
+    result.plan_s = time.perf_counter() - start
+    return result
+
+
+def llama_rows(quick: bool) -> list[Result]:
+    with torch.device("meta"):
+        model = Llama(LLAMA_8B)
+        tokens = torch.randint(0, LLAMA_8B.vocab_size, (8, LLAMA_8B.max_seq_len))
+    rows = [plan_row("Llama-3-8B", model, tokens, lm_loss, autopar.Mesh({"dp": 8}, hardware="h100"), gib)
+            for gib in ((80, 40) if quick else (80, 40, 24, 16))]
+    if not quick:
+        with torch.device("meta"):
+            big = Llama(LLAMA_70B)
+            tokens = torch.randint(0, LLAMA_70B.vocab_size, (64, LLAMA_70B.max_seq_len))
+        rows.append(plan_row("Llama-3-70B", big, tokens, lm_loss, autopar.Mesh({"dp": 8, "tp": 8}, hardware="h100"), 80))
+    return rows
+
+
+def megatron_flops(row: MegatronRow, seq: int = 2048, vocab: int = 51200) -> float:
+    """FLOPs per step as Megatron counts them (forward, backward and full recomputation)."""
+    b, s, l, h = row.batch, seq, row.layers, row.hidden
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
+
+
+def megatron_rows() -> list[Result]:
+    rows = []
+    for row in MEGATRON:
+        cfg = GPTConfig(vocab_size=51200, max_seq_len=2048, hidden=row.hidden, heads=row.heads, layers=row.layers)
+        with torch.device("meta"):
+            model = GPT(cfg)
+            tokens = torch.randint(0, cfg.vocab_size, (row.batch, cfg.max_seq_len))
+        axes = {"dp": row.gpus // row.tp, "tp": row.tp} if row.tp > 1 else {"dp": row.gpus}
+        result = plan_row(f"GPT {row.name} (Megatron)", model, tokens, gpt_loss, autopar.Mesh(axes, hardware="a100"), 80)
+        result.published_tflops = row.published_tflops
+        if result.step_ms is not None:
+            result.tflops = megatron_flops(row) / (result.step_ms / 1e3) / row.gpus / 1e12
+        rows.append(result)
+    return rows
+
+
+def print_table(rows: list[Result]) -> None:
+    print(f"{'model':<22} {'mesh':<14} {'limit':>6} {'step ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'publ.':>6} "
+          f"{'plan s':>7}  memory plan")
+    for r in rows:
+        mesh = "x".join(f"{k}{v}" for k, v in r.mesh.items())
+        step = f"{r.step_ms:9.1f}" if r.step_ms is not None else f"{'-':>9}"
+        peak = f"{r.peak_gib:9.2f}" if r.peak_gib is not None else f"{'-':>9}"
+        tf = f"{r.tflops:8.1f}" if r.tflops is not None else f"{'-':>8}"
+        pub = f"{r.published_tflops:6.0f}" if r.published_tflops is not None else f"{'-':>6}"
+        limit = f"{r.limit_gib:g}" if r.limit_gib is not None else "-"
+        print(f"{r.label:<22} {mesh:<14} {limit:>6} {step} {peak} {tf} {pub} {r.plan_s:7.1f}  "
+              f"{r.memory_plan or r.error}")
+
+
+def monotone(rows: list[Result]) -> bool:
+    """A tighter limit never predicts a faster step (rows of one model, loosest limit first)."""
+    steps = [r.step_ms for r in rows if r.step_ms is not None]
+    return all(a <= b for a, b in zip(steps, steps[1:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args()
+    llama = llama_rows(args.quick)
+    rows = llama + ([] if args.quick else megatron_rows())
+    print_table(rows)
+    eight = [r for r in llama if r.label == "Llama-3-8B"]
+    print(f"\nLlama-3-8B: tighter limits never predict a faster step: {monotone(eight)}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "monotone_8b": monotone(eight)}, indent=1))
+    print(f"written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
