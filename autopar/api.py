@@ -336,11 +336,11 @@ def _nothing_fits(prepared: PreparedStep, scenarios: list[Scenario]) -> MemoryLi
     lean = prepared.under(leanest(scenarios))
     solution = _solve(lean, None, minimize_memory=True)
     predicted = finish_step(lean, solution).plan.predicted
+    parts = ", ".join(f"{kind} {fmt_bytes(b)}" for kind, b in
+                      sorted(predicted.memory_parts.items(), key=lambda item: -item[1]) if b)
     return MemoryLimitError(
         f"no plan fits the memory limit of {fmt_bytes(prepared.memory_limit)} per device; the plan with the least "
-        f"memory ({lean.scenario.describe()}) needs {fmt_bytes(predicted.peak_memory_bytes)} per device: parameters, "
-        f"gradients and optimizer state {fmt_bytes(predicted.parameter_memory_bytes)}, activations "
-        f"{fmt_bytes(predicted.activation_memory_bytes)}")
+        f"memory ({lean.scenario.describe()}) needs {fmt_bytes(predicted.peak_memory_bytes)} per device: {parts}")
 
 
 def _memory_plan(prepared: PreparedStep) -> MemoryPlan:

@@ -20,7 +20,10 @@ class Precision:
     state_bytes_per_param: int
     """Bytes per parameter element kept for training: weights, gradient, master copy, Adam m and v."""
     weight_bytes_per_param: int
-    """Bytes per parameter element for a forward-only step."""
+    """Bytes per parameter element of the weights the step computes with (all a forward-only step keeps)."""
+    grad_bytes_per_param: int
+    """Bytes per parameter element of its gradient; the rest of the state is the optimizer's
+    (master copy, Adam m and v): ``state - weight - grad``."""
 
     def tensor_bytes(self, meta: TensorMeta, numel: int | None = None) -> int:
         """Bytes of an activation: floats at the compute width, others at their own."""
@@ -31,9 +34,11 @@ class Precision:
 PRECISIONS = {
     # Mixed precision (Micikevicius et al. 2018; ZeRO paper's 16 bytes/param):
     # bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m 4 + v 4.
-    "bf16": Precision(name="bf16", activation_bytes=2, state_bytes_per_param=16, weight_bytes_per_param=2),
+    "bf16": Precision(name="bf16", activation_bytes=2, state_bytes_per_param=16, weight_bytes_per_param=2,
+                      grad_bytes_per_param=2),
     # fp32: weights 4 + grads 4 + Adam m 4 + v 4.
-    "fp32": Precision(name="fp32", activation_bytes=4, state_bytes_per_param=16, weight_bytes_per_param=4),
+    "fp32": Precision(name="fp32", activation_bytes=4, state_bytes_per_param=16, weight_bytes_per_param=4,
+                      grad_bytes_per_param=4),
 }
 
 

@@ -85,6 +85,10 @@ class Predicted:
     activation_memory_bytes: float
     comm_bytes: dict[str, float]
     """Bytes one device sends per step, by mesh axis."""
+    memory_parts: dict[str, float] = field(default_factory=dict)
+    """Peak memory per device by kind: weights, gradients, optimizer state (master copy
+    included), activations (saved for backward, parameters held gathered, a checkpointed
+    block's recompute)."""
     hidden_comm_time_s: float = 0.0
     """Seconds of gradient-bucket all-reduces that run beside backward compute (not in the step time)."""
 
@@ -215,6 +219,25 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     return held, regathered
 
 
+def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, float]:
+    """Weights, gradients and optimizer state per device, as ``parameter_cost`` prices them."""
+    parts = {"weights": 0.0, "gradients": 0.0, "optimizer state": 0.0}
+    precision = ctx.precision
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.kind != PARAM:
+            continue
+        meta = node.outputs[0]
+        assert meta is not None
+        numel = local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape)
+        parts["weights"] += numel * precision.weight_bytes_per_param
+        if ctx.train and node.needs_grad:
+            parts["gradients"] += numel * precision.grad_bytes_per_param
+            parts["optimizer state"] += numel * (precision.state_bytes_per_param - precision.weight_bytes_per_param
+                                                 - precision.grad_bytes_per_param)
+    return parts
+
+
 def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy]) -> list[NodePlacement]:
     return [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
                           outputs=[placement_str(p) for p in chosen[n].outputs],
@@ -256,7 +279,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}
     predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,
-                          hidden_comm_time_s=hidden,
+                          hidden_comm_time_s=hidden, memory_parts={**model_state_parts(graph, chosen, ctx),
+                                                                  "activations": act_mem},
                           peak_memory_bytes=param_mem + act_mem, parameter_memory_bytes=param_mem,
                           activation_memory_bytes=act_mem, comm_bytes=ledger.comm_bytes)
     solver = {"status": solution.status, "gap": solution.gap, "time_limit_s": solution.time_limit_s,
