@@ -30,7 +30,8 @@ def dump(plan: Plan) -> str:
         lines.append(f"  {n.name}: {n.op} {' '.join(n.outputs)} <- {' '.join(n.inputs) or '-'}{mark}")
     lines.append("collectives:")
     for c in plan.collectives:
-        lines.append(f"  {c.phase} {c.kind} @{c.axis} {c.bytes} B  {c.tensor} -> {c.consumer or '(grad sync)'}")
+        times = f" x{c.count}" if c.count > 1 else ""
+        lines.append(f"  {c.phase} {c.kind} @{c.axis} {c.bytes} B{times}  {c.tensor} -> {c.consumer or '(grad sync)'}")
     return "\n".join(lines) + "\n"
 
 
@@ -54,7 +55,7 @@ def check_by_hand(plan: Plan) -> None:
         assert sum(c.bytes for c in buckets) == sum(local[p] for p in params)
         assert len(buckets) == math.ceil(sum(local[p] for p in params) / 2**20 / 25)
         n = axes[axis]
-        sent = sum((2 if c.kind == "all_reduce" else 1) * (n - 1) / n * c.bytes for c in plan.collectives
+        sent = sum((2 if c.kind == "all_reduce" else 1) * (n - 1) / n * c.bytes * c.count for c in plan.collectives
                    if c.axis == axis)
         assert plan.predicted.comm_bytes[axis] == pytest.approx(sent)
 
@@ -68,6 +69,49 @@ def test_golden_plan(model_name: str, mesh_name: str) -> None:
     check_by_hand(plan)
     text = dump(plan)
     path = GOLDEN / f"plan_{model_name}_{mesh_name}.txt"
+    if os.environ.get("AUTOPAR_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with AUTOPAR_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text()
+
+
+MEMORY_CASES = {
+    "gpt_dp2_zero3_full_m2": ("gpt", {"dp": 2}, {"zero": {"dp": 3}, "checkpoint": "full", "micro_batches": 2}),
+    "llama_dp2xtp2_zero2_selective": ("llama", {"dp": 2, "tp": 2}, {"zero": {"dp": 2}, "checkpoint": "selective"}),
+}
+"""Plans with pinned memory choices: micro-batches, checkpointing, ZeRO stages."""
+
+
+def check_memory_by_hand(plan: Plan) -> None:
+    """What the memory choices must show in a plan's collectives, checked without the cost code:
+    the program's collectives run once per micro-batch and gradient buckets once; every forward
+    collective feeding an op of a checkpointed block runs again as 'recompute'; a parameter
+    gathered again in backward (an all-gather in the backward phase of a parameter's tensor)
+    is listed in ``memory.regather``, and only ZeRO-3 lists any."""
+    memory = plan.memory
+    for c in plan.collectives:
+        assert c.count == (1 if c.consumer == "" else memory.micro_batches), c
+    module = {n.name: n.module for n in plan.nodes}
+    in_block = {n for n, m in module.items() if any(m == b or m.startswith(b + ".") for b in memory.checkpoint_blocks)}
+    key = lambda c: (c.kind, c.axis, c.bytes, c.tensor, c.consumer)  # noqa: E731
+    recomputed = sorted(key(c) for c in plan.collectives if c.phase == "recompute")
+    forward_in_blocks = sorted(key(c) for c in plan.collectives if c.phase == "forward" and c.consumer in in_block)
+    assert recomputed == forward_in_blocks
+    params = {n.name for n in plan.nodes if n.op == "parameter"}
+    regathered = {c.tensor for c in plan.collectives if c.phase == "backward" and c.kind == "all_gather"
+                  and c.tensor in params and c.consumer not in in_block}
+    assert len(regathered) == len(memory.regather) and (not regathered or 3 in memory.zero.values())
+
+
+@pytest.mark.parametrize("case", list(MEMORY_CASES))
+def test_golden_memory_plan(case: str) -> None:
+    model_name, axes, pins = MEMORY_CASES[case]
+    model, inputs, loss_fn, targets = MODELS[model_name]()
+    plan = autopar.plan(model, autopar.Mesh(axes, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets, **pins)
+    check_by_hand(plan)
+    check_memory_by_hand(plan)
+    text = dump(plan)
+    path = GOLDEN / f"plan_{case}.txt"
     if os.environ.get("AUTOPAR_UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert path.exists(), f"{path} missing: run with AUTOPAR_UPDATE_GOLDEN=1 and review it"
