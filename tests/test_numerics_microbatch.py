@@ -35,12 +35,24 @@ def _gpt_ignored() -> Any:
     return model, inputs, loss_fn, (targets,)
 
 
+def _regression(reduction: str) -> Callable[[], Any]:
+    """An MLP with mse_loss: a mean over a count shapes fix (weights 1/m), or a sum (weights 1)."""
+    def build() -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+        gen = torch.Generator().manual_seed(2)
+        loss_fn = lambda out, t: torch.nn.functional.mse_loss(out, t, reduction=reduction)  # noqa: E731
+        return model, (torch.randn(32, 16, generator=gen),), loss_fn, (torch.randn(32, 16, generator=gen),)
+    return build
+
+
 def _gpt_dropout() -> Any:
     return gpt.build(gpt.GPTConfig(dropout=0.1, attn_dropout=0.1))
 
 
 MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build, "gpt_ignored": _gpt_ignored,
-                                         "gpt_dropout": _gpt_dropout}
+                                         "gpt_dropout": _gpt_dropout, "mse_mean": _regression("mean"),
+                                         "mse_sum": _regression("sum")}
 TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN, "gpt_ignored": gpt.TP_PLAN}
 
 
@@ -50,24 +62,33 @@ class Case:
     mesh: tuple[int, ...]
     micro_batches: int | None
     plan: str = "dp"
-    """'dp' (data_axes dp) or 'dp_tp' (and the model's TP plan pinned on tp)."""
+    """'dp' (data_axes dp), 'dp_tp' (and the model's TP plan pinned on tp) or 'free'."""
+    zero: int = 0
+    """ZeRO stage on dp: 2 reduce-scatters gradients inside the program, every micro-batch."""
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}-m{self.micro_batches}"
+        zero = f"-zero{self.zero}" if self.zero else ""
+        mesh = "x".join(map(str, self.mesh)) + ("tp" if self.tp_only else "")
+        return f"{self.model}-{mesh}-{self.plan}-m{self.micro_batches}{zero}"
+
+    tp_only: bool = False
+    """A 1-D mesh named tp: the loss runs replicated (the batch is not split)."""
 
     @property
     def names(self) -> tuple[str, ...]:
-        return ("dp", "tp")[: len(self.mesh)]
+        return ("tp",) if self.tp_only else ("dp", "tp")[: len(self.mesh)]
 
     def compile_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"micro_batches": self.micro_batches}
-        if self.plan in ("dp", "dp_tp"):
+        if self.plan in ("dp", "dp_tp") and not self.tp_only:
             kw["data_axes"] = ("dp",)
         if self.plan == "dp_tp":
             kw["constraints"] = TP_PLANS[self.model]
         if self.model.endswith("dropout"):
             kw["seed"] = SEED
+        if self.zero:
+            kw["zero"] = {"dp": self.zero}
         return kw
 
     def reference(self) -> Reference:
@@ -80,7 +101,9 @@ CASES = [
     Case("gpt", (2,), 4), Case("gpt", (2, 2), 2, "dp_tp"), Case("gpt", (2, 2), 4, "dp"),
     Case("llama", (2,), 2), Case("llama", (2, 2), 4, "dp_tp"),
     Case("gpt_ignored", (2,), 4), Case("gpt_ignored", (2, 2), 2, "dp_tp"),
-    Case("gpt_dropout", (2,), 2),
+    Case("gpt_dropout", (2,), 2), Case("gpt", (2,), 2, "free", zero=2),
+    Case("gpt_ignored", (2,), 4, "dp_tp", tp_only=True),  # a replicated loss counts its whole targets
+    Case("mse_mean", (2,), 4), Case("mse_sum", (2,), 4),
     Case("gpt", (2,), None),  # one micro-batch: pm.step is forward + backward
 ]
 
@@ -90,7 +113,9 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     model, inputs, loss_fn, targets = MODELS[case.model]()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
     assert pm.plan.memory.micro_batches == (case.micro_batches or 1)
-    return run_compiled(pm, (*inputs, *targets), ref, step=True)
+    counts = [repr(n.args[1:3]) for n in pm.program.graph.nodes  # a count may be a placeholder: no Nodes in results
+              if n.op == "call_module" and n.target == "partial_mean_loss"]
+    return {**run_compiled(pm, (*inputs, *targets), ref, step=True), "counts": counts}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -99,6 +124,10 @@ def test_step_matches_single_device(case: Case) -> None:
     results = run_ranks(train_on_rank, 4 if len(case.mesh) == 2 else 2, case, ref)
     check(results, ref)
     assert any(r["ran"] for r in results)
+    if case.tp_only:  # counted on the whole targets, no collective: the count the step weighs by
+        assert results[0]["counts"] == [repr(((), None))], results[0]["counts"]
+    if case.zero:  # parameters stored split: gathered in the program, their gradients reduced there too
+        assert any(kind == "all_gather" for (_, kind, _, _), _ in results[0]["ran"]), results[0]["ran"]
 
 
 def test_unweighted_micro_batches_would_differ() -> None:
