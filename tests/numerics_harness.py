@@ -67,6 +67,30 @@ def reference(build: Callable[[], Any], steps: int = STEPS, seed: int | None = N
     return Reference(losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
+def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: int = STEPS,
+                          seed: int | None = None) -> Reference:
+    """``reference`` as single-device gradient accumulation: each step runs the batch as
+    ``micro_batches`` consecutive blocks of rows, each loss weighted 1/m (a mean over a fixed
+    number of elements per micro-batch), random ops drawing micro-batch after micro-batch."""
+    model, inputs, loss_fn, targets = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    if seed is not None:
+        torch.manual_seed(seed)
+    losses, grads = [], {}
+    for step in range(steps):
+        total = 0.0
+        for x, t in zip(zip(*(i.chunk(micro_batches) for i in inputs)), zip(*(t.chunk(micro_batches) for t in targets))):
+            loss = (loss_fn(model(*x), *t) if loss_fn is not None else model(*x)) / micro_batches
+            loss.backward()
+            total += loss.item()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        losses.append(total)
+        opt.step()
+        opt.zero_grad()
+    return Reference(losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
 def mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
     """Names whose whole tensors differ beyond the tolerance of their dtype (or are missing)."""
     out = []
@@ -95,8 +119,9 @@ def diverged_replicas(pm: autopar.ParallelModule) -> list[str]:
 
 
 def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Reference, steps: int = STEPS,
-                 kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``pm(*args, **kwargs)`` for ``steps`` AdamW steps on this rank, compared with ``ref``."""
+                 kwargs: dict[str, Any] | None = None, step: bool = False) -> dict[str, Any]:
+    """``pm(*args, **kwargs)`` (or with ``step``, ``pm.step(...)``, which runs backward itself)
+    for ``steps`` AdamW steps on this rank, compared with ``ref``."""
     mesh = pm.device_mesh
     log = CollectiveLog()
     pm.attach_log(log)
@@ -105,11 +130,14 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
     grads: dict[str, torch.Tensor] = {}
     ran: list[tuple[str, str, int, int]] = []
     regathered: list[tuple[str, tuple[str, str, int, int]]] = []
-    for step in range(steps):
-        loss = pm(*args, **(kwargs or {}))
+    for i in range(steps):
+        loss = pm.step(*args, **(kwargs or {})) if step else pm(*args, **(kwargs or {}))
         assert isinstance(loss, DTensor) and loss.placements == (Replicate(),) * mesh.ndim
-        loss.backward()
-        if step == 0:
+        if step:
+            assert not loss.requires_grad, "pm.step returns the loss detached"
+        else:
+            loss.backward()
+        if i == 0:
             ran = list(log.entries)
             regathered = list(log.regathers)
             state = pm.state_dict()

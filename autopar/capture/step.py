@@ -99,6 +99,11 @@ class StepSignature:
     shard of it when each rank passes its own shard."""
     shard_note: str = ""
     """Why ``tensors`` differ from the captured shapes, for the error message ("" when they do not)."""
+    micro_batches: int = 1
+    """A step runs the program this many times, once per micro-batch (``pm.step``)."""
+    batch_leaves: frozenset[int] = frozenset()
+    """Leaves whose leading dim is the batch: a step takes them ``micro_batches`` times as
+    long (the whole batch) and cuts them into micro-batches; other leaves go whole to each."""
 
     @classmethod
     def of(cls, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> "StepSignature":
@@ -116,8 +121,32 @@ class StepSignature:
         tensors = {i: (shapes.get(i, shape), dtype) for i, (shape, dtype) in self.tensors.items()}
         return replace(self, tensors=tensors, shard_note=note)
 
+    def micro_batched(self, micro_batches: int, batch_leaves: frozenset[int]) -> "StepSignature":
+        """The same signature for a step of ``micro_batches`` calls, cutting ``batch_leaves``."""
+        return replace(self, micro_batches=micro_batches, batch_leaves=batch_leaves)
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """``pm(*inputs, *targets, **kwargs)``'s values as the leaves the step was captured with."""
+        leaves = self._flatten(args, kwargs)
+        for index, value in enumerate(leaves):
+            self._check_leaf(index, value, self.tensors.get(index, ((), None))[0])
+        return leaves
+
+    def split(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
+        """``pm.step(...)``'s values (the whole batch) as one list of leaves per micro-batch:
+        each batch leaf cut into ``micro_batches`` consecutive blocks of rows, in order, the
+        other leaves passed whole to every micro-batch."""
+        m = self.micro_batches
+        leaves = self._flatten(args, kwargs)
+        for index, value in enumerate(leaves):
+            shape = self.tensors.get(index, ((), None))[0]
+            if index in self.batch_leaves:
+                shape = (shape[0] * m, *shape[1:])
+            self._check_leaf(index, value, shape)
+        return [[v.narrow(0, i * self.tensors[k][0][0], self.tensors[k][0][0]) if k in self.batch_leaves else v
+                 for k, v in enumerate(leaves)] for i in range(m)]
+
+    def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         expected = self.num_inputs + self.num_targets
         if len(args) != expected:
             raise InputTypeError(f"expected {expected} positional value{'s' if expected != 1 else ''} "
@@ -134,23 +163,29 @@ class StepSignature:
         leaves, spec = tree_flatten(flat)
         if spec != self.spec:
             raise InputTypeError(f"the inputs are nested differently from the compiled step's: {spec} vs {self.spec}")
-        for index, value in enumerate(leaves):
-            if index in self.constants:
-                if isinstance(value, torch.Tensor) or value != self.constants[index]:
-                    raise InputError(f"{self.labels[index]} was {self.constants[index]!r} at compile time and is "
-                                     f"{describe(value)} now: non-tensor inputs are fixed when compiling")
-            elif not isinstance(value, torch.Tensor):
-                raise InputTypeError(f"{self.labels[index]} must be a tensor, as when compiled; got {describe(value)}")
-            elif value.shape != self.tensors[index][0] or value.dtype != self.tensors[index][1]:
-                self._wrong_tensor(index, value)
         return leaves
 
-    def _wrong_tensor(self, index: int, value: torch.Tensor) -> None:
-        shape, dtype = self.tensors[index]
+    def _check_leaf(self, index: int, value: Any, shape: tuple[int, ...]) -> None:
+        """``value`` is the constant compiled at ``index``, or a tensor of ``shape`` and the compiled dtype."""
+        if index in self.constants:
+            if isinstance(value, torch.Tensor) or value != self.constants[index]:
+                raise InputError(f"{self.labels[index]} was {self.constants[index]!r} at compile time and is "
+                                 f"{describe(value)} now: non-tensor inputs are fixed when compiling")
+        elif not isinstance(value, torch.Tensor):
+            raise InputTypeError(f"{self.labels[index]} must be a tensor, as when compiled; got {describe(value)}")
+        elif value.shape != shape or value.dtype != self.tensors[index][1]:
+            self._wrong_tensor(index, value, shape)
+
+    def _wrong_tensor(self, index: int, value: torch.Tensor, shape: tuple[int, ...]) -> None:
+        dtype = self.tensors[index][1]
+        step = ""
+        if index in self.batch_leaves and self.micro_batches > 1:
+            step = (f" (the whole batch of a step: {self.micro_batches} micro-batches of "
+                    f"{self.tensors[index][0]}, as compiled with micro_batches={self.micro_batches})")
         raise InputError(
             f"{self.labels[index]} is {describe(value)}, but the step was compiled for a {dtype} tensor of shape "
-            f"{shape}{self.shard_note}: the program is specialized on the compiled shapes and dtypes (view sizes, "
-            "a mean loss's count), so pass that, or compile again for this shape and dtype")
+            f"{shape}{step}{self.shard_note}: the program is specialized on the compiled shapes and dtypes (view "
+            "sizes, a mean loss's count), so pass that, or compile again for this shape and dtype")
 
 
 class TrainStep(nn.Module):

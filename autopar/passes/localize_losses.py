@@ -5,6 +5,11 @@ shapes fix it, counted on the whole targets input when every rank received it, a
 else summed over the split mesh dims, one small all-reduce per dim
 (``self.partial_mean_loss(op, count_dims, count, *args)``; ``count`` is the constant,
 the whole targets, or None).
+
+With micro-batches, a replicated 'mean' loss whose count depends on the data (cross
+entropy on class ids) also becomes ``partial_mean_loss`` (no dims: it counts its whole
+targets): the same value, and the runtime reads the count it divided by to weigh the
+micro-batch (``autopar.runtime.microbatch``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 import torch.fx
 
 from autopar.passes.context import PassContext, plan_name, strategy_of
-from autopar.rules.loss import is_partial_mean_loss, static_count
+from autopar.rules.loss import counted_mean, is_partial_mean_loss, static_count
 from autopar.rules.strategy import positional_args
 from autopar.solver.graph import count_source
 
@@ -25,12 +30,13 @@ def localize_losses(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
         plan_node = pc.graph.nodes.get(plan_name(node) or "")
         if strategy is None or plan_node is None or plan_node.call is None:
             continue
-        if not is_partial_mean_loss(plan_node.call, strategy):
-            continue
-        source = count_source(plan_node, pc.ctx)
         dims: tuple[int, ...] = ()
         count: object = None
-        if source == "static":
+        if not is_partial_mean_loss(plan_node.call, strategy):
+            call = plan_node.call
+            if pc.ctx.micro_batches == 1 or not counted_mean(call.target, call.args, call.kwargs):
+                continue
+        elif (source := count_source(plan_node, pc.ctx)) == "static":
             x, targets = plan_node.call.args[0], plan_node.call.args[1]
             count = static_count(node.target, tuple(x.shape), not targets.dtype.is_floating_point)
         elif source == "input":

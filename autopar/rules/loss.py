@@ -78,6 +78,16 @@ def static_count(target_op: object, x_shape: tuple[int, ...], targets_are_ids: b
     return float(math.prod(x_shape))
 
 
+def counted_mean(target_op: object, args: tuple, kwargs: dict) -> bool:
+    """A 'mean' loss dividing by a count the data decides (class ids: ``ignore_index``, class
+    weights), not by one shapes fix. Tensors in ``args`` need only ``shape`` and ``dtype``."""
+    if target_op not in MEAN_AS_PARTIAL or schema_arg(target_op, args, kwargs, "reduction",
+                                                      REDUCTION_MEAN) != REDUCTION_MEAN:
+        return False
+    x, targets = args[0], args[1]
+    return static_count(target_op, tuple(x.shape), not targets.dtype.is_floating_point) is None
+
+
 def local_mean_loss(target_op: object, local_args: tuple, count: torch.Tensor) -> torch.Tensor:
     """One rank's Partial share of a batch-split 'mean' loss: local sum / global count."""
     if target_op is aten.cross_entropy_loss.default:

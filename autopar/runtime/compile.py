@@ -12,13 +12,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_leaves
 
 from autopar.api import PlannedStep, PreparedStep, finish_step, prepare_step, solve_step
 from autopar.capture.step import StepSignature
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
+from autopar.runtime.microbatch import SUM, loss_kind
 from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
+from autopar.solver.memory import example_batch
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.regather import Regather
 from autopar.runtime.random import RandomOps, agree_seed, make_generator
@@ -162,8 +165,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
     step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
+    batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
     return _on_every_rank("building the rank's program",
-                          lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed))
+                          lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed,
+                                                    batch_leaves))
 
 
 PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -208,10 +213,15 @@ def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
 
 
 def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
-                      input_sharded: bool = False, init_seed: int = 0, seed: int = 0) -> ParallelModule:
+                      input_sharded: bool = False, init_seed: int = 0, seed: int = 0,
+                      batch_leaves: frozenset[int] = frozenset()) -> ParallelModule:
     """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake
-    process group to inspect the generated program)."""
+    process group to inspect the generated program). ``batch_leaves``: the step's input
+    leaves cut into micro-batches (``whole_batch_leaves``)."""
     captured, graph, chosen = step.captured, step.graph, step.chosen
+    m = step.plan.memory.micro_batches
+    # Refused before anything is built: a loss no weight per micro-batch makes exact.
+    kind = (loss_kind(captured.gm, m) if m > 1 else SUM) if step.ctx.train else None  # m = 1: any kind
     comm = Comm(mesh)
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
                      input_sharded=input_sharded, device_type=mesh.device_type,
@@ -247,13 +257,24 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
     signature = captured.signature
     if input_sharded:
         signature = _sharded_signature(signature, captured.user_inputs, chosen, mesh)
+    if m > 1:
+        signature = signature.micro_batched(m, batch_leaves)
     outputs = []
     for out_name in graph.output_names:
         strategy = chosen.get(out_name)
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded, frozen=frozen, signature=signature)
+                          input_sharded=input_sharded, frozen=frozen, signature=signature, loss_kind=kind)
+
+
+def whole_batch_leaves(inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> frozenset[int]:
+    """The step's leaves (in ``StepSignature`` order) whose leading dim is the batch: those
+    ``micro_batches`` cuts (as ``solver.memory.slice_batch`` cut the examples)."""
+    batch = example_batch((inputs, kwargs, targets))
+    leaves = tree_leaves((*inputs, *kwargs.values(), *targets))
+    return frozenset(i for i, leaf in enumerate(leaves)
+                     if isinstance(leaf, torch.Tensor) and leaf.ndim and leaf.shape[0] == batch)
 
 
 def _sharded_signature(signature: StepSignature, user_inputs: list[str], chosen: dict[str, Strategy],

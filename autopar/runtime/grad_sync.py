@@ -12,6 +12,12 @@ reduced over dims 0 and 1 enters dim 1's buffer already summed over dim 0), then
 after ``loss.backward()`` sees synchronized gradients, identical on every replica, and
 gradients accumulated over several backward passes stay correct.
 
+Inside ``no_sync()`` (the micro-batches of a step but the last, as DDP's ``no_sync``) a
+backward reduces nothing: each contribution is added to the parameter's place in the
+buffers, which keep their content from backward to backward; the first backward outside
+``no_sync`` adds its own and reduces the accumulated sum once, in the same buckets, and
+sets ``.grad`` to what it held before the first of these backwards plus that sum.
+
 A synchronized parameter whose gradient never arrives in a backward that reached others
 would leave its buckets incomplete: that is an error (after every launched all-reduce has
 finished, so no rank hangs), never a silent skip. The plan leaves parameters that get no
@@ -20,9 +26,10 @@ gradient (frozen, unused, or reached only through ``detach``) out of the buckets
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +47,7 @@ class GradSync:
         self.params = params
         self.mesh = mesh
         self.log: CollectiveLog | None = None
+        self.deferred = False  # inside no_sync(): accumulate, reduce nothing
         self.dims = sorted({b.mesh_dim for b in buckets})
         # Where each parameter's gradient sits in each dim's buffer, and each bucket's span.
         self.offset: dict[int, dict[str, int]] = defaultdict(dict)
@@ -65,10 +73,25 @@ class GradSync:
         for name in sorted(names):
             params[name].register_hook(self._make_hook(name))
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards in here accumulate their local gradients in the buffers and reduce
+        nothing; the next backward outside reduces the accumulated sum once."""
+        self.deferred = True
+        try:
+            yield
+        finally:
+            self.deferred = False
+
     def _reset(self) -> None:
+        """Forget the accumulated gradients: after a synchronizing backward (or an error)."""
         self._flat: dict[int, torch.Tensor] = {}
-        self._received: set[str] = set()
-        self._before: dict[str, torch.Tensor | None] = {}  # .grad before this backward (accumulation)
+        self._accumulated: set[str] = set()  # in the buffers since the last synchronization
+        self._before: dict[str, torch.Tensor | None] = {}  # .grad before that (accumulation by the user)
+        self._reset_backward()
+
+    def _reset_backward(self) -> None:
+        self._received: set[str] = set()  # in this backward
         self._work: dict[int, Any] = {}  # launched bucket -> async work
         self._callback_queued = False
 
@@ -82,6 +105,7 @@ class GradSync:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
+        if not self._flat:
             self._flat = {d: torch.zeros(self.numel[d], dtype=self.dtype, device=grad.device) for d in self.dims}
         dim = self.first_dim[name]
         region = self._region(dim, name)
@@ -90,10 +114,16 @@ class GradSync:
                 raise RuntimeError(f"a second gradient of {name} arrived after its bucket was reduced")
             region.add_(grad.reshape(-1))
             return
-        grad_so_far = self.params[name].grad
-        self._before[name] = None if grad_so_far is None else grad_so_far.clone()
-        region.copy_(grad.reshape(-1))
         self._received.add(name)
+        if name in self._accumulated:  # an earlier micro-batch's gradient is in the buffer
+            region.add_(grad.reshape(-1))
+        else:
+            grad_so_far = self.params[name].grad
+            self._before[name] = None if grad_so_far is None else grad_so_far.clone()
+            region.copy_(grad.reshape(-1))
+            self._accumulated.add(name)
+        if self.deferred:
+            return
         for i in self.early[name]:
             if self._ready_early(i):
                 self._launch(i)
@@ -127,10 +157,15 @@ class GradSync:
                     f"gradient synchronization: no gradient arrived in this backward for {', '.join(missing)}, "
                     "which the plan reduces with other gradients in a bucket; backward must run through the "
                     "whole step (the loss the compiled module returned)")
+            if self.deferred:  # a micro-batch before the last: keep accumulating
+                self._reset_backward()
+                return
             self._reduce_rest()
             self._write_grads()
-        finally:
-            self._reset()
+        except BaseException:
+            self._reset()  # a failed backward accumulates nothing into the next
+            raise
+        self._reset()
 
     def _reduce_rest(self) -> None:
         """Buckets not launched during backward, in mesh-dim order (earlier dims' sums feed later dims)."""

@@ -12,6 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from autopar.capture.step import StepSignature
+from autopar.errors import InputError
+from autopar.runtime.microbatch import run_micro_batches
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import local_shard
@@ -41,6 +43,9 @@ class ParallelModule(nn.Module):
     (training) or the model's outputs as DTensors placed as planned (``train=False``). Each
     tensor has the shape and dtype compiled (this rank's shard with ``input_sharded``): the
     program is specialized on them, and another shape is refused by name.
+    ``pm.step(...)`` (training) takes the same values and runs a whole step: forward and
+    backward of each of the plan's micro-batches, gradients synchronized once; it is the
+    only way to run a module compiled with ``micro_batches > 1`` (see ``step``).
     Parameters are this rank's shards, registered under the original FQNs; ``state_dict()``
     returns DTensors.
     """
@@ -49,7 +54,7 @@ class ParallelModule(nn.Module):
                  placeholders: list[tuple[str, str, str]], local: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], tied: dict[str, str],
                  output_placements: list[tuple[Placement, ...] | None], input_sharded: bool,
-                 frozen: frozenset[str], signature: StepSignature) -> None:
+                 frozen: frozenset[str], signature: StepSignature, loss_kind: str | None) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
@@ -61,6 +66,7 @@ class ParallelModule(nn.Module):
         self._tied = tied
         self._outputs = output_placements
         self.signature = signature
+        self._loss_kind = loss_kind  # how micro-batch losses combine (microbatch.py); None: no training step
         params_by_node: dict[str, nn.Parameter] = {}
         self._constants: dict[str, torch.Tensor] = {}
         for name, kind, fqn in placeholders:
@@ -89,17 +95,46 @@ class ParallelModule(nn.Module):
         self.grad_sync.log = log
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        user = iter(self.signature.bind(inputs, kwargs))  # one value per input placeholder, in order
+        m = self.signature.micro_batches
+        if m > 1:  # a call would run one micro-batch, with a loss that is not the step's
+            raise InputError(f"this module was compiled with micro_batches={m}: a call would run one micro-batch "
+                             "of the step, not the step; train with loss = pm.step(*inputs, *targets, **kwargs), "
+                             "which takes the whole batch and runs forward and backward of every micro-batch")
+        return self._wrap(self._run(self.signature.bind(inputs, kwargs)))
+
+    def step(self, *inputs: Any, **kwargs: Any) -> DTensor:
+        """One training step on the whole batch (this rank's data shard with ``input_sharded``),
+        called as ``pm(...)``: every tensor whose leading dim is the batch is cut into the
+        plan's micro-batches (``plan.memory.micro_batches``; other values go whole to each),
+        each runs forward and backward in turn, gradients accumulate and are synchronized
+        once, after the last (gradients already in ``.grad`` are added to, as by
+        ``backward``). Loss and gradients are the whole batch's (a mean loss weighs each
+        micro-batch by its share of the counted elements). Returns the step's loss, a
+        replicated DTensor, detached: call ``opt.step()`` next, not ``backward``."""
+        if self._loss_kind is None:
+            raise InputError("pm.step trains: this module was compiled with train=False (call pm(...) for outputs)")
+        params = [p for p in self.parameters() if p.requires_grad]
+        counter = self.program.get_submodule("partial_mean_loss")
+        loss = run_micro_batches(lambda leaves: self._run(leaves)[0], self.signature.split(inputs, kwargs),
+                                 self._loss_kind, self.grad_sync, params, lambda: counter.last_count)
+        return self._wrap([loss])
+
+    def _run(self, user: list[Any]) -> list[Any]:
+        """The program on the leaves of one call (one per input placeholder, in order): local outputs."""
+        leaves = iter(user)
         values: list[Any] = []
         for name, kind, fqn in self._placeholders:
             if kind == "input":
-                values.append(next(user))
+                values.append(next(leaves))
             elif kind == "constant":
                 values.append(self._constants[name])
             else:
                 values.append(self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn))
         with regather_hooks() if self._regathers else contextlib.nullcontext():
-            outputs = self.program(*values)
+            return list(self.program(*values))
+
+    def _wrap(self, outputs: list[Any]) -> Any:
+        """Local outputs as DTensors placed as planned (the loss: replicated)."""
         wrapped = [DTensor.from_local(o, self.device_mesh, placements or (Replicate(),) * self.device_mesh.ndim,
                                       run_check=False) if isinstance(o, torch.Tensor) else o
                    for o, placements in zip(outputs, self._outputs)]

@@ -138,12 +138,14 @@ class PartialMeanLoss(nn.Module):
 
     ``self.partial_mean_loss(op, mesh_dims, count, *args)`` with the loss op's own
     arguments. ``count`` is the global count (a number), the whole targets to count it
-    on, or None: count the local targets and sum over ``mesh_dims``.
+    on, or None: count the local targets and sum over ``mesh_dims``. The last call's global
+    count stays in ``last_count``: a step of micro-batches weighs each by it.
     """
 
     def __init__(self, comm: Comm) -> None:
         super().__init__()
         self.comm = comm
+        self.last_count: torch.Tensor | None = None
 
     def forward(self, op: str, mesh_dims: tuple[int, ...], count: float | torch.Tensor | None,
                 *args: Any) -> torch.Tensor:
@@ -157,4 +159,5 @@ class PartialMeanLoss(nn.Module):
             for dim in (d for d in mesh_dims if self.comm.mesh.size(d) > 1):
                 self.comm._record("forward", ALL_REDUCE, dim, count)
                 count = fc.wait_tensor(fc.all_reduce(count, "sum", (self.comm.mesh, dim)))
+        self.last_count = count.reshape(())
         return loss_rules.local_mean_loss(target, args, count.reshape(()))
