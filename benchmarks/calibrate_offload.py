@@ -16,13 +16,19 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from autopar.cost.offload import HOST_UPDATE_BYTES
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))  # this checkout's autopar, not an installed one
+
+from autopar.cost.offload import HOST_UPDATE_BYTES  # noqa: E402
 
 
 def _cpu_time(fn: Callable[[], Any], reps: int) -> float:
