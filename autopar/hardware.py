@@ -70,6 +70,18 @@ class HardwareProfile:
     overlapped_dispatch: bool = False
     """The host dispatches ahead of the device (CUDA streams): an op takes the longer of
     its work and its fixed cost, not their sum."""
+    host_link_bandwidth: float = 0.0
+    """Per-direction bandwidth between one device and host memory (PCIe), bytes/s, as copies
+    to and from pinned host buffers reach it (0: unknown, offloading is not priced)."""
+    host_memory_bandwidth: float = 0.0
+    """Bytes/s that one device's share of the host updates optimizer state at (torch's
+    optimizer over host tensors, counted at the bytes the update must read and write;
+    ``autopar.cost.offload``); 0: unknown."""
+    host_optimizer_param_overhead: float = 64e-6
+    """Fixed seconds a host optimizer step spends per parameter tensor: torch's optimizers
+    loop over tensors on the CPU (no foreach default there). Measured on the cpu profile's
+    machine (AdamW's per-tensor loop, ``optimizer_param_overhead`` below), the one figure we
+    have for that loop; server cores run single-threaded Python at a similar speed."""
     default_precision: str = "bf16"
     """Precision a plan uses unless told otherwise: 'bf16' (mixed) or 'fp32'."""
     memory_headroom: float = 0.1
@@ -102,6 +114,24 @@ class HardwareProfile:
 # the bucket is full, overlapping the rest of backward (Li et al., "PyTorch Distributed",
 # VLDB 2020, arXiv 2006.15704, Sec. 3.2.3 and Fig. 6-7); NCCL's kernels take SMs from the
 # compute kernels they overlap, so 80% of backward hides communication, not all of it.
+# Host link and host memory, for optimizer state offloaded to the host (autopar.cost.offload).
+# Links, per GPU and direction: H100 SXM and H200 attach over PCIe Gen5 x16, 64 GB/s raw,
+# about 50 GB/s reached by pinned copies (NVIDIA H100 datasheet: "PCIe Gen5 128 GB/s"
+# bidirectional); A100 SXM over PCIe Gen4 x16, 32 GB/s raw, about 25 GB/s reached (A100
+# datasheet: "PCIe Gen4 64 GB/s" bidirectional); reached = raw x 0.78, PCIe's 128b/130b
+# encoding, TLP headers and DMA gaps, the ratio the Gen5 figure gives.
+# Host memory, per GPU: the node's DDR peak shared by its 8 GPUs (each rank steps its own
+# state at once), times 0.4, the ratio of torch AdamW's throughput (counted at the 28 bytes
+# per element the update must move) to a plain copy's that we measure on the cpu profile's
+# machine (3.6-4.2 vs 8.7-11.7 GB/s): torch's per-tensor Adam makes a dozen elementwise
+# passes over its arrays, so it moves more than the minimum. DGX H100 / H200: 2 x Intel
+# Xeon Platinum 8480C (DGX H100 user guide), 8 channels of DDR5-4800 each (Intel ARK):
+# 2 x 307.2 = 614.4 GB/s, / 8 = 76.8, x 0.4 = 30.7 GB/s. DGX A100: 2 x AMD EPYC 7742 (DGX
+# A100 user guide), 8 channels of DDR4-3200 each (AMD's specifications): 2 x 204.8 = 409.6
+# GB/s, / 8 = 51.2, x 0.4 = 20.5 GB/s.
+_PCIE_GEN5 = {"host_link_bandwidth": 50 * GB, "host_memory_bandwidth": 30.7 * GB}
+_PCIE_GEN4 = {"host_link_bandwidth": 25 * GB, "host_memory_bandwidth": 20.5 * GB}
+
 _CUDA_EAGER = {"op_overhead": 10e-6, "backward_op_overhead": 10e-6, "collective_overhead": 10e-6,
                "overlapped_dispatch": True, "grad_sync_overlap": 0.8}
 
@@ -116,7 +146,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=2039 * GB, memory_bytes=80 * GiB,
         intra_node_bandwidth=300 * GB, intra_node_latency=5e-6,
         inter_node_bandwidth=25 * GB, inter_node_latency=10e-6,
-        **_CUDA_EAGER,
+        **_CUDA_EAGER, **_PCIE_GEN4,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): 989 TFLOPS bf16 dense,
     # 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s bidirectional (450 per
@@ -126,7 +156,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=3350 * GB, memory_bytes=80 * GiB,
         intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
         inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
-        **_CUDA_EAGER,
+        **_CUDA_EAGER, **_PCIE_GEN5,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM
     # (989 TFLOPS bf16 dense, 67 TFLOPS fp32), 141 GB HBM3e at 4.8 TB/s,
@@ -136,7 +166,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=4800 * GB, memory_bytes=141 * GB,
         intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
         inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
-        **_CUDA_EAGER,
+        **_CUDA_EAGER, **_PCIE_GEN5,
     ),
     # A CPU host running gloo over loopback, as in our CI: 4 ranks forked on the 2-core
     # development machine (AMD EPYC, KVM), one thread each, as the tests and benchmarks run
@@ -156,6 +186,10 @@ PROFILES: dict[str, HardwareProfile] = {
     # both axes of a 2 x 2 mesh and a flat mesh of 4): 1.40-1.62 ms per call, 0-64 us per
     # ring step, 0.60-0.90 GB/s. CPUs have no bf16 advantage: plans default to fp32.
     # Inter-node figures are not measured (the CI mesh fits in one node).
+    # Offload (the "host" is the same DRAM; 4 ranks forked at once, 64 MiB fp32 tensors,
+    # CPU time x ranks / cores as above): a ``copy_`` between separate tensors 8.7-11.6 GB/s
+    # of CPU time per rank, so 5 GB/s per direction; torch's AdamW step 3.1-3.7 GB/s counted
+    # at its 28 bytes per element, so 1.8 GB/s (``benchmarks/calibrate_offload.py``).
     "cpu": HardwareProfile(
         name="cpu", peak_flops_bf16=32e9, peak_flops_fp32=32e9,
         memory_bandwidth=4.1 * GB, memory_bytes=24 * GiB,
@@ -164,6 +198,7 @@ PROFILES: dict[str, HardwareProfile] = {
         compute_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
         op_overhead=17.5e-6, backward_op_overhead=28e-6, collective_overhead=1.45e-3,
         optimizer_param_overhead=64e-6,
+        host_link_bandwidth=5 * GB, host_memory_bandwidth=1.8 * GB, host_optimizer_param_overhead=64e-6,
         default_precision="fp32",
     ),
 }

@@ -14,6 +14,7 @@ from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_tim
                                       grad_placement_at_producer, reshard)
 from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, random_draw_time, roofline_time,
                                   with_fixed_cost)
+from autopar.cost.offload import offloaded_parameter
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 from autopar.rules.strategy import OpCall, Placements, Strategy, is_float, local_numel, shard_dim
@@ -130,14 +131,20 @@ def step_repeats(ctx: CostContext) -> int:
     return ctx.micro_batches if ctx.train else 1
 
 
-def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *, trainable: bool = True
-                   ) -> NodeCost:
+def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *, trainable: bool = True,
+                   offloaded: bool = False) -> NodeCost:
     """Model state of one parameter, and the optimizer's elementwise update over its shard.
     A frozen parameter (``requires_grad=False``) or a forward-only step keeps the weights
-    alone: no gradient, no master copy, no optimizer state, no update."""
+    alone: no gradient, no master copy, no optimizer state, no update. An ``offloaded``
+    parameter keeps its master copy and optimizer state in host memory: the device holds
+    weights and gradient, and the step pays the copies over the host link and the host's
+    update (``autopar.cost.offload``)."""
     numel = local_numel(meta, placements, ctx.mesh.shape)
     if not ctx.train or not trainable:
         return NodeCost(0.0, float(numel * ctx.precision.weight_bytes_per_param))
+    if offloaded:
+        cost = offloaded_parameter(meta, placements, ctx.mesh, ctx.precision)
+        return NodeCost(cost.time_s, cost.device_bytes)
     state = numel * ctx.precision.state_bytes_per_param
     # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
     hw = ctx.mesh.hardware

@@ -89,6 +89,16 @@ class ParallelModule(nn.Module):
         (``get_state``/``set_state`` it to save or restore the random stream)."""
         return self.program.get_submodule("random").generator
 
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None, **kwargs: Any
+                  ) -> torch.optim.Optimizer:
+        """``optimizer_class(params or self.parameters(), **kwargs)`` with the optimizer state of
+        the parameters the plan offloads (``plan.memory.offload``) in host memory, stepped
+        there; the same training loop runs whether the plan offloads anything or not
+        (``autopar.runtime.offload``)."""
+        from autopar.runtime.offload import offloaded_optimizer  # the module imports this one
+
+        return offloaded_optimizer(self, optimizer_class, params, **kwargs)
+
     def attach_log(self, log: CollectiveLog | None) -> None:
         """Record every collective this module runs (for checking them against the plan)."""
         self._comm.log = log
