@@ -25,7 +25,7 @@ from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
-from autopar.solver.graph import build_plan_graph
+from autopar.solver.graph import build_plan_graph, leaf_costs
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, solve
@@ -173,8 +173,11 @@ class PreparedStep:
         base = self.variants[m]
         graph = base.base_graph or base.graph
         blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if scenario.checkpoint != "none" else []
-        return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks),
-                       ctx=replace(base.ctx, regather=scenario.regather), scenario=scenario)
+        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload)
+        if scenario.offload:  # parameters priced again: their state lives on the host
+            graph = replace(graph, nodes={n: replace(node, costs=leaf_costs(node, ctx)) if node.kind == PARAM else node
+                                          for n, node in graph.nodes.items()})
+        return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
 
 
 def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
@@ -350,7 +353,7 @@ def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
     blocks = sorted({n.block for n in graph.nodes.values() if n.block is not None},
                     key=[graph.nodes[n].block for n in graph.order].index)
     offload = sorted(graph.nodes[n].fqn or n for n in graph.order
-                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if prepared.memory_options.offload else []
+                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if scenario.offload else []
     return MemoryPlan(micro_batches=prepared.ctx.micro_batches, checkpoint=scenario.checkpoint if blocks else "none",
                       checkpoint_blocks=blocks, offload=offload, zero=dict(prepared.memory_options.zero or {}))
 

@@ -8,7 +8,8 @@ rather than which strategy it runs, so they are searched around it, each combina
 - micro-batches m (the step captured at batch / m: work and collectives run m times,
   activations of one micro-batch are alive at a time, gradients sync once);
 - activation checkpointing of the repeated blocks (none, selective, full);
-- re-gathering parameters in backward instead of holding them (ZeRO-3).
+- re-gathering parameters in backward instead of holding them (ZeRO-3);
+- optimizer state and fp32 master weights in host memory (offload), tried last.
 
 With memory to spare none of them pays off: each adds time to every plan (a replay, a
 second gather, per-micro-batch fixed costs) and frees only memory. So the search first
@@ -37,19 +38,23 @@ class Scenario:
     """Policy for every repeated block."""
     regather: bool = False
     """Parameters gathered for a forward use are gathered again in backward (ZeRO-3)."""
+    offload: bool = False
+    """Optimizer state and master weights of trainable parameters live in host memory."""
 
     def describe(self) -> str:
         parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}",
                  f"{self.checkpoint} checkpointing" if self.checkpoint != "none" else "no checkpointing"]
         if self.regather:
             parts.append("parameters gathered again in backward")
+        if self.offload:
+            parts.append("optimizer state on the host")
         return ", ".join(parts)
 
 
 def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, train: bool) -> list[Scenario]:
     """The scenarios to search, cheapest-looking first (the first is today's default)."""
     pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
-                      regather=_pinned_regather(options) or False)
+                      regather=_pinned_regather(options) or False, offload=bool(options.offload))
     if not train:
         return [pinned]
     if options.micro_batches:
@@ -58,14 +63,15 @@ def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, trai
         counts = [m for m in MICRO_BATCH_CANDIDATES if batch is not None and m <= batch and batch % m == 0] or [1]
     policies = [options.checkpoint] if options.checkpoint else list(CHECKPOINT_POLICIES) if has_blocks else ["none"]
     regathers = [_pinned_regather(options)] if options.zero is not None else [False, True]
-    return [Scenario(micro_batches=m, checkpoint=c, regather=bool(r))
-            for m in counts for c in policies for r in regathers]
+    offloads = [options.offload] if options.offload is not None else [False, True]
+    return [Scenario(micro_batches=m, checkpoint=c, regather=bool(r), offload=o)
+            for o in offloads for m in counts for c in policies for r in regathers]
 
 
 def leanest(scenarios: list[Scenario]) -> Scenario:
-    """The scenario keeping the least memory: most micro-batches, full checkpointing, re-gathering."""
+    """The scenario keeping the least memory: offloaded, most micro-batches, full checkpointing, re-gathering."""
     order = {p: i for i, p in enumerate(CHECKPOINT_POLICIES)}
-    return max(scenarios, key=lambda s: (s.micro_batches, order[s.checkpoint], s.regather))
+    return max(scenarios, key=lambda s: (s.offload, s.micro_batches, order[s.checkpoint], s.regather))
 
 
 def _pinned_regather(options: MemoryOptions) -> bool | None:

@@ -125,7 +125,7 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
     mesh = pm.device_mesh
     log = CollectiveLog()
     pm.attach_log(log)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)  # the plan's offloading, if any
     losses: list[float] = []
     grads: dict[str, torch.Tensor] = {}
     ran: list[tuple[str, str, int, int]] = []

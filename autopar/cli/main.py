@@ -90,6 +90,7 @@ def plan_command(args: argparse.Namespace) -> int:
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
                         zero=args.zero, checkpoint=args.checkpoint, micro_batches=args.micro_batches,
+                        offload=args.offload,
                         progress=sys.stderr.isatty())
     from rich.console import Console
 
@@ -158,6 +159,8 @@ def parser() -> argparse.ArgumentParser:
                              "until backward), 3 (gathered again in backward), e.g. dp=3")
     memory.add_argument("--checkpoint", choices=["none", "selective", "full"], default=None,
                         help="pin activation checkpointing of the repeated blocks")
+    memory.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                        help="pin optimizer state (and fp32 master weights) in host memory, or --no-offload")
     memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",
                         help="pin the number of micro-batches a step runs (must divide the batch)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")

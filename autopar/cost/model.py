@@ -38,6 +38,9 @@ class CostContext:
     regather: bool = False
     """A parameter gathered for a forward use is freed after it and gathered again for
     backward (ZeRO-3, FSDP's ``reshard_after_forward``), instead of being held."""
+    offload: bool = False
+    """Trainable parameters keep their optimizer state and fp32 master weights in host
+    memory and update there (``cost.offload``)."""
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,8 @@ def leaf_costs(node: PlanNode, ctx: CostContext) -> list[NodeCost]:
     meta = node.outputs[0]
     assert meta is not None
     if node.kind == PARAM:  # a parameter that gets no gradient keeps its weights alone
-        return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad) for s in node.strategies]
+        return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad, offloaded=ctx.offload)
+                for s in node.strategies]
     return [input_cost(meta, s.outputs[0], ctx) for s in node.strategies]
 
 

@@ -61,8 +61,6 @@ class MemoryOptions:
             raise InputError(f"checkpoint={self.checkpoint!r}: the policies are {', '.join(CHECKPOINT_POLICIES)}")
         if self.offload is not None and not isinstance(self.offload, bool):
             raise InputError(f"offload must be True, False or None, got {self.offload!r}")
-        if self.offload:
-            raise InputError("offload=True: keeping optimizer state in host memory is not available yet")
         m = self.micro_batches
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise InputError(f"micro_batches must be a positive whole number, got {m!r}")

@@ -220,7 +220,8 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
 
 
 def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, float]:
-    """Weights, gradients and optimizer state per device, as ``parameter_cost`` prices them."""
+    """Weights, gradients and optimizer state per device, as ``parameter_cost`` prices them
+    (an offloaded parameter keeps its weights and gradient on the device)."""
     parts = {"weights": 0.0, "gradients": 0.0, "optimizer state": 0.0}
     precision = ctx.precision
     for name in graph.order:
@@ -233,8 +234,9 @@ def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCo
         parts["weights"] += numel * precision.weight_bytes_per_param
         if ctx.train and node.needs_grad:
             parts["gradients"] += numel * precision.grad_bytes_per_param
-            parts["optimizer state"] += numel * (precision.state_bytes_per_param - precision.weight_bytes_per_param
-                                                 - precision.grad_bytes_per_param)
+            if not ctx.offload:  # else on the host, not in the device's peak
+                parts["optimizer state"] += numel * (precision.state_bytes_per_param - precision.weight_bytes_per_param
+                                                     - precision.grad_bytes_per_param)
     return parts
 
 

@@ -1,0 +1,65 @@
+"""The memory limit decides: plans move to checkpointing, micro-batches and offload as it
+shrinks, never predict a faster step at a tighter limit, fit what they promise, and the
+plan the search picks runs exactly (every rank rebuilds rank 0's scenario)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.runtime.forked import run_ranks
+from examples import gpt
+from numerics_harness import check, reference, run_compiled
+
+MiB = 2**20
+LIMITS_MIB = (13, 9, 6, 5)
+"""The GPT example on dp=2 (cpu profile) needs 14.2 MiB with nothing saved; these force the search."""
+
+
+def _plan(limit_mib: float | None, **kwargs: Any) -> autopar.Plan:
+    model, inputs, loss_fn, targets = gpt.build()
+    return autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        memory_limit=None if limit_mib is None else limit_mib * MiB, **kwargs)
+
+
+def test_tighter_limits_never_plan_faster_and_every_plan_fits() -> None:
+    free = _plan(None)
+    assert free.memory.describe() == "1 micro-batch"  # ample memory: today's plan, one solve
+    previous = free.predicted.step_time_s
+    chosen = set()
+    for limit in LIMITS_MIB:
+        plan = _plan(limit)
+        assert plan.predicted.peak_memory_bytes <= limit * MiB
+        assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+        assert sum(plan.predicted.memory_parts.values()) == pytest.approx(plan.predicted.peak_memory_bytes)
+        assert plan.predicted.step_time_s >= previous
+        previous = plan.predicted.step_time_s
+        chosen.add((plan.memory.micro_batches, plan.memory.checkpoint, bool(plan.memory.offload)))
+    assert len(chosen) >= 3, chosen  # the plans really move
+
+
+def test_pinned_choices_are_kept_even_with_memory_to_spare() -> None:
+    plan = _plan(None, micro_batches=4, checkpoint="selective", offload=False)
+    assert (plan.memory.micro_batches, plan.memory.checkpoint, plan.memory.offload) == (4, "selective", [])
+    with pytest.raises(autopar.MemoryLimitError, match="least memory"):
+        _plan(6, checkpoint="none", micro_batches=1, offload=False, zero={"dp": 0})
+
+
+def _train(rank: int, world: int, limit_mib: float, ref: Any) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                         memory_limit=limit_mib * MiB)
+    return {**run_compiled(pm, (*inputs, *targets), ref, step=True), "memory": pm.plan.memory.describe()}
+
+
+@pytest.mark.parametrize("limit_mib", [9, 5])
+def test_the_searched_plan_runs_exactly(limit_mib: float) -> None:
+    ref = reference(gpt.build)
+    results = run_ranks(_train, 2, limit_mib, ref)
+    check(results, ref)
+    assert results[0]["memory"] == results[1]["memory"] != "1 micro-batch"
