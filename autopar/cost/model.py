@@ -16,6 +16,7 @@ from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops,
                                   with_fixed_cost)
 from autopar.cost.offload import offloaded_parameter
 from autopar.cost.precision import Precision
+from autopar.cost.saved import SavedTensors
 from autopar.mesh import Mesh
 from autopar.rules.strategy import OpCall, Placements, Strategy, is_float, local_numel, shard_dim
 
@@ -51,6 +52,9 @@ class NodeCost:
     """Bytes per device this node keeps alive at peak (model state or saved activation)."""
     forward: float = 0.0
     """Seconds of the forward part of ``time`` (what recomputing the op in backward costs)."""
+    output_bytes: float = 0.0
+    """Bytes per device of all the op's outputs (what a checkpoint policy keeping its
+    outputs holds, whether or not autograd would); 0 for a view or in-place op."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +88,13 @@ def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
 
 
 def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: bool | None = None,
-            saved: bool | None = None) -> NodeCost:
+            saved: bool | None = None, kept: SavedTensors | None = None) -> NodeCost:
     """One rank's seconds for the op in a step (its share of the work by roofline, forward
     and, when its backward runs, backward at ``BACKWARD_FACTOR`` times, each phase after its
-    fixed cost), and the bytes of its outputs kept for backward. ``backward`` (default: a
-    training step) says the op's backward runs; ``saved`` (default: likewise) that some
-    consumer's backward keeps its outputs (a frozen prefix runs neither)."""
+    fixed cost), and the bytes it keeps for backward. ``backward`` (default: a training
+    step) says the op's backward runs; ``saved`` (default: likewise) that backward keeps
+    anything of it (a frozen prefix runs neither); ``kept`` which outputs autograd keeps and
+    what it keeps inside (``solver.saved_activations``; default: every output)."""
     backward = ctx.train if backward is None else backward
     saved = ctx.train if saved is None else saved
     mesh = ctx.mesh
@@ -109,11 +114,27 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     if backward and any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
         time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead if kernel else 0.0, hw)
     # outputs saved for backward; views and in-place ops return their input's memory
-    if saved and kernel and not writes_first_arg(call.target):
-        memory = sum(ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape))
-                     for o, pl in zip(call.outputs, strategy.outputs) if o is not None and pl is not None)
+    sizes = [ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape)) if o is not None and pl is not None
+             else 0 for o, pl in zip(call.outputs, strategy.outputs)]
+    owns = kernel and not writes_first_arg(call.target)
+    if saved and owns:
+        memory = float(sum(sizes)) if kept is None else \
+            float(sum(b for b, k in zip(sizes, kept.outputs) if k)) + _internal_bytes(call, strategy, ctx, kept)
     runs = step_repeats(ctx)  # every micro-batch runs the op; one micro-batch's activations are alive at a time
-    return NodeCost(time * runs, memory, forward * runs)
+    return NodeCost(time * runs, memory, forward * runs, float(sum(sizes)) if owns else 0.0)
+
+
+def _internal_bytes(call: OpCall, strategy: Strategy, ctx: CostContext, kept: SavedTensors) -> float:
+    """What the op keeps inside (probed at global shapes), at this rank's share: split as its
+    largest floating tensor is (a loss's ``log_softmax`` is split as its logits)."""
+    if not kept.internal_bytes:
+        return 0.0
+    tensors = [(m, pl) for m, pl in zip([*call.tensor_inputs, *call.outputs], [*strategy.inputs, *strategy.outputs])
+               if m is not None and pl is not None and m.dtype.is_floating_point and m.numel]
+    if not tensors:
+        return float(kept.internal_bytes)
+    meta, placements = max(tensors, key=lambda t: t[0].numel)
+    return kept.internal_bytes * local_numel(meta, placements, ctx.mesh.shape) / meta.numel
 
 
 def backward_time(cost: NodeCost, ctx: CostContext) -> float:

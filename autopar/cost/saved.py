@@ -12,11 +12,19 @@ needs a gradient; ``embedding`` saves only its indices, so its table is never re
 The answer is read off autograd itself: the op runs once on meta tensors (no data, no
 compute) under ``saved_tensors_hooks`` that note which inputs, or views of them, get
 saved. Results are cached per op, argument geometry and which inputs need gradients.
+
+The same probe says what an op keeps besides its inputs (``saved_tensors``): its own
+outputs (``gelu`` keeps its input, ``silu``'s consumer ``mul`` its factors, but
+``log_softmax``, ``exp`` and SDPA keep their outputs) and tensors it makes inside and keeps
+(a composite ``cross_entropy_loss`` keeps its ``log_softmax``, ``rms_norm`` its normalized
+input, SDPA its log-sum-exp). That is the activation memory a training step holds from
+forward to backward (``autopar.solver.saved_activations``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +32,19 @@ import torch.fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-_CACHE: dict[Any, tuple[bool, ...]] = {}
+@dataclass(frozen=True)
+class SavedTensors:
+    """What autograd keeps of one op call for its backward."""
+
+    inputs: tuple[bool, ...]
+    """Per tensor argument (order as ``saved_inputs``): kept, itself or a view of it."""
+    outputs: tuple[bool, ...]
+    """Per tensor output (flattened): kept, itself or a view of it."""
+    internal_bytes: int
+    """Bytes of kept tensors that are neither an argument nor an output (each storage once)."""
+
+
+_CACHE: dict[Any, SavedTensors] = {}
 """Probe results by (op, argument geometry, tree structure, which inputs need gradients)."""
 
 
@@ -50,6 +70,13 @@ def saved_inputs(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
     Tensors may be real, fake or meta; only their shapes and dtypes are read.
     ``needs_grad`` says which of them require a gradient (default: every floating one).
     """
+    return saved_tensors(target, args, kwargs, needs_grad).inputs
+
+
+def saved_tensors(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None = None,
+                  needs_grad: Sequence[bool] | None = None) -> SavedTensors:
+    """Which arguments and outputs of ``target(*args, **kwargs)`` autograd keeps for backward,
+    and the bytes of what else it keeps (arguments as ``saved_inputs``)."""
     kwargs = kwargs or {}
     leaves, spec = tree_flatten((list(args), dict(kwargs)))
     tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
@@ -59,8 +86,21 @@ def saved_inputs(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
         raise ValueError(f"needs_grad has {len(needs_grad)} entries for {len(tensor_at)} tensor arguments")
     key = (target, _describe(leaves), str(spec), tuple(bool(g) for g in needs_grad))
     if key not in _CACHE:  # the key is all tuples of strings, shapes and dtypes: it hashes
-        _CACHE[key] = _probe(target, list(leaves), spec, key[3])
+        fused = _fused_attention(target, leaves, tensor_at, key[3])
+        _CACHE[key] = fused if fused is not None else _probe(target, list(leaves), spec, key[3])
     return _CACHE[key]
+
+
+def _fused_attention(target: Callable[..., Any], leaves: list[Any], tensor_at: list[int],
+                     needs_grad: tuple[bool, ...]) -> SavedTensors | None:
+    """SDPA as the fused kernels run it (flash on CPU and GPU, memory-efficient): they keep
+    q, k, v (and a mask), the output and a float32 log-sum-exp per query row. On meta
+    tensors SDPA would take the math path, which keeps the attention matrix instead."""
+    if target is not torch.ops.aten.scaled_dot_product_attention.default or not any(needs_grad):
+        return None
+    q = leaves[tensor_at[0]]
+    rows = q.numel() // q.shape[-1] if q.ndim else 1
+    return SavedTensors(tuple(True for _ in tensor_at), (True,), rows * 4)
 
 
 def saves_input(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None, index: int,
@@ -70,7 +110,7 @@ def saves_input(target: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
 
 
 def _probe(target: Callable[..., Any], leaves: list[Any], spec: Any, needs_grad: tuple[bool, ...]
-           ) -> tuple[bool, ...]:
+           ) -> SavedTensors:
     inputs: list[torch.Tensor] = []
     grads = iter(needs_grad)
     for i, v in enumerate(leaves):
@@ -87,10 +127,19 @@ def _probe(target: Callable[..., Any], leaves: list[Any], spec: Any, needs_grad:
     args, kwargs = tree_unflatten(leaves, spec)
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            target(*args, **kwargs)
+            result = target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op meta tensors cannot run (it reads data): assume it
-        return tuple(True for _ in inputs)  # saves everything, the side that never underprices memory
-    return tuple(any(r is t for r in saved_roots) for t in inputs)
+        # saves every input, the side that never underprices memory; its outputs are counted
+        # where a consumer saves them (or by op_cost's default: all of them)
+        return SavedTensors(tuple(True for _ in inputs), (), 0)
+    outputs = [_root(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+    known = [*inputs, *outputs]
+    internal: dict[int, int] = {}
+    for r in saved_roots:
+        if not any(r is t for t in known):
+            internal[id(r)] = r.untyped_storage().nbytes()
+    return SavedTensors(tuple(any(r is t for r in saved_roots) for t in inputs),
+                        tuple(any(r is t for r in saved_roots) for t in outputs), sum(internal.values()))
 
 
 def saved_inputs_of_node(node: torch.fx.Node, needs_grad: Sequence[bool] | None = None) -> tuple[bool, ...]:

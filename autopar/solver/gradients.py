@@ -5,7 +5,8 @@ Forward, a node may need a gradient when some input does and the op is different
 differentiable path to the loss, so a parameter that reaches the loss only through a
 comparison (``(gate(x) > 0).float()``), ``detach`` or a factory gets none: no gradient
 reduction waits for it, no optimizer state is priced for it, and no backward op or saved
-activation is priced along a path no gradient takes (``settle_gradients``).
+activation is priced along a path no gradient takes (``settle_gradients``); along the
+others, only what autograd keeps is (``saved_activations``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.model import CostContext, NodeCost, op_cost
+from autopar.cost.saved import SavedTensors
 from autopar.solver.nodes import OP, PARAM, PlanNode
+from autopar.solver.saved_activations import saved_activations
 
 aten = torch.ops.aten
 
@@ -56,18 +59,21 @@ def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | N
     for name in reversed(order):
         if name in receives:
             receives.update(src for src, _ in nodes[name].args if nodes[src].needs_grad)
-    saved: set[str] = {src for name in receives for src, _ in nodes[name].args}
-    repriced: dict[tuple[int, bool, bool], list[NodeCost]] = {}  # repeated layers share strategy lists
     for name in order:
         node = nodes[name]
         if node.needs_grad and name not in receives:
             node.needs_grad = False
             if node.kind == PARAM:
                 node.costs = leaf_costs(node, ctx)
-        if node.kind == OP and node.call is not None and (not node.needs_grad or name not in saved):
-            node.saved = name in saved
-            key = (id(node.strategies), node.needs_grad, node.saved)
+    kept = saved_activations(nodes, order, receives)
+    repriced: dict[tuple[int, bool, bool, SavedTensors], list[NodeCost]] = {}  # repeated layers share strategy lists
+    for name in order:
+        node = nodes[name]
+        if node.kind == OP and node.call is not None:
+            node.kept = kept[name]
+            node.saved = any(node.kept.outputs) or node.kept.internal_bytes > 0
+            key = (id(node.strategies), node.needs_grad, node.saved, node.kept)
             if key not in repriced:
-                repriced[key] = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved)
-                                 for s in node.strategies]
+                repriced[key] = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved,
+                                         kept=node.kept) for s in node.strategies]
             node.costs = repriced[key]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.model import NodeCost
+from autopar.cost.saved import SavedTensors
 from autopar.rules.strategy import DimStrategy, OpCall, Strategy
 
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
@@ -48,7 +49,10 @@ class PlanNode:
     frozen: bool = False
     """A parameter with ``requires_grad=False``: no gradient, no sync, no optimizer state."""
     saved: bool = True
-    """Some consumer's backward keeps this op's outputs (priced as activation memory)."""
+    """Backward keeps something of this op (priced as activation memory)."""
+    kept: SavedTensors | None = None
+    """Which outputs backward keeps and what the op keeps inside (``saved_activations``);
+    None: every output (before gradients are settled)."""
     as_produced: frozenset[int] = frozenset()
     """Tensor inputs (indices into ``args``) that must arrive exactly as produced, never
     resharded: the op writes into them in place, or they are the base of a view that some

@@ -7,9 +7,10 @@ A checkpointed block (``MemoryPlan.checkpoint_blocks``) replays its forward in b
   from its cache), and every forward reshard feeding an op of the block runs again
   (``edge_cost(recomputed=True)``);
 - memory: an op's outputs stay alive until backward only if the policy keeps them or they
-  leave the block (the next block's or the head's input: kept either way); the others are
-  dropped after forward and come back one block at a time while that block recomputes, so
-  the plan's peak adds the largest block's dropped bytes (``recompute_memory``), not all.
+  leave the block (the next block's or the head's input: kept either way), whole, whether
+  or not autograd would keep them; what autograd keeps of the others is dropped after
+  forward and comes back one block at a time while that block recomputes, so the plan's
+  peak adds the largest block's dropped bytes (``recompute_memory``), not all.
 A parameter gathered inside a checkpointed block is not held until backward either: the
 replay gathers it again (that is one of the recomputed reshards).
 """
@@ -45,8 +46,10 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str]) -> PlanGraph:
 
 def _recomputed(node: PlanNode, block: str, policy: str, *, keep: bool) -> PlanNode:
     cached = kept_by_policy(policy, _target(node))  # the replay reads it from its cache, runs nothing
-    costs = [NodeCost(c.time + (0.0 if cached else c.forward), c.memory if keep else 0.0, c.forward)
-             for c in node.costs]
+    # What the block keeps, it keeps whole, whether or not autograd would: the policy caches
+    # its outputs, the next checkpointed block saves its inputs (``NodeCost.output_bytes``).
+    costs = [NodeCost(c.time + (0.0 if cached else c.forward), c.output_bytes if keep else 0.0, c.forward,
+                      c.output_bytes) for c in node.costs]
     dropped = [0.0 if keep else c.memory for c in node.costs]
     return replace(node, costs=costs, block=block, recompute_memory=dropped)
 
