@@ -79,9 +79,11 @@ def test_fused_qkv_runs_as_interleaved_qkv_without_collectives_in_attention(plan
     assert kinds in (["all_reduce"] * 2, ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]), kinds
 
 
-def test_free_plan_finds_megatron_sequence_parallelism_when_memory_is_tight() -> None:
-    """Batch 1 cannot be split: under the memory of the TP+SP hand plan, the free plan must
-    shard norms and residuals along the sequence between the TP regions, as Megatron's SP does."""
+def test_free_plan_is_no_slower_than_megatron_sequence_parallelism_in_its_memory() -> None:
+    """Batch 1 cannot be split: under the memory of the TP+SP hand plan, the free plan is at
+    least as fast as it. (It used to have to copy SP's sequence-split norms; since a consumer
+    that saves a resharded input is priced holding the resharded copy, SP's column linears
+    hold their all-gathered inputs, and a plan with replicated norms fits in less.)"""
     cfg = llama.LlamaConfig(hidden=1024, heads=16, kv_heads=8, ffn_hidden=2816, layers=2, vocab_size=8192,
                             max_seq_len=2048)
     with torch.device("meta"):
@@ -94,10 +96,7 @@ def test_free_plan_finds_megatron_sequence_parallelism_when_memory_is_tight() ->
     assert pinned_sp.predicted.peak_memory_bytes < pinned_tp.predicted.peak_memory_bytes
     free = _plan(step, mesh, memory_limit=pinned_sp.predicted.peak_memory_bytes)
     assert free.predicted.step_time_s <= pinned_sp.predicted.step_time_s * (1 + 1e-9)
-    norms = [n.outputs[0] for n in free.nodes if n.op == "aten.rms_norm.default"]
-    assert norms == ["S(1)"] * 5
-    kinds = {c.kind for c in free.collectives if c.axis == "tp"}
-    assert {"all_gather", "reduce_scatter"} <= kinds
+    assert free.predicted.peak_memory_bytes <= pinned_sp.predicted.peak_memory_bytes
 
 
 def test_axis_that_does_not_divide_a_pinned_dim_is_a_clear_error() -> None:

@@ -17,11 +17,11 @@ import autopar
 from autopar.capture import capture
 from autopar.cost import get_precision
 from autopar.cost.collectives import collective_time, grad_placement_at_consumer, reshard
-from autopar.cost.model import CostContext, gathered_parameter_bytes
+from autopar.cost.model import CostContext, held_reshard_bytes
 from autopar.rules import DEFAULT_RULES, NO_RULE
 from autopar.solver.blocks import fold_repeated_blocks
 from autopar.rules.strategy import local_numel, shard_dim
-from autopar.solver.graph import build_plan_graph
+from autopar.solver.graph import build_plan_graph, edge_flags
 from autopar.solver.ilp import MemoryLimitError, solve
 from autopar.solver.plan import Fallback
 from examples import gpt, llama
@@ -76,7 +76,7 @@ def _total(graph, ctx, choice: dict[str, int]) -> tuple[float, float]:
             if (src, idx, required, grad) in paid:
                 continue
             paid.add((src, idx, required, grad))
-            memory += gathered_parameter_bytes(meta, produced, required, ctx, from_parameter=is_param)
+            memory += held_reshard_bytes(meta, produced, required, ctx, **edge_flags(graph, src, name, arg))
             calls = reshard(meta, produced, required, mesh, ctx.precision)
             if grad is not None:
                 target = tuple(Partial() if d in syncs else p if shard_dim(p) is not None else Replicate()

@@ -222,7 +222,7 @@ def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozense
 
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,
               ctx: CostContext, *, from_parameter: bool, needs_grad: bool, recomputed: bool = False,
-              saves_parameter: bool = True) -> EdgeCost:
+              saves_input: bool = True) -> EdgeCost:
     """Collectives between a producer's output and a consumer's input, both directions.
 
     Backward sends the consumer's gradient (placement from the consumer's split) back to
@@ -231,8 +231,8 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     that sums it there is priced once per parameter (``param_sync_calls``), not per edge.
     The forward reshard runs again in backward when the consumer is ``recomputed`` (a
     checkpointed block replays it) or when it gathers a parameter the consumer saves
-    (``saves_parameter``) under ``ctx.regather``; otherwise a gathered parameter is held
-    until backward (``gathered_parameter_bytes``).
+    (``saves_input``) under ``ctx.regather``; otherwise a resharded tensor the consumer
+    saves is held until backward (``held_reshard_bytes``).
     """
     mesh, precision = ctx.mesh, ctx.precision
     forward = reshard(meta, produced, required, mesh, precision)
@@ -242,26 +242,36 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
         if from_parameter:
             grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
-    again = forward if regathered(ctx, from_parameter, needs_grad, recomputed, saves_parameter) else []
+    again = forward if regathered(ctx, from_parameter, needs_grad, recomputed, saves_input) else []
     time = sum(collective_time(c, mesh) for c in (*forward, *backward, *again)) * step_repeats(ctx)
     return EdgeCost(time, tuple(forward), tuple(backward), tuple(again))
 
 
 def regathered(ctx: CostContext, from_parameter: bool, needs_grad: bool, recomputed: bool,
-               saves_parameter: bool) -> bool:
+               saves_input: bool) -> bool:
     """The edge's forward reshard runs again in backward (see ``edge_cost``)."""
     if not ctx.train:
         return False
-    return recomputed or (from_parameter and ctx.regather and needs_grad and saves_parameter)
+    return recomputed or (from_parameter and ctx.regather and needs_grad and saves_input)
 
 
-def gathered_parameter_bytes(meta: TensorMeta, produced: Placements, required: Placements, ctx: CostContext,
-                             *, from_parameter: bool, recomputed: bool = False, needs_grad: bool = True,
-                             saves_parameter: bool = True) -> float:
-    """Bytes a parameter resharded for its consumer keeps alive until backward (the
-    consumer saves it); 0 when it is used as stored, or gathered again in backward."""
-    if not from_parameter or not ctx.train or tuple(produced) == tuple(required):
+def held_reshard_bytes(meta: TensorMeta, produced: Placements, required: Placements, ctx: CostContext,
+                       *, from_parameter: bool, recomputed: bool = False, needs_grad: bool = True,
+                       saves_input: bool = True) -> float:
+    """Bytes a tensor resharded for its consumer keeps alive until backward: the consumer's
+    backward saves the resharded copy (a column-parallel linear saves its all-gathered input,
+    a gathered parameter is held until backward). 0 when the tensor is used as produced, when
+    the consumer's backward does not save it (or does not run), it recomputes it (a
+    checkpointed block), and for a parameter gathered again in backward (ZeRO-3). The producer's own output is
+    priced by its node (held when its op or some consumer saves it)."""
+    if not ctx.train or tuple(produced) == tuple(required) or recomputed or not saves_input:
         return 0.0
-    if recomputed or (ctx.regather and needs_grad and saves_parameter):
+    if from_parameter and ctx.regather:
         return 0.0
-    return float(ctx.precision.tensor_bytes(meta, local_numel(meta, required, ctx.mesh.shape)))
+    copy = float(ctx.precision.tensor_bytes(meta, local_numel(meta, required, ctx.mesh.shape)))
+    if from_parameter:  # the parameter's node prices its state, not this copy
+        return copy
+    # The producer's node already prices its output as kept when a consumer saves it; the
+    # saved copy replaces it when only this consumer keeps it, so only a larger copy adds
+    # (sequence-split norm -> all-gathered input of a column linear: the gathered size).
+    return max(0.0, copy - ctx.precision.tensor_bytes(meta, local_numel(meta, produced, ctx.mesh.shape)))

@@ -265,13 +265,13 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
 
 
 def edge_flags(graph: PlanGraph, producer: str, consumer: str, arg: int) -> dict[str, bool]:
-    """What ``edge_cost`` and ``gathered_parameter_bytes`` need to know about an edge
-    besides placements: a parameter's edge, whether a gradient flows back, whether the
-    consumer recomputes in backward and whether its backward keeps this input."""
+    """What ``edge_cost`` and ``held_reshard_bytes`` need to know about an edge besides
+    placements: a parameter's edge, whether a gradient flows back, whether the consumer
+    recomputes in backward and whether its backward (if it runs one) keeps this input."""
     node = graph.nodes[consumer]
     return {"from_parameter": graph.nodes[producer].kind == PARAM,
             "needs_grad": graph.sends_gradient(producer, consumer), "recomputed": node.recompute,
-            "saves_parameter": graph.nodes[producer].kind != PARAM or _saves_input(graph, node, arg)}
+            "saves_input": node.needs_grad and _saves_input(graph, node, arg)}
 
 
 def _saves_input(graph: PlanGraph, node: PlanNode, arg: int) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from autopar.cost.collectives import grad_placement_at_consumer
-from autopar.cost.model import CostContext, backward_time, gathered_parameter_bytes
+from autopar.cost.model import CostContext, backward_time, held_reshard_bytes
 from autopar.errors import InputError
 from autopar.solver.blocks import Folding
 from autopar.solver.grad_terms import GradSyncTerms
@@ -211,7 +211,7 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     flags = edge_flags(graph, edge.producer, edge.consumer, edge.arg)
 
     def held(a: object, b: tuple) -> float:
-        return gathered_parameter_bytes(meta, a, b[0], ctx, **flags)
+        return held_reshard_bytes(meta, a, b[0], ctx, **flags)
 
     def price(a: object, b: tuple) -> float:
         key = (meta, tuple(flags.values()), a, b)
@@ -303,16 +303,24 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
 
 
 def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float]) -> None:
-    """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor."""
+    """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor.
+    The shared copy is held until backward if any of its consumers saves it, so y carries the
+    largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
+    cost: dict[tuple[int, tuple], float] = defaultdict(float)
+    mem: dict[tuple[int, tuple], float] = defaultdict(float)
+    for link in links:
+        for key, c in link.cost.items():
+            cost[key] = max(cost[key], c)
+            mem[key] = max(mem[key], link.mem[key])
     y: dict[tuple[int, tuple], int] = {}
     for link in links:
         for a, row in enumerate(link.e):
             for b, e_ab in enumerate(row):
                 key = (a, link.target[b])
                 if key not in y:
-                    y[key] = model.var(link.cost[key] * count, integer=False)
-                    if link.mem[key]:
-                        memory_row[y[key]] = memory_row.get(y[key], 0.0) + link.mem[key] * count
+                    y[key] = model.var(cost[key] * count, integer=False)
+                    if mem[key]:
+                        memory_row[y[key]] = memory_row.get(y[key], 0.0) + mem[key] * count
                 model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, INF))
 
 

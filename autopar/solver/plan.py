@@ -9,7 +9,7 @@ from typing import Any
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, gradient_buckets
-from autopar.cost.model import (CostContext, backward_time, exposed_sync_time, gathered_parameter_bytes, grad_placements,
+from autopar.cost.model import (CostContext, EdgeCost, backward_time, exposed_sync_time, held_reshard_bytes, grad_placements,
                                 grad_sync_dims, step_repeats)
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
@@ -187,30 +187,56 @@ class _Ledger:
         self.comm_bytes[axis] += bytes_moved(call, self.mesh) * count
 
 
+def _reshard_key(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, name: str, arg: int) -> tuple:
+    """What one reshard serves: a tensor (and version) needed at one placement, sending back
+    one gradient placement; consumers with the same key share it."""
+    node = graph.nodes[name]
+    src, out_index = node.args[arg]
+    required = chosen[name].inputs[arg]
+    grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
+               if ctx.train and graph.sends_gradient(src, name) else None)
+    return src, out_index, node.version(arg), required, grad_in  # a write in place between two reads: nothing shared
+
+
+def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext
+                   ) -> dict[tuple, tuple[EdgeCost, float, str]]:
+    """Per shared reshard, the price of its dearest consumer (the ILP's ``_add_shared``: the
+    copy is held if any consumer saves it, replayed if any recomputes it): its edge cost,
+    held bytes and the consumer."""
+    best: dict[tuple, tuple[EdgeCost, float, str]] = {}
+    for name in graph.order:
+        for arg, (src, out_index) in enumerate(graph.nodes[name].args):
+            key = _reshard_key(graph, chosen, ctx, name, arg)
+            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
+            held = held_reshard_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
+                                      chosen[name].inputs[arg], ctx, **edge_flags(graph, src, name, arg))
+            if key not in best or (edge.time, held) > (best[key][0].time, best[key][1]):
+                best[key] = (edge, held, name)
+    return best
+
+
 def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger
                      ) -> tuple[float, set[str]]:
     """Every reshard the step runs (once per tensor, version and placement among its
-    consumers) and every loss count reduction; returns the bytes gathered parameters keep
-    and the parameters gathered again in backward."""
-    resharded: set[tuple] = set()
+    consumers, listed at its first consumer) and every loss count reduction; returns the
+    bytes resharded copies keep until backward and the parameters gathered again in backward."""
+    prices = _shared_prices(graph, chosen, ctx)
+    recorded: set[tuple] = set()
     held = 0.0
     regathered: set[str] = set()
     for name in graph.order:
         node = graph.nodes[name]
-        for arg, (src, out_index) in enumerate(node.args):
-            required = chosen[name].inputs[arg]
-            grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
-                       if ctx.train and graph.sends_gradient(src, name) else None)
-            version = node.version(arg)  # a write in place between two reads: nothing shared
-            if (src, out_index, version, required, grad_in) in resharded:  # shared with an earlier consumer
+        for arg, (src, _) in enumerate(node.args):
+            key = _reshard_key(graph, chosen, ctx, name, arg)
+            if key in recorded:  # shared with an earlier consumer
                 continue
-            resharded.add((src, out_index, version, required, grad_in))
-            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
-            held += gathered_parameter_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
-                                             required, ctx, **edge_flags(graph, src, name, arg))
-            again = "recompute" if node.recompute else "backward"  # a block's replay, or a parameter gathered again
-            if edge.recompute and not node.recompute:
+            recorded.add(key)
+            edge, kept, dearest = prices[key]
+            held += kept
+            replays = graph.nodes[dearest].recompute
+            if edge.recompute and not replays:
                 regathered.add(graph.nodes[src].fqn or src)
+            again = "recompute" if replays else "backward"  # a block's replay, or a parameter gathered again
             for phase, calls in (("forward", edge.forward), ("backward", edge.backward), (again, edge.recompute)):
                 for call in calls:
                     ledger.record(call, phase, src, name, node.module, step_repeats(ctx))
