@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 from autopar.capture.graph import TensorMeta
@@ -21,6 +21,14 @@ class Precision:
     """Bytes per parameter element kept for training: weights, gradient, master copy, Adam m and v."""
     weight_bytes_per_param: int
     """Bytes per parameter element for a forward-only step."""
+    grad_bytes: int = 4
+    """Bytes per element of a parameter's gradient where it is reduced (bucketed all-reduces,
+    reduce-scatters of sharded parameters): fp32 in every precision (``reduce_dtype=fp32``)."""
+
+    def for_gradients(self) -> "Precision":
+        """This precision with floats at the gradient-reduction width (to price the
+        collectives of a parameter's gradient)."""
+        return replace(self, activation_bytes=self.grad_bytes)
 
     def tensor_bytes(self, meta: TensorMeta, numel: int | None = None) -> int:
         """Bytes of an activation: floats at the compute width, others at their own."""

@@ -18,6 +18,8 @@ from autopar.capture.step import StepSignature
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
+from autopar.errors import InputError
+from autopar.runtime.mixed import compute_buffer, compute_copy, running_precision
 from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.regather import Regather
@@ -135,7 +137,12 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
                            f"{dist.get_world_size()} ranks; they must match")
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
-    precision = _running_precision(model, precision)
+    try:
+        precision, compute_dtype = running_precision(model, precision, planning_mesh.hardware.default_precision)
+    except InputError as exc:
+        raise CompileError(str(exc)) from None
+    # mixed precision: plan (and program) the bf16 model; the fp32 masters stay ``model``'s
+    planned_model = model if compute_dtype is None else compute_copy(model, compute_dtype)
     if input_sharded and not data_axes and "dp" in planning_mesh.names:
         data_axes = ("dp",)
     _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
@@ -150,7 +157,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         example_targets = _global_batch(example_targets, ways)
         example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
     prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
-        model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+        planned_model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
         example_targets=example_targets, train=train, constraints=constraints, constraint_axis=constraint_axis,
         data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
         memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
@@ -162,25 +169,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
     step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
-    return _on_every_rank("building the rank's program",
-                          lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed))
-
-
-PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-
-
-def _running_precision(model: nn.Module, precision: str | None) -> str:
-    """The precision the program really runs in: the model's own (the runtime casts nothing,
-    so gradients and activations move in the parameters' dtype, and the plan must price that)."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if len(dtypes) > 1 or (dtypes and next(iter(dtypes)) not in PRECISION_OF_DTYPE):
-        raise CompileError(f"the model's parameters are {sorted(map(str, dtypes))}: autopar runs a model in one "
-                           "of float32 or bfloat16 (cast it with model.to(...))")
-    own = PRECISION_OF_DTYPE[next(iter(dtypes))] if dtypes else "fp32"
-    if precision is not None and precision != own:
-        raise CompileError(f"precision={precision!r} but the model's parameters are {own}: the runtime runs the "
-                           f"model as it is, so plan it as {own!r} or cast the model first")
-    return own
+    return _on_every_rank("building the rank's program", lambda: build_rank_module(
+        model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype))
 
 
 def _axes_error(mesh: Mesh, data_axes: tuple[str, ...], input_sharded: bool, constraint_axis: str | None) -> str:
@@ -208,14 +198,18 @@ def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
 
 
 def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
-                      input_sharded: bool = False, init_seed: int = 0, seed: int = 0) -> ParallelModule:
+                      input_sharded: bool = False, init_seed: int = 0, seed: int = 0,
+                      compute_dtype: torch.dtype | None = None) -> ParallelModule:
     """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake
-    process group to inspect the generated program)."""
+    process group to inspect the generated program). With ``compute_dtype`` (mixed
+    precision; the step captured from ``mixed.compute_copy``) the parameters stay
+    ``model``'s fp32 masters and the program reads them cast (``passes.cast_parameters``)."""
     captured, graph, chosen = step.captured, step.graph, step.chosen
     comm = Comm(mesh)
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
                      input_sharded=input_sharded, device_type=mesh.device_type,
-                     regather=frozenset(step.plan.memory.regather), memory=step.plan.memory)
+                     regather=frozenset(step.plan.memory.regather), memory=step.plan.memory,
+                     master_dtype=None if compute_dtype is None else torch.float32)
     random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
     program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                   "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
@@ -239,6 +233,8 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
             fqn = plan_node.fqn or name
             placeholders.append((name, "param" if plan_node.kind == PARAM else "buffer", fqn))
             local[name] = shards.local(fqn, state[fqn], strategy_out)
+            if plan_node.kind == BUFFER:
+                local[name] = compute_buffer(local[name], compute_dtype)
             placements[fqn] = strategy_out
         else:
             assert plan_node is None or plan_node.kind == INPUT
@@ -253,7 +249,8 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded, frozen=frozen, signature=signature)
+                          input_sharded=input_sharded, frozen=frozen, signature=signature,
+                          loss_dtype=torch.float32 if compute_dtype is not None and step.ctx.train else None)
 
 
 def _sharded_signature(signature: StepSignature, user_inputs: list[str], chosen: dict[str, Strategy],

@@ -42,14 +42,15 @@ class ParallelModule(nn.Module):
     tensor has the shape and dtype compiled (this rank's shard with ``input_sharded``): the
     program is specialized on them, and another shape is refused by name.
     Parameters are this rank's shards, registered under the original FQNs; ``state_dict()``
-    returns DTensors.
+    returns DTensors. In mixed precision they are the fp32 masters (the program reads bf16
+    casts), floating buffers are kept in bf16, and the loss comes back in fp32.
     """
 
     def __init__(self, *, gm: torch.fx.GraphModule, plan: Plan, device_mesh: DeviceMesh, comm: Comm,
                  placeholders: list[tuple[str, str, str]], local: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], tied: dict[str, str],
                  output_placements: list[tuple[Placement, ...] | None], input_sharded: bool,
-                 frozen: frozenset[str], signature: StepSignature) -> None:
+                 frozen: frozenset[str], signature: StepSignature, loss_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
@@ -61,6 +62,7 @@ class ParallelModule(nn.Module):
         self._tied = tied
         self._outputs = output_placements
         self.signature = signature
+        self._loss_dtype = loss_dtype  # mixed precision: the bf16 loss returned as fp32, as the fp32 model's
         params_by_node: dict[str, nn.Parameter] = {}
         self._constants: dict[str, torch.Tensor] = {}
         for name, kind, fqn in placeholders:
@@ -100,6 +102,8 @@ class ParallelModule(nn.Module):
                 values.append(self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn))
         with regather_hooks() if self._regathers else contextlib.nullcontext():
             outputs = self.program(*values)
+        if self._loss_dtype is not None:
+            outputs = [outputs[0].to(self._loss_dtype), *outputs[1:]]
         wrapped = [DTensor.from_local(o, self.device_mesh, placements or (Replicate(),) * self.device_mesh.ndim,
                                       run_check=False) if isinstance(o, torch.Tensor) else o
                    for o, placements in zip(outputs, self._outputs)]

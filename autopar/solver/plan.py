@@ -163,7 +163,7 @@ def plan_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[
             meta = graph.nodes[name].outputs[0]
             assert meta is not None
             params.append((name, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), sync_dims[name]))
-    return gradient_buckets(params, itemsize=ctx.precision.activation_bytes, cap=ctx.bucket_bytes)
+    return gradient_buckets(params, itemsize=ctx.precision.grad_bytes, cap=ctx.bucket_bytes)
 
 
 class _Ledger:
