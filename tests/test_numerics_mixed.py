@@ -33,12 +33,15 @@ class Case:
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{'x'.join(map(str, self.mesh))}" + ("-zero3" if "zero" in self.kwargs else "")
+        extra = ("-zero3" if "zero" in self.kwargs else "") + ("-checkpointed" if "checkpoint" in self.kwargs else "")
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}{extra}"
 
 
 CASES = [Case(model, (2,), ("dp",)) for model in MODELS] + [
     Case(model, (2, 2), ("dp", "tp"), {"constraints": TP_PLANS[model], "data_axes": ("dp",)}) for model in MODELS] + [
-    Case(model, (2,), ("dp",), {"zero": {"dp": 3}, "data_axes": ("dp",)}) for model in MODELS]
+    Case(model, (2,), ("dp",), {"zero": {"dp": 3}, "data_axes": ("dp",)}) for model in MODELS] + [
+    # the casts inside a checkpointed block are recomputed in backward with it
+    Case("llama", (2, 2), ("dp", "tp"), {"constraints": llama.TP_PLAN, "data_axes": ("dp",), "checkpoint": "full"})]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
