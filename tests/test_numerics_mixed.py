@@ -3,7 +3,9 @@ communicates in bf16, keeps fp32 master weights, gradients and AdamW state, and 
 gradients in fp32; it trains to a single device running the same bf16 arithmetic on fp32
 masters (``numerics_harness.mixed_reference``) within bf16 tolerances: loss, every
 gradient, parameters after 3 AdamW steps. The collectives that ran, bytes included, are
-the plan's: bf16 gathers and activations, fp32 gradient buckets and reduce-scatters."""
+the plan's: bf16 gathers and activations, fp32 gradient buckets and reduce-scatters.
+Those bytes, not the tolerances, tell bf16 arithmetic from fp32: the losses of a bf16 and an
+fp32 run differ by less than one bf16 ulp of the loss (0.03 at ~4.8)."""
 
 from __future__ import annotations
 
@@ -59,8 +61,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
             "param_dtypes": {str(p.dtype) for p in pm.parameters()},
             "grad_dtypes": {str(p.grad.dtype) for p in pm.parameters() if p.grad is not None},
             "adam_dtypes": {str(v.dtype) for s in opt.state.values() for v in s.values() if v.dim()},
-            "casts": code.count("dtype = torch.bfloat16"), "fp32_reduce": code.count("grad_dtype = torch.float32"),
-            "regathered": result["regathered"]}
+            "casts": code.count("dtype = torch.bfloat16"), "fp32_reduce": code.count("grad_dtype = torch.float32")}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -78,9 +79,3 @@ def test_mixed_precision_matches_bf16_compute_on_fp32_masters(case: Case) -> Non
         if "zero" in case.kwargs:
             assert r["fp32_reduce"] > 0 and r["regathered"]  # gathered again in backward, from the master
 
-
-def test_the_loss_is_not_fp32_arithmetic() -> None:
-    """The reference is bf16 arithmetic: its loss differs from the fp32 model's by more than
-    the fp32 tolerance (so the comparisons above would notice an fp32 program)."""
-    mixed, plain = mixed_reference(gpt.build, steps=1), mixed_reference(gpt.build, dtype=torch.float32, steps=1)
-    assert abs(mixed.losses[0] - plain.losses[0]) > 1e-4
