@@ -41,9 +41,14 @@ class Reference:
     """First step's gradient of every parameter that got one (frozen, unused ones: none)."""
     state: dict[str, torch.Tensor]
     """Parameters and buffers after the steps."""
+    compute_dtype: torch.dtype | None = None
+    """A mixed-precision run (``mixed_reference``): fp32 masters and gradients that went
+    through ``compute_dtype`` arithmetic, so every float is compared at its tolerance."""
 
     @property
     def tolerance(self) -> tuple[float, float]:
+        if self.compute_dtype is not None:
+            return TOLERANCE[self.compute_dtype]
         floats = [t for t in self.state.values() if t.is_floating_point()]
         return TOLERANCE[floats[0].dtype] if floats else TOLERANCE[torch.float32]
 
@@ -91,13 +96,47 @@ def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: i
     return Reference(losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
-def mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    """Names whose whole tensors differ beyond the tolerance of their dtype (or are missing)."""
+def mixed_reference(build: Callable[[], Any], dtype: torch.dtype = torch.bfloat16, steps: int = STEPS) -> Reference:
+    """One device running the step as mixed precision does (FSDP2's ``MixedPrecisionPolicy``
+    without sharding): fp32 master parameters stepped by AdamW, the model's forward run on
+    ``dtype`` casts of them (floating buffers and model inputs in ``dtype`` too), the loss
+    returned in fp32. The same module code on the same dtypes as the compiled program, so
+    only summation orders differ (autocast would instead keep softmax, norms and the loss in
+    fp32: other arithmetic, not comparable op by op)."""
+    model, inputs, loss_fn, targets = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    buffers = {k: cast(b) for k, b in model.named_buffers()}
+    losses, grads = [], {}
+    for step in range(steps):
+        params = {k: cast(p) for k, p in model.named_parameters()}
+        out = torch.func.functional_call(model, {**params, **buffers}, tuple(cast(x) for x in inputs))
+        loss = (loss_fn(out, *targets) if loss_fn is not None else out).float()
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    state = {k: (buffers[k] if k in buffers else v).detach().clone() for k, v in model.state_dict().items()}
+    return Reference(losses, grads, state, compute_dtype=dtype)
+
+
+def mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
+               floats: tuple[float, float] | None = None) -> list[str]:
+    """Names whose whole tensors differ beyond the tolerance of their dtype (``floats`` for
+    every floating tensor, when given), or are missing."""
     out = []
     for k, want in ref.items():
+        tolerance = floats if floats is not None and want.is_floating_point() else TOLERANCE.get(want.dtype,
+                                                                                                (RTOL, ATOL))
         if k not in got:
             out.append(f"{k}: missing")
-        elif not torch.allclose(want, got[k], *TOLERANCE.get(want.dtype, (RTOL, ATOL))):
+        elif want.dtype != got[k].dtype:
+            out.append(f"{k}: {got[k].dtype}, not {want.dtype}")
+        elif not torch.allclose(want, got[k], *tolerance):
             out.append(f"{k}: max |diff| {(want.double() - got[k].double()).abs().max().item():.3g}")
     return out
 
@@ -152,8 +191,9 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
     state = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
     names = mesh.mesh_dim_names
     recomputed = [e for e in ran if e[0] == "recompute"]  # also checked against the blocks' forward collectives
-    return {"losses": losses, "grad_mismatches": mismatches(ref.grads, grads),
-            "state_mismatches": mismatches(ref.state, state), "with_grad": sorted(grads),
+    floats = ref.tolerance if ref.compute_dtype is not None else None
+    return {"losses": losses, "grad_mismatches": mismatches(ref.grads, grads, floats),
+            "state_mismatches": mismatches(ref.state, state, floats), "with_grad": sorted(grads),
             "frozen": sorted(k for k, p in pm.named_parameters() if not p.requires_grad),
             "diverged": diverged_replicas(pm),
             "ran": sorted(Counter((p, k, names[d], b) for p, k, d, b in ran).items()),

@@ -137,24 +137,28 @@ def test_a_call_binds_to_the_captured_leaves_and_keeps_non_tensor_inputs_fixed()
         sig.bind((x, 3, y), {"mask": mask, "scale": None, "pair": (x,)})
 
 
-def _precision_rank(rank: int, world: int, precision: str | None, dtype: torch.dtype) -> str:
+def _precision_rank(rank: int, world: int, precision: str | None, dtype: torch.dtype,
+                    hardware: str | None = None) -> str:
     model, inputs, loss_fn, targets = gpt.build()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     try:
         pm = autopar.compile(model.to(dtype), mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                             precision=precision)
+                             precision=precision, hardware=hardware)
     except autopar.CompileError as exc:
         return str(exc)
-    return pm.plan.precision
+    return f"{pm.plan.precision} {next(pm.parameters()).dtype}"
 
 
 def test_the_plan_prices_the_precision_the_model_runs_in() -> None:
-    """The runtime casts nothing: gradients move in the parameters' dtype, so the plan takes
-    the model's precision, and a different one asked for is refused on every rank."""
-    assert run_ranks(_precision_rank, 2, None, torch.bfloat16) == ["bf16", "bf16"]
-    assert run_ranks(_precision_rank, 2, None, torch.float32) == ["fp32", "fp32"]
-    for message in run_ranks(_precision_rank, 2, "bf16", torch.float32):
-        assert "precision='bf16' but the model's parameters are fp32" in message
+    """An fp32 model runs as asked: fp32 by default on the cpu profile, bf16 mixed precision
+    (fp32 masters) when asked or by default on a GPU profile. A bf16 model runs in bf16, and
+    fp32 asked of it is refused on every rank (there are no fp32 weights to keep)."""
+    assert run_ranks(_precision_rank, 2, None, torch.bfloat16) == ["bf16 torch.bfloat16"] * 2
+    assert run_ranks(_precision_rank, 2, None, torch.float32) == ["fp32 torch.float32"] * 2
+    assert run_ranks(_precision_rank, 2, "bf16", torch.float32) == ["bf16 torch.float32"] * 2
+    assert run_ranks(_precision_rank, 2, None, torch.float32, "h100") == ["bf16 torch.float32"] * 2
+    for message in run_ranks(_precision_rank, 2, "fp32", torch.bfloat16):
+        assert "precision='fp32' but the model's parameters are bf16" in message
 
 
 def test_a_call_must_pass_the_compiled_shapes_and_dtypes() -> None:

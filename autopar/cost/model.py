@@ -216,7 +216,7 @@ def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozense
                      ) -> list[CollectiveCall]:
     """One parameter's share of the gradient buckets: an all-reduce of its local gradient on
     each sync dim. Its transfer time is the parameter's; latency is paid per bucket."""
-    nbytes = ctx.precision.tensor_bytes(meta, local_numel(meta, produced, ctx.mesh.shape))
+    nbytes = ctx.precision.for_gradients().tensor_bytes(meta, local_numel(meta, produced, ctx.mesh.shape))
     return [CollectiveCall(ALL_REDUCE, d, nbytes, bucketed=True) for d in sorted(sync_dims)]
 
 
@@ -239,9 +239,10 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     backward: list[CollectiveCall] = []
     if ctx.train and needs_grad:
         grad_in, grad_out = grad_placements(produced, required, consumer)
-        if from_parameter:
+        if from_parameter:  # a parameter's gradient is reduced at its own width (fp32)
             grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
-        backward.extend(reshard(meta, grad_in, grad_out, mesh, precision))
+        backward.extend(reshard(meta, grad_in, grad_out, mesh, precision.for_gradients() if from_parameter
+                                else precision))
     again = forward if regathered(ctx, from_parameter, needs_grad, recomputed, saves_input) else []
     time = sum(collective_time(c, mesh) for c in (*forward, *backward, *again)) * step_repeats(ctx)
     return EdgeCost(time, tuple(forward), tuple(backward), tuple(again))

@@ -65,7 +65,7 @@ def offloaded_parameter(meta: TensorMeta, placements: Placements, mesh: Mesh, pr
     """The cost of keeping ``meta``'s optimizer state on the host, stored as ``placements``
     (the formulas are in the module docstring)."""
     numel = local_numel(meta, placements, mesh.shape)
-    width = precision.weight_bytes_per_param
+    width = precision.master_bytes_per_param  # the registered parameter (fp32 also in mixed precision: the program casts)
     return OffloadCost(device_bytes=float(numel * 2 * width),
                        host_bytes=float(numel * host_bytes_per_element(width)),
                        transfer_s=transfer_time(numel, width, mesh.hardware),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 from autopar.capture.graph import TensorMeta
@@ -20,10 +20,18 @@ class Precision:
     state_bytes_per_param: int
     """Bytes per parameter element kept for training: weights, gradient, master copy, Adam m and v."""
     weight_bytes_per_param: int
-    """Bytes per parameter element of the weights the step computes with (all a forward-only step keeps)."""
-    grad_bytes_per_param: int
-    """Bytes per parameter element of its gradient; the rest of the state is the optimizer's
-    (master copy, Adam m and v): ``state - weight - grad``."""
+    """Bytes per parameter element of the weights a forward-only step keeps."""
+    grad_bytes_per_param: int = 4
+    """Bytes per element of a parameter's gradient, kept and reduced (bucketed all-reduces,
+    reduce-scatters of sharded parameters): fp32 in every precision (``reduce_dtype=fp32``)."""
+    master_bytes_per_param: int = 4
+    """Bytes per parameter element of the weights training keeps: fp32 masters (mixed
+    precision computes with bf16 casts of them). The rest of the state is the optimizer's."""
+
+    def for_gradients(self) -> "Precision":
+        """This precision with floats at the gradient-reduction width (to price the
+        collectives of a parameter's gradient)."""
+        return replace(self, activation_bytes=self.grad_bytes_per_param)
 
     def tensor_bytes(self, meta: TensorMeta, numel: int | None = None) -> int:
         """Bytes of an activation: floats at the compute width, others at their own."""
@@ -32,13 +40,12 @@ class Precision:
 
 
 PRECISIONS = {
-    # Mixed precision (Micikevicius et al. 2018; ZeRO paper's 16 bytes/param):
-    # bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m 4 + v 4.
-    "bf16": Precision(name="bf16", activation_bytes=2, state_bytes_per_param=16, weight_bytes_per_param=2,
-                      grad_bytes_per_param=2),
+    # Mixed precision as the runtime runs it (FSDP2's MixedPrecisionPolicy, reduce_dtype fp32):
+    # fp32 master 4 + fp32 gradient 4 + Adam m 4 + v 4 = 16 bytes/param kept (the ZeRO paper's
+    # 16, split differently: the bf16 weights are transient casts, priced where they are held).
+    "bf16": Precision(name="bf16", activation_bytes=2, state_bytes_per_param=16, weight_bytes_per_param=2),
     # fp32: weights 4 + grads 4 + Adam m 4 + v 4.
-    "fp32": Precision(name="fp32", activation_bytes=4, state_bytes_per_param=16, weight_bytes_per_param=4,
-                      grad_bytes_per_param=4),
+    "fp32": Precision(name="fp32", activation_bytes=4, state_bytes_per_param=16, weight_bytes_per_param=4),
 }
 
 

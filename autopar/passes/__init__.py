@@ -5,12 +5,14 @@ in this order:
 1. annotate_placements: each node's chosen strategy into ``node.meta``;
 2. localize_shapes: size arguments become this rank's;
 3. insert_reshards: ``self.reshard`` on every edge whose placements differ;
-4. localize_losses: batch-split 'mean' losses become local sum / global count (after
+4. cast_parameters: mixed precision: each parameter read in the captured (bf16) dtype,
+   cast before its reshards, its gradient reduced in fp32 (after the reshards it fuses with);
+5. localize_losses: batch-split 'mean' losses become local sum / global count (after
    the reshards, so a count can still read the whole targets input);
-5. retarget_devices: tensors the step creates go to the rank's device;
-6. localize_random: ops that draw random numbers become ``self.random`` calls (one
+6. retarget_devices: tensors the step creates go to the rank's device;
+7. localize_random: ops that draw random numbers become ``self.random`` calls (one
    global draw per op, this rank keeping its slice);
-7. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
+8. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
    call of a submodule holding its nodes (last: a block takes its reshards and draws along).
 A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
@@ -27,6 +29,7 @@ from torch import nn
 
 from autopar.capture.subgraphs import module_of
 from autopar.passes.annotate_placements import annotate_placements
+from autopar.passes.cast_parameters import cast_parameters
 from autopar.passes.checkpoint_blocks import checkpoint_blocks
 from autopar.passes.context import PassContext
 from autopar.passes.insert_reshards import insert_reshards
@@ -35,8 +38,8 @@ from autopar.passes.localize_random import localize_random
 from autopar.passes.localize_shapes import localize_shapes
 from autopar.passes.retarget_devices import retarget_devices
 
-PASSES = (annotate_placements, localize_shapes, insert_reshards, localize_losses, retarget_devices,
-          localize_random, checkpoint_blocks)
+PASSES = (annotate_placements, localize_shapes, insert_reshards, cast_parameters, localize_losses,
+          retarget_devices, localize_random, checkpoint_blocks)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx
 
 from autopar.cost.model import CostContext
@@ -36,6 +37,9 @@ class PassContext:
     ``memory.regather``)."""
     memory: MemoryPlan | None = None
     """The plan's memory decisions (which blocks recompute in backward); None: none."""
+    master_dtype: torch.dtype | None = None
+    """Mixed precision: parameters arrive in this dtype (fp32 masters) and are cast to the
+    dtype the step was captured in where used (``cast_parameters``); None: as captured."""
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -20,6 +20,8 @@ from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, parallelize_graph
 from autopar.runtime.microbatch import SUM, loss_kind
+from autopar.errors import InputError
+from autopar.runtime.mixed import compute_buffer, compute_copy, running_precision
 from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
 from autopar.solver.memory import example_batch
 from autopar.runtime.module import ParallelModule
@@ -138,7 +140,12 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
                            f"{dist.get_world_size()} ranks; they must match")
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
-    precision = _running_precision(model, precision)
+    try:
+        precision, compute_dtype = running_precision(model, precision, planning_mesh.hardware.default_precision)
+    except InputError as exc:
+        raise CompileError(str(exc)) from None
+    # mixed precision: plan (and program) the bf16 model; the fp32 masters stay ``model``'s
+    planned_model = model if compute_dtype is None else compute_copy(model, compute_dtype)
     if input_sharded and not data_axes and "dp" in planning_mesh.names:
         data_axes = ("dp",)
     _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
@@ -153,7 +160,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         example_targets = _global_batch(example_targets, ways)
         example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
     prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
-        model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+        planned_model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
         example_targets=example_targets, train=train, constraints=constraints, constraint_axis=constraint_axis,
         data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
         memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
@@ -166,26 +173,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
-    return _on_every_rank("building the rank's program",
-                          lambda: build_rank_module(model, mesh, step, init_fn, input_sharded, init_seed, seed,
-                                                    batch_leaves))
-
-
-PRECISION_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-
-
-def _running_precision(model: nn.Module, precision: str | None) -> str:
-    """The precision the program really runs in: the model's own (the runtime casts nothing,
-    so gradients and activations move in the parameters' dtype, and the plan must price that)."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if len(dtypes) > 1 or (dtypes and next(iter(dtypes)) not in PRECISION_OF_DTYPE):
-        raise CompileError(f"the model's parameters are {sorted(map(str, dtypes))}: autopar runs a model in one "
-                           "of float32 or bfloat16 (cast it with model.to(...))")
-    own = PRECISION_OF_DTYPE[next(iter(dtypes))] if dtypes else "fp32"
-    if precision is not None and precision != own:
-        raise CompileError(f"precision={precision!r} but the model's parameters are {own}: the runtime runs the "
-                           f"model as it is, so plan it as {own!r} or cast the model first")
-    return own
+    return _on_every_rank("building the rank's program", lambda: build_rank_module(
+        model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves))
 
 
 def _axes_error(mesh: Mesh, data_axes: tuple[str, ...], input_sharded: bool, constraint_axis: str | None) -> str:
@@ -214,10 +203,13 @@ def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
 
 def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
                       input_sharded: bool = False, init_seed: int = 0, seed: int = 0,
-                      batch_leaves: frozenset[int] = frozenset()) -> ParallelModule:
+                      compute_dtype: torch.dtype | None = None, batch_leaves: frozenset[int] = frozenset()
+                      ) -> ParallelModule:
     """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake
-    process group to inspect the generated program). ``batch_leaves``: the step's input
-    leaves cut into micro-batches (``whole_batch_leaves``)."""
+    process group to inspect the generated program). With ``compute_dtype`` (mixed
+    precision; the step captured from ``mixed.compute_copy``) the parameters stay
+    ``model``'s fp32 masters and the program reads them cast (``passes.cast_parameters``).
+    ``batch_leaves``: the step's input leaves cut into micro-batches (``whole_batch_leaves``)."""
     captured, graph, chosen = step.captured, step.graph, step.chosen
     m = step.plan.memory.micro_batches
     # Refused before anything is built: a loss no weight per micro-batch makes exact.
@@ -225,7 +217,8 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
     comm = Comm(mesh)
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
                      input_sharded=input_sharded, device_type=mesh.device_type,
-                     regather=frozenset(step.plan.memory.regather), memory=step.plan.memory)
+                     regather=frozenset(step.plan.memory.regather), memory=step.plan.memory,
+                     master_dtype=None if compute_dtype is None else torch.float32)
     random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
     program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                   "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
@@ -249,6 +242,8 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
             fqn = plan_node.fqn or name
             placeholders.append((name, "param" if plan_node.kind == PARAM else "buffer", fqn))
             local[name] = shards.local(fqn, state[fqn], strategy_out)
+            if plan_node.kind == BUFFER:
+                local[name] = compute_buffer(local[name], compute_dtype)
             placements[fqn] = strategy_out
         else:
             assert plan_node is None or plan_node.kind == INPUT
@@ -265,7 +260,8 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
     return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
                           local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded, frozen=frozen, signature=signature, loss_kind=kind)
+                          input_sharded=input_sharded, frozen=frozen, signature=signature, loss_kind=kind,
+                          loss_dtype=torch.float32 if compute_dtype is not None and step.ctx.train else None)
 
 
 def whole_batch_leaves(inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> frozenset[int]:

@@ -10,7 +10,9 @@ An end-of-backward callback reduces the remaining buckets in mesh-dim order (a g
 reduced over dims 0 and 1 enters dim 1's buffer already summed over dim 0), then sets
 ``.grad`` to what it held before this backward plus the reduced sum, so ``opt.step()`` right
 after ``loss.backward()`` sees synchronized gradients, identical on every replica, and
-gradients accumulated over several backward passes stay correct.
+gradients accumulated over several backward passes stay correct. The buffers are fp32
+(or wider): a mixed-precision step's masters have fp32 gradients, and a bf16 model's
+gradients are summed in fp32 too, then written back in bf16.
 
 Inside ``no_sync()`` (the micro-batches of a step but the last, as DDP's ``no_sync``) a
 backward reduces nothing: each contribution is added to the parameter's place in the
@@ -67,8 +69,8 @@ class GradSync:
             for name in bucket.params:
                 if self.first_dim[name] == bucket.mesh_dim:
                     self.early[name].append(i)
-        dtypes = [params[n].dtype for n in sorted(names)]
-        self.dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+        # Reduced in fp32 at least (reduce_dtype=fp32): a bf16 model's gradients too, as the plan prices them
+        self.dtype = functools.reduce(torch.promote_types, [params[n].dtype for n in sorted(names)], torch.float32)
         self._reset()
         for name in sorted(names):
             params[name].register_hook(self._make_hook(name))

@@ -47,14 +47,16 @@ class ParallelModule(nn.Module):
     backward of each of the plan's micro-batches, gradients synchronized once; it is the
     only way to run a module compiled with ``micro_batches > 1`` (see ``step``).
     Parameters are this rank's shards, registered under the original FQNs; ``state_dict()``
-    returns DTensors.
+    returns DTensors. In mixed precision they are the fp32 masters (the program reads bf16
+    casts), floating buffers are kept in bf16, and the loss comes back in fp32.
     """
 
     def __init__(self, *, gm: torch.fx.GraphModule, plan: Plan, device_mesh: DeviceMesh, comm: Comm,
                  placeholders: list[tuple[str, str, str]], local: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], tied: dict[str, str],
                  output_placements: list[tuple[Placement, ...] | None], input_sharded: bool,
-                 frozen: frozenset[str], signature: StepSignature, loss_kind: str | None) -> None:
+                 frozen: frozenset[str], signature: StepSignature, loss_kind: str | None,
+                 loss_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
@@ -67,6 +69,7 @@ class ParallelModule(nn.Module):
         self._outputs = output_placements
         self.signature = signature
         self._loss_kind = loss_kind  # how micro-batch losses combine (microbatch.py); None: no training step
+        self._loss_dtype = loss_dtype  # mixed precision: the bf16 loss returned as fp32, as the fp32 model's
         params_by_node: dict[str, nn.Parameter] = {}
         self._constants: dict[str, torch.Tensor] = {}
         for name, kind, fqn in placeholders:
@@ -141,7 +144,10 @@ class ParallelModule(nn.Module):
             else:
                 values.append(self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn))
         with regather_hooks() if self._regathers else contextlib.nullcontext():
-            return list(self.program(*values))
+            outputs = list(self.program(*values))
+        if self._loss_dtype is not None:
+            outputs = [outputs[0].to(self._loss_dtype), *outputs[1:]]
+        return outputs
 
     def _wrap(self, outputs: list[Any]) -> Any:
         """Local outputs as DTensors placed as planned (the loss: replicated)."""

@@ -104,33 +104,48 @@ class Comm:
 
 
 class _Redistribute(torch.autograd.Function):
+    """Forward: cast to ``dtype`` (if given), then the forward steps. Backward: the gradient
+    cast to ``grad_dtype`` (if given), the backward steps, then cast to the input's dtype.
+
+    A parameter's cast and its reshard are one op so that its gradient is reduced in
+    ``grad_dtype``: after a separate cast node, autograd would hand the reshard's backward
+    a gradient in the cast's (bf16) dtype and reduce-scatter it there."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, fwd: tuple[Step, ...],  # type: ignore[override]
-                bwd: tuple[Step, ...], own_storage: bool = False) -> torch.Tensor:
-        ctx.comm, ctx.bwd = comm, bwd
-        out = comm.run(x, fwd, "forward")
+                bwd: tuple[Step, ...], own_storage: bool = False, dtype: torch.dtype | None = None,
+                grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+        ctx.comm, ctx.bwd, ctx.input_dtype, ctx.grad_dtype = comm, bwd, x.dtype, grad_dtype
+        out = comm.run(x if dtype is None else x.to(dtype), fwd, "forward")
         if own_storage and (out._base is not None or not out.is_contiguous() or out.storage_offset() != 0):
             out = out.clone(memory_format=torch.contiguous_format)  # a view would keep its whole base alive
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return ctx.comm.run(grad, ctx.bwd, "backward"), None, None, None, None
+        if ctx.grad_dtype is not None:
+            grad = grad.to(ctx.grad_dtype)
+        return ctx.comm.run(grad, ctx.bwd, "backward").to(ctx.input_dtype), None, None, None, None, None, None
 
 
 class Reshard(nn.Module):
-    """``self.reshard(x, src, dst, grad_src, grad_dst)``: placements as printed in plans."""
+    """``self.reshard(x, src, dst, grad_src, grad_dst)``: placements as printed in plans.
+
+    A parameter's reshard in mixed precision also names ``dtype=`` (what forward computes
+    in: the fp32 master is cast before its collectives, so they move bf16) and
+    ``grad_dtype=`` (what its gradient is reduced in, fp32); see ``passes.cast_parameters``."""
 
     def __init__(self, comm: Comm) -> None:
         super().__init__()
         self.comm = comm
 
-    def forward(self, x: torch.Tensor, src: str, dst: str, grad_src: str = "", grad_dst: str = "") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, src: str, dst: str, grad_src: str = "", grad_dst: str = "", *,
+                dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
         fwd = _steps(src, dst)
         bwd = _steps(grad_src, grad_dst) if grad_src else ()
         if not x.requires_grad or not torch.is_grad_enabled():
-            return self.comm.run(x, fwd, "forward")
-        return _Redistribute.apply(x, self.comm, fwd, bwd)
+            return self.comm.run(x if dtype is None else x.to(dtype), fwd, "forward")
+        return _Redistribute.apply(x, self.comm, fwd, bwd, False, dtype, grad_dtype)
 
 
 class PartialMeanLoss(nn.Module):

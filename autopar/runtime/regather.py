@@ -40,13 +40,16 @@ class _Source:
     it still holds the forward's values when backward regathers)."""
     steps: tuple[Step, ...]
     fqn: str
+    dtype: torch.dtype | None = None
+    """What the shard is cast to before gathering (mixed precision: bf16, from the fp32 master)."""
 
     def gather(self) -> torch.Tensor:
         """The gathered tensor again, contiguous and owning its storage (as in forward)."""
         log = self.comm.log
         first = len(log.entries) if log is not None else 0
         with torch.no_grad():
-            out = _own_storage(self.comm.run(self.shard, self.steps, "backward"))
+            shard = self.shard if self.dtype is None else self.shard.to(self.dtype)
+            out = _own_storage(self.comm.run(shard, self.steps, "backward"))
         if log is not None:
             log.regathers.extend((self.fqn, entry) for entry in log.entries[first:])
         return out
@@ -104,13 +107,16 @@ class Regather(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor, fqn: str, src: str, dst: str, grad_src: str = "",
-                grad_dst: str = "") -> torch.Tensor:
+                grad_dst: str = "", *, dtype: torch.dtype | None = None,
+                grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``dtype``/``grad_dtype`` as for ``self.reshard``: the fp32 master is cast before
+        its gather, in forward and again in backward (the handle keeps the master's shard)."""
         fwd = _steps(src, dst)
         bwd = _steps(grad_src, grad_dst) if grad_src else ()
         if x.requires_grad and torch.is_grad_enabled():
-            out = _Redistribute.apply(x, self.comm, fwd, bwd, True)
+            out = _Redistribute.apply(x, self.comm, fwd, bwd, True, dtype, grad_dtype)
         else:
-            out = _own_storage(self.comm.run(x, fwd, "forward"))
+            out = _own_storage(self.comm.run(x if dtype is None else x.to(dtype), fwd, "forward"))
         if out is not x and out._base is not x:  # nothing ran (one rank on the axis): x is no copy
-            setattr(out, _TAG, _Source(self.comm, x.detach(), fwd, fqn))
+            setattr(out, _TAG, _Source(self.comm, x.detach(), fwd, fqn, dtype))
         return out

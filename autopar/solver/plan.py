@@ -167,7 +167,7 @@ def plan_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[
             meta = graph.nodes[name].outputs[0]
             assert meta is not None
             params.append((name, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), sync_dims[name]))
-    return gradient_buckets(params, itemsize=ctx.precision.activation_bytes, cap=ctx.bucket_bytes)
+    return gradient_buckets(params, itemsize=ctx.precision.grad_bytes_per_param, cap=ctx.bucket_bytes)
 
 
 class _Ledger:
@@ -257,12 +257,14 @@ def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCo
         meta = node.outputs[0]
         assert meta is not None
         numel = local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape)
-        parts["weights"] += numel * precision.weight_bytes_per_param
-        if ctx.train and node.needs_grad:
-            parts["gradients"] += numel * precision.grad_bytes_per_param
-            if not ctx.offload:  # else on the host, not in the device's peak
-                parts["optimizer state"] += numel * (precision.state_bytes_per_param - precision.weight_bytes_per_param
-                                                     - precision.grad_bytes_per_param)
+        if not (ctx.train and node.needs_grad):  # frozen, or a forward-only step: the weights alone
+            parts["weights"] += numel * precision.weight_bytes_per_param
+            continue
+        parts["weights"] += numel * precision.master_bytes_per_param
+        parts["gradients"] += numel * precision.grad_bytes_per_param
+        if not ctx.offload:  # else on the host, not in the device's peak
+            parts["optimizer state"] += numel * (precision.state_bytes_per_param - precision.master_bytes_per_param
+                                                 - precision.grad_bytes_per_param)
     return parts
 
 
