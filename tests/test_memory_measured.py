@@ -1,7 +1,7 @@
 """The plan's per-device peak memory is what a real step holds: each rank's peak of live
 tensor bytes over a training step (forward, backward, AdamW step; ``runtime.memory``) is
 within ``TOLERANCE`` of ``plan.predicted.peak_memory_bytes``, for DDP, ZeRO-3, full and
-selective checkpointing and dp x tp plans of the GPT and Llama examples, fp32, at a batch
+selective checkpointing, 4 micro-batches and dp x tp plans of the GPT and Llama examples, fp32, at a batch
 where activations are more than half of the prediction.
 
 What the prediction leaves out (transients: the logits a loss reads, an op's temporaries,
@@ -46,6 +46,7 @@ CONFIGS = [
     Config("full", (2,), ("dp",), {"checkpoint": "full"}),
     Config("selective", (2,), ("dp",), {"checkpoint": "selective"}),
     Config("dp2xtp2", (2, 2), ("dp", "tp"), tp=True),
+    Config("micro4", (2,), ("dp",), {"micro_batches": 4}),
 ]
 
 

@@ -76,6 +76,15 @@ class GradSyncTerms:
         self.seconds[j] = weight
         return j
 
+    def add_buffer_memory(self, memory_row: dict[int, float]) -> None:
+        """With micro-batches the runtime accumulates the synchronized gradients in its bucket
+        buffers (one flat buffer per mesh dim) from the first micro-batch's backward to the
+        last: their bytes are held beside ``.grad`` for the whole step (``bucket_buffer_bytes``)."""
+        if self.ctx.train and self.ctx.micro_batches > 1:
+            for row in self.bytes_on.values():
+                for y, nbytes in row.items():
+                    memory_row[y] = memory_row.get(y, 0.0) + nbytes
+
     def add_overlap_row(self, backward: dict[int, float]) -> None:
         """e >= sync - overlap x backward (both in objective units), e >= 0, e in the objective.
         ``backward``: variable -> the last micro-batch's backward seconds (x SCALE) it selects."""

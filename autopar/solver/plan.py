@@ -245,6 +245,13 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     return held, regathered
 
 
+def bucket_buffer_bytes(buckets: list[GradBucket], ctx: CostContext) -> float:
+    """Bytes of the gradient-bucket buffers held for the whole step: with micro-batches the
+    runtime accumulates synchronized gradients there (beside ``.grad``) until the last
+    micro-batch's backward reduces them (``GradSyncTerms.add_buffer_memory``)."""
+    return float(sum(b.nbytes for b in buckets)) if ctx.train and ctx.micro_batches > 1 else 0.0
+
+
 def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, float]:
     """Weights, gradients and optimizer state per device, as ``parameter_cost`` prices them
     (an offloaded parameter keeps its weights and gradient on the device)."""
@@ -294,6 +301,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     act_mem += block_peak(graph, {n: graph.nodes[n].recompute_memory[solution.choice[folding.representative[n]]]
                                   for n in graph.order if graph.nodes[n].recompute_memory})
     buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
+    act_mem += bucket_buffer_bytes(buckets, ctx)
     for bucket in buckets:
         ledger.record(CollectiveCall(ALL_REDUCE, bucket.mesh_dim, bucket.nbytes, bucketed=True), "backward",
                       ",".join(bucket.params), "", "(gradient buckets)")
