@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map_only
 from torch.distributed.tensor import Placement
 
 from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, writes_first_arg, written_args
@@ -18,7 +17,6 @@ from autopar.capture.step import CaptureError
 from autopar.capture.subgraphs import runs_without_grad, subgraph_call
 from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
-from autopar.cost.saved import saved_inputs
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
                                 step_repeats)
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
@@ -26,6 +24,7 @@ from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
 from autopar.solver.gradients import may_need_grad, settle_gradients
 from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
+from autopar.solver.saved_activations import node_saved_tensors
 
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
 _aten = torch.ops.aten
@@ -276,20 +275,10 @@ def edge_flags(graph: PlanGraph, producer: str, consumer: str, arg: int) -> dict
 
 def _saves_input(graph: PlanGraph, node: PlanNode, arg: int) -> bool:
     """Whether the op's backward keeps its ``arg``-th tensor input (``cost.saved``, read off
-    autograd on meta tensors): an embedding keeps its indices, not its table."""
-    call = node.call
-    if call is None or node.kind != OP or call.target is operator.getitem \
-            or isinstance(call.target, torch._ops.HigherOrderOperator):
-        return True
-
-    def meta(a: Any) -> Any:
-        return torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, TensorMeta) else a
-    needs_grad = [graph.nodes[src].needs_grad for src, _ in node.args]
-    try:
-        return saved_inputs(call.target, tree_map_only(TensorMeta, meta, call.args),
-                            tree_map_only(TensorMeta, meta, call.kwargs), needs_grad)[arg]
-    except (ValueError, IndexError, TypeError):  # arguments it cannot lay out: assume kept (never underpriced)
-        return True
+    autograd on meta tensors): an embedding keeps its indices, not its table. Where the probe
+    cannot tell (a subgraph call, arguments it cannot lay out): kept, never underpriced."""
+    saved = node_saved_tensors(node, graph.nodes)
+    return True if saved is None or arg >= len(saved.inputs) else saved.inputs[arg]
 
 
 __all__ = ["PlanNode", "PlanGraph", "build_plan_graph", "price_edge", "placeholder_strategies", "leaf_costs"]
