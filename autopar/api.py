@@ -210,22 +210,11 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     options = MemoryOptions(zero=zero, checkpoint=checkpoint, offload=offload, micro_batches=micro_batches)
     options.check(mesh.names)
     m = _capture_micro_batches or micro_batches or 1
-    if m > 1 and train:
-        batch = whole_batch
-        if batch is None or batch % m:
-            raise InputError(f"micro_batches={m} must divide the batch (the leading dim of the first input"
-                             f"{'' if batch is None else f', {batch}'})")
-        example_inputs, example_kwargs, example_targets = slice_batch(
-            (example_inputs, example_kwargs, example_targets), batch, m)
-    elif m > 1:
-        raise InputError("micro_batches applies to training steps (train=True)")
+    example_inputs, example_kwargs, example_targets = _micro_batch_examples(
+        (example_inputs, example_kwargs, example_targets), whole_batch, m, train)
     precision_policy = get_precision(precision or mesh.hardware.default_precision)
     limit = _memory_limit(mesh, memory_limit, memory_headroom)
-    hw = mesh.hardware
-    origin = "" if memory_limit is not None else (
-        f"the {hw.name}'s {fmt_bytes(hw.memory_bytes)} less a headroom of "
-        f"{hw.memory_headroom if memory_headroom is None else memory_headroom:.0%}: memory_headroom= or "
-        "--memory-headroom changes it")
+    origin = _limit_origin(mesh, memory_limit, memory_headroom)
     ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded,
                       bucket_bytes=bucket_bytes, micro_batches=m)
     timings: dict[str, float] = {}
@@ -235,36 +224,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)
-        node_pins: dict[str, Any] = {}
-        pinned: dict[str, str] = {}
-        if constraints:
-            if constraint_axis not in mesh.names:
-                raise InputError(f"constraints apply to mesh axis {constraint_axis!r}, which the mesh "
-                                 f"({mesh.describe()}) does not have")
-            axis = mesh.names.index(constraint_axis)
-            tp_pins, pinned = pins_from_tp_plan(graph, constraints, axis)
-            apply_pins(graph, tp_pins, axis, constraint_axis, mesh.shape[axis])
-            node_pins.update(tp_pins)
-        for axis_name in data_axes:
-            if axis_name not in mesh.names:
-                raise InputError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
-            axis = mesh.names.index(axis_name)
-            data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded)
-            if (zero or {}).get(axis_name, 0) >= 2:  # parameters stored split: ZeRO's pins below say how
-                data_pins = {n: p for n, p in data_pins.items() if graph.nodes[n].kind != PARAM}
-            apply_pins(graph, data_pins, axis, axis_name, mesh.shape[axis])
-            for name, pin in data_pins.items():
-                node_pins[name] = (node_pins.get(name), axis_name, pin)
-            pinned[f"{axis_name}: parameters, inputs"] = "data parallel"
-        if input_sharded:
-            for axis, axis_name in enumerate(mesh.names):
-                if axis_name in data_axes:
-                    continue
-                input_pins = {n: Pin(output=Replicate(), reason=f"inputs arrive split on {data_axes} only")
-                              for n in captured.user_inputs if n in graph.nodes}
-                apply_pins(graph, input_pins, axis, axis_name, mesh.shape[axis])
-                for name, pin in input_pins.items():
-                    node_pins[name] = (node_pins.get(name), axis_name, pin)
+        node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis, data_axes,
+                                        input_sharded, zero or {})
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
@@ -273,6 +234,68 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         return prepared
     prepared.variants[m] = prepared
     return prepared.under(prepared.scenarios()[0])
+
+
+def _micro_batch_examples(examples: tuple[Any, Any, Any], batch: int | None, m: int, train: bool
+                          ) -> tuple[Any, Any, Any]:
+    """The example values of one micro-batch (the step is captured at batch / m)."""
+    if m == 1:
+        return examples
+    if not train:
+        raise InputError("micro_batches applies to training steps (train=True)")
+    if batch is None or batch % m:
+        raise InputError(f"micro_batches={m} must divide the batch (the leading dim of the first input"
+                         f"{'' if batch is None else f', {batch}'})")
+    return slice_batch(examples, batch, m)
+
+
+def _limit_origin(mesh: Mesh, memory_limit: float | None, memory_headroom: float | None) -> str:
+    """Where the memory limit comes from, for a memory-limit error ("" when the user gave it)."""
+    if memory_limit is not None:
+        return ""
+    hw = mesh.hardware
+    return (f"the {hw.name}'s {fmt_bytes(hw.memory_bytes)} less a headroom of "
+            f"{hw.memory_headroom if memory_headroom is None else memory_headroom:.0%}: memory_headroom= or "
+            "--memory-headroom changes it")
+
+
+def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constraints: dict[str, object] | None,
+                constraint_axis: str, data_axes: tuple[str, ...], input_sharded: bool, zero: dict[str, int]
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Pin a TP plan, data parallelism and inputs arriving split; the pins by node (for
+    block folding) and what the plan reports as pinned."""
+    node_pins: dict[str, Any] = {}
+    pinned: dict[str, str] = {}
+    if constraints:
+        if constraint_axis not in mesh.names:
+            raise InputError(f"constraints apply to mesh axis {constraint_axis!r}, which the mesh "
+                             f"({mesh.describe()}) does not have")
+        axis = mesh.names.index(constraint_axis)
+        tp_pins, pinned = pins_from_tp_plan(graph, constraints, axis)
+        apply_pins(graph, tp_pins, axis, constraint_axis, mesh.shape[axis])
+        node_pins.update(tp_pins)
+    for axis_name in data_axes:
+        if axis_name not in mesh.names:
+            raise InputError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
+        axis = mesh.names.index(axis_name)
+        data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded)
+        if zero.get(axis_name, 0) >= 2:  # parameters stored split: ZeRO's pins say how
+            data_pins = {n: p for n, p in data_pins.items() if graph.nodes[n].kind != PARAM}
+        _pin(graph, data_pins, mesh, axis_name, node_pins)
+        pinned[f"{axis_name}: parameters, inputs"] = "data parallel"
+    if input_sharded:
+        for axis_name in mesh.names:
+            if axis_name not in data_axes:
+                _pin(graph, {n: Pin(output=Replicate(), reason=f"inputs arrive split on {data_axes} only")
+                             for n in captured.user_inputs if n in graph.nodes}, mesh, axis_name, node_pins)
+    return node_pins, pinned
+
+
+def _pin(graph: PlanGraph, pins: dict[str, Pin], mesh: Mesh, axis_name: str, node_pins: dict[str, Any]) -> None:
+    axis = mesh.names.index(axis_name)
+    apply_pins(graph, pins, axis, axis_name, mesh.shape[axis])
+    for name, pin in pins.items():
+        node_pins[name] = (node_pins.get(name), axis_name, pin)
 
 
 def _apply_zero_pins(graph: PlanGraph, mesh: Mesh, zero: dict[str, int], node_pins: dict[str, Any],
@@ -336,14 +359,15 @@ def _search(prepared: PreparedStep) -> Solution:
 
 def _nothing_fits(prepared: PreparedStep, scenarios: list[Scenario]) -> MemoryLimitError:
     """The error when no scenario fits: what the leanest plan needs, and its largest parts."""
-    lean = prepared.under(leanest(scenarios))
-    solution = _solve(lean, None, minimize_memory=True)
-    predicted = finish_step(lean, solution).plan.predicted
+    lean = [(sol, p) for p in map(prepared.under, leanest(scenarios))
+            for sol in [_solve(p, None, minimize_memory=True)]]
+    solution, step = min(lean, key=lambda pair: pair[0].memory_bytes)
+    predicted = finish_step(step, solution).plan.predicted
     parts = ", ".join(f"{kind} {fmt_bytes(b)}" for kind, b in
                       sorted(predicted.memory_parts.items(), key=lambda item: -item[1]) if b)
     return MemoryLimitError(
         f"no plan fits the memory limit of {fmt_bytes(prepared.memory_limit)} per device; the plan with the least "
-        f"memory ({lean.scenario.describe()}) needs {fmt_bytes(predicted.peak_memory_bytes)} per device: {parts}")
+        f"memory ({step.scenario.describe()}) needs {fmt_bytes(predicted.peak_memory_bytes)} per device: {parts}")
 
 
 def _memory_plan(prepared: PreparedStep) -> MemoryPlan:

@@ -68,10 +68,20 @@ def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, trai
             for o in offloads for m in counts for c in policies for r in regathers]
 
 
-def leanest(scenarios: list[Scenario]) -> Scenario:
-    """The scenario keeping the least memory: offloaded, most micro-batches, full checkpointing, re-gathering."""
+def leanest(scenarios: list[Scenario]) -> list[Scenario]:
+    """The scenarios that may keep the least memory: per micro-batch count, the one that saves
+    the most otherwise (offloaded, full checkpointing, re-gathering). More micro-batches are
+    not always leaner (their gradient-bucket buffers are held for the whole step), so each
+    count is a candidate."""
     order = {p: i for i, p in enumerate(CHECKPOINT_POLICIES)}
-    return max(scenarios, key=lambda s: (s.offload, s.micro_batches, order[s.checkpoint], s.regather))
+    best: dict[int, Scenario] = {}
+    for s in scenarios:
+        key = (s.offload, order[s.checkpoint], s.regather)
+        if s.micro_batches not in best or key > (best[s.micro_batches].offload,
+                                                 order[best[s.micro_batches].checkpoint],
+                                                 best[s.micro_batches].regather):
+            best[s.micro_batches] = s
+    return [best[m] for m in sorted(best)]
 
 
 def _pinned_regather(options: MemoryOptions) -> bool | None:

@@ -124,7 +124,9 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     sync.add_overlap_row({j: mult[v] * backward_time(cost, ctx) * SCALE for v in reps if graph.nodes[v].kind == OP
                           for j, cost in zip(x[v], graph.nodes[v].costs)})
     _add_recompute_peak(model, graph, reps, x, memory_row, minimize_memory)
-    if memory_limit is not None and not minimize_memory:
+    if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
+        model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
+    elif memory_limit is not None:
         model.rows.append((memory_row, -INF, float(memory_limit)))
     build = time.perf_counter() - start
     result = run(model, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE)
