@@ -28,7 +28,7 @@ from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins
 from autopar.solver.graph import build_plan_graph, leaf_costs
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.strided import add_strided_strategies
-from autopar.solver.ilp import MemoryLimitError, Solution, solve
+from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
 from autopar.units import fmt_bytes
 from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.memory import MemoryOptions, MemoryPlan, example_batch, repeated_blocks, slice_batch
@@ -344,16 +344,23 @@ def _search(prepared: PreparedStep) -> Solution:
     if free.memory_bytes <= prepared.memory_limit:
         return free
     best: Solution | None = None
+    failed: list[str] = []
     for scenario in scenarios:  # each only needs to beat the best so far: HiGHS prunes by it
         try:
             found = _solve(prepared.under(scenario), prepared.memory_limit, explain=False,
                            cutoff_s=None if best is None else best.objective_s)
         except MemoryLimitError:
             continue
+        except (RuntimeError, SolverTimeLimitError) as exc:  # said in the plan, not hidden
+            failed.append(f"memory scenario '{scenario.describe()}' not searched: {exc}")
+            continue
         if best is None or found.objective_s < best.objective_s:
             best = found
     if best is None:
+        if failed:
+            raise RuntimeError("; ".join(failed))
         raise _nothing_fits(prepared, scenarios)
+    best.notes = failed
     return best
 
 
@@ -392,7 +399,7 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     notes = unsplit_batch_notes(graph, chosen, prepared.ctx.mesh, dict(zip(captured.user_inputs,
                                                                            captured.signature.labels)))
     result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
-                        memory_limit=prepared.memory_limit, notes=notes + prepared.memory_notes,
+                        memory_limit=prepared.memory_limit, notes=notes + prepared.memory_notes + solution.notes,
                         memory=_memory_plan(prepared))
     if solution.status != "optimal":
         warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()

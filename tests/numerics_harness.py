@@ -8,6 +8,7 @@ fp32 to rtol 1e-4 / atol 1e-5 (bf16 looser, see ``TOLERANCE``).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 import autopar
+from autopar.runtime.forked import run_ranks
 from autopar.runtime.ops import CollectiveLog
 
 RTOL, ATOL, LR, STEPS = 1e-4, 1e-5, 1e-3, 3
@@ -209,6 +211,15 @@ def planned_counts(plan: Any) -> Counter:
     for c in plan.collectives:
         counts[(c.phase, c.kind, c.axis, c.bytes)] += c.count
     return counts
+
+
+def run_checked(train_on_rank: Callable[..., dict[str, Any]], mesh_shape: tuple[int, ...], case: Any,
+                ref: Reference) -> list[dict[str, Any]]:
+    """``train_on_rank(rank, world, case, ref)`` on forked ranks, one per mesh device, each
+    result ``check``ed against ``ref``; the results, for a test's own assertions."""
+    results = run_ranks(train_on_rank, math.prod(mesh_shape), case, ref)
+    check(results, ref)
+    return results
 
 
 def check(results: list[dict[str, Any]], ref: Reference) -> None:

@@ -14,9 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import autopar
-from autopar.runtime.forked import run_ranks
 from examples import gpt, hf_models, llama
-from numerics_harness import Reference, check, reference, run_compiled
+from numerics_harness import Reference, reference, run_compiled, run_checked
 
 HF_LLAMA_TP = {f"model.layers.*.{name}": style for name, style in [
     ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
@@ -167,11 +166,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_compiled_step_matches_single_device(case: Case) -> None:
     ref = reference(MODELS[case.model])
-    world = 1
-    for n in case.mesh:
-        world *= n
-    results = run_ranks(train_on_rank, world, case, ref)
-    check(results, ref)
+    results = run_checked(train_on_rank, case.mesh, case, ref)
     assert any(r["ran"] for r in results) or case.mesh == (1,)
     model = MODELS[case.model]()[0]
     assert results[0]["frozen"] == sorted(k for k, p in model.named_parameters() if not p.requires_grad)

@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics_harness import Reference, check, reference, run_compiled
+from numerics_harness import Reference, reference, run_compiled, run_checked
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import autopar
-from autopar.runtime.forked import run_ranks
 
 VOCAB, DIM, HEADS, BATCH, SEQ = 32, 16, 4, 4, 8
 
@@ -121,11 +120,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_compiled_attention_matches_single_device(case: Case) -> None:
     ref = reference(lambda: build(case.heads, case.masked))
-    world = 1
-    for n in case.mesh:
-        world *= n
-    results = run_ranks(train_on_rank, world, case, ref)
-    check(results, ref)
+    results = run_checked(train_on_rank, case.mesh, case, ref)
     assert len(results[0]["sdpa_inputs"]) == 1
 
 

@@ -18,9 +18,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import Reference, check, mixed_reference, run_compiled
+from numerics_harness import Reference, mixed_reference, run_compiled, run_checked
 
 MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build}
 TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
@@ -67,11 +66,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_mixed_precision_matches_bf16_compute_on_fp32_masters(case: Case) -> None:
     ref = mixed_reference(MODELS[case.model])
-    world = 1
-    for n in case.mesh:
-        world *= n
-    results = run_ranks(train_on_rank, world, case, ref)
-    check(results, ref)
+    results = run_checked(train_on_rank, case.mesh, case, ref)
     for r in results:
         assert r["precision"] == "bf16" and r["loss_dtype"] == torch.float32
         assert r["param_dtypes"] == r["grad_dtypes"] == r["adam_dtypes"] == {"torch.float32"}

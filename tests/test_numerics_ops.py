@@ -18,12 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics_harness import Reference, check, reference, run_compiled
+from numerics_harness import Reference, reference, run_compiled, run_checked
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.runtime.forked import run_ranks
 
 VOCAB, BATCH, SEQ = 32, 4, 8
 
@@ -160,11 +159,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_compiled_ops_match_single_device(case: Case) -> None:
     ref = reference(lambda: build(case.model))
-    world = 1
-    for n in case.mesh:
-        world *= n
-    results = run_ranks(train_on_rank, world, case, ref)
-    check(results, ref)
+    results = run_checked(train_on_rank, case.mesh, case, ref)
     if case.model == "masked_ops" and case.data_parallel:  # the in-place ops really ran batch-split
         assert all(p.startswith("S(0)") for p in results[0]["in_place"].values()), results[0]["in_place"]
 

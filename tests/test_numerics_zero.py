@@ -24,7 +24,7 @@ from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import Reference, check, reference, run_compiled
+from numerics_harness import Reference, reference, run_compiled, run_checked
 
 def _gpt_tied() -> Any:
     """GPT-2's tied head: one ZeRO-3 parameter read by an embedding (saves only the indices)
@@ -108,11 +108,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_zero_matches_single_device(case: Case) -> None:
     ref = reference(MODELS[case.model])
-    world = 1
-    for n in case.mesh:
-        world *= n
-    results = run_ranks(train_on_rank, world, case, ref)
-    check(results, ref)
+    results = run_checked(train_on_rank, case.mesh, case, ref)
     for r in results:
         assert all(local == state for local, state in r["adam_shapes"].values())
         split = [k for k, (local, _) in r["adam_shapes"].items() if local != r["full"][k]]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,8 @@ class Solution:
     scenario: Any = None
     """The memory scenario (``autopar.scenarios.Scenario``) the plan was solved under; None: the
     step's own."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about how this plan was found (scenarios HiGHS failed on)."""
 
 
 @dataclass
