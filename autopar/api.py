@@ -111,7 +111,11 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
     bytes per device; by default it is the device memory less ``memory_headroom`` (a
     fraction; None: the hardware profile's, 10%). ``constraints`` is a
     ``torch.distributed.tensor.parallel`` plan dict pinned on mesh axis ``constraint_axis``.
-    Nothing runs on devices; a meta-device model is planned without allocating weights.
+    When the cheapest plan does not fit, the memory limit decides ZeRO sharding,
+    checkpointing, micro-batches, re-gathering and offload (``autopar.scenarios``);
+    ``zero=``, ``checkpoint=``, ``micro_batches=`` and ``offload=`` pin them (``plan.memory``
+    says what was chosen). Nothing runs on devices; a meta-device model is planned without
+    allocating weights.
     """
     return plan_step(model, mesh, example_inputs, **kwargs).plan
 
