@@ -59,14 +59,14 @@ class GradSyncTerms:
         return self.y[key]
 
     def add_bucket_rows(self) -> None:
-        """k[d] * bucket bytes >= gradient bytes reduced on d, k[d] integer."""
+        """k[d] >= gradient bytes reduced on d / bucket bytes, k[d] integer."""
         mesh = self.ctx.mesh
         for dim, row in self.bytes_on.items():
             most = bucket_count(sum(row.values()), self.ctx.bucket_bytes)
             per_call = call_time(ALL_REDUCE, dim, mesh)
             k = self._priced_var(per_call * SCALE if self.priced else 0.0, integer=True, upper=float(most))
-            self.model.rows.append(({k: float(self.ctx.bucket_bytes), **{y: -b for y, b in row.items()}},
-                                    0.0, INF))
+            # in buckets, not bytes: coefficients near 1 keep HiGHS's numerics sound on big models
+            self.model.rows.append(({k: 1.0, **{y: -b / self.ctx.bucket_bytes for y, b in row.items()}}, 0.0, INF))
 
 
     def _priced_var(self, weight: float, *, integer: bool, upper: float) -> int:

@@ -32,6 +32,8 @@ from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes
 
+GiB = 2**30
+
 
 class MemoryLimitError(InputError):
     """No plan fits the memory limit; the message says what the leanest plan needs."""
@@ -128,8 +130,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     _add_recompute_peak(model, graph, reps, x, memory_row, minimize_memory)
     if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
-    elif memory_limit is not None:
-        model.rows.append((memory_row, -INF, float(memory_limit)))
+    elif memory_limit is not None:  # in GiB: coefficients near 1 keep HiGHS's numerics sound
+        model.rows.append(({j: b / GiB for j, b in memory_row.items()}, -INF, float(memory_limit) / GiB))
     build = time.perf_counter() - start
     result = run(model, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE)
     if result.values is None:
