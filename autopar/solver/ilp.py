@@ -32,7 +32,9 @@ from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes
 
-GiB = 2**30
+MEMORY_UNIT = 2**20
+"""The memory row counts MiB: coefficients far from 1 (2.4e10 bytes of a big model's state)
+break HiGHS's numerics, and coarser units fall under its smallest matrix value (1e-9)."""
 
 
 class MemoryLimitError(InputError):
@@ -130,8 +132,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     _add_recompute_peak(model, graph, reps, x, memory_row, minimize_memory)
     if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
-    elif memory_limit is not None:  # in GiB: coefficients near 1 keep HiGHS's numerics sound
-        model.rows.append(({j: b / GiB for j, b in memory_row.items()}, -INF, float(memory_limit) / GiB))
+    elif memory_limit is not None:
+        model.rows.append(({j: b / MEMORY_UNIT for j, b in memory_row.items()}, -INF, float(memory_limit) / MEMORY_UNIT))
     build = time.perf_counter() - start
     result = run(model, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE)
     if result.values is None:
