@@ -67,8 +67,11 @@ def test_golden_plan(model_name: str, mesh_name: str) -> None:
     plan = autopar.plan(model, autopar.Mesh(MESHES[mesh_name], "cpu"), inputs, loss_fn=loss_fn,
                         example_targets=targets)
     check_by_hand(plan)
-    text = dump(plan)
-    path = GOLDEN / f"plan_{model_name}_{mesh_name}.txt"
+    compare_golden(GOLDEN / f"plan_{model_name}_{mesh_name}.txt", dump(plan))
+
+
+def compare_golden(path: Path, text: str) -> None:
+    """``text`` equals the golden file (rewritten instead with AUTOPAR_UPDATE_GOLDEN=1)."""
     if os.environ.get("AUTOPAR_UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert path.exists(), f"{path} missing: run with AUTOPAR_UPDATE_GOLDEN=1 and review it"
@@ -110,9 +113,4 @@ def test_golden_memory_plan(case: str) -> None:
     plan = autopar.plan(model, autopar.Mesh(axes, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets, **pins)
     check_by_hand(plan)
     check_memory_by_hand(plan)
-    text = dump(plan)
-    path = GOLDEN / f"plan_{case}.txt"
-    if os.environ.get("AUTOPAR_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.exists(), f"{path} missing: run with AUTOPAR_UPDATE_GOLDEN=1 and review it"
-    assert text == path.read_text()
+    compare_golden(GOLDEN / f"plan_{case}.txt", dump(plan))
