@@ -277,7 +277,10 @@ def _saves_input(graph: PlanGraph, node: PlanNode, arg: int) -> bool:
     """Whether the op's backward keeps its ``arg``-th tensor input (``cost.saved``, read off
     autograd on meta tensors): an embedding keeps its indices, not its table. Where the probe
     cannot tell (a subgraph call, arguments it cannot lay out): kept, never underpriced."""
-    saved = node_saved_tensors(node, graph.nodes)
+    key = (node.name, tuple(graph.nodes[src].needs_grad for src, _ in node.args))
+    if key not in graph.saved_probes:
+        graph.saved_probes[key] = node_saved_tensors(node, graph.nodes)
+    saved = graph.saved_probes[key]
     return True if saved is None or arg >= len(saved.inputs) else saved.inputs[arg]
 
 
