@@ -184,6 +184,15 @@ class PreparedStep:
         return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
 
 
+def _parameter_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's floating parameters, when they share one (None for what is
+    not a module: capture names the wrong type)."""
+    if not isinstance(model, nn.Module):
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
+
+
 def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
                  loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
                  example_targets: tuple[Any, ...] = (), train: bool = True, memory_limit: float | None = None,
@@ -193,7 +202,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  data_axes: tuple[str, ...] = (), input_sharded: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
-                 micro_batches: int | None = None, _capture_micro_batches: int | None = None) -> PreparedStep:
+                 micro_batches: int | None = None, _capture_micro_batches: int | None = None,
+                 _masters: bool = False) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -202,7 +212,9 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     ``zero``, ``checkpoint``, ``offload`` and ``micro_batches`` pin memory choices
     (``MemoryOptions``); with ``micro_batches=m`` the step is captured at batch / m.
     The result is priced under the first scenario ``solve_step`` searches (``scenarios``);
-    ``PreparedStep.under`` re-prices it (and re-captures it) for another.
+    ``PreparedStep.under`` re-prices it (and re-captures it) for another. ``_masters``: the
+    model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
+    bf16 model, which keeps no masters (``get_precision``).
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
 
@@ -216,7 +228,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     m = _capture_micro_batches or micro_batches or 1
     example_inputs, example_kwargs, example_targets = _micro_batch_examples(
         (example_inputs, example_kwargs, example_targets), whole_batch, m, train)
-    precision_policy = get_precision(precision or mesh.hardware.default_precision)
+    precision_policy = get_precision(precision or mesh.hardware.default_precision,
+                                     None if _masters else _parameter_dtype(model))
     limit = _memory_limit(mesh, memory_limit, memory_headroom)
     origin = _limit_origin(mesh, memory_limit, memory_headroom)
     ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded,

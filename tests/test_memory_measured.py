@@ -38,6 +38,8 @@ class Config:
     options: dict[str, Any] = field(default_factory=dict)
     tp: bool = False
     """Pin the example's Megatron TP plan on "tp"."""
+    dtype: torch.dtype = torch.float32
+    """The model's parameters (bf16: a bf16 model, no fp32 masters)."""
 
 
 CONFIGS = [
@@ -47,6 +49,9 @@ CONFIGS = [
     Config("selective", (2,), ("dp",), {"checkpoint": "selective"}),
     Config("dp2xtp2", (2, 2), ("dp", "tp"), tp=True),
     Config("micro4", (2,), ("dp",), {"micro_batches": 4}),
+    # fp32 masters read through held bf16 copies; a bf16 model keeps 8 bytes per parameter
+    Config("mixed", (2,), ("dp",), {"precision": "bf16"}),
+    Config("bf16", (2,), ("dp",), {"precision": "bf16"}, dtype=torch.bfloat16),
 ]
 
 
@@ -54,6 +59,7 @@ def _measure_on_rank(rank: int, world: int, model_name: str, config: Config) -> 
     mesh = init_device_mesh("cpu", config.mesh, mesh_dim_names=config.names)
     module = MODELS[model_name]
     model, inputs, loss_fn, targets = module.build(batch=BATCH)
+    model = model.to(config.dtype)
     options: dict[str, Any] = {"data_axes": ("dp",), **config.options}
     if config.tp:
         options["constraints"] = module.TP_PLAN

@@ -63,3 +63,34 @@ def test_the_searched_plan_runs_exactly(limit_mib: float) -> None:
     results = run_ranks(_train, 2, limit_mib, ref)
     check(results, ref)
     assert results[0]["memory"] == results[1]["memory"] != "1 micro-batch"
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128, bias=False)
+        self.down = torch.nn.Linear(128, 64, bias=False)
+        self.down.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("dtype, train, weights, gradients, state", [
+    # mixed: fp32 master 4 + grad 4 + Adam 8 for `up`; frozen `down` keeps its fp32 master (4)
+    (torch.float32, True, 4 * 8192 + 4 * 8192, 4 * 8192, 8 * 8192),
+    (torch.float32, False, 4 * 16384, 0, 0),  # forward-only: the fp32 masters, read through casts
+    # a bf16 model: weights 2, gradient 2, Adam m and v in bf16 2 + 2
+    (torch.bfloat16, True, 2 * 8192 + 2 * 8192, 2 * 8192, 4 * 8192),
+    (torch.bfloat16, False, 2 * 16384, 0, 0),
+])
+def test_bf16_model_state_by_hand(dtype: torch.dtype, train: bool, weights: int, gradients: int,
+                                  state: int) -> None:
+    """Model state per parameter element under bf16 compute, counted by hand: mixed precision
+    keeps fp32 masters (frozen and forward-only too), a bf16 model keeps bf16 everything."""
+    model = _Mlp().to(dtype)
+    x = torch.randn(8, 64, dtype=dtype)
+    plan = autopar.plan(model, autopar.Mesh({"dp": 1}, "h100"), (x,), train=train,
+                        loss_fn=(lambda y: y.float().square().mean()) if train else None)
+    parts = plan.predicted.memory_parts
+    assert (parts["weights"], parts["gradients"], parts["optimizer state"]) == (weights, gradients, state)

@@ -264,12 +264,18 @@ def held_reshard_bytes(meta: TensorMeta, produced: Placements, required: Placeme
     a gathered parameter is held until backward). 0 when the tensor is used as produced, when
     the consumer's backward does not save it (or does not run), it recomputes it (a
     checkpointed block), and for a parameter gathered again in backward (ZeRO-3). The producer's own output is
-    priced by its node (held when its op or some consumer saves it)."""
-    if not ctx.train or tuple(produced) == tuple(required) or recomputed or not saves_input:
-        return 0.0
-    if from_parameter and ctx.regather:
+    priced by its node (held when its op or some consumer saves it). A parameter used as
+    stored under mixed precision is read through a bf16 cast copy (``passes.cast_parameters``),
+    which a saving consumer holds; consumers sharing one parameter's copy (tied weights) are
+    each priced for it, an overcount of at most that copy."""
+    if not ctx.train or recomputed or not saves_input:
         return 0.0
     copy = float(ctx.precision.tensor_bytes(meta, local_numel(meta, required, ctx.mesh.shape)))
+    if tuple(produced) == tuple(required):
+        # Under mixed precision the consumer reads (and saves) a cast copy of the fp32 master.
+        return copy if from_parameter and ctx.precision.casts_parameters else 0.0
+    if from_parameter and ctx.regather:
+        return 0.0
     if from_parameter:  # the parameter's node prices its state, not this copy
         return copy
     # The producer's node already prices its output as kept when a consumer saves it; the

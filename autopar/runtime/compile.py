@@ -165,7 +165,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
         memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
         solver_time_limit_s=solver_time_limit_s, zero=zero, checkpoint=checkpoint, offload=offload,
-        micro_batches=micro_batches))
+        micro_batches=micro_batches, _masters=compute_dtype is not None))
     _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
     start = time.perf_counter()
     solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))

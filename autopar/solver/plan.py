@@ -167,7 +167,7 @@ def plan_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[
             meta = graph.nodes[name].outputs[0]
             assert meta is not None
             params.append((name, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), sync_dims[name]))
-    return gradient_buckets(params, itemsize=ctx.precision.grad_bytes_per_param, cap=ctx.bucket_bytes)
+    return gradient_buckets(params, itemsize=ctx.precision.reduce_bytes_per_param, cap=ctx.bucket_bytes)
 
 
 class _Ledger:
