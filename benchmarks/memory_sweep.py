@@ -16,8 +16,13 @@ Three tables, every plan made by ``autopar.plan`` on meta-device models (nothing
    (Megatron's formula: 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step, recomputation
    included, over the predicted step time) beside the published figure.
 
+4. Measured beside predicted for small sizes: the example GPT and Llama (batch 16 x seq 64)
+   compiled on 2 forked CPU ranks (dp=2, 2x2 for dp x tp) under each memory plan, each
+   rank's peak of live tensor bytes over a training step (``autopar.runtime.memory``)
+   beside ``plan.predicted.peak_memory_bytes``.
+
 Usage: ``python benchmarks/memory_sweep.py [--quick] [--json out.json]`` (``--quick``: the
-8B rows at 80 and 40 GiB only). Single runs on whatever machine this is: planning seconds are
+8B rows at 80 and 40 GiB and the measured table only). Single runs on whatever machine this is: planning seconds are
 noisy; the plans and predictions are deterministic.
 """
 
@@ -134,6 +139,63 @@ def megatron_rows() -> list[Result]:
     return rows
 
 
+@dataclass
+class Measured:
+    model: str
+    config: str
+    memory_plan: str
+    measured_mib: float
+    predicted_mib: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_mib / self.measured_mib - 1
+
+
+MEASURED_CONFIGS: dict[str, tuple[tuple[int, ...], dict[str, Any]]] = {
+    "ddp": ((2,), {}), "zero3": ((2,), {"zero": {"dp": 3}}), "full ckpt": ((2,), {"checkpoint": "full"}),
+    "selective ckpt": ((2,), {"checkpoint": "selective"}), "4 micro-batches": ((2,), {"micro_batches": 4}),
+    "bf16 mixed": ((2,), {"precision": "bf16"}), "dp2 x tp2": ((2, 2), {"tp": True}),
+}
+
+
+def _measure_rank(rank: int, world: int, model_name: str, shape: tuple[int, ...], options: dict[str, Any]
+                  ) -> tuple[str, float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.memory import measure_step
+    from examples import gpt, llama
+
+    module = {"gpt": gpt, "llama": llama}[model_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[:len(shape)])
+    model, inputs, loss_fn, targets = module.build(batch=16)
+    kwargs: dict[str, Any] = {"data_axes": ("dp",), **{k: v for k, v in options.items() if k != "tp"}}
+    if options.get("tp"):
+        kwargs["constraints"] = module.TP_PLAN
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **kwargs)
+    measured = measure_step(pm, (*inputs, *targets), torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    return pm.plan.memory.describe(), measured.peak_bytes / 2**20, pm.plan.predicted.peak_memory_bytes / 2**20
+
+
+def measured_rows() -> list[Measured]:
+    from autopar.runtime.forked import run_ranks
+
+    rows = []
+    for model_name in ("gpt", "llama"):
+        for config, (shape, options) in MEASURED_CONFIGS.items():
+            results = run_ranks(_measure_rank, int(torch.tensor(shape).prod()), model_name, shape, options)
+            plan, measured, predicted = max(results, key=lambda r: r[1])  # the rank that holds the most
+            rows.append(Measured(model_name, config, plan, measured, predicted))
+    return rows
+
+
+def print_measured(rows: list[Measured]) -> None:
+    print(f"\n{'model':<6} {'config':<16} {'measured MiB':>12} {'predicted MiB':>13} {'error':>7}  memory plan")
+    for r in rows:
+        print(f"{r.model:<6} {r.config:<16} {r.measured_mib:12.2f} {r.predicted_mib:13.2f} {r.error:+7.1%}  "
+              f"{r.memory_plan}")
+
+
 def print_table(rows: list[Result]) -> None:
     print(f"{'model':<22} {'mesh':<14} {'limit':>6} {'step ms':>9} {'peak GiB':>9} {'TFLOP/s':>8} {'publ.':>6} "
           f"{'plan s':>7}  memory plan")
@@ -164,8 +226,11 @@ def main() -> None:
     print_table(rows)
     eight = [r for r in llama if r.label == "Llama-3-8B"]
     print(f"\nLlama-3-8B: tighter limits never predict a faster step: {monotone(eight)}")
+    measured = measured_rows()
+    print_measured(measured)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "monotone_8b": monotone(eight)}, indent=1))
+    args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "monotone_8b": monotone(eight),
+                                     "measured": [{**asdict(m), "error": m.error} for m in measured]}, indent=1))
     print(f"written to {args.json}")
 
 
