@@ -58,20 +58,7 @@ class Reference:
 def reference(build: Callable[[], Any], steps: int = STEPS, seed: int | None = None) -> Reference:
     """``build() -> (model, inputs, loss_fn, targets)`` run ``steps`` AdamW steps on one device
     (random ops drawing from the default generator seeded ``seed``, when given)."""
-    model, inputs, loss_fn, targets = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    if seed is not None:
-        torch.manual_seed(seed)
-    losses, grads = [], {}
-    for step in range(steps):
-        loss = loss_fn(model(*inputs), *targets) if loss_fn is not None else model(*inputs)
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return Reference(losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return reference_accumulated(build, 1, steps, seed)
 
 
 def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: int = STEPS,
@@ -83,11 +70,14 @@ def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: i
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     if seed is not None:
         torch.manual_seed(seed)
+    pieces = [(inputs, targets)] if micro_batches == 1 else list(zip(
+        zip(*(i.chunk(micro_batches) for i in inputs)), zip(*(t.chunk(micro_batches) for t in targets))))
     losses, grads = [], {}
     for step in range(steps):
         total = 0.0
-        for x, t in zip(zip(*(i.chunk(micro_batches) for i in inputs)), zip(*(t.chunk(micro_batches) for t in targets))):
-            loss = (loss_fn(model(*x), *t) if loss_fn is not None else model(*x)) / micro_batches
+        for x, t in pieces:
+            loss = loss_fn(model(*x), *t) if loss_fn is not None else model(*x)
+            loss = loss / micro_batches if micro_batches > 1 else loss
             loss.backward()
             total += loss.item()
         if step == 0:
