@@ -20,7 +20,7 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
-from autopar.solver.blocks import Folding, fold_repeated_blocks
+from autopar.solver.blocks import Folding, fold_repeated_blocks, split_folding
 from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
@@ -113,8 +113,8 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
     ``torch.distributed.tensor.parallel`` plan dict pinned on mesh axis ``constraint_axis``.
     When the cheapest plan does not fit, the memory limit decides ZeRO sharding,
     checkpointing, micro-batches, re-gathering and offload (``autopar.scenarios``);
-    ``zero=``, ``checkpoint=``, ``micro_batches=`` and ``offload=`` pin them (``plan.memory``
-    says what was chosen). Nothing runs on devices; a meta-device model is planned without
+    ``zero=``, ``checkpoint=`` (with ``checkpoint_blocks=``: how many blocks, the first
+    ones), ``micro_batches=`` and ``offload=`` pin them (``plan.memory`` says what was chosen). Nothing runs on devices; a meta-device model is planned without
     allocating weights.
     """
     return plan_step(model, mesh, example_inputs, **kwargs).plan
@@ -164,8 +164,8 @@ class PreparedStep:
     def scenarios(self) -> list[Scenario]:
         """The scenarios ``solve_step`` searches, today's default first."""
         graph = self.base_graph or self.graph
-        has_blocks = bool(repeated_blocks([graph.nodes[n].module for n in graph.order]))
-        return candidates(self.memory_options, self.batch, has_blocks, self.ctx.train)
+        blocks = len(repeated_blocks([graph.nodes[n].module for n in graph.order]))
+        return candidates(self.memory_options, self.batch, blocks, self.ctx.train)
 
     def under(self, scenario: Scenario) -> PreparedStep:
         """This step priced under ``scenario`` (captured again if its micro-batch count differs)."""
@@ -181,6 +181,9 @@ class PreparedStep:
         if scenario.offload:  # parameters priced again: their state lives on the host
             graph = replace(graph, nodes={n: replace(node, costs=leaf_costs(node, ctx)) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
+        if scenario.checkpoint_blocks is not None and scenario.checkpoint_blocks < len(blocks):
+            graph = checkpointed(graph, scenario.checkpoint, blocks[:scenario.checkpoint_blocks])
+            return replace(base, graph=graph, ctx=ctx, scenario=scenario, folding=split_folding(base.folding, graph))
         return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
 
 
@@ -202,7 +205,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  data_axes: tuple[str, ...] = (), input_sharded: bool = False,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
-                 micro_batches: int | None = None, _capture_micro_batches: int | None = None,
+                 micro_batches: int | None = None, checkpoint_blocks: int | None = None,
+                 _capture_micro_batches: int | None = None,
                  _masters: bool = False) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
@@ -223,7 +227,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     whole_batch = example_batch((example_inputs, example_kwargs, example_targets))
     mesh = _as_mesh(mesh)
     _check_solve_options(bucket_bytes, solver_time_limit_s)
-    options = MemoryOptions(zero=zero, checkpoint=checkpoint, offload=offload, micro_batches=micro_batches)
+    options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, offload=offload,
+                            micro_batches=micro_batches)
     options.check(mesh.names)
     m = _capture_micro_batches or micro_batches or 1
     example_inputs, example_kwargs, example_targets = _micro_batch_examples(

@@ -7,7 +7,8 @@ rather than which strategy it runs, so they are searched around it, each combina
 ``Scenario`` priced by the same functions the plan and the runtime use:
 - micro-batches m (the step captured at batch / m: work and collectives run m times,
   activations of one micro-batch are alive at a time, gradients sync once);
-- activation checkpointing of the repeated blocks (none, selective, full);
+- activation checkpointing of the repeated blocks (none, selective, full), on all of them
+  or on the first quarter, half or three quarters (``CHECKPOINT_FRACTIONS``);
 - re-gathering parameters in backward instead of holding them (ZeRO-3);
 - optimizer state and fp32 master weights in host memory (offload), tried last.
 
@@ -27,6 +28,9 @@ from autopar.solver.memory import CHECKPOINT_POLICIES, MemoryOptions
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch counts the planner tries (those dividing the batch)."""
+CHECKPOINT_FRACTIONS = (0.25, 0.5, 0.75)
+"""Besides all repeated blocks, the shares of them (the first ones, rounded) the planner
+tries checkpointing: memory between none and all at a fraction of the recompute."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +39,9 @@ class Scenario:
 
     micro_batches: int = 1
     checkpoint: str = "none"
-    """Policy for every repeated block."""
+    """Policy of the checkpointed repeated blocks."""
+    checkpoint_blocks: int | None = None
+    """How many repeated blocks (the first ones) checkpoint; None: all of them."""
     regather: bool = False
     """Parameters gathered for a forward use are gathered again in backward (ZeRO-3)."""
     offload: bool = False
@@ -43,7 +49,8 @@ class Scenario:
 
     def describe(self) -> str:
         parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}",
-                 f"{self.checkpoint} checkpointing" if self.checkpoint != "none" else "no checkpointing"]
+                 "no checkpointing" if self.checkpoint == "none" else f"{self.checkpoint} checkpointing"
+                 + (f" of {self.checkpoint_blocks} blocks" if self.checkpoint_blocks is not None else "")]
         if self.regather:
             parts.append("parameters gathered again in backward")
         if self.offload:
@@ -51,9 +58,11 @@ class Scenario:
         return ", ".join(parts)
 
 
-def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, train: bool) -> list[Scenario]:
-    """The scenarios to search, cheapest-looking first (the first is today's default)."""
+def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bool) -> list[Scenario]:
+    """The scenarios to search, cheapest-looking first (the first is today's default).
+    ``blocks``: how many repeated blocks the step has."""
     pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
+                      checkpoint_blocks=_pinned_count(options, blocks),
                       regather=_pinned_regather(options) or False, offload=bool(options.offload))
     if not train:
         return [pinned]
@@ -61,11 +70,28 @@ def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, trai
         counts = [options.micro_batches]
     else:
         counts = [m for m in MICRO_BATCH_CANDIDATES if batch is not None and m <= batch and batch % m == 0] or [1]
-    policies = [options.checkpoint] if options.checkpoint else list(CHECKPOINT_POLICIES) if has_blocks else ["none"]
     regathers = [_pinned_regather(options)] if options.zero is not None else [False, True]
     offloads = [options.offload] if options.offload is not None else [False, True]
-    return [Scenario(micro_batches=m, checkpoint=c, regather=bool(r), offload=o)
-            for o in offloads for m in counts for c in policies for r in regathers]
+    return [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=bool(r), offload=o)
+            for o in offloads for m in counts for c, k in _checkpointing(options, blocks) for r in regathers]
+
+
+def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int | None]]:
+    """(policy, blocks checkpointed or None for all) pairs to search, least recompute first."""
+    if options.checkpoint is not None:
+        return [(options.checkpoint, _pinned_count(options, blocks))]
+    if options.checkpoint_blocks is not None:  # how many is pinned, not how
+        return [(policy, _pinned_count(options, blocks)) for policy in CHECKPOINT_POLICIES[1:]]
+    if not blocks:
+        return [("none", None)]
+    shares = sorted({k for f in CHECKPOINT_FRACTIONS if 0 < (k := round(f * blocks)) < blocks})
+    return [("none", None)] + [(policy, k) for policy in CHECKPOINT_POLICIES[1:] for k in (*shares, None)]
+
+
+def _pinned_count(options: MemoryOptions, blocks: int) -> int | None:
+    """The pinned number of checkpointed blocks, None for all (a pin of all or more is all)."""
+    k = options.checkpoint_blocks
+    return None if k is None or k >= blocks else k
 
 
 def leanest(scenarios: list[Scenario]) -> list[Scenario]:
@@ -74,12 +100,12 @@ def leanest(scenarios: list[Scenario]) -> list[Scenario]:
     not always leaner (their gradient-bucket buffers are held for the whole step), so each
     count is a candidate."""
     order = {p: i for i, p in enumerate(CHECKPOINT_POLICIES)}
+
+    def saving(s: Scenario) -> tuple:
+        return (s.offload, order[s.checkpoint], s.checkpoint_blocks is None, s.checkpoint_blocks or 0, s.regather)
     best: dict[int, Scenario] = {}
     for s in scenarios:
-        key = (s.offload, order[s.checkpoint], s.regather)
-        if s.micro_batches not in best or key > (best[s.micro_batches].offload,
-                                                 order[best[s.micro_batches].checkpoint],
-                                                 best[s.micro_batches].regather):
+        if s.micro_batches not in best or saving(s) > saving(best[s.micro_batches]):
             best[s.micro_batches] = s
     return [best[m] for m in sorted(best)]
 

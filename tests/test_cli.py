@@ -197,3 +197,27 @@ def test_no_plan_within_the_solver_time_limit_exits_2(tmp_path: Path, capsys: py
     code, _, err = run(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu",
                         "--solver-time-limit", "0.000001"], capsys)
     assert code == 2 and "no plan within its time limit" in err, err
+
+
+def test_memory_pins_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--checkpoint, --checkpoint-blocks and --micro-batches reach the plan (a stack of 3
+    repeated blocks: the first 2 checkpoint)."""
+    body = """
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def stack():
+        return Stack(), (torch.randn(4, 8),), loss
+    """
+    code, out, err = run(["plan", f"{builder(tmp_path, body)}:stack", "--mesh", "dp=2", "--hardware", "cpu",
+                          "--checkpoint", "full", "--checkpoint-blocks", "2", "--micro-batches", "2",
+                          "--width", "200"], capsys)
+    assert (code, err) == (0, "")
+    assert "2 micro-batches, checkpointing full (2 blocks)" in out, out

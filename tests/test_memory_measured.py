@@ -47,6 +47,7 @@ CONFIGS = [
     Config("zero3", (2,), ("dp",), {"zero": {"dp": 3}}),
     Config("full", (2,), ("dp",), {"checkpoint": "full"}),
     Config("selective", (2,), ("dp",), {"checkpoint": "selective"}),
+    Config("full 1 of 2", (2,), ("dp",), {"checkpoint": "full", "checkpoint_blocks": 1}),
     Config("dp2xtp2", (2, 2), ("dp", "tp"), tp=True),
     Config("micro4", (2,), ("dp",), {"micro_batches": 4}),
     # fp32 masters read through held bf16 copies; a bf16 model keeps 8 bytes per parameter

@@ -49,6 +49,21 @@ def test_pinned_choices_are_kept_even_with_memory_to_spare() -> None:
         _plan(6, checkpoint="none", micro_batches=1, offload=False, zero={"dp": 0})
 
 
+def test_checkpointing_the_first_blocks() -> None:
+    """checkpoint_blocks=1 of the GPT's 2 blocks: the first recomputes, the second keeps its
+    activations, which backward frees before the first recomputes; so the peak is all-full's
+    (one block's worth held either way, by hand) at half its recompute. The search, at
+    that peak, finds a plan at least as fast."""
+    full = _plan(None, checkpoint="full")
+    first = _plan(None, checkpoint="full", checkpoint_blocks=1)
+    assert first.memory.checkpoint_blocks == ["blocks.0"] and full.memory.checkpoint_blocks == ["blocks.0", "blocks.1"]
+    assert first.solver["objective_s"] == pytest.approx(first.predicted.step_time_s, rel=1e-9)
+    assert first.predicted.step_time_s < full.predicted.step_time_s
+    assert first.predicted.peak_memory_bytes == pytest.approx(full.predicted.peak_memory_bytes, rel=0.02)
+    searched = _plan(first.predicted.peak_memory_bytes / MiB)
+    assert searched.predicted.step_time_s <= first.predicted.step_time_s * (1 + 1e-9)
+
+
 def _train(rank: int, world: int, limit_mib: float, ref: Any) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()

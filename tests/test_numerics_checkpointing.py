@@ -49,6 +49,8 @@ class Case:
     policy: str
     plan: str = "free"
     """'free', or 'tp' / 'tp_sp' (the example's hand plan pinned on tp, dp on dp)."""
+    blocks: int | None = None
+    """checkpoint_blocks= (the first blocks checkpoint); None: all."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -56,10 +58,11 @@ class Case:
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}-{self.policy}"
+        first = f"-first{self.blocks}" if self.blocks is not None else ""
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}-{self.policy}{first}"
 
     def compile_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {"checkpoint": self.policy, "seed": SEED}
+        kw: dict[str, Any] = {"checkpoint": self.policy, "checkpoint_blocks": self.blocks, "seed": SEED}
         if self.plan != "free":
             kw["constraints"] = TP_PLANS[self.model][self.plan == "tp_sp"]
             kw["data_axes"] = ("dp",)
@@ -67,7 +70,7 @@ class Case:
 
 
 CASES = [Case(model, mesh, policy, plan) for model in MODELS for mesh, plan in (((2,), "free"), ((2, 2), "tp"))
-         for policy in ("full", "selective")]
+         for policy in ("full", "selective")] + [Case("llama", (2, 2), "full", "tp", blocks=1)]
 
 
 def _watch_regions(pm: autopar.ParallelModule) -> list[tuple[str, str, int, int]]:
@@ -103,7 +106,8 @@ def test_checkpointed_step_matches_single_device(case: Case) -> None:
     results = run_ranks(train_on_rank, math.prod(case.mesh), case, ref)
     check(results, ref)
     for rank, r in enumerate(results):
-        assert r["blocks"] == (["blocks.0", "blocks.1"] if case.model == "gpt" else ["layers.0", "layers.1"])
+        every = ["blocks.0", "blocks.1"] if case.model == "gpt" else ["layers.0", "layers.1"]
+        assert r["blocks"] == every[:case.blocks]
         assert r["regions"] == sorted(REGION_PREFIX + b.replace(".", "_") for b in r["blocks"]), r["regions"]
         # every forward collective of a block runs again in its recompute, and nothing else does
         assert r["recompute_all"] == r["forward_in_blocks"], f"rank {rank}"

@@ -89,7 +89,8 @@ def plan_command(args: argparse.Namespace) -> int:
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
-                        zero=args.zero, checkpoint=args.checkpoint, micro_batches=args.micro_batches,
+                        zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
+                        micro_batches=args.micro_batches,
                         offload=args.offload,
                         progress=sys.stderr.isatty())
     from rich.console import Console
@@ -159,6 +160,9 @@ def parser() -> argparse.ArgumentParser:
                              "until backward), 3 (gathered again in backward), e.g. dp=3")
     memory.add_argument("--checkpoint", choices=["none", "selective", "full"], default=None,
                         help="pin activation checkpointing of the repeated blocks")
+    memory.add_argument("--checkpoint-blocks", type=_positive(int), default=None, metavar="K",
+                        help="pin how many repeated blocks checkpoint, the first ones (default: all of them "
+                             "with --checkpoint, else the planner's choice)")
     memory.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                         help="pin optimizer state (and fp32 master weights) in host memory, or --no-offload")
     memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",

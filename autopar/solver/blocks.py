@@ -79,7 +79,23 @@ def fold_repeated_blocks(graph: PlanGraph, pins: dict[str, object] | None = None
                 blocks[container] = blocks.get(container, 1) + 1
             else:
                 classes[sig] = names
+    return Folding(representative, _multiplicity(representative), blocks)
+
+
+def split_folding(folding: Folding, graph: PlanGraph) -> Folding:
+    """``folding`` with the instances a checkpointed block recomputes apart from those it
+    does not (``PlanNode.block``): their costs differ, so they cannot share decisions. Each
+    part of a class is represented by its first node."""
+    representative: dict[str, str] = {}
+    first: dict[tuple[str, bool], str] = {}
+    for name in graph.order:
+        key = (folding.representative[name], graph.nodes[name].block is not None)
+        representative[name] = first.setdefault(key, name)
+    return Folding(representative, _multiplicity(representative), dict(folding.blocks))
+
+
+def _multiplicity(representative: dict[str, str]) -> dict[str, int]:
     multiplicity: dict[str, int] = defaultdict(int)
-    for n, rep in representative.items():
+    for rep in representative.values():
         multiplicity[rep] += 1
-    return Folding(representative, dict(multiplicity), blocks)
+    return dict(multiplicity)

@@ -42,7 +42,11 @@ class MemoryOptions:
     zero: dict[str, int] | None = None
     """Data axis name -> ZeRO stage (0, 2 or 3) for every trainable parameter on that axis."""
     checkpoint: str | None = None
-    """Activation checkpointing policy for every repeated block: 'none', 'selective' or 'full'."""
+    """Activation checkpointing policy for the repeated blocks: 'none', 'selective' or 'full'."""
+    checkpoint_blocks: int | None = None
+    """How many repeated blocks checkpoint, the first ones (Megatron's ``--recompute-method
+    block --recompute-num-layers``); None: all of them when ``checkpoint`` is pinned, the
+    planner's choice otherwise."""
     offload: bool | None = None
     """Keep optimizer state (and fp32 master weights) in host memory, stepping there."""
     micro_batches: int | None = None
@@ -59,6 +63,11 @@ class MemoryOptions:
                 raise InputError(f"zero={{{axis!r}: {stage!r}}}: a ZeRO stage is one of {ZERO_STAGES}{extra}")
         if self.checkpoint is not None and self.checkpoint not in CHECKPOINT_POLICIES:
             raise InputError(f"checkpoint={self.checkpoint!r}: the policies are {', '.join(CHECKPOINT_POLICIES)}")
+        k = self.checkpoint_blocks
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise InputError(f"checkpoint_blocks must be a positive whole number, got {k!r}")
+        if k is not None and self.checkpoint == "none":
+            raise InputError(f"checkpoint_blocks={k} with checkpoint='none': nothing would be checkpointed")
         if self.offload is not None and not isinstance(self.offload, bool):
             raise InputError(f"offload must be True, False or None, got {self.offload!r}")
         m = self.micro_batches

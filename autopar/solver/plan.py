@@ -16,7 +16,7 @@ from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
 from autopar.solver.graph import edge_flags, loss_count_reductions, loss_replication, price_edge
 from autopar.solver.nodes import OP, PARAM, PlanGraph
-from autopar.solver.recompute import block_peak
+from autopar.solver.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
 
@@ -298,8 +298,11 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     held, regathered = _record_reshards(graph, chosen, ctx, ledger)
     act_mem += held
     memory = replace(memory or MemoryPlan(), regather=sorted(regathered))
-    act_mem += block_peak(graph, {n: graph.nodes[n].recompute_memory[solution.choice[folding.representative[n]]]
-                                  for n in graph.order if graph.nodes[n].recompute_memory})
+    freed = freed_before_recompute(graph)
+    act_mem += recompute_peak(
+        block_peak(graph, {n: graph.nodes[n].recompute_memory[solution.choice[folding.representative[n]]]
+                           for n in graph.order if graph.nodes[n].recompute_memory}),
+        sum(c.memory for n, c in zip(graph.order, costs) if n in freed))
     buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     act_mem += bucket_buffer_bytes(buckets, ctx)
     for bucket in buckets:

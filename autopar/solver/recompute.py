@@ -10,7 +10,10 @@ A checkpointed block (``MemoryPlan.checkpoint_blocks``) replays its forward in b
   leave the block (the next block's or the head's input: kept either way), whole, whether
   or not autograd would keep them; what autograd keeps of the others is dropped after
   forward and comes back one block at a time while that block recomputes, so the plan's
-  peak adds the largest block's dropped bytes (``recompute_memory``), not all.
+  peak adds the largest block's dropped bytes (``recompute_memory``), not all. When only
+  the first blocks checkpoint, backward has freed the activations of the blocks after them
+  (``freed_before_recompute``) before any recomputes: the peak adds only what the largest
+  block brings back beyond those.
 A parameter gathered inside a checkpointed block is not held until backward either: the
 replay gathers it again (that is one of the recomputed reshards).
 """
@@ -56,6 +59,23 @@ def _recomputed(node: PlanNode, block: str, policy: str, *, keep: bool) -> PlanN
 
 def _target(node: PlanNode) -> object:
     return node.call.target if node.call is not None else None
+
+
+def freed_before_recompute(graph: PlanGraph) -> set[str]:
+    """Ops of repeated blocks that are not checkpointed and run after every checkpointed op:
+    backward is done with them (and frees what they keep) before the first recompute. Empty
+    when nothing, or every block, is checkpointed."""
+    last = max((i for i, n in enumerate(graph.order) if graph.nodes[n].block is not None), default=None)
+    if last is None:
+        return set()
+    return {n for n in graph.order[last + 1:] if graph.nodes[n].kind == OP and graph.nodes[n].block is None
+            and block_of(graph.nodes[n].module) is not None}
+
+
+def recompute_peak(block_bytes: float, freed_bytes: float) -> float:
+    """What recomputation adds to the peak: the largest block's bytes beyond what backward
+    freed before it (``freed_before_recompute``)."""
+    return max(0.0, block_bytes - freed_bytes)
 
 
 def block_peak(graph: PlanGraph, memory_of: dict[str, float]) -> float:
