@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
-from autopar.cost.model import CostContext
+from autopar.cost.collectives import transfer_time
+from autopar.cost.model import CostContext, zero1_gather_call
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
@@ -26,7 +27,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
 from autopar.solver.graph import build_plan_graph, leaf_costs
-from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.nodes import PARAM, PlanGraph, PlanNode
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
 from autopar.units import fmt_bytes
@@ -165,7 +166,9 @@ class PreparedStep:
         """The scenarios ``solve_step`` searches, today's default first."""
         graph = self.base_graph or self.graph
         has_blocks = bool(repeated_blocks([graph.nodes[n].module for n in graph.order]))
-        return candidates(self.memory_options, self.batch, has_blocks, self.ctx.train)
+        mesh = self.ctx.mesh
+        axes = tuple(n for n, size in zip(mesh.names, mesh.shape) if size > 1)
+        return candidates(self.memory_options, self.batch, has_blocks, self.ctx.train, axes)
 
     def under(self, scenario: Scenario) -> PreparedStep:
         """This step priced under ``scenario`` (captured again if its micro-batch count differs)."""
@@ -177,11 +180,22 @@ class PreparedStep:
         base = self.variants[m]
         graph = base.base_graph or base.graph
         blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if scenario.checkpoint != "none" else []
-        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload)
-        if scenario.offload:  # parameters priced again: their state lives on the host
-            graph = replace(graph, nodes={n: replace(node, costs=leaf_costs(node, ctx)) if node.kind == PARAM else node
+        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload,
+                      zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
+        if scenario.offload or scenario.zero1:  # parameters priced again: their state lives on the host, or split
+            graph = replace(graph, nodes={n: _priced_parameter(node, ctx) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
         return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
+
+
+def _priced_parameter(node: PlanNode, ctx: CostContext) -> PlanNode:
+    """A parameter node priced under ``ctx``'s offload and ZeRO-1: its state per strategy, and
+    the transfer of a ZeRO-1 parameter's all-gather after the update (its bucket calls are
+    the ILP's ``add_gather_rows``)."""
+    meta = node.outputs[0]
+    calls = [zero1_gather_call(meta, s.outputs[0], ctx) if node.needs_grad else None for s in node.strategies]
+    return replace(node, costs=leaf_costs(node, ctx),
+                   comm_times=[0.0 if c is None else transfer_time(c, ctx.mesh) for c in calls])
 
 
 def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,

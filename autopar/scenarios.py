@@ -9,7 +9,9 @@ rather than which strategy it runs, so they are searched around it, each combina
   activations of one micro-batch are alive at a time, gradients sync once);
 - activation checkpointing of the repeated blocks (none, selective, full);
 - re-gathering parameters in backward instead of holding them (ZeRO-3);
-- optimizer state and fp32 master weights in host memory (offload), tried last.
+- optimizer state and fp32 master weights in host memory (offload), tried last;
+- ZeRO-1: the optimizer state of parameters stored replicated on a mesh axis sharded on
+  it (every axis of more than one rank; not with offload).
 
 With memory to spare none of them pays off: each adds time to every plan (a replay, a
 second gather, per-micro-batch fixed costs) and frees only memory. So the search first
@@ -40,6 +42,8 @@ class Scenario:
     """Parameters gathered for a forward use are gathered again in backward (ZeRO-3)."""
     offload: bool = False
     """Optimizer state and master weights of trainable parameters live in host memory."""
+    zero1: tuple[str, ...] = ()
+    """Mesh axes where parameters stored replicated keep a shard of their optimizer state (ZeRO-1)."""
 
     def describe(self) -> str:
         parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}",
@@ -48,13 +52,19 @@ class Scenario:
             parts.append("parameters gathered again in backward")
         if self.offload:
             parts.append("optimizer state on the host")
+        if self.zero1:
+            parts.append(f"ZeRO-1 on {', '.join(self.zero1)}")
         return ", ".join(parts)
 
 
-def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, train: bool) -> list[Scenario]:
-    """The scenarios to search, cheapest-looking first (the first is today's default)."""
+def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, train: bool,
+               axes: tuple[str, ...] = ()) -> list[Scenario]:
+    """The scenarios to search, cheapest-looking first (the first is today's default).
+    ``axes``: the mesh axes of more than one rank (where ZeRO-1 may shard optimizer state)."""
+    pinned_zero1 = _pinned_zero1(options)
     pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
-                      regather=_pinned_regather(options) or False, offload=bool(options.offload))
+                      regather=_pinned_regather(options) or False, offload=bool(options.offload),
+                      zero1=pinned_zero1 or ())
     if not train:
         return [pinned]
     if options.micro_batches:
@@ -64,24 +74,34 @@ def candidates(options: MemoryOptions, batch: int | None, has_blocks: bool, trai
     policies = [options.checkpoint] if options.checkpoint else list(CHECKPOINT_POLICIES) if has_blocks else ["none"]
     regathers = [_pinned_regather(options)] if options.zero is not None else [False, True]
     offloads = [options.offload] if options.offload is not None else [False, True]
-    return [Scenario(micro_batches=m, checkpoint=c, regather=bool(r), offload=o)
-            for o in offloads for m in counts for c in policies for r in regathers]
+    zero1s = [pinned_zero1] if pinned_zero1 is not None else [(), axes] if axes else [()]
+    return [Scenario(micro_batches=m, checkpoint=c, regather=bool(r), offload=o, zero1=z)
+            for o in offloads for z in (zero1s if not o else [()])
+            for m in counts for c in policies for r in regathers]
 
 
 def leanest(scenarios: list[Scenario]) -> list[Scenario]:
     """The scenarios that may keep the least memory: per micro-batch count, the one that saves
-    the most otherwise (offloaded, full checkpointing, re-gathering). More micro-batches are
+    the most otherwise (offloaded, full checkpointing, re-gathering, ZeRO-1). More micro-batches are
     not always leaner (their gradient-bucket buffers are held for the whole step), so each
     count is a candidate."""
     order = {p: i for i, p in enumerate(CHECKPOINT_POLICIES)}
     best: dict[int, Scenario] = {}
     for s in scenarios:
-        key = (s.offload, order[s.checkpoint], s.regather)
-        if s.micro_batches not in best or key > (best[s.micro_batches].offload,
-                                                 order[best[s.micro_batches].checkpoint],
-                                                 best[s.micro_batches].regather):
+        if s.micro_batches not in best or _leanness(s, order) > _leanness(best[s.micro_batches], order):
             best[s.micro_batches] = s
     return [best[m] for m in sorted(best)]
+
+
+def _leanness(s: Scenario, order: dict[str, int]) -> tuple[bool, int, bool, bool]:
+    return s.offload, order[s.checkpoint], s.regather, bool(s.zero1)
+
+
+def _pinned_zero1(options: MemoryOptions) -> tuple[str, ...] | None:
+    """The axes pinned to ZeRO stage 1 (None: ZeRO is not pinned)."""
+    if options.zero is None:
+        return None
+    return tuple(axis for axis, stage in options.zero.items() if stage == 1)
 
 
 def _pinned_regather(options: MemoryOptions) -> bool | None:
