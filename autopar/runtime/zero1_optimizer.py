@@ -123,10 +123,12 @@ class ShardedStateOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain layout: each ZeRO-1 parameter's state tensors cut to this rank's chunk."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        # keys as torch's own load_state_dict matches them: the saved groups' params, by position
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        owner = dict(zip(saved, (p for g in self.param_groups for p in g["params"])))
         state = {}
         for index, entries in state_dict["state"].items():
-            chunk = self._chunk_of.get(id(params[int(index)]), (None, None))[1]
+            chunk = self._chunk_of.get(id(owner[index]), (None, None))[1]
             state[index] = entries if chunk is None else {
                 k: v.reshape(-1)[chunk.lo:chunk.hi].clone() if _is_whole(chunk, v) else v for k, v in entries.items()}
         self.inner.load_state_dict({**state_dict, "state": state})
