@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, replace
 from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
-from autopar.cost.collectives import transfer_time
-from autopar.cost.model import CostContext, zero1_gather_call
+from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
@@ -26,8 +25,8 @@ from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
-from autopar.solver.graph import build_plan_graph, leaf_costs
-from autopar.solver.nodes import PARAM, PlanGraph, PlanNode
+from autopar.solver.graph import build_plan_graph, priced_parameter
+from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
 from autopar.units import fmt_bytes
@@ -35,7 +34,7 @@ from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.memory import MemoryOptions, MemoryPlan, example_batch, repeated_blocks, slice_batch
 from autopar.solver.plan import Plan, build_plan
 from autopar.solver.recompute import checkpointed
-from autopar.scenarios import Scenario, candidates, leanest
+from autopar.scenarios import Scenario, candidates, leanest, zero1_note
 from autopar.solver.report import solver_note
 
 
@@ -183,19 +182,9 @@ class PreparedStep:
         ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload,
                       zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
         if scenario.offload or scenario.zero1:  # parameters priced again: their state lives on the host, or split
-            graph = replace(graph, nodes={n: _priced_parameter(node, ctx) if node.kind == PARAM else node
+            graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
         return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
-
-
-def _priced_parameter(node: PlanNode, ctx: CostContext) -> PlanNode:
-    """A parameter node priced under ``ctx``'s offload and ZeRO-1: its state per strategy, and
-    the transfer of a ZeRO-1 parameter's all-gather after the update (its bucket calls are
-    the ILP's ``add_gather_rows``)."""
-    meta = node.outputs[0]
-    calls = [zero1_gather_call(meta, s.outputs[0], ctx) if node.needs_grad else None for s in node.strategies]
-    return replace(node, costs=leaf_costs(node, ctx),
-                   comm_times=[0.0 if c is None else transfer_time(c, ctx.mesh) for c in calls])
 
 
 def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
@@ -377,16 +366,12 @@ def _search(prepared: PreparedStep) -> Solution:
         if scenario.zero1 != scenarios[0].zero1 and found.objective_s < free.objective_s:  # added by the search
             if quicker is None or found.objective_s < quicker.objective_s:
                 quicker = found
-            faster.append(f"ZeRO-1 ('{scenario.describe()}') is predicted faster ({found.objective_s * 1e3:.3f} ms) "
-                          f"than the plan with memory to spare ({free.objective_s * 1e3:.3f} ms); it is searched "
-                          "only as a memory saving, so that a tighter limit never predicts a faster step: pin "
-                          "zero={axis: 1} to run it")
+            faster.append(zero1_note(scenario, found.objective_s, free.objective_s))
             continue
         if best is None or found.objective_s < best.objective_s:
             best = found
     if best is None and quicker is not None:  # a plan fits: ZeRO-1, faster than with memory to spare, not an error
-        quicker.notes = failed + [f"ZeRO-1 is predicted faster ({quicker.objective_s * 1e3:.3f} ms) than the plan with "
-                                  f"memory to spare ({free.objective_s * 1e3:.3f} ms), which does not fit"]
+        quicker.notes = failed + [zero1_note(quicker.scenario, quicker.objective_s, free.objective_s, taken=True)]
         return quicker
     if best is None:
         if failed:

@@ -108,3 +108,15 @@ def _pinned_regather(options: MemoryOptions) -> bool | None:
     if options.zero is None:
         return None
     return any(stage == 3 for stage in options.zero.values())
+
+
+def zero1_note(scenario: Scenario, found_s: float, free_s: float, *, taken: bool = False) -> str:
+    """What a plan says about a ZeRO-1 scenario predicted faster than the plan with memory to
+    spare: searched as a memory saving only (a tighter limit must never predict a faster
+    step), it is taken only when nothing else fits."""
+    head = f"ZeRO-1 ('{scenario.describe()}') is predicted faster ({found_s * 1e3:.3f} ms) than the plan with " \
+           f"memory to spare ({free_s * 1e3:.3f} ms)"
+    if taken:
+        return f"{head}, which does not fit; nothing else fits"
+    return f"{head}; it is searched only as a memory saving, so that a tighter limit never predicts a faster " \
+           "step: pin zero={axis: 1} to run it"

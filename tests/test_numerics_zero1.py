@@ -24,7 +24,14 @@ from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
 from numerics_harness import EPS, LR, Reference, mismatches, reference, reference_accumulated, run_checked, run_compiled
 
-MODELS = {"gpt": gpt.build, "llama": llama.build}
+def _gpt_frozen() -> Any:
+    """GPT with its position table frozen: no gradient, no optimizer state, not ZeRO-1."""
+    model, inputs, loss_fn, targets = gpt.build()
+    model.wpe.weight.requires_grad_(False)
+    return model, inputs, loss_fn, targets
+
+
+MODELS = {"gpt": gpt.build, "llama": llama.build, "gpt_frozen": _gpt_frozen}
 TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
 
 
@@ -48,7 +55,7 @@ class Case:
 
 
 CASES = [Case("gpt", (2,), ("dp",)), Case("llama", (4,), ("dp",)), Case("gpt", (2, 2), ("dp", "tp")),
-         Case("gpt", (2,), ("dp",), micro_batches=4)]
+         Case("gpt", (2,), ("dp",), micro_batches=4), Case("gpt_frozen", (2,), ("dp",))]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
@@ -74,7 +81,8 @@ def test_zero1_matches_single_device(case: Case) -> None:
     dp = case.mesh[case.names.index("dp")]
     for r in results:
         assert "ZeRO-1 on dp" in r["describe"]
-        assert set(r["zero1"]) == set(r["local"]) and set(r["zero1"].values()) == {"dp"}  # every parameter
+        assert set(r["zero1"]) == set(r["local"]) and set(r["zero1"].values()) == {"dp"}  # every trainable one
+        assert r["frozen"] == (["wpe.weight"] if case.model == "gpt_frozen" else [])
         assert all(r["state"][k] <= r["chunks"][k] for k in r["zero1"])
         ratio = sum(r["state"].values()) / sum(r["local"].values())
         assert ratio <= 1 / dp + 0.01, ratio  # measured: Adam state per rank ~1/n of DDP's (padding aside)

@@ -93,9 +93,14 @@ class ZeroOneShards:
         """Each ZeRO-1 parameter's gradient chunk, summed over its dim where the plan reduces it
         there and taken from ``.grad`` as it is elsewhere (None: no gradient on any rank)."""
         grads: dict[str, torch.Tensor | None] = {}
-        for name, chunk in self.chunks.items():  # not reduced: every rank holds the whole gradient
+        for name, chunk in self.chunks.items():
             grad = chunk.param.grad
-            grads[name] = None if grad is None else grad.reshape(-1)[chunk.lo:chunk.hi].clone()
+            if grad is None:
+                grads[name] = None
+            elif id(chunk.param) in self.scattered:  # filled by the buckets below
+                grads[name] = torch.empty(chunk.hi - chunk.lo, dtype=grad.dtype, device=grad.device)
+            else:  # not reduced on this dim: every rank holds the whole gradient, and takes its chunk
+                grads[name] = grad.reshape(-1)[chunk.lo:chunk.hi].clone()
         for bucket in self.buckets:
             if bucket.kind != REDUCE_SCATTER:
                 continue

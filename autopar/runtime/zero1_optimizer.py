@@ -136,9 +136,6 @@ class ShardedStateOptimizer(Optimizer):
             outer.update({k: v for k, v in inner.items() if k != "params"})
         self._refresh_state()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-
 
 def _is_chunk(chunk: Chunk, value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == chunk.hi - chunk.lo
