@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
+from autopar.cost.buckets import bucket_count, shard_buckets
+from autopar.cost.zero1 import chunk_elements, shard_bucket_cap
 from autopar.errors import InputError
 from autopar.runtime import checkpoint
 from autopar.runtime.forked import run_ranks
@@ -41,21 +43,27 @@ class Case:
     mesh: tuple[int, ...]
     names: tuple[str, ...]
     micro_batches: int = 1
+    bucket_bytes: int | None = None
+    """Small buckets: parameters straddle them, and each runs its own reduce-scatter and all-gather."""
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{'x'.join(map(str, self.mesh))}-m{self.micro_batches}"
+        small = f"-b{self.bucket_bytes}" if self.bucket_bytes else ""
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-m{self.micro_batches}{small}"
 
     def compile_kwargs(self) -> dict[str, Any]:
         # data_axes: the batch stays split on dp (the cpu profile would otherwise use dp as TP on these tiny models)
         kw: dict[str, Any] = {"zero": {"dp": 1}, "data_axes": ("dp",), "micro_batches": self.micro_batches}
+        if self.bucket_bytes:
+            kw["bucket_bytes"] = self.bucket_bytes
         if "tp" in self.names:
             kw["constraints"] = TP_PLANS[self.model]
         return kw
 
 
 CASES = [Case("gpt", (2,), ("dp",)), Case("llama", (4,), ("dp",)), Case("gpt", (2, 2), ("dp", "tp")),
-         Case("gpt", (2,), ("dp",), micro_batches=4), Case("gpt_frozen", (2,), ("dp",))]
+         Case("gpt", (2,), ("dp",), micro_batches=4), Case("gpt_frozen", (2,), ("dp",)),
+         Case("gpt", (4,), ("dp",), bucket_bytes=96 * 1024)]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
@@ -88,6 +96,8 @@ def test_zero1_matches_single_device(case: Case) -> None:
         assert ratio <= 1 / dp + 0.01, ratio  # measured: Adam state per rank ~1/n of DDP's (padding aside)
         kinds = {(phase, kind) for (phase, kind, *_), _ in r["ran"] if phase == "optimizer"}
         assert kinds == {("optimizer", "reduce_scatter"), ("optimizer", "all_gather")}
+        calls = sum(n for (phase, *_), n in r["ran"] if phase == "optimizer")
+        assert calls > 2 if case.bucket_bytes else calls == 2  # one bucket each, or many (ran == planned)
     inner = math.prod(case.mesh[1:])  # ranks with the same coordinates past dp (mesh dim 0) share a dp group
     for group in range(inner):
         members = results[group::inner]
@@ -198,6 +208,7 @@ def test_zero1_pricing_and_search() -> None:
     assert zero1.solver["objective_s"] == pytest.approx(zero1.predicted.step_time_s, rel=1e-9)
     assert zero1.predicted.memory_parts["optimizer state"] == pytest.approx(
         ddp.predicted.memory_parts["optimizer state"] / 4, rel=0.01)
+    assert sum(zero1.predicted.memory_parts.values()) == pytest.approx(zero1.predicted.peak_memory_bytes)
     assert zero1.predicted.step_time_s > ddp.predicted.step_time_s
     kinds = {(c.phase, c.kind) for c in zero1.collectives if c.consumer == "optimizer"}
     assert kinds == {("optimizer", "reduce_scatter"), ("optimizer", "all_gather")}
@@ -209,3 +220,19 @@ def test_zero1_pricing_and_search() -> None:
     assert searched.plan_hash() != ddp.plan_hash()
     with pytest.raises(InputError, match="not both"):
         _plan(zero={"dp": 1}, offload=True)
+
+
+def test_shard_buckets_cut_chunk_columns_every_cap_bytes() -> None:
+    """Chunk columns (one element per rank) packed in backward order, a parameter straddling
+    two buckets where it must, so M bytes run exactly ceil(M / cap) calls, as the ILP prices."""
+    cap = shard_bucket_cap(40, itemsize=4, ways=2)  # 5 columns of 2 fp32 elements
+    assert cap == 40
+    params = [("a", chunk_elements(7, 2), 0, 2), ("b", chunk_elements(9, 2), 0, 2)]  # chunks of 4 and 5
+    buckets = shard_buckets("reduce_scatter", params, itemsize=4, cap=cap)
+    assert [[(s.param, s.start, s.stop) for s in b.slices] for b in buckets] == [
+        [("b", 0, 5)], [("a", 0, 4)]]
+    assert [b.nbytes for b in buckets] == [40, 32]
+    straddling = shard_buckets("all_gather", [("a", 3, 0, 2), ("b", 4, 0, 2)], itemsize=4, cap=cap)
+    assert [[(s.param, s.start, s.stop) for s in b.slices] for b in straddling] == [
+        [("b", 0, 4), ("a", 0, 1)], [("a", 1, 3)]]
+    assert len(straddling) == bucket_count(2 * 4 * (3 + 4), cap)
