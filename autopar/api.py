@@ -25,7 +25,7 @@ from autopar.rules.strategy import Strategy
 from torch.distributed.tensor import Replicate
 
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
-from autopar.solver.graph import build_plan_graph, leaf_costs
+from autopar.solver.graph import build_plan_graph, priced_parameter
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
@@ -34,7 +34,7 @@ from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.memory import MemoryOptions, MemoryPlan, example_batch, repeated_blocks, slice_batch
 from autopar.solver.plan import Plan, build_plan
 from autopar.solver.recompute import checkpointed
-from autopar.scenarios import Scenario, candidates, leanest
+from autopar.scenarios import Scenario, candidates, leanest, zero1_note
 from autopar.solver.report import solver_note
 
 
@@ -165,7 +165,9 @@ class PreparedStep:
         """The scenarios ``solve_step`` searches, today's default first."""
         graph = self.base_graph or self.graph
         blocks = len(repeated_blocks([graph.nodes[n].module for n in graph.order]))
-        return candidates(self.memory_options, self.batch, blocks, self.ctx.train)
+        mesh = self.ctx.mesh
+        axes = tuple(n for n, size in zip(mesh.names, mesh.shape) if size > 1)
+        return candidates(self.memory_options, self.batch, blocks, self.ctx.train, axes)
 
     def under(self, scenario: Scenario) -> PreparedStep:
         """This step priced under ``scenario`` (captured again if its micro-batch count differs)."""
@@ -177,9 +179,10 @@ class PreparedStep:
         base = self.variants[m]
         graph = base.base_graph or base.graph
         blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if scenario.checkpoint != "none" else []
-        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload)
-        if scenario.offload:  # parameters priced again: their state lives on the host
-            graph = replace(graph, nodes={n: replace(node, costs=leaf_costs(node, ctx)) if node.kind == PARAM else node
+        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload,
+                      zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
+        if scenario.offload or scenario.zero1:  # parameters priced again: their state lives on the host, or split
+            graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
         if scenario.checkpoint_blocks is not None and scenario.checkpoint_blocks < len(blocks):
             graph = checkpointed(graph, scenario.checkpoint, blocks[:scenario.checkpoint_blocks])
@@ -367,6 +370,8 @@ def _search(prepared: PreparedStep) -> Solution:
         return free
     best: Solution | None = None
     failed: list[str] = []
+    faster: list[str] = []  # ZeRO-1 scenarios faster than the plan with memory to spare (not taken)
+    quicker: Solution | None = None  # the fastest of them: the plan when nothing else fits
     for scenario in scenarios:  # each only needs to beat the best so far: HiGHS prunes by it
         try:
             found = _solve(prepared.under(scenario), prepared.memory_limit, explain=False,
@@ -376,13 +381,21 @@ def _search(prepared: PreparedStep) -> Solution:
         except (RuntimeError, SolverTimeLimitError) as exc:  # said in the plan, not hidden
             failed.append(f"memory scenario '{scenario.describe()}' not searched: {exc}")
             continue
+        if scenario.zero1 != scenarios[0].zero1 and found.objective_s < free.objective_s:  # added by the search
+            if quicker is None or found.objective_s < quicker.objective_s:
+                quicker = found
+            faster.append(zero1_note(scenario, found.objective_s, free.objective_s))
+            continue
         if best is None or found.objective_s < best.objective_s:
             best = found
+    if best is None and quicker is not None:  # a plan fits: ZeRO-1, faster than with memory to spare, not an error
+        quicker.notes = failed + [zero1_note(quicker.scenario, quicker.objective_s, free.objective_s, taken=True)]
+        return quicker
     if best is None:
         if failed:
             raise RuntimeError("; ".join(failed))
         raise _nothing_fits(prepared, scenarios)
-    best.notes = failed
+    best.notes = failed + faster[:1]
     return best
 
 

@@ -10,7 +10,9 @@ rather than which strategy it runs, so they are searched around it, each combina
 - activation checkpointing of the repeated blocks (none, selective, full), on all of them
   or on the first quarter, half or three quarters (``CHECKPOINT_FRACTIONS``);
 - re-gathering parameters in backward instead of holding them (ZeRO-3);
-- optimizer state and fp32 master weights in host memory (offload), tried last.
+- optimizer state and fp32 master weights in host memory (offload), tried last;
+- ZeRO-1: the optimizer state of parameters stored replicated on a mesh axis sharded on
+  it (every axis of more than one rank; not with offload).
 
 With memory to spare none of them pays off: each adds time to every plan (a replay, a
 second gather, per-micro-batch fixed costs) and frees only memory. So the search first
@@ -46,6 +48,8 @@ class Scenario:
     """Parameters gathered for a forward use are gathered again in backward (ZeRO-3)."""
     offload: bool = False
     """Optimizer state and master weights of trainable parameters live in host memory."""
+    zero1: tuple[str, ...] = ()
+    """Mesh axes where parameters stored replicated keep a shard of their optimizer state (ZeRO-1)."""
 
     def describe(self) -> str:
         parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}",
@@ -55,15 +59,21 @@ class Scenario:
             parts.append("parameters gathered again in backward")
         if self.offload:
             parts.append("optimizer state on the host")
+        if self.zero1:
+            parts.append(f"ZeRO-1 on {', '.join(self.zero1)}")
         return ", ".join(parts)
 
 
-def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bool) -> list[Scenario]:
+def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bool,
+               axes: tuple[str, ...] = ()) -> list[Scenario]:
     """The scenarios to search, cheapest-looking first (the first is today's default).
-    ``blocks``: how many repeated blocks the step has."""
+    ``blocks``: how many repeated blocks the step has; ``axes``: the mesh axes of more than
+    one rank (where ZeRO-1 may shard optimizer state)."""
+    pinned_zero1 = _pinned_zero1(options)
     pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
                       checkpoint_blocks=_pinned_count(options, blocks),
-                      regather=_pinned_regather(options) or False, offload=bool(options.offload))
+                      regather=_pinned_regather(options) or False, offload=bool(options.offload),
+                      zero1=pinned_zero1 or ())
     if not train:
         return [pinned]
     if options.micro_batches:
@@ -72,8 +82,10 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
         counts = [m for m in MICRO_BATCH_CANDIDATES if batch is not None and m <= batch and batch % m == 0] or [1]
     regathers = [_pinned_regather(options)] if options.zero is not None else [False, True]
     offloads = [options.offload] if options.offload is not None else [False, True]
-    return [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=bool(r), offload=o)
-            for o in offloads for m in counts for c, k in _checkpointing(options, blocks) for r in regathers]
+    zero1s = [pinned_zero1] if pinned_zero1 is not None else [(), axes] if axes else [()]
+    return [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=bool(r), offload=o, zero1=z)
+            for o in offloads for z in (zero1s if not o else [()])
+            for m in counts for c, k in _checkpointing(options, blocks) for r in regathers]
 
 
 def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int | None]]:
@@ -96,21 +108,42 @@ def _pinned_count(options: MemoryOptions, blocks: int) -> int | None:
 
 def leanest(scenarios: list[Scenario]) -> list[Scenario]:
     """The scenarios that may keep the least memory: per micro-batch count, the one that saves
-    the most otherwise (offloaded, full checkpointing, re-gathering). More micro-batches are
+    the most otherwise (offloaded, full checkpointing, re-gathering, ZeRO-1). More micro-batches are
     not always leaner (their gradient-bucket buffers are held for the whole step), so each
     count is a candidate."""
     order = {p: i for i, p in enumerate(CHECKPOINT_POLICIES)}
-
-    def saving(s: Scenario) -> tuple:
-        return (s.offload, order[s.checkpoint], s.checkpoint_blocks is None, s.checkpoint_blocks or 0, s.regather)
     best: dict[int, Scenario] = {}
     for s in scenarios:
-        if s.micro_batches not in best or saving(s) > saving(best[s.micro_batches]):
+        if s.micro_batches not in best or _leanness(s, order) > _leanness(best[s.micro_batches], order):
             best[s.micro_batches] = s
     return [best[m] for m in sorted(best)]
+
+
+def _leanness(s: Scenario, order: dict[str, int]) -> tuple[bool, int, bool, int, bool, bool]:
+    return (s.offload, order[s.checkpoint], s.checkpoint_blocks is None, s.checkpoint_blocks or 0, s.regather,
+            bool(s.zero1))
+
+
+def _pinned_zero1(options: MemoryOptions) -> tuple[str, ...] | None:
+    """The axes pinned to ZeRO stage 1 (None: ZeRO is not pinned)."""
+    if options.zero is None:
+        return None
+    return tuple(axis for axis, stage in options.zero.items() if stage == 1)
 
 
 def _pinned_regather(options: MemoryOptions) -> bool | None:
     if options.zero is None:
         return None
     return any(stage == 3 for stage in options.zero.values())
+
+
+def zero1_note(scenario: Scenario, found_s: float, free_s: float, *, taken: bool = False) -> str:
+    """What a plan says about a ZeRO-1 scenario predicted faster than the plan with memory to
+    spare: searched as a memory saving only (a tighter limit must never predict a faster
+    step), it is taken only when nothing else fits."""
+    head = f"ZeRO-1 ('{scenario.describe()}') is predicted faster ({found_s * 1e3:.3f} ms) than the plan with " \
+           f"memory to spare ({free_s * 1e3:.3f} ms)"
+    if taken:
+        return f"{head}, which does not fit; nothing else fits"
+    return f"{head}; it is searched only as a memory saving, so that a tighter limit never predicts a faster " \
+           "step: pin zero={axis: 1} to run it"

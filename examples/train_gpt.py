@@ -121,7 +121,7 @@ def main() -> None:
     say(f"loss at uniform guess ln(vocab) = {math.log(args.vocab):.3f}; data entropy (best reachable) = "
         f"{data.entropy():.3f}")
 
-    opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = pm.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.0)  # whatever the plan shards or offloads
     losses: list[float] = []
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),

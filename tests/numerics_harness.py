@@ -169,13 +169,15 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
         else:
             loss.backward()
         if i == 0:
-            ran = list(log.entries)
             regathered = list(log.regathers)
             state = pm.state_dict()
-            grads = {k: DTensor.from_local(p.grad, mesh, state[k].placements, run_check=False).full_tensor()
+            grads = {k: DTensor.from_local(_reduced_zero1(pm, k, p), mesh, state[k].placements,
+                                           run_check=False).full_tensor()
                      for k, p in pm.named_parameters() if p.grad is not None}
         losses.append(loss.full_tensor().item())
         opt.step()
+        if i == 0:  # the optimizer's own collectives (ZeRO-1 buckets) are the step's too
+            ran = list(log.entries)
         opt.zero_grad()
     # the optimizer registered the shards, so its state is as small as they are
     adam_shapes = {k: (tuple(p.shape), tuple(opt.state[p]["exp_avg"].shape))
@@ -193,6 +195,20 @@ def run_compiled(pm: autopar.ParallelModule, args: tuple[Any, ...], ref: Referen
             "regather_planned": sorted(pm.plan.memory.regather), "adam_shapes": adam_shapes,
             "recomputed": sorted(Counter((p, k, names[d], b) for p, k, d, b in recomputed).items()),
             "planned": sorted(planned_counts(pm.plan).items())}
+
+
+def _reduced_zero1(pm: autopar.ParallelModule, fqn: str, param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local gradient as every rank would hold it reduced: a ZeRO-1 parameter
+    the step reduce-scatters has this rank's own in ``.grad`` until then, so it is summed here
+    over its ZeRO-1 axis (what the runtime's reduce-scatter sums, as a whole)."""
+    grad = param.grad
+    assert grad is not None
+    if id(param) not in pm.zero1.scattered:
+        return grad
+    summed = grad.clone()
+    axis = pm.plan.memory.zero1[fqn]
+    dist.all_reduce(summed, group=pm.device_mesh.get_group(axis))
+    return summed
 
 
 def planned_counts(plan: Any) -> Counter:

@@ -221,3 +221,15 @@ def test_memory_pins_from_the_command_line(tmp_path: Path, capsys: pytest.Captur
                           "--width", "200"], capsys)
     assert (code, err) == (0, "")
     assert "2 micro-batches, checkpointing full (2 blocks)" in out, out
+
+
+def test_zero1_is_pinned_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--zero dp=1`` plans ZeRO-1 on dp (the table's memory line says so); with --offload it is refused."""
+    args = ["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200"]
+    code, out, err = run([*args, "--zero", "dp=1", "--json", str(tmp_path / "plan.json")], capsys)
+    assert (code, err) == (0, "")
+    assert "ZeRO-1 on dp" in out
+    memory = json.loads((tmp_path / "plan.json").read_text())["memory"]
+    assert memory["zero"] == {"dp": 1} and set(memory["zero1"].values()) == {"dp"}
+    code, out, err = run([*args, "--zero", "dp=1", "--offload"], capsys)
+    assert code == 2 and "not both" in err, err

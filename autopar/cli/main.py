@@ -156,7 +156,8 @@ def parser() -> argparse.ArgumentParser:
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
     memory = p.add_argument_group("memory choices (default: the planner picks them by the memory limit)")
     memory.add_argument("--zero", type=_zero_stages, default=None, metavar="AXIS=STAGE,...",
-                        help="pin a ZeRO stage per data axis: 0 (DDP), 2 (parameters stored split, kept gathered "
+                        help="pin a ZeRO stage per data axis: 0 (DDP), 1 (optimizer state sharded), 2 (parameters "
+                             "stored split, kept gathered "
                              "until backward), 3 (gathered again in backward), e.g. dp=3")
     memory.add_argument("--checkpoint", choices=["none", "selective", "full"], default=None,
                         help="pin activation checkpointing of the repeated blocks")

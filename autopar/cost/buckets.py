@@ -74,3 +74,49 @@ def gradient_buckets(params: list[tuple[str, int, frozenset[int]]], itemsize: in
         if slices:
             buckets.append(GradBucket(dim, tuple(slices), (per_bucket - room) * itemsize))
     return buckets
+
+
+@dataclass(frozen=True)
+class ShardBucket:
+    """One bucket of ZeRO-1 chunks (``autopar.cost.zero1``): a reduce-scatter of gradients or
+    an all-gather of updated parameters on one mesh dim, run at the optimizer step."""
+
+    kind: str
+    """'reduce_scatter' or 'all_gather'."""
+    mesh_dim: int
+    ways: int
+    """Ranks on ``mesh_dim``: each slice moves this many chunks' columns."""
+    slices: tuple[BucketSlice, ...]
+    """Columns ``[start, stop)`` of each parameter's chunks (elements of one chunk), in packing order."""
+    nbytes: int
+    """M of the collective: the columns' elements on every rank (``ways`` x columns x itemsize)."""
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.param for s in self.slices))
+
+
+def shard_buckets(kind: str, params: list[tuple[str, int, int, int]], itemsize: int, cap: int) -> list[ShardBucket]:
+    """``params``: (name, chunk elements c, mesh dim, ways) in parameter order. Per mesh dim,
+    the chunks' columns in backward order (reverse parameter order), cut every ``cap``
+    bytes of ``ways`` x columns (a whole number of columns: ``zero1.shard_bucket_cap``)."""
+    buckets: list[ShardBucket] = []
+    for dim in sorted({d for _, _, d, _ in params}):
+        ways = next(n for _, _, d, n in params if d == dim)
+        per_bucket = cap // (itemsize * ways)
+        if per_bucket * itemsize * ways != cap:
+            raise ValueError(f"bucket size {cap} is not a whole number of {ways}-element columns of {itemsize} bytes")
+        slices: list[BucketSlice] = []
+        room = per_bucket
+        for name, chunk, d, _ in reversed(params):
+            start = 0
+            while d == dim and start < chunk:
+                take = min(room, chunk - start)
+                slices.append(BucketSlice(name, start, start + take))
+                start, room = start + take, room - take
+                if room == 0:
+                    buckets.append(ShardBucket(kind, dim, ways, tuple(slices), cap))
+                    slices, room = [], per_bucket
+        if slices:
+            buckets.append(ShardBucket(kind, dim, ways, tuple(slices), (per_bucket - room) * itemsize * ways))
+    return buckets

@@ -15,6 +15,7 @@ from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_tim
 from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, random_draw_time, roofline_time,
                                   with_fixed_cost)
 from autopar.cost.offload import offloaded_parameter
+from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements, zero1_dim
 from autopar.cost.precision import Precision
 from autopar.cost.saved import SavedTensors
 from autopar.mesh import Mesh
@@ -42,6 +43,10 @@ class CostContext:
     offload: bool = False
     """Trainable parameters keep their optimizer state and fp32 master weights in host
     memory and update there (``cost.offload``)."""
+    zero1: tuple[int, ...] = ()
+    """Mesh dims where trainable parameters stored replicated keep a 1/n shard of their
+    optimizer state (ZeRO-1, ``cost.zero1``): gradients reduce-scattered and updated shards
+    all-gathered at the optimizer step, instead of all-reduced."""
 
 
 @dataclass(frozen=True)
@@ -162,19 +167,38 @@ def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *
     alone: no gradient, no master copy, no optimizer state, no update. An ``offloaded``
     parameter keeps its master copy and optimizer state in host memory: the device holds
     weights and gradient, and the step pays the copies over the host link and the host's
-    update (``autopar.cost.offload``)."""
+    update (``autopar.cost.offload``). A ZeRO-1 parameter (``zero1_chunk``) keeps weights and
+    gradient whole and the rest of its state, and its update, for its chunk only."""
     numel = local_numel(meta, placements, ctx.mesh.shape)
     if not ctx.train or not trainable:
         return NodeCost(0.0, float(numel * ctx.precision.weight_bytes_per_param))
     if offloaded:
         cost = offloaded_parameter(meta, placements, ctx.mesh, ctx.precision)
         return NodeCost(cost.time_s, cost.device_bytes)
-    state = numel * ctx.precision.state_bytes_per_param
+    precision = ctx.precision
+    stepped = zero1_chunk(numel, placements, ctx) or numel  # elements the optimizer updates and keeps state of
+    whole = precision.master_bytes_per_param + precision.grad_bytes_per_param
+    state = numel * whole + stepped * (precision.state_bytes_per_param - whole)
     # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
     hw = ctx.mesh.hardware
-    update = with_fixed_cost(roofline_time(10.0 * numel, 2.0 * state, ctx.mesh, ctx.precision),
-                             hw.optimizer_param_overhead, hw)
+    update = with_fixed_cost(roofline_time(10.0 * stepped, 2.0 * stepped * precision.state_bytes_per_param,
+                                           ctx.mesh, precision), hw.optimizer_param_overhead, hw)
     return NodeCost(update, float(state))
+
+
+def zero1_chunk(numel: int, placements: Placements, ctx: CostContext) -> int | None:
+    """Elements of a trainable parameter's ZeRO-1 chunk (None: it is not ZeRO-1)."""
+    d = zero1_dim(placements, ctx.zero1, ctx.mesh.shape) if ctx.train else None
+    return None if d is None else chunk_elements(numel, ctx.mesh.shape[d])
+
+
+def zero1_gather_call(meta: TensorMeta, placements: Placements, ctx: CostContext) -> CollectiveCall | None:
+    """A ZeRO-1 parameter's share of the all-gather buckets after the update (None: not ZeRO-1)."""
+    d = zero1_dim(placements, ctx.zero1, ctx.mesh.shape) if ctx.train else None
+    if d is None:
+        return None
+    numel = padded_elements(local_numel(meta, placements, ctx.mesh.shape), ctx.mesh.shape[d])
+    return CollectiveCall(ALL_GATHER, d, numel * ctx.precision.master_bytes_per_param, bucketed=True)
 
 
 def input_cost(meta: TensorMeta, placements: Placements, ctx: CostContext) -> NodeCost:
@@ -215,9 +239,14 @@ def param_grad_target(produced: Placements, grad_in: Placements, sync_dims: froz
 def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozenset[int], ctx: CostContext
                      ) -> list[CollectiveCall]:
     """One parameter's share of the gradient buckets: an all-reduce of its local gradient on
-    each sync dim. Its transfer time is the parameter's; latency is paid per bucket."""
-    nbytes = ctx.precision.for_gradients().tensor_bytes(meta, local_numel(meta, produced, ctx.mesh.shape))
-    return [CollectiveCall(ALL_REDUCE, d, nbytes, bucketed=True) for d in sorted(sync_dims)]
+    each sync dim, but a reduce-scatter of the padded gradient on its ZeRO-1 dim
+    (``cost.zero1``). Its transfer time is the parameter's; latency is paid per bucket."""
+    numel = local_numel(meta, produced, ctx.mesh.shape)
+    grads = ctx.precision.for_gradients()
+    zero1 = zero1_dim(produced, ctx.zero1, ctx.mesh.shape) if ctx.train else None
+    return [CollectiveCall(REDUCE_SCATTER, d, grads.tensor_bytes(meta, padded_elements(numel, ctx.mesh.shape[d])),
+                           bucketed=True) if d == zero1 else
+            CollectiveCall(ALL_REDUCE, d, grads.tensor_bytes(meta, numel), bucketed=True) for d in sorted(sync_dims)]
 
 
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,

@@ -18,6 +18,7 @@ from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import local_shard
 from autopar.runtime.regather import regather_hooks
+from autopar.runtime.zero1 import ZeroOneShards
 from autopar.solver.plan import Plan
 
 
@@ -85,6 +86,8 @@ class ParallelModule(nn.Module):
         # ZeRO-3: saved gathered parameters are swapped for handles and gathered again in backward
         self._regathers = any(n.op == "call_module" and n.target == "regather" for n in gm.graph.nodes)
         self.grad_sync = GradSync(plan.grad_buckets, params_by_node, device_mesh)
+        self.zero1 = ZeroOneShards(plan.shard_buckets, params_by_node, device_mesh)
+        self._zero1_stepper = False  # pm.optimizer made a ZeRO-1 optimizer: the only one that syncs those gradients
 
     @property
     def generator(self) -> torch.Generator:
@@ -96,16 +99,28 @@ class ParallelModule(nn.Module):
                   ) -> torch.optim.Optimizer:
         """``optimizer_class(params or self.parameters(), **kwargs)`` with the optimizer state of
         the parameters the plan offloads (``plan.memory.offload``) in host memory, stepped
-        there; the same training loop runs whether the plan offloads anything or not
-        (``autopar.runtime.offload``)."""
-        from autopar.runtime.offload import offloaded_optimizer  # the module imports this one
+        there, or, for ZeRO-1 parameters (``plan.memory.zero1``), of this rank's chunk only,
+        their gradients reduce-scattered and chunks all-gathered by its step; the same
+        training loop runs whatever the plan (``autopar.runtime.offload``, ``runtime.zero1``)."""
+        from autopar.runtime.offload import offloaded_optimizer  # the module imports these
+        from autopar.runtime.zero1_optimizer import ShardedStateOptimizer
 
-        return offloaded_optimizer(self, optimizer_class, params, **kwargs)
+        if not self.zero1.chunks:
+            return offloaded_optimizer(self, optimizer_class, params, **kwargs)
+        if kwargs.get("offload"):
+            raise InputError("this plan shards optimizer state (ZeRO-1, plan.memory.zero1): it does not also "
+                             "offload it to the host")
+        kwargs.pop("offload", None)
+        optimizer = ShardedStateOptimizer(self.parameters() if params is None else params, optimizer_class,
+                                          shards=self.zero1, **kwargs)
+        self._zero1_stepper = True
+        return optimizer
 
     def attach_log(self, log: CollectiveLog | None) -> None:
         """Record every collective this module runs (for checking them against the plan)."""
         self._comm.log = log
         self.grad_sync.log = log
+        self.zero1.log = log
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         m = self.signature.micro_batches
@@ -134,6 +149,11 @@ class ParallelModule(nn.Module):
 
     def _run(self, user: list[Any]) -> list[Any]:
         """The program on the leaves of one call (one per input placeholder, in order): local outputs."""
+        if self.zero1.chunks and not self._zero1_stepper:
+            raise InputError("this plan shards the optimizer state of some parameters (ZeRO-1, plan.memory.zero1): "
+                             "their gradients are reduced by the optimizer's step, so create it with "
+                             "pm.optimizer(torch.optim.AdamW, ...) before training (a plain optimizer would "
+                             "step unreduced gradients)")
         leaves = iter(user)
         values: list[Any] = []
         for name, kind, fqn in self._placeholders:

@@ -234,8 +234,8 @@ def _batch_size(graph: PlanGraph, user_inputs: list[str]) -> int | None:
 
 def zero_pins(graph: PlanGraph, axis: int, axis_name: str, stage: int, axis_size: int
               ) -> tuple[dict[str, Pin], list[str]]:
-    """A ZeRO stage pinned on a data axis: every parameter replicated there (stage 0, DDP),
-    or stored split there (2 and 3: a shard of any dim, strided over another axis's split
+    """A ZeRO stage pinned on a data axis: every parameter replicated there (stage 0, DDP;
+    stage 1, whose optimizer state is then sharded: ``autopar.cost.zero1``), or stored split there (2 and 3: a shard of any dim, strided over another axis's split
     included, as FSDP on top of TP). Returns the pins and the parameters no dim of which
     divides by the axis, which stay replicated (as FSDP would pad them; the plan notes them).
     Frozen parameters are sharded too: they keep weights only, which sharding still shrinks."""
@@ -245,8 +245,8 @@ def zero_pins(graph: PlanGraph, axis: int, axis_name: str, stage: int, axis_size
         node = graph.nodes[name]
         if node.kind != PARAM:
             continue
-        if stage == 0:
-            pins[name] = Pin(output=Replicate(), reason=f"ZeRO-0 (DDP) on {axis_name}")
+        if stage in (0, 1):
+            pins[name] = Pin(output=Replicate(), reason=f"ZeRO-{stage}{' (DDP)' * (stage == 0)} on {axis_name}")
             continue
         pin = Pin(split=True, reason=f"ZeRO-{stage} on {axis_name}")
         if axis_size > 1 and any(pin.admits(s, axis) for s in node.strategies):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autopar.cost.buckets import bucket_count
-from autopar.cost.collectives import ALL_REDUCE, call_time, grad_placement_at_consumer, transfer_time
-from autopar.cost.model import CostContext, grad_sync_dims, param_sync_calls
+from autopar.cost.collectives import ALL_GATHER, ALL_REDUCE, call_time, grad_placement_at_consumer, transfer_time
+from autopar.cost.model import CostContext, grad_sync_dims, param_sync_calls, zero1_gather_call
+from autopar.cost.zero1 import shard_bucket_cap
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model
 
@@ -21,17 +22,22 @@ class GradSyncTerms:
     the number of buckets ``gradient_buckets`` cuts them into, each paying a call's fixed cost
     and latency (``call_time``).
 
-    Buckets run beside backward, so where the hardware hides them (``grad_sync_overlap``
-    > 0) their seconds go into one exposed-time variable instead of the objective:
-    e >= (sync seconds) - overlap x (the last micro-batch's backward seconds), e >= 0
-    (``exposed_sync_time`` prices the plan the same way).
+    All-reduce buckets run beside backward, so where the hardware hides them
+    (``grad_sync_overlap`` > 0) their seconds go into one exposed-time variable instead of
+    the objective: e >= (sync seconds) - overlap x (the last micro-batch's backward seconds),
+    e >= 0 (``exposed_sync_time`` prices the plan the same way).
+
+    A ZeRO-1 parameter's sync on its ZeRO-1 dim is a reduce-scatter at the optimizer step
+    (``cost.zero1``): its own bucket stream, never hidden. The all-gathers after the update
+    depend on the placement alone: their transfers are on the parameter's strategies
+    (``PlanNode.comm_times``), their per-bucket calls counted by ``add_gather_rows``.
     """
 
     def __init__(self, model: Model, graph: PlanGraph, ctx: CostContext, mult: dict[str, int], *,
                  priced: bool) -> None:
         self.model, self.graph, self.ctx, self.mult, self.priced = model, graph, ctx, mult, priced
         self.y: dict[tuple[str, object, int], int] = {}
-        self.bytes_on: dict[int, dict[int, float]] = defaultdict(dict)  # dim -> {y: bytes it adds}
+        self.bytes_on: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)  # (kind, dim) -> {y: bytes}
         self.overlap = ctx.mesh.hardware.grad_sync_overlap if priced and ctx.train else 0.0
         self.seconds: dict[int, float] = {}  # sync variable -> objective units it adds, when overlapped
 
@@ -54,23 +60,46 @@ class GradSyncTerms:
             assert meta is not None
             call, = param_sync_calls(meta, produced, frozenset({dim}), self.ctx)  # type: ignore[arg-type]
             weight = self.mult[producer] * transfer_time(call, self.ctx.mesh) * SCALE if self.priced else 0.0
-            self.y[key] = self._priced_var(weight, integer=False, upper=1.0)
-            self.bytes_on[dim][self.y[key]] = float(self.mult[producer] * call.nbytes)
+            self.y[key] = self._priced_var(weight, integer=False, upper=1.0, hidden=call.kind == ALL_REDUCE)
+            self.bytes_on[(call.kind, dim)][self.y[key]] = float(self.mult[producer] * call.nbytes)
         return self.y[key]
 
     def add_bucket_rows(self) -> None:
-        """k[d] >= gradient bytes reduced on d / bucket bytes, k[d] integer."""
-        mesh = self.ctx.mesh
-        for dim, row in self.bytes_on.items():
-            most = bucket_count(sum(row.values()), self.ctx.bucket_bytes)
-            per_call = call_time(ALL_REDUCE, dim, mesh)
-            k = self._priced_var(per_call * SCALE if self.priced else 0.0, integer=True, upper=float(most))
-            # in buckets, not bytes: coefficients near 1 keep HiGHS's numerics sound on big models
-            self.model.rows.append(({k: 1.0, **{y: -b / self.ctx.bucket_bytes for y, b in row.items()}}, 0.0, INF))
+        """k[kind, d] >= bytes of that stream on d / bucket bytes, k integer."""
+        for (kind, dim), row in self.bytes_on.items():
+            self._bucket_row(kind, dim, row, self.ctx.precision.grad_bytes_per_param)
+
+    def add_gather_rows(self, x: dict[str, list[int]]) -> None:
+        """The ZeRO-1 all-gather buckets: k[d] >= bytes of the strategies that gather on d / bucket bytes."""
+        rows: dict[int, dict[int, float]] = defaultdict(dict)
+        for v, js in x.items():
+            node = self.graph.nodes[v]
+            if node.kind != PARAM or not node.needs_grad:
+                continue
+            meta = node.outputs[0]
+            assert meta is not None
+            for j, strategy in zip(js, node.strategies):
+                call = zero1_gather_call(meta, strategy.outputs[0], self.ctx)
+                if call is not None:
+                    rows[call.mesh_dim][j] = float(self.mult[v] * call.nbytes)
+        for dim, row in rows.items():
+            self._bucket_row(ALL_GATHER, dim, row, self.ctx.precision.master_bytes_per_param)
+
+    def _bucket_row(self, kind: str, dim: int, row: dict[int, float], itemsize: int) -> None:
+        cap = self.ctx.bucket_bytes if kind == ALL_REDUCE else \
+            shard_bucket_cap(self.ctx.bucket_bytes, itemsize, self.ctx.mesh.shape[dim])
+        most = bucket_count(sum(row.values()), cap)
+        per_call = call_time(kind, dim, self.ctx.mesh)
+        k = self._priced_var(per_call * SCALE if self.priced else 0.0, integer=True, upper=float(most),
+                             hidden=kind == ALL_REDUCE)
+        # in buckets, not bytes: coefficients near 1 keep HiGHS's numerics sound on big models
+        self.model.rows.append(({k: 1.0, **{y: -b / cap for y, b in row.items()}}, 0.0, INF))
 
 
-    def _priced_var(self, weight: float, *, integer: bool, upper: float) -> int:
-        if not self.overlap:
+    def _priced_var(self, weight: float, *, integer: bool, upper: float, hidden: bool) -> int:
+        """A variable costing ``weight``: in the objective, or (``hidden``: an all-reduce bucket
+        beside backward, where the hardware overlaps them) in the exposed-time row."""
+        if not self.overlap or not hidden:
             return self.model.var(weight, integer=integer, upper=upper)
         j = self.model.var(0.0, integer=integer, upper=upper)
         self.seconds[j] = weight
@@ -81,8 +110,8 @@ class GradSyncTerms:
         buffers (one flat buffer per mesh dim) from the first micro-batch's backward to the
         last: their bytes are held beside ``.grad`` for the whole step (``bucket_buffer_bytes``)."""
         if self.ctx.train and self.ctx.micro_batches > 1:
-            for row in self.bytes_on.values():
-                for y, nbytes in row.items():
+            for (kind, _), row in self.bytes_on.items():
+                for y, nbytes in row.items() if kind == ALL_REDUCE else ():  # reduce-scatters read .grad
                     memory_row[y] = memory_row.get(y, 0.0) + nbytes
 
     def add_overlap_row(self, backward: dict[int, float]) -> None:

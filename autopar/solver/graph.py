@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import operator
 from collections.abc import Hashable
 from typing import Any
@@ -17,8 +18,9 @@ from autopar.capture.step import CaptureError
 from autopar.capture.subgraphs import runs_without_grad, subgraph_call
 from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
+from autopar.cost.collectives import transfer_time as collective_transfer
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
-                                step_repeats)
+                                step_repeats, zero1_gather_call)
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
@@ -72,6 +74,17 @@ def leaf_costs(node: PlanNode, ctx: CostContext) -> list[NodeCost]:
         return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad, offloaded=ctx.offload)
                 for s in node.strategies]
     return [input_cost(meta, s.outputs[0], ctx) for s in node.strategies]
+
+
+def priced_parameter(node: PlanNode, ctx: CostContext) -> PlanNode:
+    """A parameter node priced again under ``ctx``'s offload and ZeRO-1: its state per
+    strategy, and the transfer of a ZeRO-1 parameter's all-gather after the update (the
+    bucket calls are the ILP's ``GradSyncTerms.add_gather_rows``)."""
+    meta = node.outputs[0]
+    assert meta is not None
+    calls = [zero1_gather_call(meta, s.outputs[0], ctx) if node.needs_grad else None for s in node.strategies]
+    return replace(node, costs=leaf_costs(node, ctx),
+                   comm_times=[0.0 if c is None else collective_transfer(c, ctx.mesh) for c in calls])
 
 
 def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) -> PlanGraph:

@@ -127,6 +127,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         if len(keys) > 1:
             _add_shared(model, [links[k] for k in keys], count, memory_row)
     sync.add_bucket_rows()
+    sync.add_gather_rows(x)
     sync.add_buffer_memory(memory_row)
     sync.add_overlap_row({j: mult[v] * backward_time(cost, ctx) * SCALE for v in reps if graph.nodes[v].kind == OP
                           for j, cost in zip(x[v], graph.nodes[v].costs)})

@@ -7,14 +7,19 @@ a plan decided, the part of ``Plan`` the runtime reads besides placements.
 
 ZeRO stages on a data axis (Rajbhandari et al. 2020), as autopar runs them:
 - 0 (DDP): the parameter is replicated on the axis; its gradient is all-reduced.
+- 1: replicated as in 0, but its optimizer state is a 1/n shard (of its flattened local
+  tensor, padded): at the optimizer step its gradient is reduce-scattered, each rank
+  updates its chunk and the chunks are all-gathered into the whole parameter
+  (``autopar.cost.zero1``; DeepSpeed's stage 1, Megatron's distributed optimizer). With
+  micro-batches it synchronizes once per step, as DDP does. A parameter is ZeRO-1 on one
+  axis: the first stage-1 axis it is replicated on.
 - 2: the parameter is stored sharded on the axis (gradient and optimizer state follow
   the shard); it is all-gathered where used in forward and kept until backward (FSDP2's
   ``reshard_after_forward=False``); its gradient is reduce-scattered.
 - 3: stored sharded as in 2, but the gathered copy is freed after its forward use and
   gathered again in backward (``reshard_after_forward=True``): the parameter is listed
   in ``MemoryPlan.regather``.
-Stage 1 (optimizer state sharded, gradients whole) differs from 2 only by holding whole
-gradients, which matters with micro-batches; it is not offered yet.
+Offloading optimizer state to the host and ZeRO-1 are not combined (pinning both is refused).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 from autopar.errors import InputError
 
-ZERO_STAGES = (0, 2, 3)
+ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages a data axis can be pinned to (see the module docstring)."""
 CHECKPOINT_POLICIES = ("none", "selective", "full")
 """Activation checkpointing per repeated block: keep every saved activation; keep matmul
@@ -40,7 +45,7 @@ class MemoryOptions:
     """Memory choices a user pins (each None: the planner decides by the memory limit)."""
 
     zero: dict[str, int] | None = None
-    """Data axis name -> ZeRO stage (0, 2 or 3) for every trainable parameter on that axis."""
+    """Data axis name -> ZeRO stage (0, 1, 2 or 3) for every trainable parameter on that axis."""
     checkpoint: str | None = None
     """Activation checkpointing policy for the repeated blocks: 'none', 'selective' or 'full'."""
     checkpoint_blocks: int | None = None
@@ -59,8 +64,10 @@ class MemoryOptions:
             if axis not in mesh_names:
                 raise InputError(f"zero= names axis {axis!r}, which is not an axis of the mesh {tuple(mesh_names)}")
             if isinstance(stage, bool) or stage not in ZERO_STAGES:
-                extra = " (stage 1 is not offered yet: stage 2 moves as many bytes and keeps less)" if stage == 1 else ""
-                raise InputError(f"zero={{{axis!r}: {stage!r}}}: a ZeRO stage is one of {ZERO_STAGES}{extra}")
+                raise InputError(f"zero={{{axis!r}: {stage!r}}}: a ZeRO stage is one of {ZERO_STAGES}")
+        if self.offload and 1 in (self.zero or {}).values():
+            raise InputError("offload=True with ZeRO-1 (zero stage 1): optimizer state either lives in host memory "
+                             "or is sharded on a data axis, not both; pin one of them")
         if self.checkpoint is not None and self.checkpoint not in CHECKPOINT_POLICIES:
             raise InputError(f"checkpoint={self.checkpoint!r}: the policies are {', '.join(CHECKPOINT_POLICIES)}")
         k = self.checkpoint_blocks
@@ -97,6 +104,9 @@ class MemoryPlan:
     zero: dict[str, int] = field(default_factory=dict)
     """Data axis -> ZeRO stage of its parameters (for display; where parameters differ, the
     highest stage any trainable parameter uses on the axis)."""
+    zero1: dict[str, str] = field(default_factory=dict)
+    """Parameter FQN -> the mesh axis its optimizer state is sharded on (ZeRO-1: gradient
+    reduce-scattered, chunk updated, parameter all-gathered at the optimizer step)."""
 
     def describe(self) -> str:
         """One line for the plan's table."""

@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
-from autopar.cost.buckets import GradBucket, gradient_buckets
+from autopar.cost.buckets import GradBucket, ShardBucket, gradient_buckets
+from autopar.cost.zero1 import chunk_elements
 from autopar.cost.model import (CostContext, EdgeCost, backward_time, exposed_sync_time, held_reshard_bytes, grad_placements,
                                 grad_sync_dims, step_repeats)
 from autopar.rules.strategy import Strategy, local_numel, placement_str
@@ -19,6 +20,7 @@ from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
+from autopar.solver.zero1 import plan_shard_buckets, zero1_dims
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +109,9 @@ class Plan:
     """Calls run replicated because no rule handles them, grouped by op and reason."""
     grad_buckets: list[GradBucket] = field(default_factory=list)
     """Gradient all-reduce buckets after backward (parameter node names, mesh dims, bytes)."""
+    shard_buckets: list[ShardBucket] = field(default_factory=list)
+    """ZeRO-1 buckets the optimizer step runs: gradients reduce-scattered, then updated
+    chunks all-gathered (``autopar.cost.zero1``)."""
     solver: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     pinned: dict[str, str] = field(default_factory=dict)
@@ -144,7 +149,8 @@ def fallback_groups(graph: PlanGraph) -> list[Fallback]:
 
 
 def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, frozenset[int]]:
-    """Per parameter, the mesh dims its gradient is all-reduced over (any consumer's Partial)."""
+    """Per parameter, the mesh dims its gradient is reduced over (any consumer's Partial):
+    all-reduced, or reduce-scattered on a ZeRO-1 parameter's ZeRO-1 dim."""
     out: dict[str, frozenset[int]] = {}
     if not ctx.train:
         return out
@@ -160,13 +166,16 @@ def param_sync_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCont
 
 def plan_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[str, frozenset[int]],
                  ctx: CostContext) -> list[GradBucket]:
-    """The gradient buckets of a plan: each synchronized parameter's local gradient, per sync dim."""
+    """The gradient all-reduce buckets of a plan: each synchronized parameter's local
+    gradient, per sync dim but its ZeRO-1 dim (reduce-scattered: ``plan_shard_buckets``)."""
     params = []
+    zero1 = zero1_dims(graph, chosen, ctx)
     for name in graph.order:
-        if sync_dims.get(name):
+        dims = sync_dims.get(name, frozenset()) - {zero1.get(name)}
+        if dims:
             meta = graph.nodes[name].outputs[0]
             assert meta is not None
-            params.append((name, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), sync_dims[name]))
+            params.append((name, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), dims))
     return gradient_buckets(params, itemsize=ctx.precision.reduce_bytes_per_param, cap=ctx.bucket_bytes)
 
 
@@ -254,9 +263,11 @@ def bucket_buffer_bytes(buckets: list[GradBucket], ctx: CostContext) -> float:
 
 def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, float]:
     """Weights, gradients and optimizer state per device, as ``parameter_cost`` prices them
-    (an offloaded parameter keeps its weights and gradient on the device)."""
+    (an offloaded parameter keeps its weights and gradient on the device, a ZeRO-1 one the
+    optimizer state of its chunk)."""
     parts = {"weights": 0.0, "gradients": 0.0, "optimizer state": 0.0}
     precision = ctx.precision
+    zero1 = zero1_dims(graph, chosen, ctx)
     for name in graph.order:
         node = graph.nodes[name]
         if node.kind != PARAM:
@@ -270,9 +281,18 @@ def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCo
         parts["weights"] += numel * precision.master_bytes_per_param
         parts["gradients"] += numel * precision.grad_bytes_per_param
         if not ctx.offload:  # else on the host, not in the device's peak
-            parts["optimizer state"] += numel * (precision.state_bytes_per_param - precision.master_bytes_per_param
+            stepped = chunk_elements(numel, ctx.mesh.shape[zero1[name]]) if name in zero1 else numel
+            parts["optimizer state"] += stepped * (precision.state_bytes_per_param - precision.master_bytes_per_param
                                                  - precision.grad_bytes_per_param)
     return parts
+
+
+def _with_zero1(memory: MemoryPlan, graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> MemoryPlan:
+    """``memory`` with the plan's ZeRO-1 parameters and axes (stage 1 where nothing higher is pinned)."""
+    names = ctx.mesh.names
+    zero1 = {graph.nodes[n].fqn or n: names[d] for n, d in zero1_dims(graph, chosen, ctx).items()}
+    return replace(memory, zero1=dict(sorted(zero1.items())),
+                   zero={**{axis: 1 for axis in sorted(set(zero1.values()), key=names.index)}, **memory.zero})
 
 
 def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy]) -> list[NodePlacement]:
@@ -308,6 +328,11 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     for bucket in buckets:
         ledger.record(CollectiveCall(ALL_REDUCE, bucket.mesh_dim, bucket.nbytes, bucketed=True), "backward",
                       ",".join(bucket.params), "", "(gradient buckets)")
+    shard_buckets = plan_shard_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
+    for sb in shard_buckets:  # at the optimizer step: never beside backward
+        ledger.record(CollectiveCall(sb.kind, sb.mesh_dim, sb.nbytes, bucketed=True), "optimizer",
+                      ",".join(sb.params), "optimizer", "(ZeRO-1 buckets)")
+    memory = _with_zero1(memory, graph, chosen, ctx)
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
         for call in loss_replication(loss, chosen[graph.loss], ctx):
@@ -330,6 +355,6 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
               "distinct_nodes": len(solution.choice), "nodes": len(graph.order)}
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
                 nodes=_node_placements(graph, chosen), collectives=ledger.collectives, predicted=predicted,
-                fallbacks=fallback_groups(graph), grad_buckets=buckets, solver=solver,
+                fallbacks=fallback_groups(graph), grad_buckets=buckets, shard_buckets=shard_buckets, solver=solver,
                 timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []),
                 memory=memory)

@@ -1,0 +1,238 @@
+"""ZeRO-1 (``zero={"dp": 1}``): parameters replicated on dp, each rank's optimizer state for
+its 1/n chunk only, gradients reduce-scattered and chunks all-gathered at the optimizer
+step. Trains to the single-device numbers (``numerics_harness``: loss, every gradient,
+parameters after 3 AdamW steps, the collectives the plan lists), on dp=2, dp=4, dp x tp and
+with 4 micro-batches; its state round-trips through checkpoints across meshes; the search
+takes it where the memory limit binds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.cost.buckets import bucket_count, shard_buckets
+from autopar.cost.zero1 import chunk_elements, shard_bucket_cap
+from autopar.errors import InputError
+from autopar.runtime import checkpoint
+from autopar.runtime.forked import run_ranks
+from examples import gpt, llama
+from numerics_harness import EPS, LR, Reference, mismatches, reference, reference_accumulated, run_checked, run_compiled
+
+def _gpt_frozen() -> Any:
+    """GPT with its position table frozen: no gradient, no optimizer state, not ZeRO-1."""
+    model, inputs, loss_fn, targets = gpt.build()
+    model.wpe.weight.requires_grad_(False)
+    return model, inputs, loss_fn, targets
+
+
+MODELS = {"gpt": gpt.build, "llama": llama.build, "gpt_frozen": _gpt_frozen}
+TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    micro_batches: int = 1
+    bucket_bytes: int | None = None
+    """Small buckets: parameters straddle them, and each runs its own reduce-scatter and all-gather."""
+
+    @property
+    def id(self) -> str:
+        small = f"-b{self.bucket_bytes}" if self.bucket_bytes else ""
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-m{self.micro_batches}{small}"
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        # data_axes: the batch stays split on dp (the cpu profile would otherwise use dp as TP on these tiny models)
+        kw: dict[str, Any] = {"zero": {"dp": 1}, "data_axes": ("dp",), "micro_batches": self.micro_batches}
+        if self.bucket_bytes:
+            kw["bucket_bytes"] = self.bucket_bytes
+        if "tp" in self.names:
+            kw["constraints"] = TP_PLANS[self.model]
+        return kw
+
+
+CASES = [Case("gpt", (2,), ("dp",)), Case("llama", (4,), ("dp",)), Case("gpt", (2, 2), ("dp", "tp")),
+         Case("gpt", (2,), ("dp",), micro_batches=4), Case("gpt_frozen", (2,), ("dp",)),
+         Case("gpt", (4,), ("dp",), bucket_bytes=96 * 1024)]
+
+
+def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = MODELS[case.model]()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
+    result = run_compiled(pm, (*inputs, *targets), ref, step=case.micro_batches > 1)
+    dp = mesh.size(case.names.index("dp"))
+    chunks = {fqn: math.ceil(pm.get_parameter(fqn).numel() / dp) for fqn in pm.plan.memory.zero1}
+    local = {k: math.prod(shape) for k, (shape, _) in result["adam_shapes"].items()}
+    state = {k: math.prod(state_shape) for k, (_, state_shape) in result["adam_shapes"].items()}
+    return {**result, "zero1": pm.plan.memory.zero1, "chunks": chunks, "local": local, "state": state,
+            "describe": pm.plan.memory.describe()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_zero1_matches_single_device(case: Case) -> None:
+    """Single-device numbers, executed == planned collectives, and every rank's Adam state is
+    its chunk: the ranks' chunks partition each parameter (so per rank ~1/n of DDP's state)."""
+    build = MODELS[case.model]
+    ref = reference_accumulated(build, case.micro_batches) if case.micro_batches > 1 else reference(build)
+    results = run_checked(train_on_rank, case.mesh, case, ref)
+    dp = case.mesh[case.names.index("dp")]
+    for r in results:
+        assert "ZeRO-1 on dp" in r["describe"]
+        assert set(r["zero1"]) == set(r["local"]) and set(r["zero1"].values()) == {"dp"}  # every trainable one
+        assert r["frozen"] == (["wpe.weight"] if case.model == "gpt_frozen" else [])
+        assert all(r["state"][k] <= r["chunks"][k] for k in r["zero1"])
+        ratio = sum(r["state"].values()) / sum(r["local"].values())
+        assert ratio <= 1 / dp + 0.01, ratio  # measured: Adam state per rank ~1/n of DDP's (padding aside)
+        kinds = {(phase, kind) for (phase, kind, *_), _ in r["ran"] if phase == "optimizer"}
+        assert kinds == {("optimizer", "reduce_scatter"), ("optimizer", "all_gather")}
+        calls = sum(n for (phase, *_), n in r["ran"] if phase == "optimizer")
+        assert calls > 2 if case.bucket_bytes else calls == 2  # one bucket each, or many (ran == planned)
+    inner = math.prod(case.mesh[1:])  # ranks with the same coordinates past dp (mesh dim 0) share a dp group
+    for group in range(inner):
+        members = results[group::inner]
+        summed = {k: sum(r["state"][k] for r in members) for k in members[0]["state"]}
+        assert summed == members[0]["local"]  # the dp ranks' chunks partition each local tensor
+
+
+def _compile_for_checkpoint(mesh_spec: str) -> tuple[autopar.ParallelModule, torch.Tensor, torch.Tensor]:
+    model, (tokens,), loss_fn, (targets,) = gpt.build()
+    if mesh_spec == "2x2":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        pinned: dict[str, Any] = {"constraints": gpt.TP_PLAN}
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        pinned = {}
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), zero={"dp": 1},
+                         data_axes=("dp",), **pinned)
+    return pm, tokens, targets
+
+
+def _steps(pm: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
+           steps: int, loss_fn: Any = None) -> None:
+    for _ in range(steps):
+        (pm(tokens, targets) if loss_fn is None else loss_fn(pm(tokens), targets)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _whole(pm: autopar.ParallelModule) -> dict[str, list[float]]:
+    full = {k: v.full_tensor().flatten().tolist() for k, v in pm.state_dict().items()}
+    return full if dist.get_rank() == 0 else {}
+
+
+def _save_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, Any]:
+    pm, tokens, targets = _compile_for_checkpoint(mesh_spec)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    _steps(pm, opt, tokens, targets, 2)
+    checkpoint.save(pm, path, opt)
+    _steps(pm, opt, tokens, targets, 1)  # the uninterrupted run's third step
+    return {"state": _whole(pm), "zero1": len(pm.plan.memory.zero1)}
+
+
+def _resume_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, Any]:
+    pm, tokens, targets = _compile_for_checkpoint(mesh_spec)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)  # no state yet: load creates it, chunk-sized
+    checkpoint.load(pm, path, opt)
+    steps = sorted({float(s["step"]) for s in opt.state.values()})
+    chunked = all(opt.state[p]["exp_avg"].numel() <= math.ceil(p.numel() / 4) for p in pm.parameters())
+    _steps(pm, opt, tokens, targets, 1)
+    return {"state": _whole(pm), "steps": steps, "chunked": chunked}
+
+
+def _tensors(state: dict[str, list[float]], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(v, dtype=like[k].dtype).reshape(like[k].shape) for k, v in state.items() if k in like}
+
+
+def test_zero1_optimizer_state_round_trips_across_meshes(tmp_path: Path) -> None:
+    """2 steps with ZeRO-1 on dp x tp, saved; loaded with ZeRO-1 on dp=4 (state chunks of
+    another size) and into one process: one more step gives the uninterrupted run's parameters."""
+    single = reference(gpt.build, steps=3).state
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save_rank, 4, "2x2", path)[0]
+    assert saved["zero1"] > 0
+    uninterrupted = _tensors(saved["state"], single)
+    assert mismatches(single, uninterrupted) == []
+    resumed = run_ranks(_resume_rank, 4, "4", path)
+    assert all(r["steps"] == [2.0] and r["chunked"] for r in resumed)
+    assert mismatches(uninterrupted, _tensors(resumed[0]["state"], single)) == []  # rank 0's whole tensors
+    model, (tokens,), loss_fn, (targets,) = gpt.build(gpt.GPTConfig())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    checkpoint.load_single_device(model, path, opt)  # the plain layout: whole state tensors
+    _steps(model, opt, tokens, targets, 1, loss_fn)
+    assert mismatches(uninterrupted, dict(model.state_dict())) == []
+
+
+def _plain_optimizer_rank(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero={"dp": 1})
+    torch.optim.AdamW(pm.parameters(), lr=LR)
+    try:
+        pm(*inputs, *targets)
+    except InputError as exc:
+        return str(exc)
+    return ""
+
+
+def test_zero1_refuses_training_without_its_optimizer() -> None:
+    """A plain optimizer would step unreduced gradients: the module refuses to train until
+    ``pm.optimizer`` made the one that reduces them."""
+    assert all("pm.optimizer" in message for message in run_ranks(_plain_optimizer_rank, 2))
+
+
+def _plan(**kwargs: Any) -> autopar.Plan:
+    """GPT on dp=4 (h100), batch split on dp, one micro-batch (8 rows do not split in 4 micro-batches x 4 ranks)."""
+    model, inputs, loss_fn, targets = gpt.build()
+    return autopar.plan(model, autopar.Mesh({"dp": 4}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        data_axes=("dp",), micro_batches=1, **kwargs)
+
+
+def test_zero1_pricing_and_search() -> None:
+    """Pinned ZeRO-1 keeps 1/4 of Adam's state per rank, lists RS + AG buckets for what DDP
+    all-reduces, and its objective is the plan's step time; a limit between its peak and
+    DDP's makes the search take it (h100: the all-reduce would hide behind backward, the
+    optimizer step's RS + AG do not, so it is slower and chosen only for memory)."""
+    ddp = _plan()
+    zero1 = _plan(zero={"dp": 1})
+    assert zero1.solver["objective_s"] == pytest.approx(zero1.predicted.step_time_s, rel=1e-9)
+    assert zero1.predicted.memory_parts["optimizer state"] == pytest.approx(
+        ddp.predicted.memory_parts["optimizer state"] / 4, rel=0.01)
+    assert sum(zero1.predicted.memory_parts.values()) == pytest.approx(zero1.predicted.peak_memory_bytes)
+    assert zero1.predicted.step_time_s > ddp.predicted.step_time_s
+    kinds = {(c.phase, c.kind) for c in zero1.collectives if c.consumer == "optimizer"}
+    assert kinds == {("optimizer", "reduce_scatter"), ("optimizer", "all_gather")}
+    limit = (ddp.predicted.peak_memory_bytes + zero1.predicted.peak_memory_bytes) / 2
+    searched = _plan(memory_limit=limit)
+    assert searched.memory.describe() == "1 micro-batch, ZeRO-1 on dp"
+    assert searched.predicted.peak_memory_bytes <= limit
+    assert searched.predicted.step_time_s == pytest.approx(zero1.predicted.step_time_s)
+    assert searched.plan_hash() != ddp.plan_hash()
+    with pytest.raises(InputError, match="not both"):
+        _plan(zero={"dp": 1}, offload=True)
+
+
+def test_shard_buckets_cut_chunk_columns_every_cap_bytes() -> None:
+    """Chunk columns (one element per rank) packed in backward order, a parameter straddling
+    two buckets where it must, so M bytes run exactly ceil(M / cap) calls, as the ILP prices."""
+    cap = shard_bucket_cap(40, itemsize=4, ways=2)  # 5 columns of 2 fp32 elements
+    assert cap == 40
+    params = [("a", chunk_elements(7, 2), 0, 2), ("b", chunk_elements(9, 2), 0, 2)]  # chunks of 4 and 5
+    buckets = shard_buckets("reduce_scatter", params, itemsize=4, cap=cap)
+    assert [[(s.param, s.start, s.stop) for s in b.slices] for b in buckets] == [
+        [("b", 0, 5)], [("a", 0, 4)]]
+    assert [b.nbytes for b in buckets] == [40, 32]
+    straddling = shard_buckets("all_gather", [("a", 3, 0, 2), ("b", 4, 0, 2)], itemsize=4, cap=cap)
+    assert [[(s.param, s.start, s.stop) for s in b.slices] for b in straddling] == [
+        [("b", 0, 4), ("a", 0, 1)], [("a", 1, 3)]]
+    assert len(straddling) == bucket_count(2 * 4 * (3 + 4), cap)
