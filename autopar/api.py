@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -155,6 +156,8 @@ class PreparedStep:
     base_graph: PlanGraph | None = None
     """The graph as captured at this micro-batch size, before a scenario re-priced it."""
     batch: int | None = None
+    batch_ways: int = 1
+    """How many ways ``data_axes`` split the batch: a micro-batch must split as many ways."""
     """The step's whole batch (the leading dim of the first example input)."""
     recapture: Callable[[int], PreparedStep] | None = None
     """Prepares the step again at another micro-batch count."""
@@ -167,7 +170,9 @@ class PreparedStep:
         blocks = len(repeated_blocks([graph.nodes[n].module for n in graph.order]))
         mesh = self.ctx.mesh
         axes = tuple(n for n, size in zip(mesh.names, mesh.shape) if size > 1)
-        return candidates(self.memory_options, self.batch, blocks, self.ctx.train, axes)
+        batch = self.batch
+        return [s for s in candidates(self.memory_options, batch, blocks, self.ctx.train, axes)
+                if batch is None or s.micro_batches == 1 or (batch // s.micro_batches) % self.batch_ways == 0]
 
     def under(self, scenario: Scenario) -> PreparedStep:
         """This step priced under ``scenario`` (captured again if its micro-batch count differs)."""
@@ -254,7 +259,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
-                            options, memory_notes, base_graph=graph, batch=whole_batch, recapture=recapture)
+                            options, memory_notes, base_graph=graph, batch=whole_batch, recapture=recapture,
+                            batch_ways=math.prod(mesh.axes[a] for a in data_axes))
     if _capture_micro_batches is not None:
         return prepared
     prepared.variants[m] = prepared
