@@ -378,9 +378,15 @@ def _search(prepared: PreparedStep) -> Solution:
     failed: list[str] = []
     faster: list[str] = []  # ZeRO-1 scenarios faster than the plan with memory to spare (not taken)
     quicker: Solution | None = None  # the fastest of them: the plan when nothing else fits
-    for scenario in scenarios:  # each only needs to beat the best so far: HiGHS prunes by it
+    bounds = _lower_bounds(prepared, scenarios)
+    for scenario in sorted(scenarios, key=lambda s: bounds[s]):  # the likeliest first: they prune the rest
+        if best is not None and bounds[scenario] >= best.objective_s:
+            break  # no plan of this scenario, or of any after it, beats the best
+        step = prepared.under(scenario)
+        if best is not None and _node_bound(step.graph) >= best.objective_s:
+            continue  # bounded at its own micro-batch count
         try:
-            found = _solve(prepared.under(scenario), prepared.memory_limit, explain=False,
+            found = _solve(step, prepared.memory_limit, explain=False,
                            cutoff_s=None if best is None else best.objective_s)
         except MemoryLimitError:
             continue
@@ -403,6 +409,29 @@ def _search(prepared: PreparedStep) -> Solution:
         raise _nothing_fits(prepared, scenarios)
     best.notes = failed + faster[:1]
     return best
+
+
+def _lower_bounds(prepared: PreparedStep, scenarios: list[Scenario]) -> dict[Scenario, float]:
+    """Seconds no plan of each scenario can beat: every node at its fastest strategy, with
+    no collective (edges, gradient sync and exposed communication cost >= 0), priced with
+    the fewest micro-batches searched, so that no scenario is captured again to be bounded.
+    Running the batch as more micro-batches never makes a node faster (its FLOPs add up to
+    the same, its bytes and fixed costs do not shrink), so that bounds every count."""
+    fewest = min(s.micro_batches for s in scenarios)
+    bounds: dict[Scenario, float] = {}
+    by_rest: dict[Scenario, float] = {}
+    for scenario in scenarios:
+        rest = replace(scenario, micro_batches=fewest)
+        if rest not in by_rest:
+            by_rest[rest] = _node_bound(prepared.under(rest).graph)
+        bounds[scenario] = by_rest[rest]
+    return bounds
+
+
+def _node_bound(graph: PlanGraph) -> float:
+    """Every node at its fastest strategy, nothing else: no plan of ``graph`` is faster."""
+    return sum(min(c.time + comm for c, comm in zip(node.costs, node.comm_times or [0.0] * len(node.costs)))
+               for node in graph.nodes.values() if node.costs)
 
 
 def _nothing_fits(prepared: PreparedStep, scenarios: list[Scenario]) -> MemoryLimitError:

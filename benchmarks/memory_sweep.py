@@ -14,7 +14,9 @@ Three tables, every plan made by ``autopar.plan`` on meta-device models (nothing
    global batch 512 or 1024; measured 137, 138, 142 and 135 TFLOP/s per GPU with full
    recomputation), each on Megatron's own dp x tp mesh, with the predicted TFLOP/s per GPU
    (Megatron's formula: 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step, recomputation
-   included, over the predicted step time) beside the published figure.
+   included, over the predicted step time) beside the published figure: once as autopar
+   plans it, once pinned to Megatron's configuration (full recomputation of every layer,
+   its TP plan as the mesh's tp axis allows, parameters replicated on dp: ``zero={"dp": 0}``).
 
 4. Measured beside predicted for small sizes: the example GPT and Llama (batch 16 x seq 64)
    compiled on 2 forked CPU ranks (dp=2, 2x2 for dp x tp) under each memory plan, each
@@ -44,6 +46,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import autopar  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from examples.gpt import TP_PLAN as GPT_TP_PLAN  # noqa: E402
 from examples.gpt import lm_loss as gpt_loss  # noqa: E402
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
 
@@ -88,12 +91,12 @@ class Result:
 
 
 def plan_row(label: str, model: torch.nn.Module, tokens: torch.Tensor, loss: Any, mesh: autopar.Mesh,
-             limit_gib: float | None) -> Result:
+             limit_gib: float | None, **pins: Any) -> Result:
     result = Result(label, dict(zip(mesh.names, mesh.shape)), limit_gib)
     start = time.perf_counter()
     try:
         plan = autopar.plan(model, mesh, (tokens,), loss_fn=loss, example_targets=(tokens,),
-                            memory_limit=None if limit_gib is None else limit_gib * GiB)
+                            memory_limit=None if limit_gib is None else limit_gib * GiB, **pins)
         result.memory_plan = plan.memory.describe()
         result.step_ms = plan.predicted.step_time_s * 1e3
         result.peak_gib = plan.predicted.peak_memory_bytes / GiB
@@ -131,11 +134,15 @@ def megatron_rows() -> list[Result]:
             model = GPT(cfg)
             tokens = torch.randint(0, cfg.vocab_size, (row.batch, cfg.max_seq_len))
         axes = {"dp": row.gpus // row.tp, "tp": row.tp} if row.tp > 1 else {"dp": row.gpus}
-        result = plan_row(f"GPT {row.name} (Megatron)", model, tokens, gpt_loss, autopar.Mesh(axes, hardware="a100"), 80)
-        result.published_tflops = row.published_tflops
-        if result.step_ms is not None:
-            result.tflops = megatron_flops(row) / (result.step_ms / 1e3) / row.gpus / 1e12
-        rows.append(result)
+        mesh = autopar.Mesh(axes, hardware="a100")
+        megatron = {"checkpoint": "full", "zero": {"dp": 0}, "data_axes": ("dp",), "micro_batches": 1,
+                    **({"constraints": GPT_TP_PLAN} if row.tp > 1 else {})}
+        for label, pins in ((f"GPT {row.name} autopar", {}), (f"GPT {row.name} as Megatron", megatron)):
+            result = plan_row(label, model, tokens, gpt_loss, mesh, 80, **pins)
+            result.published_tflops = row.published_tflops
+            if result.step_ms is not None:
+                result.tflops = megatron_flops(row) / (result.step_ms / 1e3) / row.gpus / 1e12
+            rows.append(result)
     return rows
 
 
