@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from autopar.cost.collectives import grad_placement_at_consumer
-from autopar.cost.model import CostContext, backward_time, held_reshard_bytes
+from autopar.cost.model import CostContext, backward_time
 from autopar.errors import InputError
 from autopar.solver.blocks import Folding
+from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
-from autopar.solver.graph import edge_flags, price_edge
+from autopar.solver.graph import edge_flags
 from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.sharing import EdgeKey, sharing_classes
@@ -107,7 +108,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
-    cache: dict = {}  # the same reshard recurs on many edges
+    prices = EdgePrices(ctx)  # the same reshard recurs on many edges
     classes = sharing_classes(graph, folding)
     solo: dict[EdgeKey, int] = defaultdict(int)
     for keys, count in classes.items():
@@ -118,7 +119,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     sync = GradSyncTerms(model, graph, ctx, mult, priced=not minimize_memory)
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, cache, memory_row, minimize_memory, sync,
+        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, sync,
                          count=solo.get(key, 0), transport=key in shared_keys)
         if link is not None:
             links[key] = link
@@ -199,7 +200,7 @@ class _Link:
 
 
 def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              cache: dict, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms, *,
+              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms, *,
               count: int, transport: bool) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
     the memory it keeps: a parameter gathered in forward stays gathered until backward),
@@ -216,21 +217,12 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
         groups_c[(strat.inputs[edge.arg], active)].append(s)
     keys_p, keys_c = list(groups_p), list(groups_c)
     meta = prod.outputs[edge.out_index]
-
+    assert meta is not None
     flags = edge_flags(graph, edge.producer, edge.consumer, edge.arg)
-
-    def held(a: object, b: tuple) -> float:
-        return held_reshard_bytes(meta, a, b[0], ctx, **flags)
-
-    def price(a: object, b: tuple) -> float:
-        key = (meta, tuple(flags.values()), a, b)
-        if key not in cache:
-            cache[key] = price_edge(graph, edge.producer, edge.out_index, edge.consumer, edge.arg,
-                                    prod.strategies[groups_p[a][0]], cons.strategies[groups_c[b][0]], ctx).time
-        return cache[key] * SCALE
-
-    unit_mem = [[held(a, b) for b in keys_c] for a in keys_p]
-    unit_cost = unit_mem if minimize_memory else [[price(a, b) for b in keys_c] for a in keys_p]
+    unit_mem = prices.held(meta, flags, keys_p, keys_c)
+    unit_cost = unit_mem if minimize_memory else [
+        [t * SCALE for t in row]
+        for row in prices.times(meta, flags, keys_p, keys_c, [cons.strategies[groups_c[b][0]] for b in keys_c])]
     mem = [[m * count for m in row] for row in unit_mem]
     cost = [[c * count for c in row] for row in unit_cost]
 
@@ -339,8 +331,9 @@ def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], group
     the same as after it, so only matching placements are linked (far fewer variables)."""
     keys_p, keys_c = list(groups_p), list(groups_c)
     flow_in: dict[int, dict[int, float]] = {a: {} for a in range(len(keys_p))}
+    index_p = {k: i for i, k in enumerate(keys_p)}  # distinct keys: a scan per consumer group was quadratic
     for b, (placement, _active) in enumerate(keys_c):
-        a = next((i for i, k in enumerate(keys_p) if k == placement), None)
+        a = index_p.get(placement)
         if a is None:  # no producer strategy delivers this input: rule the consumer strategies out
             model.rows.append(({x[edge.consumer][s]: 1.0 for s in groups_c[keys_c[b]]}, 0.0, 0.0))
             continue
