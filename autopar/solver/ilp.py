@@ -194,9 +194,10 @@ class _Link:
     """e[a][b]: producer placement group a feeds consumer group b."""
     target: list[tuple]
     """Consumer group b -> what it asks for: (placement, gradient placement sent back)."""
-    cost: dict[tuple[int, tuple], float]
-    """(a, target) -> reshard objective for one real tensor."""
-    mem: dict[tuple[int, tuple], float]
+    cost: list[list[float]]
+    """cost[a][b]: reshard objective for one real tensor."""
+    mem: list[list[float]]
+    """mem[a][b]: bytes it holds until backward."""
 
 
 def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
@@ -298,26 +299,31 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
     train = ctx.train and needs_grad
     target = [(placement, tuple(grad_placement_at_consumer(r, act) for r, act in zip(placement, active))
                if train else None) for placement, active in keys_c]
-    cost = {(a, target[b]): unit_cost[a][b] for a in range(len(keys_p)) for b in range(len(keys_c))}
-    mem = {(a, target[b]): unit_mem[a][b] for a in range(len(keys_p)) for b in range(len(keys_c))}
-    return _Link(e, target, cost, mem)
+    return _Link(e, target, unit_cost, unit_mem)
 
 
 def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float]) -> None:
     """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor.
     The shared copy is held until backward if any of its consumers saves it, so y carries the
     largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
-    cost: dict[tuple[int, tuple], float] = defaultdict(float)
-    mem: dict[tuple[int, tuple], float] = defaultdict(float)
-    for link in links:
-        for key, c in link.cost.items():
+    ids: dict[tuple, int] = {}  # targets as ints: hashing placements per (a, b) pair was the cost here
+    targets = [[ids.setdefault(t, len(ids)) for t in link.target] for link in links]
+    cost: dict[tuple[int, int], float] = defaultdict(float)
+    mem: dict[tuple[int, int], float] = defaultdict(float)
+    for link, target in zip(links, targets):
+        mine_cost: dict[tuple[int, int], float] = {}  # per link, the last group asking for a target counts
+        mine_mem: dict[tuple[int, int], float] = {}
+        for a, (cost_row, mem_row) in enumerate(zip(link.cost, link.mem)):
+            for t, c, m in zip(target, cost_row, mem_row):
+                mine_cost[(a, t)], mine_mem[(a, t)] = c, m
+        for key, c in mine_cost.items():
             cost[key] = max(cost[key], c)
-            mem[key] = max(mem[key], link.mem[key])
-    y: dict[tuple[int, tuple], int] = {}
-    for link in links:
+            mem[key] = max(mem[key], mine_mem[key])
+    y: dict[tuple[int, int], int] = {}
+    for link, target in zip(links, targets):
         for a, row in enumerate(link.e):
             for b, e_ab in enumerate(row):
-                key = (a, link.target[b])
+                key = (a, target[b])
                 if key not in y:
                     y[key] = model.var(cost[key] * count, integer=False)
                     if mem[key]:
