@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autopar.errors import InputError
@@ -40,6 +40,8 @@ class Mesh:
     """Profile of every device (a name such as "h100" is looked up)."""
     devices_per_node: int
     """Devices sharing one fast interconnect (NVLink domain)."""
+    _shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _links: tuple[AxisLink, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(self, axes: dict[str, int], hardware: str | HardwareProfile = "h100",
                  devices_per_node: int = 8) -> None:
@@ -53,6 +55,10 @@ class Mesh:
         object.__setattr__(self, "axes", dict(axes))
         object.__setattr__(self, "hardware", get_profile(hardware))
         object.__setattr__(self, "devices_per_node", devices_per_node)
+        # Derived once (equality stays on the three above): pricing asks for the shape and
+        # links hundreds of thousands of times per plan.
+        object.__setattr__(self, "_shape", tuple(self.axes.values()))
+        object.__setattr__(self, "_links", tuple(self._make_link(d) for d in range(len(self._shape))))
 
     @classmethod
     def from_device_mesh(cls, device_mesh: "DeviceMesh", hardware: str | HardwareProfile | None = None,
@@ -69,7 +75,7 @@ class Mesh:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.axes.values())
+        return self._shape
 
     @property
     def ndim(self) -> int:
@@ -81,6 +87,9 @@ class Mesh:
 
     def link(self, dim: int) -> AxisLink:
         """The link mesh dimension ``dim`` communicates over."""
+        return self._links[dim]
+
+    def _make_link(self, dim: int) -> AxisLink:
         span = math.prod(self.shape[dim:])
         hw = self.hardware
         if span <= self.devices_per_node:

@@ -1,6 +1,9 @@
 """How long ``autopar.plan`` takes on Llama-style models, stage by stage.
 
-For each combination of depth (2 to 80 layers), width (hidden 4096: 32 heads, 8 kv heads,
+First the Hugging Face ``transformers.LlamaForCausalLM`` at the Llama-3-8B shape (vocab
+128256, hidden 4096, 32 layers, 32 heads, 8 kv heads, intermediate 14336, sequence 4096,
+batch 8; HF computes its own loss from ``labels``) on 64 H100s (``dp=8`` x ``tp=8``), built
+on the meta device by ``examples/hf_models.py``. Then, for each combination of depth (2 to 80 layers), width (hidden 4096: 32 heads, 8 kv heads,
 ffn 11008; hidden 8192: 64 heads, 8 kv heads, ffn 28672) and mesh (8, 64 and 1024 H100s,
 laid out as 2D ``dp`` x ``tp``), the script builds the model on the meta device (vocab
 32000, sequence 2048, global batch 2 x dp) and times one ``autopar.plan`` call: wall
@@ -8,17 +11,22 @@ seconds for capture, strategy generation (including block folding) and the ILP s
 ``plan.timings`` records them, plus the end-to-end total (the whole ``plan()`` call). It
 also shows the ILP's size (``plan.solver["variables"]``) and the predicted step time.
 
-Targets (end-to-end ``plan()`` wall time):
+Targets (end-to-end ``plan()`` wall time, issue 8):
 
+* HF Llama-3-8B, 64 devices: <= 5 s
 * 32 layers, hidden 4096, 64 devices: <= 5 s
 * 80 layers, hidden 8192, 1024 devices: <= 30 s
 
 Every other row is a single run on whatever machine this is, so the figures are noisy;
 target rows take the median (by total) of ``--target-runs`` runs. One untimed warm-up plan
-of a tiny model comes first so that one-off costs (lazy imports, first torch tracing, solver
-load) do not land on the first row. Each run builds a new model and mesh.
+of a tiny model of each family run (the example Llama, and a 2-layer HF Llama when HF rows
+run) comes first so that one-off costs (lazy imports, first torch tracing, solver load) do
+not land on the first row. Each run builds a new model and mesh.
 
-Usage: ``python benchmarks/solve_time.py [--quick] [--json out.json] [--target-runs N]``
+``--quick`` runs the two 64-device targets (HF 8B and 32 layers); ``--only NAME`` runs
+just the named target rows (``hf-8b-64``, ``32l-64``, ``80l-1024``; repeatable).
+
+Usage: ``python benchmarks/solve_time.py [--quick | --only NAME ...] [--json out.json] [--target-runs N]``
 """
 
 from __future__ import annotations
@@ -35,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` importable when run as a script
 
 import autopar  # noqa: E402
+from examples import hf_models  # noqa: E402  (imports transformers only when an HF model is built)
 from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "solve_time.json"
@@ -48,6 +58,13 @@ HARDWARE = "h100"
 VOCAB = 32000
 SEQ_LEN = 2048
 BATCH_PER_DP = 2
+EXAMPLE = "llama"
+"""examples/llama.py's Llama."""
+HF = "hf-llama"
+"""transformers' LlamaForCausalLM, at the Llama-3-8B shape but for its depth."""
+HF_8B_SIZES: dict[str, int] = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
+                               "vocab": 128256, "seq": 4096}
+HF_BATCH = 8
 
 WIDTHS: dict[int, dict[str, int]] = {
     4096: {"heads": 32, "kv_heads": 8, "ffn_hidden": 11008},
@@ -59,21 +76,47 @@ MESHES: dict[int, dict[str, int]] = {
     1024: {"dp": 128, "tp": 8},
 }
 LAYERS = (2, 8, 32, 80)
-QUICK = ((2, 4096, 8), (32, 4096, 64))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model on one mesh."""
+
+    family: str
+    layers: int
+    hidden: int
+    devices: int
+
+    @property
+    def batch(self) -> int:
+        return HF_BATCH if self.family == HF else BATCH_PER_DP * MESHES[self.devices]["dp"]
+
+    @property
+    def seq_len(self) -> int:
+        return HF_8B_SIZES["seq"] if self.family == HF else SEQ_LEN
+
+    @property
+    def vocab(self) -> int:
+        return HF_8B_SIZES["vocab"] if self.family == HF else VOCAB
 
 
 @dataclass(frozen=True)
 class Target:
-    layers: int
-    hidden: int
-    devices: int
+    name: str
+    """What ``--only`` calls it."""
+    case: Case
     limit_s: float
 
     def label(self) -> str:
-        return f"{self.layers}L h{self.hidden} on {self.devices} devices <= {self.limit_s:g} s"
+        c = self.case
+        model = "HF Llama-3-8B" if c.family == HF else f"{c.layers}L h{c.hidden}"
+        return f"{model} on {c.devices} devices <= {self.limit_s:g} s"
 
 
-TARGETS = (Target(32, 4096, 64, 5.0), Target(80, 8192, 1024, 30.0))
+HF_8B = Case(HF, 32, 4096, 64)
+TARGETS = (Target("hf-8b-64", HF_8B, 5.0), Target("32l-64", Case(EXAMPLE, 32, 4096, 64), 5.0),
+           Target("80l-1024", Case(EXAMPLE, 80, 8192, 1024), 30.0))
+QUICK = ("hf-8b-64", "32l-64")
 
 
 @dataclass
@@ -91,11 +134,14 @@ class Run:
 
 @dataclass
 class Row:
+    family: str
     layers: int
     hidden: int
     devices: int
     mesh: dict[str, int]
     batch: int
+    seq_len: int
+    vocab: int
     runs: list[Run] = field(default_factory=list)
     error: str | None = None
     """Exception of the failed run, e.g. MemoryLimitError when the model cannot fit the mesh."""
@@ -119,8 +165,8 @@ class Row:
         return "PASS" if run is not None and run.total_s <= self.target_limit_s else "MISS"
 
 
-def target_for(layers: int, hidden: int, devices: int) -> Target | None:
-    return next((t for t in TARGETS if (t.layers, t.hidden, t.devices) == (layers, hidden, devices)), None)
+def target_for(case: Case) -> Target | None:
+    return next((t for t in TARGETS if t.case == case), None)
 
 
 def llama_config(layers: int, hidden: int) -> LlamaConfig:
@@ -134,15 +180,26 @@ def build_meta(cfg: LlamaConfig, batch: int) -> tuple[Llama, torch.Tensor]:
     return model, tokens
 
 
-def time_plan(cfg: LlamaConfig, axes: dict[str, int], batch: int) -> Run:
+def build_case(case: Case) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """(model, example inputs, the rest of ``plan``'s step arguments), on the meta device."""
+    if case.family == HF:
+        sizes = {**HF_8B_SIZES, "hidden": case.hidden}
+        model, inputs, loss_fn, targets, kwargs = hf_models.build_llama(layers=case.layers, batch=case.batch,
+                                                                        device="meta", **sizes)
+        return model, inputs, {"loss_fn": loss_fn, "example_targets": targets, "example_kwargs": kwargs}
+    model, tokens = build_meta(llama_config(case.layers, case.hidden), case.batch)
+    return model, (tokens,), {"loss_fn": lm_loss, "example_targets": (tokens,)}
+
+
+def time_plan(case: Case) -> Run:
     """Build a fresh meta model and mesh, plan it once, and return the timings."""
     gc.collect()
     start = time.perf_counter()
-    model, tokens = build_meta(cfg, batch)
-    mesh = autopar.Mesh(axes, HARDWARE)
+    model, inputs, step = build_case(case)
+    mesh = autopar.Mesh(MESHES[case.devices], HARDWARE)
     build_s = time.perf_counter() - start
     start = time.perf_counter()
-    plan = autopar.plan(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(tokens,))
+    plan = autopar.plan(model, mesh, inputs, **step)
     total_s = time.perf_counter() - start
     t = plan.timings
     return Run(capture_s=t["capture"], strategies_s=t["strategies"], solve_s=t["solve"], total_s=total_s,
@@ -151,27 +208,35 @@ def time_plan(cfg: LlamaConfig, axes: dict[str, int], batch: int) -> Run:
                step_time_s=plan.predicted.step_time_s)
 
 
-def warm_up() -> None:
-    """One untimed plan of a tiny model: pays lazy imports and first-trace costs."""
-    time_plan(LlamaConfig(), MESHES[8], BATCH_PER_DP * MESHES[8]["dp"])
+def warm_up(families: set[str]) -> None:
+    """One untimed plan of a tiny model per family: pays lazy imports and first-trace costs."""
+    if EXAMPLE in families:
+        model, tokens = build_meta(LlamaConfig(), BATCH_PER_DP * MESHES[8]["dp"])
+        autopar.plan(model, autopar.Mesh(MESHES[8], HARDWARE), (tokens,), loss_fn=lm_loss,
+                     example_targets=(tokens,))
+    if HF in families:
+        model, inputs, loss_fn, targets, kwargs = hf_models.build_llama(device="meta")
+        autopar.plan(model, autopar.Mesh(MESHES[8], HARDWARE), inputs, loss_fn=loss_fn, example_targets=targets,
+                     example_kwargs=kwargs)
 
 
-def grid(quick: bool) -> list[tuple[int, int, int]]:
-    if quick:
-        return list(QUICK)
-    return [(layers, hidden, devices) for devices in MESHES for hidden in WIDTHS for layers in LAYERS]
+def grid(quick: bool, only: list[str]) -> list[Case]:
+    if quick or only:
+        names = set(QUICK if quick else ()) | set(only)
+        return [t.case for t in TARGETS if t.name in names]
+    example = [Case(EXAMPLE, layers, hidden, devices) for devices in MESHES for hidden in WIDTHS for layers in LAYERS]
+    return [HF_8B, *example]
 
 
-def run_row(layers: int, hidden: int, devices: int, target_runs: int) -> Row:
-    axes = MESHES[devices]
-    target = target_for(layers, hidden, devices)
-    row = Row(layers=layers, hidden=hidden, devices=devices, mesh=dict(axes), batch=BATCH_PER_DP * axes["dp"],
+def run_row(case: Case, target_runs: int) -> Row:
+    target = target_for(case)
+    row = Row(family=case.family, layers=case.layers, hidden=case.hidden, devices=case.devices,
+              mesh=dict(MESHES[case.devices]), batch=case.batch, seq_len=case.seq_len, vocab=case.vocab,
               target_limit_s=target.limit_s if target else None)
-    cfg = llama_config(layers, hidden)
     for _ in range(target_runs if target else 1):
         start = time.perf_counter()
         try:
-            row.runs.append(time_plan(cfg, axes, row.batch))
+            row.runs.append(time_plan(case))
         except Exception as exc:  # a benchmark keeps going; the row shows the failure
             row.error = f"{type(exc).__name__}: {exc}"
             row.error_after_s = time.perf_counter() - start
@@ -197,16 +262,17 @@ def render(rows: list[Row]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"autopar.plan wall time, Llama on meta ({HARDWARE}, seq {SEQ_LEN}, "
-                        f"vocab {VOCAB}, batch {BATCH_PER_DP} x dp)")
-    for name in ("layers", "hidden", "mesh", "capture s", "strategies s", "solve s", "total s", "ILP vars",
+    table = Table(title=f"autopar.plan wall time on meta models ({HARDWARE}; example Llama: seq {SEQ_LEN}, "
+                        f"vocab {VOCAB}, batch {BATCH_PER_DP} x dp; HF Llama-3-8B: seq {HF_8B_SIZES['seq']}, "
+                        f"vocab {HF_8B_SIZES['vocab']}, batch {HF_BATCH})")
+    for name in ("model", "layers", "hidden", "mesh", "capture s", "strategies s", "solve s", "total s", "ILP vars",
                  "pred. step", "target"):
-        table.add_column(name, justify="left" if name in ("mesh", "target") else "right")
-    previous_devices: int | None = None
+        table.add_column(name, justify="left" if name in ("model", "mesh", "target") else "right")
+    previous: tuple[str, int] | None = None
     for row in rows:
-        if previous_devices is not None and row.devices != previous_devices:
+        if previous is not None and (row.family, row.devices) != previous:
             table.add_section()
-        previous_devices = row.devices
+        previous = (row.family, row.devices)
         mesh = f"{row.devices} (" + " x ".join(f"{n}={s}" for n, s in row.mesh.items()) + ")"
         run = row.best
         if run is None:
@@ -221,14 +287,13 @@ def render(rows: list[Row]) -> None:
             mark = f"[{colour}]{row.verdict}[/] <= {row.target_limit_s:g} s (median of {len(row.runs)})"
         if row.error:
             mark = f"[red]{short_error(row.error)}[/]"
-        table.add_row(str(row.layers), str(row.hidden), mesh, *cells, mark)
-    console = Console(width=None if sys.stdout.isatty() else 160)  # full width when piped to a file
+        table.add_row(row.family, str(row.layers), str(row.hidden), mesh, *cells, mark)
+    console = Console(width=None if sys.stdout.isatty() else 180)  # full width when piped to a file
     console.print(table)
     console.print("Single runs on a noisy machine (target rows: median of their runs); "
                   "total = the whole plan() call (for a failed row: time until it raised).")
     for target in TARGETS:
-        row = next((r for r in rows if (r.layers, r.hidden, r.devices) == (target.layers, target.hidden,
-                                                                             target.devices)), None)
+        row = next((r for r in rows if Case(r.family, r.layers, r.hidden, r.devices) == target.case), None)
         if row is None:
             console.print(f"target {target.label()}: not run")
         else:
@@ -264,8 +329,9 @@ def write_json(rows: list[Row], path: Path, quick: bool, elapsed_s: float) -> No
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="only (2 layers, 4096, 8 devices) and (32 layers, 4096, 64 devices)")
+    parser.add_argument("--quick", action="store_true", help=f"only the target rows {', '.join(QUICK)}")
+    parser.add_argument("--only", action="append", default=[], choices=[t.name for t in TARGETS],
+                        help="only this target row (repeatable)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"output file (default {DEFAULT_JSON})")
     parser.add_argument("--target-runs", type=int, default=3,
                         help="runs of each target row, reported as the median (default 3)")
@@ -275,17 +341,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
-    warm_up()
+    cases = grid(args.quick, args.only)
+    warm_up({c.family for c in cases})
     rows: list[Row] = []
-    for layers, hidden, devices in grid(args.quick):
-        row = run_row(layers, hidden, devices, max(1, args.target_runs))
+    for case in cases:
+        row = run_row(case, max(1, args.target_runs))
         rows.append(row)
         best = row.best
-        print(f"  {layers:>2} layers, hidden {hidden}, {devices:>4} devices: "
+        print(f"  {case.family} {case.layers:>2} layers, hidden {case.hidden}, {case.devices:>4} devices: "
               + (f"{best.total_s:.2f} s" if best else f"error {row.error}"), file=sys.stderr, flush=True)
     elapsed_s = time.perf_counter() - start
     render(rows)
-    write_json(rows, args.json, args.quick, elapsed_s)
+    write_json(rows, args.json, args.quick or bool(args.only), elapsed_s)
     print(f"wrote {args.json} ({elapsed_s:.0f} s in all)")
     return 0
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.fx.config
 from torch import nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -60,7 +63,8 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         flat = tuple(v.to("meta") if isinstance(v, torch.Tensor) else v for v in flat)
     start = time.perf_counter()
     try:
-        program = torch.export.export(step, flat, strict=False)
+        with _lean_tracing():
+            program = torch.export.export(step, flat, strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
@@ -70,6 +74,26 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}") from exc
     seconds = time.perf_counter() - start
     return _to_captured(program, train, seconds, signature)
+
+
+@contextlib.contextmanager
+def _lean_tracing() -> Iterator[None]:
+    """Export without the bookkeeping nothing here reads, restored afterwards.
+
+    Stack traces: FX records one per node (``CapturedTraceback.extract`` and symbolization,
+    a fifth of an 8B Llama's capture); autopar never reads ``node.stack_trace`` (errors name
+    the user's line from the exception, ``_user_frame``). ``torch.fx.config`` documents the
+    switch. Lazy graph modules: export's own passes regenerate the Python code of the whole
+    graph after each rewrite (six times); lazily, code is generated only when some module
+    is run or printed (the exported program's final module is a plain one, compiled once).
+    """
+    previous = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with _use_lazy_graph_module(True):
+            yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = previous
 
 
 def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -103,7 +127,7 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float, signatur
     _use_returned_operands(gm.graph)
     _eliminate_dead_code(gm)
     tied = _merge_tied(program)
-    gm.recompile()
+    gm.recompile()  # the top module once, after every rewrite (``_eliminate_dead_code`` leaves it)
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
     user_inputs: list[str] = []
@@ -160,7 +184,8 @@ def _eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
             if not node.users and not node.is_impure() and not written_args(node):
                 graph.erase_node(node)
         graph.lint()
-        module.recompile()
+        if module is not gm:  # the caller recompiles ``gm`` after its own rewrites
+            module.recompile()
 
 
 def _merge_tied(program: ExportedProgram) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +18,8 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # cached: pricing asks for it per placement pair
         n = 1
         for s in self.shape:
             n *= s

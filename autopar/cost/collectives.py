@@ -7,6 +7,7 @@ reduce-scatter (n-1)a + (n-1)/n M/b with M the gathered size; all-to-all
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Placement, Replicate
@@ -64,10 +65,6 @@ def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:
     return factor * (n - 1) / n * call.nbytes
 
 
-def _local_bytes(meta: TensorMeta, placements: tuple[Placement, ...], mesh: Mesh, precision: Precision) -> int:
-    return precision.tensor_bytes(meta, local_numel(meta, placements, mesh.shape))
-
-
 def reshard(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh: Mesh,
             precision: Precision) -> list[CollectiveCall]:
     """The collectives of ``redistribute_steps(src, dst)``, sized at their step.
@@ -75,15 +72,24 @@ def reshard(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, 
     M is the gathered size for all-gather, the size before scattering for reduce-scatter,
     and the local size for all-reduce and all-to-all. Slices and zeroing are free.
     """
+    return list(_reshard(meta, tuple(src), tuple(dst), mesh.shape, precision))
+
+
+@functools.lru_cache(maxsize=65536)
+def _reshard(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+             precision: Precision) -> tuple[CollectiveCall, ...]:
+    """``reshard``, cached on everything it reads (a mesh only by its shape): edge pricing asks
+    for the same tensor's reshard under many consumer splits and gradient placements."""
     calls = []
     for step in redistribute_steps(src, dst):
-        if step.kind not in COLLECTIVES or mesh.shape[step.mesh_dim] == 1:  # one rank: nothing to exchange
+        if step.kind not in COLLECTIVES or mesh_shape[step.mesh_dim] == 1:  # one rank: nothing to exchange
             continue
         placements = step.before
         if step.kind == ALL_GATHER:
             placements = placements[:step.mesh_dim] + (Replicate(),) + placements[step.mesh_dim + 1:]
-        calls.append(CollectiveCall(step.kind, step.mesh_dim, _local_bytes(meta, placements, mesh, precision)))
-    return calls
+        nbytes = precision.tensor_bytes(meta, local_numel(meta, placements, mesh_shape))
+        calls.append(CollectiveCall(step.kind, step.mesh_dim, nbytes))
+    return tuple(calls)
 
 
 def grad_placement_at_consumer(required: Placement, consumer_active: bool) -> Placement:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,6 +39,10 @@ class Precision:
     def for_gradients(self) -> "Precision":
         """This precision with floats at the gradient-reduction width (to price the
         collectives of a parameter's gradient)."""
+        return self._for_gradients
+
+    @functools.cached_property
+    def _for_gradients(self) -> "Precision":  # made once: every parameter edge asks for it
         return replace(self, activation_bytes=self.reduce_bytes_per_param)
 
     def tensor_bytes(self, meta: TensorMeta, numel: int | None = None) -> int:

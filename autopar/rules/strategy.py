@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 from dataclasses import dataclass, field
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -86,7 +86,11 @@ class Strategy:
         A replicated input of an active op receives a Partial gradient: each rank
         only computed part of the uses of that input.
         """
-        return any(o is not None and not o[mesh_dim].is_replicate() for o in self.outputs)
+        return mesh_dim in self._active_dims
+
+    @functools.cached_property
+    def _active_dims(self) -> frozenset[int]:  # once per strategy: edge pricing asks per pair
+        return frozenset(d for o in self.outputs if o is not None for d, p in enumerate(o) if not p.is_replicate())
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,24 @@ class OpCall:
         """The argument the op's schema calls ``name``, however it was passed (positionally,
         by keyword, or left at the schema's default); ``default`` where the schema has none."""
         return schema_arg(self.target, self.args, self.kwargs, name, default)
+
+
+def call_key(call: OpCall) -> Hashable | None:
+    """A hashable identity of an op call (target, arguments, output metas), or None."""
+
+    def freeze(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(freeze(x) for x in a))
+        if isinstance(a, dict):
+            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
+        return a
+
+    key = (call.target, freeze(call.args), freeze(call.kwargs), call.outputs)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def replicate_all(call: OpCall) -> DimStrategy:
@@ -193,8 +215,15 @@ def _sizes_divide(combo: tuple[DimStrategy, ...], mesh_shape: tuple[int, ...]) -
 
 def local_numel(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     """Elements one rank holds of a tensor with these placements."""
-    ways = math.prod(n for p, n in zip(placements, mesh_shape) if shard_dim(p) is not None)
+    ways = 1
+    for p, n in zip(placements, mesh_shape):  # a loop, not prod over a generator: pricing's hottest call
+        if isinstance(p, _SHARDS):
+            ways *= n
     return meta.numel // ways
+
+
+_SHARDS = (Shard, _StridedShard)
+"""What ``shard_dim`` calls sharded."""
 
 
 def placement_str(placements: Placements | None) -> str:

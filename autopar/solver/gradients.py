@@ -20,7 +20,7 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.model import CostContext, NodeCost, op_cost
 from autopar.cost.saved import SavedTensors
 from autopar.solver.nodes import OP, PARAM, PlanNode
-from autopar.solver.saved_activations import saved_activations
+from autopar.solver.saved_activations import ProbeMemo, saved_activations
 
 aten = torch.ops.aten
 
@@ -51,8 +51,9 @@ def may_need_grad(target: Any, family: str | None, producers: list[tuple[str, in
 
 
 def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | None, ctx: CostContext,
-                     leaf_costs: Any) -> None:
-    """Keep ``needs_grad`` only where a gradient arrives from the loss, and reprice what changed."""
+                     leaf_costs: Any, probes: ProbeMemo) -> None:
+    """Keep ``needs_grad`` only where a gradient arrives from the loss, and reprice what changed
+    (``probes``: the plan's memo of autograd's saved-tensor probes)."""
     if not ctx.train:
         return
     receives: set[str] = {loss} if loss is not None and nodes[loss].needs_grad else set()
@@ -65,7 +66,7 @@ def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | N
             node.needs_grad = False
             if node.kind == PARAM:
                 node.costs = leaf_costs(node, ctx)
-    kept = saved_activations(nodes, order, receives)
+    kept = saved_activations(nodes, order, receives, probes)
     repriced: dict[tuple[int, bool, bool, SavedTensors], list[NodeCost]] = {}  # repeated layers share strategy lists
     for name in order:
         node = nodes[name]

@@ -23,10 +23,10 @@ from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, inpu
                                 step_repeats, zero1_gather_call)
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
-from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, divides
+from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, call_key, divides
 from autopar.solver.gradients import may_need_grad, settle_gradients
 from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
-from autopar.solver.saved_activations import node_saved_tensors
+from autopar.solver.saved_activations import ProbeMemo, cached_probe
 
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
 _aten = torch.ops.aten
@@ -126,7 +126,8 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
         nodes[pn.name] = pn
         order.append(pn.name)
     _check_buffer_writes(captured, nodes)  # before settling: autograd records what may need a gradient
-    settle_gradients(nodes, order, loss, ctx, leaf_costs)
+    probes: ProbeMemo = {}  # shared with the PlanGraph: edge pricing asks the same probes again
+    settle_gradients(nodes, order, loss, ctx, leaf_costs, probes)
     for name, fx_node in blocks.items():  # priced by their subgraphs, with or without their backward
         nodes[name].costs = [block_cost(fx_node, ctx, backward=nodes[name].needs_grad)] * len(nodes[name].strategies)
     for name in order:  # a loss's own collectives (its count, the whole loss) come with its strategy
@@ -134,7 +135,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
         if name == loss or (node.call is not None and node.call.target in MEAN_AS_PARTIAL):
             node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(node, s, ctx, name == loss))
                                * step_repeats(ctx) for s in node.strategies]
-    return PlanGraph(nodes, order, loss, output_names)
+    return PlanGraph(nodes, order, loss, output_names, saved_probes=probes)
 
 
 def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode]) -> None:
@@ -240,24 +241,6 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
     return pn
 
 
-def call_key(call: OpCall) -> Hashable | None:
-    """A hashable identity of an op call (target, arguments, output metas), or None."""
-
-    def freeze(a: Any) -> Any:
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(freeze(x) for x in a))
-        if isinstance(a, dict):
-            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
-        return a
-
-    key = (call.target, freeze(call.args), freeze(call.kwargs), call.outputs)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
 def _view_root(name: str, nodes: dict[str, PlanNode]) -> str | None:
     """The user input ``name`` holds the same elements as (through reshapes only), if any."""
     node = nodes[name]
@@ -290,10 +273,7 @@ def _saves_input(graph: PlanGraph, node: PlanNode, arg: int) -> bool:
     """Whether the op's backward keeps its ``arg``-th tensor input (``cost.saved``, read off
     autograd on meta tensors): an embedding keeps its indices, not its table. Where the probe
     cannot tell (a subgraph call, arguments it cannot lay out): kept, never underpriced."""
-    key = (node.name, tuple(graph.nodes[src].needs_grad for src, _ in node.args))
-    if key not in graph.saved_probes:
-        graph.saved_probes[key] = node_saved_tensors(node, graph.nodes)
-    saved = graph.saved_probes[key]
+    saved = cached_probe(node, graph.nodes, graph.saved_probes)
     return True if saved is None or arg >= len(saved.inputs) else saved.inputs[arg]
 
 

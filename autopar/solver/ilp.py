@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from autopar.cost.collectives import grad_placement_at_consumer
-from autopar.cost.model import CostContext, backward_time, held_reshard_bytes
+from autopar.cost.model import CostContext, backward_time
 from autopar.errors import InputError
 from autopar.solver.blocks import Folding
+from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
-from autopar.solver.graph import edge_flags, price_edge
+from autopar.solver.graph import edge_flags
 from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute import freed_before_recompute
 from autopar.solver.milp import INF, SCALE, Model, run
@@ -108,7 +109,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
-    cache: dict = {}  # the same reshard recurs on many edges
+    prices = EdgePrices(ctx)  # the same reshard recurs on many edges
     classes = sharing_classes(graph, folding)
     solo: dict[EdgeKey, int] = defaultdict(int)
     for keys, count in classes.items():
@@ -119,7 +120,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     sync = GradSyncTerms(model, graph, ctx, mult, priced=not minimize_memory)
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, cache, memory_row, minimize_memory, sync,
+        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, sync,
                          count=solo.get(key, 0), transport=key in shared_keys)
         if link is not None:
             links[key] = link
@@ -208,13 +209,14 @@ class _Link:
     """e[a][b]: producer placement group a feeds consumer group b."""
     target: list[tuple]
     """Consumer group b -> what it asks for: (placement, gradient placement sent back)."""
-    cost: dict[tuple[int, tuple], float]
-    """(a, target) -> reshard objective for one real tensor."""
-    mem: dict[tuple[int, tuple], float]
+    cost: list[list[float]]
+    """cost[a][b]: reshard objective for one real tensor."""
+    mem: list[list[float]]
+    """mem[a][b]: bytes it holds until backward."""
 
 
 def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              cache: dict, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms, *,
+              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms, *,
               count: int, transport: bool) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
     the memory it keeps: a parameter gathered in forward stays gathered until backward),
@@ -231,21 +233,12 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
         groups_c[(strat.inputs[edge.arg], active)].append(s)
     keys_p, keys_c = list(groups_p), list(groups_c)
     meta = prod.outputs[edge.out_index]
-
+    assert meta is not None
     flags = edge_flags(graph, edge.producer, edge.consumer, edge.arg)
-
-    def held(a: object, b: tuple) -> float:
-        return held_reshard_bytes(meta, a, b[0], ctx, **flags)
-
-    def price(a: object, b: tuple) -> float:
-        key = (meta, tuple(flags.values()), a, b)
-        if key not in cache:
-            cache[key] = price_edge(graph, edge.producer, edge.out_index, edge.consumer, edge.arg,
-                                    prod.strategies[groups_p[a][0]], cons.strategies[groups_c[b][0]], ctx).time
-        return cache[key] * SCALE
-
-    unit_mem = [[held(a, b) for b in keys_c] for a in keys_p]
-    unit_cost = unit_mem if minimize_memory else [[price(a, b) for b in keys_c] for a in keys_p]
+    unit_mem = prices.held(meta, flags, keys_p, keys_c)
+    unit_cost = unit_mem if minimize_memory else [
+        [t * SCALE for t in row]
+        for row in prices.times(meta, flags, keys_p, keys_c, [cons.strategies[groups_c[b][0]] for b in keys_c])]
     mem = [[m * count for m in row] for row in unit_mem]
     cost = [[c * count for c in row] for row in unit_cost]
 
@@ -321,26 +314,31 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
     train = ctx.train and needs_grad
     target = [(placement, tuple(grad_placement_at_consumer(r, act) for r, act in zip(placement, active))
                if train else None) for placement, active in keys_c]
-    cost = {(a, target[b]): unit_cost[a][b] for a in range(len(keys_p)) for b in range(len(keys_c))}
-    mem = {(a, target[b]): unit_mem[a][b] for a in range(len(keys_p)) for b in range(len(keys_c))}
-    return _Link(e, target, cost, mem)
+    return _Link(e, target, unit_cost, unit_mem)
 
 
 def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float]) -> None:
     """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor.
     The shared copy is held until backward if any of its consumers saves it, so y carries the
     largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
-    cost: dict[tuple[int, tuple], float] = defaultdict(float)
-    mem: dict[tuple[int, tuple], float] = defaultdict(float)
-    for link in links:
-        for key, c in link.cost.items():
+    ids: dict[tuple, int] = {}  # targets as ints: hashing placements per (a, b) pair was the cost here
+    targets = [[ids.setdefault(t, len(ids)) for t in link.target] for link in links]
+    cost: dict[tuple[int, int], float] = defaultdict(float)
+    mem: dict[tuple[int, int], float] = defaultdict(float)
+    for link, target in zip(links, targets):
+        mine_cost: dict[tuple[int, int], float] = {}  # per link, the last group asking for a target counts
+        mine_mem: dict[tuple[int, int], float] = {}
+        for a, (cost_row, mem_row) in enumerate(zip(link.cost, link.mem)):
+            for t, c, m in zip(target, cost_row, mem_row):
+                mine_cost[(a, t)], mine_mem[(a, t)] = c, m
+        for key, c in mine_cost.items():
             cost[key] = max(cost[key], c)
-            mem[key] = max(mem[key], link.mem[key])
-    y: dict[tuple[int, tuple], int] = {}
-    for link in links:
+            mem[key] = max(mem[key], mine_mem[key])
+    y: dict[tuple[int, int], int] = {}
+    for link, target in zip(links, targets):
         for a, row in enumerate(link.e):
             for b, e_ab in enumerate(row):
-                key = (a, link.target[b])
+                key = (a, target[b])
                 if key not in y:
                     y[key] = model.var(cost[key] * count, integer=False)
                     if mem[key]:
@@ -354,8 +352,9 @@ def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], group
     the same as after it, so only matching placements are linked (far fewer variables)."""
     keys_p, keys_c = list(groups_p), list(groups_c)
     flow_in: dict[int, dict[int, float]] = {a: {} for a in range(len(keys_p))}
+    index_p = {k: i for i, k in enumerate(keys_p)}  # distinct keys: a scan per consumer group was quadratic
     for b, (placement, _active) in enumerate(keys_c):
-        a = next((i for i, k in enumerate(keys_p) if k == placement), None)
+        a = index_p.get(placement)
         if a is None:  # no producer strategy delivers this input: rule the consumer strategies out
             model.rows.append(({x[edge.consumer][s]: 1.0 for s in groups_c[keys_c[b]]}, 0.0, 0.0))
             continue

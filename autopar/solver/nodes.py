@@ -3,6 +3,7 @@ strategies and their costs."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from autopar.capture.graph import TensorMeta
@@ -83,10 +84,10 @@ class PlanGraph:
     loss: str | None
     """Name of the node holding the scalar loss (training steps)."""
     output_names: list[str]
-    saved_probes: dict[tuple[str, tuple[bool, ...]], SavedTensors | None] = field(
-        default_factory=dict, repr=False, compare=False)
-    """Memo of ``node_saved_tensors`` by node and its arguments' ``needs_grad`` (pricing asks
-    once per edge and candidate strategy: tens of thousands of times on a 64-device mesh)."""
+    saved_probes: dict[Hashable, SavedTensors | None] = field(default_factory=dict, repr=False, compare=False)
+    """Memo of ``node_saved_tensors`` by op call (or node) and its arguments' ``needs_grad``
+    (``saved_activations.cached_probe``; pricing asks once per edge and candidate strategy:
+    tens of thousands of times on a 64-device mesh)."""
 
     def sends_gradient(self, producer: str, consumer: str) -> bool:
         """True when backward sends a gradient from ``consumer`` to ``producer``: both need one

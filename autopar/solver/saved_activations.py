@@ -13,6 +13,7 @@ gradient reaches run a backward and keep anything (``settle_gradients``).
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -22,7 +23,12 @@ from autopar.capture.aliasing import writes_first_arg
 from autopar.capture.graph import TensorMeta
 from autopar.cost.compute import VIEW_OPS
 from autopar.cost.saved import SavedTensors, saved_tensors
+from autopar.rules.strategy import call_key
 from autopar.solver.nodes import OP, PlanNode
+
+ProbeMemo = dict[Hashable, "SavedTensors | None"]
+"""``node_saved_tensors`` by op call and its arguments' ``needs_grad``, for one plan: each
+layer of a deep model repeats the same calls, and pricing asks again per edge."""
 
 
 def node_saved_tensors(node: PlanNode, nodes: dict[str, PlanNode]) -> SavedTensors | None:
@@ -43,18 +49,28 @@ def node_saved_tensors(node: PlanNode, nodes: dict[str, PlanNode]) -> SavedTenso
         return None
 
 
-def saved_activations(nodes: dict[str, PlanNode], order: list[str], receives: set[str]
+def cached_probe(node: PlanNode, nodes: dict[str, PlanNode], memo: ProbeMemo) -> SavedTensors | None:
+    """``node_saved_tensors`` through ``memo`` (keyed by the call when it hashes, else the node)."""
+    needs_grad = tuple(nodes[src].needs_grad for src, _ in node.args)
+    call = call_key(node.call) if node.call is not None else None
+    key = (node.name if call is None else call, needs_grad)
+    if key not in memo:
+        memo[key] = node_saved_tensors(node, nodes)
+    return memo[key]
+
+
+def saved_activations(nodes: dict[str, PlanNode], order: list[str], receives: set[str], memo: ProbeMemo
                       ) -> dict[str, SavedTensors]:
     """For each op node: which of its outputs backward keeps (its own or a consumer's saving,
     through views and in-place writes to the storage's owner) and what it keeps inside.
-    ``receives``: the nodes a gradient reaches (their backward runs)."""
+    ``receives``: the nodes a gradient reaches (their backward runs); ``memo``: probes so far."""
     kept = {name: [False] * len(nodes[name].outputs) for name in order}
     internal: dict[str, int] = {}
     for name in order:
         node = nodes[name]
         if name not in receives or node.kind != OP:
             continue
-        probe = node_saved_tensors(node, nodes)
+        probe = cached_probe(node, nodes, memo)
         if probe is None:
             if node.call is not None and node.call.target is operator.getitem:
                 continue  # picks an output: keeps nothing itself

@@ -1,0 +1,64 @@
+"""Edge prices for one ILP: reshard time and held bytes per (producer group, consumer group).
+
+The same reshard recurs on many edges (q, k and v read one norm; every folded block's
+residual stream), so one solve prices each distinct (tensor, edge flags, produced
+placement, requested placement and split) once. Keys are interned to small ints: hashing
+a tuple of DTensor placements runs Python ``__hash__`` per placement, and an 8B Llama's
+ILP looks up ~70,000 pairs. An ``EdgePrices`` lives for one ``solve`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from autopar.capture.graph import TensorMeta
+from autopar.cost.model import CostContext, edge_cost, held_reshard_bytes
+from autopar.rules.strategy import Placements, Strategy
+
+
+class EdgePrices:
+    """Memoized ``edge_cost`` times and ``held_reshard_bytes`` of one solve's edges."""
+
+    def __init__(self, ctx: CostContext) -> None:
+        self._ctx = ctx
+        self._ids: dict[Hashable, int] = {}
+        self._time: dict[tuple[int, int, int], float] = {}
+        self._held: dict[tuple[int, int, int], float] = {}
+
+    def _id(self, key: Hashable) -> int:
+        return self._ids.setdefault(key, len(self._ids))
+
+    def _ids_of(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
+                keys_c: list[tuple[Placements, tuple[bool, ...]]]) -> tuple[int, list[int], list[int]]:
+        return (self._id((meta, tuple(flags.items()))), [self._id(a) for a in keys_p],
+                [self._id(b) for b in keys_c])
+
+    def held(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
+             keys_c: list[tuple[Placements, tuple[bool, ...]]]) -> list[list[float]]:
+        """Bytes held until backward when producer group a feeds consumer group b; ``keys_c[b]``
+        is (placement asked for, the consumer's split per mesh dim)."""
+        edge, ids_p, ids_c = self._ids_of(meta, flags, keys_p, keys_c)
+        return [[self._held_at((edge, ia, ib), meta, a, b[0], flags) for ib, b in zip(ids_c, keys_c)]
+                for ia, a in zip(ids_p, keys_p)]
+
+    def times(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
+              keys_c: list[tuple[Placements, tuple[bool, ...]]], consumers: list[Strategy]) -> list[list[float]]:
+        """Reshard seconds (both directions) of producer group a feeding consumer group b;
+        ``consumers[b]`` is a strategy of group b (its split is what ``edge_cost`` reads)."""
+        edge, ids_p, ids_c = self._ids_of(meta, flags, keys_p, keys_c)
+        return [[self._time_at((edge, ia, ib), meta, a, b[0], consumer, flags)
+                 for ib, b, consumer in zip(ids_c, keys_c, consumers)] for ia, a in zip(ids_p, keys_p)]
+
+    def _held_at(self, key: tuple[int, int, int], meta: TensorMeta, produced: Placements, required: Placements,
+                 flags: dict[str, bool]) -> float:
+        found = self._held.get(key)
+        if found is None:
+            found = self._held[key] = held_reshard_bytes(meta, produced, required, self._ctx, **flags)
+        return found
+
+    def _time_at(self, key: tuple[int, int, int], meta: TensorMeta, produced: Placements, required: Placements,
+                 consumer: Strategy, flags: dict[str, bool]) -> float:
+        found = self._time.get(key)
+        if found is None:
+            found = self._time[key] = edge_cost(meta, produced, required, consumer, self._ctx, **flags).time
+        return found
