@@ -186,7 +186,7 @@ class OverlapTerms:
             if (a, b) not in cache:
                 cache[(a, b)] = edge_windows(price(a, b), self.ctx)
             w = cache[(a, b)]
-            if self.eff and (w.gather_s or w.regather_s):
+            if self.eff:  # zeros too: a window's least communication is the sum of its edges' least
                 self.model.cost[j] -= count * (w.gather_s + w.regather_s) * SCALE
                 self.gather[key][j] = w.gather_s * SCALE
                 self.regather[key][j] = w.regather_s * SCALE
@@ -209,14 +209,29 @@ class OverlapTerms:
             windows.update(("forward", sig[seq[k]], sig[seq[k - 1]]) for k in range(1, len(seq)))
             windows.update(("backward", sig[seq[k]], sig[seq[k + 1]]) for k in range(len(seq) - 1))
         for (phase, comm_sig, compute_sig), n in windows.items():
-            comm = self._comm(self.gather if phase == "forward" else self.regather, first[comm_sig])
-            if not comm:
-                continue
-            e = self.model.var(float(n), integer=False, upper=INF)
-            row = {e: 1.0, **{j: -w for j, w in comm.items()}}
-            for j, w in self._compute(x, first[compute_sig], phase).items():
-                row[j] = row.get(j, 0.0) + self.eff * w
-            self.model.rows.append((row, 0.0, INF))
+            self._add_window(self.gather if phase == "forward" else self.regather, first[comm_sig],
+                             self._compute(x, first[compute_sig], phase), n)
+
+    def _add_window(self, terms: dict[EdgeKey, dict[int, float]], block: str,
+                    compute: tuple[dict[int, float], float, float], n: int) -> None:
+        """``n`` windows of ``block``'s communication beside ``compute`` (terms, least, most).
+        Where every choice hides it all, nothing; where every choice leaves some exposed, the
+        exposed seconds are linear and go straight to the objective; else a row (HiGHS solves
+        the fewer rows faster)."""
+        comm = self._comm(terms, block)
+        least, most = self._comm_range(terms, block)
+        seconds, fastest, slowest = compute
+        if not comm or self.eff * fastest >= most:
+            return
+        if least >= self.eff * slowest:
+            self._add_to_objective({j: n * w for j, w in comm.items()})
+            self._add_to_objective({j: -n * self.eff * w for j, w in seconds.items()})
+            return
+        e = self.model.var(float(n), integer=False, upper=INF)
+        row = {e: 1.0, **{j: -w for j, w in comm.items()}}
+        for j, w in seconds.items():
+            row[j] = row.get(j, 0.0) + self.eff * w
+        self.model.rows.append((row, 0.0, INF))
 
     def add_memory(self, memory_row: dict[int, float], minimize_memory: bool) -> None:
         """t >= the regathered bytes of each block that has a successor; t in the memory row."""
@@ -254,17 +269,34 @@ class OverlapTerms:
                     out[j] += w
         return {j: w for j, w in out.items() if w}
 
-    def _compute(self, x: dict[str, list[int]], block: str, phase: str) -> dict[int, float]:
-        """Variable -> seconds (x SCALE) of ``block``'s forward or backward compute it selects."""
+    def _compute(self, x: dict[str, list[int]], block: str, phase: str) -> tuple[dict[int, float], float, float]:
+        """Variable -> seconds (x SCALE) of ``block``'s forward or backward compute it selects,
+        and the least and most those seconds can be (each op's fastest or slowest strategy)."""
         rep = self.folding.representative
         out: dict[int, float] = defaultdict(float)
+        fastest = slowest = 0.0
         for name in self.graph.order:
             node = self.graph.nodes[name]
             if node.kind == OP and block_of(node.module) == block:
                 v = rep[name]
-                for j, cost in zip(x[v], self.graph.nodes[v].costs):
-                    out[j] += (cost.forward if phase == "forward" else cost.time - cost.forward) * SCALE
-        return dict(out)
+                seconds = [(c.forward if phase == "forward" else c.time - c.forward) * SCALE
+                           for c in self.graph.nodes[v].costs]
+                fastest += min(seconds)
+                slowest += max(seconds)
+                for j, w in zip(x[v], seconds):
+                    out[j] += w
+        return dict(out), fastest, slowest
+
+    def _comm_range(self, terms: dict[EdgeKey, dict[int, float]], block: str) -> tuple[float, float]:
+        """The least and most ``block``'s windowed communication can be (each edge's extremes)."""
+        rep = self.folding.representative
+        least = most = 0.0
+        for p, (c, arg) in self.uses.items():
+            values = terms.get((rep[p], 0, rep[c], arg))
+            if values and block_of(self.graph.nodes[c].module) == block:
+                least += min(values.values())
+                most += max(values.values())
+        return least, most
 
     def _add_to_objective(self, terms: dict[int, float]) -> None:
         for j, w in terms.items():
