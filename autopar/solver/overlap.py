@@ -96,14 +96,12 @@ def edge_windows(edge: EdgeCost, ctx: CostContext) -> EdgeWindows:
 
 def block_sequences(graph: PlanGraph) -> list[list[str]]:
     """Each container's block instances in graph order (``[['layers.0', 'layers.1'], ...]``)."""
-    containers: dict[str, list[str]] = {}
+    containers: dict[str, dict[str, None]] = {}  # ordered sets
     for name in graph.order:
         block = block_of(graph.nodes[name].module)
         if block is not None:
-            seq = containers.setdefault(block.rsplit(".", 1)[0], [])
-            if block not in seq:
-                seq.append(block)
-    return list(containers.values())
+            containers.setdefault(block.rsplit(".", 1)[0], {})[block] = None
+    return [list(blocks) for blocks in containers.values()]
 
 
 def exposed(comm_s: float, compute_s: float, eff: float) -> float:
