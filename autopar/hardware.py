@@ -66,9 +66,9 @@ class HardwareProfile:
     grad_sync_overlap: float = 0.0
     """Fraction of compute that communication issued beside it can hide behind (their own
     stream or thread): bucketed gradient all-reduces behind the last micro-batch's backward,
-    and a repeated block's prefetched parameter gathers and gradient reduce-scatters behind
-    the neighbouring block's compute (``solver.overlap``); the step pays only what exceeds
-    this much compute (0: none hidden)."""
+    and a repeated block's prefetched parameter gathers behind the neighbouring block's
+    compute (``solver.overlap``); the step pays only what exceeds this much compute (0:
+    none hidden)."""
     overlapped_dispatch: bool = False
     """The host dispatches ahead of the device (CUDA streams): an op takes the longer of
     its work and its fixed cost, not their sum."""
@@ -116,7 +116,7 @@ class HardwareProfile:
 # the bucket is full, overlapping the rest of backward (Li et al., "PyTorch Distributed",
 # VLDB 2020, arXiv 2006.15704, Sec. 3.2.3 and Fig. 6-7); NCCL's kernels take SMs from the
 # compute kernels they overlap, so 80% of backward hides communication, not all of it.
-# FSDP issues a block's all-gathers and reduce-scatters the same way, on their own streams
+# FSDP issues a block's prefetched all-gathers the same way, on their own streams
 # beside the neighbouring block's compute (Zhao et al., "PyTorch FSDP", VLDB 2023, arXiv
 # 2304.11277, Sec. 3.3: overlapping, backward and forward prefetching): the same 80%.
 # Host link and host memory, for optimizer state offloaded to the host (autopar.cost.offload).
