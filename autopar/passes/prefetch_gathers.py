@@ -19,6 +19,8 @@ another within their container (``layers.0``, ``layers.1``, ...), the windows
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch.fx
 
 from autopar.passes.context import PassContext, plan_name
@@ -53,7 +55,7 @@ def prefetch_gathers(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Grap
     return gm
 
 
-def _gathers(gm: torch.fx.GraphModule, pc: PassContext):  # type: ignore[no-untyped-def]
+def _gathers(gm: torch.fx.GraphModule, pc: PassContext) -> Iterator[tuple[torch.fx.Node, str]]:
     """(gather call, block of its consumers) for every prefetchable parameter gather."""
     mesh_shape = pc.mesh_shape
     for node in gm.graph.nodes:
