@@ -64,9 +64,11 @@ class HardwareProfile:
     optimizer_param_overhead: float = 0.0
     """Fixed seconds the optimizer spends per parameter tensor and step."""
     grad_sync_overlap: float = 0.0
-    """Fraction of the last micro-batch's backward compute that bucketed gradient all-reduces
-    can hide behind: buckets launched during backward run beside it (their own stream or
-    thread), so the step pays only the sync time beyond this much backward (0: none hidden)."""
+    """Fraction of compute that communication issued beside it can hide behind (their own
+    stream or thread): bucketed gradient all-reduces behind the last micro-batch's backward,
+    and a repeated block's prefetched parameter gathers behind the neighbouring block's
+    compute (``solver.overlap``); the step pays only what exceeds this much compute (0:
+    none hidden)."""
     overlapped_dispatch: bool = False
     """The host dispatches ahead of the device (CUDA streams): an op takes the longer of
     its work and its fixed cost, not their sum."""
@@ -114,6 +116,9 @@ class HardwareProfile:
 # the bucket is full, overlapping the rest of backward (Li et al., "PyTorch Distributed",
 # VLDB 2020, arXiv 2006.15704, Sec. 3.2.3 and Fig. 6-7); NCCL's kernels take SMs from the
 # compute kernels they overlap, so 80% of backward hides communication, not all of it.
+# FSDP issues a block's prefetched all-gathers the same way, on their own streams
+# beside the neighbouring block's compute (Zhao et al., "PyTorch FSDP", VLDB 2023, arXiv
+# 2304.11277, Sec. 3.3: overlapping, backward and forward prefetching): the same 80%.
 # Host link and host memory, for optimizer state offloaded to the host (autopar.cost.offload).
 # Links, per GPU and direction: H100 SXM and H200 attach over PCIe Gen5 x16, 64 GB/s raw,
 # about 50 GB/s reached by pinned copies (NVIDIA H100 datasheet: "PCIe Gen5 128 GB/s"

@@ -135,8 +135,8 @@ def _gathers_alive(rank: int, world: int, stage: int) -> dict[str, Any]:
         module = pm.program.get_submodule(name)
         inner = module.forward
 
-        def watch(x: torch.Tensor, *args: Any, inner: Any = inner) -> torch.Tensor:
-            out = inner(x, *args)
+        def watch(x: torch.Tensor, *args: Any, _inner: Any = inner, **kwargs: Any) -> torch.Tensor:
+            out = _inner(x, *args, **kwargs)  # kwargs: dtype, pending (a prefetched gather)
             if id(x) in params:
                 refs.append(weakref.ref(out))
             return out

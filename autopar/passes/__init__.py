@@ -12,13 +12,15 @@ in this order:
 6. retarget_devices: tensors the step creates go to the rank's device;
 7. localize_random: ops that draw random numbers become ``self.random`` calls (one
    global draw per op, this rank keeping its slice);
-8. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
+8. prefetch_gathers: a repeated block's parameter all-gathers are issued before the block
+   before it computes (``self.prefetch``), and waited for at their use;
+9. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
    call of a submodule holding its nodes (last: a block takes its reshards and draws along).
 A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
 rewrite an op whatever its placement, rewrite inside subgraphs too.
-The ``reshard``, ``partial_mean_loss``, ``random`` and ``recompute`` modules they call are
-runtime code (``autopar.runtime.ops``, ``autopar.runtime.random``,
+The ``reshard``, ``regather``, ``prefetch``, ``partial_mean_loss``, ``random`` and ``recompute``
+modules they call are runtime code (``autopar.runtime.ops``, ``autopar.runtime.random``,
 ``autopar.runtime.recompute``), handed in by the caller: passes only write the calls.
 """
 
@@ -36,18 +38,19 @@ from autopar.passes.insert_reshards import insert_reshards
 from autopar.passes.localize_losses import localize_losses
 from autopar.passes.localize_random import localize_random
 from autopar.passes.localize_shapes import localize_shapes
+from autopar.passes.prefetch_gathers import prefetch_gathers
 from autopar.passes.retarget_devices import retarget_devices
 
 PASSES = (annotate_placements, localize_shapes, insert_reshards, cast_parameters, localize_losses,
-          retarget_devices, localize_random, checkpoint_blocks)
+          retarget_devices, localize_random, prefetch_gathers, checkpoint_blocks)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]
                       ) -> torch.fx.GraphModule:
     """A per-rank copy of ``gm`` with the plan applied (``gm`` itself is left as it was).
 
-    ``modules`` are the ops the passes call (``reshard``, ``partial_mean_loss``, ``random``,
-    ``recompute``).
+    ``modules`` are the ops the passes call (``reshard``, ``regather``, ``prefetch``,
+    ``partial_mean_loss``, ``random``, ``recompute``).
     """
     gm = _copy(gm)
     for name, module in modules.items():

@@ -22,7 +22,7 @@ from autopar.passes import PassContext, parallelize_graph
 from autopar.runtime.microbatch import SUM, loss_kind
 from autopar.errors import InputError
 from autopar.runtime.mixed import compute_buffer, compute_copy, running_precision
-from autopar.runtime.ops import Comm, PartialMeanLoss, Reshard
+from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
 from autopar.solver.memory import example_batch
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.regather import Regather
@@ -223,6 +223,7 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
                      master_dtype=None if compute_dtype is None else torch.float32)
     random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
     program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
+                                                  "prefetch": Prefetch(comm),
                                                   "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
                                                   "recompute": Recompute(comm, random_ops.generator)})
     state = dict(model.named_parameters()) | dict(model.named_buffers())

@@ -6,6 +6,14 @@ Collectives are torch's functional collectives on the DeviceMesh's groups. Every
 collective run is appended to ``CollectiveLog`` when one is attached, so tests can
 compare what ran with what the plan listed. A forward collective that runs again while a
 checkpointed block recomputes its activations in backward is logged as phase "recompute".
+
+A parameter gather can run in two halves (``Comm.launch`` then ``Comm.finish``): the
+all-gather is issued early, without waiting, so it runs while compute goes on (FSDP's
+prefetch, ``autopar.passes.prefetch_gathers``), and is waited for at its first use. It is
+logged when issued, so the log's order is the order collectives were launched in. A
+parameter's gradient reduce-scatter is issued and not waited for (``Comm.run_unwaited``):
+autograd goes on with the next ops' backward while it runs, and it is waited for when the
+next one is issued, or when an op reads the gradient, at the latest at the end of backward.
 """
 
 from __future__ import annotations
@@ -37,6 +45,19 @@ class CollectiveLog:
     ``entries``): the plan does not list them yet."""
 
 
+@dataclass
+class Pending:
+    """A redistribution whose first collective (an all-gather) was issued and not yet waited for."""
+
+    tensor: torch.Tensor
+    """The all-gather's output (waited for in ``Comm.finish``), or the finished result when
+    nothing was left to wait for (one rank on the axis, no collective)."""
+    step: Step | None
+    """The issued all-gather step (None: ``tensor`` is already the result)."""
+    rest: tuple[Step, ...]
+    """Steps that run after it, at finish."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _steps(src: str, dst: str) -> tuple[Step, ...]:
     return tuple(redistribute_steps(parse_placements(src), parse_placements(dst)))
@@ -50,6 +71,8 @@ class Comm:
         self.coordinate = mesh.get_coordinate()
         self.log: CollectiveLog | None = None
         self._recomputing = False
+        self._scattering: fc.AsyncCollectiveTensor | None = None
+        """The last reduce-scatter left running (``run_unwaited``)."""
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
@@ -70,6 +93,51 @@ class Comm:
         for step in steps:
             x = self._step(x, step, phase)
         return x
+
+    def launch(self, x: torch.Tensor, steps: tuple[Step, ...], phase: str) -> Pending:
+        """Run ``steps`` up to their first collective; issue it without waiting when it is an
+        all-gather (else run everything now). ``finish`` completes it."""
+        for k, step in enumerate(steps):
+            if step.kind not in COLLECTIVES or self.mesh.size(step.mesh_dim) == 1:
+                x = self._step(x, step, phase)
+                continue
+            if step.kind != ALL_GATHER:
+                break
+            # gathered along dim 0 and rearranged at finish: along another dim torch waits at once
+            issued = fc.all_gather_single(x.contiguous(), 0, (self.mesh, step.mesh_dim))
+            self._record(phase, ALL_GATHER, step.mesh_dim, issued)  # its size is known before the data
+            return Pending(issued, step, steps[k + 1:])
+        else:
+            return Pending(x, None, ())
+        return Pending(self.run(x, steps[k:], phase), None, ())
+
+    def run_unwaited(self, x: torch.Tensor, steps: tuple[Step, ...], phase: str) -> torch.Tensor:
+        """``run``, except that a last step reduce-scattering is issued and not waited for: the
+        result is then an AsyncCollectiveTensor, which waits when an op first reads it. The
+        one issued before is waited for first: until then its whole input (the unsharded
+        gradient) stays alive, so at most one more is held than when each waits at once."""
+        last = steps[-1] if steps else None
+        if last is None or last.kind != REDUCE_SCATTER or self.mesh.size(last.mesh_dim) == 1:
+            return self.run(x, steps, phase)
+        x = self.run(x, steps[:-1], phase).contiguous()
+        if self._scattering is not None:
+            self._scattering.trigger_wait()
+        self._record(phase, REDUCE_SCATTER, last.mesh_dim, x)
+        out = fc.reduce_scatter_single(x, "sum", last.dst_dim, (self.mesh, last.mesh_dim))
+        self._scattering = out if isinstance(out, fc.AsyncCollectiveTensor) else None
+        return out
+
+    def finish(self, pending: Pending, phase: str) -> torch.Tensor:
+        """Wait for a launched redistribution and run the steps after its all-gather."""
+        x, step = pending.tensor, pending.step
+        if step is not None:
+            n = self.mesh.size(step.mesh_dim)
+            x = fc.wait_tensor(x)
+            if step.src_dim != 0:
+                x = torch.cat(x.chunk(n, dim=0), dim=step.src_dim)
+            if step.factor > 1:
+                x = strided_join(x, step.src_dim, step.factor, n)
+        return self.run(x, pending.rest, phase)
 
     def _step(self, x: torch.Tensor, step: Step, phase: str) -> torch.Tensor:
         i = step.mesh_dim
@@ -114,9 +182,10 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, fwd: tuple[Step, ...],  # type: ignore[override]
                 bwd: tuple[Step, ...], own_storage: bool = False, dtype: torch.dtype | None = None,
-                grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+                grad_dtype: torch.dtype | None = None, pending: Pending | None = None) -> torch.Tensor:
         ctx.comm, ctx.bwd, ctx.input_dtype, ctx.grad_dtype = comm, bwd, x.dtype, grad_dtype
-        out = comm.run(x if dtype is None else x.to(dtype), fwd, "forward")
+        ctx.parameter = x if x.is_leaf else None  # its gradient goes straight into .grad
+        out = forward_value(comm, x, fwd, dtype, pending)
         if own_storage and (out._base is not None or not out.is_contiguous() or out.storage_offset() != 0):
             out = out.clone(memory_format=torch.contiguous_format)  # a view would keep its whole base alive
         return out
@@ -125,7 +194,30 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         if ctx.grad_dtype is not None:
             grad = grad.to(ctx.grad_dtype)
-        return ctx.comm.run(grad, ctx.bwd, "backward").to(ctx.input_dtype), None, None, None, None, None, None
+        rest = (None,) * 7
+        if ctx.parameter is None or grad.dtype != ctx.input_dtype:
+            return ctx.comm.run(grad, ctx.bwd, "backward").to(ctx.input_dtype), *rest
+        # A parameter's reduce-scatter runs while backward goes on: autograd stores the unwaited
+        # result in .grad (or sums it, which waits); at the end of backward it is waited for.
+        out = ctx.comm.run_unwaited(grad, ctx.bwd, "backward")
+        if isinstance(out, fc.AsyncCollectiveTensor):
+            param = ctx.parameter
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _settle_grad(param))
+        return out, *rest
+
+
+def _settle_grad(param: torch.Tensor) -> None:
+    """Wait for a reduce-scatter left running in ``param.grad`` and keep a plain tensor there."""
+    if isinstance(param.grad, fc.AsyncCollectiveTensor):
+        param.grad = param.grad.trigger_wait()
+
+
+def forward_value(comm: Comm, x: torch.Tensor, fwd: tuple[Step, ...], dtype: torch.dtype | None,
+                  pending: Pending | None) -> torch.Tensor:
+    """The forward redistribution of ``x``: waited for when it was launched ahead (``pending``), else run now."""
+    if pending is not None:
+        return comm.finish(pending, "forward")
+    return comm.run(x if dtype is None else x.to(dtype), fwd, "forward")
 
 
 class Reshard(nn.Module):
@@ -133,19 +225,36 @@ class Reshard(nn.Module):
 
     A parameter's reshard in mixed precision also names ``dtype=`` (what forward computes
     in: the fp32 master is cast before its collectives, so they move bf16) and
-    ``grad_dtype=`` (what its gradient is reduced in, fp32); see ``passes.cast_parameters``."""
+    ``grad_dtype=`` (what its gradient is reduced in, fp32); see ``passes.cast_parameters``.
+    ``pending=`` is the same redistribution launched ahead by ``self.prefetch`` (waited for here)."""
 
     def __init__(self, comm: Comm) -> None:
         super().__init__()
         self.comm = comm
 
     def forward(self, x: torch.Tensor, src: str, dst: str, grad_src: str = "", grad_dst: str = "", *,
-                dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+                dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
+                pending: Pending | None = None) -> torch.Tensor:
         fwd = _steps(src, dst)
         bwd = _steps(grad_src, grad_dst) if grad_src else ()
         if not x.requires_grad or not torch.is_grad_enabled():
-            return self.comm.run(x if dtype is None else x.to(dtype), fwd, "forward")
-        return _Redistribute.apply(x, self.comm, fwd, bwd, False, dtype, grad_dtype)
+            return forward_value(self.comm, x, fwd, dtype, pending)
+        return _Redistribute.apply(x, self.comm, fwd, bwd, False, dtype, grad_dtype, pending)
+
+
+class Prefetch(nn.Module):
+    """``self.prefetch(x, src, dst, dtype=...)``: issue the forward all-gather of a parameter's
+    ``self.reshard``/``self.regather`` ahead of its use and return the ``Pending`` handle that
+    call waits for (``pending=``). Autograd sees only that call: the gradient still flows
+    through it, and the launch reads the parameter's data alone."""
+
+    def __init__(self, comm: Comm) -> None:
+        super().__init__()
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, src: str, dst: str, *, dtype: torch.dtype | None = None) -> Pending:
+        with torch.no_grad():
+            return self.comm.launch(x if dtype is None else x.to(dtype), _steps(src, dst), "forward")
 
 
 class PartialMeanLoss(nn.Module):

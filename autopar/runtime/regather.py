@@ -11,6 +11,13 @@ it. Unpacking in backward runs the gather again (logged as a backward all_gather
 rebuilds the view; each saved use gathers on its own (no caching: the copy lives only as
 long as the backward op reading it). Which ops save the parameter, and so cost a
 regather: ``autopar.cost.saved``.
+
+Backward prefetch (FSDP2's): the first unpack of a handle of block ``layers.i`` issues,
+without waiting, the gathers of every handle block ``layers.i-1`` saved (the block
+before it in forward, same container); each is waited for when its handle is unpacked.
+So one block's gathers run while the block after it computes its backward, and at most
+one extra block's gathered parameters are alive (priced: ``autopar.solver.overlap``).
+Handles outside a repeated block gather when unpacked, as do those of the last block.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import torch
 from torch import nn
 
 from autopar.rules.redistribute import Step
-from autopar.runtime.ops import Comm, _Redistribute, _steps
+from autopar.solver.memory import block_of
+from autopar.runtime.ops import Comm, Pending, _Redistribute, _steps, forward_value
 
 _TAG = "_autopar_regather"
 """Attribute of a gathered output holding its ``_Source``."""
@@ -43,19 +51,28 @@ class _Source:
     dtype: torch.dtype | None = None
     """What the shard is cast to before gathering (mixed precision: bf16, from the fp32 master)."""
 
-    def gather(self) -> torch.Tensor:
+    def launch(self) -> Pending:
+        """Issue the gather again (not waited for: ``finish``)."""
+        with self._logged(), torch.no_grad():
+            return self.comm.launch(self.shard if self.dtype is None else self.shard.to(self.dtype), self.steps,
+                                    "backward")
+
+    def finish(self, pending: Pending) -> torch.Tensor:
         """The gathered tensor again, contiguous and owning its storage (as in forward)."""
+        with self._logged(), torch.no_grad():
+            return _own_storage(self.comm.finish(pending, "backward"))
+
+    @contextlib.contextmanager
+    def _logged(self) -> Iterator[None]:
+        """Collectives run inside are also listed as this parameter's regathers."""
         log = self.comm.log
         first = len(log.entries) if log is not None else 0
-        with torch.no_grad():
-            shard = self.shard if self.dtype is None else self.shard.to(self.dtype)
-            out = _own_storage(self.comm.run(shard, self.steps, "backward"))
+        yield
         if log is not None:
             log.regathers.extend((self.fqn, entry) for entry in log.entries[first:])
-        return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: two uses saving the same view are two handles
 class _Saved:
     """A saved tensor's stand-in: where to gather from and the view to rebuild."""
 
@@ -75,26 +92,57 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _pack(t: torch.Tensor) -> Any:
-    root = t if t._base is None else t._base
-    source: _Source | None = getattr(root, _TAG, None)
-    if source is None or t.dtype != root.dtype:
-        return t
-    whole = t is root
-    return _Saved(source, tuple(t.shape), tuple(t.stride()), t.storage_offset(), whole)
+class _Prefetcher:
+    """One program run's saved handles, by block, for the backward prefetch (module docstring)."""
 
+    def __init__(self) -> None:
+        self.waiting: dict[str, dict[_Saved, None]] = {}
+        """Block -> its handles not yet unpacked, in the order saved (an ordered set)."""
+        self.previous: dict[str, str | None] = {}
+        """Block -> the block of the same container saved before it (None for the first)."""
+        self.pending: dict[_Saved, Pending] = {}
+        """Handles whose gather was issued ahead."""
 
-def _unpack(saved: Any) -> torch.Tensor:
-    if not isinstance(saved, _Saved):
+    def pack(self, t: torch.Tensor) -> Any:
+        root = t if t._base is None else t._base
+        source: _Source | None = getattr(root, _TAG, None)
+        if source is None or t.dtype != root.dtype:
+            return t
+        saved = _Saved(source, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t is root)
+        block = block_of(source.fqn)
+        if block is not None:
+            if block not in self.waiting:
+                container = block.rsplit(".", 1)[0]
+                self.previous[block] = next((b for b in reversed(self.waiting) if b.rsplit(".", 1)[0] == container),
+                                            None)
+            self.waiting.setdefault(block, {})[saved] = None
         return saved
-    full = saved.source.gather()
-    return full if saved.whole else full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        pending = self.pending.pop(saved, None)
+        source = saved.source
+        full = source.finish(pending if pending is not None else source.launch())
+        block = block_of(source.fqn)
+        if block is not None:
+            self.waiting[block].pop(saved, None)
+            self._launch(self.previous[block])
+        return full if saved.whole else full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _launch(self, block: str | None) -> None:
+        """Issue the gathers of ``block``'s handles not issued yet."""
+        for saved in self.waiting.get(block, {}) if block is not None else ():
+            if saved not in self.pending:
+                self.pending[saved] = saved.source.launch()
 
 
 @contextlib.contextmanager
 def regather_hooks() -> Iterator[None]:
-    """Run a program so that the tagged gathered parameters it saves are gathered again in backward."""
-    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+    """Run a program so that the tagged gathered parameters it saves are gathered again in
+    backward, each block's ahead of its backward."""
+    prefetcher = _Prefetcher()
+    with torch.autograd.graph.saved_tensors_hooks(prefetcher.pack, prefetcher.unpack):
         yield
 
 
@@ -108,15 +156,15 @@ class Regather(nn.Module):
 
     def forward(self, x: torch.Tensor, fqn: str, src: str, dst: str, grad_src: str = "",
                 grad_dst: str = "", *, dtype: torch.dtype | None = None,
-                grad_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``dtype``/``grad_dtype`` as for ``self.reshard``: the fp32 master is cast before
-        its gather, in forward and again in backward (the handle keeps the master's shard)."""
+                grad_dtype: torch.dtype | None = None, pending: Pending | None = None) -> torch.Tensor:
+        """``dtype``/``grad_dtype``/``pending`` as for ``self.reshard``: the fp32 master is cast
+        before its gather, in forward and again in backward (the handle keeps the master's shard)."""
         fwd = _steps(src, dst)
         bwd = _steps(grad_src, grad_dst) if grad_src else ()
         if x.requires_grad and torch.is_grad_enabled():
-            out = _Redistribute.apply(x, self.comm, fwd, bwd, True, dtype, grad_dtype)
+            out = _Redistribute.apply(x, self.comm, fwd, bwd, True, dtype, grad_dtype, pending)
         else:
-            out = _own_storage(self.comm.run(x if dtype is None else x.to(dtype), fwd, "forward"))
+            out = _own_storage(forward_value(self.comm, x, fwd, dtype, pending))
         if out is not x and out._base is not x:  # nothing ran (one rank on the axis): x is no copy
             setattr(out, _TAG, _Source(self.comm, x.detach(), fwd, fqn, dtype))
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from autopar.capture.graph import TensorMeta
-from autopar.cost.model import CostContext, edge_cost, held_reshard_bytes
+from autopar.cost.model import CostContext, EdgeCost, edge_cost, held_reshard_bytes
 from autopar.rules.strategy import Placements, Strategy
 
 
@@ -22,7 +22,7 @@ class EdgePrices:
     def __init__(self, ctx: CostContext) -> None:
         self._ctx = ctx
         self._ids: dict[Hashable, int] = {}
-        self._time: dict[tuple[int, int, int], float] = {}
+        self._cost: dict[tuple[int, int, int], EdgeCost] = {}
         self._held: dict[tuple[int, int, int], float] = {}
 
     def _id(self, key: Hashable) -> int:
@@ -46,8 +46,14 @@ class EdgePrices:
         """Reshard seconds (both directions) of producer group a feeding consumer group b;
         ``consumers[b]`` is a strategy of group b (its split is what ``edge_cost`` reads)."""
         edge, ids_p, ids_c = self._ids_of(meta, flags, keys_p, keys_c)
-        return [[self._time_at((edge, ia, ib), meta, a, b[0], consumer, flags)
+        return [[self._cost_at((edge, ia, ib), meta, a, b[0], consumer, flags).time
                  for ib, b, consumer in zip(ids_c, keys_c, consumers)] for ia, a in zip(ids_p, keys_p)]
+
+    def cost(self, meta: TensorMeta, flags: dict[str, bool], produced: Placements,
+             consumed: tuple[Placements, tuple[bool, ...]], consumer: Strategy) -> EdgeCost:
+        """The whole ``edge_cost`` (its collectives too) of one pair, as ``times`` prices it."""
+        key = (self._id((meta, tuple(flags.items()))), self._id(produced), self._id(consumed))
+        return self._cost_at(key, meta, produced, consumed[0], consumer, flags)
 
     def _held_at(self, key: tuple[int, int, int], meta: TensorMeta, produced: Placements, required: Placements,
                  flags: dict[str, bool]) -> float:
@@ -56,9 +62,9 @@ class EdgePrices:
             found = self._held[key] = held_reshard_bytes(meta, produced, required, self._ctx, **flags)
         return found
 
-    def _time_at(self, key: tuple[int, int, int], meta: TensorMeta, produced: Placements, required: Placements,
-                 consumer: Strategy, flags: dict[str, bool]) -> float:
-        found = self._time.get(key)
+    def _cost_at(self, key: tuple[int, int, int], meta: TensorMeta, produced: Placements, required: Placements,
+                 consumer: Strategy, flags: dict[str, bool]) -> EdgeCost:
+        found = self._cost.get(key)
         if found is None:
-            found = self._time[key] = edge_cost(meta, produced, required, consumer, self._ctx, **flags).time
+            found = self._cost[key] = edge_cost(meta, produced, required, consumer, self._ctx, **flags)
         return found

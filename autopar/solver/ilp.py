@@ -31,6 +31,7 @@ from autopar.solver.graph import edge_flags
 from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute import freed_before_recompute
 from autopar.solver.milp import INF, SCALE, Model, run
+from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.units import fmt_bytes
 
@@ -118,9 +119,10 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
     links: dict[EdgeKey, _Link] = {}
     sync = GradSyncTerms(model, graph, ctx, mult, priced=not minimize_memory)
+    overlap = OverlapTerms(model, graph, folding, ctx, priced=not minimize_memory)
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, sync,
+        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, sync, overlap,
                          count=solo.get(key, 0), transport=key in shared_keys)
         if link is not None:
             links[key] = link
@@ -132,6 +134,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     sync.add_buffer_memory(memory_row)
     sync.add_overlap_row({j: mult[v] * backward_time(cost, ctx) * SCALE for v in reps if graph.nodes[v].kind == OP
                           for j, cost in zip(x[v], graph.nodes[v].costs)})
+    overlap.add_rows(x)
+    overlap.add_memory(memory_row, minimize_memory)
     _add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
     if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
@@ -216,8 +220,8 @@ class _Link:
 
 
 def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms, *,
-              count: int, transport: bool) -> _Link | None:
+              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms,
+              overlap: OverlapTerms, *, count: int, transport: bool) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
     the memory it keeps: a parameter gathered in forward stays gathered until backward),
     ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
@@ -243,6 +247,8 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     cost = [[c * count for c in row] for row in unit_cost]
 
     syncing = sync.edge(edge.producer, keys_p, keys_c, grad)
+    window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count,
+                          lambda a, b: prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]]))
 
     def add(j: int, a: int, b: int) -> None:
         """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
@@ -250,6 +256,8 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
         syncing.note(j, a, b)
+        if window is not None:
+            window(j, a, b)
     link = None
     if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
         if transport:

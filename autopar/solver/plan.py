@@ -17,6 +17,7 @@ from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
 from autopar.solver.graph import edge_flags, loss_count_reductions, loss_replication, price_edge
 from autopar.solver.nodes import OP, PARAM, PlanGraph
+from autopar.solver.overlap import plan_windows
 from autopar.solver.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
@@ -92,7 +93,9 @@ class Predicted:
     included), activations (saved for backward, parameters held gathered, a checkpointed
     block's recompute)."""
     hidden_comm_time_s: float = 0.0
-    """Seconds of gradient-bucket all-reduces that run beside backward compute (not in the step time)."""
+    """Seconds of communication that runs beside compute (not in the step time): gradient-bucket
+    all-reduces beside backward, and prefetched parameter gathers beside the neighbouring
+    block (``solver.overlap``); ``comm_time_s`` + this is all the step's communication."""
 
 
 @dataclass(kw_only=True)
@@ -323,6 +326,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         block_peak(graph, {n: graph.nodes[n].recompute_memory[solution.choice[folding.representative[n]]]
                            for n in graph.order if graph.nodes[n].recompute_memory}),
         sum(c.memory for n, c in zip(graph.order, costs) if n in freed))
+    windows = plan_windows(graph, chosen, dict(zip(graph.order, costs)), ctx)
+    act_mem += windows.prefetched_bytes  # one block's regathers prefetched in backward
     buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     act_mem += bucket_buffer_bytes(buckets, ctx)
     for bucket in buckets:
@@ -340,7 +345,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     total_comm = sum(c.time_s * c.count for c in ledger.collectives)
     sync = sum(c.time_s * c.count for c in ledger.collectives if c.consumer == "")  # the gradient buckets
     backward = sum(backward_time(c, ctx) for n, c in zip(graph.order, costs) if graph.nodes[n].kind == OP)
-    hidden = sync - exposed_sync_time(sync, backward, ctx)
+    # buckets behind the last backward; prefetched gathers behind their neighbouring blocks
+    hidden = sync - exposed_sync_time(sync, backward, ctx) + windows.windowed_s - windows.exposed_s
     comm_time = total_comm - hidden
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}

@@ -109,7 +109,7 @@ def render(plan: Plan) -> Group:
     summary.add_row("mesh", " x ".join(f"{k}={v}" for k, v in mesh["axes"].items())
                     + f"  ({mesh['hardware']}, {mesh['devices_per_node']} per node)")
     summary.add_row("step", ("training" if plan.train else "forward only") + f", {plan.precision}")
-    hidden = f", {fmt_time(pred.hidden_comm_time_s)} more hidden behind backward" if pred.hidden_comm_time_s else ""
+    hidden = f" exposed, {fmt_time(pred.hidden_comm_time_s)} hidden behind compute" if pred.hidden_comm_time_s else ""
     summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
                     f"communication {fmt_time(pred.comm_time_s)}{hidden})")
     limit = f", limit {fmt_bytes(plan.memory_limit_bytes)}" if plan.memory_limit_bytes is not None else ""
