@@ -103,6 +103,7 @@ def plan_row(label: str, model: torch.nn.Module, tokens: torch.Tensor, loss: Any
     except autopar.MemoryLimitError as exc:
         result.error = str(exc)
     result.plan_s = time.perf_counter() - start
+    print(f"  {label} at {limit_gib} GiB: {result.plan_s:.1f} s", file=sys.stderr, flush=True)
     return result
 
 

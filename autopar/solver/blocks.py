@@ -58,9 +58,11 @@ def fold_repeated_blocks(graph: PlanGraph, pins: dict[str, object] | None = None
         for n in names:
             node = graph.nodes[n]
             wiring = tuple((position.get(src, -1), idx) for src, idx in node.args)
-            # costs differ with what gets a gradient (frozen, no backward) even where strategies match
+            # costs differ with what gets a gradient (frozen, no backward) even where strategies match,
+            # and with whether its inputs do: a linear whose input needs none keeps no weight
+            grads_in = tuple(graph.nodes[src].needs_grad for src, _ in node.args)
             sig.append((node.kind, node.op, node.outputs, wiring, strategies_id(node.strategies), repr(pins.get(n)),
-                        node.needs_grad, node.saved, node.frozen))
+                        node.needs_grad, grads_in, node.saved, node.frozen))
         return tuple(sig)
 
     representative = {n: n for n in graph.order}
