@@ -33,13 +33,14 @@ tensor's version counter and taken into the master copy at the next step; writes
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from autopar.runtime.wrapped_optimizer import WorkingCopyOptimizer
 
 if TYPE_CHECKING:
     from autopar.runtime.module import ParallelModule
@@ -104,7 +105,7 @@ def _host_empty(like: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tens
     return torch.empty(like.shape, dtype=dtype, device=HOST, pin_memory=pin)
 
 
-class OffloadedOptimizer(Optimizer):
+class OffloadedOptimizer(WorkingCopyOptimizer):
     """``optimizer_class(params, **kwargs)`` with the state of the ``offload`` parameters
     (and their master weights, in ``master_dtype``; None: the parameter's dtype) in host
     memory, stepped there. ``pin_memory`` (default: CUDA is present) pins the host buffers
@@ -113,23 +114,11 @@ class OffloadedOptimizer(Optimizer):
     def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer], *,
                  offload: Iterable[nn.Parameter] = (), master_dtype: torch.dtype | None = torch.float32,
                  pin_memory: bool | None = None, **kwargs: Any) -> None:
-        self._class = optimizer_class
-        self._kwargs = kwargs
         self._offload_ids = {id(p) for p in offload}
         self._master_dtype = master_dtype
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._inner: Optimizer | None = None
         self._host: dict[nn.Parameter, _HostCopy] = {}  # offloaded parameter -> its host tensors
-        self._working: dict[nn.Parameter, torch.Tensor] = {}  # parameter -> what the wrapped optimizer steps
-        super().__init__(params, dict(kwargs))  # calls add_param_group per group
-        assert self._inner is not None
-        self.defaults = self._inner.defaults
-
-    @property
-    def inner(self) -> Optimizer:
-        """The wrapped optimizer (over host copies of offloaded parameters)."""
-        assert self._inner is not None
-        return self._inner
+        super().__init__(params, optimizer_class, **kwargs)
 
     @property
     def offloaded(self) -> list[nn.Parameter]:
@@ -141,26 +130,11 @@ class OffloadedOptimizer(Optimizer):
         copy = self._host.get(param)
         return copy.master if copy is not None else None
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to both: the module's parameters here, their working copies in the
-        wrapped optimizer (whose filled-in hyperparameters this group takes)."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        working = [self._working_copy(p) for p in group["params"]]
-        inner_group = {**{k: v for k, v in group.items() if k != "params"}, "params": working}
-        if self._inner is None:
-            self._inner = self._class([inner_group], **self._kwargs)
-        else:
-            self._inner.add_param_group(inner_group)
-        group.update({k: v for k, v in self._inner.param_groups[-1].items() if k != "params"})
-
     def _working_copy(self, param: nn.Parameter) -> torch.Tensor:
         if id(param) in self._offload_ids and param.requires_grad:
             self._host[param] = _HostCopy(param, self._master_dtype, self._pin)
-            self._working[param] = self._host[param].master
-        else:
-            self._working[param] = param
-        return self._working[param]
+            return self._host[param].master
+        return param
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -189,18 +163,6 @@ class OffloadedOptimizer(Optimizer):
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
 
-    def _sync_hyperparameters(self) -> None:
-        """Hyperparameters set on ``param_groups`` (an LR scheduler, by hand) reach the
-        wrapped optimizer's groups: this object's groups are the ones users change."""
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
-
-    def _refresh_state(self) -> None:
-        """``state`` keyed by the module's parameters, sharing the wrapped optimizer's
-        per-parameter dicts (so it sees their tensors, on the host for offloaded ones)."""
-        inner_state = self.inner.state
-        self.state = defaultdict(dict, {p: inner_state[w] for p, w in self._working.items() if w in inner_state})
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The module's gradients, as the wrapped optimizer would (host buffers are
         overwritten by the next step, and unused while the device gradient is None)."""
@@ -217,10 +179,7 @@ class OffloadedOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer, which puts each state tensor beside its working
         copy: on the host, in the master dtype, for offloaded parameters."""
-        self.inner.load_state_dict(state_dict)
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            outer.update({k: v for k, v in inner.items() if k != "params"})
-        self._refresh_state()
+        self._load_inner(state_dict)
 
 
 def offloaded_optimizer(pm: ParallelModule, optimizer_class: type[Optimizer], params: Iterable[Any] | None = None,

@@ -19,7 +19,6 @@ plans and single-device runs.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,56 +26,32 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from autopar.runtime.wrapped_optimizer import WorkingCopyOptimizer
 from autopar.runtime.zero1 import Chunk, ZeroOneShards
 
 
-class ShardedStateOptimizer(Optimizer):
+class ShardedStateOptimizer(WorkingCopyOptimizer):
     """``optimizer_class(params, **kwargs)`` keeping the state of ZeRO-1 parameters for their
     chunks only (see the module docstring)."""
 
     def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer], *, shards: ZeroOneShards,
                  **kwargs: Any) -> None:
-        self._class = optimizer_class
-        self._kwargs = kwargs
         self._shards = shards
         self._chunk_of = {id(c.param): (name, c) for name, c in shards.chunks.items()}
-        self._inner: Optimizer | None = None
-        self._working: dict[nn.Parameter, torch.Tensor] = {}  # parameter -> what the wrapped optimizer steps
-        super().__init__(params, dict(kwargs))  # calls add_param_group per group
+        super().__init__(params, optimizer_class, **kwargs)
         missing = sorted(name for name, c in shards.chunks.items() if c.param not in self._working)
         if missing:
             raise ValueError(f"the plan shards the optimizer state of {', '.join(missing)} (ZeRO-1): an optimizer "
                              "over some of them only would leave the others' chunks unstepped while the step "
                              "gathers them; pass every ZeRO-1 parameter")
-        assert self._inner is not None
-        self.defaults = self._inner.defaults
-
-    @property
-    def inner(self) -> Optimizer:
-        """The wrapped optimizer (over chunks of ZeRO-1 parameters)."""
-        assert self._inner is not None
-        return self._inner
 
     def chunk(self, param: nn.Parameter) -> torch.Tensor | None:
         """The chunk the wrapped optimizer steps for ``param`` (None: stepped whole)."""
         return self._working[param] if id(param) in self._chunk_of else None
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to both: the module's parameters here, their chunks (or themselves) in
-        the wrapped optimizer, whose filled-in hyperparameters this group takes."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        working = []
-        for p in group["params"]:
-            entry = self._chunk_of.get(id(p))
-            self._working[p] = entry[1].view() if entry is not None and p.requires_grad else p
-            working.append(self._working[p])
-        inner_group = {**{k: v for k, v in group.items() if k != "params"}, "params": working}
-        if self._inner is None:
-            self._inner = self._class([inner_group], **self._kwargs)
-        else:
-            self._inner.add_param_group(inner_group)
-        group.update({k: v for k, v in self._inner.param_groups[-1].items() if k != "params"})
+    def _working_copy(self, param: nn.Parameter) -> torch.Tensor:
+        entry = self._chunk_of.get(id(param))
+        return entry[1].view() if entry is not None and param.requires_grad else param
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -98,16 +73,6 @@ class ShardedStateOptimizer(Optimizer):
         self._shards.all_gather()
         self._refresh_state()
         return loss
-
-    def _sync_hyperparameters(self) -> None:
-        """Hyperparameters set on ``param_groups`` (an LR scheduler, by hand) reach the wrapped optimizer."""
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            inner.update({k: v for k, v in outer.items() if k != "params"})
-
-    def _refresh_state(self) -> None:
-        """``state`` keyed by the module's parameters, sharing the wrapped optimizer's dicts."""
-        inner_state = self.inner.state
-        self.state = defaultdict(dict, {p: inner_state[w] for p, w in self._working.items() if w in inner_state})
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, chunk-sized tensors gathered to the parameters'
@@ -131,10 +96,7 @@ class ShardedStateOptimizer(Optimizer):
             chunk = self._chunk_of.get(id(owner[index]), (None, None))[1]
             state[index] = entries if chunk is None else {
                 k: v.reshape(-1)[chunk.lo:chunk.hi].clone() if _is_whole(chunk, v) else v for k, v in entries.items()}
-        self.inner.load_state_dict({**state_dict, "state": state})
-        for outer, inner in zip(self.param_groups, self.inner.param_groups):
-            outer.update({k: v for k, v in inner.items() if k != "params"})
-        self._refresh_state()
+        self._load_inner({**state_dict, "state": state})
 
 
 def _is_chunk(chunk: Chunk, value: Any) -> bool:
