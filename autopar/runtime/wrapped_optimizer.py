@@ -9,6 +9,7 @@ hyperparameters, and its state; ``state`` maps each parameter to the wrapped sta
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -18,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 
-class WorkingCopyOptimizer(Optimizer):
+class WorkingCopyOptimizer(Optimizer, ABC):
     """``optimizer_class`` over working copies of the parameters (see the module docstring).
     Subclasses set what ``_working_copy`` reads before calling this ``__init__``."""
 
@@ -31,9 +32,9 @@ class WorkingCopyOptimizer(Optimizer):
         assert self._inner is not None
         self.defaults = self._inner.defaults
 
+    @abstractmethod
     def _working_copy(self, param: nn.Parameter) -> torch.Tensor:
         """What the wrapped optimizer steps for ``param``."""
-        raise NotImplementedError
 
     @property
     def inner(self) -> Optimizer:
