@@ -33,7 +33,7 @@ tensor's version counter and taken into the master copy at the next step; writes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,14 +136,8 @@ class OffloadedOptimizer(WorkingCopyOptimizer):
             return self._host[param].master
         return param
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def _step_working(self) -> None:
         """Gradients to the host, the wrapped optimizer's step, weights back to the device."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._sync_hyperparameters()
         for copy in self._host.values():
             copy.refresh_if_changed()
         moved = [copy for copy in self._host.values() if copy.to_host()]
@@ -153,8 +147,6 @@ class OffloadedOptimizer(WorkingCopyOptimizer):
         self.inner.step()
         for copy in moved:
             copy.to_device()
-        self._refresh_state()
-        return loss
 
     def _wait_for_copies(self, moved: list[_HostCopy]) -> None:
         """Block until the device -> host gradient copies have landed (non-blocking copies

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -35,6 +35,22 @@ class WorkingCopyOptimizer(Optimizer, ABC):
     @abstractmethod
     def _working_copy(self, param: nn.Parameter) -> torch.Tensor:
         """What the wrapped optimizer steps for ``param``."""
+
+    @abstractmethod
+    def _step_working(self) -> None:
+        """Step the wrapped optimizer over the working copies, moving what it needs in and out."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """``closure`` (with gradients on), then the working copies' step (``_step_working``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        self._step_working()
+        self._refresh_state()
+        return loss
 
     @property
     def inner(self) -> Optimizer:

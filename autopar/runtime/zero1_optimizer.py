@@ -19,7 +19,7 @@ plans and single-device runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -53,14 +53,8 @@ class ShardedStateOptimizer(WorkingCopyOptimizer):
         entry = self._chunk_of.get(id(param))
         return entry[1].view() if entry is not None and param.requires_grad else param
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def _step_working(self) -> None:
         """Gradients reduce-scattered into the chunks, the wrapped optimizer's step, chunks all-gathered."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._sync_hyperparameters()
         grads = self._shards.reduce_scatter()
         for name, chunk in self._shards.chunks.items():
             grad = grads[name]
@@ -71,8 +65,6 @@ class ShardedStateOptimizer(WorkingCopyOptimizer):
             for chunk in self._shards.chunks.values():
                 self._working[chunk.param].grad = None
         self._shards.all_gather()
-        self._refresh_state()
-        return loss
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, chunk-sized tensors gathered to the parameters'
