@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import autopar
@@ -241,3 +242,19 @@ def check(results: list[dict[str, Any]], ref: Reference) -> None:
         stray = {fqn for (fqn, *_), _ in result["regathered"]} - set(result["regather_planned"])
         assert not stray, f"rank {rank}: gathered again in backward without being planned so: {sorted(stray)}"
         assert all(p == "backward" and k == "all_gather" for (_, p, k, *_), _ in result["regathered"])
+
+
+def compile_gpt(mesh_spec: str, **options: Any) -> tuple[autopar.ParallelModule, torch.Tensor, torch.Tensor]:
+    """The GPT example compiled on ``"2x2"`` (dp x tp, Megatron TP pinned: sharded and strided
+    parameters) or ``"4"`` (dp only); ``options`` go to ``autopar.compile``. Returns the
+    module, its tokens and targets (for checkpoint round trips across meshes)."""
+    from examples import gpt
+
+    model, (tokens,), loss_fn, (targets,) = gpt.build()
+    if mesh_spec == "2x2":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        options = {"constraints": gpt.TP_PLAN, **options}
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), **options)
+    return pm, tokens, targets

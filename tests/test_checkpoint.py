@@ -21,23 +21,9 @@ from autopar.rules.strategy import is_strided
 from autopar.runtime import checkpoint
 from autopar.runtime.forked import run_ranks
 from examples import gpt
-from numerics_harness import EPS, LR, mismatches, reference
+from numerics_harness import EPS, LR, compile_gpt, mismatches, reference
 
 QKV = "blocks.0.attn.qkv.weight"  # strided (S(0/3)) under the pinned TP plan
-
-
-def _compile(mesh_spec: str) -> tuple[autopar.ParallelModule, torch.Tensor, torch.Tensor]:
-    """The GPT example on ``"2x2"`` (dp x tp, Megatron TP pinned: sharded and strided
-    parameters) or ``"4"`` (dp only: every parameter replicated)."""
-    model, (tokens,), loss_fn, (targets,) = gpt.build()
-    if mesh_spec == "2x2":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        pinned: dict[str, Any] = {"constraints": gpt.TP_PLAN}
-    else:
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        pinned = {}
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), **pinned)
-    return pm, tokens, targets
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
@@ -75,7 +61,7 @@ def _full_exp_avg(pm: autopar.ParallelModule, opt: torch.optim.Optimizer, fqn: s
 
 
 def _save_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, Any]:
-    pm, tokens, targets = _compile(mesh_spec)
+    pm, tokens, targets = compile_gpt(mesh_spec)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     _train(pm, opt, tokens, targets, 2)
     checkpoint.save(pm, path, opt)
@@ -85,7 +71,7 @@ def _save_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, An
 
 
 def _resume_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, Any]:
-    pm, tokens, targets = _compile(mesh_spec)
+    pm, tokens, targets = compile_gpt(mesh_spec)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)  # no state yet: load creates it
     checkpoint.load(pm, path, opt)
     loaded_exp_avg = _full_exp_avg(pm, opt, QKV)

@@ -24,7 +24,8 @@ from autopar.errors import InputError
 from autopar.runtime import checkpoint
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import EPS, LR, Reference, mismatches, reference, reference_accumulated, run_checked, run_compiled
+from numerics_harness import (EPS, LR, Reference, compile_gpt, mismatches, reference, reference_accumulated, run_checked,
+                              run_compiled)
 
 def _gpt_frozen() -> Any:
     """GPT with its position table frozen: no gradient, no optimizer state, not ZeRO-1."""
@@ -105,19 +106,6 @@ def test_zero1_matches_single_device(case: Case) -> None:
         assert summed == members[0]["local"]  # the dp ranks' chunks partition each local tensor
 
 
-def _compile_for_checkpoint(mesh_spec: str) -> tuple[autopar.ParallelModule, torch.Tensor, torch.Tensor]:
-    model, (tokens,), loss_fn, (targets,) = gpt.build()
-    if mesh_spec == "2x2":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        pinned: dict[str, Any] = {"constraints": gpt.TP_PLAN}
-    else:
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        pinned = {}
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), zero={"dp": 1},
-                         data_axes=("dp",), **pinned)
-    return pm, tokens, targets
-
-
 def _steps(pm: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
            steps: int, loss_fn: Any = None) -> None:
     for _ in range(steps):
@@ -132,7 +120,7 @@ def _whole(pm: autopar.ParallelModule) -> dict[str, list[float]]:
 
 
 def _save_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, Any]:
-    pm, tokens, targets = _compile_for_checkpoint(mesh_spec)
+    pm, tokens, targets = compile_gpt(mesh_spec, zero={"dp": 1}, data_axes=("dp",))
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     _steps(pm, opt, tokens, targets, 2)
     checkpoint.save(pm, path, opt)
@@ -141,7 +129,7 @@ def _save_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, An
 
 
 def _resume_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, Any]:
-    pm, tokens, targets = _compile_for_checkpoint(mesh_spec)
+    pm, tokens, targets = compile_gpt(mesh_spec, zero={"dp": 1}, data_axes=("dp",))
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)  # no state yet: load creates it, chunk-sized
     checkpoint.load(pm, path, opt)
     steps = sorted({float(s["step"]) for s in opt.state.values()})
