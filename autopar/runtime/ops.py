@@ -14,6 +14,13 @@ logged when issued, so the log's order is the order collectives were launched in
 parameter's gradient reduce-scatter is issued and not waited for (``Comm.run_unwaited``):
 autograd goes on with the next ops' backward while it runs, and it is waited for when the
 next one is issued, or when an op reads the gradient, at the latest at the end of backward.
+
+On gloo (a CPU mesh) at most one all-gather runs at a time: an all-gather is issued only
+after the one before it finished. gloo (torch 2.13) corrupts the heap when two all-gathers
+of a process group run at once ("malloc(): unaligned tcache chunk detected" or a
+segfault, a few runs in a hundred of two ranks each issuing a block's gathers ahead);
+all-reduces and reduce-scatters (an all-reduce in gloo) run concurrently without harm.
+Issue order, and so what every rank runs, is unchanged; only the overlap is less on CPU.
 """
 
 from __future__ import annotations
@@ -73,6 +80,21 @@ class Comm:
         self._recomputing = False
         self._scattering: fc.AsyncCollectiveTensor | None = None
         """The last reduce-scatter left running (``run_unwaited``)."""
+        self._gathering: torch.Tensor | None = None
+        """The last all-gather issued without waiting (``launch``), on a CPU mesh only: the
+        next all-gather waits for it first (module docstring)."""
+
+    def _gather(self, x: torch.Tensor, mesh_dim: int, dim: int, waited: bool) -> torch.Tensor:
+        """An all-gather, issued after the one in flight on a CPU mesh; ``waited``: waited for now."""
+        if self._gathering is not None:
+            fc.wait_tensor(self._gathering)
+            self._gathering = None
+        out = fc.all_gather_single(x, dim, (self.mesh, mesh_dim))
+        if waited:
+            return fc.wait_tensor(out)
+        if self.mesh.device_type == "cpu":
+            self._gathering = out  # dropped at finish: held here, the gathered copy would outlive its use
+        return out
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
@@ -104,7 +126,7 @@ class Comm:
             if step.kind != ALL_GATHER:
                 break
             # gathered along dim 0 and rearranged at finish: along another dim torch waits at once
-            issued = fc.all_gather_single(x.contiguous(), 0, (self.mesh, step.mesh_dim))
+            issued = self._gather(x.contiguous(), step.mesh_dim, 0, waited=False)
             self._record(phase, ALL_GATHER, step.mesh_dim, issued)  # its size is known before the data
             return Pending(issued, step, steps[k + 1:])
         else:
@@ -130,6 +152,8 @@ class Comm:
     def finish(self, pending: Pending, phase: str) -> torch.Tensor:
         """Wait for a launched redistribution and run the steps after its all-gather."""
         x, step = pending.tensor, pending.step
+        if x is self._gathering:
+            self._gathering = None
         if step is not None:
             n = self.mesh.size(step.mesh_dim)
             x = fc.wait_tensor(x)
@@ -157,7 +181,7 @@ class Comm:
             self._record(phase, ALL_REDUCE, i, x)
             return fc.wait_tensor(fc.all_reduce(x, "sum", group))
         if step.kind == ALL_GATHER:
-            out = fc.wait_tensor(fc.all_gather_single(x, step.src_dim, group))
+            out = self._gather(x, i, step.src_dim, waited=True)
             self._record(phase, ALL_GATHER, i, out)
             return strided_join(out, step.src_dim, step.factor, n) if step.factor > 1 else out
         if step.kind == REDUCE_SCATTER:
