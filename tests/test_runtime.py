@@ -4,6 +4,9 @@ checkpoints across meshes, and errors raised on every rank."""
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ import autopar
 from autopar.rules.strategy import is_strided, shard_dim
 from autopar.runtime import checkpoint
 from autopar.runtime.parameters import initialize_like_compile
-from autopar.runtime.forked import run_ranks
+from autopar.runtime.forked import RankFailure, run_ranks
 from examples import gpt
 from tiny_models import PairwiseBatch
 
@@ -257,3 +260,16 @@ def test_strided_batch_split_of_a_whole_input_matches_one_device() -> None:
         assert r["loss"] == pytest.approx(loss.item(), rel=1e-5)
         for k, p in model.named_parameters():
             torch.testing.assert_close(torch.tensor(r["grads"][k]), p.grad, rtol=1e-4, atol=1e-5)
+
+
+def _killed_rank(rank: int, world: int) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as a crash in C++ ends a rank: no report, no traceback
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_fails_at_once() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 died without a report \(exit code -9\)"):
+        run_ranks(_killed_rank, 2, timeout_s=30)
+    assert time.monotonic() - start < 20  # not the 90 s the parent would wait for a report

@@ -11,8 +11,10 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import socket
+import time
 import traceback
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 import torch.distributed as dist
@@ -35,6 +37,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: 
                timeout_s: float) -> None:
     import faulthandler
 
+    faulthandler.enable()  # a rank killed by a signal (a crash in C++) prints where it was
     faulthandler.dump_traceback_later(timeout_s + 30, exit=True)  # last resort if gloo never times out
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
@@ -63,11 +66,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
-        for _ in procs:
-            rank, result, error = queue.get(timeout=timeout_s + 60)
-            if error:
-                errors[rank] = error
-            results[rank] = result
+        _collect(queue, procs, results, errors, time.monotonic() + timeout_s + 60)
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -77,3 +76,34 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         rank = min(errors)
         raise RankFailure(f"rank {rank} failed:\n{errors[rank]}")
     return [results[r] for r in range(world)]
+
+
+def _collect(queue: Any, procs: list[Any], results: dict[int, Any], errors: dict[int, str], deadline: float) -> None:
+    """Read every rank's report into ``results``/``errors``; a rank that died without one
+    (killed by a signal: its traceback is on stderr) fails at once, not at the deadline."""
+    while len(results) < len(procs):
+        try:
+            rank, result, error = queue.get(timeout=1.0)
+        except Empty:
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+            if dead and not _drained(queue, results, errors):
+                raise RankFailure(f"rank {dead[0]} died without a report (exit code {procs[dead[0]].exitcode})")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(procs))) - set(results))
+                raise RankFailure(f"ranks {missing} did not report in time") from None
+            continue
+        if error:
+            errors[rank] = error
+        results[rank] = result
+
+
+def _drained(queue: Any, results: dict[int, Any], errors: dict[int, str]) -> bool:
+    """Read a report still in the pipe (a rank may die after sending it); whether there was one."""
+    try:
+        rank, result, error = queue.get(timeout=1.0)
+    except Empty:
+        return False
+    if error:
+        errors[rank] = error
+    results[rank] = result
+    return True
