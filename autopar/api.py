@@ -1,18 +1,15 @@
-"""``autopar.plan``: capture -> strategies -> (pins) -> fold repeated blocks -> ILP -> Plan."""
+"""``autopar.plan``: capture -> strategies -> (pins) -> fold repeated blocks (``prepare_step``),
+then the ILP over memory scenarios (``autopar.search``) -> Plan (``autopar.step.finish_step``)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-
-from dataclasses import dataclass, field, replace
+from torch.distributed.tensor import Replicate
 
 from autopar.capture import CapturedGraph, capture
 from autopar.cost import get_precision
@@ -21,22 +18,18 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
-from autopar.solver.blocks import Folding, fold_repeated_blocks, split_folding
-from autopar.rules.strategy import Strategy
-from torch.distributed.tensor import Replicate
-
+from autopar.search import solve_step
+from autopar.solver.blocks import fold_repeated_blocks
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
-from autopar.solver.graph import build_plan_graph, priced_parameter
+from autopar.solver.graph import build_plan_graph
+from autopar.solver.memory import MemoryOptions, example_batch, slice_batch
 from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.plan import Plan
 from autopar.solver.strided import add_strided_strategies
-from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
+from autopar.step import PlannedStep, PreparedStep, _stage, finish_step
 from autopar.units import fmt_bytes
-from autopar.solver.notes import unsplit_batch_notes
-from autopar.solver.memory import MemoryOptions, MemoryPlan, example_batch, repeated_blocks, slice_batch
-from autopar.solver.plan import Plan, build_plan
-from autopar.solver.recompute import checkpointed
-from autopar.scenarios import Scenario, candidates, leanest, zero1_note
-from autopar.solver.report import solver_note
+
+__all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
 
 
 def _as_mesh(mesh: Any) -> Mesh:
@@ -80,30 +73,6 @@ def _check_solve_options(bucket_bytes: int, solver_time_limit_s: float) -> None:
         raise InputError(f"solver_time_limit_s must be a positive number of seconds, got {solver_time_limit_s!r}")
 
 
-@contextlib.contextmanager
-def _stage(name: str, timings: dict[str, float], progress: bool) -> Iterator[None]:
-    start = time.perf_counter()
-    if progress:
-        from rich.console import Console
-
-        with Console(stderr=True).status(f"autopar: {name}..."):
-            yield
-    else:
-        yield
-    timings[name] = time.perf_counter() - start
-
-
-@dataclass
-class PlannedStep:
-    """A plan with what produced it: the captured graph and the chosen strategy per node."""
-
-    plan: Plan
-    captured: CapturedGraph
-    graph: PlanGraph
-    chosen: dict[str, Strategy]
-    ctx: CostContext
-
-
 def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), **kwargs: Any) -> Plan:
     """Find the cheapest DP/TP/SP placement of one training (or forward) step.
 
@@ -129,70 +98,6 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     """
     prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
     return finish_step(prepared, solve_step(prepared, progress=progress))
-
-
-@dataclass
-class PreparedStep:
-    """Everything before the ILP: the captured step, its strategies (pins applied) and the
-    folding of repeated blocks. Every rank of ``compile`` builds one; one rank solves it."""
-
-    captured: CapturedGraph
-    graph: PlanGraph
-    folding: Folding
-    ctx: CostContext
-    memory_limit: float
-    """Bytes per device the plan must fit in."""
-    memory_limit_origin: str
-    """Where the limit comes from, for a memory-limit error ("" when the user gave it)."""
-    timings: dict[str, float]
-    pinned: dict[str, str]
-    solver_time_limit_s: float = 120.0
-    """Seconds HiGHS may search; a plan found by then is returned and says it is not proven optimal."""
-    memory_options: MemoryOptions = MemoryOptions()
-    """What the user pinned about memory (ZeRO stages, checkpointing, offload, micro-batches)."""
-    memory_notes: list[str] = field(default_factory=list)
-    scenario: Scenario = Scenario()
-    """The memory scenario ``graph`` and ``ctx`` are priced under."""
-    base_graph: PlanGraph | None = None
-    """The graph as captured at this micro-batch size, before a scenario re-priced it."""
-    batch: int | None = None
-    batch_ways: int = 1
-    """How many ways ``data_axes`` split the batch: a micro-batch must split as many ways."""
-    """The step's whole batch (the leading dim of the first example input)."""
-    recapture: Callable[[int], PreparedStep] | None = None
-    """Prepares the step again at another micro-batch count."""
-    variants: dict[int, PreparedStep] = field(default_factory=dict)
-    """Preparations by micro-batch count, shared by every scenario of one step."""
-
-    def scenarios(self) -> list[Scenario]:
-        """The scenarios ``solve_step`` searches, today's default first."""
-        graph = self.base_graph or self.graph
-        blocks = len(repeated_blocks([graph.nodes[n].module for n in graph.order]))
-        mesh = self.ctx.mesh
-        axes = tuple(n for n, size in zip(mesh.names, mesh.shape) if size > 1)
-        batch = self.batch
-        return [s for s in candidates(self.memory_options, batch, blocks, self.ctx.train, axes)
-                if batch is None or s.micro_batches == 1 or (batch // s.micro_batches) % self.batch_ways == 0]
-
-    def under(self, scenario: Scenario) -> PreparedStep:
-        """This step priced under ``scenario`` (captured again if its micro-batch count differs)."""
-        m = scenario.micro_batches
-        if m not in self.variants:
-            assert self.recapture is not None
-            self.variants[m] = self.recapture(m)
-            self.variants[m].variants = self.variants
-        base = self.variants[m]
-        graph = base.base_graph or base.graph
-        blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if scenario.checkpoint != "none" else []
-        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload,
-                      zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
-        if scenario.offload or scenario.zero1:  # parameters priced again: their state lives on the host, or split
-            graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
-                                          for n, node in graph.nodes.items()})
-        if scenario.checkpoint_blocks is not None and scenario.checkpoint_blocks < len(blocks):
-            graph = checkpointed(graph, scenario.checkpoint, blocks[:scenario.checkpoint_blocks])
-            return replace(base, graph=graph, ctx=ctx, scenario=scenario, folding=split_folding(base.folding, graph))
-        return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype | None:
@@ -346,131 +251,3 @@ def _apply_zero_pins(graph: PlanGraph, mesh: Mesh, zero: dict[str, int], node_pi
                          f"{', ...' if len(unsplittable) > 4 else ''})")
     return notes
 
-
-def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
-    """The cheapest plan within the memory limit over the memory scenarios (``scenarios``)."""
-    with _stage("solve", prepared.timings, progress):
-        try:
-            return _search(prepared)
-        except MemoryLimitError as exc:
-            if not prepared.memory_limit_origin:
-                raise
-            raise MemoryLimitError(f"{exc} (the limit is {prepared.memory_limit_origin})") from exc
-
-
-def _solve(prepared: PreparedStep, memory_limit: float | None, **kwargs: Any) -> Solution:
-    solution = solve(prepared.graph, prepared.folding, prepared.ctx, memory_limit,
-                     time_limit_s=prepared.solver_time_limit_s, **kwargs)
-    solution.scenario = prepared.scenario
-    return solution
-
-
-def _search(prepared: PreparedStep) -> Solution:
-    """Today's scenario unconstrained if its plan fits; else the fastest plan of every scenario."""
-    scenarios = prepared.scenarios()
-    first = prepared.under(scenarios[0]) if prepared.scenario != scenarios[0] else prepared
-    if len(scenarios) == 1:
-        return _solve(first, prepared.memory_limit)
-    free = _solve(first, None)
-    if free.memory_bytes <= prepared.memory_limit:
-        return free
-    best: Solution | None = None
-    failed: list[str] = []
-    faster: list[str] = []  # ZeRO-1 scenarios faster than the plan with memory to spare (not taken)
-    quicker: Solution | None = None  # the fastest of them: the plan when nothing else fits
-    bounds = _lower_bounds(prepared, scenarios)
-    for scenario in sorted(scenarios, key=lambda s: bounds[s]):  # the likeliest first: they prune the rest
-        if best is not None and bounds[scenario] >= best.objective_s:
-            break  # no plan of this scenario, or of any after it, beats the best
-        step = prepared.under(scenario)
-        if best is not None and _node_bound(step.graph) >= best.objective_s:
-            continue  # bounded at its own micro-batch count
-        try:
-            found = _solve(step, prepared.memory_limit, explain=False,
-                           cutoff_s=None if best is None else best.objective_s)
-        except MemoryLimitError:
-            continue
-        except (RuntimeError, SolverTimeLimitError) as exc:  # said in the plan, not hidden
-            failed.append(f"memory scenario '{scenario.describe()}' not searched: {exc}")
-            continue
-        if scenario.zero1 != scenarios[0].zero1 and found.objective_s < free.objective_s:  # added by the search
-            if quicker is None or found.objective_s < quicker.objective_s:
-                quicker = found
-            faster.append(zero1_note(scenario, found.objective_s, free.objective_s))
-            continue
-        if best is None or found.objective_s < best.objective_s:
-            best = found
-    if best is None and quicker is not None:  # a plan fits: ZeRO-1, faster than with memory to spare, not an error
-        quicker.notes = failed + [zero1_note(quicker.scenario, quicker.objective_s, free.objective_s, taken=True)]
-        return quicker
-    if best is None:
-        if failed:
-            raise RuntimeError("; ".join(failed))
-        raise _nothing_fits(prepared, scenarios)
-    best.notes = failed + faster[:1]
-    return best
-
-
-def _lower_bounds(prepared: PreparedStep, scenarios: list[Scenario]) -> dict[Scenario, float]:
-    """Seconds no plan of each scenario can beat: every node at its fastest strategy, with
-    no collective (edges, gradient sync and exposed communication cost >= 0), priced with
-    the fewest micro-batches searched, so that no scenario is captured again to be bounded.
-    Running the batch as more micro-batches never makes a node faster (its FLOPs add up to
-    the same, its bytes and fixed costs do not shrink), so that bounds every count."""
-    fewest = min(s.micro_batches for s in scenarios)
-    bounds: dict[Scenario, float] = {}
-    by_rest: dict[Scenario, float] = {}
-    for scenario in scenarios:
-        rest = replace(scenario, micro_batches=fewest)
-        if rest not in by_rest:
-            by_rest[rest] = _node_bound(prepared.under(rest).graph)
-        bounds[scenario] = by_rest[rest]
-    return bounds
-
-
-def _node_bound(graph: PlanGraph) -> float:
-    """Every node at its fastest strategy, nothing else: no plan of ``graph`` is faster."""
-    return sum(min(c.time + comm for c, comm in zip(node.costs, node.comm_times or [0.0] * len(node.costs)))
-               for node in graph.nodes.values() if node.costs)
-
-
-def _nothing_fits(prepared: PreparedStep, scenarios: list[Scenario]) -> MemoryLimitError:
-    """The error when no scenario fits: what the leanest plan needs, and its largest parts."""
-    lean = [(sol, p) for p in map(prepared.under, leanest(scenarios))
-            for sol in [_solve(p, None, minimize_memory=True)]]
-    solution, step = min(lean, key=lambda pair: pair[0].memory_bytes)
-    predicted = finish_step(step, solution).plan.predicted
-    parts = ", ".join(f"{kind} {fmt_bytes(b)}" for kind, b in
-                      sorted(predicted.memory_parts.items(), key=lambda item: -item[1]) if b)
-    return MemoryLimitError(
-        f"no plan fits the memory limit of {fmt_bytes(prepared.memory_limit)} per device; the plan with the least "
-        f"memory ({step.scenario.describe()}) needs {fmt_bytes(predicted.peak_memory_bytes)} per device: {parts}")
-
-
-def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
-    """The memory decisions of the scenario the plan was solved under (``build_plan`` adds
-    which parameters are gathered again)."""
-    scenario, graph = prepared.scenario, prepared.graph
-    blocks = sorted({n.block for n in graph.nodes.values() if n.block is not None},
-                    key=[graph.nodes[n].block for n in graph.order].index)
-    offload = sorted(graph.nodes[n].fqn or n for n in graph.order
-                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if scenario.offload else []
-    return MemoryPlan(micro_batches=prepared.ctx.micro_batches, checkpoint=scenario.checkpoint if blocks else "none",
-                      checkpoint_blocks=blocks, offload=offload, zero=dict(prepared.memory_options.zero or {}))
-
-
-def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
-    """The plan a solution gives (deterministic: every rank builds the same one from it)."""
-    if solution.scenario is not None and solution.scenario != prepared.scenario:
-        prepared = prepared.under(solution.scenario)
-    graph, folding = prepared.graph, prepared.folding
-    chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
-    captured = prepared.captured
-    notes = unsplit_batch_notes(graph, chosen, prepared.ctx.mesh, dict(zip(captured.user_inputs,
-                                                                           captured.signature.labels)))
-    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
-                        memory_limit=prepared.memory_limit, notes=notes + prepared.memory_notes + solution.notes,
-                        memory=_memory_plan(prepared))
-    if solution.status != "optimal":
-        warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()
-    return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)

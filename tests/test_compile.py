@@ -67,16 +67,16 @@ def test_hf_model_called_with_labels_compiles_under_its_own_names(name: str) -> 
 
 
 def _counting_solves_rank(rank: int, world: int) -> dict[str, Any]:
-    import autopar.api
+    import autopar.search
 
     calls = []
-    real = autopar.api.solve
+    real = autopar.search.solve
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(rank)
         return real(*args, **kwargs)
 
-    autopar.api.solve = counted  # this forked process only
+    autopar.search.solve = counted  # this forked process only
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, inputs, loss_fn, targets = gpt.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)

@@ -1,0 +1,142 @@
+"""A step between capture and plan: ``PreparedStep`` (everything the ILP needs, under one
+memory scenario) and ``finish_step`` (a solution made into a ``Plan``). ``autopar.api``
+prepares steps, ``autopar.search`` solves them."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+from autopar.capture import CapturedGraph
+from autopar.cost.model import CostContext
+from autopar.rules.strategy import Strategy
+from autopar.scenarios import Scenario, candidates
+from autopar.solver.blocks import Folding, split_folding
+from autopar.solver.graph import priced_parameter
+from autopar.solver.ilp import Solution
+from autopar.solver.memory import MemoryOptions, MemoryPlan, repeated_blocks
+from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.notes import unsplit_batch_notes
+from autopar.solver.plan import Plan, build_plan
+from autopar.solver.recompute import checkpointed
+from autopar.solver.report import solver_note
+
+
+@contextlib.contextmanager
+def _stage(name: str, timings: dict[str, float], progress: bool) -> Iterator[None]:
+    start = time.perf_counter()
+    if progress:
+        from rich.console import Console
+
+        with Console(stderr=True).status(f"autopar: {name}..."):
+            yield
+    else:
+        yield
+    timings[name] = time.perf_counter() - start
+
+
+@dataclass
+class PlannedStep:
+    """A plan with what produced it: the captured graph and the chosen strategy per node."""
+
+    plan: Plan
+    captured: CapturedGraph
+    graph: PlanGraph
+    chosen: dict[str, Strategy]
+    ctx: CostContext
+
+
+@dataclass
+class PreparedStep:
+    """Everything before the ILP: the captured step, its strategies (pins applied) and the
+    folding of repeated blocks. Every rank of ``compile`` builds one; one rank solves it."""
+
+    captured: CapturedGraph
+    graph: PlanGraph
+    folding: Folding
+    ctx: CostContext
+    memory_limit: float
+    """Bytes per device the plan must fit in."""
+    memory_limit_origin: str
+    """Where the limit comes from, for a memory-limit error ("" when the user gave it)."""
+    timings: dict[str, float]
+    pinned: dict[str, str]
+    solver_time_limit_s: float = 120.0
+    """Seconds HiGHS may search; a plan found by then is returned and says it is not proven optimal."""
+    memory_options: MemoryOptions = MemoryOptions()
+    """What the user pinned about memory (ZeRO stages, checkpointing, offload, micro-batches)."""
+    memory_notes: list[str] = field(default_factory=list)
+    scenario: Scenario = Scenario()
+    """The memory scenario ``graph`` and ``ctx`` are priced under."""
+    base_graph: PlanGraph | None = None
+    """The graph as captured at this micro-batch size, before a scenario re-priced it."""
+    batch: int | None = None
+    batch_ways: int = 1
+    """How many ways ``data_axes`` split the batch: a micro-batch must split as many ways."""
+    """The step's whole batch (the leading dim of the first example input)."""
+    recapture: Callable[[int], PreparedStep] | None = None
+    """Prepares the step again at another micro-batch count."""
+    variants: dict[int, PreparedStep] = field(default_factory=dict)
+    """Preparations by micro-batch count, shared by every scenario of one step."""
+
+    def scenarios(self) -> list[Scenario]:
+        """The scenarios ``solve_step`` searches, today's default first."""
+        graph = self.base_graph or self.graph
+        blocks = len(repeated_blocks([graph.nodes[n].module for n in graph.order]))
+        mesh = self.ctx.mesh
+        axes = tuple(n for n, size in zip(mesh.names, mesh.shape) if size > 1)
+        batch = self.batch
+        return [s for s in candidates(self.memory_options, batch, blocks, self.ctx.train, axes)
+                if batch is None or s.micro_batches == 1 or (batch // s.micro_batches) % self.batch_ways == 0]
+
+    def under(self, scenario: Scenario) -> PreparedStep:
+        """This step priced under ``scenario`` (captured again if its micro-batch count differs)."""
+        m = scenario.micro_batches
+        if m not in self.variants:
+            assert self.recapture is not None
+            self.variants[m] = self.recapture(m)
+            self.variants[m].variants = self.variants
+        base = self.variants[m]
+        graph = base.base_graph or base.graph
+        blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if scenario.checkpoint != "none" else []
+        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload,
+                      zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
+        if scenario.offload or scenario.zero1:  # parameters priced again: their state lives on the host, or split
+            graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
+                                          for n, node in graph.nodes.items()})
+        if scenario.checkpoint_blocks is not None and scenario.checkpoint_blocks < len(blocks):
+            graph = checkpointed(graph, scenario.checkpoint, blocks[:scenario.checkpoint_blocks])
+            return replace(base, graph=graph, ctx=ctx, scenario=scenario, folding=split_folding(base.folding, graph))
+        return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
+
+
+def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
+    """The memory decisions of the scenario the plan was solved under (``build_plan`` adds
+    which parameters are gathered again)."""
+    scenario, graph = prepared.scenario, prepared.graph
+    blocks = sorted({n.block for n in graph.nodes.values() if n.block is not None},
+                    key=[graph.nodes[n].block for n in graph.order].index)
+    offload = sorted(graph.nodes[n].fqn or n for n in graph.order
+                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if scenario.offload else []
+    return MemoryPlan(micro_batches=prepared.ctx.micro_batches, checkpoint=scenario.checkpoint if blocks else "none",
+                      checkpoint_blocks=blocks, offload=offload, zero=dict(prepared.memory_options.zero or {}))
+
+
+def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
+    """The plan a solution gives (deterministic: every rank builds the same one from it)."""
+    if solution.scenario is not None and solution.scenario != prepared.scenario:
+        prepared = prepared.under(solution.scenario)
+    graph, folding = prepared.graph, prepared.folding
+    chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
+    captured = prepared.captured
+    notes = unsplit_batch_notes(graph, chosen, prepared.ctx.mesh, dict(zip(captured.user_inputs,
+                                                                           captured.signature.labels)))
+    result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
+                        memory_limit=prepared.memory_limit, notes=notes + prepared.memory_notes + solution.notes,
+                        memory=_memory_plan(prepared))
+    if solution.status != "optimal":
+        warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()
+    return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)
