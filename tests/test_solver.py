@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import re
+from typing import Any
 from collections import defaultdict
 
 import pytest
@@ -292,8 +293,8 @@ def test_a_plan_stopped_at_the_time_limit_says_so(monkeypatch: pytest.MonkeyPatc
 
     from autopar.solver import ilp, milp
 
-    def stopped_run(model: milp.Model, time_limit_s: float, cutoff: float | None = None) -> milp.Result:
-        result = milp.run(model, 120.0, cutoff)
+    def stopped_run(model: milp.Model, time_limit_s: float, cutoff: float | None = None, **kwargs: Any) -> milp.Result:
+        result = milp.run(model, 120.0, cutoff, **kwargs)
         return dataclasses.replace(result, status="time_limit", gap=0.042, time_limit_s=time_limit_s)
 
     monkeypatch.setattr(ilp, "run", stopped_run)

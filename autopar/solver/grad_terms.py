@@ -138,6 +138,11 @@ class _EdgeSync:
         for d in self.dims.get((a, b), ()):
             self.selectors[(a, d)].append(j)
 
+    def columns(self) -> dict[tuple[int, int], list[int]]:
+        """(producer group, consumer group) -> the sync columns that pairing sets (after ``close``)."""
+        return {(a, b): [self.terms.y[(self.producer, self.keys_p[a], d)] for d in dims]
+                for (a, b), dims in self.dims.items() if dims}
+
     def close(self) -> None:
         """y[p, a, d] >= the sum of this edge's selectors (at most one of them is 1)."""
         for (a, d), js in self.selectors.items():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,9 +30,10 @@ from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import edge_flags
 from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute import freed_before_recompute
-from autopar.solver.milp import INF, SCALE, Model, run
+from autopar.solver.milp import INF, SCALE, Model, Result, run
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
+from autopar.solver.warm_start import PairTerms, likely_strategies
 from autopar.units import fmt_bytes
 
 MEMORY_UNIT = 2**20
@@ -110,6 +111,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
+    terms = PairTerms(strategy_columns=len(model.cost))
     prices = EdgePrices(ctx)  # the same reshard recurs on many edges
     classes = sharing_classes(graph, folding)
     solo: dict[EdgeKey, int] = defaultdict(int)
@@ -123,12 +125,12 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
         link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, sync, overlap,
-                         count=solo.get(key, 0), transport=key in shared_keys)
+                         count=solo.get(key, 0), transport=key in shared_keys, terms=terms)
         if link is not None:
             links[key] = link
     for keys, count in classes.items():
         if len(keys) > 1:
-            _add_shared(model, [links[k] for k in keys], count, memory_row)
+            _add_shared(model, [links[k] for k in keys], count, memory_row, terms)
     sync.add_bucket_rows()
     sync.add_gather_rows(x)
     sync.add_buffer_memory(memory_row)
@@ -141,8 +143,10 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
     elif memory_limit is not None:
         model.rows.append(({j: b / MEMORY_UNIT for j, b in memory_row.items()}, -INF, float(memory_limit) / MEMORY_UNIT))
+    likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
+                               keep=NARROW_KEEP)
     build = time.perf_counter() - start
-    result = run(model, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE)
+    result = _run_started(model, x, likely, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE)
     if result.values is None:
         if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
             raise MemoryLimitError(f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
@@ -153,6 +157,28 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
                     status=result.status, gap=result.gap, time_limit_s=time_limit_s)
+
+
+NARROW_KEEP = 4
+"""Strategies per node the first, narrowed solve keeps (``_run_started``)."""
+
+
+def _run_started(model: Model, x: dict[str, list[int]], likely: dict[str, list[int]], time_limit_s: float,
+                 cutoff: float | None) -> Result:
+    """HiGHS on ``model``, started from the best plan among each node's likeliest strategies
+    (``warm_start``): that narrowed MIP is small and solves in a fraction of the whole one,
+    and started from its plan HiGHS fixes most strategy columns after the root LP. The
+    result is the whole model's optimum either way (on the Llama-3-8B shape on 64 devices,
+    3.4 s -> 0.2 s + 0.9 s)."""
+    began = time.perf_counter()
+    ruled_out = [j for v, cols in x.items() for s, j in enumerate(cols) if s not in likely[v]]
+    narrow = run(model, time_limit_s, cutoff, zero=ruled_out) if ruled_out else None
+    start = None
+    if narrow is not None and narrow.values is not None:
+        start = {j: round(narrow.values[j]) for cols in x.values() for j in cols}
+    left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)  # the limit is for both runs
+    result = run(model, left, cutoff, start=start)
+    return replace(result, time_limit_s=time_limit_s)
 
 
 def _add_recompute_peak(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]],
@@ -221,11 +247,12 @@ class _Link:
 
 def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
               prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms,
-              overlap: OverlapTerms, *, count: int, transport: bool) -> _Link | None:
+              overlap: OverlapTerms, *, count: int, transport: bool, terms: PairTerms) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
     the memory it keeps: a parameter gathered in forward stays gathered until backward),
     ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
-    gets explicit pair variables, returned for pricing reshards shared with other edges."""
+    gets explicit pair variables, returned for pricing reshards shared with other edges.
+    ``terms`` learns the edge's pair columns (for the start HiGHS is given)."""
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
     grad = graph.sends_gradient(edge.producer, edge.consumer)
     groups_p: dict[object, list[int]] = defaultdict(list)
@@ -250,8 +277,11 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count,
                           lambda a, b: prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]]))
 
+    columns: dict[tuple[int, int], int] = {}
+
     def add(j: int, a: int, b: int) -> None:
         """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
+        columns[(a, b)] = j
         model.cost[j] += cost[a][b]
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
@@ -268,6 +298,9 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     else:
         _link_ends(model, edge, x, groups_p, groups_c, add, grad, cons.follower)
     syncing.close()
+    if edge.arg in cons.as_produced:  # pairs of differing placements are ruled out
+        columns = {(a, b): j for (a, b), j in columns.items() if keys_p[a] == keys_c[b][0]}
+    terms.add_edge(edge.producer, edge.consumer, groups_p, groups_c, columns, syncing.columns())
     return link
 
 
@@ -325,7 +358,8 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
     return _Link(e, target, unit_cost, unit_mem)
 
 
-def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float]) -> None:
+def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float],
+                terms: PairTerms) -> None:
     """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor.
     The shared copy is held until backward if any of its consumers saves it, so y carries the
     largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
@@ -352,6 +386,7 @@ def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[i
                     if mem[key]:
                         memory_row[y[key]] = memory_row.get(y[key], 0.0) + mem[key] * count
                 model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, INF))
+                terms.extra[e_ab].append(y[key])
 
 
 def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
