@@ -228,13 +228,9 @@ def local_numel(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int,
     """Elements one rank holds of a tensor with these placements."""
     ways = 1
     for p, n in zip(placements, mesh_shape):  # a loop, not prod over a generator: pricing's hottest call
-        if isinstance(p, _SHARDS):
+        if _shards(type(p)):
             ways *= n
     return meta.numel // ways
-
-
-_SHARDS = (Shard, _StridedShard)
-"""What ``shard_dim`` calls sharded."""
 
 
 def placement_str(placements: Placements | None) -> str:
