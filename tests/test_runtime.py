@@ -273,3 +273,27 @@ def test_a_rank_killed_by_a_signal_fails_at_once() -> None:
     with pytest.raises(RankFailure, match=r"rank 1 died without a report \(exit code -9\)"):
         run_ranks(_killed_rank, 2, timeout_s=30)
     assert time.monotonic() - start < 20  # not the 90 s the parent would wait for a report
+
+
+def _gathers_in_flight(rank: int, world: int) -> list[int]:
+    """Unwaited collectives after each of three launched all-gathers and after finishing them."""
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    from autopar.runtime.ops import Comm, _steps
+
+    comm = Comm(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    steps = _steps("S(0)", "R")
+    pending, in_flight = [], []
+    for size in (64, 256, 1024):
+        pending.append(comm.launch(torch.full((size,), float(rank)), steps, "forward"))
+        in_flight.append(_get_work_registry_size())
+    gathered = [comm.finish(p, "forward") for p in pending]
+    in_flight.append(_get_work_registry_size())
+    assert all(g.shape == (world * n,) and g[n:].eq(1).all() for g, n in zip(gathered, (64, 256, 1024)))
+    return in_flight
+
+
+def test_a_cpu_mesh_runs_one_all_gather_at_a_time() -> None:
+    """gloo corrupts the heap when two all-gathers run at once (``runtime.ops``): a gather
+    launched ahead is waited for before the next one is issued."""
+    assert run_ranks(_gathers_in_flight, 2) == [[1, 1, 1, 0]] * 2
