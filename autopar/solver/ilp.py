@@ -143,10 +143,15 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
     elif memory_limit is not None:
         model.rows.append(({j: b / MEMORY_UNIT for j, b in memory_row.items()}, -INF, float(memory_limit) / MEMORY_UNIT))
-    likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
-                               keep=NARROW_KEEP)
-    build = time.perf_counter() - start
-    result = _run_started(model, x, likely, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE)
+    cutoff = None if cutoff_s is None else cutoff_s * SCALE
+    if len(model.cost) >= NARROW_FROM_COLUMNS:
+        likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
+                                   keep=NARROW_KEEP)
+        build = time.perf_counter() - start
+        result = _run_started(model, x, likely, time_limit_s, cutoff)
+    else:
+        build = time.perf_counter() - start
+        result = run(model, time_limit_s, cutoff)
     if result.values is None:
         if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
             raise MemoryLimitError(f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
@@ -161,6 +166,10 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
 
 NARROW_KEEP = 4
 """Strategies per node the first, narrowed solve keeps (``_run_started``)."""
+NARROW_FROM_COLUMNS = 10_000
+"""Models with fewer columns are solved at once: HiGHS finds their optimum in a fraction of
+a second, and a narrowed solve first only adds to it (the Llama-3-8B shape on 8 devices,
+3,601 columns: 101 solves of a memory search took 4.9 s, 9.3 s with narrowed starts)."""
 
 
 def _run_started(model: Model, x: dict[str, list[int]], likely: dict[str, list[int]], time_limit_s: float,
