@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,12 +28,12 @@ from autopar.solver.blocks import Folding
 from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import edge_flags
-from autopar.solver.nodes import OP, PARAM, PlanGraph
+from autopar.solver.nodes import OP, PlanGraph
 from autopar.solver.recompute import freed_before_recompute
-from autopar.solver.milp import INF, SCALE, Model, Result, run
+from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
-from autopar.solver.warm_start import PairTerms, likely_strategies
+from autopar.solver.warm_start import NARROW_FROM_COLUMNS, NARROW_KEEP, PairTerms, likely_strategies, run_started
 from autopar.units import fmt_bytes
 
 MEMORY_UNIT = 2**20
@@ -148,7 +148,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
                                    keep=NARROW_KEEP)
         build = time.perf_counter() - start
-        result = _run_started(model, x, likely, time_limit_s, cutoff)
+        result = run_started(model, x, likely, time_limit_s, cutoff)
     else:
         build = time.perf_counter() - start
         result = run(model, time_limit_s, cutoff)
@@ -162,32 +162,6 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
                     status=result.status, gap=result.gap, time_limit_s=time_limit_s)
-
-
-NARROW_KEEP = 4
-"""Strategies per node the first, narrowed solve keeps (``_run_started``)."""
-NARROW_FROM_COLUMNS = 10_000
-"""Models with fewer columns are solved at once: HiGHS finds their optimum in a fraction of
-a second, and a narrowed solve first only adds to it (the Llama-3-8B shape on 8 devices,
-3,601 columns: 101 solves of a memory search took 4.9 s, 9.3 s with narrowed starts)."""
-
-
-def _run_started(model: Model, x: dict[str, list[int]], likely: dict[str, list[int]], time_limit_s: float,
-                 cutoff: float | None) -> Result:
-    """HiGHS on ``model``, started from the best plan among each node's likeliest strategies
-    (``warm_start``): that narrowed MIP is small and solves in a fraction of the whole one,
-    and started from its plan HiGHS fixes most strategy columns after the root LP. The
-    result is the whole model's optimum either way (on the Llama-3-8B shape on 64 devices,
-    3.4 s -> 0.2 s + 0.9 s)."""
-    began = time.perf_counter()
-    ruled_out = [j for v, cols in x.items() for s, j in enumerate(cols) if s not in likely[v]]
-    narrow = run(model, time_limit_s, cutoff, zero=ruled_out) if ruled_out else None
-    start = None
-    if narrow is not None and narrow.values is not None:
-        start = {j: round(narrow.values[j]) for cols in x.values() for j in cols}
-    left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)  # the limit is for both runs
-    result = run(model, left, cutoff, start=start)
-    return replace(result, time_limit_s=time_limit_s)
 
 
 def _add_recompute_peak(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]],
