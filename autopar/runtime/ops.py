@@ -84,11 +84,16 @@ class Comm:
         """The last all-gather issued without waiting (``launch``), on a CPU mesh only: the
         next all-gather waits for it first (module docstring)."""
 
-    def _gather(self, x: torch.Tensor, mesh_dim: int, dim: int, waited: bool) -> torch.Tensor:
-        """An all-gather, issued after the one in flight on a CPU mesh; ``waited``: waited for now."""
+    def settle_gathers(self) -> None:
+        """Wait for the all-gather left in flight, if any (before another one is issued, here
+        or elsewhere on this mesh: ZeRO-1's buckets at the optimizer step)."""
         if self._gathering is not None:
             fc.wait_tensor(self._gathering)
             self._gathering = None
+
+    def _gather(self, x: torch.Tensor, mesh_dim: int, dim: int, waited: bool) -> torch.Tensor:
+        """An all-gather, issued after the one in flight on a CPU mesh; ``waited``: waited for now."""
+        self.settle_gathers()
         out = fc.all_gather_single(x, dim, (self.mesh, mesh_dim))
         if waited:
             return fc.wait_tensor(out)

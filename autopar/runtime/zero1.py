@@ -18,6 +18,8 @@ issue the same collectives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 from dataclasses import dataclass
 
@@ -69,8 +71,12 @@ class Chunk:
 class ZeroOneShards:
     """The ZeRO-1 parameters of one rank and the plan's buckets for them."""
 
-    def __init__(self, buckets: list[ShardBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh) -> None:
+    def __init__(self, buckets: list[ShardBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
+                 settle_gathers: Callable[[], None] = lambda: None) -> None:
         self.buckets = buckets
+        self.settle_gathers = settle_gathers
+        """Waits for an all-gather the program left in flight (``Comm.settle_gathers``): on a CPU
+        mesh two all-gathers must not run at once."""
         self.mesh = mesh
         self.log: CollectiveLog | None = None
         self.chunks: dict[str, Chunk] = {}  # parameter node -> its chunk (every one is in an all-gather bucket)
@@ -129,6 +135,7 @@ class ZeroOneShards:
 
     def all_gather(self) -> None:
         """Every rank's updated chunks into the whole parameters, bucket by bucket."""
+        self.settle_gathers()
         for bucket in self.buckets:
             if bucket.kind != ALL_GATHER:
                 continue
@@ -168,6 +175,7 @@ class ZeroOneShards:
         from every rank's chunk (one all-gather on the chunk's dim; not one of the step's)."""
         padded = torch.zeros(chunk.size, dtype=value.dtype, device=value.device)
         padded[: value.numel()] = value
+        self.settle_gathers()
         whole = fc.wait_tensor(fc.all_gather_single(padded, 0, self.mesh.get_group(chunk.mesh_dim)))
         return whole[: chunk.param.numel()].view(chunk.param.shape).clone()
 
