@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate
 import autopar
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.ops import CollectiveLog
+from examples import gpt, llama
 
 RTOL, ATOL, LR, STEPS = 1e-4, 1e-5, 1e-3, 3
 # bf16 keeps 8 bits of mantissa: another summation order changes a sum by ~2^-8 relative, and
@@ -33,6 +34,8 @@ TOLERANCE = {torch.float32: (RTOL, ATOL), torch.bfloat16: (2e-2, 4e-3), torch.in
 # orders. eps=1e-6 keeps those elements' updates below the tolerance; real gradients are far
 # larger than both.
 EPS = 1e-6
+TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
+"""The examples' Megatron TP plans, by model name (``constraints=`` on a tp axis)."""
 
 
 @dataclass
@@ -248,8 +251,6 @@ def compile_gpt(mesh_spec: str, **options: Any) -> tuple[autopar.ParallelModule,
     """The GPT example compiled on ``"2x2"`` (dp x tp, Megatron TP pinned: sharded and strided
     parameters) or ``"4"`` (dp only); ``options`` go to ``autopar.compile``. Returns the
     module, its tokens and targets (for checkpoint round trips across meshes)."""
-    from examples import gpt
-
     model, (tokens,), loss_fn, (targets,) = gpt.build()
     if mesh_spec == "2x2":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

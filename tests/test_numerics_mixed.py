@@ -19,10 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from examples import gpt, llama
-from numerics_harness import Reference, mixed_reference, run_compiled, run_checked
+from numerics_harness import TP_PLANS, Reference, mixed_reference, run_compiled, run_checked
 
 MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build}
-TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
 
 
 @dataclass(frozen=True)

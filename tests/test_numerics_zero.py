@@ -24,7 +24,7 @@ from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import Reference, reference, run_compiled, run_checked
+from numerics_harness import TP_PLANS, Reference, reference, run_compiled, run_checked
 
 def _gpt_tied() -> Any:
     """GPT-2's tied head: one ZeRO-3 parameter read by an embedding (saves only the indices)
@@ -35,7 +35,6 @@ def _gpt_tied() -> Any:
 
 
 MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build, "gpt_tied": _gpt_tied}
-TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
 
 
 @dataclass(frozen=True)

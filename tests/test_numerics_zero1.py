@@ -24,8 +24,8 @@ from autopar.errors import InputError
 from autopar.runtime import checkpoint
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import (EPS, LR, Reference, compile_gpt, mismatches, reference, reference_accumulated, run_checked,
-                              run_compiled)
+from numerics_harness import (EPS, LR, TP_PLANS, Reference, compile_gpt, mismatches, reference, reference_accumulated,
+                              run_checked, run_compiled)
 
 def _gpt_frozen() -> Any:
     """GPT with its position table frozen: no gradient, no optimizer state, not ZeRO-1."""
@@ -35,7 +35,6 @@ def _gpt_frozen() -> Any:
 
 
 MODELS = {"gpt": gpt.build, "llama": llama.build, "gpt_frozen": _gpt_frozen}
-TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN}
 
 
 @dataclass(frozen=True)
