@@ -90,7 +90,13 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
     if start:
         h.setSolution(len(start), np.array(list(start), dtype=np.int32), np.array(list(start.values())))
     h.run()
-    return interpret(h.getModelStatus(), h.getInfo(), lambda: list(h.getSolution().col_value), time_limit_s)
+    result = interpret(h.getModelStatus(), h.getInfo(), lambda: list(h.getSolution().col_value), time_limit_s)
+    if cutoff is not None and result.values is not None and result.objective > cutoff:
+        # HiGHS prunes by the bound but may keep (and call optimal) an incumbent above it
+        # that a heuristic found first (the Llama-3-70B shape: 589 s against a 7.9 s bound)
+        return Result(values=None, objective=0.0, status="infeasible" if result.status == "optimal" else result.status,
+                      gap=None, time_limit_s=time_limit_s)
+    return result
 
 
 def interpret(status: highspy.HighsModelStatus, info: object, solution: object, time_limit_s: float) -> Result:
