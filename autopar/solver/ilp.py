@@ -111,6 +111,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
+    for v, w in folding.tied.items():  # one plan in every instance of a split class
+        model.rows.extend(({a: 1.0, b: -1.0}, 0.0, 0.0) for a, b in zip(x[v], x[w]))
     terms = PairTerms(strategy_columns=len(model.cost))
     prices = EdgePrices(ctx)  # the same reshard recurs on many edges
     classes = sharing_classes(graph, folding)
@@ -147,6 +149,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     if len(model.cost) >= NARROW_FROM_COLUMNS:
         likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
                                    keep=NARROW_KEEP)
+        for v, w in folding.tied.items():  # tied parts keep the same strategies
+            likely[v] = likely[w] = list(dict.fromkeys(likely[w] + likely[v]))
         build = time.perf_counter() - start
         result = run_started(model, x, likely, time_limit_s, cutoff)
     else:
