@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from autopar.cost.model import step_repeats
 from autopar.scenarios import Scenario, leanest, zero1_note
 from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
 from autopar.solver.nodes import PlanGraph
@@ -32,7 +33,9 @@ def _solve(prepared: PreparedStep, memory_limit: float | None, **kwargs: Any) ->
 
 
 def _search(prepared: PreparedStep) -> Solution:
-    """Today's scenario unconstrained if its plan fits; else the fastest plan of every scenario."""
+    """Today's scenario unconstrained if its plan fits; else the fastest plan of every
+    scenario, best first: each scenario's lower bound (``_Bounds``) decides what is solved
+    next, and the search ends when no bound is below the best plan found."""
     scenarios = prepared.scenarios()
     first = prepared.under(scenarios[0]) if prepared.scenario != scenarios[0] else prepared
     if len(scenarios) == 1:
@@ -40,58 +43,161 @@ def _search(prepared: PreparedStep) -> Solution:
     free = _solve(first, None)
     if free.memory_bytes <= prepared.memory_limit:
         return free
-    best: Solution | None = None
-    failed: list[str] = []
-    faster: list[str] = []  # ZeRO-1 scenarios faster than the plan with memory to spare (not taken)
-    quicker: Solution | None = None  # the fastest of them: the plan when nothing else fits
-    bounds = _lower_bounds(prepared, scenarios)
-    for scenario in sorted(scenarios, key=lambda s: bounds[s]):  # the likeliest first: they prune the rest
-        if best is not None and bounds[scenario] >= best.objective_s:
-            break  # no plan of this scenario, or of any after it, beats the best
+    found = _Found(scenarios[0], free.objective_s)
+    bounds = _Bounds(prepared, scenarios)
+    bounds.relaxed(scenarios[0], free)
+    waiting = list(scenarios)
+    while waiting:
+        scenario = min(waiting, key=bounds.of)  # ties: the candidate order (cheapest-looking first)
+        if found.best is not None and bounds.of(scenario) >= found.best.objective_s:
+            break  # no plan of this scenario, or of any still waiting, beats the best
+        group = relaxation(scenario)
+        if not bounds.has(group):  # bound its group first: one free solve bounds up to 18 scenarios
+            relaxed = bounds.solve_relaxation(group, found)
+            if relaxed is not None and group in waiting and relaxed.memory_bytes <= prepared.memory_limit:
+                found.add(group, relaxed)  # its free plan fits: that is the group's own optimum
+                waiting.remove(group)
+            continue
+        waiting.remove(scenario)
         step = prepared.under(scenario)
-        if best is not None and _node_bound(step.graph) >= best.objective_s:
-            continue  # bounded at its own micro-batch count
+        if not _may_fit(step):
+            continue
         try:
-            found = _solve(step, prepared.memory_limit, explain=False,
-                           cutoff_s=None if best is None else best.objective_s)
+            found.add(scenario, _solve(step, prepared.memory_limit, explain=False,
+                                       cutoff_s=None if found.best is None else found.best.objective_s))
         except MemoryLimitError:
             continue
         except (RuntimeError, SolverTimeLimitError) as exc:  # said in the plan, not hidden
-            failed.append(f"memory scenario '{scenario.describe()}' not searched: {exc}")
-            continue
-        if scenario.zero1 != scenarios[0].zero1 and found.objective_s < free.objective_s:  # added by the search
-            if quicker is None or found.objective_s < quicker.objective_s:
-                quicker = found
-            faster.append(zero1_note(scenario, found.objective_s, free.objective_s))
-            continue
-        if best is None or found.objective_s < best.objective_s:
-            best = found
-    if best is None and quicker is not None:  # a plan fits: ZeRO-1, faster than with memory to spare, not an error
-        quicker.notes = failed + [zero1_note(quicker.scenario, quicker.objective_s, free.objective_s, taken=True)]
-        return quicker
-    if best is None:
-        if failed:
-            raise RuntimeError("; ".join(failed))
-        raise _nothing_fits(prepared, scenarios)
-    best.notes = failed + faster[:1]
-    return best
+            found.failed.append(f"memory scenario '{scenario.describe()}' not searched: {exc}")
+    return found.result(prepared, scenarios)
 
 
-def _lower_bounds(prepared: PreparedStep, scenarios: list[Scenario]) -> dict[Scenario, float]:
-    """Seconds no plan of each scenario can beat: every node at its fastest strategy, with
-    no collective (edges, gradient sync and exposed communication cost >= 0), priced with
-    the fewest micro-batches searched, so that no scenario is captured again to be bounded.
-    Running the batch as more micro-batches never makes a node faster (its FLOPs add up to
-    the same, its bytes and fixed costs do not shrink), so that bounds every count."""
-    fewest = min(s.micro_batches for s in scenarios)
-    bounds: dict[Scenario, float] = {}
-    by_rest: dict[Scenario, float] = {}
-    for scenario in scenarios:
-        rest = replace(scenario, micro_batches=fewest)
-        if rest not in by_rest:
-            by_rest[rest] = _node_bound(prepared.under(rest).graph)
-        bounds[scenario] = by_rest[rest]
-    return bounds
+def _may_fit(step: PreparedStep) -> bool:
+    """Whether the leanest plan of the step's scenario fits the limit. Solving for the least
+    memory proves a scenario that cannot fit in a few seconds where the fastest plan under the
+    limit may take minutes to prove infeasible (Llama-3-70B shape, 64 H100s, full
+    checkpointing of 40 of 80 blocks: least memory 104.8 GiB in 2.7 s; fastest within 80 GiB
+    still unproven after 120 s)."""
+    try:
+        leanest = _solve(step, None, explain=False, minimize_memory=True)
+    except (RuntimeError, SolverTimeLimitError):  # not proven either way: the solve under the limit decides
+        return True
+    return leanest.status != "optimal" or leanest.memory_bytes <= step.memory_limit
+
+
+def relaxation(scenario: Scenario) -> Scenario:
+    """The scenario without checkpointing or gathering again in backward: for every plan it
+    predicts no more time than ``scenario`` does (``_Bounds``), so its free optimum bounds
+    the scenario's."""
+    return replace(scenario, checkpoint="none", checkpoint_blocks=None, regather=False)
+
+
+class _Found:
+    """The plans the search found: the best, the ZeRO-1 ones it does not take (faster than the
+    plan with memory to spare: searched as a memory saving only), what failed."""
+
+    def __init__(self, first: Scenario, free_s: float) -> None:
+        self.first, self.free_s = first, free_s
+        self.best: Solution | None = None
+        self.quicker: Solution | None = None
+        self.faster: list[str] = []
+        self.failed: list[str] = []
+
+    def add(self, scenario: Scenario, found: Solution) -> None:
+        if scenario.zero1 != self.first.zero1 and found.objective_s < self.free_s:  # added by the search
+            if self.quicker is None or found.objective_s < self.quicker.objective_s:
+                self.quicker = found
+            self.faster.append(zero1_note(scenario, found.objective_s, self.free_s))
+        elif self.best is None or found.objective_s < self.best.objective_s:
+            self.best = found
+
+    def result(self, prepared: PreparedStep, scenarios: list[Scenario]) -> Solution:
+        if self.best is None and self.quicker is not None:  # ZeRO-1 fits, faster than with memory to spare
+            self.quicker.notes = self.failed + [zero1_note(self.quicker.scenario, self.quicker.objective_s,
+                                                           self.free_s, taken=True)]
+            return self.quicker
+        if self.best is None:
+            if self.failed:
+                raise RuntimeError("; ".join(self.failed))
+            raise _nothing_fits(prepared, scenarios)
+        self.best.notes = self.failed + self.faster[:1]
+        return self.best
+
+
+class _Bounds:
+    """Seconds no plan of a scenario can beat, the larger of two bounds:
+    - every node at its fastest strategy, with no collective (edges, gradient sync and
+      exposed communication cost >= 0), priced with the fewest micro-batches searched, so
+      that no scenario is captured again to be bounded: running the batch as more
+      micro-batches never makes a node faster (its FLOPs add up to the same, its bytes and
+      fixed costs do not shrink);
+    - once its relaxation (``relaxation``: same micro-batches, ZeRO-1 and offload) is solved
+      without the memory row, that optimum plus the least recompute the scenario adds.
+      For any plan, checkpointing adds each replayed op's forward time and its replayed
+      reshards, gathering again adds collectives and windows whose exposure is >= 0, and
+      the windows a checkpointed block's recompute could hide are those of the gradient
+      buckets only (regathers are windowed under blocks that do not recompute: the first
+      blocks checkpoint), which hide at most ``grad_sync_overlap`` of the last
+      micro-batch's share of it. So the scenario predicts at least the relaxation's time
+      plus (1 - eff / repeats) x its least recompute (tested against free solves)."""
+
+    def __init__(self, prepared: PreparedStep, scenarios: list[Scenario]) -> None:
+        self.prepared = prepared
+        fewest = min(s.micro_batches for s in scenarios)
+        by_rest: dict[Scenario, float] = {}
+        self.node: dict[Scenario, float] = {}
+        for scenario in scenarios:
+            rest = replace(scenario, micro_batches=fewest)
+            if rest not in by_rest:
+                by_rest[rest] = _node_bound(prepared.under(rest).graph)
+            self.node[scenario] = by_rest[rest]
+        self.free: dict[Scenario, float | None] = {}
+        """Relaxation -> its optimum without the memory row (None when not proven)."""
+        self.full: dict[Scenario, float] = {}
+        self.floors: dict[tuple[int, str, int | None], float] = {}
+
+    def of(self, scenario: Scenario) -> float:
+        if scenario in self.full:
+            return self.full[scenario]
+        group = relaxation(scenario)
+        if group not in self.free:
+            return self.node[scenario]
+        free = self.free[group]
+        bound = 0.0 if free is None else free + self._recompute_floor(scenario, group)
+        self.full[scenario] = max(self.node[scenario], bound)
+        return self.full[scenario]
+
+    def has(self, group: Scenario) -> bool:
+        return group in self.free
+
+    def relaxed(self, group: Scenario, solution: Solution) -> None:
+        """Record ``solution``, a free solve of ``group``, if ``group`` is a relaxation."""
+        if group == relaxation(group):
+            self.free[group] = solution.objective_s if solution.status == "optimal" else None
+
+    def solve_relaxation(self, group: Scenario, found: _Found) -> Solution | None:
+        """Solve ``group`` without the memory row and record its bound; its proven optimum, or None."""
+        try:
+            solution = _solve(self.prepared.under(group), None, explain=False)
+        except (RuntimeError, SolverTimeLimitError) as exc:
+            found.failed.append(f"memory scenario '{group.describe()}' not bounded: {exc}")
+            self.free[group] = None
+            return None
+        self.relaxed(group, solution)
+        return solution if solution.status == "optimal" else None
+
+    def _recompute_floor(self, scenario: Scenario, group: Scenario) -> float:
+        """(1 - eff / repeats) x the least recompute seconds any plan of ``scenario`` adds."""
+        if scenario.checkpoint == "none":
+            return 0.0
+        key = (scenario.micro_batches, scenario.checkpoint, scenario.checkpoint_blocks)  # all it depends on
+        if key not in self.floors:
+            step, base = self.prepared.under(scenario), self.prepared.under(group)
+            eff = step.ctx.mesh.hardware.grad_sync_overlap if step.ctx.train else 0.0
+            added = sum(min(c.time - b.time for c, b in zip(node.costs, base.graph.nodes[name].costs))
+                        for name, node in step.graph.nodes.items() if node.costs)
+            self.floors[key] = max(0.0, 1.0 - eff / step_repeats(step.ctx)) * max(0.0, added)
+        return self.floors[key]
 
 
 def _node_bound(graph: PlanGraph) -> float:
