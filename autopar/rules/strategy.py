@@ -52,6 +52,26 @@ def _strided(kind: type) -> bool:
     return issubclass(kind, _StridedShard)
 
 
+@functools.cache
+def _partial(kind: type) -> bool:
+    return issubclass(kind, Partial)
+
+
+@functools.cache
+def _replicate(kind: type) -> bool:
+    return issubclass(kind, Replicate)
+
+
+def is_partial(p: Placement) -> bool:
+    """``isinstance(p, Partial)``, by class once (see ``_shards``)."""
+    return _partial(type(p))
+
+
+def is_replicate(p: Placement) -> bool:
+    """``isinstance(p, Replicate)``, by class once (see ``_shards``)."""
+    return _replicate(type(p))
+
+
 def shard_dim(p: Placement) -> int | None:
     """The tensor dim a placement splits (plain or strided), else None."""
     return p.dim if _shards(type(p)) else None  # type: ignore[attr-defined]
