@@ -10,13 +10,13 @@ from autopar.cost.model import step_repeats
 from autopar.scenarios import Scenario, leanest, zero1_note
 from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
 from autopar.solver.nodes import PlanGraph
-from autopar.step import PreparedStep, _stage, finish_step
+from autopar.step import PreparedStep, _stage, finish_step, paused_gc
 from autopar.units import fmt_bytes
 
 
 def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
     """The cheapest plan within the memory limit over the memory scenarios (``scenarios``)."""
-    with _stage("solve", prepared.timings, progress):
+    with _stage("solve", prepared.timings, progress), paused_gc():
         try:
             return _search(prepared)
         except MemoryLimitError as exc:

@@ -5,6 +5,7 @@ prepares steps, ``autopar.search`` solves them."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,6 +37,21 @@ def _stage(name: str, timings: dict[str, float], progress: bool) -> Iterator[Non
     else:
         yield
     timings[name] = time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic collector off while the ILPs are built: they allocate millions of
+    small acyclic objects (freed by reference counting), and the full collections those
+    trigger walked the whole captured graph each time (HF Llama-3-8B on 64 devices: 0.6 of
+    the 1.2 s of building its ILP)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
