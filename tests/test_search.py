@@ -4,12 +4,14 @@ scenario)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import autopar
 from autopar import search
 from autopar.api import prepare_step
-from autopar.solver.ilp import MemoryLimitError, Solution
+from autopar.solver.ilp import MemoryLimitError, Solution, solve
 from autopar.step import PreparedStep
 from examples import gpt
 
@@ -64,3 +66,29 @@ def test_pruning_never_changes_the_plan(limit_mib: float) -> None:
     searched = search.solve_step(prepared)
     assert searched.objective_s == pytest.approx(every.objective_s, rel=1e-9)
     assert searched.memory_bytes <= prepared.memory_limit
+
+
+def test_checkpointing_the_first_blocks_keeps_one_plan_for_every_block() -> None:
+    """With only the first of the GPT's 2 blocks checkpointed, the two blocks are priced apart
+    (``split_folding``) but tied to one strategy per op, as folded blocks run one plan: made
+    dearer in the second block alone, an op's strategy changes in both or in neither (and
+    untied, in the second only)."""
+    model, inputs, loss_fn, targets = gpt.build(batch=2)
+    prepared = prepare_step(model, autopar.Mesh({"dp": 2, "tp": 2}, "h100"), inputs, loss_fn=loss_fn,
+                            example_targets=targets, checkpoint="full", checkpoint_blocks=1, micro_batches=1,
+                            offload=False)
+    graph, folding, ctx = prepared.graph, prepared.folding, prepared.ctx
+    assert len(folding.tied) > 10  # every op of the block that records for backward
+    chosen = solve(graph, folding, ctx, None).choice
+    part = next(p for p in folding.tied if len(graph.nodes[p].strategies) > 1)
+    first = folding.tied[part]
+    node = graph.nodes[part]
+    costs = list(node.costs)
+    costs[chosen[part]] = replace(costs[chosen[part]], time=costs[chosen[part]].time + 1.0)
+    dearer = replace(graph, nodes={**graph.nodes, part: replace(node, costs=costs)})
+    tied = solve(dearer, folding, ctx, None).choice
+    assert tied[part] == tied[first]
+    untied = solve(dearer, replace(folding, tied={}), ctx, None).choice
+    assert untied[part] != untied[first]
+
+
