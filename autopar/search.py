@@ -1,5 +1,7 @@
 """``solve_step``: the fastest plan within the memory limit over the memory scenarios
-(``autopar.scenarios``), the likeliest first, each bounded before it is solved."""
+(``autopar.scenarios``), a branch and bound: the scenario with the least lower bound is
+solved next (``_Bounds``), the search ends when none is below the best plan found, and a
+scenario whose leanest plan does not fit is not solved for time (``_may_fit``)."""
 
 from __future__ import annotations
 
