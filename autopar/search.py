@@ -5,6 +5,7 @@ scenario whose leanest plan does not fit is not solved for time (``_may_fit``)."
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -49,21 +50,28 @@ def _search(prepared: PreparedStep) -> Solution:
     bounds = _Bounds(prepared, scenarios)
     bounds.relaxed(scenarios[0], free)
     waiting = list(scenarios)
+    counts = found.counts
+    counts.update(scenarios=len(scenarios), free_solves=1, solved=0, not_fitting=0, bounded_out=0)
     while waiting:
         scenario = min(waiting, key=bounds.of)  # ties: the candidate order (cheapest-looking first)
         if found.best is not None and bounds.of(scenario) >= found.best.objective_s:
+            counts["bounded_out"] += len(waiting)
             break  # no plan of this scenario, or of any still waiting, beats the best
         group = relaxation(scenario)
         if not bounds.has(group):  # bound its group first: one free solve bounds up to 18 scenarios
             relaxed = bounds.solve_relaxation(group, found)
+            counts["free_solves"] += 1
             if relaxed is not None and group in waiting and relaxed.memory_bytes <= prepared.memory_limit:
                 found.add(group, relaxed)  # its free plan fits: that is the group's own optimum
                 waiting.remove(group)
+                counts["solved"] += 1
             continue
         waiting.remove(scenario)
         step = prepared.under(scenario)
         if not _may_fit(step):
+            counts["not_fitting"] += 1
             continue
+        counts["solved"] += 1
         try:
             found.add(scenario, _solve(step, prepared.memory_limit, explain=False,
                                        cutoff_s=None if found.best is None else found.best.objective_s))
@@ -104,6 +112,9 @@ class _Found:
         self.quicker: Solution | None = None
         self.faster: list[str] = []
         self.failed: list[str] = []
+        self.counts: Counter[str] = Counter()
+        """Scenarios, free solves, and scenarios solved under the limit, skipped because their
+        leanest plan does not fit, or left when the search stopped (``Solution.search``)."""
 
     def add(self, scenario: Scenario, found: Solution) -> None:
         if scenario.zero1 != self.first.zero1 and found.objective_s < self.free_s:  # added by the search
@@ -117,13 +128,13 @@ class _Found:
         if self.best is None and self.quicker is not None:  # ZeRO-1 fits, faster than with memory to spare
             self.quicker.notes = self.failed + [zero1_note(self.quicker.scenario, self.quicker.objective_s,
                                                            self.free_s, taken=True)]
-            return self.quicker
+            return replace(self.quicker, search=dict(self.counts))
         if self.best is None:
             if self.failed:
                 raise RuntimeError("; ".join(self.failed))
             raise _nothing_fits(prepared, scenarios)
         self.best.notes = self.failed + self.faster[:1]
-        return self.best
+        return replace(self.best, search=dict(self.counts))
 
 
 class _Bounds:

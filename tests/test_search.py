@@ -66,6 +66,9 @@ def test_pruning_never_changes_the_plan(limit_mib: float) -> None:
     searched = search.solve_step(prepared)
     assert searched.objective_s == pytest.approx(every.objective_s, rel=1e-9)
     assert searched.memory_bytes <= prepared.memory_limit
+    counts = searched.search  # every scenario accounted for, and the bounds spared solves
+    assert counts["solved"] + counts["not_fitting"] + counts["bounded_out"] == counts["scenarios"] == 40
+    assert counts["bounded_out"] >= 10
 
 
 def test_checkpointing_the_first_blocks_keeps_one_plan_for_every_block() -> None:

@@ -69,6 +69,10 @@ class Solution:
     step's own."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about how this plan was found (scenarios HiGHS failed on)."""
+    search: dict[str, int] = field(default_factory=dict)
+    """How a memory search found it (``autopar.search``): scenarios, and how many were solved
+    under the limit, skipped as not fitting, bounded out, or bounded by a free solve; empty
+    when the first plan fit."""
 
 
 @dataclass

@@ -358,7 +358,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     solver = {"status": solution.status, "gap": solution.gap, "time_limit_s": solution.time_limit_s,
               "variables": solution.num_variables, "constraints": solution.num_constraints,
               "objective_s": solution.objective_s, "folded_blocks": folding.blocks,
-              "distinct_nodes": len(solution.choice), "nodes": len(graph.order)}
+              "distinct_nodes": len(solution.choice), "nodes": len(graph.order),
+              **({"memory_search": dict(solution.search)} if solution.search else {})}
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
                 nodes=_node_placements(graph, chosen), collectives=ledger.collectives, predicted=predicted,
                 fallbacks=fallback_groups(graph), grad_buckets=buckets, shard_buckets=shard_buckets, solver=solver,

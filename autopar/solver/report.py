@@ -90,6 +90,13 @@ def _merge_repeats(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str
     return merged
 
 
+def search_note(counts: dict[str, int]) -> str:
+    """How the memory search went: what it solved, skipped and bounded out."""
+    return (f"{counts.get('scenarios', 0)} scenarios: {counts.get('solved', 0)} solved under the limit, "
+            f"{counts.get('not_fitting', 0)} whose leanest plan does not fit, {counts.get('bounded_out', 0)} "
+            f"bounded out; {counts.get('free_solves', 0)} free solves for bounds")
+
+
 def solver_note(solver: dict[str, Any]) -> str:
     """What a plan that is not proven optimal must say about itself."""
     if solver.get("status") == "time_limit":
@@ -118,6 +125,8 @@ def render(plan: Plan) -> Group:
                     f"{limit})")
     if plan.train and plan.memory.describe() != "1 micro-batch":
         summary.add_row("memory plan", plan.memory.describe())
+    if "memory_search" in plan.solver:
+        summary.add_row("memory search", search_note(plan.solver["memory_search"]))
     summary.add_row("communication", ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in pred.comm_bytes.items())
                     + " per device per step")
     if plan.pinned:
