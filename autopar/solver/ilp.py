@@ -29,7 +29,7 @@ from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import edge_flags
 from autopar.solver.nodes import OP, PlanGraph
-from autopar.solver.recompute import freed_before_recompute
+from autopar.solver.recompute import add_recompute_peak
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
@@ -144,7 +144,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
                           for j, cost in zip(x[v], graph.nodes[v].costs)})
     overlap.add_rows(x)
     overlap.add_memory(memory_row, minimize_memory)
-    _add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
+    add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
     if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
     elif memory_limit is not None:
@@ -172,38 +172,6 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
                     status=result.status, gap=result.gap, time_limit_s=time_limit_s)
-
-
-def _add_recompute_peak(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]],
-                        mult: dict[str, int], memory_row: dict[int, float], minimize_memory: bool) -> None:
-    """t >= the bytes each checkpointed block brings back while it recomputes; the memory
-    row holds t once (one block recomputes at a time). Folded blocks share their first
-    instance's variables, so its row stands for all of them. With only the first blocks
-    checkpointed, the row holds s >= t - (bytes of the ops backward freed before, all
-    instances), s >= 0 instead (``recompute_peak``)."""
-    per_block: dict[str, dict[int, float]] = defaultdict(dict)
-    for v in reps:
-        node = graph.nodes[v]
-        if node.block is not None and any(node.recompute_memory):
-            for j, dropped in zip(x[v], node.recompute_memory):
-                per_block[node.block][j] = dropped
-    if not per_block:
-        return
-    freed = freed_before_recompute(graph)
-    t = model.var(1.0 if minimize_memory and not freed else 0.0, integer=False, upper=INF)
-    for row in per_block.values():
-        model.rows.append(({t: 1.0, **{j: -b for j, b in row.items()}}, 0.0, INF))
-    if not freed:
-        memory_row[t] = 1.0
-        return
-    s = model.var(1.0 if minimize_memory else 0.0, integer=False, upper=INF)
-    memory_row[s] = 1.0
-    row = {s: 1.0, t: -1.0}
-    for v in reps:
-        if v in freed:
-            for j, cost in zip(x[v], graph.nodes[v].costs):
-                row[j] = row.get(j, 0.0) + mult[v] * cost.memory
-    model.rows.append((row, 0.0, INF))
 
 
 def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
