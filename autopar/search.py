@@ -68,7 +68,7 @@ def _search(prepared: PreparedStep) -> Solution:
             continue
         waiting.remove(scenario)
         step = prepared.under(scenario)
-        if not _may_fit(step):
+        if not _may_fit(step, found.leanest):
             counts["not_fitting"] += 1
             continue
         counts["solved"] += 1
@@ -82,7 +82,7 @@ def _search(prepared: PreparedStep) -> Solution:
     return found.result(prepared, scenarios)
 
 
-def _may_fit(step: PreparedStep) -> bool:
+def _may_fit(step: PreparedStep, leanest: dict[Scenario, Solution]) -> bool:
     """Whether the leanest plan of the step's scenario fits the limit. Solving for the least
     memory proves a scenario that cannot fit in a few seconds where the fastest plan under the
     limit may take minutes to prove infeasible (Llama-3-70B shape, 64 H100s, full
@@ -93,10 +93,10 @@ def _may_fit(step: PreparedStep) -> bool:
     if sum(min(c.memory for c in node.costs) for node in step.graph.nodes.values() if node.costs) > step.memory_limit:
         return False
     try:
-        leanest = _solve(step, None, explain=False, minimize_memory=True)
+        lean = leanest[step.scenario] = _solve(step, None, explain=False, minimize_memory=True)
     except (RuntimeError, SolverTimeLimitError):  # not proven either way: the solve under the limit decides
         return True
-    return leanest.status != "optimal" or leanest.memory_bytes <= step.memory_limit
+    return lean.status != "optimal" or lean.memory_bytes <= step.memory_limit
 
 
 def relaxation(scenario: Scenario) -> Scenario:
@@ -116,6 +116,8 @@ class _Found:
         self.quicker: Solution | None = None
         self.faster: list[str] = []
         self.failed: list[str] = []
+        self.leanest: dict[Scenario, Solution] = {}
+        """Scenario -> its least-memory plan, where ``_may_fit`` solved for it (``_nothing_fits`` reuses them)."""
         self.counts: Counter[str] = Counter()
         """Scenarios, free solves, and scenarios solved under the limit, skipped because their
         leanest plan does not fit, or left when the search stopped (``Solution.search``)."""
@@ -136,7 +138,7 @@ class _Found:
         if self.best is None:
             if self.failed:
                 raise RuntimeError("; ".join(self.failed))
-            raise _nothing_fits(prepared, scenarios)
+            raise _nothing_fits(prepared, scenarios, self.leanest)
         self.best.notes = self.failed + self.faster[:1]
         return replace(self.best, search=dict(self.counts))
 
@@ -223,10 +225,13 @@ def _node_bound(graph: PlanGraph) -> float:
                for node in graph.nodes.values() if node.costs)
 
 
-def _nothing_fits(prepared: PreparedStep, scenarios: list[Scenario]) -> MemoryLimitError:
-    """The error when no scenario fits: what the leanest plan needs, and its largest parts."""
-    lean = [(sol, p) for p in map(prepared.under, leanest(scenarios))
-            for sol in [_solve(p, None, minimize_memory=True)]]
+def _nothing_fits(prepared: PreparedStep, scenarios: list[Scenario],
+                  solved: dict[Scenario, Solution] | None = None) -> MemoryLimitError:
+    """The error when no scenario fits: what the leanest plan needs, and its largest parts
+    (``solved``: least-memory plans the search already has)."""
+    solved = solved or {}
+    lean = [(solved.get(p.scenario) or _solve(p, None, minimize_memory=True), p)
+            for p in map(prepared.under, leanest(scenarios))]
     solution, step = min(lean, key=lambda pair: pair[0].memory_bytes)
     predicted = finish_step(step, solution).plan.predicted
     parts = ", ".join(f"{kind} {fmt_bytes(b)}" for kind, b in

@@ -49,7 +49,8 @@ _CACHE: OrderedDict[Any, SavedTensors] = OrderedDict()
 """Probe results by (op, argument geometry, tree structure, which inputs need gradients),
 the least recently used dropped beyond ``_CACHE_SIZE`` (a long-lived process plans many models)."""
 _CACHE_SIZE = 16384
-""">10x the distinct probes of planning the Llama-3-8B shape at 7 micro-batch counts."""
+"""Over 100x the distinct probes of a memory search of the Llama-3-8B shape on 8 H100s at 16 GiB
+(125, captured at 1, 2, 4 and 8 micro-batches)."""
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

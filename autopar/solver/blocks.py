@@ -99,7 +99,8 @@ def split_folding(folding: Folding, graph: PlanGraph) -> Folding:
     for name in graph.order:
         key = (folding.representative[name], graph.nodes[name].block is not None)
         representative[name] = first.setdefault(key, name)
-    tied = {first[(rep, False)]: first[(rep, True)] for rep, recomputes in first if recomputes and (rep, False) in first}
+    tied = {first[(rep, False)]: first[(rep, True)]
+            for rep, recomputes in first if recomputes and (rep, False) in first}
     return Folding(representative, _multiplicity(representative), dict(folding.blocks), tied)
 
 
