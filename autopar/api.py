@@ -84,8 +84,10 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
     When the cheapest plan does not fit, the memory limit decides ZeRO sharding,
     checkpointing, micro-batches, re-gathering and offload (``autopar.scenarios``);
     ``zero=``, ``checkpoint=`` (with ``checkpoint_blocks=``: how many blocks, the first
-    ones), ``micro_batches=`` and ``offload=`` pin them (``plan.memory`` says what was chosen). Nothing runs on devices; a meta-device model is planned without
-    allocating weights.
+    ones), ``regather_blocks=`` (with ZeRO-3: whose parameters are gathered again in
+    backward, the first blocks'), ``micro_batches=`` and ``offload=`` pin them
+    (``plan.memory`` says what was chosen). Nothing runs on devices; a meta-device model is
+    planned without allocating weights.
     """
     return plan_step(model, mesh, example_inputs, **kwargs).plan
 
@@ -119,7 +121,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
-                 _capture_micro_batches: int | None = None,
+                 regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
                  _masters: bool = False) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
@@ -140,8 +142,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     whole_batch = example_batch((example_inputs, example_kwargs, example_targets))
     mesh = _as_mesh(mesh)
     _check_solve_options(bucket_bytes, solver_time_limit_s)
-    options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, offload=offload,
-                            micro_batches=micro_batches)
+    options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks,
+                            regather_blocks=regather_blocks, offload=offload, micro_batches=micro_batches)
     options.check(mesh.names)
     m = _capture_micro_batches or micro_batches or 1
     example_inputs, example_kwargs, example_targets = _micro_batch_examples(

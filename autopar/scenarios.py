@@ -9,7 +9,9 @@ rather than which strategy it runs, so they are searched around it, each combina
   activations of one micro-batch are alive at a time, gradients sync once);
 - activation checkpointing of the repeated blocks (none, selective, full), on all of them
   or on the first quarter, half or three quarters (``CHECKPOINT_FRACTIONS``);
-- re-gathering parameters in backward instead of holding them (ZeRO-3);
+- re-gathering parameters in backward instead of holding them (ZeRO-3): every parameter,
+  or those of the first quarter, half or three quarters of the repeated blocks (the same
+  shares; only blocks that do not already recompute, since a replay gathers again anyway);
 - optimizer state and fp32 master weights in host memory (offload), tried last;
 - ZeRO-1: the optimizer state of parameters stored replicated on a mesh axis sharded on
   it (every axis of more than one rank; not with offload).
@@ -46,6 +48,9 @@ class Scenario:
     """How many repeated blocks (the first ones) checkpoint; None: all of them."""
     regather: bool = False
     """Parameters gathered for a forward use are gathered again in backward (ZeRO-3)."""
+    regather_blocks: int | None = None
+    """With ``regather``: whose parameters, those of the first this many repeated blocks;
+    None: every parameter's."""
     offload: bool = False
     """Optimizer state and master weights of trainable parameters live in host memory."""
     zero1: tuple[str, ...] = ()
@@ -56,7 +61,8 @@ class Scenario:
                  "no checkpointing" if self.checkpoint == "none" else f"{self.checkpoint} checkpointing"
                  + (f" of {self.checkpoint_blocks} blocks" if self.checkpoint_blocks is not None else "")]
         if self.regather:
-            parts.append("parameters gathered again in backward")
+            whose = "parameters" if self.regather_blocks is None else f"parameters of {self.regather_blocks} blocks"
+            parts.append(f"{whose} gathered again in backward")
         if self.offload:
             parts.append("optimizer state on the host")
         if self.zero1:
@@ -72,7 +78,8 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
     pinned_zero1 = _pinned_zero1(options)
     pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
                       checkpoint_blocks=_pinned_count(options, blocks),
-                      regather=_pinned_regather(options) or False, offload=bool(options.offload),
+                      regather=_pinned_regather(options) or False, regather_blocks=_pinned_regathers(options, blocks),
+                      offload=bool(options.offload),
                       zero1=pinned_zero1 or ())
     if not train:
         return [pinned]
@@ -80,12 +87,13 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
         counts = [options.micro_batches]
     else:
         counts = [m for m in MICRO_BATCH_CANDIDATES if batch is not None and m <= batch and batch % m == 0] or [1]
-    regathers = [_pinned_regather(options)] if options.zero is not None else [False, True]
     offloads = [options.offload] if options.offload is not None else [False, True]
     zero1s = [pinned_zero1] if pinned_zero1 is not None else [(), axes] if axes else [()]
-    return [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=bool(r), offload=o, zero1=z)
+    return [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=r, regather_blocks=rk, offload=o,
+                     zero1=z)
             for o in offloads for z in (zero1s if not o else [()])
-            for m in counts for c, k in _checkpointing(options, blocks) for r in regathers]
+            for m in counts for c, k in _checkpointing(options, blocks)
+            for r, rk in _regathering(options, blocks, c, k)]
 
 
 def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int | None]]:
@@ -98,6 +106,25 @@ def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int |
         return [("none", None)]
     shares = sorted({k for f in CHECKPOINT_FRACTIONS if 0 < (k := round(f * blocks)) < blocks})
     return [("none", None)] + [(policy, k) for policy in CHECKPOINT_POLICIES[1:] for k in (*shares, None)]
+
+
+def _regathering(options: MemoryOptions, blocks: int, checkpoint: str, checkpointed: int | None
+                 ) -> list[tuple[bool, int | None]]:
+    """(gather again, blocks or None for every parameter) pairs to search beside a
+    checkpointing choice: none, the first blocks' (only counts beyond the checkpointed
+    blocks: a replay gathers again anyway), every parameter's."""
+    if options.zero is not None:
+        pinned = bool(_pinned_regather(options))
+        return [(pinned, _pinned_regathers(options, blocks) if pinned else None)]
+    done = 0 if checkpoint == "none" else blocks if checkpointed is None else checkpointed
+    shares = sorted({k for f in CHECKPOINT_FRACTIONS if done < (k := round(f * blocks)) < blocks})
+    return [(False, None)] + [(True, k) for k in shares] + [(True, None)]
+
+
+def _pinned_regathers(options: MemoryOptions, blocks: int) -> int | None:
+    """The pinned number of blocks gathering again, None for every parameter."""
+    k = options.regather_blocks
+    return None if k is None or k >= blocks else k
 
 
 def _pinned_count(options: MemoryOptions, blocks: int) -> int | None:
@@ -119,9 +146,9 @@ def leanest(scenarios: list[Scenario]) -> list[Scenario]:
     return [best[m] for m in sorted(best)]
 
 
-def _leanness(s: Scenario, order: dict[str, int]) -> tuple[bool, int, bool, int, bool, bool]:
+def _leanness(s: Scenario, order: dict[str, int]) -> tuple[bool, int, bool, int, bool, bool, int, bool]:
     return (s.offload, order[s.checkpoint], s.checkpoint_blocks is None, s.checkpoint_blocks or 0, s.regather,
-            bool(s.zero1))
+            s.regather_blocks is None, s.regather_blocks or 0, bool(s.zero1))
 
 
 def _pinned_zero1(options: MemoryOptions) -> tuple[str, ...] | None:

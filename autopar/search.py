@@ -103,7 +103,7 @@ def relaxation(scenario: Scenario) -> Scenario:
     """The scenario without checkpointing or gathering again in backward: for every plan it
     predicts no more time than ``scenario`` does (``_Bounds``), so its free optimum bounds
     the scenario's."""
-    return replace(scenario, checkpoint="none", checkpoint_blocks=None, regather=False)
+    return replace(scenario, checkpoint="none", checkpoint_blocks=None, regather=False, regather_blocks=None)
 
 
 class _Found:
@@ -166,7 +166,8 @@ class _Bounds:
         by_rest: dict[Scenario, float] = {}
         self.node: dict[Scenario, float] = {}
         for scenario in scenarios:
-            rest = replace(scenario, micro_batches=fewest)
+            # gathering again prices edges, not nodes
+            rest = replace(scenario, micro_batches=fewest, regather=False, regather_blocks=None)
             if rest not in by_rest:
                 by_rest[rest] = _node_bound(prepared.under(rest).graph)
             self.node[scenario] = by_rest[rest]

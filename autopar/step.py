@@ -23,6 +23,7 @@ from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.plan import Plan, build_plan
 from autopar.solver.recompute import checkpointed
+from autopar.solver.regather import regathering
 from autopar.solver.report import solver_note
 
 
@@ -117,16 +118,19 @@ class PreparedStep:
             self.variants[m].variants = self.variants
         base = self.variants[m]
         graph = base.base_graph or base.graph
-        blocks = repeated_blocks([graph.nodes[n].module for n in graph.order]) if scenario.checkpoint != "none" else []
-        ctx = replace(base.ctx, regather=scenario.regather, offload=scenario.offload,
+        blocks = repeated_blocks([graph.nodes[n].module for n in graph.order])
+        ctx = replace(base.ctx, offload=scenario.offload,
                       zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
         if scenario.offload or scenario.zero1:  # parameters priced again: their state lives on the host, or split
             graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
-        if scenario.checkpoint_blocks is not None and scenario.checkpoint_blocks < len(blocks):
-            graph = checkpointed(graph, scenario.checkpoint, blocks[:scenario.checkpoint_blocks])
-            return replace(base, graph=graph, ctx=ctx, scenario=scenario, folding=split_folding(base.folding, graph))
-        return replace(base, graph=checkpointed(graph, scenario.checkpoint, blocks), ctx=ctx, scenario=scenario)
+        checkpointing = blocks if scenario.checkpoint_blocks is None else blocks[:scenario.checkpoint_blocks]
+        graph = checkpointed(graph, scenario.checkpoint, checkpointing if scenario.checkpoint != "none" else [])
+        if scenario.regather:
+            graph = regathering(graph, None if scenario.regather_blocks is None else blocks[:scenario.regather_blocks])
+        partly = any(k is not None and k < len(blocks) for k in (scenario.checkpoint_blocks, scenario.regather_blocks))
+        folding = split_folding(base.folding, graph) if partly else base.folding
+        return replace(base, graph=graph, ctx=ctx, scenario=scenario, folding=folding)
 
 
 def _memory_plan(prepared: PreparedStep) -> MemoryPlan:

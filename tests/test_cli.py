@@ -223,6 +223,18 @@ def test_memory_pins_from_the_command_line(tmp_path: Path, capsys: pytest.Captur
     assert "2 micro-batches, checkpointing full (2 blocks)" in out, out
 
 
+def test_gathering_again_per_block_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--regather-blocks`` reaches the memory pins: with ``--zero dp=3`` it plans, without
+    ZeRO-3 it is refused (what it does: ``test_overlap``, ``test_numerics_zero``)."""
+    args = ["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200",
+            "--regather-blocks", "1"]
+    code, out, err = run([*args, "--zero", "dp=3"], capsys)
+    assert (code, err) == (0, ""), err
+    assert "ZeRO-3 on dp" in out, out
+    code, out, err = run(args, capsys)
+    assert code != 0 and "regather_blocks=1 needs ZeRO-3 pinned" in err, err
+
+
 def test_zero1_is_pinned_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--zero dp=1`` plans ZeRO-1 on dp (the table's memory line says so); with --offload it is refused."""
     args = ["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200"]

@@ -22,6 +22,7 @@ import autopar
 from autopar.cost.saved import saved_inputs, saved_inputs_of_node
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
+from autopar.solver.memory import block_of
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
 from numerics_harness import TP_PLANS, Reference, reference, run_compiled, run_checked
@@ -43,15 +44,18 @@ class Case:
     mesh: tuple[int, ...]
     names: tuple[str, ...]
     stage: int
+    regather_blocks: int | None = None
+    """Only the first this many blocks' parameters are gathered again (None: every one's)."""
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{'x'.join(map(str, self.mesh))}-zero{self.stage}"
+        first = "" if self.regather_blocks is None else f"-regather{self.regather_blocks}"
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-zero{self.stage}{first}"
 
     def compile_kwargs(self) -> dict[str, Any]:
         # data_axes: the batch stays split on dp, so each parameter is gathered where used
         # (on the cpu profile the tiny models would otherwise use the dp shards in place, as TP)
-        kw: dict[str, Any] = {"zero": {"dp": self.stage}, "data_axes": ("dp",)}
+        kw: dict[str, Any] = {"zero": {"dp": self.stage}, "data_axes": ("dp",), "regather_blocks": self.regather_blocks}
         if "tp" in self.names:
             kw["constraints"] = TP_PLANS[self.model]
         return kw
@@ -59,7 +63,9 @@ class Case:
 
 CASES = [Case(model, mesh, names, stage) for model in ("gpt", "llama")
          for mesh, names, stage in [((2,), ("dp",), 2), ((2,), ("dp",), 3), ((4,), ("dp",), 2), ((4,), ("dp",), 3),
-                                    ((2, 2), ("dp", "tp"), 3)]] + [Case("gpt_tied", (2,), ("dp",), 3)]
+                                    ((2, 2), ("dp", "tp"), 3)]] + [
+    Case("gpt_tied", (2,), ("dp",), 3), Case("gpt", (2,), ("dp",), 3, regather_blocks=1),
+    Case("llama", (2, 2), ("dp", "tp"), 3, regather_blocks=1)]
 
 
 def _source_val(node: Any) -> Any:
@@ -117,6 +123,8 @@ def test_zero_matches_single_device(case: Case) -> None:
         else:
             assert r["regather_calls"] > 0
             assert r["got"] == r["want"] and r["got"], (r["got"], r["want"])
+        if case.regather_blocks is not None:  # the first block's parameters only; the second's are held
+            assert r["regather_planned"] and all((block_of(fqn) or "").endswith(".0") for fqn in r["regather_planned"])
         if case.model == "gpt_tied" and "wte.weight" in r["regather_planned"]:
             # the embedding's use saves nothing; the head's saves the table (when the plan gathers it)
             assert sum(n for k, n in r["got"].items() if k in ("wte.weight", "lm_head.weight")) == 1, r["got"]

@@ -119,6 +119,34 @@ def test_backward_prefetch_holds_one_more_block(zero: int) -> None:
     assert solution.memory_bytes == pytest.approx(step.plan.predicted.peak_memory_bytes, rel=1e-12)
 
 
+def test_gathering_again_in_the_first_block_only() -> None:
+    """``regather_blocks=1``: block 0 frees its gathered weight after forward and gathers it
+    again; block 1 holds its copy. Nothing prefetches block 0's regather (the runtime starts
+    a prefetch at the next block's first regather, and block 1 has none), so it waits in
+    full; block 1's forward gather still hides under block 0's forward. Memory: block 1's
+    held copy, no prefetched block; gathering both again holds none but prefetches block 0's
+    while block 1's backward runs: one copy either way."""
+    d, eff = 256, 0.8
+    mesh = autopar.Mesh({"dp": 2}, hardware=dataclasses.replace(PROFILES["h100"], grad_sync_overlap=eff))
+    kwargs: dict[str, Any] = {"loss_fn": F.mse_loss, "example_targets": (torch.randn(64, d),), "data_axes": ("dp",)}
+    steps = {k: plan_step(Stack(d), mesh, (torch.randn(64, d),), zero={"dp": z}, regather_blocks=k, **kwargs)
+             for z, k in ((3, None), (3, 1))}
+    every, first = steps[None], steps[1]
+    assert first.plan.memory.regather == ["layers.0.fc.weight"]
+    fig = _block_figures(first)
+    b0, b1 = fig["layers.0"], fig["layers.1"]
+    assert b0["R"] > 0 and b1["R"] == 0 and b1["G"] > 0
+    hidden = b1["G"] - max(0.0, b1["G"] - eff * b0["F"])
+    pred = first.plan.predicted
+    assert pred.hidden_comm_time_s == pytest.approx(hidden, rel=1e-9)
+    assert first.plan.solver["objective_s"] == pytest.approx(pred.step_time_s, rel=1e-9)
+    assert every.plan.memory.regather == ["layers.0.fc.weight", "layers.1.fc.weight"]
+    costs = {n: first.graph.nodes[n].costs[first.graph.nodes[n].strategies.index(first.chosen[n])]
+             for n in first.graph.order}
+    assert plan_windows(first.graph, first.chosen, costs, first.ctx).prefetched_bytes == 0
+    assert pred.peak_memory_bytes == pytest.approx(every.plan.predicted.peak_memory_bytes, rel=1e-12)
+
+
 def _order_on_rank(rank: int, world: int, case: Any, ref: Reference) -> dict[str, Any]:
     """Three steps of the GPT example under ZeRO-3 (``run_compiled``), recording beside the
     collective log when each block starts computing, when each parameter's gather is issued

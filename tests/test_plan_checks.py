@@ -48,7 +48,11 @@ def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count()
     ({"memory_headroom": 1.0}, r"headroom is a fraction of device memory in \[0, 1\)"),
     ({"memory_headroom": -0.1}, r"headroom is a fraction"),
     ({"memory_limit": GiB, "memory_headroom": 0.1}, "not both"),
-], ids=["negative-limit", "zero-limit", "headroom-1", "negative-headroom", "limit-and-headroom"])
+    ({"regather_blocks": 1}, r"regather_blocks=1 needs ZeRO-3 pinned"),
+    ({"regather_blocks": 1, "zero": {"dp": 2}}, r"regather_blocks=1 needs ZeRO-3 pinned"),
+    ({"regather_blocks": 0, "zero": {"dp": 3}}, "regather_blocks must be a positive whole number"),
+], ids=["negative-limit", "zero-limit", "headroom-1", "negative-headroom", "limit-and-headroom", "regather-no-zero",
+        "regather-zero2", "regather-0"])
 def test_bad_memory_limits_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(autopar.InputError, match=message):
         autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),

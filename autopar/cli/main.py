@@ -90,6 +90,7 @@ def plan_command(args: argparse.Namespace) -> int:
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
                         zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
+                        regather_blocks=args.regather_blocks,
                         micro_batches=args.micro_batches,
                         offload=args.offload,
                         progress=sys.stderr.isatty())
@@ -164,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
     memory.add_argument("--checkpoint-blocks", type=_positive(int), default=None, metavar="K",
                         help="pin how many repeated blocks checkpoint, the first ones (default: all of them "
                              "with --checkpoint, else the planner's choice)")
+    memory.add_argument("--regather-blocks", type=_positive(int), default=None, metavar="K",
+                        help="with --zero AXIS=3: gather only the first K repeated blocks' parameters again in "
+                             "backward, holding the others from forward (default: every parameter's)")
     memory.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                         help="pin optimizer state (and fp32 master weights) in host memory, or --no-offload")
     memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",

@@ -39,9 +39,6 @@ class CostContext:
     micro_batches: int = 1
     """The captured step is one micro-batch; a training step runs it this many times
     (forward, backward and their collectives), then syncs gradients and updates once."""
-    regather: bool = False
-    """A parameter gathered for a forward use is freed after it and gathered again for
-    backward (ZeRO-3, FSDP's ``reshard_after_forward``), instead of being held."""
     offload: bool = False
     """Trainable parameters keep their optimizer state and fp32 master weights in host
     memory and update there (``cost.offload``)."""
@@ -72,7 +69,7 @@ class EdgeCost:
     backward: tuple[CollectiveCall, ...]
     recompute: tuple[CollectiveCall, ...] = ()
     """Forward reshards run again in backward: the consumer recomputes (a checkpointed
-    block), or a parameter is gathered again instead of held (``CostContext.regather``)."""
+    block), or a parameter is gathered again instead of held (``regathered``: ZeRO-3)."""
 
 
 def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
@@ -261,7 +258,7 @@ def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozense
 
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,
               ctx: CostContext, *, from_parameter: bool, needs_grad: bool, recomputed: bool = False,
-              saves_input: bool = True) -> EdgeCost:
+              saves_input: bool = True, regathered: bool = False) -> EdgeCost:
     """Collectives between a producer's output and a consumer's input, both directions.
 
     Backward sends the consumer's gradient (placement from the consumer's split) back to
@@ -270,7 +267,8 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     that sums it there is priced once per parameter (``param_sync_calls``), not per edge.
     The forward reshard runs again in backward when the consumer is ``recomputed`` (a
     checkpointed block replays it) or when it gathers a parameter the consumer saves
-    (``saves_input``) under ``ctx.regather``; otherwise a resharded tensor the consumer
+    (``saves_input``) and ``regathered`` (the consumer frees its gathered parameters after
+    forward: ZeRO-3, FSDP's ``reshard_after_forward``); otherwise a resharded tensor the consumer
     saves is held until backward (``held_reshard_bytes``).
     """
     mesh, precision = ctx.mesh, ctx.precision
@@ -282,22 +280,22 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
             grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision.for_gradients() if from_parameter
                                 else precision))
-    again = forward if regathered(ctx, from_parameter, needs_grad, recomputed, saves_input) else []
+    again = forward if runs_again(ctx, from_parameter, needs_grad, recomputed, saves_input, regathered) else []
     time = sum(collective_time(c, mesh) for c in (*forward, *backward, *again)) * step_repeats(ctx)
     return EdgeCost(time, tuple(forward), tuple(backward), tuple(again))
 
 
-def regathered(ctx: CostContext, from_parameter: bool, needs_grad: bool, recomputed: bool,
-               saves_input: bool) -> bool:
+def runs_again(ctx: CostContext, from_parameter: bool, needs_grad: bool, recomputed: bool,
+               saves_input: bool, regathered: bool) -> bool:
     """The edge's forward reshard runs again in backward (see ``edge_cost``)."""
     if not ctx.train:
         return False
-    return recomputed or (from_parameter and ctx.regather and needs_grad and saves_input)
+    return recomputed or (from_parameter and regathered and needs_grad and saves_input)
 
 
 def held_reshard_bytes(meta: TensorMeta, produced: Placements, required: Placements, ctx: CostContext,
                        *, from_parameter: bool, recomputed: bool = False, needs_grad: bool = True,
-                       saves_input: bool = True) -> float:
+                       saves_input: bool = True, regathered: bool = False) -> float:
     """Bytes a tensor resharded for its consumer keeps alive until backward: the consumer's
     backward saves the resharded copy (a column-parallel linear saves its all-gathered input,
     a gathered parameter is held until backward). 0 when the tensor is used as produced, when
@@ -313,7 +311,7 @@ def held_reshard_bytes(meta: TensorMeta, produced: Placements, required: Placeme
     if tuple(produced) == tuple(required):
         # Under mixed precision the consumer reads (and saves) a cast copy of the fp32 master.
         return copy if from_parameter and ctx.precision.casts_parameters else 0.0
-    if from_parameter and ctx.regather:
+    if from_parameter and regathered:
         return 0.0
     if from_parameter:  # the parameter's node prices its state, not this copy
         return copy

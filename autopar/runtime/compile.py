@@ -110,7 +110,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             solver_time_limit_s: float = 120.0, zero: dict[str, int] | None = None, checkpoint: str | None = None,
             offload: bool | None = None, micro_batches: int | None = None,
-            checkpoint_blocks: int | None = None) -> ParallelModule:
+            checkpoint_blocks: int | None = None, regather_blocks: int | None = None) -> ParallelModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
     The step is ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` (with
@@ -120,7 +120,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
     ``memory_limit`` (bytes per device) and ``memory_headroom`` (fraction of device memory
     left free; default the hardware profile's) as in :func:`autopar.plan`; so are the
-    memory pins ``zero``, ``checkpoint``, ``checkpoint_blocks``, ``offload`` and ``micro_batches``.
+    memory pins ``zero``, ``checkpoint``, ``checkpoint_blocks``, ``regather_blocks``, ``offload`` and
+    ``micro_batches``.
     A model on the meta device is initialized module by module (``reset_parameters`` or
     ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
     Random ops (dropout, ``rand_like``, ...) draw from one generator the module owns
@@ -166,7 +167,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
         memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
         solver_time_limit_s=solver_time_limit_s, zero=zero, checkpoint=checkpoint,
-        checkpoint_blocks=checkpoint_blocks, offload=offload,
+        checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks, offload=offload,
         micro_batches=micro_batches, _masters=compute_dtype is not None))
     _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
     start = time.perf_counter()

@@ -29,8 +29,8 @@ class Folding:
     """Container path -> number of folded instances (for reporting)."""
     tied: dict[str, str] = field(default_factory=dict)
     """Representative -> the representative that must choose the same strategy: a class
-    split apart by checkpointing only its first instances (``split_folding``) still runs
-    one plan in every instance, as the unsplit class does."""
+    split apart by checkpointing (or gathering again) in only its first instances
+    (``split_folding``) still runs one plan in every instance, as the unsplit class does."""
 
 
 def _instance_of(module: str) -> tuple[str, int] | None:
@@ -89,18 +89,21 @@ def fold_repeated_blocks(graph: PlanGraph, pins: dict[str, object] | None = None
 
 
 def split_folding(folding: Folding, graph: PlanGraph) -> Folding:
-    """``folding`` with the instances a checkpointed block recomputes apart from those it
-    does not (``PlanNode.block``): their costs differ, so they are priced apart. Each part
-    of a class is represented by its first node, and the parts are tied to one strategy:
-    free, the two parts made the ILP twice as large and far harder (the Llama-3-70B shape
-    with 40 of 80 blocks checkpointed: over 120 s, against 2-3 s for all 80)."""
+    """``folding`` with the instances a checkpointed block recomputes (``PlanNode.block``),
+    or whose parameters are gathered again in backward (``PlanNode.regather``), apart from
+    those that do not: their costs differ, so they are priced apart. Each part of a class is
+    represented by its first node, and every part is tied to the class's first part, one
+    strategy for all: free, the parts made the ILP twice as large and far harder (the
+    Llama-3-70B shape with 40 of 80 blocks checkpointed: over 120 s, against 2-3 s for all 80)."""
     representative: dict[str, str] = {}
-    first: dict[tuple[str, bool], str] = {}
+    first: dict[tuple[str, bool, bool], str] = {}
+    head: dict[str, str] = {}  # class -> its first part's representative
     for name in graph.order:
-        key = (folding.representative[name], graph.nodes[name].block is not None)
-        representative[name] = first.setdefault(key, name)
-    tied = {first[(rep, False)]: first[(rep, True)]
-            for rep, recomputes in first if recomputes and (rep, False) in first}
+        node = graph.nodes[name]
+        rep = folding.representative[name]
+        representative[name] = first.setdefault((rep, node.block is not None, node.regather), name)
+        head.setdefault(rep, representative[name])
+    tied = {part: head[rep] for (rep, _, _), part in first.items() if part != head[rep]}
     return Folding(representative, _multiplicity(representative), dict(folding.blocks), tied)
 
 

@@ -262,11 +262,12 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
 def edge_flags(graph: PlanGraph, producer: str, consumer: str, arg: int) -> dict[str, bool]:
     """What ``edge_cost`` and ``held_reshard_bytes`` need to know about an edge besides
     placements: a parameter's edge, whether a gradient flows back, whether the consumer
-    recomputes in backward and whether its backward (if it runs one) keeps this input."""
+    recomputes in backward, whether its backward (if it runs one) keeps this input and whether
+    it gathers its parameters again for that instead of holding them."""
     node = graph.nodes[consumer]
     return {"from_parameter": graph.nodes[producer].kind == PARAM,
             "needs_grad": graph.sends_gradient(producer, consumer), "recomputed": node.recompute,
-            "saves_input": node.needs_grad and _saves_input(graph, node, arg)}
+            "saves_input": node.needs_grad and _saves_input(graph, node, arg), "regathered": node.regather}
 
 
 def _saves_input(graph: PlanGraph, node: PlanNode, arg: int) -> bool:

@@ -33,7 +33,8 @@ from autopar.solver.recompute import add_recompute_peak
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
-from autopar.solver.warm_start import NARROW_FROM_COLUMNS, NARROW_KEEP, PairTerms, likely_strategies, run_started
+from autopar.solver.warm_start import (NARROW_FROM_COLUMNS, NARROW_KEEP, PairTerms, likely_strategies, merge_tied,
+                                       run_started)
 from autopar.units import fmt_bytes
 
 MEMORY_UNIT = 2**20
@@ -155,8 +156,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     if len(model.cost) >= NARROW_FROM_COLUMNS and cutoff is None and not minimize_memory:
         likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
                                    keep=NARROW_KEEP)
-        for v, w in folding.tied.items():  # tied parts keep the same strategies
-            likely[v] = likely[w] = list(dict.fromkeys(likely[w] + likely[v]))
+        merge_tied(likely, folding.tied)
         build = time.perf_counter() - start
         result = run_started(model, x, likely, time_limit_s, cutoff)
     else:

@@ -52,6 +52,10 @@ class MemoryOptions:
     """How many repeated blocks checkpoint, the first ones (Megatron's ``--recompute-method
     block --recompute-num-layers``); None: all of them when ``checkpoint`` is pinned, the
     planner's choice otherwise."""
+    regather_blocks: int | None = None
+    """With ZeRO-3 pinned: whose parameters are gathered again in backward, those of the first
+    this many repeated blocks (FSDP2's ``reshard_after_forward`` per block; the others stay
+    gathered from forward to backward); None: every parameter's."""
     offload: bool | None = None
     """Keep optimizer state (and fp32 master weights) in host memory, stepping there."""
     micro_batches: int | None = None
@@ -75,6 +79,12 @@ class MemoryOptions:
             raise InputError(f"checkpoint_blocks must be a positive whole number, got {k!r}")
         if k is not None and self.checkpoint == "none":
             raise InputError(f"checkpoint_blocks={k} with checkpoint='none': nothing would be checkpointed")
+        r = self.regather_blocks
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise InputError(f"regather_blocks must be a positive whole number, got {r!r}")
+        if r is not None and 3 not in (self.zero or {}).values():
+            raise InputError(f"regather_blocks={r} needs ZeRO-3 pinned (zero={{axis: 3}}): only parameters stored "
+                             "split are gathered again")
         if self.offload is not None and not isinstance(self.offload, bool):
             raise InputError(f"offload must be True, False or None, got {self.offload!r}")
         m = self.micro_batches

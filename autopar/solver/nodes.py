@@ -67,6 +67,10 @@ class PlanNode:
     recompute_memory: list[float] = field(default_factory=list)
     """Per strategy, bytes of this op's outputs that a checkpointed block drops after forward
     and brings back while recomputing in backward (empty: nothing recomputed)."""
+    regather: bool = False
+    """A parameter this op saves for backward, gathered for it on a data axis, is freed after
+    forward and gathered again in backward (ZeRO-3, FSDP's ``reshard_after_forward``), not
+    held (``autopar.solver.regather``)."""
 
     @property
     def recompute(self) -> bool:

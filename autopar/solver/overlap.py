@@ -7,9 +7,11 @@ order) give, with eff = ``HardwareProfile.grad_sync_overlap``:
 - forward: block 0's gathers G_0 wait in full (nothing runs before them to hide under);
   for k >= 1, window k exposes max(0, G_k - eff x F_{k-1}): block k's gathers are issued
   as block k-1 starts computing its forward (F_{k-1} seconds);
-- backward (ZeRO-3): the last block's regathers R_{L-1} wait in full; for k <= L-2,
-  window k exposes max(0, R_k - eff x B_{k+1}): block k's regathers are issued as block
-  k+1's backward (B_{k+1} seconds) starts.
+- backward (ZeRO-3): block k's regathers R_k are issued as block k+1's backward (B_{k+1}
+  seconds) starts, so window k exposes max(0, R_k - eff x B_{k+1}), when block k+1 gathers
+  again too (the runtime's prefetch starts at a block's first regather); the last block's,
+  and those of a block followed by one that holds its parameters (only the first blocks
+  gather again, ``autopar.solver.regather``), wait in full.
 Windowed are a parameter's gathers whose parameter has a single use, by an op of a block
 instance that does not recompute (checkpointed blocks replay their gathers in their
 recompute), and whose reshard is one all-gather (``prefetched``); every other collective
@@ -24,7 +26,7 @@ bucketed and prefetched parameters.
 
 Memory: in backward a block's prefetched regathers are alive while the block after it
 runs, so the peak holds one more block's gathered ZeRO-3 parameters: the largest over the
-blocks that have a successor (``prefetched_bytes``).
+blocks prefetched, those followed by a block that gathers again (``prefetched_bytes``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from autopar.solver.graph import price_edge
 from autopar.solver.memory import block_of
 from autopar.solver.milp import INF, SCALE, Model
 from autopar.solver.nodes import OP, PARAM, PlanGraph
+from autopar.solver.regather import regathering_blocks
 from autopar.solver.sharing import EdgeKey
 
 WindowUse = tuple[str, int]
@@ -87,6 +90,11 @@ def edge_windows(edge: EdgeCost, ctx: CostContext) -> EdgeWindows:
     return EdgeWindows(collective_time(gather, ctx.mesh) * runs if gather else 0.0,
                        collective_time(regather, ctx.mesh) * runs if regather else 0.0,
                        float(regather.nbytes) if regather else 0.0)
+
+
+def prefetched_blocks(seq: list[str], again: set[str]) -> set[str]:
+    """The blocks of ``seq`` whose regathers are prefetched: the next block gathers ``again``."""
+    return {b for b, after in zip(seq, seq[1:]) if after in again}
 
 
 def block_sequences(graph: PlanGraph) -> list[list[str]]:
@@ -142,12 +150,15 @@ def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str,
             forward[block] += cost.forward
             backward[block] += cost.time - cost.forward
     total = waits = peak = 0.0
+    again = regathering_blocks(graph)
     for seq in block_sequences(graph):
         total += sum(gather[b] + regather[b] for b in seq)
-        waits += gather[seq[0]] + regather[seq[-1]]
+        waits += gather[seq[0]]
         waits += sum(exposed(gather[seq[k]], forward[seq[k - 1]], eff) for k in range(1, len(seq)))
-        waits += sum(exposed(regather[seq[k]], backward[seq[k + 1]], eff) for k in range(len(seq) - 1))
-        peak = max([peak, *(held[b] for b in seq[:-1])])
+        ahead = prefetched_blocks(seq, again)
+        waits += sum(exposed(regather[b], backward[seq[k + 1]], eff) if b in ahead else regather[b]
+                     for k, b in enumerate(seq))
+        peak = max([peak, *(held[b] for b in ahead)])
     return WindowPrices(windowed_s=total, exposed_s=waits, prefetched_bytes=peak)
 
 
@@ -156,8 +167,9 @@ class OverlapTerms:
     """The windows in the ILP, priced as ``plan_windows`` prices a plan.
 
     A windowed edge's gather and regather seconds leave the objective (``edge``) and come
-    back per block: the first block's gathers and the last block's regathers in full, every
-    other window as a variable e >= comm - eff x compute, e >= 0. Folded blocks share their
+    back per block: the first block's gathers and the regathers no prefetch hides (the last
+    block's, ``prefetched_blocks``) in full, every other window as a variable
+    e >= comm - eff x compute, e >= 0. Folded blocks share their
     variables, so their windows are identical rows: one row serves them all, its e weighted
     by their number. The memory row gets t >= each prefetched block's regathered bytes.
     """
@@ -200,15 +212,20 @@ class OverlapTerms:
         if not self.eff or not any(self.gather.values()) and not any(self.regather.values()):
             return
         sig = self._signatures()
+        again = regathering_blocks(self.graph)
         windows: Counter[tuple[str, tuple, tuple]] = Counter()
         first: dict[str, str] = {}  # signature -> a block having it
         for seq in block_sequences(self.graph):
             for b in seq:
                 first.setdefault(sig[b], b)
             self._add_to_objective(self._comm(self.gather, seq[0]))
-            self._add_to_objective(self._comm(self.regather, seq[-1]))
             windows.update(("forward", sig[seq[k]], sig[seq[k - 1]]) for k in range(1, len(seq)))
-            windows.update(("backward", sig[seq[k]], sig[seq[k + 1]]) for k in range(len(seq) - 1))
+            ahead = prefetched_blocks(seq, again)
+            for k, b in enumerate(seq):
+                if b in ahead:
+                    windows[("backward", sig[b], sig[seq[k + 1]])] += 1
+                else:
+                    self._add_to_objective(self._comm(self.regather, b))
         for (phase, comm_sig, compute_sig), n in windows.items():
             self._add_window(self.gather if phase == "forward" else self.regather, first[comm_sig],
                              self._compute(x, first[compute_sig], phase), n)
@@ -235,13 +252,14 @@ class OverlapTerms:
         self.model.rows.append((row, 0.0, INF))
 
     def add_memory(self, memory_row: dict[int, float], minimize_memory: bool) -> None:
-        """t >= the regathered bytes of each block that has a successor; t in the memory row."""
+        """t >= the regathered bytes of each prefetched block; t in the memory row."""
         if not any(self.held.values()):
             return
         sig = self._signatures()
+        again = regathering_blocks(self.graph)
         rows: dict[tuple, dict[int, float]] = {}
         for seq in block_sequences(self.graph):
-            for b in seq[:-1]:
+            for b in sorted(prefetched_blocks(seq, again), key=seq.index):
                 if sig[b] not in rows:
                     rows[sig[b]] = self._comm(self.held, b)
         t = self.model.var(1.0 if minimize_memory else 0.0, integer=False, upper=INF)

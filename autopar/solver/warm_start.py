@@ -165,3 +165,15 @@ def _descend(unary: dict[str, np.ndarray], factors: list[Factor], choice: dict[s
         if not moved:
             break
     return choice
+
+
+def merge_tied(likely: dict[str, list[int]], tied: dict[str, str]) -> None:
+    """Tied parts keep the same strategies in a narrowed start: each part every strategy any
+    part of its class keeps."""
+    parts: dict[str, list[str]] = defaultdict(list)
+    for v, w in tied.items():
+        parts[w].append(v)
+    for w, vs in parts.items():
+        merged = list(dict.fromkeys(s for p in (w, *vs) for s in likely[p]))
+        for p in (w, *vs):
+            likely[p] = merged

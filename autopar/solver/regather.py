@@ -1,0 +1,45 @@
+"""ZeRO-3's gathering again in backward, per repeated block, in the planning graph.
+
+A parameter stored split on a data axis is all-gathered for its forward use. An op that
+saves it for backward either holds the gathered copy until then, or frees it after forward
+and gathers it again in backward (FSDP2's ``reshard_after_forward``): the copy costs no
+memory between the two passes, the second gather costs time (hidden under the next
+block's backward where ``autopar.solver.overlap`` finds a window). The choice is made per
+repeated block, as FSDP wraps one block at a time: the first k blocks gather again, or
+every parameter does (k = None: the blocks and the unrepeated head and tail). Every held
+copy is alive at the end of forward, so any k blocks save the same memory; the first ones
+are chosen because the last block's regathers are the ones no later backward can hide
+(torchtitan keeps the last block gathered for that reason). ``PlanNode.regather`` marks
+the ops; ``edge_flags`` hands it to ``edge_cost`` and ``held_reshard_bytes``; the plan
+lists the parameters it gathers again in ``MemoryPlan.regather``, which the runtime
+executes (``autopar.runtime.regather``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autopar.solver.memory import block_of
+from autopar.solver.nodes import OP, PlanGraph
+
+
+def regathering(graph: PlanGraph, blocks: list[str] | None) -> PlanGraph:
+    """A copy of ``graph`` whose ops in ``blocks`` (None: every op) gather their parameters
+    again in backward; the original graph is left as it is."""
+    if blocks is not None and not blocks:
+        return graph
+    chosen = None if blocks is None else set(blocks)
+    nodes = dict(graph.nodes)
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.kind == OP and (chosen is None or block_of(node.module) in chosen):
+            nodes[name] = replace(node, regather=True)
+    return replace(graph, nodes=nodes)
+
+
+def regathering_blocks(graph: PlanGraph) -> set[str]:
+    """The repeated blocks whose ops gather their parameters again in backward: the runtime
+    prefetches a block's regathers when the next one starts its backward only if that one
+    regathers too (``autopar.runtime.regather``)."""
+    return {b for n in graph.order if (node := graph.nodes[n]).kind == OP and node.regather
+            and (b := block_of(node.module)) is not None}
