@@ -10,8 +10,8 @@ rather than which strategy it runs, so they are searched around it, each combina
 - activation checkpointing of the repeated blocks (none, selective, full), on all of them
   or on the first quarter, half or three quarters (``CHECKPOINT_FRACTIONS``);
 - re-gathering parameters in backward instead of holding them (ZeRO-3): every parameter,
-  or those of the first quarter, half or three quarters of the repeated blocks (the same
-  shares; only blocks that do not already recompute, since a replay gathers again anyway);
+  or those of the first half of the repeated blocks (``REGATHER_FRACTIONS``; only where
+  that reaches past the checkpointed blocks, whose replay gathers again anyway);
 - optimizer state and fp32 master weights in host memory (offload), tried last;
 - ZeRO-1: the optimizer state of parameters stored replicated on a mesh axis sharded on
   it (every axis of more than one rank; not with offload).
@@ -35,6 +35,13 @@ MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 CHECKPOINT_FRACTIONS = (0.25, 0.5, 0.75)
 """Besides all repeated blocks, the shares of them (the first ones, rounded) the planner
 tries checkpointing: memory between none and all at a fraction of the recompute."""
+REGATHER_FRACTIONS = (0.5,)
+"""Besides every parameter, the shares of the repeated blocks (the first ones) whose
+parameters the planner tries gathering again. One share: with the runtime's prefetch, the
+last block that gathers again waits for its gathers whatever the share, so a share saves
+only the exposed part of the windows it drops, at the memory of the blocks it holds; rarely
+the fastest plan (the memory sweep's rows never chose one; three shares doubled the
+Llama-3-70B search, 358 -> 726 s). ``regather_blocks=`` pins any count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +124,7 @@ def _regathering(options: MemoryOptions, blocks: int, checkpoint: str, checkpoin
         pinned = bool(_pinned_regather(options))
         return [(pinned, _pinned_regathers(options, blocks) if pinned else None)]
     done = 0 if checkpoint == "none" else blocks if checkpointed is None else checkpointed
-    shares = sorted({k for f in CHECKPOINT_FRACTIONS if done < (k := round(f * blocks)) < blocks})
+    shares = sorted({k for f in REGATHER_FRACTIONS if done < (k := round(f * blocks)) < blocks})
     return [(False, None)] + [(True, k) for k in shares] + [(True, None)]
 
 
