@@ -84,8 +84,9 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
     one rank (where ZeRO-1 may shard optimizer state)."""
     pinned_zero1 = _pinned_zero1(options)
     pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
-                      checkpoint_blocks=_pinned_count(options, blocks),
-                      regather=_pinned_regather(options) or False, regather_blocks=_pinned_regathers(options, blocks),
+                      checkpoint_blocks=_first_blocks(options.checkpoint_blocks, blocks),
+                      regather=_pinned_regather(options) or False,
+                      regather_blocks=_first_blocks(options.regather_blocks, blocks),
                       offload=bool(options.offload),
                       zero1=pinned_zero1 or ())
     if not train:
@@ -106,9 +107,9 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
 def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int | None]]:
     """(policy, blocks checkpointed or None for all) pairs to search, least recompute first."""
     if options.checkpoint is not None:
-        return [(options.checkpoint, _pinned_count(options, blocks))]
+        return [(options.checkpoint, _first_blocks(options.checkpoint_blocks, blocks))]
     if options.checkpoint_blocks is not None:  # how many is pinned, not how
-        return [(policy, _pinned_count(options, blocks)) for policy in CHECKPOINT_POLICIES[1:]]
+        return [(policy, _first_blocks(options.checkpoint_blocks, blocks)) for policy in CHECKPOINT_POLICIES[1:]]
     if not blocks:
         return [("none", None)]
     shares = sorted({k for f in CHECKPOINT_FRACTIONS if 0 < (k := round(f * blocks)) < blocks})
@@ -122,21 +123,14 @@ def _regathering(options: MemoryOptions, blocks: int, checkpoint: str, checkpoin
     blocks: a replay gathers again anyway), every parameter's."""
     if options.zero is not None:
         pinned = bool(_pinned_regather(options))
-        return [(pinned, _pinned_regathers(options, blocks) if pinned else None)]
+        return [(pinned, _first_blocks(options.regather_blocks, blocks) if pinned else None)]
     done = 0 if checkpoint == "none" else blocks if checkpointed is None else checkpointed
     shares = sorted({k for f in REGATHER_FRACTIONS if done < (k := round(f * blocks)) < blocks})
     return [(False, None)] + [(True, k) for k in shares] + [(True, None)]
 
 
-def _pinned_regathers(options: MemoryOptions, blocks: int) -> int | None:
-    """The pinned number of blocks gathering again, None for every parameter."""
-    k = options.regather_blocks
-    return None if k is None or k >= blocks else k
-
-
-def _pinned_count(options: MemoryOptions, blocks: int) -> int | None:
-    """The pinned number of checkpointed blocks, None for all (a pin of all or more is all)."""
-    k = options.checkpoint_blocks
+def _first_blocks(k: int | None, blocks: int) -> int | None:
+    """A pinned count of the first blocks, None for all (a pin of all or more is all)."""
     return None if k is None or k >= blocks else k
 
 
