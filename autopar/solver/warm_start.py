@@ -88,12 +88,12 @@ def run_started(model: Model, x: dict[str, list[int]], likely: dict[str, list[in
     3.4 s -> 0.2 s + 0.9 s)."""
     began = time.perf_counter()
     ruled_out = [j for v, cols in x.items() for s, j in enumerate(cols) if s not in likely[v]]
-    narrow = run(model, time_limit_s, cutoff, zero=ruled_out) if ruled_out else None
+    narrow = run(model, time_limit_s, cutoff, zero=ruled_out, lean=True) if ruled_out else None
     start = None
     if narrow is not None and narrow.values is not None:
         start = {j: round(narrow.values[j]) for cols in x.values() for j in cols}
     left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)  # the limit is for both runs
-    result = run(model, left, cutoff, start=start)
+    result = run(model, left, cutoff, start=start, lean=True)
     return replace(result, time_limit_s=time_limit_s)
 
 
