@@ -1,4 +1,4 @@
-"""``autopar plan FILE.py:FUNC --mesh dp=2,tp=4 [--hardware h100] [--json plan.json]``."""
+"""``autopar plan FILE.py:FUNC --mesh dp=2,tp=4 [--hardware h100] [--json plan.json] [--trace step.json]``."""
 
 from __future__ import annotations
 
@@ -100,6 +100,9 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_json(), indent=1))
         print(f"plan written to {args.json}")
+    if args.trace:
+        plan.to_chrome_trace(args.trace)
+        print(f"wrote the predicted step to {args.trace} (Chrome trace: open it in Perfetto or chrome://tracing)")
     return 0
 
 
@@ -173,6 +176,7 @@ def parser() -> argparse.ArgumentParser:
     memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",
                         help="pin the number of micro-batches a step runs (must divide the batch)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    p.add_argument("--trace", metavar="FILE", help="also write the predicted step as a timeline (Chrome trace JSON)")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
     return top
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.cost.collectives import ALL_GATHER, CollectiveCall, collective_time
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, step_repeats
@@ -122,6 +122,10 @@ class WindowPrices:
     """Of those, the seconds the step waits for (the rest is hidden under compute)."""
     prefetched_bytes: float
     """Peak bytes the backward prefetch adds: one block's gathered ZeRO-3 parameters."""
+    waited: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(parameter node, 'forward' for its gather or 'backward' for its regather) -> the share
+    of that windowed collective the step waits for: its window's exposed seconds over all of
+    the window's seconds, one share for each collective of the window (``solver.trace``)."""
 
 
 def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str, NodeCost], ctx: CostContext
@@ -132,6 +136,7 @@ def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str,
     gather: dict[str, float] = defaultdict(float)
     regather: dict[str, float] = defaultdict(float)
     held: dict[str, float] = defaultdict(float)
+    members: dict[str, list[tuple[str, str]]] = defaultdict(list)  # block -> its windowed (param, phase)
     for param, (consumer, arg) in windowed_params(graph).items():
         edge = price_edge(graph, param, 0, consumer, arg, chosen[param], chosen[consumer], ctx)
         w = edge_windows(edge, ctx)
@@ -140,6 +145,7 @@ def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str,
         gather[block] += w.gather_s
         regather[block] += w.regather_s
         held[block] += w.regather_bytes
+        members[block] += [(param, phase) for phase, t in (("forward", w.gather_s), ("backward", w.regather_s)) if t]
     forward: dict[str, float] = defaultdict(float)
     backward: dict[str, float] = defaultdict(float)
     for name in graph.order:
@@ -149,17 +155,22 @@ def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str,
             cost = costs[name]
             forward[block] += cost.forward
             backward[block] += cost.time - cost.forward
-    total = waits = peak = 0.0
+    total = peak = 0.0
+    waits: dict[tuple[str, str], float] = {}  # (block, phase) -> the window's exposed seconds
     again = regathering_blocks(graph)
     for seq in block_sequences(graph):
         total += sum(gather[b] + regather[b] for b in seq)
-        waits += gather[seq[0]]
-        waits += sum(exposed(gather[seq[k]], forward[seq[k - 1]], eff) for k in range(1, len(seq)))
+        waits[(seq[0], "forward")] = gather[seq[0]]
+        waits.update({(seq[k], "forward"): exposed(gather[seq[k]], forward[seq[k - 1]], eff)
+                      for k in range(1, len(seq))})
         ahead = prefetched_blocks(seq, again)
-        waits += sum(exposed(regather[b], backward[seq[k + 1]], eff) if b in ahead else regather[b]
-                     for k, b in enumerate(seq))
+        waits.update({(b, "backward"): exposed(regather[b], backward[seq[k + 1]], eff) if b in ahead else regather[b]
+                      for k, b in enumerate(seq)})
         peak = max([peak, *(held[b] for b in ahead)])
-    return WindowPrices(windowed_s=total, exposed_s=waits, prefetched_bytes=peak)
+    windowed = {"forward": gather, "backward": regather}
+    waited = {(param, phase): waits[(block, phase)] / windowed[phase][block]
+              for block, found in members.items() for param, phase in found}
+    return WindowPrices(windowed_s=total, exposed_s=sum(waits.values()), prefetched_bytes=peak, waited=waited)
 
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, ShardBucket, gradient_buckets
 from autopar.cost.zero1 import chunk_elements
-from autopar.cost.model import (CostContext, EdgeCost, backward_time, exposed_sync_time, held_reshard_bytes, grad_placements,
-                                grad_sync_dims, step_repeats)
+from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, exposed_sync_time, grad_placements,
+                                grad_sync_dims, held_reshard_bytes, step_repeats)
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
@@ -21,6 +22,7 @@ from autopar.solver.overlap import plan_windows
 from autopar.solver.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
+from autopar.solver.trace import write_chrome_trace
 from autopar.solver.zero1 import plan_shard_buckets, zero1_dims
 
 
@@ -45,6 +47,9 @@ class PlannedCollective:
     count: int = 1
     """Runs per step: once per micro-batch for the program's own collectives, once for
     gradient buckets."""
+    waited_s: float | None = None
+    """Of ``time_s``, the seconds the step waits for; the rest runs beside compute (a
+    prefetched gather in its window, a gradient bucket beside backward). None: all of it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +63,13 @@ class NodePlacement:
     """Why the op runs replicated only (no rule, or a call its rule does not handle); None otherwise."""
     shapes: list[list[int]]
     """Global shape of each output (None-free; [] for a scalar)."""
+    forward_s: float = 0.0
+    """Predicted seconds of the op's forward in one micro-batch (0 for leaves)."""
+    backward_s: float = 0.0
+    """Predicted seconds of its backward in one micro-batch (a checkpointed op's replay included)."""
+    update_s: float = 0.0
+    """For a parameter: predicted seconds of its optimizer update (with an offloaded one's
+    copies), once per step; 0 for ops and other leaves."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +152,11 @@ class Plan:
     def __str__(self) -> str:
         return render_text(self)
 
+    def to_chrome_trace(self, path: str | Path) -> None:
+        """Write the predicted step as a timeline (Chrome trace format: open it in Perfetto or
+        chrome://tracing): compute, collectives waited for and beside compute (``solver.trace``)."""
+        write_chrome_trace(self, path)
+
 
 def fallback_groups(graph: PlanGraph) -> list[Fallback]:
     """Fallback nodes grouped by (op, reason), sorted so every rank and run lists them alike."""
@@ -190,12 +207,14 @@ class _Ledger:
         self.collectives: list[PlannedCollective] = []
         self.comm_bytes = {axis: 0.0 for axis in mesh.names}
 
-    def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1
-               ) -> None:
+    def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1,
+               waited: float = 1.0) -> None:
+        """``waited``: the share of the call the step waits for."""
         axis = self.mesh.names[call.mesh_dim]
+        time = collective_time(call, self.mesh)
         self.collectives.append(PlannedCollective(
-            kind=call.kind, axis=axis, bytes=call.nbytes, phase=phase, tensor=tensor,
-            consumer=consumer, module=module, time_s=collective_time(call, self.mesh), count=count))
+            kind=call.kind, axis=axis, bytes=call.nbytes, phase=phase, tensor=tensor, consumer=consumer,
+            module=module, time_s=time, count=count, waited_s=None if waited == 1.0 else time * waited))
         self.comm_bytes[axis] += bytes_moved(call, self.mesh) * count
 
 
@@ -227,11 +246,12 @@ def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostConte
     return best
 
 
-def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger
-                     ) -> tuple[float, set[str]]:
+def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger,
+                     waited: dict[tuple[str, str], float]) -> tuple[float, set[str]]:
     """Every reshard the step runs (once per tensor, version and placement among its
     consumers, listed at its first consumer) and every loss count reduction; returns the
-    bytes resharded copies keep until backward and the parameters gathered again in backward."""
+    bytes resharded copies keep until backward and the parameters gathered again in backward.
+    ``waited``: the windowed gathers' waited shares (``WindowPrices.waited``)."""
     prices = _shared_prices(graph, chosen, ctx)
     recorded: set[tuple] = set()
     held = 0.0
@@ -249,12 +269,27 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
             if edge.recompute and not replays:
                 regathered.add(graph.nodes[src].fqn or src)
             again = "recompute" if replays else "backward"  # a block's replay, or a parameter gathered again
-            for phase, calls in (("forward", edge.forward), ("backward", edge.backward), (again, edge.recompute)):
+            for phase, calls, window in (("forward", edge.forward, "forward"), ("backward", edge.backward, None),
+                                         (again, edge.recompute, "backward")):
+                share = waited.get((src, window), 1.0) if window else 1.0  # one all-gather when windowed
                 for call in calls:
-                    ledger.record(call, phase, src, name, node.module, step_repeats(ctx))
+                    ledger.record(call, phase, src, name, node.module, step_repeats(ctx), share)
         for call in loss_count_reductions(node, chosen[name], ctx):
             ledger.record(call, "forward", name, name, node.module, step_repeats(ctx))
     return held, regathered
+
+
+def _record_buckets(ledger: _Ledger, buckets: list[GradBucket], backward_s: float, ctx: CostContext) -> None:
+    """The gradient buckets, in the order backward fills them: the last micro-batch's
+    backward hides the first of them (``exposed_sync_time``), the step waits for the rest."""
+    calls = [CollectiveCall(ALL_REDUCE, b.mesh_dim, b.nbytes, bucketed=True) for b in buckets]
+    times = [collective_time(c, ctx.mesh) for c in calls]
+    hidden = sum(times) - exposed_sync_time(sum(times), backward_s, ctx)
+    for bucket, call, time in zip(buckets, calls, times):
+        beside = min(time, hidden)
+        hidden -= beside
+        ledger.record(call, "backward", ",".join(bucket.params), "", "(gradient buckets)",
+                      waited=1.0 - beside / time if time else 1.0)
 
 
 def bucket_buffer_bytes(buckets: list[GradBucket], ctx: CostContext) -> float:
@@ -298,12 +333,19 @@ def _with_zero1(memory: MemoryPlan, graph: PlanGraph, chosen: dict[str, Strategy
                    zero={**{axis: 1 for axis in sorted(set(zero1.values()), key=names.index)}, **memory.zero})
 
 
-def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy]) -> list[NodePlacement]:
-    return [NodePlacement(name=n, op=graph.nodes[n].op, module=graph.nodes[n].module,
-                          outputs=[placement_str(p) for p in chosen[n].outputs],
-                          inputs=[placement_str(p) for p in chosen[n].inputs], fallback=graph.nodes[n].fallback,
-                          shapes=[list(m.shape) for m in graph.nodes[n].outputs if m is not None])
-            for n in graph.order]
+def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy], costs: list[NodeCost], ctx: CostContext
+                     ) -> list[NodePlacement]:
+    out = []
+    for n, cost in zip(graph.order, costs):
+        node = graph.nodes[n]
+        op = node.kind == OP
+        out.append(NodePlacement(
+            name=n, op=node.op, module=node.module, outputs=[placement_str(p) for p in chosen[n].outputs],
+            inputs=[placement_str(p) for p in chosen[n].inputs], fallback=node.fallback,
+            shapes=[list(m.shape) for m in node.outputs if m is not None],
+            forward_s=cost.forward / step_repeats(ctx) if op else 0.0,
+            backward_s=backward_time(cost, ctx) if op else 0.0, update_s=0.0 if op else cost.time))
+    return out
 
 
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
@@ -318,7 +360,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     param_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind == PARAM)
     act_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind != PARAM)
     ledger = _Ledger(mesh)
-    held, regathered = _record_reshards(graph, chosen, ctx, ledger)
+    windows = plan_windows(graph, chosen, dict(zip(graph.order, costs)), ctx)
+    held, regathered = _record_reshards(graph, chosen, ctx, ledger, windows.waited)
     act_mem += held
     memory = replace(memory or MemoryPlan(), regather=sorted(regathered))
     freed = freed_before_recompute(graph)
@@ -326,13 +369,11 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         block_peak(graph, {n: graph.nodes[n].recompute_memory[solution.choice[folding.representative[n]]]
                            for n in graph.order if graph.nodes[n].recompute_memory}),
         sum(c.memory for n, c in zip(graph.order, costs) if n in freed))
-    windows = plan_windows(graph, chosen, dict(zip(graph.order, costs)), ctx)
     act_mem += windows.prefetched_bytes  # one block's regathers prefetched in backward
     buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     act_mem += bucket_buffer_bytes(buckets, ctx)
-    for bucket in buckets:
-        ledger.record(CollectiveCall(ALL_REDUCE, bucket.mesh_dim, bucket.nbytes, bucketed=True), "backward",
-                      ",".join(bucket.params), "", "(gradient buckets)")
+    backward = sum(backward_time(c, ctx) for n, c in zip(graph.order, costs) if graph.nodes[n].kind == OP)
+    _record_buckets(ledger, buckets, backward, ctx)
     shard_buckets = plan_shard_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     for sb in shard_buckets:  # at the optimizer step: never beside backward
         ledger.record(CollectiveCall(sb.kind, sb.mesh_dim, sb.nbytes, bucketed=True), "optimizer",
@@ -344,7 +385,6 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
             ledger.record(call, "forward", graph.loss, "output", loss.module, step_repeats(ctx))
     total_comm = sum(c.time_s * c.count for c in ledger.collectives)
     sync = sum(c.time_s * c.count for c in ledger.collectives if c.consumer == "")  # the gradient buckets
-    backward = sum(backward_time(c, ctx) for n, c in zip(graph.order, costs) if graph.nodes[n].kind == OP)
     # buckets behind the last backward; prefetched gathers behind their neighbouring blocks
     hidden = sync - exposed_sync_time(sync, backward, ctx) + windows.windowed_s - windows.exposed_s
     comm_time = total_comm - hidden
@@ -361,7 +401,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
               "distinct_nodes": len(solution.choice), "nodes": len(graph.order),
               **({"memory_search": dict(solution.search)} if solution.search else {})}
     return Plan(mesh=mesh.to_json(), precision=ctx.precision.name, train=ctx.train, parameters=parameters,
-                nodes=_node_placements(graph, chosen), collectives=ledger.collectives, predicted=predicted,
+                nodes=_node_placements(graph, chosen, costs, ctx), collectives=ledger.collectives, predicted=predicted,
                 fallbacks=fallback_groups(graph), grad_buckets=buckets, shard_buckets=shard_buckets, solver=solver,
                 timings=timings, pinned=pinned, memory_limit_bytes=memory_limit, notes=list(notes or []),
                 memory=memory)
