@@ -21,7 +21,8 @@ code outside it reads, ``self.backward_starts(v, 'layers.i', 'layers.i-1')`` hoo
 gradient (``autopar.runtime.regather``). A node belongs to a block by its module path; an
 inserted node (a reshard) to the block of its users when they all lie in one. Written
 for each block whose predecessor gathers parameters again (``self.regather`` of one of its
-parameters); such a block reading nothing out is refused, as its prefetch could not run.
+parameters); such a block computing nothing read after it is refused (nothing could
+mark its start).
 Runs after every pass that rewrites the gather calls and before ``checkpoint_blocks``
 (the hook calls read a block's values and feed nothing: they stay outside its region).
 """
