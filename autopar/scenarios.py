@@ -37,11 +37,12 @@ CHECKPOINT_FRACTIONS = (0.25, 0.5, 0.75)
 tries checkpointing: memory between none and all at a fraction of the recompute."""
 REGATHER_FRACTIONS = (0.5,)
 """Besides every parameter, the shares of the repeated blocks (the first ones) whose
-parameters the planner tries gathering again. One share: with the runtime's prefetch, the
-last block that gathers again waits for its gathers whatever the share, so a share saves
-only the exposed part of the windows it drops, at the memory of the blocks it holds; rarely
-the fastest plan (the memory sweep's rows never chose one; three shares doubled the
-Llama-3-70B search, 358 -> 726 s). ``regather_blocks=`` pins any count."""
+parameters the planner tries gathering again. One share (three doubled the Llama-3-70B
+search, 358 -> 726 s): the runtime prefetches each block of a share as the next block's
+backward starts, the share's last block too (the block after it holds), so a share waits
+only for what those windows leave exposed, saving against every parameter the regathers of
+the container's last block (and the head's and tail's), at the memory of the blocks it
+holds. ``regather_blocks=`` pins any count."""
 
 
 @dataclass(frozen=True, kw_only=True)

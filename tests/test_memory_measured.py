@@ -45,6 +45,8 @@ class Config:
 CONFIGS = [
     Config("ddp", (2,), ("dp",)),
     Config("zero3", (2,), ("dp",), {"zero": {"dp": 3}}),
+    # block 1 holds its gathered parameters; block 0's regathers are prefetched beside them
+    Config("zero3 1 of 2", (2,), ("dp",), {"zero": {"dp": 3}, "regather_blocks": 1}),
     Config("full", (2,), ("dp",), {"checkpoint": "full"}),
     Config("selective", (2,), ("dp",), {"checkpoint": "selective"}),
     Config("full 1 of 2", (2,), ("dp",), {"checkpoint": "full", "checkpoint_blocks": 1}),

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import Reference, check, reference, reference_accumulated, run_compiled
+import backward_prefetch
+from numerics_harness import STEPS, Reference, check, reference, reference_accumulated, run_compiled
 
 SEED = 1234
 
@@ -65,10 +66,13 @@ class Case:
     """'dp' (data_axes dp), 'dp_tp' (and the model's TP plan pinned on tp) or 'free'."""
     zero: int = 0
     """ZeRO stage on dp: 2 reduce-scatters gradients inside the program, every micro-batch."""
+    regather_blocks: int | None = None
+    """With ZeRO-3: only the first this many blocks gather their parameters again."""
 
     @property
     def id(self) -> str:
         zero = f"-zero{self.zero}" if self.zero else ""
+        zero += "" if self.regather_blocks is None else f"-regather{self.regather_blocks}"
         mesh = "x".join(map(str, self.mesh)) + ("tp" if self.tp_only else "")
         return f"{self.model}-{mesh}-{self.plan}-m{self.micro_batches}{zero}"
 
@@ -89,6 +93,8 @@ class Case:
             kw["seed"] = SEED
         if self.zero:
             kw["zero"] = {"dp": self.zero}
+        if self.regather_blocks is not None:
+            kw["regather_blocks"] = self.regather_blocks
         return kw
 
     def reference(self) -> Reference:
@@ -102,6 +108,7 @@ CASES = [
     Case("llama", (2,), 2), Case("llama", (2, 2), 4, "dp_tp"),
     Case("gpt_ignored", (2,), 4), Case("gpt_ignored", (2, 2), 2, "dp_tp"),
     Case("gpt_dropout", (2,), 2), Case("gpt", (2,), 2, "free", zero=2),
+    Case("gpt", (2,), 2, zero=3, regather_blocks=1),  # each micro-batch prefetches block 0 behind held block 1
     Case("gpt_ignored", (2,), 4, "dp_tp", tp_only=True),  # a replicated loss counts its whole targets
     Case("mse_mean", (2,), 4), Case("mse_sum", (2,), 4),
     Case("gpt", (2,), None),  # one micro-batch: pm.step is forward + backward
@@ -115,7 +122,8 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     assert pm.plan.memory.micro_batches == (case.micro_batches or 1)
     counts = [repr(n.args[1:3]) for n in pm.program.graph.nodes  # a count may be a placeholder: no Nodes in results
               if n.op == "call_module" and n.target == "partial_mean_loss"]
-    return {**run_compiled(pm, (*inputs, *targets), ref, step=True), "counts": counts}
+    backward = backward_prefetch.watch(pm) if case.zero == 3 else []
+    return {**run_compiled(pm, (*inputs, *targets), ref, step=True), "counts": counts, "backward": backward}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -128,6 +136,12 @@ def test_step_matches_single_device(case: Case) -> None:
         assert results[0]["counts"] == [repr(((), None))], results[0]["counts"]
     if case.zero:  # parameters stored split: gathered in the program, their gradients reduced there too
         assert any(kind == "all_gather" for (_, kind, _, _), _ in results[0]["ran"]), results[0]["ran"]
+    if case.regather_blocks == 1:  # every micro-batch's run prefetches block 0's regathers as block 1's backward starts
+        for r in results:
+            runs = backward_prefetch.runs(r["backward"])
+            assert len(runs) == STEPS * (case.micro_batches or 1)
+            for run in runs:
+                backward_prefetch.assert_prefetched(run, "blocks.0", after="blocks.1")
 
 
 def test_unweighted_micro_batches_would_differ() -> None:

@@ -25,7 +25,8 @@ from autopar.rules.strategy import parse_placements
 from autopar.solver.memory import block_of
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import TP_PLANS, Reference, reference, run_compiled, run_checked
+import backward_prefetch
+from numerics_harness import STEPS, TP_PLANS, Reference, reference, run_compiled, run_checked
 
 def _gpt_tied() -> Any:
     """GPT-2's tied head: one ZeRO-3 parameter read by an embedding (saves only the indices)
@@ -35,7 +36,12 @@ def _gpt_tied() -> Any:
     return model, inputs, loss_fn, targets
 
 
-MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build, "gpt_tied": _gpt_tied}
+def _gpt3() -> Any:
+    """The GPT example with three blocks (a held block after one gathering again, and before)."""
+    return gpt.build(gpt.GPTConfig(layers=3))
+
+
+MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build, "gpt_tied": _gpt_tied, "gpt3": _gpt3}
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,13 @@ class Case:
     stage: int
     regather_blocks: int | None = None
     """Only the first this many blocks' parameters are gathered again (None: every one's)."""
+    checkpoint_blocks: int = 0
+    """The first this many blocks are checkpointed ('full'; their recompute gathers again)."""
 
     @property
     def id(self) -> str:
         first = "" if self.regather_blocks is None else f"-regather{self.regather_blocks}"
+        first += f"-checkpoint{self.checkpoint_blocks}" if self.checkpoint_blocks else ""
         return f"{self.model}-{'x'.join(map(str, self.mesh))}-zero{self.stage}{first}"
 
     def compile_kwargs(self) -> dict[str, Any]:
@@ -58,6 +67,8 @@ class Case:
         kw: dict[str, Any] = {"zero": {"dp": self.stage}, "data_axes": ("dp",), "regather_blocks": self.regather_blocks}
         if "tp" in self.names:
             kw["constraints"] = TP_PLANS[self.model]
+        if self.checkpoint_blocks:
+            kw.update(checkpoint="full", checkpoint_blocks=self.checkpoint_blocks)
         return kw
 
 
@@ -65,7 +76,8 @@ CASES = [Case(model, mesh, names, stage) for model in ("gpt", "llama")
          for mesh, names, stage in [((2,), ("dp",), 2), ((2,), ("dp",), 3), ((4,), ("dp",), 2), ((4,), ("dp",), 3),
                                     ((2, 2), ("dp", "tp"), 3)]] + [
     Case("gpt_tied", (2,), ("dp",), 3), Case("gpt", (2,), ("dp",), 3, regather_blocks=1),
-    Case("llama", (2, 2), ("dp", "tp"), 3, regather_blocks=1)]
+    Case("llama", (2, 2), ("dp", "tp"), 3, regather_blocks=1), Case("gpt3", (2,), ("dp",), 3, regather_blocks=2),
+    Case("gpt3", (2,), ("dp",), 3, regather_blocks=2, checkpoint_blocks=1)]
 
 
 def _source_val(node: Any) -> Any:
@@ -102,11 +114,12 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     full = {k: tuple(p.shape) for k, p in model.named_parameters()}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
     regather_calls = [n for n in pm.program.graph.nodes if n.op == "call_module" and n.target == "regather"]
+    backward = backward_prefetch.watch(pm)
     result = run_compiled(pm, (*inputs, *targets), ref)
     got: Counter[str] = Counter()
     for (fqn, *_), count in result["regathered"]:
         got[fqn] += count
-    return {**result, "full": full, "regather_calls": len(regather_calls), "got": dict(got),
+    return {**result, "full": full, "regather_calls": len(regather_calls), "got": dict(got), "backward": backward,
             "want": {k: v for k, v in expected_regathers(pm.program, tuple(case.mesh)).items() if v}}
 
 
@@ -123,11 +136,31 @@ def test_zero_matches_single_device(case: Case) -> None:
         else:
             assert r["regather_calls"] > 0
             assert r["got"] == r["want"] and r["got"], (r["got"], r["want"])
-        if case.regather_blocks is not None:  # the first block's parameters only; the second's are held
-            assert r["regather_planned"] and all((block_of(fqn) or "").endswith(".0") for fqn in r["regather_planned"])
+        blocks = list(dict.fromkeys(b for fqn in r["full"] if (b := block_of(fqn)) is not None))
+        again = blocks[case.checkpoint_blocks:case.regather_blocks]  # None: every block; checkpointed ones replay
+        if case.regather_blocks is not None:  # the first blocks' parameters only; the later ones' are held
+            assert r["regather_planned"] and {block_of(fqn) for fqn in r["regather_planned"]} == set(again)
+        if case.stage == 3:
+            _check_backward_prefetch(r["backward"], blocks, again)
         if case.model == "gpt_tied" and "wte.weight" in r["regather_planned"]:
             # the embedding's use saves nothing; the head's saves the table (when the plan gathers it)
             assert sum(n for k, n in r["got"].items() if k in ("wte.weight", "lm_head.weight")) == 1, r["got"]
+
+
+def _check_backward_prefetch(events: list[backward_prefetch.Event], blocks: list[str], again: list[str]) -> None:
+    """In every step, each block gathering again but the last block was prefetched as the next
+    block's backward started (whether that one gathers again or holds its own); the last
+    block, when it gathers again, gathers on demand (nothing after it prefetches it)."""
+    runs = backward_prefetch.runs(events)
+    assert len(runs) == STEPS
+    for run in runs:
+        for block, after in zip(blocks, blocks[1:]):
+            if block in again:
+                backward_prefetch.assert_prefetched(run, block, after)
+        if blocks[-1] in again:
+            backward_prefetch.assert_on_demand(run, blocks[-1])
+        started = [b for what, b, _ in run if what == "starts"]
+        assert started == [after for block, after in zip(blocks, blocks[1:]) if block in again][::-1], started
 
 
 def _gathers_alive(rank: int, world: int, stage: int) -> dict[str, Any]:

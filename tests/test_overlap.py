@@ -5,8 +5,9 @@ Pricing, on two identical blocks by hand: block 0's gathers and block 1's regath
 full; block 1's gathers hide under block 0's forward and block 0's regathers under block
 1's backward, each up to eff x that compute (exposed = max(0, comm - eff x compute)); the
 ILP's objective is the plan's predicted step time. Running: block i+1's gathers are issued
-before block i's first op, block i's regathers when block i+1's backward starts, and what
-runs is what the plan lists (``numerics_harness``), with the single-device numbers.
+before block i's first op, block i's regathers when block i+1's backward starts (whether
+block i+1 gathers its own again or holds them), and what runs is what the plan lists
+(``numerics_harness``), with the single-device numbers.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.api import finish_step, plan_step, prepare_step, solve_step
 from autopar.hardware import PROFILES
-from autopar.runtime import regather as regather_module
 from autopar.passes.prefetch_gathers import _first_compute
 from autopar.solver.memory import block_of
 from autopar.solver.overlap import plan_windows
 from examples import gpt
-from numerics_harness import Reference, reference, run_checked, run_compiled
+import backward_prefetch
+from numerics_harness import STEPS, Reference, reference, run_checked, run_compiled
 
 
 class Block(nn.Module):
@@ -41,12 +42,12 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """An input projection (so both blocks' inputs need a gradient: they fold) and two blocks."""
+    """An input projection (so every block's input needs a gradient: they fold) and ``n`` blocks."""
 
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, n: int = 2) -> None:
         super().__init__()
         self.inp = nn.Linear(d, d, bias=False)
-        self.layers = nn.ModuleList([Block(d), Block(d)])
+        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
@@ -58,7 +59,8 @@ class Stack(nn.Module):
 def _block_figures(step: Any) -> dict[str, dict[str, float]]:
     """Per block: forward gathers G, backward regathers R (from the plan's collectives) and
     forward / backward compute F, B (the chosen strategies' costs), in seconds per step."""
-    out = {b: {"G": 0.0, "R": 0.0, "F": 0.0, "B": 0.0} for b in ("layers.0", "layers.1")}
+    blocks = dict.fromkeys(b for n in step.graph.order if (b := block_of(step.graph.nodes[n].module)) is not None)
+    out = {b: {"G": 0.0, "R": 0.0, "F": 0.0, "B": 0.0} for b in blocks}
     for c in step.plan.collectives:
         block = block_of(c.module)
         if block in out and c.kind == "all_gather" and step.graph.nodes[c.tensor].kind == "param":
@@ -119,38 +121,96 @@ def test_backward_prefetch_holds_one_more_block(zero: int) -> None:
     assert solution.memory_bytes == pytest.approx(step.plan.predicted.peak_memory_bytes, rel=1e-12)
 
 
+def _hidden(fig: dict[str, dict[str, float]], eff: float) -> float:
+    """Seconds the windows hide, by hand: block k's gathers under block k-1's forward, and the
+    regathers of every block but the last under the next block's backward."""
+    blocks = list(fig)
+    return sum(fig[b]["G"] - max(0.0, fig[b]["G"] - eff * fig[a]["F"]) for a, b in zip(blocks, blocks[1:])) + \
+        sum(fig[a]["R"] - max(0.0, fig[a]["R"] - eff * fig[b]["B"]) for a, b in zip(blocks, blocks[1:]))
+
+
+def _plans(n: int, shares: tuple[int | None, ...], eff: float = 0.8) -> dict[int | None, Any]:
+    """ZeRO-3 plans of an ``n``-block Stack gathering again every parameter (None) or the first
+    k blocks' (k in ``shares``), each with the ILP's memory row (``memory_bytes``) beside it."""
+    d = 256
+    mesh = autopar.Mesh({"dp": 2}, hardware=dataclasses.replace(PROFILES["h100"], grad_sync_overlap=eff))
+    out = {}
+    for k in shares:
+        prepared = prepare_step(Stack(d, n), mesh, (torch.randn(64, d),), loss_fn=F.mse_loss,
+                                example_targets=(torch.randn(64, d),), data_axes=("dp",), zero={"dp": 3},
+                                regather_blocks=k)
+        solution = solve_step(prepared)
+        out[k] = (finish_step(prepared, solution), solution.memory_bytes)
+    return out
+
+
 def test_gathering_again_in_the_first_block_only() -> None:
     """``regather_blocks=1``: block 0 frees its gathered weight after forward and gathers it
-    again; block 1 holds its copy. Nothing prefetches block 0's regather (the runtime starts
-    a prefetch at the next block's first regather, and block 1 has none), so it waits in
-    full; block 1's forward gather still hides under block 0's forward. Memory: block 1's
-    held copy, no prefetched block; gathering both again holds none but prefetches block 0's
-    while block 1's backward runs: one copy either way."""
+    again; block 1 holds its copy. Block 1's backward start still prefetches block 0's
+    regather (the runtime's trigger needs nothing of block 1's parameters), so it hides
+    under block 1's backward, as block 1's forward gather hides under block 0's forward.
+    Memory: block 1's held copy plus block 0's prefetched one; gathering both again holds
+    none and prefetches block 0's the same way: one weight (d x d in bf16) less."""
     d, eff = 256, 0.8
-    mesh = autopar.Mesh({"dp": 2}, hardware=dataclasses.replace(PROFILES["h100"], grad_sync_overlap=eff))
-    kwargs: dict[str, Any] = {"loss_fn": F.mse_loss, "example_targets": (torch.randn(64, d),), "data_axes": ("dp",)}
-    steps = {k: plan_step(Stack(d), mesh, (torch.randn(64, d),), zero={"dp": z}, regather_blocks=k, **kwargs)
-             for z, k in ((3, None), (3, 1))}
-    every, first = steps[None], steps[1]
+    plans = _plans(2, (None, 1), eff)
+    (every, every_row), (first, first_row) = plans[None], plans[1]
     assert first.plan.memory.regather == ["layers.0.fc.weight"]
     fig = _block_figures(first)
     b0, b1 = fig["layers.0"], fig["layers.1"]
     assert b0["R"] > 0 and b1["R"] == 0 and b1["G"] > 0
-    hidden = b1["G"] - max(0.0, b1["G"] - eff * b0["F"])
+    assert b0["R"] <= eff * b1["B"]  # hidden whole: the plan waits for none of block 0's regather
+    hidden = b1["G"] - max(0.0, b1["G"] - eff * b0["F"]) + b0["R"]
+    assert hidden == pytest.approx(_hidden(fig, eff), rel=1e-12)
     pred = first.plan.predicted
+    total_comm = sum(c.time_s * c.count for c in first.plan.collectives)
     assert pred.hidden_comm_time_s == pytest.approx(hidden, rel=1e-9)
+    assert pred.step_time_s == pytest.approx(pred.compute_time_s + total_comm - hidden, rel=1e-9)
     assert first.plan.solver["objective_s"] == pytest.approx(pred.step_time_s, rel=1e-9)
     assert every.plan.memory.regather == ["layers.0.fc.weight", "layers.1.fc.weight"]
-    costs = {n: first.graph.nodes[n].costs[first.graph.nodes[n].strategies.index(first.chosen[n])]
-             for n in first.graph.order}
-    assert plan_windows(first.graph, first.chosen, costs, first.ctx).prefetched_bytes == 0
-    assert pred.peak_memory_bytes == pytest.approx(every.plan.predicted.peak_memory_bytes, rel=1e-12)
+    weight = d * d * 2
+    for step, row in (plans[None], plans[1]):
+        costs = {n: step.graph.nodes[n].costs[step.graph.nodes[n].strategies.index(step.chosen[n])]
+                 for n in step.graph.order}
+        assert plan_windows(step.graph, step.chosen, costs, step.ctx).prefetched_bytes == weight
+        assert row == pytest.approx(step.plan.predicted.peak_memory_bytes, rel=1e-12)  # ILP row == plan
+    assert _block_figures(every) == fig | {"layers.1": {**b1, "R": b0["R"]}}  # the same plan, block 1 regathering
+    assert pred.peak_memory_bytes == pytest.approx(every.plan.predicted.peak_memory_bytes + weight, rel=1e-12)
+
+
+def test_a_later_block_holding_still_prefetches_the_one_before() -> None:
+    """Three blocks, the first two gathering again and block 2 holding (torchtitan's default:
+    the last block holds): block 1's regathers hide under block 2's backward, block 0's under
+    block 1's, so no regather waits; one block's weight is prefetched at a time, and each
+    block more held adds its weight to the peak."""
+    d, eff = 256, 0.8
+    plans = _plans(3, (None, 1, 2), eff)
+    step, row = plans[2]
+    assert step.plan.memory.regather == ["layers.0.fc.weight", "layers.1.fc.weight"]
+    fig = _block_figures(step)
+    assert [fig[b]["R"] > 0 for b in fig] == [True, True, False]
+    assert all(fig[a]["R"] <= eff * fig[b]["B"] for a, b in (("layers.0", "layers.1"), ("layers.1", "layers.2")))
+    pred = step.plan.predicted
+    assert pred.hidden_comm_time_s == pytest.approx(_hidden(fig, eff), rel=1e-9)
+    total_comm = sum(c.time_s * c.count for c in step.plan.collectives)
+    assert pred.step_time_s == pytest.approx(pred.compute_time_s + total_comm - _hidden(fig, eff), rel=1e-9)
+    assert step.plan.solver["objective_s"] == pytest.approx(pred.step_time_s, rel=1e-9)
+    weight = d * d * 2
+    costs = {n: step.graph.nodes[n].costs[step.graph.nodes[n].strategies.index(step.chosen[n])]
+             for n in step.graph.order}
+    assert plan_windows(step.graph, step.chosen, costs, step.ctx).prefetched_bytes == weight
+    assert row == pytest.approx(pred.peak_memory_bytes, rel=1e-12)
+    peaks = [plans[k][0].plan.predicted.peak_memory_bytes for k in (None, 2, 1)]  # 0, 1, 2 blocks held
+    assert peaks == pytest.approx([peaks[0], peaks[0] + weight, peaks[0] + 2 * weight], rel=1e-12)
+    # every parameter gathered again: the last block's regather waits, the rest as above
+    every = plans[None][0]
+    last = _block_figures(every)["layers.2"]["R"]
+    assert last > 0 and every.plan.predicted.step_time_s == pytest.approx(pred.step_time_s + last, rel=1e-9)
 
 
 def _order_on_rank(rank: int, world: int, case: Any, ref: Reference) -> dict[str, Any]:
     """Three steps of the GPT example under ZeRO-3 (``run_compiled``), recording beside the
-    collective log when each block starts computing, when each parameter's gather is issued
-    in forward and when each regather is issued and unpacked in backward."""
+    collective log when each block starts computing and when each parameter's gather is
+    issued in forward; backward's events (``backward_prefetch``) apart."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero={"dp": 3},
@@ -177,32 +237,14 @@ def _order_on_rank(rank: int, world: int, case: Any, ref: Reference) -> dict[str
         with graph.inserting_before(node):
             graph.call_function(start, (block,))
     pm.program.recompile()
-    launch, unpack = regather_module._Source.launch, regather_module._Prefetcher.unpack
-
-    def watch_launch(source: Any) -> Any:
-        note("regather", block_of(source.fqn))
-        return launch(source)
-
-    def watch_unpack(self: Any, saved: Any) -> Any:
-        if isinstance(saved, regather_module._Saved):
-            note("unpack", block_of(saved.source.fqn))
-        return unpack(self, saved)
-    # patched in this forked rank's process only, which ends with the test
-    regather_module._Source.launch, regather_module._Prefetcher.unpack = watch_launch, watch_unpack  # type: ignore
-    return {**run_compiled(pm, (*inputs, *targets), ref), "events": events}
-
-
-def _first_step(events: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
-    """The events of the first step: up to the next step's first forward issue (after a backward unpack)."""
-    first_unpack = next(i for i, e in enumerate(events) if e[0] == "unpack")
-    end = next((i for i in range(first_unpack, len(events)) if events[i][0] == "issue"), len(events))
-    return events[:end]
+    backward = backward_prefetch.watch(pm)
+    return {**run_compiled(pm, (*inputs, *targets), ref), "events": events, "backward": backward}
 
 
 def test_gathers_are_issued_one_block_ahead() -> None:
     ref = reference(gpt.build)
     for result in run_checked(_order_on_rank, (2,), None, ref):  # numerics, and executed == planned
-        events = _first_step(result["events"])
+        events = result["events"][:len(result["events"]) // STEPS]  # the first of the alike steps
         at = {(what, block): i for i, (what, block, _) in reversed(list(enumerate(events)))}  # first occurrence
         issued = {b: [i for i, (what, block, _) in enumerate(events) if what == "issue" and block == b]
                   for b in ("blocks.0", "blocks.1")}
@@ -212,9 +254,11 @@ def test_gathers_are_issued_one_block_ahead() -> None:
         # ... and logged then (the log lists them in the order they were issued)
         count_at = {e[:2]: e[2] for e in reversed(events)}
         assert count_at[("start", "blocks.0")] >= len(issued["blocks.0"]) + len(issued["blocks.1"])
-        # backward: block 1 regathers as it is unpacked; its first unpack issues block 0's regathers,
-        # one per handle block 0 unpacks later, all before block 0's backward starts
-        unpacks = [i for i, (what, block, _) in enumerate(events) if what == "unpack" and block == "blocks.0"]
-        ahead = [i for i, (what, block, _) in enumerate(events) if what == "regather" and block == "blocks.0"]
-        assert at[("unpack", "blocks.1")] < min(ahead) and max(ahead) < min(unpacks)
-        assert len(ahead) == len(unpacks)
+        # backward: block 1's backward start issues block 0's regathers, one per handle block 0
+        # unpacks later; block 1's own (the last block's) are gathered as they are unpacked
+        runs = backward_prefetch.runs(result["backward"])
+        assert len(runs) == STEPS
+        for run in runs:
+            backward_prefetch.assert_prefetched(run, "blocks.0", after="blocks.1")
+            backward_prefetch.assert_on_demand(run, "blocks.1")
+            assert [e[:2] for e in run if e[0] == "starts"] == [("starts", "blocks.1")]

@@ -13,15 +13,17 @@ in this order:
 7. localize_random: ops that draw random numbers become ``self.random`` calls (one
    global draw per op, this rank keeping its slice);
 8. prefetch_gathers: a repeated block's parameter all-gathers are issued before the block
-   before it computes (``self.prefetch``), and waited for at their use;
+   before it computes (``self.prefetch``), and waited for at their use; a block's backward
+   start, which issues the block before's ZeRO-3 regathers, is marked (``self.backward_starts``);
 9. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
    call of a submodule holding its nodes (last: a block takes its reshards and draws along).
 A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
 rewrite an op whatever its placement, rewrite inside subgraphs too.
-The ``reshard``, ``regather``, ``prefetch``, ``partial_mean_loss``, ``random`` and ``recompute``
-modules they call are runtime code (``autopar.runtime.ops``, ``autopar.runtime.random``,
-``autopar.runtime.recompute``), handed in by the caller: passes only write the calls.
+The ``reshard``, ``regather``, ``prefetch``, ``backward_starts``, ``partial_mean_loss``, ``random``
+and ``recompute`` modules they call are runtime code (``autopar.runtime.ops``,
+``autopar.runtime.regather``, ``autopar.runtime.random``, ``autopar.runtime.recompute``), handed in
+by the caller: passes only write the calls.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[s
     """A per-rank copy of ``gm`` with the plan applied (``gm`` itself is left as it was).
 
     ``modules`` are the ops the passes call (``reshard``, ``regather``, ``prefetch``,
-    ``partial_mean_loss``, ``random``, ``recompute``).
+    ``backward_starts``, ``partial_mean_loss``, ``random``, ``recompute``).
     """
     gm = _copy(gm)
     for name, module in modules.items():

@@ -13,14 +13,25 @@ Prefetched: a parameter read by that one call, whose consumers all lie in one bl
 instance (``solver.memory.block_of``) that is not checkpointed (a recompute replays its
 region's gathers in backward; a handle waited for once cannot serve it). Blocks follow one
 another within their container (``layers.0``, ``layers.1``, ...), the windows
-``solver.overlap`` prices. Runs after every pass that rewrites the gather calls and before
-``checkpoint_blocks``.
+``solver.overlap`` prices.
+
+In backward (ZeRO-3), block i-1's regathers are issued as block i's backward starts,
+whatever block i does with its own parameters: after each value block i computes and
+code outside it reads, ``self.backward_starts(v, 'layers.i', 'layers.i-1')`` hooks its
+gradient (``autopar.runtime.regather``). A node belongs to a block by its module path; an
+inserted node (a reshard) to the block of its users when they all lie in one. Written
+for each block whose predecessor gathers parameters again (``self.regather`` of one of its
+parameters); such a block computing nothing read after it is refused (nothing could
+mark its start).
+Runs after every pass that rewrites the gather calls and before ``checkpoint_blocks``
+(the hook calls read a block's values and feed nothing: they stay outside its region).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 import torch.fx
 
 from autopar.passes.context import PassContext, plan_name
@@ -50,6 +61,7 @@ def prefetch_gathers(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Grap
             before = starts[container_blocks[i - 1]] if i else min([starts[block], *gathers], key=order.__getitem__)
             for gather in gathers:
                 _split(gm, gather, before)
+    _mark_backward_starts(gm, _containers(starts))
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -106,3 +118,49 @@ def _split(gm: torch.fx.GraphModule, gather: torch.fx.Node, before: torch.fx.Nod
     with gm.graph.inserting_before(before):
         launch = gm.graph.call_module("prefetch", (gather.args[0], src, dst), kwargs)
     gather.kwargs = {**gather.kwargs, "pending": launch}
+
+
+def _mark_backward_starts(gm: torch.fx.GraphModule, containers: dict[str, list[str]]) -> None:
+    """``self.backward_starts(v, block, previous)`` after each value ``v`` that ``block``
+    computes and code outside it reads, where ``previous`` gathers parameters again."""
+    graph = gm.graph
+    regathering = {block_of(str(n.args[1])) for n in graph.nodes if n.op == "call_module" and n.target == "regather"}
+    owner = _owners(graph)
+    leaving: dict[str, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        block = owner.get(node)
+        if block is not None and _differentiable(node) and any(owner.get(u) != block for u in node.users):
+            leaving.setdefault(block, []).append(node)
+    for blocks in containers.values():
+        for previous, block in zip(blocks, blocks[1:]):
+            if previous not in regathering:
+                continue
+            if block not in leaving:
+                raise RuntimeError(f"block {block} computes nothing read after it: its backward start, which "
+                                   f"prefetches {previous}'s regathers, cannot be marked")
+            for v in leaving[block]:
+                with graph.inserting_after(v):
+                    graph.call_module("backward_starts", (v, block, previous))
+
+
+def _owners(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
+    """The block each node belongs to (nodes of none are absent): a captured node by its module
+    path, an inserted one by its users when they all belong to one block."""
+    owner: dict[torch.fx.Node, str] = {}
+    for node in reversed(graph.nodes):  # users first: inserted nodes inherit from them
+        if node.op in ("placeholder", "output"):
+            continue
+        if "nn_module_stack" in node.meta:
+            block = block_of(_module_path(node))
+        else:
+            users = {owner.get(u) for u in node.users}
+            block = users.pop() if len(users) == 1 else None
+        if block is not None:
+            owner[node] = block
+    return owner
+
+
+def _differentiable(node: torch.fx.Node) -> bool:
+    """A tensor value a gradient may flow back to (floating or complex)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex)

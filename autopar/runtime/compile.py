@@ -25,7 +25,7 @@ from autopar.runtime.mixed import compute_buffer, compute_copy, running_precisio
 from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
 from autopar.solver.memory import example_batch
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.regather import Regather
+from autopar.runtime.regather import BackwardStarts, Regather
 from autopar.runtime.random import RandomOps, agree_seed, make_generator
 from autopar.runtime.recompute import Recompute
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
@@ -224,7 +224,7 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
                      master_dtype=None if compute_dtype is None else torch.float32)
     random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
     program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
-                                                  "prefetch": Prefetch(comm),
+                                                  "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
                                                   "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
                                                   "recompute": Recompute(comm, random_ops.generator)})
     state = dict(model.named_parameters()) | dict(model.named_buffers())

@@ -12,17 +12,28 @@ rebuilds the view; each saved use gathers on its own (no caching: the copy lives
 long as the backward op reading it). Which ops save the parameter, and so cost a
 regather: ``autopar.cost.saved``.
 
-Backward prefetch (FSDP2's): the first unpack of a handle of block ``layers.i`` issues,
-without waiting, the gathers of every handle block ``layers.i-1`` saved (the block
-before it in forward, same container); each is waited for when its handle is unpacked.
-So one block's gathers run while the block after it computes its backward, and at most
-one extra block's gathered parameters are alive (priced: ``autopar.solver.overlap``).
-Handles outside a repeated block gather when unpacked, as do those of the last block.
+Backward prefetch (FSDP2's): when block ``layers.i``'s backward starts, the gathers of
+every handle block ``layers.i-1`` saved (the block before it in forward, same container)
+are issued without waiting; each is waited for when its handle is unpacked. What block i
+does with its own parameters does not matter (gathered again, held from forward, as
+torchtitan keeps the last block, or replicated): the trigger is ``self.backward_starts(v,
+'layers.i', 'layers.i-1')``, which ``autopar.passes.prefetch_gathers`` writes after each
+value ``v`` block i computes and later code reads, and which hooks ``v``'s gradient, as
+FSDP2's pre-backward hook does on a block's outputs: it is complete exactly when the
+backward of everything after block i is done (the first such hook to fire counts). A
+tensor hook, not an autograd node of its own: nothing is copied or viewed, so in-place
+ops on ``v`` stay legal; the calls stay outside checkpointed regions, and a recompute
+runs outside this context anyway (it registers none). So block i-1's gathers run while
+block i computes its backward, and at most one extra block's gathered parameters are
+alive (priced: ``autopar.solver.overlap``). Handles outside a repeated block gather when
+unpacked, as do those of a container's last block. Each program run (one micro-batch) has
+its own prefetcher, which its hooks keep.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -98,10 +109,10 @@ class _Prefetcher:
     def __init__(self) -> None:
         self.waiting: dict[str, dict[_Saved, None]] = {}
         """Block -> its handles not yet unpacked, in the order saved (an ordered set)."""
-        self.previous: dict[str, str | None] = {}
-        """Block -> the block of the same container saved before it (None for the first)."""
         self.pending: dict[_Saved, Pending] = {}
         """Handles whose gather was issued ahead."""
+        self.started: set[str] = set()
+        """Blocks whose backward started (their predecessor's gathers were issued then)."""
 
     def pack(self, t: torch.Tensor) -> Any:
         root = t if t._base is None else t._base
@@ -111,10 +122,6 @@ class _Prefetcher:
         saved = _Saved(source, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t is root)
         block = block_of(source.fqn)
         if block is not None:
-            if block not in self.waiting:
-                container = block.rsplit(".", 1)[0]
-                self.previous[block] = next((b for b in reversed(self.waiting) if b.rsplit(".", 1)[0] == container),
-                                            None)
             self.waiting.setdefault(block, {})[saved] = None
         return saved
 
@@ -127,14 +134,20 @@ class _Prefetcher:
         block = block_of(source.fqn)
         if block is not None:
             self.waiting[block].pop(saved, None)
-            self._launch(self.previous[block])
         return full if saved.whole else full.as_strided(saved.size, saved.stride, saved.offset)
 
-    def _launch(self, block: str | None) -> None:
-        """Issue the gathers of ``block``'s handles not issued yet."""
-        for saved in self.waiting.get(block, {}) if block is not None else ():
+    def backward_starts(self, block: str, previous: str) -> None:
+        """``block``'s backward starts: issue the gathers of ``previous``'s handles (once)."""
+        if block in self.started:
+            return
+        self.started.add(block)
+        for saved in self.waiting.get(previous, {}):
             if saved not in self.pending:
                 self.pending[saved] = saved.source.launch()
+
+
+_ACTIVE: contextvars.ContextVar[_Prefetcher | None] = contextvars.ContextVar("_autopar_prefetcher", default=None)
+"""The prefetcher of the program run in progress (``regather_hooks``)."""
 
 
 @contextlib.contextmanager
@@ -142,8 +155,27 @@ def regather_hooks() -> Iterator[None]:
     """Run a program so that the tagged gathered parameters it saves are gathered again in
     backward, each block's ahead of its backward."""
     prefetcher = _Prefetcher()
-    with torch.autograd.graph.saved_tensors_hooks(prefetcher.pack, prefetcher.unpack):
-        yield
+    token = _ACTIVE.set(prefetcher)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(prefetcher.pack, prefetcher.unpack):
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+class BackwardStarts(nn.Module):
+    """``self.backward_starts(v, block, previous)``: once ``v``'s gradient is complete,
+    ``block``'s backward starts and ``previous``'s regathers are issued (module docstring).
+    Returns nothing: ``v`` itself flows on untouched."""
+
+    def forward(self, v: torch.Tensor, block: str, previous: str) -> None:
+        prefetcher = _ACTIVE.get()
+        if prefetcher is None or not v.requires_grad or not torch.is_grad_enabled():
+            return  # no backward of this run will come (or no ZeRO-3 handles to prefetch)
+
+        def starts(grad: torch.Tensor) -> None:
+            prefetcher.backward_starts(block, previous)
+        v.register_hook(starts)
 
 
 class Regather(nn.Module):

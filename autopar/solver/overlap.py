@@ -8,10 +8,11 @@ order) give, with eff = ``HardwareProfile.grad_sync_overlap``:
   for k >= 1, window k exposes max(0, G_k - eff x F_{k-1}): block k's gathers are issued
   as block k-1 starts computing its forward (F_{k-1} seconds);
 - backward (ZeRO-3): block k's regathers R_k are issued as block k+1's backward (B_{k+1}
-  seconds) starts, so window k exposes max(0, R_k - eff x B_{k+1}), when block k+1 gathers
-  again too (the runtime's prefetch starts at a block's first regather); the last block's,
-  and those of a block followed by one that holds its parameters (only the first blocks
-  gather again, ``autopar.solver.regather``), wait in full.
+  seconds) starts, so window k exposes max(0, R_k - eff x B_{k+1}), whatever block k+1
+  does with its own parameters (gathers them again, holds them from forward as when only
+  the first blocks gather again, ``autopar.solver.regather``, or keeps them replicated):
+  the runtime's trigger is a hook on the gradients of the values block k+1 computes for
+  later code, which needs none of its parameters. The last block's regathers wait in full.
 Windowed are a parameter's gathers whose parameter has a single use, by an op of a block
 instance that does not recompute (checkpointed blocks replay their gathers in their
 recompute), and whose reshard is one all-gather (``prefetched``); every other collective
@@ -26,7 +27,7 @@ bucketed and prefetched parameters.
 
 Memory: in backward a block's prefetched regathers are alive while the block after it
 runs, so the peak holds one more block's gathered ZeRO-3 parameters: the largest over the
-blocks prefetched, those followed by a block that gathers again (``prefetched_bytes``).
+blocks prefetched, every block that gathers again but a container's last (``prefetched_bytes``).
 """
 
 from __future__ import annotations
@@ -93,8 +94,9 @@ def edge_windows(edge: EdgeCost, ctx: CostContext) -> EdgeWindows:
 
 
 def prefetched_blocks(seq: list[str], again: set[str]) -> set[str]:
-    """The blocks of ``seq`` whose regathers are prefetched: the next block gathers ``again``."""
-    return {b for b, after in zip(seq, seq[1:]) if after in again}
+    """The blocks of ``seq`` whose regathers are prefetched: those gathering ``again`` that a
+    block follows (its backward start issues them, ``autopar.runtime.regather``)."""
+    return {b for b in seq[:-1] if b in again}
 
 
 def block_sequences(graph: PlanGraph) -> list[list[str]]:

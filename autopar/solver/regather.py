@@ -39,8 +39,8 @@ def regathering(graph: PlanGraph, blocks: list[str] | None) -> PlanGraph:
 
 
 def regathering_blocks(graph: PlanGraph) -> set[str]:
-    """The repeated blocks whose ops gather their parameters again in backward: the runtime
-    prefetches a block's regathers when the next one starts its backward only if that one
-    regathers too (``autopar.runtime.regather``)."""
+    """The repeated blocks whose ops gather their parameters again in backward (the runtime
+    prefetches a block's regathers as the next one starts its backward, whatever that one
+    does with its own: ``autopar.solver.overlap.prefetched_blocks``)."""
     return {b for n in graph.order if (node := graph.nodes[n]).kind == OP and node.regather
             and (b := block_of(node.module)) is not None}
