@@ -10,8 +10,8 @@ rather than which strategy it runs, so they are searched around it, each combina
 - activation checkpointing of the repeated blocks (none, selective, full), on all of them
   or on the first quarter, half or three quarters (``CHECKPOINT_FRACTIONS``);
 - re-gathering parameters in backward instead of holding them (ZeRO-3): every parameter,
-  or those of the first half of the repeated blocks (``REGATHER_FRACTIONS``; only where
-  that reaches past the checkpointed blocks, whose replay gathers again anyway);
+  or those of every repeated block but the last (``REGATHER_HELD``; only where that reaches
+  past the checkpointed blocks, whose replay gathers again anyway);
 - optimizer state and fp32 master weights in host memory (offload), tried last;
 - ZeRO-1: the optimizer state of parameters stored replicated on a mesh axis sharded on
   it (every axis of more than one rank; not with offload).
@@ -35,14 +35,17 @@ MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 CHECKPOINT_FRACTIONS = (0.25, 0.5, 0.75)
 """Besides all repeated blocks, the shares of them (the first ones, rounded) the planner
 tries checkpointing: memory between none and all at a fraction of the recompute."""
-REGATHER_FRACTIONS = (0.5,)
-"""Besides every parameter, the shares of the repeated blocks (the first ones) whose
-parameters the planner tries gathering again. One share (three doubled the Llama-3-70B
-search, 358 -> 726 s): the runtime prefetches each block of a share as the next block's
-backward starts, the share's last block too (the block after it holds), so a share waits
-only for what those windows leave exposed, saving against every parameter the regathers of
-the container's last block (and the head's and tail's), at the memory of the blocks it
-holds. ``regather_blocks=`` pins any count."""
+REGATHER_HELD = 1
+"""Besides every parameter, the planner tries gathering again the parameters of all repeated
+blocks but the last this many, which hold theirs (torchtitan's default for FSDP2: the last
+block's gathers would be needed again at once). The runtime prefetches each gathering block's
+regathers as the next block's backward starts, so this share waits only for what those
+windows leave exposed, and saves against every parameter the regathers of the container's
+last block (nothing prefetches those) for one block's parameters held; a larger held share
+holds more for the same saving when the windows hide their traffic (the first half of the
+blocks, the share tried before backward prefetch crossed held blocks, was never chosen over
+it). One share: three doubled the Llama-3-70B search (358 -> 726 s). ``regather_blocks=``
+pins any count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,8 +129,8 @@ def _regathering(options: MemoryOptions, blocks: int, checkpoint: str, checkpoin
         pinned = bool(_pinned_regather(options))
         return [(pinned, _first_blocks(options.regather_blocks, blocks) if pinned else None)]
     done = 0 if checkpoint == "none" else blocks if checkpointed is None else checkpointed
-    shares = sorted({k for f in REGATHER_FRACTIONS if done < (k := round(f * blocks)) < blocks})
-    return [(False, None)] + [(True, k) for k in shares] + [(True, None)]
+    share = blocks - REGATHER_HELD
+    return [(False, None)] + [(True, share)] * (done < share < blocks) + [(True, None)]
 
 
 def _first_blocks(k: int | None, blocks: int) -> int | None:

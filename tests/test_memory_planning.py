@@ -68,16 +68,16 @@ def test_checkpointing_the_first_blocks() -> None:
 
 def test_gathering_again_is_searched_per_block() -> None:
     """Beside each checkpointing choice the search tries holding every gathered parameter,
-    gathering again those of the first half of the blocks (only beyond the checkpointed
-    ones: a replay gathers again anyway), or every parameter's; a pin of ZeRO-3 with
+    gathering again those of every block but the last (only beyond the checkpointed ones: a
+    replay gathers again anyway), or every parameter's; a pin of ZeRO-3 with
     ``regather_blocks`` fixes it."""
     def regathers(options: MemoryOptions, checkpoint: str, count: int | None) -> list[tuple[bool, int | None]]:
         return [(s.regather, s.regather_blocks) for s in candidates(options, 1, 8, True)
                 if (s.checkpoint, s.checkpoint_blocks, s.offload) == (checkpoint, count, False)]
     free = MemoryOptions()
-    assert regathers(free, "none", None) == [(False, None), (True, 4), (True, None)]
-    assert regathers(free, "full", 2) == [(False, None), (True, 4), (True, None)]
-    assert regathers(free, "full", 4) == [(False, None), (True, None)]
+    assert regathers(free, "none", None) == [(False, None), (True, 7), (True, None)]
+    assert regathers(free, "full", 2) == [(False, None), (True, 7), (True, None)]
+    assert regathers(free, "full", 6) == [(False, None), (True, 7), (True, None)]
     assert regathers(free, "selective", None) == [(False, None), (True, None)]
     pinned = MemoryOptions(zero={"dp": 3}, regather_blocks=3)
     assert {(s.regather, s.regather_blocks) for s in candidates(pinned, 1, 8, True)} == {(True, 3)}
