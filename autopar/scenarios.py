@@ -178,11 +178,11 @@ def _pinned_regather(options: MemoryOptions) -> bool | None:
 
 
 def zero1_note(scenario: Scenario, found_s: float, free_s: float, *, taken: bool = False) -> str:
-    """What a plan says about a ZeRO-1 scenario predicted faster than the plan with memory to
-    spare: searched as a memory saving only (a tighter limit must never predict a faster
-    step), it is taken only when nothing else fits."""
-    head = f"ZeRO-1 ('{scenario.describe()}') is predicted faster ({found_s * 1e3:.3f} ms) than the plan with " \
-           f"memory to spare ({free_s * 1e3:.3f} ms)"
+    """What a plan says about a plan with ZeRO-1 on some parameters, found in ``scenario``,
+    predicted faster than the plan with memory to spare: searched as a memory saving only (a
+    tighter limit must never predict a faster step), it is taken only when nothing else fits."""
+    head = f"a plan with ZeRO-1 ('{scenario.describe()}') is predicted faster ({found_s * 1e3:.3f} ms) than " \
+           f"the plan with memory to spare ({free_s * 1e3:.3f} ms)"
     if taken:
         return f"{head}, which does not fit; nothing else fits"
     return f"{head}; it is searched only as a memory saving, so that a tighter limit never predicts a faster " \
