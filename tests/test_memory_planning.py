@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.runtime.forked import run_ranks
-from autopar.scenarios import candidates
+from autopar.scenarios import Scenario, candidates
 from autopar.solver.memory import MemoryOptions
 from examples import gpt
 from numerics_harness import check, reference, run_compiled
@@ -84,6 +84,20 @@ def test_gathering_again_is_searched_per_block() -> None:
     assert {(s.regather, s.regather_blocks) for s in candidates(pinned, 1, 8, True)} == {(True, 3)}
     assert {(s.regather, s.regather_blocks) for s in candidates(MemoryOptions(zero={"dp": 3}, regather_blocks=8), 1, 8,
                                                                    True)} == {(True, None)}  # all of them
+
+
+def test_zero1_is_one_family_of_scenarios_unless_pinned() -> None:
+    """Unpinned, every scenario lets the ILP choose ZeRO-1 per parameter on the axes, but the
+    first (today's default, solved with memory to spare) does not; offloading never combines
+    with it. Pinned stage 1 makes every scenario's ZeRO-1 a pin; stage 0 none."""
+    free = candidates(MemoryOptions(), 2, 2, True, ("dp",))
+    assert free[0] == Scenario() and free[1] == Scenario(zero1=("dp",))
+    assert all(s.zero1 == ("dp",) and not s.zero1_pinned for s in free[1:] if not s.offload)
+    assert all(s.zero1 == () for s in free if s.offload)
+    assert "ZeRO-1 per parameter on dp" in free[1].describe()
+    pinned = candidates(MemoryOptions(zero={"dp": 1}), 2, 2, True, ("dp",))
+    assert all(s.zero1 == ("dp",) and s.zero1_pinned for s in pinned if not s.offload)
+    assert all(s.zero1 == () for s in candidates(MemoryOptions(zero={"dp": 0}), 2, 2, True, ("dp",)))
 
 
 def test_zero1_is_chosen_per_parameter_where_the_limit_needs_it() -> None:
