@@ -13,8 +13,12 @@ rather than which strategy it runs, so they are searched around it, each combina
   or those of every repeated block but the last (``REGATHER_HELD``; only where that reaches
   past the checkpointed blocks, whose replay gathers again anyway);
 - optimizer state and fp32 master weights in host memory (offload), tried last;
-- ZeRO-1: the optimizer state of parameters stored replicated on a mesh axis sharded on
-  it (every axis of more than one rank; not with offload).
+- ZeRO-1: the axes (every axis of more than one rank; not with offload) where the ILP may
+  shard a parameter's optimizer state, decided per parameter (each placement replicated
+  there has a ZeRO-1 twin strategy: ``solver.graph.zero1_twins``). One family of scenarios
+  with the axes holds every plan of the same scenario without them, so only the first
+  scenario (today's default, solved with memory to spare) is also searched without ZeRO-1.
+  Pinned (``zero={axis: 1}``), every trainable parameter replicated on the axis is ZeRO-1.
 
 With memory to spare none of them pays off: each adds time to every plan (a replay, a
 second gather, per-micro-batch fixed costs) and frees only memory. So the search first
@@ -65,7 +69,10 @@ class Scenario:
     offload: bool = False
     """Optimizer state and master weights of trainable parameters live in host memory."""
     zero1: tuple[str, ...] = ()
-    """Mesh axes where parameters stored replicated keep a shard of their optimizer state (ZeRO-1)."""
+    """Mesh axes where parameters stored replicated may keep a shard of their optimizer state
+    (ZeRO-1), the ILP choosing which (``CostContext.zero1``)."""
+    zero1_pinned: bool = False
+    """ZeRO stage 1 is pinned on ``zero1``: every trainable parameter replicated there is ZeRO-1."""
 
     def describe(self) -> str:
         parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}",
@@ -77,7 +84,7 @@ class Scenario:
         if self.offload:
             parts.append("optimizer state on the host")
         if self.zero1:
-            parts.append(f"ZeRO-1 on {', '.join(self.zero1)}")
+            parts.append(f"ZeRO-1 {'' if self.zero1_pinned else 'per parameter '}on {', '.join(self.zero1)}")
         return ", ".join(parts)
 
 
@@ -92,7 +99,7 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
                       regather=_pinned_regather(options) or False,
                       regather_blocks=_first_blocks(options.regather_blocks, blocks),
                       offload=bool(options.offload),
-                      zero1=pinned_zero1 or ())
+                      zero1=pinned_zero1 or (), zero1_pinned=bool(pinned_zero1))
     if not train:
         return [pinned]
     if options.micro_batches:
@@ -101,11 +108,16 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
         counts = [m for m in MICRO_BATCH_CANDIDATES if batch is not None and m <= batch and batch % m == 0] or [1]
     offloads = [options.offload] if options.offload is not None else [False, True]
     zero1s = [pinned_zero1] if pinned_zero1 is not None else [(), axes] if axes else [()]
-    return [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=r, regather_blocks=rk, offload=o,
-                     zero1=z)
-            for o in offloads for z in (zero1s if not o else [()])
-            for m in counts for c, k in _checkpointing(options, blocks)
-            for r, rk in _regathering(options, blocks, c, k)]
+    found = [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=r, regather_blocks=rk, offload=o,
+                      zero1=z, zero1_pinned=pinned_zero1 is not None and bool(z))
+             for o in offloads for z in (zero1s if not o else [()])
+             for m in counts for c, k in _checkpointing(options, blocks)
+             for r, rk in _regathering(options, blocks, c, k)]
+    if pinned_zero1 is not None or not axes:
+        return found
+    # the ILP chooses ZeRO-1 per parameter: a scenario with the axes holds every plan of the same one
+    # without them, which stays only first (today's default, whose free solve is the plan with memory to spare)
+    return [s for i, s in enumerate(found) if i == 0 or s.zero1 or s.offload]
 
 
 def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int | None]]:
@@ -170,11 +182,11 @@ def _pinned_regather(options: MemoryOptions) -> bool | None:
 
 
 def zero1_note(scenario: Scenario, found_s: float, free_s: float, *, taken: bool = False) -> str:
-    """What a plan says about a ZeRO-1 scenario predicted faster than the plan with memory to
-    spare: searched as a memory saving only (a tighter limit must never predict a faster
-    step), it is taken only when nothing else fits."""
-    head = f"ZeRO-1 ('{scenario.describe()}') is predicted faster ({found_s * 1e3:.3f} ms) than the plan with " \
-           f"memory to spare ({free_s * 1e3:.3f} ms)"
+    """What a plan says about a plan with ZeRO-1 on some parameters, found in ``scenario``,
+    predicted faster than the plan with memory to spare: searched as a memory saving only (a
+    tighter limit must never predict a faster step), it is taken only when nothing else fits."""
+    head = f"a plan with ZeRO-1 ('{scenario.describe()}') is predicted faster ({found_s * 1e3:.3f} ms) than " \
+           f"the plan with memory to spare ({free_s * 1e3:.3f} ms)"
     if taken:
         return f"{head}, which does not fit; nothing else fits"
     return f"{head}; it is searched only as a memory saving, so that a tighter limit never predicts a faster " \

@@ -123,7 +123,8 @@ class _Found:
         leanest plan does not fit, or left when the search stopped (``Solution.search``)."""
 
     def add(self, scenario: Scenario, found: Solution) -> None:
-        if scenario.zero1 != self.first.zero1 and found.objective_s < self.free_s:  # added by the search
+        # ZeRO-1 added by the search (not pinned) on some parameters, and faster than with memory to spare
+        if scenario.zero1 != self.first.zero1 and found.zero1_params and found.objective_s < self.free_s:
             if self.quicker is None or found.objective_s < self.quicker.objective_s:
                 self.quicker = found
             self.faster.append(zero1_note(scenario, found.objective_s, self.free_s))

@@ -119,9 +119,10 @@ class PreparedStep:
         base = self.variants[m]
         graph = base.base_graph or base.graph
         blocks = repeated_blocks([graph.nodes[n].module for n in graph.order])
-        ctx = replace(base.ctx, offload=scenario.offload,
+        ctx = replace(base.ctx, offload=scenario.offload, zero1_pinned=scenario.zero1_pinned,
                       zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
-        if scenario.offload or scenario.zero1:  # parameters priced again: their state lives on the host, or split
+        # parameters priced again: their state lives on the host, or has ZeRO-1 twins (``zero1_twins``)
+        if scenario.offload or scenario.zero1:
             graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
         checkpointing = blocks if scenario.checkpoint_blocks is None else blocks[:scenario.checkpoint_blocks]

@@ -12,10 +12,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.runtime.forked import run_ranks
-from autopar.scenarios import candidates
+from autopar.scenarios import Scenario, candidates
 from autopar.solver.memory import MemoryOptions
 from examples import gpt
 from numerics_harness import check, reference, run_compiled
+from tiny_models import BigTable
 
 MiB = 2**20
 LIMITS_MIB = (13, 9, 6, 5)
@@ -83,6 +84,52 @@ def test_gathering_again_is_searched_per_block() -> None:
     assert {(s.regather, s.regather_blocks) for s in candidates(pinned, 1, 8, True)} == {(True, 3)}
     assert {(s.regather, s.regather_blocks) for s in candidates(MemoryOptions(zero={"dp": 3}, regather_blocks=8), 1, 8,
                                                                    True)} == {(True, None)}  # all of them
+
+
+def test_zero1_is_one_family_of_scenarios_unless_pinned() -> None:
+    """Unpinned, every scenario lets the ILP choose ZeRO-1 per parameter on the axes, but the
+    first (today's default, solved with memory to spare) does not; offloading never combines
+    with it. Pinned stage 1 makes every scenario's ZeRO-1 a pin; stage 0 none."""
+    free = candidates(MemoryOptions(), 2, 2, True, ("dp",))
+    assert free[0] == Scenario() and free[1] == Scenario(zero1=("dp",))
+    assert all(s.zero1 == ("dp",) and not s.zero1_pinned for s in free[1:] if not s.offload)
+    assert all(s.zero1 == () for s in free if s.offload)
+    assert "ZeRO-1 per parameter on dp" in free[1].describe()
+    pinned = candidates(MemoryOptions(zero={"dp": 1}), 2, 2, True, ("dp",))
+    assert all(s.zero1 == ("dp",) and s.zero1_pinned for s in pinned if not s.offload)
+    assert all(s.zero1 == () for s in candidates(MemoryOptions(zero={"dp": 0}), 2, 2, True, ("dp",)))
+
+
+def test_zero1_is_chosen_per_parameter_where_the_limit_needs_it() -> None:
+    """A 4096 x 64 table (E = 262,144 elements) beside 4,680 elements of linears (O), on dp=2
+    h100s, batch split on dp (parameters replicated there), fp32: DDP keeps 16 bytes per
+    element (weights, gradient, Adam m and v), ZeRO-1 on dp 8 + 8 / 2. A limit 2E bytes
+    below DDP's peak needs the table's state sharded: that saves 4E, all the linears' 4O =
+    18,720 bytes < 2E. ZeRO-1 costs time on h100 (its reduce-scatter and all-gather wait,
+    the all-reduce hides behind backward), so the ILP shards the table alone; nothing else
+    moves (placements are pinned, nothing to checkpoint, one micro-batch)."""
+    torch.manual_seed(0)
+    model, tokens, targets = BigTable(), torch.randint(0, 4096, (64, 32)), torch.randint(0, 8, (64,))
+    mesh = autopar.Mesh({"dp": 2}, "h100")
+    kwargs: dict[str, Any] = dict(loss_fn=torch.nn.functional.cross_entropy, example_targets=(targets,),
+                                  data_axes=("dp",), precision="fp32", micro_batches=1, offload=False)
+    table, linears = 4096 * 64, 64 * 64 + 64 + 8 * 64 + 8
+    ddp = autopar.plan(model, mesh, (tokens,), **kwargs)
+    assert ddp.memory.zero1 == {} and ddp.predicted.parameter_memory_bytes == 16 * (table + linears)
+    limit = ddp.predicted.peak_memory_bytes - 2 * table
+    plan = autopar.plan(model, mesh, (tokens,), memory_limit=limit, **kwargs)
+    assert plan.memory.zero1 == {"emb.weight": "dp"}
+    assert plan.memory.describe() == "1 micro-batch, ZeRO-1 on dp for 1 of 5 parameters"
+    assert "ZeRO-1 on dp for 1 of 5 parameters" in str(plan)
+    assert plan.predicted.parameter_memory_bytes == 16 * linears + 8 * table + 8 * (table // 2)
+    assert plan.predicted.activation_memory_bytes == ddp.predicted.activation_memory_bytes
+    assert plan.predicted.peak_memory_bytes == ddp.predicted.peak_memory_bytes - 4 * table <= limit
+    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    everything = autopar.plan(model, mesh, (tokens,), zero={"dp": 1}, **kwargs)  # pinned: every parameter
+    assert len(everything.memory.zero1) == 5 and everything.memory.describe() == "1 micro-batch, ZeRO-1 on dp"
+    assert ddp.predicted.step_time_s < plan.predicted.step_time_s < everything.predicted.step_time_s
+    buckets = {(b.kind, tuple(b.params)) for b in plan.shard_buckets}
+    assert buckets == {("reduce_scatter", ("p_model_emb_weight",)), ("all_gather", ("p_model_emb_weight",))}
 
 
 def _train(rank: int, world: int, limit_mib: float, ref: Any) -> dict[str, Any]:

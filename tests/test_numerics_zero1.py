@@ -24,8 +24,8 @@ from autopar.errors import InputError
 from autopar.runtime import checkpoint
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
-from numerics_harness import (EPS, LR, TP_PLANS, Reference, compile_gpt, mismatches, reference, reference_accumulated,
-                              run_checked, run_compiled)
+from numerics_harness import (EPS, LR, TP_PLANS, Reference, check, compile_gpt, mismatches, reference,
+                              reference_accumulated, run_checked, run_compiled)
 
 def _gpt_frozen() -> Any:
     """GPT with its position table frozen: no gradient, no optimizer state, not ZeRO-1."""
@@ -103,6 +103,56 @@ def test_zero1_matches_single_device(case: Case) -> None:
         members = results[group::inner]
         summed = {k: sum(r["state"][k] for r in members) for k in members[0]["state"]}
         assert summed == members[0]["local"]  # the dp ranks' chunks partition each local tensor
+
+
+MIXED = [((2,), ("dp",)), ((2, 2), ("dp", "tp"))]
+
+
+def _mixed_options(names: tuple[str, ...]) -> dict[str, Any]:
+    """Priced as h100s (the all-reduce hides behind backward, ZeRO-1's reduce-scatter and
+    all-gather do not: ZeRO-1 only where memory needs it), run in fp32 on gloo; the batch
+    split on dp, Megatron's TP pinned on tp, nothing else to trade (one micro-batch, no offload)."""
+    options: dict[str, Any] = {"precision": "fp32", "data_axes": ("dp",), "micro_batches": 1, "offload": False}
+    return {**options, "constraints": TP_PLANS["gpt"]} if "tp" in names else options
+
+
+def _mixed_limit(shape: tuple[int, ...], names: tuple[str, ...]) -> float:
+    """85% of the way from DDP's peak to every parameter ZeRO-1's (pinned): some must be ZeRO-1,
+    not all (nearer DDP's, on dp x tp, storing the free parameters split on tp is enough)."""
+    model, inputs, loss_fn, targets = gpt.build()
+    mesh = autopar.Mesh(dict(zip(names, shape)), "h100")
+    peaks = [autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **_mixed_options(names),
+                          **pin).predicted.peak_memory_bytes for pin in ({}, {"zero": {"dp": 1}})]
+    return 0.15 * peaks[0] + 0.85 * peaks[1]
+
+
+def _train_mixed(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], limit: float,
+                 ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model, inputs, loss_fn, targets = gpt.build()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, hardware="h100",
+                         memory_limit=limit, **_mixed_options(names))
+    result = run_compiled(pm, (*inputs, *targets), ref)
+    return {**result, "zero1": pm.plan.memory.zero1, "trainable": pm.plan.memory.trainable_parameters,
+            "peak": pm.plan.predicted.peak_memory_bytes}
+
+
+@pytest.mark.parametrize("shape, names", MIXED, ids=["dp2", "dp2xtp2"])
+def test_zero1_per_parameter_matches_single_device(shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+    """A memory limit the ILP meets by sharding the optimizer state of some parameters only:
+    those train as ZeRO-1 (reduce-scattered, chunk stepped, all-gathered), the others as DDP
+    (bucketed all-reduce), together matching one device, executed == planned collectives."""
+    ref = reference(gpt.build)
+    limit = _mixed_limit(shape, names)
+    results = run_ranks(_train_mixed, math.prod(shape), shape, names, limit, ref)
+    check(results, ref)
+    for r in results:
+        assert r["zero1"] == results[0]["zero1"] and 0 < len(r["zero1"]) < r["trainable"], r["zero1"]
+        assert set(r["zero1"].values()) == {"dp"} and r["peak"] <= limit
+        zero1 = {k for k, (shape_, state) in r["adam_shapes"].items() if shape_ != state}  # chunk-sized state
+        assert zero1 == set(r["zero1"]), zero1
+        kinds = {(phase, kind) for (phase, kind, *_), _ in r["ran"]}
+        assert {("optimizer", "reduce_scatter"), ("optimizer", "all_gather"), ("backward", "all_reduce")} <= kinds
 
 
 def _steps(pm: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
@@ -189,7 +239,8 @@ def test_zero1_pricing_and_search() -> None:
     """Pinned ZeRO-1 keeps 1/4 of Adam's state per rank, lists RS + AG buckets for what DDP
     all-reduces, and its objective is the plan's step time; a limit between its peak and
     DDP's makes the search take it (h100: the all-reduce would hide behind backward, the
-    optimizer step's RS + AG do not, so it is slower and chosen only for memory)."""
+    optimizer step's RS + AG do not, so it is slower and chosen only for memory), for only
+    some parameters: those whose state the limit needs sharded."""
     ddp = _plan()
     zero1 = _plan(zero={"dp": 1})
     assert zero1.solver["objective_s"] == pytest.approx(zero1.predicted.step_time_s, rel=1e-9)
@@ -200,10 +251,14 @@ def test_zero1_pricing_and_search() -> None:
     kinds = {(c.phase, c.kind) for c in zero1.collectives if c.consumer == "optimizer"}
     assert kinds == {("optimizer", "reduce_scatter"), ("optimizer", "all_gather")}
     limit = (ddp.predicted.peak_memory_bytes + zero1.predicted.peak_memory_bytes) / 2
-    searched = _plan(memory_limit=limit)
-    assert searched.memory.describe() == "1 micro-batch, ZeRO-1 on dp"
+    searched = _plan(memory_limit=limit)  # the ILP shards the state of only as many parameters as it must
+    some = len(searched.memory.zero1)
+    assert 0 < some < len(zero1.memory.zero1) == zero1.memory.trainable_parameters
+    assert searched.memory.describe() == f"1 micro-batch, ZeRO-1 on dp for {some} of {len(zero1.memory.zero1)} " \
+                                         "parameters"
     assert searched.predicted.peak_memory_bytes <= limit
-    assert searched.predicted.step_time_s == pytest.approx(zero1.predicted.step_time_s)
+    assert searched.solver["objective_s"] == pytest.approx(searched.predicted.step_time_s, rel=1e-9)
+    assert ddp.predicted.step_time_s < searched.predicted.step_time_s < zero1.predicted.step_time_s
     assert searched.plan_hash() != ddp.plan_hash()
     with pytest.raises(InputError, match="not both"):
         _plan(zero={"dp": 1}, offload=True)

@@ -16,3 +16,17 @@ class PairwiseBatch(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = x.chunk(2, dim=0)
         return (self.lin(a) * self.lin(b)).sum()
+
+
+class BigTable(torch.nn.Module):
+    """One big embedding table and two small linears: nearly all of its optimizer state is
+    the table's, so a memory limit can bind on that one parameter alone."""
+
+    def __init__(self, vocab: int = 4096, hidden: int = 64, classes: int = 8) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.proj(self.emb(tokens)))).mean(dim=1)

@@ -16,7 +16,7 @@ from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_tim
 from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, random_draw_time, roofline_time,
                                   with_fixed_cost)
 from autopar.cost.offload import offloaded_parameter
-from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements, zero1_dim
+from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements
 from autopar.cost.precision import Precision
 from autopar.cost.saved import SavedTensors
 from autopar.mesh import Mesh
@@ -43,9 +43,13 @@ class CostContext:
     """Trainable parameters keep their optimizer state and fp32 master weights in host
     memory and update there (``cost.offload``)."""
     zero1: tuple[int, ...] = ()
-    """Mesh dims where trainable parameters stored replicated keep a 1/n shard of their
+    """Mesh dims where trainable parameters stored replicated may keep a 1/n shard of their
     optimizer state (ZeRO-1, ``cost.zero1``): gradients reduce-scattered and updated shards
-    all-gathered at the optimizer step, instead of all-reduced."""
+    all-gathered at the optimizer step, instead of all-reduced. Each such placement gets a
+    ZeRO-1 twin strategy (``Strategy.zero1``; ``solver.graph.priced_parameter``)."""
+    zero1_pinned: bool = False
+    """ZeRO stage 1 is pinned on ``zero1``'s dims: every trainable parameter replicated on one
+    is ZeRO-1 (only the twins are offered); else the ILP chooses per parameter."""
 
 
 @dataclass(frozen=True)
@@ -160,14 +164,15 @@ def step_repeats(ctx: CostContext) -> int:
 
 
 def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *, trainable: bool = True,
-                   offloaded: bool = False) -> NodeCost:
+                   offloaded: bool = False, zero1: int | None = None) -> NodeCost:
     """Model state of one parameter, and the optimizer's elementwise update over its shard.
     A frozen parameter (``requires_grad=False``) or a forward-only step keeps the weights
     alone: no gradient, no master copy, no optimizer state, no update. An ``offloaded``
     parameter keeps its master copy and optimizer state in host memory: the device holds
     weights and gradient, and the step pays the copies over the host link and the host's
-    update (``autopar.cost.offload``). A ZeRO-1 parameter (``zero1_chunk``) keeps weights and
-    gradient whole and the rest of its state, and its update, for its chunk only."""
+    update (``autopar.cost.offload``). A ZeRO-1 parameter (``zero1``: the mesh dim its
+    optimizer state is sharded on) keeps weights and gradient whole and the rest of its
+    state, and its update, for its chunk only."""
     numel = local_numel(meta, placements, ctx.mesh.shape)
     if not ctx.train or not trainable:
         return NodeCost(0.0, float(numel * ctx.precision.weight_bytes_per_param))
@@ -175,7 +180,8 @@ def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *
         cost = offloaded_parameter(meta, placements, ctx.mesh, ctx.precision)
         return NodeCost(cost.time_s, cost.device_bytes)
     precision = ctx.precision
-    stepped = zero1_chunk(numel, placements, ctx) or numel  # elements the optimizer updates and keeps state of
+    # elements the optimizer updates and keeps state of
+    stepped = numel if zero1 is None else chunk_elements(numel, ctx.mesh.shape[zero1])
     whole = precision.master_bytes_per_param + precision.grad_bytes_per_param
     state = numel * whole + stepped * (precision.state_bytes_per_param - whole)
     # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
@@ -185,16 +191,12 @@ def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *
     return NodeCost(update, float(state))
 
 
-def zero1_chunk(numel: int, placements: Placements, ctx: CostContext) -> int | None:
-    """Elements of a trainable parameter's ZeRO-1 chunk (None: it is not ZeRO-1)."""
-    d = zero1_dim(placements, ctx.zero1, ctx.mesh.shape) if ctx.train else None
-    return None if d is None else chunk_elements(numel, ctx.mesh.shape[d])
-
-
-def zero1_gather_call(meta: TensorMeta, placements: Placements, ctx: CostContext) -> CollectiveCall | None:
-    """A ZeRO-1 parameter's share of the all-gather buckets after the update (None: not ZeRO-1)."""
-    d = zero1_dim(placements, ctx.zero1, ctx.mesh.shape) if ctx.train else None
-    if d is None:
+def zero1_gather_call(meta: TensorMeta, strategy: Strategy, ctx: CostContext) -> CollectiveCall | None:
+    """A ZeRO-1 parameter strategy's share of the all-gather buckets after the update (None:
+    not ZeRO-1)."""
+    d = strategy.zero1 if ctx.train else None
+    placements = strategy.outputs[0]
+    if d is None or placements is None:
         return None
     numel = padded_elements(local_numel(meta, placements, ctx.mesh.shape), ctx.mesh.shape[d])
     return CollectiveCall(ALL_GATHER, d, numel * ctx.precision.master_bytes_per_param, bucketed=True)
@@ -243,14 +245,13 @@ def param_grad_target(produced: Placements, grad_in: Placements, sync_dims: froz
     return tuple(Partial() if d in sync_dims else g for d, g in enumerate(grad_out))
 
 
-def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozenset[int], ctx: CostContext
-                     ) -> list[CollectiveCall]:
+def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozenset[int], ctx: CostContext,
+                     zero1: int | None = None) -> list[CollectiveCall]:
     """One parameter's share of the gradient buckets: an all-reduce of its local gradient on
-    each sync dim, but a reduce-scatter of the padded gradient on its ZeRO-1 dim
+    each sync dim, but a reduce-scatter of the padded gradient on its ZeRO-1 dim ``zero1``
     (``cost.zero1``). Its transfer time is the parameter's; latency is paid per bucket."""
     numel = local_numel(meta, produced, ctx.mesh.shape)
     grads = ctx.precision.for_gradients()
-    zero1 = zero1_dim(produced, ctx.zero1, ctx.mesh.shape) if ctx.train else None
     return [CollectiveCall(REDUCE_SCATTER, d, grads.tensor_bytes(meta, padded_elements(numel, ctx.mesh.shape[d])),
                            bucketed=True) if d == zero1 else
             CollectiveCall(ALL_REDUCE, d, grads.tensor_bytes(meta, numel), bucketed=True) for d in sorted(sync_dims)]

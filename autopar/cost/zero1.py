@@ -1,11 +1,13 @@
 """Price ZeRO-1 (optimizer state sharded on a data axis; the runtime is ``autopar.runtime.zero1``).
 
-A trainable parameter stored replicated on a ZeRO-1 mesh dim d (``zero1_dim``: the first
-of the plan's ZeRO-1 dims where it is replicated; one dim per parameter) keeps its
-weights and its whole gradient, but only a 1/n shard of its optimizer state (n = the
-size of d): its local tensor, flattened and padded to ``n * c`` elements with
-``c = ceil(numel / n)``, is cut into n chunks of c, and the rank at index i on d owns
-chunk i. At the optimizer step (after backward, not overlapping it):
+The mesh dims where ZeRO-1 may run are the scenario's (``CostContext.zero1``); which
+parameters run it is a choice per parameter: a placement replicated on one of those dims
+is offered twice, as is (DDP) and as its twin sharding the optimizer state on ``zero1_dim``
+(the first such dim; ``Strategy.zero1``), and the ILP picks (a pin of stage 1 offers the
+twin alone). A ZeRO-1 parameter on dim d keeps its weights and its whole gradient, but
+only a 1/n shard of its optimizer state (n = the size of d): its local tensor, flattened
+and padded to ``n * c`` elements with ``c = ceil(numel / n)``, is cut into n chunks of c,
+and the rank at index i on d owns chunk i. At the optimizer step (after backward, not overlapping it):
 
 - the gradient is reduce-scattered on d (when backward leaves it Partial there, i.e. d
   is one of its sync dims; else every rank already holds it whole and takes its chunk),
@@ -37,9 +39,9 @@ __all__ = ["ALL_GATHER", "REDUCE_SCATTER", "chunk_elements", "padded_elements", 
 
 
 def zero1_dim(placements: Placements, zero1: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int | None:
-    """The mesh dim a trainable parameter stored as ``placements`` shards its optimizer state
-    on: the first ZeRO-1 dim (of ``zero1``, in mesh order) where it is replicated; None when
-    it is split (or on one rank) on each of them."""
+    """The mesh dim a trainable parameter stored as ``placements`` may shard its optimizer
+    state on (its ZeRO-1 twin's ``Strategy.zero1``): the first ZeRO-1 dim (of ``zero1``, in
+    mesh order) where it is replicated; None when it is split (or on one rank) on each of them."""
     for d in sorted(zero1):
         if isinstance(placements[d], Replicate) and mesh_shape[d] > 1:
             return d

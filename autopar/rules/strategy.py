@@ -110,6 +110,10 @@ class Strategy:
 
     outputs: tuple[Placements | None, ...]
     inputs: tuple[Placements, ...]
+    zero1: int | None = None
+    """A trainable parameter's strategy only: the mesh dim (replicated there) its optimizer
+    state is sharded on (ZeRO-1, ``autopar.cost.zero1``); None: whole state (DDP on the dims
+    it is replicated on). A twin of the same placement without it is a separate choice."""
 
     def is_active(self, mesh_dim: int) -> bool:
         """True when the op's work is split along ``mesh_dim`` (some output not Replicate).

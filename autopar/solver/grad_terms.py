@@ -28,21 +28,28 @@ class GradSyncTerms:
     e >= 0 (``exposed_sync_time`` prices the plan the same way).
 
     A ZeRO-1 parameter's sync on its ZeRO-1 dim is a reduce-scatter at the optimizer step
-    (``cost.zero1``): its own bucket stream, never hidden. The all-gathers after the update
-    depend on the placement alone: their transfers are on the parameter's strategies
-    (``PlanNode.comm_times``), their per-bucket calls counted by ``add_gather_rows``.
+    (``cost.zero1``): its own bucket stream, never hidden, with its own variable
+    y[p, a, d, RS]. Edges group a parameter's strategies by placement, so a placement and its
+    ZeRO-1 twin on d (``Strategy.zero1``) share the edge's selectors: the all-reduce on d is
+    owed when a selector is set and the twin is not chosen, the reduce-scatter when it is
+    (``_EdgeSync.close``). The all-gathers after the update depend on the strategy alone:
+    their transfers are on the parameter's strategies (``PlanNode.comm_times``), their
+    per-bucket calls counted by ``add_gather_rows``.
     """
 
-    def __init__(self, model: Model, graph: PlanGraph, ctx: CostContext, mult: dict[str, int], *,
-                 priced: bool) -> None:
-        self.model, self.graph, self.ctx, self.mult, self.priced = model, graph, ctx, mult, priced
-        self.y: dict[tuple[str, object, int], int] = {}
+    def __init__(self, model: Model, graph: PlanGraph, ctx: CostContext, mult: dict[str, int],
+                 x: dict[str, list[int]], *, priced: bool) -> None:
+        self.model, self.graph, self.ctx, self.mult, self.x, self.priced = model, graph, ctx, mult, x, priced
+        self.y: dict[tuple[str, object, int, bool], int] = {}
         self.bytes_on: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)  # (kind, dim) -> {y: bytes}
         self.overlap = ctx.mesh.hardware.grad_sync_overlap if priced and ctx.train else 0.0
         self.seconds: dict[int, float] = {}  # sync variable -> objective units it adds, when overlapped
 
-    def edge(self, producer: str, keys_p: list, keys_c: list, sends_gradient: bool) -> "_EdgeSync":
-        """The sync terms of one edge out of ``producer``; none unless its consumer sends a gradient back."""
+    def edge(self, producer: str, groups_p: dict[object, list[int]], keys_c: list, sends_gradient: bool
+             ) -> "_EdgeSync":
+        """The sync terms of one edge out of ``producer`` (``groups_p``: its strategies by
+        placement at this edge); none unless its consumer sends a gradient back."""
+        keys_p = list(groups_p)
         node = self.graph.nodes[producer]
         dims: dict[tuple[int, int], frozenset[int]] = {}
         if node.kind == PARAM and sends_gradient and self.ctx.train:
@@ -50,15 +57,17 @@ class GradSyncTerms:
                 for b, (required, active) in enumerate(keys_c):
                     grad_in = tuple(grad_placement_at_consumer(r, act) for r, act in zip(required, active))
                     dims[(a, b)] = grad_sync_dims(produced, grad_in, self.ctx.mesh.shape)
-        return _EdgeSync(self, producer, keys_p, dims)
+        return _EdgeSync(self, producer, groups_p, dims)
 
-    def var(self, producer: str, produced: object, dim: int) -> int:
-        key = (producer, produced, dim)
+    def var(self, producer: str, produced: object, dim: int, scattered: bool = False) -> int:
+        """y[p, a, d]: the all-reduce of p's gradient on d, or (``scattered``) its ZeRO-1 reduce-scatter."""
+        key = (producer, produced, dim, scattered)
         if key not in self.y:
             node = self.graph.nodes[producer]
             meta = node.outputs[0]
             assert meta is not None
-            call, = param_sync_calls(meta, produced, frozenset({dim}), self.ctx)  # type: ignore[arg-type]
+            call, = param_sync_calls(meta, produced, frozenset({dim}), self.ctx,  # type: ignore[arg-type]
+                                     dim if scattered else None)
             weight = self.mult[producer] * transfer_time(call, self.ctx.mesh) * SCALE if self.priced else 0.0
             self.y[key] = self._priced_var(weight, integer=False, upper=1.0, hidden=call.kind == ALL_REDUCE)
             self.bytes_on[(call.kind, dim)][self.y[key]] = float(self.mult[producer] * call.nbytes)
@@ -79,7 +88,7 @@ class GradSyncTerms:
             meta = node.outputs[0]
             assert meta is not None
             for j, strategy in zip(js, node.strategies):
-                call = zero1_gather_call(meta, strategy.outputs[0], self.ctx)
+                call = zero1_gather_call(meta, strategy, self.ctx)
                 if call is not None:
                     rows[call.mesh_dim][j] = float(self.mult[v] * call.nbytes)
         for dim, row in rows.items():
@@ -129,9 +138,10 @@ class GradSyncTerms:
 class _EdgeSync:
     """Collects, for one edge, which variables select a pairing that syncs on each dim."""
 
-    def __init__(self, terms: GradSyncTerms, producer: str, keys_p: list,
+    def __init__(self, terms: GradSyncTerms, producer: str, groups_p: dict[object, list[int]],
                  dims: dict[tuple[int, int], frozenset[int]]) -> None:
-        self.terms, self.producer, self.keys_p, self.dims = terms, producer, keys_p, dims
+        self.terms, self.producer, self.dims = terms, producer, dims
+        self.keys_p, self.groups_p = list(groups_p), list(groups_p.values())
         self.selectors: dict[tuple[int, int], list[int]] = defaultdict(list)
 
     def note(self, j: int, a: int, b: int) -> None:
@@ -139,15 +149,31 @@ class _EdgeSync:
             self.selectors[(a, d)].append(j)
 
     def columns(self) -> dict[tuple[int, int], list[int]]:
-        """(producer group, consumer group) -> the sync columns that pairing sets (after ``close``)."""
-        return {(a, b): [self.terms.y[(self.producer, self.keys_p[a], d)] for d in dims]
-                for (a, b), dims in self.dims.items() if dims}
+        """(producer group, consumer group) -> the sync columns that pairing sets (after
+        ``close``): per dim the all-reduce, or the reduce-scatter where only twins sync there."""
+        y = self.terms.y
+
+        def column(a: int, d: int) -> int:
+            plain = (self.producer, self.keys_p[a], d, False)
+            return y[plain] if plain in y else y[(self.producer, self.keys_p[a], d, True)]
+        return {(a, b): [column(a, d) for d in dims] for (a, b), dims in self.dims.items() if dims}
 
     def close(self) -> None:
-        """y[p, a, d] >= the sum of this edge's selectors (at most one of them is 1)."""
+        """y[p, a, d] >= the sum of this edge's selectors (at most one of them is 1), split by
+        the chosen strategy of group a where it holds both a plain placement and its ZeRO-1
+        twin on d: the all-reduce is owed less the twin's column, the reduce-scatter less the
+        plain one's (the selectors sum to at most their two columns' sum)."""
+        x = self.terms.x[self.producer]
+        strategies = self.terms.graph.nodes[self.producer].strategies
         for (a, d), js in self.selectors.items():
-            y = self.terms.var(self.producer, self.keys_p[a], d)
-            row = {y: 1.0}
-            for j in js:
-                row[j] = row.get(j, 0.0) - 1.0
-            self.terms.model.rows.append((row, 0.0, INF))
+            twins = [x[s] for s in self.groups_p[a] if strategies[s].zero1 == d]
+            plain = [x[s] for s in self.groups_p[a] if strategies[s].zero1 != d]
+            for scattered, mine, others in ((False, plain, twins), (True, twins, plain)):
+                if not mine:
+                    continue  # no strategy of the group syncs this way
+                row = {self.terms.var(self.producer, self.keys_p[a], d, scattered): 1.0}
+                for j in js:
+                    row[j] = row.get(j, 0.0) - 1.0
+                for j in others:
+                    row[j] = row.get(j, 0.0) + 1.0
+                self.terms.model.rows.append(({j: c for j, c in row.items() if c}, 0.0, INF))

@@ -21,6 +21,7 @@ from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time
 from autopar.cost.collectives import transfer_time as collective_transfer
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
                                 step_repeats, zero1_gather_call)
+from autopar.cost.zero1 import zero1_dim
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, call_key, divides
@@ -71,20 +72,42 @@ def leaf_costs(node: PlanNode, ctx: CostContext) -> list[NodeCost]:
     meta = node.outputs[0]
     assert meta is not None
     if node.kind == PARAM:  # a parameter that gets no gradient keeps its weights alone
-        return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad, offloaded=ctx.offload)
-                for s in node.strategies]
+        return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad, offloaded=ctx.offload,
+                               zero1=s.zero1) for s in node.strategies]
     return [input_cost(meta, s.outputs[0], ctx) for s in node.strategies]
 
 
 def priced_parameter(node: PlanNode, ctx: CostContext) -> PlanNode:
     """A parameter node priced again under ``ctx``'s offload and ZeRO-1: its state per
     strategy, and the transfer of a ZeRO-1 parameter's all-gather after the update (the
-    bucket calls are the ILP's ``GradSyncTerms.add_gather_rows``)."""
+    bucket calls are the ILP's ``GradSyncTerms.add_gather_rows``). A trainable parameter's
+    placement replicated on a ZeRO-1 dim comes with its ZeRO-1 twin right after it
+    (``zero1_twins``), or only as the twin where ZeRO-1 is pinned."""
     meta = node.outputs[0]
     assert meta is not None
-    calls = [zero1_gather_call(meta, s.outputs[0], ctx) if node.needs_grad else None for s in node.strategies]
+    node = replace(node, strategies=zero1_twins(node, ctx))
+    calls = [zero1_gather_call(meta, s, ctx) if node.needs_grad else None for s in node.strategies]
     return replace(node, costs=leaf_costs(node, ctx),
                    comm_times=[0.0 if c is None else collective_transfer(c, ctx.mesh) for c in calls])
+
+
+def zero1_twins(node: PlanNode, ctx: CostContext) -> list[Strategy]:
+    """A parameter's strategies with ZeRO-1 decided per parameter by the ILP: each placement
+    replicated on a ZeRO-1 dim (``zero1_dim``) followed by the same placement sharding its
+    optimizer state there, the pair priced apart (state and update, all-gather after it,
+    reduce-scatter instead of all-reduce). Edges group strategies by placement, so a twin
+    adds one column per placement and no edge variables. Pinned: the twin replaces it."""
+    if not (ctx.train and node.needs_grad and ctx.zero1):
+        return node.strategies
+    out: list[Strategy] = []
+    for s in node.strategies:
+        placements = s.outputs[0]
+        d = None if placements is None else zero1_dim(placements, ctx.zero1, ctx.mesh.shape)
+        if d is None:
+            out.append(s)
+            continue
+        out += [replace(s, zero1=d)] if ctx.zero1_pinned else [s, replace(s, zero1=d)]
+    return out
 
 
 def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) -> PlanGraph:

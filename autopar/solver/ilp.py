@@ -70,6 +70,8 @@ class Solution:
     step's own."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about how this plan was found (scenarios HiGHS failed on)."""
+    zero1_params: int = 0
+    """Parameters (folded instances counted) whose chosen strategy is a ZeRO-1 twin (``Strategy.zero1``)."""
     search: dict[str, int] = field(default_factory=dict)
     """How a memory search found it (``autopar.search``): scenarios, and how many were solved
     under the limit, skipped as not fitting, bounded out, or bounded by a free solve; empty
@@ -127,7 +129,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             solo[keys[0]] += count
     shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
     links: dict[EdgeKey, _Link] = {}
-    sync = GradSyncTerms(model, graph, ctx, mult, priced=not minimize_memory)
+    sync = GradSyncTerms(model, graph, ctx, mult, x, priced=not minimize_memory)
     overlap = OverlapTerms(model, graph, folding, ctx, priced=not minimize_memory)
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
@@ -169,9 +171,10 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     values = result.values
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
     memory = sum(weight * values[j] for j, weight in memory_row.items())
+    zero1 = sum(mult[v] for v in reps if graph.nodes[v].strategies[choice[v]].zero1 is not None)
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
-                    status=result.status, gap=result.gap, time_limit_s=time_limit_s)
+                    status=result.status, gap=result.gap, time_limit_s=time_limit_s, zero1_params=zero1)
 
 
 def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
@@ -234,7 +237,7 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     mem = [[m * count for m in row] for row in unit_mem]
     cost = [[c * count for c in row] for row in unit_cost]
 
-    syncing = sync.edge(edge.producer, keys_p, keys_c, grad)
+    syncing = sync.edge(edge.producer, groups_p, keys_c, grad)
     window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count,
                           lambda a, b: prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]]))
 

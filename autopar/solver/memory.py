@@ -12,7 +12,8 @@ ZeRO stages on a data axis (Rajbhandari et al. 2020), as autopar runs them:
   updates its chunk and the chunks are all-gathered into the whole parameter
   (``autopar.cost.zero1``; DeepSpeed's stage 1, Megatron's distributed optimizer). With
   micro-batches it synchronizes once per step, as DDP does. A parameter is ZeRO-1 on one
-  axis: the first stage-1 axis it is replicated on.
+  axis: the first stage-1 axis it is replicated on. Unpinned, the planner decides per
+  parameter (the ILP shards the optimizer state of those whose memory it needs).
 - 2: the parameter is stored sharded on the axis (gradient and optimizer state follow
   the shard); it is all-gathered where used in forward and kept until backward (FSDP2's
   ``reshard_after_forward=False``); its gradient is reduce-scattered.
@@ -117,18 +118,27 @@ class MemoryPlan:
     zero1: dict[str, str] = field(default_factory=dict)
     """Parameter FQN -> the mesh axis its optimizer state is sharded on (ZeRO-1: gradient
     reduce-scattered, chunk updated, parameter all-gathered at the optimizer step)."""
+    trainable_parameters: int = 0
+    """Trainable parameters of a training step (what ``describe`` counts ``zero1`` against)."""
 
     def describe(self) -> str:
         """One line for the plan's table."""
         parts = [f"{self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}"]
         if self.checkpoint != "none":
             parts.append(f"checkpointing {self.checkpoint} ({len(self.checkpoint_blocks)} blocks)")
-        parts += [f"ZeRO-{stage} on {axis}" for axis, stage in self.zero.items() if stage]
+        parts += [self._zero(axis, stage) for axis, stage in self.zero.items() if stage]
         if self.regather:
             parts.append(f"{len(self.regather)} parameters gathered again in backward")
         if self.offload:
             parts.append(f"optimizer state of {len(self.offload)} parameters on the host")
         return ", ".join(parts)
+
+    def _zero(self, axis: str, stage: int) -> str:
+        """'ZeRO-1 on dp', or with the count where only some trainable parameters are ZeRO-1 there."""
+        some = sum(1 for a in self.zero1.values() if a == axis)
+        if stage == 1 and some < self.trainable_parameters:
+            return f"ZeRO-1 on {axis} for {some} of {self.trainable_parameters} parameters"
+        return f"ZeRO-{stage} on {axis}"
 
 
 def block_of(module: str) -> str | None:

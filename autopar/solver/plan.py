@@ -329,7 +329,8 @@ def _with_zero1(memory: MemoryPlan, graph: PlanGraph, chosen: dict[str, Strategy
     """``memory`` with the plan's ZeRO-1 parameters and axes (stage 1 where nothing higher is pinned)."""
     names = ctx.mesh.names
     zero1 = {graph.nodes[n].fqn or n: names[d] for n, d in zero1_dims(graph, chosen, ctx).items()}
-    return replace(memory, zero1=dict(sorted(zero1.items())),
+    trainable = sum(1 for n in graph.order if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad)
+    return replace(memory, zero1=dict(sorted(zero1.items())), trainable_parameters=trainable if ctx.train else 0,
                    zero={**{axis: 1 for axis in sorted(set(zero1.values()), key=names.index)}, **memory.zero})
 
 

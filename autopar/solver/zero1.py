@@ -4,24 +4,23 @@ step reduce-scatters and all-gathers, priced by the same functions as the ILP's 
 from __future__ import annotations
 
 from autopar.cost.buckets import ShardBucket, shard_buckets
-from autopar.cost.model import CostContext, zero1_chunk
-from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, shard_bucket_cap, zero1_dim
+from autopar.cost.model import CostContext
+from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, shard_bucket_cap
 from autopar.rules.strategy import Strategy, local_numel
 from autopar.solver.nodes import PARAM, PlanGraph
 
 
 def zero1_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, int]:
     """Parameter node -> the mesh dim its optimizer state is sharded on, for every trainable
-    parameter the plan makes ZeRO-1."""
+    parameter whose chosen strategy is a ZeRO-1 twin (``Strategy.zero1``)."""
     out: dict[str, int] = {}
-    if not ctx.train or not ctx.zero1:
+    if not ctx.train:
         return out
     for name in graph.order:
         node = graph.nodes[name]
-        if node.kind == PARAM and node.needs_grad:
-            d = zero1_dim(chosen[name].outputs[0], ctx.zero1, ctx.mesh.shape)
-            if d is not None:
-                out[name] = d
+        d = chosen[name].zero1
+        if node.kind == PARAM and node.needs_grad and d is not None:
+            out[name] = d
     return out
 
 
@@ -34,8 +33,7 @@ def plan_shard_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims:
     for name, d in dims.items():
         meta = graph.nodes[name].outputs[0]
         assert meta is not None
-        chunk = zero1_chunk(local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), chosen[name].outputs[0], ctx)
-        assert chunk is not None
+        chunk = chunk_elements(local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), ctx.mesh.shape[d])
         chunks.append((name, chunk, d, ctx.mesh.shape[d]))
     precision = ctx.precision
     out = []
