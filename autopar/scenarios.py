@@ -12,10 +12,13 @@ rather than which strategy it runs, so they are searched around it, each combina
 - re-gathering parameters in backward instead of holding them (ZeRO-3): every parameter,
   or those of every repeated block but the last (``REGATHER_HELD``; only where that reaches
   past the checkpointed blocks, whose replay gathers again anyway);
-- optimizer state and fp32 master weights in host memory (offload), tried last;
-- ZeRO-1: the axes (every axis of more than one rank; not with offload) where the ILP may
+- optimizer state and fp32 master weights in host memory (offload), decided per parameter
+  (each placement of a trainable parameter has an offloaded twin strategy, as DeepSpeed's
+  ZeRO-Offload++ offloads a share of the state), or, pinned, every trainable parameter's;
+- ZeRO-1: the axes (every axis of more than one rank; not with offload: the runtime's
+  optimizers do not combine the two) where the ILP may
   shard a parameter's optimizer state, decided per parameter (each placement replicated
-  there has a ZeRO-1 twin strategy: ``solver.graph.zero1_twins``). One family of scenarios
+  there has a ZeRO-1 twin strategy: ``solver.graph.state_twins``). One family of scenarios
   with the axes holds every plan of the same scenario without them, so only the first
   scenario (today's default, solved with memory to spare) is also searched without ZeRO-1.
   Pinned (``zero={axis: 1}``), every trainable parameter replicated on the axis is ZeRO-1.
@@ -67,7 +70,10 @@ class Scenario:
     """With ``regather``: whose parameters, those of the first this many repeated blocks;
     None: every parameter's."""
     offload: bool = False
-    """Optimizer state and master weights of trainable parameters live in host memory."""
+    """Optimizer state and master weights of trainable parameters may live in host memory,
+    the ILP choosing whose (``CostContext.offload``)."""
+    offload_pinned: bool = False
+    """Offload is pinned: every trainable parameter's state lives on the host."""
     zero1: tuple[str, ...] = ()
     """Mesh axes where parameters stored replicated may keep a shard of their optimizer state
     (ZeRO-1), the ILP choosing which (``CostContext.zero1``)."""
@@ -82,7 +88,7 @@ class Scenario:
             whose = "parameters" if self.regather_blocks is None else f"parameters of {self.regather_blocks} blocks"
             parts.append(f"{whose} gathered again in backward")
         if self.offload:
-            parts.append("optimizer state on the host")
+            parts.append(f"optimizer state on the host{'' if self.offload_pinned else ' per parameter'}")
         if self.zero1:
             parts.append(f"ZeRO-1 {'' if self.zero1_pinned else 'per parameter '}on {', '.join(self.zero1)}")
         return ", ".join(parts)
@@ -98,7 +104,7 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
                       checkpoint_blocks=_first_blocks(options.checkpoint_blocks, blocks),
                       regather=_pinned_regather(options) or False,
                       regather_blocks=_first_blocks(options.regather_blocks, blocks),
-                      offload=bool(options.offload),
+                      offload=bool(options.offload), offload_pinned=bool(options.offload),
                       zero1=pinned_zero1 or (), zero1_pinned=bool(pinned_zero1))
     if not train:
         return [pinned]
@@ -109,14 +115,14 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
     offloads = [options.offload] if options.offload is not None else [False, True]
     zero1s = [pinned_zero1] if pinned_zero1 is not None else [(), axes] if axes else [()]
     found = [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=r, regather_blocks=rk, offload=o,
-                      zero1=z, zero1_pinned=pinned_zero1 is not None and bool(z))
+                      offload_pinned=o and bool(options.offload), zero1=z, zero1_pinned=pinned_zero1 is not None and bool(z))
              for o in offloads for z in (zero1s if not o else [()])
              for m in counts for c, k in _checkpointing(options, blocks)
              for r, rk in _regathering(options, blocks, c, k)]
-    if pinned_zero1 is not None or not axes:
+    if not ((axes and pinned_zero1 is None) or options.offload is None):
         return found
-    # the ILP chooses ZeRO-1 per parameter: a scenario with the axes holds every plan of the same one
-    # without them, which stays only first (today's default, whose free solve is the plan with memory to spare)
+    # the ILP chooses ZeRO-1 or offload per parameter: a scenario allowing them holds every plan of the same
+    # one without, which stays only first (today's default, whose free solve is the plan with memory to spare)
     return [s for i, s in enumerate(found) if i == 0 or s.zero1 or s.offload]
 
 

@@ -119,9 +119,10 @@ class PreparedStep:
         base = self.variants[m]
         graph = base.base_graph or base.graph
         blocks = repeated_blocks([graph.nodes[n].module for n in graph.order])
-        ctx = replace(base.ctx, offload=scenario.offload, zero1_pinned=scenario.zero1_pinned,
+        ctx = replace(base.ctx, offload=scenario.offload, offload_pinned=scenario.offload_pinned,
+                      zero1_pinned=scenario.zero1_pinned,
                       zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
-        # parameters priced again: their state lives on the host, or has ZeRO-1 twins (``zero1_twins``)
+        # parameters priced again, with twins keeping their state on the host or sharded (``state_twins``)
         if scenario.offload or scenario.zero1:
             graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
@@ -140,10 +141,8 @@ def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
     scenario, graph = prepared.scenario, prepared.graph
     blocks = sorted({n.block for n in graph.nodes.values() if n.block is not None},
                     key=[graph.nodes[n].block for n in graph.order].index)
-    offload = sorted(graph.nodes[n].fqn or n for n in graph.order
-                     if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad) if scenario.offload else []
     return MemoryPlan(micro_batches=prepared.ctx.micro_batches, checkpoint=scenario.checkpoint if blocks else "none",
-                      checkpoint_blocks=blocks, offload=offload, zero=dict(prepared.memory_options.zero or {}))
+                      checkpoint_blocks=blocks, zero=dict(prepared.memory_options.zero or {}))
 
 
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:

@@ -74,7 +74,7 @@ def test_gathering_again_is_searched_per_block() -> None:
     ``regather_blocks`` fixes it."""
     def regathers(options: MemoryOptions, checkpoint: str, count: int | None) -> list[tuple[bool, int | None]]:
         return [(s.regather, s.regather_blocks) for s in candidates(options, 1, 8, True)
-                if (s.checkpoint, s.checkpoint_blocks, s.offload) == (checkpoint, count, False)]
+                if (s.checkpoint, s.checkpoint_blocks, s.offload) == (checkpoint, count, True)]  # offload per parameter
     free = MemoryOptions()
     assert regathers(free, "none", None) == [(False, None), (True, 7), (True, None)]
     assert regathers(free, "full", 2) == [(False, None), (True, 7), (True, None)]

@@ -27,7 +27,8 @@ from autopar.runtime.forked import run_ranks
 from autopar.runtime.offload import OffloadedOptimizer
 from autopar.rules.strategy import parse_placements
 from examples import gpt
-from numerics_harness import EPS, LR, STEPS, mismatches, reference
+from numerics_harness import EPS, LR, STEPS, check, mismatches, reference, run_compiled
+from tiny_models import BigTable
 
 
 def _compile() -> tuple[autopar.ParallelModule, tuple[torch.Tensor, torch.Tensor]]:
@@ -210,3 +211,62 @@ def test_every_profile_prices_the_host_link() -> None:
         assert hw.host_link_bandwidth > 0 and hw.host_memory_bandwidth > 0, hw.name
     assert PROFILES["a100"].host_link_bandwidth == 25 * GB
     assert PROFILES["h200"].host_link_bandwidth == PROFILES["h100"].host_link_bandwidth
+
+
+def test_offload_is_chosen_per_parameter_where_the_limit_needs_it() -> None:
+    """A 4096 x 64 table (E = 262,144 elements) beside 4,680 elements of linears, on dp=2
+    h100s, fp32, ZeRO pinned to stage 0 (DDP: 16 bytes per element, weights, gradient, Adam m
+    and v). Offloaded, a parameter keeps its weights and gradient alone on the device (8). A
+    limit 2E bytes below DDP's peak needs the table's state on the host (saving 8E; all the
+    linears' would save 37,440 bytes < 2E), and offloading costs time (the copies over PCIe
+    and the host update), so the ILP offloads the table alone; pinned, every parameter."""
+    torch.manual_seed(0)
+    model, tokens, targets = BigTable(), torch.randint(0, 4096, (64, 32)), torch.randint(0, 8, (64,))
+    mesh = autopar.Mesh({"dp": 2}, "h100")
+    kwargs: dict[str, Any] = dict(loss_fn=torch.nn.functional.cross_entropy, example_targets=(targets,),
+                                  data_axes=("dp",), precision="fp32", micro_batches=1, zero={"dp": 0})
+    table, linears = 4096 * 64, 64 * 64 + 64 + 8 * 64 + 8
+    ddp = autopar.plan(model, mesh, (tokens,), **kwargs)
+    assert ddp.memory.offload == [] and ddp.predicted.parameter_memory_bytes == 16 * (table + linears)
+    limit = ddp.predicted.peak_memory_bytes - 2 * table
+    plan = autopar.plan(model, mesh, (tokens,), memory_limit=limit, **kwargs)
+    assert plan.memory.offload == ["emb.weight"]
+    assert "optimizer state of 1 of 5 parameters on the host" in plan.memory.describe()
+    assert plan.predicted.parameter_memory_bytes == 16 * linears + 8 * table
+    assert plan.predicted.memory_parts["optimizer state"] == 8 * linears
+    assert plan.predicted.peak_memory_bytes == ddp.predicted.peak_memory_bytes - 8 * table <= limit
+    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    everything = autopar.plan(model, mesh, (tokens,), offload=True, **kwargs)
+    assert len(everything.memory.offload) == 5
+    assert "optimizer state of 5 parameters on the host" in everything.memory.describe()
+    assert ddp.predicted.step_time_s < plan.predicted.step_time_s < everything.predicted.step_time_s
+
+
+def _big_table() -> tuple[nn.Module, tuple[torch.Tensor], Any, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    model, tokens, targets = BigTable(), torch.randint(0, 4096, (64, 32)), torch.randint(0, 8, (64,))
+    return model, (tokens,), torch.nn.functional.cross_entropy, (targets,)
+
+
+MIXED: dict[str, Any] = dict(hardware="h100", precision="fp32", micro_batches=1, zero={"dp": 0}, data_axes=("dp",))
+
+
+def _mixed_rank(rank: int, world: int, limit: float, ref: Any) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = _big_table()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit, **MIXED)
+    return {**run_compiled(pm, (*inputs, *targets), ref), "offload": pm.plan.memory.offload}
+
+
+def test_offload_per_parameter_matches_single_device() -> None:
+    """The limit of ``test_offload_is_chosen_per_parameter_where_the_limit_needs_it``: the
+    table's state steps on the host, the linears' on the device, together matching one
+    device (loss, every gradient, parameters after 3 AdamW steps), executed == planned."""
+    model, inputs, loss_fn, targets = _big_table()
+    planning = {k: v for k, v in MIXED.items() if k != "hardware"}
+    ddp = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets,
+                       **planning)
+    ref = reference(_big_table)
+    results = run_ranks(_mixed_rank, 2, ddp.predicted.peak_memory_bytes - 2 * 4096 * 64, ref)
+    check(results, ref)
+    assert [r["offload"] for r in results] == [["emb.weight"], ["emb.weight"]]

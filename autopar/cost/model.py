@@ -40,8 +40,12 @@ class CostContext:
     """The captured step is one micro-batch; a training step runs it this many times
     (forward, backward and their collectives), then syncs gradients and updates once."""
     offload: bool = False
-    """Trainable parameters keep their optimizer state and fp32 master weights in host
-    memory and update there (``cost.offload``)."""
+    """Trainable parameters may keep their optimizer state and fp32 master weights in host
+    memory and update there (``cost.offload``): each of their strategies gets an offloaded
+    twin (``Strategy.offload``; ``solver.graph.state_twins``)."""
+    offload_pinned: bool = False
+    """Offload is pinned: every trainable parameter's state is on the host (only the twins
+    are offered); else the ILP chooses per parameter."""
     zero1: tuple[int, ...] = ()
     """Mesh dims where trainable parameters stored replicated may keep a 1/n shard of their
     optimizer state (ZeRO-1, ``cost.zero1``): gradients reduce-scattered and updated shards

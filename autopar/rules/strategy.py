@@ -114,6 +114,10 @@ class Strategy:
     """A trainable parameter's strategy only: the mesh dim (replicated there) its optimizer
     state is sharded on (ZeRO-1, ``autopar.cost.zero1``); None: whole state (DDP on the dims
     it is replicated on). A twin of the same placement without it is a separate choice."""
+    offload: bool = False
+    """A trainable parameter's strategy only: its optimizer state and fp32 master weights live
+    in host memory and update there (``autopar.cost.offload``); a twin of the same placement
+    without it is a separate choice."""
 
     def is_active(self, mesh_dim: int) -> bool:
         """True when the op's work is split along ``mesh_dim`` (some output not Replicate).

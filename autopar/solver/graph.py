@@ -72,7 +72,7 @@ def leaf_costs(node: PlanNode, ctx: CostContext) -> list[NodeCost]:
     meta = node.outputs[0]
     assert meta is not None
     if node.kind == PARAM:  # a parameter that gets no gradient keeps its weights alone
-        return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad, offloaded=ctx.offload,
+        return [parameter_cost(meta, s.outputs[0], ctx, trainable=node.needs_grad, offloaded=s.offload,
                                zero1=s.zero1) for s in node.strategies]
     return [input_cost(meta, s.outputs[0], ctx) for s in node.strategies]
 
@@ -81,32 +81,32 @@ def priced_parameter(node: PlanNode, ctx: CostContext) -> PlanNode:
     """A parameter node priced again under ``ctx``'s offload and ZeRO-1: its state per
     strategy, and the transfer of a ZeRO-1 parameter's all-gather after the update (the
     bucket calls are the ILP's ``GradSyncTerms.add_gather_rows``). A trainable parameter's
-    placement replicated on a ZeRO-1 dim comes with its ZeRO-1 twin right after it
-    (``zero1_twins``), or only as the twin where ZeRO-1 is pinned."""
+    placements come with their offloaded or ZeRO-1 twins (``state_twins``)."""
     meta = node.outputs[0]
     assert meta is not None
-    node = replace(node, strategies=zero1_twins(node, ctx))
+    node = replace(node, strategies=state_twins(node, ctx))
     calls = [zero1_gather_call(meta, s, ctx) if node.needs_grad else None for s in node.strategies]
     return replace(node, costs=leaf_costs(node, ctx),
                    comm_times=[0.0 if c is None else collective_transfer(c, ctx.mesh) for c in calls])
 
 
-def zero1_twins(node: PlanNode, ctx: CostContext) -> list[Strategy]:
-    """A parameter's strategies with ZeRO-1 decided per parameter by the ILP: each placement
-    replicated on a ZeRO-1 dim (``zero1_dim``) followed by the same placement sharding its
-    optimizer state there, the pair priced apart (state and update, all-gather after it,
-    reduce-scatter instead of all-reduce). Edges group strategies by placement, so a twin
-    adds one column per placement and no edge variables. Pinned: the twin replaces it."""
-    if not (ctx.train and node.needs_grad and ctx.zero1):
+def state_twins(node: PlanNode, ctx: CostContext) -> list[Strategy]:
+    """A parameter's strategies with ZeRO-1 and offload decided per parameter by the ILP: each
+    placement followed by the same placement with its optimizer state in host memory (where
+    ``ctx.offload`` allows it) or, replicated on a ZeRO-1 dim (``zero1_dim``), sharding it
+    there; each priced apart (state and update, ZeRO-1's all-gather after it and
+    reduce-scatter instead of all-reduce, offload's copies and host update). Edges group
+    strategies by placement, so a twin adds one column per placement and no edge variables.
+    Pinned (``offload_pinned``, ``zero1_pinned``): the twin replaces the placement's plain strategy."""
+    if not (ctx.train and node.needs_grad and (ctx.zero1 or ctx.offload)):
         return node.strategies
     out: list[Strategy] = []
     for s in node.strategies:
         placements = s.outputs[0]
-        d = None if placements is None else zero1_dim(placements, ctx.zero1, ctx.mesh.shape)
-        if d is None:
-            out.append(s)
-            continue
-        out += [replace(s, zero1=d)] if ctx.zero1_pinned else [s, replace(s, zero1=d)]
+        d = None if placements is None or not ctx.zero1 else zero1_dim(placements, ctx.zero1, ctx.mesh.shape)
+        twins = ([replace(s, offload=True)] if ctx.offload else []) + ([replace(s, zero1=d)] if d is not None else [])
+        pinned = (ctx.offload and ctx.offload_pinned) or (d is not None and ctx.zero1_pinned)
+        out += twins if pinned else [s, *twins]
     return out
 
 

@@ -111,7 +111,7 @@ class MemoryPlan:
     their forward use until backward."""
     offload: list[str] = field(default_factory=list)
     """Parameter FQNs whose optimizer state (and fp32 master weights) live in host memory;
-    their update runs on the host."""
+    their update runs on the host (the ILP chooses whose: ``Strategy.offload``)."""
     zero: dict[str, int] = field(default_factory=dict)
     """Data axis -> ZeRO stage of its parameters (for display; where parameters differ, the
     highest stage any trainable parameter uses on the axis)."""
@@ -119,7 +119,8 @@ class MemoryPlan:
     """Parameter FQN -> the mesh axis its optimizer state is sharded on (ZeRO-1: gradient
     reduce-scattered, chunk updated, parameter all-gathered at the optimizer step)."""
     trainable_parameters: int = 0
-    """Trainable parameters of a training step (what ``describe`` counts ``zero1`` against)."""
+    """Trainable parameters of a training step (what ``describe`` counts ``zero1`` and
+    ``offload`` against)."""
 
     def describe(self) -> str:
         """One line for the plan's table."""
@@ -130,7 +131,8 @@ class MemoryPlan:
         if self.regather:
             parts.append(f"{len(self.regather)} parameters gathered again in backward")
         if self.offload:
-            parts.append(f"optimizer state of {len(self.offload)} parameters on the host")
+            of = f" of {self.trainable_parameters}" if len(self.offload) < self.trainable_parameters else ""
+            parts.append(f"optimizer state of {len(self.offload)}{of} parameters on the host")
         return ", ".join(parts)
 
     def _zero(self, axis: str, stage: int) -> str:

@@ -318,19 +318,22 @@ def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCo
             continue
         parts["weights"] += numel * precision.master_bytes_per_param
         parts["gradients"] += numel * precision.grad_bytes_per_param
-        if not ctx.offload:  # else on the host, not in the device's peak
+        if not chosen[name].offload:  # else on the host, not in the device's peak
             stepped = chunk_elements(numel, ctx.mesh.shape[zero1[name]]) if name in zero1 else numel
             parts["optimizer state"] += stepped * (precision.state_bytes_per_param - precision.master_bytes_per_param
                                                  - precision.grad_bytes_per_param)
     return parts
 
 
-def _with_zero1(memory: MemoryPlan, graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> MemoryPlan:
-    """``memory`` with the plan's ZeRO-1 parameters and axes (stage 1 where nothing higher is pinned)."""
+def _with_state(memory: MemoryPlan, graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> MemoryPlan:
+    """``memory`` with the plan's offloaded parameters, ZeRO-1 parameters and axes (stage 1
+    where nothing higher is pinned)."""
     names = ctx.mesh.names
     zero1 = {graph.nodes[n].fqn or n: names[d] for n, d in zero1_dims(graph, chosen, ctx).items()}
     trainable = sum(1 for n in graph.order if graph.nodes[n].kind == PARAM and graph.nodes[n].needs_grad)
+    offload = sorted(graph.nodes[n].fqn or n for n in graph.order if graph.nodes[n].kind == PARAM and chosen[n].offload)
     return replace(memory, zero1=dict(sorted(zero1.items())), trainable_parameters=trainable if ctx.train else 0,
+                   offload=offload,
                    zero={**{axis: 1 for axis in sorted(set(zero1.values()), key=names.index)}, **memory.zero})
 
 
@@ -379,7 +382,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     for sb in shard_buckets:  # at the optimizer step: never beside backward
         ledger.record(CollectiveCall(sb.kind, sb.mesh_dim, sb.nbytes, bucketed=True), "optimizer",
                       ",".join(sb.params), "optimizer", "(ZeRO-1 buckets)")
-    memory = _with_zero1(memory, graph, chosen, ctx)
+    memory = _with_state(memory, graph, chosen, ctx)
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
         for call in loss_replication(loss, chosen[graph.loss], ctx):
