@@ -20,6 +20,7 @@ from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padde
 from autopar.cost.precision import Precision
 from autopar.cost.saved import SavedTensors
 from autopar.mesh import Mesh
+from autopar.rules.redistribute import redistribute_steps
 from autopar.rules.strategy import (OpCall, Placements, Strategy, is_float, is_partial, is_replicate, local_numel,
                                     shard_dim)
 
@@ -78,6 +79,11 @@ class EdgeCost:
     recompute: tuple[CollectiveCall, ...] = ()
     """Forward reshards run again in backward: the consumer recomputes (a checkpointed
     block), or a parameter is gathered again instead of held (``regathered``: ZeRO-3)."""
+    unwaited: float = 0.0
+    """Seconds of one run of the backward's last collective when it is a parameter gradient's
+    reduce-scatter: the runtime leaves it running beside the rest of backward
+    (``runtime.ops.Comm.run_unwaited``), so in the last micro-batch it shares the gradient
+    buckets' window (``exposed_sync_time``). Included in ``time``."""
 
 
 def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
@@ -156,8 +162,10 @@ def backward_time(cost: NodeCost, ctx: CostContext) -> float:
 
 
 def exposed_sync_time(sync_s: float, backward_s: float, ctx: CostContext) -> float:
-    """Seconds of gradient bucket all-reduces a step waits for: those beyond what runs beside
-    the last micro-batch's backward (``HardwareProfile.grad_sync_overlap``)."""
+    """Seconds of gradient communication beside backward a step waits for: of the bucket
+    all-reduces and the last micro-batch's unwaited parameter reduce-scatters
+    (``EdgeCost.unwaited``), those beyond what runs beside the last micro-batch's backward
+    (``HardwareProfile.grad_sync_overlap``)."""
     overlap = ctx.mesh.hardware.grad_sync_overlap if ctx.train else 0.0
     return max(0.0, sync_s - overlap * backward_s)
 
@@ -279,15 +287,26 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     mesh, precision = ctx.mesh, ctx.precision
     forward = reshard(meta, produced, required, mesh, precision)
     backward: list[CollectiveCall] = []
+    unwaited = 0.0
     if ctx.train and needs_grad:
         grad_in, grad_out = grad_placements(produced, required, consumer)
         if from_parameter:  # a parameter's gradient is reduced at its own width (fp32)
             grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision.for_gradients() if from_parameter
                                 else precision))
+        if from_parameter and _ends_scattering(grad_in, grad_out, mesh.shape):
+            unwaited = collective_time(backward[-1], mesh)
     again = forward if runs_again(ctx, from_parameter, needs_grad, recomputed, saves_input, regathered) else []
     time = sum(collective_time(c, mesh) for c in (*forward, *backward, *again)) * step_repeats(ctx)
-    return EdgeCost(time, tuple(forward), tuple(backward), tuple(again))
+    return EdgeCost(time, tuple(forward), tuple(backward), tuple(again), unwaited)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ends_scattering(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """The redistribution's last step is a reduce-scatter over more than one rank (what
+    ``Comm.run_unwaited`` leaves running)."""
+    steps = redistribute_steps(src, dst)
+    return bool(steps) and steps[-1].kind == REDUCE_SCATTER and mesh_shape[steps[-1].mesh_dim] > 1
 
 
 def runs_again(ctx: CostContext, from_parameter: bool, needs_grad: bool, recomputed: bool,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from autopar.cost.buckets import bucket_count
 from autopar.cost.collectives import ALL_GATHER, ALL_REDUCE, call_time, grad_placement_at_consumer, transfer_time
-from autopar.cost.model import CostContext, grad_sync_dims, param_sync_calls, zero1_gather_call
+from autopar.cost.model import CostContext, EdgeCost, grad_sync_dims, param_sync_calls, zero1_gather_call
 from autopar.cost.zero1 import shard_bucket_cap
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model
@@ -27,6 +28,10 @@ class GradSyncTerms:
     the objective: e >= (sync seconds) - overlap x (the last micro-batch's backward seconds),
     e >= 0 (``exposed_sync_time`` prices the plan the same way).
 
+    A parameter's gradient reduce-scatter on its edge (ZeRO-2/3: the backward of its gather)
+    runs beside backward too (``EdgeCost.unwaited``): the last micro-batch's joins the row
+    (``unwaited``), for parameters read once; earlier micro-batches' are priced in full.
+
     A ZeRO-1 parameter's sync on its ZeRO-1 dim is a reduce-scatter at the optimizer step
     (``cost.zero1``): its own bucket stream, never hidden, with its own variable
     y[p, a, d, RS]. Edges group a parameter's strategies by placement, so a placement and its
@@ -44,6 +49,7 @@ class GradSyncTerms:
         self.bytes_on: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)  # (kind, dim) -> {y: bytes}
         self.overlap = ctx.mesh.hardware.grad_sync_overlap if priced and ctx.train else 0.0
         self.seconds: dict[int, float] = {}  # sync variable -> objective units it adds, when overlapped
+        self.single_use = single_use_params(graph)
 
     def edge(self, producer: str, groups_p: dict[object, list[int]], keys_c: list, sends_gradient: bool
              ) -> "_EdgeSync":
@@ -123,6 +129,23 @@ class GradSyncTerms:
                 for y, nbytes in row.items() if kind == ALL_REDUCE else ():  # reduce-scatters read .grad
                     memory_row[y] = memory_row.get(y, 0.0) + nbytes
 
+    def unwaited(self, producer: str, count: int, price: Callable[[int, int], EdgeCost]
+                 ) -> Callable[[int, int, int], None] | None:
+        """For an edge out of a parameter read once (``single_use_params``): ``note(j, a, b)``
+        moves the last micro-batch's unwaited reduce-scatter of pair (a, b) (``price(a, b)``,
+        ``count`` real edges) from the objective into the exposed-time row."""
+        if not self.overlap or producer not in self.single_use:
+            return None
+        cache: dict[tuple[int, int], float] = {}
+
+        def note(j: int, a: int, b: int) -> None:
+            if (a, b) not in cache:
+                cache[(a, b)] = price(a, b).unwaited * count * SCALE
+            if cache[(a, b)]:
+                self.model.cost[j] -= cache[(a, b)]
+                self.seconds[j] = self.seconds.get(j, 0.0) + cache[(a, b)]
+        return note
+
     def add_overlap_row(self, backward: dict[int, float]) -> None:
         """e >= sync - overlap x backward (both in objective units), e >= 0, e in the objective.
         ``backward``: variable -> the last micro-batch's backward seconds (x SCALE) it selects."""
@@ -177,3 +200,14 @@ class _EdgeSync:
                 for j in others:
                     row[j] = row.get(j, 0.0) + 1.0
                 self.terms.model.rows.append(({j: c for j, c in row.items() if c}, 0.0, INF))
+
+
+def single_use_params(graph: PlanGraph) -> set[str]:
+    """Trainable parameters read by one op: the reduce-scatter ending their gradient's way
+    back runs beside backward (``EdgeCost.unwaited``) and is theirs alone (a parameter read
+    twice sums two gradients, which waits, and may share a reshard between its readers)."""
+    uses: dict[str, int] = defaultdict(int)
+    for name in graph.order:
+        for src, _ in graph.nodes[name].args:
+            uses[src] += 1
+    return {p for p, n in uses.items() if n == 1 and graph.nodes[p].kind == PARAM and graph.nodes[p].needs_grad}

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from autopar.cost.collectives import grad_placement_at_consumer
-from autopar.cost.model import CostContext, backward_time
+from autopar.cost.model import CostContext, EdgeCost, backward_time
 from autopar.errors import InputError
 from autopar.solver.blocks import Folding
 from autopar.solver.edge_prices import EdgePrices
@@ -238,8 +238,10 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     cost = [[c * count for c in row] for row in unit_cost]
 
     syncing = sync.edge(edge.producer, groups_p, keys_c, grad)
-    window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count,
-                          lambda a, b: prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]]))
+    def price(a: int, b: int) -> EdgeCost:
+        return prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]])
+    window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count, price)
+    unwaited = sync.unwaited(edge.producer, count, price) if grad else None
 
     columns: dict[tuple[int, int], int] = {}
 
@@ -252,6 +254,8 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
         syncing.note(j, a, b)
         if window is not None:
             window(j, a, b)
+        if unwaited is not None:
+            unwaited(j, a, b)
     link = None
     if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
         if transport:

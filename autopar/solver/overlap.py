@@ -16,14 +16,15 @@ order) give, with eff = ``HardwareProfile.grad_sync_overlap``:
 Windowed are a parameter's gathers whose parameter has a single use, by an op of a block
 instance that does not recompute (checkpointed blocks replay their gathers in their
 recompute), and whose reshard is one all-gather (``prefetched``); every other collective
-is priced in full. So are the gradients' reduce-scatters, although the runtime leaves them
-running beside the rest of backward (``runtime.ops``): priced in the backward windows
-(S_k + R_{k-1} beside B_k), they let a free plan hide most of ZeRO's traffic and HiGHS
-then branched for 40 s instead of 3.4 (Llama, 32 layers, hidden 4096, 64 H100s), so
-they stay a conservative price. Seconds are per step: every micro-batch runs its windows.
-The gradient buckets keep their own window (``grad_terms``) over the whole backward: the
-same backward compute may hide both, an optimistic approximation where a plan mixes
-bucketed and prefetched parameters.
+is priced in full. The gradients' reduce-scatters, which the runtime leaves running beside
+the rest of backward (``runtime.ops``), are not windowed here: in per-block windows
+(S_k + R_{k-1} beside B_k) they let a free plan hide most of ZeRO's traffic and HiGHS then
+branched for 40 s instead of 3.4 (Llama, 32 layers, hidden 4096, 64 H100s). They join the
+gradient buckets' one window over the whole backward instead (``grad_terms``: the last
+micro-batch's, for parameters read once; ``EdgeCost.unwaited``), a single row. Seconds are
+per step: every micro-batch runs its windows. The same backward compute may hide a
+bucket or reduce-scatter and a prefetched regather, an optimistic approximation where a
+plan has both.
 
 Memory: in backward a block's prefetched regathers are alive while the block after it
 runs, so the peak holds one more block's gathered ZeRO-3 parameters: the largest over the

@@ -16,6 +16,7 @@ from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, 
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
+from autopar.solver.grad_terms import single_use_params
 from autopar.solver.graph import edge_flags, loss_count_reductions, loss_replication, price_edge
 from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
@@ -106,8 +107,9 @@ class Predicted:
     block's recompute)."""
     hidden_comm_time_s: float = 0.0
     """Seconds of communication that runs beside compute (not in the step time): gradient-bucket
-    all-reduces beside backward, and prefetched parameter gathers beside the neighbouring
-    block (``solver.overlap``); ``comm_time_s`` + this is all the step's communication."""
+    all-reduces and the last micro-batch's parameter gradient reduce-scatters beside backward,
+    and prefetched parameter gathers beside the neighbouring block (``solver.overlap``);
+    ``comm_time_s`` + this is all the step's communication."""
 
 
 @dataclass(kw_only=True)
@@ -247,15 +249,19 @@ def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostConte
 
 
 def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger,
-                     waited: dict[tuple[str, str], float]) -> tuple[float, set[str]]:
+                     waited: dict[tuple[str, str], float]) -> tuple[float, set[str], list[int]]:
     """Every reshard the step runs (once per tensor, version and placement among its
     consumers, listed at its first consumer) and every loss count reduction; returns the
-    bytes resharded copies keep until backward and the parameters gathered again in backward.
+    bytes resharded copies keep until backward, the parameters gathered again in backward
+    and the ledger entries of the gradient reduce-scatters left running beside backward
+    (``EdgeCost.unwaited``, parameters read once: ``single_use_params``).
     ``waited``: the windowed gathers' waited shares (``WindowPrices.waited``)."""
     prices = _shared_prices(graph, chosen, ctx)
+    single = single_use_params(graph)
     recorded: set[tuple] = set()
     held = 0.0
     regathered: set[str] = set()
+    unwaited: list[int] = []
     for name in graph.order:
         node = graph.nodes[name]
         for arg, (src, _) in enumerate(node.args):
@@ -274,22 +280,31 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
                 share = waited.get((src, window), 1.0) if window else 1.0  # one all-gather when windowed
                 for call in calls:
                     ledger.record(call, phase, src, name, node.module, step_repeats(ctx), share)
+                if phase == "backward" and window is None and edge.unwaited and src in single:
+                    unwaited.append(len(ledger.collectives) - 1)  # the last backward call
         for call in loss_count_reductions(node, chosen[name], ctx):
             ledger.record(call, "forward", name, name, node.module, step_repeats(ctx))
-    return held, regathered
+    return held, regathered, unwaited
 
 
-def _record_buckets(ledger: _Ledger, buckets: list[GradBucket], backward_s: float, ctx: CostContext) -> None:
-    """The gradient buckets, in the order backward fills them: the last micro-batch's
-    backward hides the first of them (``exposed_sync_time``), the step waits for the rest."""
+def _beside_backward(ledger: _Ledger, buckets: list[GradBucket], unwaited: list[int], backward_s: float,
+                     ctx: CostContext) -> float:
+    """Record the gradient buckets and price what runs beside the last micro-batch's backward:
+    the buckets and that micro-batch's unwaited reduce-scatters (ledger entries ``unwaited``;
+    earlier micro-batches' wait in full), as the ILP's exposed-time row (``exposed_sync_time``).
+    Each gets the pool's waited share; returns the seconds hidden."""
     calls = [CollectiveCall(ALL_REDUCE, b.mesh_dim, b.nbytes, bucketed=True) for b in buckets]
     times = [collective_time(c, ctx.mesh) for c in calls]
-    hidden = sum(times) - exposed_sync_time(sum(times), backward_s, ctx)
-    for bucket, call, time in zip(buckets, calls, times):
-        beside = min(time, hidden)
-        hidden -= beside
-        ledger.record(call, "backward", ",".join(bucket.params), "", "(gradient buckets)",
-                      waited=1.0 - beside / time if time else 1.0)
+    pool = sum(times) + sum(ledger.collectives[i].time_s for i in unwaited)
+    exposed = exposed_sync_time(pool, backward_s, ctx)
+    share = exposed / pool if pool else 1.0
+    for bucket, call in zip(buckets, calls):
+        ledger.record(call, "backward", ",".join(bucket.params), "", "(gradient buckets)", waited=share)
+    runs = step_repeats(ctx)
+    for i in unwaited:
+        c = ledger.collectives[i]
+        ledger.collectives[i] = replace(c, waited_s=c.time_s * (runs - 1 + share) / runs)
+    return pool - exposed
 
 
 def bucket_buffer_bytes(buckets: list[GradBucket], ctx: CostContext) -> float:
@@ -365,7 +380,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     act_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind != PARAM)
     ledger = _Ledger(mesh)
     windows = plan_windows(graph, chosen, dict(zip(graph.order, costs)), ctx)
-    held, regathered = _record_reshards(graph, chosen, ctx, ledger, windows.waited)
+    held, regathered, unwaited = _record_reshards(graph, chosen, ctx, ledger, windows.waited)
     act_mem += held
     memory = replace(memory or MemoryPlan(), regather=sorted(regathered))
     freed = freed_before_recompute(graph)
@@ -377,7 +392,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     act_mem += bucket_buffer_bytes(buckets, ctx)
     backward = sum(backward_time(c, ctx) for n, c in zip(graph.order, costs) if graph.nodes[n].kind == OP)
-    _record_buckets(ledger, buckets, backward, ctx)
+    beside = _beside_backward(ledger, buckets, unwaited, backward, ctx)
     shard_buckets = plan_shard_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     for sb in shard_buckets:  # at the optimizer step: never beside backward
         ledger.record(CollectiveCall(sb.kind, sb.mesh_dim, sb.nbytes, bucketed=True), "optimizer",
@@ -388,9 +403,8 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         for call in loss_replication(loss, chosen[graph.loss], ctx):
             ledger.record(call, "forward", graph.loss, "output", loss.module, step_repeats(ctx))
     total_comm = sum(c.time_s * c.count for c in ledger.collectives)
-    sync = sum(c.time_s * c.count for c in ledger.collectives if c.consumer == "")  # the gradient buckets
-    # buckets behind the last backward; prefetched gathers behind their neighbouring blocks
-    hidden = sync - exposed_sync_time(sync, backward, ctx) + windows.windowed_s - windows.exposed_s
+    # buckets and reduce-scatters behind the last backward; prefetched gathers behind their neighbouring blocks
+    hidden = beside + windows.windowed_s - windows.exposed_s
     comm_time = total_comm - hidden
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}
