@@ -32,6 +32,8 @@ class Plan(Protocol):
     notes: list[str]
     memory: Any
     """``MemoryPlan``: ``describe()`` gives its line."""
+    pipeline: Any
+    """``PipelinePlan`` or None: ``describe()`` gives its line."""
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -125,6 +127,10 @@ def render(plan: Plan) -> Group:
                     f"{limit})")
     if plan.train and plan.memory.describe() != "1 micro-batch":
         summary.add_row("memory plan", plan.memory.describe())
+    if plan.pipeline is not None:
+        summary.add_row("pipeline", f"{plan.pipeline.axis}={plan.pipeline.size} x stage mesh "
+                        + " x ".join(f"{k}={v}" for k, v in plan.pipeline.stage_mesh.items())
+                        + f": {plan.pipeline.describe()}\n({plan.pipeline.estimate})")
     if "memory_search" in plan.solver:
         summary.add_row("memory search", search_note(plan.solver["memory_search"]))
     summary.add_row("communication", ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in pred.comm_bytes.items())
