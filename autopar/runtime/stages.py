@@ -66,6 +66,11 @@ class StageModule(nn.Module):
             received = tuple(received[slot] if slot is not None else next(fixed) for slot in self._slots)
         with regather_hooks() if self._regathers else contextlib.nullcontext():
             out = self.program(*received, *self._state)
+        # zero-bubble schedules detach a stage's outputs in place once their input gradients
+        # are computed: a view (a slice of a buffer, a micro-batch of an input) or a received
+        # value passed on cannot be, so those go out as copies (exact; gradients flow through)
+        out = [t.clone() if isinstance(t, torch.Tensor) and (t._base is not None or any(t is r for r in received))
+               else t for t in out]
         return out[0] if len(out) == 1 else tuple(out)
 
 
