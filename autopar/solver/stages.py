@@ -69,6 +69,8 @@ class PipelinePlan:
     """Predicted seconds of point-to-point activation and gradient transfers the step waits for."""
     grad_sync_s: float
     """Predicted seconds of the slowest rank's gradient buckets after the pipeline has drained."""
+    update_s: float
+    """Predicted seconds of the slowest rank's optimizer step (its stages' parameters)."""
     stage_plan_step_time_s: float
     """The ILP's step time of the whole step on one sub-mesh without the pipeline (its objective)."""
     estimate: str = ("the pipelined step time is an estimate (solver.pipeline's bubble formulas, transfers not "
@@ -181,7 +183,7 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     compute, bubble = pipeline_compute_s(pipeline, p, [(f, b) for f, b in times], rank_of)
     p2p = _p2p_seconds(pipeline, mesh, sends, rank_of)
     sync = _sync_seconds(collectives, graph, params, rank_of, p)
-    update = max(sum(update_s.get(graph.nodes[n].fqn or n, 0.0) for n, s in params.items() if rank_of[s] == r)
+    update = max(sum(update_s.get(n, 0.0) for n, s in params.items() if rank_of[s] == r)
                  for r in range(p))
     stages = []
     for s in range(count):
@@ -196,7 +198,7 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
                         virtual_stages=pipeline.virtual_stages, micro_batches=pipeline.micro_batches,
                         stage_mesh=dict(ctx.mesh.axes), stages=stages,
                         bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=p2p,
-                        grad_sync_s=sync, stage_plan_step_time_s=stage_plan_step_s, stage_of=stage_of), total
+                        grad_sync_s=sync, update_s=update, stage_plan_step_time_s=stage_plan_step_s, stage_of=stage_of), total
 
 
 def parameter_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, int]:
