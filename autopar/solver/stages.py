@@ -211,7 +211,8 @@ def parameter_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, in
             if node.kind != PARAM:
                 continue
             if out.setdefault(src, s) != s:
-                raise InputError(f"parameter {node.fqn or src} is read by pipeline stages {out[src]} and {s} (a tied "
+                first, second = sorted((out[src], s))
+                raise InputError(f"parameter {node.fqn or src} is read by pipeline stages {first} and {second} (a tied "
                                  "weight): pipelining does not yet sum a parameter's gradient across stages; untie it "
                                  "or cut the model so that one stage reads it")
     return out
