@@ -214,6 +214,9 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     ``stage_device_mesh(mesh, pipeline.axis)``; other arguments as ``build_rank_module``'s."""
     pp = step.plan.pipeline
     assert pp is not None
+    if step.plan.shard_buckets or step.plan.memory.offload:  # the memory search may choose them unpinned
+        raise InputError("this pipelined plan shards optimizer state (ZeRO-1) or offloads it to the host, which a "
+                         "pipelined step does not run yet: raise memory_limit, or pin zero= with stage 0, 2 or 3")
     kind = step_loss_kind(step)
     assert kind is not None, "a pipeline trains"
     p = mesh.size(mesh.mesh_dim_names.index(pipeline.axis))

@@ -198,7 +198,8 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
                         virtual_stages=pipeline.virtual_stages, micro_batches=pipeline.micro_batches,
                         stage_mesh=dict(ctx.mesh.axes), stages=stages,
                         bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=p2p,
-                        grad_sync_s=sync, update_s=update, stage_plan_step_time_s=stage_plan_step_s, stage_of=stage_of), total
+                        grad_sync_s=sync, update_s=update, stage_plan_step_time_s=stage_plan_step_s,
+                        stage_of=stage_of), total
 
 
 def parameter_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, int]:
