@@ -10,7 +10,8 @@ from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.runtime import CompileError, ParallelModule, compile
 from autopar.solver.ilp import MemoryLimitError, SolverTimeLimitError
+from autopar.solver.pipeline import Pipeline
 from autopar.solver.plan import Plan
 
-__all__ = ["plan", "compile", "Mesh", "Plan", "ParallelModule", "InputError", "InputTypeError", "CaptureError",
+__all__ = ["plan", "compile", "Mesh", "Pipeline", "Plan", "ParallelModule", "InputError", "InputTypeError", "CaptureError",
            "CompileError", "MemoryLimitError", "SolverTimeLimitError"]

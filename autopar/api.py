@@ -26,7 +26,8 @@ from autopar.solver.memory import MemoryOptions, example_batch, slice_batch
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.plan import Plan
 from autopar.solver.strided import add_strided_strategies
-from autopar.step import PlannedStep, PreparedStep, _stage, finish_step
+from autopar.solver.pipeline import Pipeline, as_pipeline
+from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, with_pipeline
 from autopar.units import fmt_bytes
 
 __all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
@@ -86,20 +87,46 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
     ``zero=``, ``checkpoint=`` (with ``checkpoint_blocks=``: how many blocks, the first
     ones), ``regather_blocks=`` (with ZeRO-3: whose parameters are gathered again in
     backward, the first blocks'), ``micro_batches=`` and ``offload=`` pin them
-    (``plan.memory`` says what was chosen). Nothing runs on devices; a meta-device model is
-    planned without allocating weights.
+    (``plan.memory`` says what was chosen). ``pipeline=autopar.Pipeline(axis=, schedule=,
+    micro_batches=, virtual_stages=)`` pins a pipeline on one mesh axis: the stages are cut
+    between repeated blocks, balanced, and planned on the other axes (``plan.pipeline``).
+    Nothing runs on devices; a meta-device model is planned without allocating weights.
     """
     return plan_step(model, mesh, example_inputs, **kwargs).plan
 
 
 def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
-              progress: bool = False, **kwargs: Any) -> PlannedStep:
+              progress: bool = False, pipeline: Pipeline | None = None, **kwargs: Any) -> PlannedStep:
     """``plan`` keeping the captured graph and chosen strategies (what execution needs).
 
-    Arguments as :func:`prepare_step`; ``progress`` shows the stage on stderr.
+    Arguments as :func:`prepare_step`; ``progress`` shows the stage on stderr. With
+    ``pipeline`` (an ``autopar.Pipeline``), the step is planned on the mesh without the
+    pipeline axis for one micro-batch (``pipeline_options``) and cut into the pipeline's
+    stages (``plan.pipeline``).
     """
+    if pipeline is not None:
+        mesh = _as_mesh(mesh)
+        kwargs = pipeline_options(as_pipeline(pipeline), mesh, kwargs)
+        step = plan_step(model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **kwargs)
+        return with_pipeline(step, pipeline, mesh)
     prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
     return finish_step(prepared, solve_step(prepared, progress=progress))
+
+
+def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for planning a pipeline's stages: checked against ``mesh`` (the whole mesh),
+    the step captured at one micro-batch (``micro_batches`` is the pipeline's)."""
+    pipeline.check(mesh.axes)
+    m = options.get("micro_batches")
+    if m is not None and m != pipeline.micro_batches:
+        raise InputError(f"micro_batches={m} and a pipeline of {pipeline.micro_batches} micro-batches: a pipelined "
+                         "step runs the pipeline's (leave micro_batches out)")
+    for option in ("data_axes", "zero"):
+        if pipeline.axis in (options.get(option) or ()):
+            raise InputError(f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data")
+    if options.get("offload") or 1 in (options.get("zero") or {}).values():
+        raise InputError("a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)")
+    return {**options, "micro_batches": pipeline.micro_batches}
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.capture import CapturedGraph
 from autopar.cost.model import CostContext
+from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy
 from autopar.scenarios import Scenario, candidates
 from autopar.solver.blocks import Folding, split_folding
@@ -20,11 +21,13 @@ from autopar.solver.graph import priced_parameter
 from autopar.solver.ilp import Solution
 from autopar.solver.memory import MemoryOptions, MemoryPlan, repeated_blocks
 from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.pipeline import Pipeline
 from autopar.solver.notes import unsplit_batch_notes
 from autopar.solver.plan import Plan, build_plan
 from autopar.solver.recompute import checkpointed
 from autopar.solver.regather import regathering
 from autopar.solver.report import solver_note
+from autopar.solver.stages import plan_stages
 
 
 @contextlib.contextmanager
@@ -160,3 +163,16 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     if solution.status != "optimal":
         warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()
     return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)
+
+
+def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh) -> PlannedStep:
+    """``step`` (planned on ``pipeline``'s stage mesh for one micro-batch) cut into the
+    pipeline's stages, its predicted step time the pipelined one (``solver.stages``)."""
+    plan = step.plan
+    update_s = {n.name: n.update_s for n in plan.nodes}
+    pipelined, step_time = plan_stages(step.graph, step.chosen, step.ctx, pipeline, mesh, plan.nodes,
+                                       plan.collectives, update_s, plan.predicted.step_time_s)
+    notes = [*plan.notes, f"pipeline: {pipelined.estimate}; peak memory is the whole model's on one stage mesh "
+                          "(the stages' own parameters are listed in the pipeline's stages)"]
+    plan = replace(plan, pipeline=pipelined, notes=notes, predicted=replace(plan.predicted, step_time_s=step_time))
+    return replace(step, plan=plan)

@@ -146,6 +146,10 @@ class StepSignature:
         return [[v.narrow(0, i * self.tensors[k][0][0], self.tensors[k][0][0]) if k in self.batch_leaves else v
                  for k, v in enumerate(leaves)] for i in range(m)]
 
+    def flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """The call's values as the step's leaves, unchecked (``bind``/``split`` check them)."""
+        return self._flatten(args, kwargs)
+
     def _flatten(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         expected = self.num_inputs + self.num_targets
         if len(args) != expected:

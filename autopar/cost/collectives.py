@@ -61,6 +61,13 @@ def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
     return call_time(call.kind, call.mesh_dim, mesh) + transfer_time(call, mesh)
 
 
+def point_to_point_time(nbytes: float, mesh_dim: int, mesh: Mesh) -> float:
+    """Alpha-beta time of one send of ``nbytes`` to a neighbour along ``mesh_dim`` (a pipeline's
+    activations or gradients): the call's fixed cost, one latency and the bytes over the link."""
+    link = mesh.link(mesh_dim)
+    return mesh.hardware.collective_overhead + link.latency + nbytes / link.bandwidth
+
+
 def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:
     """Bytes one device sends over its link for this collective (for the plan's comm_bytes)."""
     n = mesh.shape[call.mesh_dim]

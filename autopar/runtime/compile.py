@@ -14,24 +14,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves
 
-from autopar.api import PlannedStep, PreparedStep, finish_step, prepare_step, solve_step
-from autopar.capture.step import StepSignature
+from autopar.api import PlannedStep, PreparedStep, finish_step, pipeline_options, prepare_step, solve_step
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
-from autopar.passes import PassContext, parallelize_graph
-from autopar.runtime.microbatch import SUM, loss_kind
 from autopar.errors import InputError
-from autopar.runtime.mixed import compute_buffer, compute_copy, running_precision
-from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
+from autopar.runtime.mixed import compute_copy, running_precision
+from autopar.runtime.ops import Comm
 from autopar.solver.memory import example_batch
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.regather import BackwardStarts, Regather
-from autopar.runtime.random import RandomOps, agree_seed, make_generator
-from autopar.runtime.recompute import Recompute
-from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
-from autopar.rules.strategy import Strategy
-from autopar.solver.nodes import BUFFER, INPUT, PARAM
-from autopar.solver.plan import param_sync_dims
+from autopar.runtime.pipeline import PipelinedModule, build_pipelined_module, stage_device_mesh
+from autopar.runtime.program import rank_program, rank_signature, rank_state, step_loss_kind
+from autopar.runtime.random import agree_seed
+from autopar.runtime.parameters import InitFn
+from autopar.solver.pipeline import Pipeline, as_pipeline
+from autopar.step import with_pipeline
 
 T = TypeVar("T")
 
@@ -40,14 +36,14 @@ class CompileError(RuntimeError):
     """Raised on every rank when any rank failed to compile, or ranks disagree."""
 
 
-def _gather_errors(what: str, error: str) -> None:
-    """Raise on every rank if ``error`` is set on any (a collective: every rank must call it)."""
+def _gather_errors(what: str, error: str, error_type: type[Exception] = CompileError) -> None:
+    """Raise ``error_type`` on every rank if ``error`` is set on any (a collective: every rank must call it)."""
     errors: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e]
     if failed:
         rank, message = failed[0]
-        raise CompileError(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}")
+        raise error_type(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}")
 
 
 def _describe_error(exc: Exception) -> str:
@@ -110,7 +106,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             solver_time_limit_s: float = 120.0, zero: dict[str, int] | None = None, checkpoint: str | None = None,
             offload: bool | None = None, micro_batches: int | None = None,
-            checkpoint_blocks: int | None = None, regather_blocks: int | None = None) -> ParallelModule:
+            checkpoint_blocks: int | None = None, regather_blocks: int | None = None,
+            pipeline: Pipeline | None = None) -> ParallelModule | PipelinedModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
     The step is ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` (with
@@ -156,6 +153,13 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         seed = agree_seed(seed)
     except ValueError as exc:
         raise CompileError(str(exc)) from None
+    full_mesh, stage_mesh = planning_mesh, None
+    if pipeline is not None:
+        _gather_errors("checking the pipeline", _pipeline_error(pipeline, planning_mesh, data_axes, zero, offload,
+                                                                micro_batches), InputError)
+        micro_batches = pipeline.micro_batches
+        planning_mesh = pipeline.stage_mesh(full_mesh)
+        stage_mesh = stage_device_mesh(mesh, pipeline.axis)  # a collective: before anything may fail on one rank
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
         ways = math.prod(planning_mesh.axes[a] for a in data_axes)
         example_inputs = _global_batch(example_inputs, ways)
@@ -173,9 +177,15 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     start = time.perf_counter()
     solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))
     prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
-    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
+    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution) if pipeline is None
+                                       else with_pipeline(finish_step(prepared, solution), pipeline, full_mesh))
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
+    if pipeline is not None:
+        assert stage_mesh is not None
+        return _on_every_rank("building the rank's stages", lambda: build_pipelined_module(
+            model, mesh, stage_mesh, step, pipeline, init_fn, input_sharded, init_seed, seed, compute_dtype,
+            batch_leaves))
     return _on_every_rank("building the rank's program", lambda: build_rank_module(
         model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves))
 
@@ -198,6 +208,17 @@ def _axes_error(mesh: Mesh, data_axes: tuple[str, ...], input_sharded: bool, con
     return ""
 
 
+def _pipeline_error(pipeline: Pipeline, mesh: Mesh, data_axes: tuple[str, ...], zero: dict[str, int] | None,
+                    offload: bool | None, micro_batches: int | None) -> str:
+    """What is wrong with ``pipeline=`` and the options beside it ("" if nothing)."""
+    try:
+        pipeline_options(as_pipeline(pipeline), mesh, {"data_axes": data_axes, "zero": zero, "offload": offload,
+                                                       "micro_batches": micro_batches})
+    except InputError as exc:
+        return _describe_error(exc)
+    return ""
+
+
 def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
     if not isinstance(values, tuple):
         return values  # capture names the wrong type on every rank
@@ -213,58 +234,18 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
     precision; the step captured from ``mixed.compute_copy``) the parameters stay
     ``model``'s fp32 masters and the program reads them cast (``passes.cast_parameters``).
     ``batch_leaves``: the step's input leaves cut into micro-batches (``whole_batch_leaves``)."""
-    captured, graph, chosen = step.captured, step.graph, step.chosen
-    m = step.plan.memory.micro_batches
-    # Refused before anything is built: a loss no weight per micro-batch makes exact.
-    kind = (loss_kind(captured.gm, m) if m > 1 else SUM) if step.ctx.train else None  # m = 1: any kind
+    kind = step_loss_kind(step)  # refused before anything is built
     comm = Comm(mesh)
-    pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
-                     input_sharded=input_sharded, device_type=mesh.device_type,
-                     regather=frozenset(step.plan.memory.regather), memory=step.plan.memory,
-                     master_dtype=None if compute_dtype is None else torch.float32)
-    random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
-    program = parallelize_graph(captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
-                                                  "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
-                                                  "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
-                                                  "recompute": Recompute(comm, random_ops.generator)})
-    state = dict(model.named_parameters()) | dict(model.named_buffers())
-    shards = ShardInitializer(model, mesh, init_fn, init_seed)
-    placeholders: list[tuple[str, str, str]] = []
-    local: dict[str, torch.Tensor] = {}
-    placements = {}
-    frozen = frozenset(n.fqn or n.name for n in graph.nodes.values() if n.frozen)
-    for node in captured.gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        name = node.name
-        plan_node = graph.nodes.get(name)
-        strategy_out = chosen[name].outputs[0] if name in chosen else None
-        if name in captured.constants:
-            placeholders.append((name, "constant", name))
-            local[name] = local_shard(captured.constants[name], strategy_out, mesh).clone()
-        elif plan_node is not None and plan_node.kind in (PARAM, BUFFER):
-            fqn = plan_node.fqn or name
-            placeholders.append((name, "param" if plan_node.kind == PARAM else "buffer", fqn))
-            local[name] = shards.local(fqn, state[fqn], strategy_out)
-            if plan_node.kind == BUFFER:
-                local[name] = compute_buffer(local[name], compute_dtype)
-            placements[fqn] = strategy_out
-        else:
-            assert plan_node is None or plan_node.kind == INPUT
-            placeholders.append((name, "input", name))
-    shards.release()
-    signature = captured.signature
-    if input_sharded:
-        signature = _sharded_signature(signature, captured.user_inputs, chosen, mesh)
-    if m > 1:
-        signature = signature.micro_batched(m, batch_leaves)
+    program = rank_program(step, mesh, comm, seed, compute_dtype, input_sharded)
+    state = rank_state(model, mesh, step, init_fn, init_seed, compute_dtype)
     outputs = []
-    for out_name in graph.output_names:
-        strategy = chosen.get(out_name)
+    for out_name in step.graph.output_names:
+        strategy = step.chosen.get(out_name)
         outputs.append(None if step.ctx.train or strategy is None else strategy.outputs[0])
-    return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=placeholders,
-                          local=local, placements=placements, tied=captured.tied, output_placements=outputs,
-                          input_sharded=input_sharded, frozen=frozen, signature=signature, loss_kind=kind,
+    return ParallelModule(gm=program, plan=step.plan, device_mesh=mesh, comm=comm, placeholders=state.placeholders,
+                          local=state.local, placements=state.placements, tied=step.captured.tied,
+                          output_placements=outputs, input_sharded=input_sharded, frozen=state.frozen,
+                          signature=rank_signature(step, mesh, input_sharded, batch_leaves), loss_kind=kind,
                           loss_dtype=torch.float32 if compute_dtype is not None and step.ctx.train else None)
 
 
@@ -275,17 +256,3 @@ def whole_batch_leaves(inputs: tuple[Any, ...], kwargs: dict[str, Any], targets:
     leaves = tree_leaves((*inputs, *kwargs.values(), *targets))
     return frozenset(i for i, leaf in enumerate(leaves)
                      if isinstance(leaf, torch.Tensor) and leaf.ndim and leaf.shape[0] == batch)
-
-
-def _sharded_signature(signature: StepSignature, user_inputs: list[str], chosen: dict[str, Strategy],
-                       mesh: DeviceMesh) -> StepSignature:
-    """The calls of a module whose ranks pass their own shards: each tensor input's shape is
-    this rank's block of the captured (global) one under the input's planned placement,
-    sliced as the program reads it."""
-    shapes: dict[int, tuple[int, ...]] = {}
-    for index, name in enumerate(user_inputs):  # one input placeholder per leaf, in order
-        if index in signature.tensors and name in chosen:
-            shape, dtype = signature.tensors[index]
-            whole = torch.empty(shape, dtype=dtype, device="meta")
-            shapes[index] = tuple(local_shard(whole, chosen[name].outputs[0], mesh).shape)
-    return signature.sharded(shapes, " (this rank's shard of the global batch: input_sharded=True)")

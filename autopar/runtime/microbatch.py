@@ -107,7 +107,7 @@ def run_micro_batches(run: Callable[[list[Any]], torch.Tensor], micro: list[list
     (this rank's replicated value, detached). ``run`` returns a micro-batch's loss (this
     rank's copy of the replicated value); ``counter`` the count its loss divided by."""
     m = len(micro)
-    stashed = _stash_grads(params) if kind == COUNT and m > 1 else None
+    stashed = stash_grads(params) if kind == COUNT and m > 1 else None
     weighted: torch.Tensor | None = None
     total: torch.Tensor | None = None
     for i, leaves in enumerate(micro):
@@ -128,12 +128,12 @@ def run_micro_batches(run: Callable[[list[Any]], torch.Tensor], micro: list[list
     assert weighted is not None
     if stashed is not None:
         assert total is not None
-        _restore_grads(stashed, total)
+        restore_grads(stashed, total)
         weighted = weighted / total
     return weighted.to(loss.dtype)
 
 
-def _stash_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor | None]:
+def stash_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor | None]:
     """Set gradients held before the step aside, so that the step's own sum can be scaled alone."""
     stashed = {}
     for p in params:
@@ -141,7 +141,7 @@ def _stash_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor 
     return stashed
 
 
-def _restore_grads(stashed: dict[nn.Parameter, torch.Tensor | None], total: torch.Tensor) -> None:
+def restore_grads(stashed: dict[nn.Parameter, torch.Tensor | None], total: torch.Tensor) -> None:
     """Each gradient := what it held before the step + the step's sum / the step's count."""
     for p, before in stashed.items():
         if p.grad is None:

@@ -23,6 +23,7 @@ from autopar.solver.overlap import plan_windows
 from autopar.solver.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
 from autopar.solver.report import render_text
+from autopar.solver.stages import PipelinePlan
 from autopar.solver.trace import write_chrome_trace
 from autopar.solver.zero1 import plan_shard_buckets, zero1_dims
 
@@ -139,9 +140,14 @@ class Plan:
     """What the user should know the plan did not do, e.g. inputs whose batch could not be split."""
     memory: MemoryPlan = field(default_factory=MemoryPlan)
     """Micro-batches, activation checkpointing, ZeRO stages and offload the plan runs."""
+    pipeline: PipelinePlan | None = None
+    """The pipeline's stages, schedule and predicted bubble (None: no pipeline); the
+    placements above are each stage's, on ``pipeline.stage_mesh``."""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        if out["pipeline"] is not None:
+            del out["pipeline"]["stage_of"]  # derived from the stages' blocks
         out["plan_hash"] = self.plan_hash()
         return out
 
@@ -149,6 +155,10 @@ class Plan:
         """Fingerprint of the decisions (placements), identical on every rank and run."""
         decisions = {"mesh": self.mesh, "nodes": [(n.name, n.op, n.shapes, n.outputs, n.inputs) for n in self.nodes],
                      "memory": asdict(self.memory)}
+        if self.pipeline is not None:  # absent otherwise: plans without a pipeline keep their hashes
+            p = self.pipeline
+            decisions["pipeline"] = [p.axis, p.schedule, p.virtual_stages, p.micro_batches,
+                                     [(s.index, s.rank, s.blocks) for s in p.stages]]
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
     def __str__(self) -> str:

@@ -32,6 +32,8 @@ class Plan(Protocol):
     notes: list[str]
     memory: Any
     """``MemoryPlan``: ``describe()`` gives its line."""
+    pipeline: Any
+    """``PipelinePlan`` or None: ``describe()`` gives its line."""
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -117,14 +119,25 @@ def render(plan: Plan) -> Group:
                     + f"  ({mesh['hardware']}, {mesh['devices_per_node']} per node)")
     summary.add_row("step", ("training" if plan.train else "forward only") + f", {plan.precision}")
     hidden = f" exposed, {fmt_time(pred.hidden_comm_time_s)} hidden behind compute" if pred.hidden_comm_time_s else ""
-    summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
-                    f"communication {fmt_time(pred.comm_time_s)}{hidden})")
+    if plan.pipeline is not None:  # the figures in brackets are the whole step's on one stage mesh
+        pipe = plan.pipeline
+        summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (pipelined: bubble {fmt_time(pipe.bubble_s)}, "
+                        f"point-to-point {fmt_time(pipe.p2p_s)}, gradient sync {fmt_time(pipe.grad_sync_s)}; the "
+                        f"whole step on one stage mesh: compute {fmt_time(pred.compute_time_s)}, communication "
+                        f"{fmt_time(pred.comm_time_s)}{hidden})")
+    else:
+        summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
+                        f"communication {fmt_time(pred.comm_time_s)}{hidden})")
     limit = f", limit {fmt_bytes(plan.memory_limit_bytes)}" if plan.memory_limit_bytes is not None else ""
     summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  (parameters+state "
                     f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)}"
                     f"{limit})")
     if plan.train and plan.memory.describe() != "1 micro-batch":
         summary.add_row("memory plan", plan.memory.describe())
+    if plan.pipeline is not None:
+        summary.add_row("pipeline", f"{plan.pipeline.axis}={plan.pipeline.size} x stage mesh "
+                        + " x ".join(f"{k}={v}" for k, v in plan.pipeline.stage_mesh.items())
+                        + f": {plan.pipeline.describe()}")
     if "memory_search" in plan.solver:
         summary.add_row("memory search", search_note(plan.solver["memory_search"]))
     summary.add_row("communication", ", ".join(f"{a}: {fmt_bytes(b)}" for a, b in pred.comm_bytes.items())

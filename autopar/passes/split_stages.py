@@ -1,0 +1,144 @@
+"""split_stages: one rank's program cut into pipeline stages, one GraphModule each.
+
+The plan names the stage of every captured op (``PipelinePlan.stage_of``). The nodes the
+passes inserted take a stage from their neighbours: a node computed from values of the
+program (a reshard between two ops, a checkpointed block's call) joins the latest stage
+among its inputs (or, for a checkpointed block's call, the stage of the ops it holds);
+a node computed only from placeholders (a parameter's cast or gather, its prefetch, the
+slicing of a user input) joins the earliest stage reading it, so a parameter's gathers run
+in the stage that holds the parameter.
+
+Each stage's module takes, in order, the values it receives (``inputs``: the user's
+inputs for the first stage; for a later one, every value an earlier stage computed, or a
+user input, that this stage or a later one reads, carried stage to stage), then the
+state placeholders it reads (``state``: parameters, buffers, constants, bound by the
+runtime), and returns what the next stage receives (the last stage: the program's
+outputs). Values crossing a cut must be tensors: the runtime sends them point to point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx
+
+from autopar.passes.context import plan_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageProgram:
+    """One stage of a rank's program."""
+
+    index: int
+    gm: torch.fx.GraphModule
+    """Placeholders: ``inputs`` then ``state``; output: ``outputs`` (a tuple)."""
+    inputs: list[str]
+    """Names (in the whole program) of the values it receives, in placeholder order."""
+    state: list[str]
+    """Names of the program's state placeholders (parameters, buffers, constants) it reads."""
+    outputs: list[str]
+    """Names of the values it returns, in order."""
+
+
+def split_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int, user_inputs: list[str]
+                 ) -> list[StageProgram]:
+    """``gm`` (a rank's program) as ``stages`` stage programs; ``stage_of``: plan node name ->
+    stage; ``user_inputs``: the placeholders the caller feeds (the others are state)."""
+    assigned = _assign(gm, stage_of, stages)
+    users_after = _carried(gm, assigned, set(user_inputs), stages)
+    out = []
+    for s in range(stages):
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in user_inputs] if s == 0 \
+            else users_after[s]
+        outputs = users_after[s + 1] if s + 1 < stages else None
+        out.append(_stage_program(gm, s, assigned, inputs, outputs, set(user_inputs)))
+    return out
+
+
+def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> dict[torch.fx.Node, int]:
+    """Every non-placeholder node's stage (module docstring)."""
+    assigned: dict[torch.fx.Node, int] = {}
+    from_sources: list[torch.fx.Node] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            assigned[node] = stages - 1
+            continue
+        name = plan_name(node)
+        inner = _inner_stage(gm, node, stage_of)
+        inputs = [assigned[a] for a in node.all_input_nodes if a in assigned]
+        if name is not None and name in stage_of:
+            assigned[node] = stage_of[name]
+        elif inner is not None:
+            assigned[node] = inner
+        elif inputs:
+            assigned[node] = max(inputs)
+        else:
+            from_sources.append(node)
+            continue
+        if inputs and max(inputs) > assigned[node]:
+            raise RuntimeError(f"split_stages: {node.name} (stage {assigned[node]}) reads a value of stage "
+                               f"{max(inputs)}: the cuts do not follow the program's order")
+    for node in reversed(from_sources):  # users first: a chain from placeholders follows its readers
+        readers = [assigned[u] for u in node.users if u in assigned]
+        assigned[node] = min(readers) if readers else 0
+    return assigned
+
+
+def _inner_stage(gm: torch.fx.GraphModule, node: torch.fx.Node, stage_of: dict[str, int]) -> int | None:
+    """For a call of a submodule holding planned ops (a checkpointed block), their first stage."""
+    if node.op != "call_module":
+        return None
+    sub = gm.get_submodule(str(node.target))
+    graph = getattr(sub, "graph", None)
+    if graph is None:
+        return None
+    inner = [stage_of[n] for n in (plan_name(m) for m in graph.nodes) if n is not None and n in stage_of]
+    return min(inner) if inner else None
+
+
+def _carried(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], user_inputs: set[str], stages: int
+             ) -> list[list[torch.fx.Node]]:
+    """For each stage s > 0, the values it receives: computed before s (or user inputs) and
+    read at s or later, in program order."""
+    last_read: dict[torch.fx.Node, int] = {}
+    for node, s in assigned.items():
+        for a in node.all_input_nodes:
+            last_read[a] = max(last_read.get(a, -1), s)
+    carried: list[list[torch.fx.Node]] = [[] for _ in range(stages + 1)]
+    for value in gm.graph.nodes:
+        if value.op == "placeholder" and value.name not in user_inputs:
+            continue  # state: bound in every stage that reads it
+        born = 0 if value.op == "placeholder" else assigned[value]
+        for s in range(born + 1, last_read.get(value, -1) + 1):
+            carried[s].append(value)
+    return carried
+
+
+def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Node, int],
+                   inputs: list[torch.fx.Node], outputs: list[torch.fx.Node] | None, user_inputs: set[str]
+                   ) -> StageProgram:
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for value in inputs:
+        env[value] = graph.placeholder(value.name)
+        env[value].meta = dict(value.meta)
+    mine = [n for n in gm.graph.nodes if assigned.get(n) == s and n.op != "output"]
+    state = [p for p in gm.graph.nodes if p.op == "placeholder" and p.name not in user_inputs
+             and any(assigned.get(u) == s for u in p.users)]
+    for p in state:
+        env[p] = graph.placeholder(p.name)
+        env[p].meta = dict(p.meta)
+    for node in mine:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    if outputs is None:
+        result = next(n for n in gm.graph.nodes if n.op == "output")
+        graph.output(torch.fx.map_arg(result.args[0], lambda a: env[a]))
+        names = [a.name for a in result.all_input_nodes]
+    else:
+        graph.output(tuple(env[v] for v in outputs))
+        names = [v.name for v in outputs]
+    stage = torch.fx.GraphModule(gm, graph, class_name=f"Stage{s}")  # submodules and subgraphs: the program's own
+    return StageProgram(index=s, gm=stage, inputs=[v.name for v in inputs], state=[p.name for p in state],
+                        outputs=names)

@@ -1,0 +1,282 @@
+"""A pipelined step: this rank's stages run by a ``torch.distributed.pipelining`` schedule.
+
+The plan (``plan.pipeline``) names the stages; every rank builds the whole program for
+its stage mesh (the mesh without the pipeline axis: ``stage_device_mesh``), cuts it into
+stages (``passes.split_stages``) and keeps the ones its coordinate on the pipeline axis
+holds, with their parameters only. Each is a ``PipelineStage`` on the pipeline axis's
+process group; its own collectives (tensor parallelism, ZeRO gathers, the loss's count)
+run on the stage mesh, among the ranks holding the same stage.
+
+``pm.step(*inputs, *targets)``: the first stage receives the inputs' micro-batches (cut as
+``pm.step`` of ``runtime.microbatch`` cuts them; inputs whose leading dim is not the batch
+go whole to every micro-batch), user inputs a later stage reads are carried stage to
+stage, and the last stage's loss of each micro-batch is weighted exactly as
+``runtime.microbatch`` weighs it (1/m for a mean, 1 for a sum, its target count for a
+cross entropy dividing by counted targets, the accumulated gradients then divided by the
+step's total count). After the schedule, the gradients of this rank's parameters are
+all-reduced over the stage mesh's data axes once, bucket by bucket as the plan lists them
+(the pieces of each bucket this rank holds), and the step's loss is broadcast from the
+last stage to every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
+from torch.distributed.tensor import DTensor, Placement, Replicate
+
+from autopar.capture.step import StepSignature
+from autopar.cost.buckets import GradBucket
+from autopar.errors import InputError
+from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads
+from autopar.runtime.ops import CollectiveLog, Comm
+from autopar.runtime.parameters import InitFn
+from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
+from autopar.runtime.stages import StageModule, ValueMeta, fake_shard, stage_metas
+from autopar.solver.pipeline import STAGE_AXIS, Pipeline
+from autopar.solver.plan import Plan
+from autopar.step import PlannedStep
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+                    "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+"""The torch schedule running each of ``solver.pipeline.SCHEDULES``."""
+
+
+def stage_device_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:
+    """The mesh a stage's collectives run on: ``mesh`` without ``axis`` (a collective call on
+    every rank). With no other axis, a mesh of this rank alone on one axis named ``STAGE_AXIS``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    rest = tuple(n for n in names if n != axis)
+    if rest:
+        return mesh[rest]
+    whole = DeviceMesh(mesh.device_type, mesh.mesh.unsqueeze(-1), mesh_dim_names=(*names, STAGE_AXIS))
+    return whole[STAGE_AXIS]
+
+
+class PipelinedModule(nn.Module):
+    """This rank's stages of a pipelined step, trained with ``loss = pm.step(*inputs, *targets)``.
+
+    Parameters are this rank's stages' own (their shards on the stage mesh), registered under
+    the model's FQNs; ``state_dict()`` gives them as DTensors on the stage mesh."""
+
+    def __init__(self, *, plan: Plan, pipeline: Pipeline, device_mesh: DeviceMesh, stage_mesh: DeviceMesh,
+                 comm: Comm, modules: list[StageModule], metas: list[tuple[list[ValueMeta], list[ValueMeta]]],
+                 params: dict[str, nn.Parameter], fqns: dict[str, str], buffers: dict[str, torch.Tensor],
+                 placements: dict[str, tuple[Placement, ...]], signature: StepSignature, batch: frozenset[int],
+                 loss_kind: str, loss_dtype: torch.dtype | None, loss_out: torch.dtype) -> None:
+        super().__init__()
+        self.plan = plan
+        self.pipeline = pipeline
+        self.device_mesh = device_mesh
+        self.stage_mesh = stage_mesh
+        self.signature = signature
+        self._comm = comm
+        self._placements = placements
+        self._loss_kind = loss_kind
+        self._loss_dtype = loss_dtype  # mixed precision: each micro-batch's bf16 loss made fp32, as ParallelModule
+        self._loss_out = loss_out
+        self._batch = batch  # leaves cut into micro-batches by the schedule (the others go whole to the first stage)
+        self._params_by_node = params
+        for name, param in params.items():
+            _register(self, fqns[name], param, buffer=False)
+        for fqn, tensor in buffers.items():
+            _register(self, fqn, tensor, buffer=True)
+        self.log: CollectiveLog | None = None
+        self._build_schedule(modules, metas)
+
+    def _build_schedule(self, modules: list[StageModule], metas: list[tuple[list[ValueMeta], list[ValueMeta]]]
+                        ) -> None:
+        axis = self.pipeline.axis
+        group = self.device_mesh.get_group(axis)
+        p = self.device_mesh.size(self.device_mesh.mesh_dim_names.index(axis))
+        count = self.pipeline.stages(p)
+        device = torch.device(self.device_mesh.device_type)
+        object.__setattr__(self, "_modules_run", modules)  # not submodules: parameters keep the model's FQNs
+        self._stages = [PipelineStage(m, m.index, count, device, input_args=tuple(x.example(device) for x in i),
+                                      output_args=tuple(x.example(device) for x in o), group=group)
+                        for m, (i, o) in zip(modules, metas)]
+        cls = SCHEDULE_CLASSES[self.pipeline.schedule]
+        single = self.pipeline.schedule in ("gpipe", "1f1b")
+        self._schedule = cls(self._stages[0] if single else self._stages, n_microbatches=self.pipeline.micro_batches,
+                             loss_fn=self._weigh, scale_grads=False)
+        self._last_rank = self.pipeline.stage_rank(count - 1, p)
+        self._group = group
+        self._counts: list[torch.Tensor] = []
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        raise InputError("a pipelined module trains with loss = pm.step(*inputs, *targets, **kwargs): a call of one "
+                         "rank's stages is not the step")
+
+    def _weigh(self, output: Any, micro_batch: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss as the step weighs it (``runtime.microbatch``); called by the
+        schedule on the last stage right after that micro-batch's forward."""
+        loss = output[0] if isinstance(output, (tuple, list)) else output
+        if self._loss_dtype is not None:
+            loss = loss.to(self._loss_dtype)
+        m = self.pipeline.micro_batches
+        if self._loss_kind == COUNT and m > 1:
+            count = self._modules_run[-1].program.get_submodule("partial_mean_loss").last_count
+            if count is None:
+                raise RuntimeError("the step's loss divides by a count, but the program recorded none")
+            self._counts.append(count.detach())
+            return loss * count.to(loss.dtype)
+        return loss * (1.0 / m) if self._loss_kind == MEAN and m > 1 else loss
+
+    def step(self, *inputs: Any, **kwargs: Any) -> DTensor:
+        """One training step on the whole batch: forward and backward of every micro-batch
+        by the schedule, gradients added to ``.grad`` (as ``backward`` would) and synchronized
+        over the data axes once; returns the step's loss on every rank (replicated, detached)."""
+        micro = self.signature.split(inputs, kwargs)  # checks every value as ParallelModule.step does
+        leaves = self.signature.flatten(inputs, kwargs)
+        first = [m for m in self._modules_run if m.index == 0]
+        for module in first:
+            module.set_fixed([v for k, v in enumerate(micro[0]) if k not in self._batch])
+        params = [p for p in self.parameters() if p.requires_grad]
+        stashed = stash_grads(params)
+        self._counts = []
+        losses: list[torch.Tensor] = []
+        args = tuple(leaves[k] for k in sorted(self._batch)) if first else ()
+        self._schedule.step(*args, target=torch.arange(self.pipeline.micro_batches), losses=losses,
+                            return_outputs=False)
+        reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
+        total = torch.stack(self._counts).sum() if self._counts else torch.ones((), dtype=torch.float32)
+        summed = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
+        shared = torch.stack([summed.float(), total.float()])
+        dist.broadcast(shared, group=self._group, group_src=self._last_rank)
+        restore_grads(stashed, shared[1])
+        loss = shared[0] / shared[1] if self._loss_kind == COUNT else shared[0]
+        return DTensor.from_local(loss.to(self._loss_out), self.device_mesh, (Replicate(),) * self.device_mesh.ndim,
+                                  run_check=False)
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None, **kwargs: Any
+                  ) -> torch.optim.Optimizer:
+        """``optimizer_class`` over this rank's parameters (its stages')."""
+        return optimizer_class(self.parameters() if params is None else params, **kwargs)
+
+    def attach_log(self, log: CollectiveLog | None) -> None:
+        """Record the stages' collectives and the gradient buckets' all-reduces."""
+        self._comm.log = log
+        self.log = log
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's stages' parameters and buffers, DTensors on the stage mesh."""
+        out: dict[str, Any] = {}
+        for fqn, tensor in list(self.named_parameters()) + list(self.named_buffers()):
+            out[fqn] = DTensor.from_local(tensor.detach(), self.stage_mesh, self._placements[fqn], run_check=False)
+        return out
+
+
+def _register(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool) -> None:
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if buffer:
+        module.register_buffer(leaf, value, persistent=True)
+    else:
+        module.register_parameter(leaf, value)  # type: ignore[arg-type]
+
+
+def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
+                   log: CollectiveLog | None) -> None:
+    """All-reduce (sum) the gradients this rank holds of each of the plan's buckets, one
+    collective per bucket on its mesh dim (in fp32 at least, as ``GradSync`` reduces them).
+    The ranks of one stage hold the same parameters, so they run the same collectives."""
+    for bucket in buckets:
+        pieces = [(params[s.param], s.start, s.stop) for s in bucket.slices if s.param in params]
+        pieces = [(p, a, b) for p, a, b in pieces if p.grad is not None]
+        if not pieces or mesh.size(bucket.mesh_dim) == 1:
+            continue
+        dtype = torch.promote_types(pieces[0][0].grad.dtype, torch.float32)
+        flat = torch.cat([p.grad.reshape(-1)[a:b].to(dtype) for p, a, b in pieces])
+        if log is not None:
+            log.entries.append(("backward", "all_reduce", bucket.mesh_dim, flat.numel() * flat.element_size()))
+        dist.all_reduce(flat, group=mesh.get_group(bucket.mesh_dim))
+        offset = 0
+        for p, a, b in pieces:
+            p.grad.view(-1)[a:b].copy_(flat[offset:offset + b - a])
+            offset += b - a
+
+
+def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh, step: PlannedStep,
+                           pipeline: Pipeline, init_fn: InitFn | None, input_sharded: bool, init_seed: int, seed: int,
+                           compute_dtype: torch.dtype | None, batch_leaves: frozenset[int]) -> PipelinedModule:
+    """This rank's stages of an agreed pipelined plan (module docstring); ``stage_mesh``:
+    ``stage_device_mesh(mesh, pipeline.axis)``; other arguments as ``build_rank_module``'s."""
+    pp = step.plan.pipeline
+    assert pp is not None
+    if step.plan.shard_buckets or step.plan.memory.offload:  # the memory search may choose them unpinned
+        raise InputError("this pipelined plan shards optimizer state (ZeRO-1) or offloads it to the host, which a "
+                         "pipelined step does not run yet: raise memory_limit, or pin zero= with stage 0, 2 or 3")
+    kind = step_loss_kind(step)
+    assert kind is not None, "a pipeline trains"
+    p = mesh.size(mesh.mesh_dim_names.index(pipeline.axis))
+    count = pipeline.stages(p)
+    mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
+    user_inputs = list(step.captured.user_inputs)
+    comm = Comm(stage_mesh)
+    programs = split_stages(rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded), pp.stage_of,
+                            count, user_inputs)
+    keep = {name for s in mine for name in programs[s].state}
+    state = rank_state(model, stage_mesh, step, init_fn, init_seed, compute_dtype, keep=keep.__contains__)
+    signature = rank_signature(step, stage_mesh, input_sharded, batch_leaves)
+    missing = [k for k in range(len(user_inputs)) if k not in signature.tensors]
+    if missing:
+        raise InputError(f"a pipelined step takes tensors only: inputs {missing} (in the order of pm.step's values) "
+                         "are not")
+    batch = signature.batch_leaves if pipeline.micro_batches > 1 else frozenset(signature.tensors)
+    metas = _metas(step, stage_mesh, programs, state, signature, seed, compute_dtype, input_sharded, user_inputs)
+    kinds = {name: (kind_, fqn) for name, kind_, fqn in state.placeholders}
+    params = {n: nn.Parameter(state.local[n], requires_grad=kinds[n][1] not in state.frozen)
+              for n in keep if kinds[n][0] == "param"}
+    slots = [sorted(batch).index(k) if k in batch else None for k in range(len(user_inputs))]
+    modules = []
+    for s in mine:
+        tensors = [params[n] if n in params else state.local[n] for n in programs[s].state]
+        regathers = any(n.op == "call_module" and n.target == "regather" for n in programs[s].gm.graph.nodes)
+        modules.append(StageModule(programs[s], tensors, slots if s == 0 else None, regathers))
+    own = [(i if s != 0 else [m for k, m in enumerate(i) if k in batch], o) for s, (i, o) in enumerate(metas)]
+    loss_meta = step.graph.nodes[step.graph.loss].outputs[0] if step.graph.loss is not None else None
+    return PipelinedModule(
+        plan=step.plan, pipeline=pipeline, device_mesh=mesh, stage_mesh=stage_mesh, comm=comm, modules=modules,
+        metas=[own[s] for s in mine], params=params, fqns={n: kinds[n][1] for n in params},
+        buffers={kinds[n][1]: state.local[n] for n in keep if kinds[n][0] == "buffer"},
+        placements=state.placements, signature=signature, batch=batch, loss_kind=kind,
+        loss_dtype=torch.float32 if compute_dtype is not None else None,
+        loss_out=torch.float32 if compute_dtype is not None or loss_meta is None else loss_meta.dtype)
+
+
+def _metas(step: PlannedStep, mesh: DeviceMesh, programs: list[StageProgram], state: RankState,
+           signature: StepSignature, seed: int, compute_dtype: torch.dtype | None, input_sharded: bool,
+           user_inputs: list[str]) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
+    """Every stage's received and sent values (``runtime.stages.stage_metas``), found on a
+    copy of the program built for the purpose (its modules' state is left behind)."""
+    shapes = split_stages(rank_program(step, mesh, Comm(mesh), seed, compute_dtype, input_sharded),
+                          step.plan.pipeline.stage_of, len(programs), user_inputs)
+    fake: dict[str, Any] = {}
+    for name, kind, fqn in state.placeholders:
+        if kind == "input":
+            continue
+        if kind == "constant":
+            value = step.captured.constants[name]
+            shape, dtype = tuple(value.shape), value.dtype
+        else:
+            meta = step.graph.nodes[name].outputs[0]
+            shape, dtype = meta.shape, meta.dtype
+            if kind == "param" and compute_dtype is not None:
+                dtype = torch.float32  # fp32 masters, cast where read
+        placements = step.chosen[name].outputs[0] if name in step.chosen else None
+        trains = kind == "param" and fqn not in state.frozen and step.ctx.train
+        fake[name] = fake_shard(shape, dtype, placements, mesh, trains)
+    inputs = [ValueMeta(shape=signature.tensors[k][0], dtype=signature.tensors[k][1], requires_grad=False)
+              for k in range(len(user_inputs))]
+    return stage_metas(shapes, fake, inputs, torch.device(mesh.device_type))

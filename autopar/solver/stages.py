@@ -1,0 +1,282 @@
+"""Stage cuts of a pinned pipeline and what they are predicted to cost.
+
+The layer stack is cut between repeated blocks (``solver.memory.block_of``) into p x v
+contiguous stages: the head (what runs before the first block: embeddings) joins the
+first stage, the tail (final norm, output head, loss) the last, and code between two
+blocks the block before it. The cuts minimize the slowest stage's predicted forward +
+backward seconds of one micro-batch (a linear partition, solved exactly by a small dynamic
+program; ties go to the earliest cuts, so every rank cuts alike). The intra-stage plan is
+the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.cost.collectives import point_to_point_time
+from autopar.cost.model import CostContext
+from autopar.errors import InputError
+from autopar.mesh import Mesh
+from autopar.rules.strategy import Strategy, local_numel
+from autopar.solver.memory import block_of
+from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
+from autopar.solver.pipeline import Pipeline, pipeline_compute_s
+
+HEAD, TAIL = "(head)", "(tail)"
+"""Names the stage listing gives the code before the first block and after the last."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline stage."""
+
+    index: int
+    """Position in the pipeline (0 first)."""
+    rank: int
+    """Coordinate on the pipeline axis of the ranks running it."""
+    blocks: list[str]
+    """Repeated blocks it runs, in order ('(head)'/'(tail)' with the first/last block)."""
+    forward_s: float
+    """Predicted seconds of its forward for one micro-batch (its waited collectives included)."""
+    backward_s: float
+    """Predicted seconds of its backward for one micro-batch."""
+    parameter_bytes: float
+    """Bytes of the weights it holds per device (its parameters' local shards)."""
+    parameters: int
+    """Number of parameter tensors it holds."""
+    sends_bytes: float
+    """Bytes per device of the activations it sends to the next stage per micro-batch (0 for the last)."""
+
+
+@dataclass(kw_only=True)
+class PipelinePlan:
+    """The pipeline decision a plan carries: what the runtime executes."""
+
+    axis: str
+    """Mesh axis the stages are laid along."""
+    size: int
+    """Ranks along it."""
+    schedule: str
+    virtual_stages: int
+    micro_batches: int
+    stage_mesh: dict[str, int]
+    """Each stage's sub-mesh (the mesh without the pipeline axis), which the placements refer to."""
+    stages: list[StagePlan]
+    bubble_fraction: float
+    """Predicted share of the step a rank idles in the schedule's fill and drain (``solver.pipeline``)."""
+    bubble_s: float
+    p2p_s: float
+    """Predicted seconds of point-to-point activation and gradient transfers the step waits for."""
+    grad_sync_s: float
+    """Predicted seconds of the slowest rank's gradient buckets after the pipeline has drained."""
+    update_s: float
+    """Predicted seconds of the slowest rank's optimizer step (its stages' parameters)."""
+    stage_plan_step_time_s: float
+    """The ILP's step time of the whole step on one sub-mesh without the pipeline (its objective)."""
+    estimate: str = ("the pipelined step time is an estimate (solver.pipeline's bubble formulas, transfers not "
+                     "overlapped with compute); the ILP placed each stage for one micro-batch on the stage mesh")
+    stage_of: dict[str, int] = field(default_factory=dict, repr=False)
+    """Captured op node -> stage (derived from ``stages``; what the split pass cuts by)."""
+
+    def describe(self) -> str:
+        cuts = " | ".join(f"{s.index}@{self.axis}{s.rank}: {_span(s.blocks)}" for s in self.stages)
+        return (f"{self.schedule}, {self.size} x {self.virtual_stages} stages, {self.micro_batches} micro-batches, "
+                f"bubble {self.bubble_fraction:.1%}; {cuts}")
+
+
+def _span(blocks: list[str]) -> str:
+    inner = [b for b in blocks if b not in (HEAD, TAIL)]
+    text = inner[0] if len(inner) == 1 else f"{inner[0]}..{inner[-1].rsplit('.', 1)[-1]}"
+    return " + ".join(([HEAD] if HEAD in blocks else []) + [text] + ([TAIL] if TAIL in blocks else []))
+
+
+def block_units(graph: PlanGraph) -> tuple[list[str], dict[str, int]]:
+    """The blocks in graph order and each op node's block index (head -> first, code after
+    a block -> that block). Refuses a model without enough structure to cut."""
+    blocks: list[str] = []
+    unit: dict[str, int] = {}
+    head: list[str] = []
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.kind != OP:
+            continue
+        block = block_of(node.module)
+        if block is not None and block not in blocks:
+            blocks.append(block)
+        elif block is not None and blocks[-1] != block:
+            raise InputError(f"pipeline stages are cut between repeated blocks, but {name} (in {block}) runs after "
+                             f"{blocks[-1]} started: the blocks do not run one after another")
+        if not blocks:
+            head.append(name)
+        else:
+            unit[name] = len(blocks) - 1
+    unit.update({name: 0 for name in head})
+    return blocks, unit
+
+
+def balanced_cuts(weights: list[float], stages: int) -> list[int]:
+    """Start index of each stage's first unit: ``stages`` contiguous non-empty groups of
+    ``weights`` whose heaviest group is lightest (earliest cuts among equals)."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the lightest heaviest group of the first i units in k groups; start[k][i]: its last group's start
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    start = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i] * (1 - 1e-12):
+                    best[k][i], start[k][i] = cost, j
+    cuts, i = [], n
+    for k in range(stages, 0, -1):
+        i = start[k][i]
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
+                nodes: list, collectives: list, update_s: dict[str, float], stage_plan_step_s: float
+                ) -> tuple[PipelinePlan, float]:
+    """Cut the step into ``pipeline``'s stages and price the pipelined step. ``mesh``: the
+    whole mesh (pipeline axis included); ``nodes``/``collectives``: the sub-mesh plan's
+    ``NodePlacement``s and ``PlannedCollective``s; ``update_s``: parameter -> optimizer seconds."""
+    p = mesh.axes[pipeline.axis]
+    count = pipeline.stages(p)
+    blocks, unit = block_units(graph)
+    if len(blocks) < count:
+        raise InputError(f"pipeline {pipeline.schedule} on {pipeline.axis}={p} with {pipeline.virtual_stages} "
+                         f"stages per rank needs {count} stages of at least one repeated block each; the model has "
+                         f"{len(blocks)} ({', '.join(blocks) or 'no indexed block container'})")
+    seconds = {n.name: (n.forward_s, n.backward_s) for n in nodes}
+    weights = [0.0] * len(blocks)
+    for name, u in unit.items():
+        weights[u] += sum(seconds[name])
+    starts = balanced_cuts(weights, count)
+    stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(blocks))]
+    stage_of = {name: stage_of_unit[u] for name, u in unit.items()}
+    return _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds, collectives,
+                   update_s, stage_plan_step_s)
+
+
+def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
+            stage_of: dict[str, int], blocks: list[str], stage_of_unit: list[int],
+            seconds: dict[str, tuple[float, float]], collectives: list, update_s: dict[str, float],
+            stage_plan_step_s: float) -> tuple[PipelinePlan, float]:
+    p = mesh.axes[pipeline.axis]
+    count = pipeline.stages(p)
+    rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
+    times = [[0.0, 0.0] for _ in range(count)]
+    for name, s in stage_of.items():
+        times[s][0] += seconds[name][0]
+        times[s][1] += seconds[name][1]
+    for c in collectives:  # the stages' own collectives, once per micro-batch
+        if c.consumer and c.phase in ("forward", "recompute", "backward"):
+            s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
+            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
+    params = parameter_stages(graph, stage_of)
+    sends = crossing_bytes(graph, chosen, ctx, stage_of, count)
+    compute, bubble = pipeline_compute_s(pipeline, p, [(f, b) for f, b in times], rank_of)
+    p2p = _p2p_seconds(pipeline, mesh, sends, rank_of)
+    sync = _sync_seconds(collectives, graph, params, rank_of, p)
+    update = max(sum(update_s.get(n, 0.0) for n, s in params.items() if rank_of[s] == r)
+                 for r in range(p))
+    stages = []
+    for s in range(count):
+        mine = [n for n, t in params.items() if t == s]
+        names = [b for b, u in zip(blocks, stage_of_unit) if u == s]
+        names = ([HEAD] if s == 0 else []) + names + ([TAIL] if s == count - 1 else [])
+        stages.append(StagePlan(index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
+                                parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine),
+                                parameters=len(mine), sends_bytes=sends[s] if s < count - 1 else 0.0))
+    total = compute + p2p + sync + update
+    return PipelinePlan(axis=pipeline.axis, size=p, schedule=pipeline.schedule,
+                        virtual_stages=pipeline.virtual_stages, micro_batches=pipeline.micro_batches,
+                        stage_mesh=dict(ctx.mesh.axes), stages=stages,
+                        bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=p2p,
+                        grad_sync_s=sync, update_s=update, stage_plan_step_time_s=stage_plan_step_s,
+                        stage_of=stage_of), total
+
+
+def parameter_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, int]:
+    """Parameter node -> the stage whose ops read it; refuses one read in two stages (a tied
+    weight, such as GPT-2's embedding and output head)."""
+    out: dict[str, int] = {}
+    for name, s in stage_of.items():
+        for src, _ in graph.nodes[name].args:
+            node = graph.nodes[src]
+            if node.kind != PARAM:
+                continue
+            if out.setdefault(src, s) != s:
+                first, second = sorted((out[src], s))
+                raise InputError(f"parameter {node.fqn or src} is read by pipeline stages {first} and {second} (a tied "
+                                 "weight): pipelining does not yet sum a parameter's gradient across stages; untie it "
+                                 "or cut the model so that one stage reads it")
+    return out
+
+
+def _local_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, name: str) -> float:
+    meta = graph.nodes[name].outputs[0]
+    assert meta is not None
+    return float(local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape) * ctx.precision.weight_bytes_per_param)
+
+
+def crossing_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, stage_of: dict[str, int],
+                   count: int) -> list[float]:
+    """Per cut (after stage s), bytes per device of the values it carries forward in one
+    micro-batch: op outputs read by a later stage and user inputs a later stage reads
+    (carried from the first stage), each once however many stages it passes."""
+    crossing: dict[tuple[str, int], tuple[int, int]] = {}  # value -> (first stage holding it, last reader)
+    for name, s in stage_of.items():
+        for src, idx in graph.nodes[name].args:
+            kind = graph.nodes[src].kind
+            if kind not in (OP, INPUT):
+                continue
+            born = stage_of.get(src, 0)
+            if born < s:
+                first, last = crossing.get((src, idx), (born, s))
+                crossing[(src, idx)] = (first, max(last, s))
+    out = [0.0] * count
+    for (src, idx), (first, last) in crossing.items():
+        meta = graph.nodes[src].outputs[idx]
+        if meta is None:
+            continue
+        nbytes = ctx.precision.tensor_bytes(meta, local_numel(meta, chosen[src].outputs[idx], ctx.mesh.shape))
+        for cut in range(first, last):
+            out[cut] += nbytes
+    return out
+
+
+def _p2p_seconds(pipeline: Pipeline, mesh: Mesh, sends: list[float], rank_of: list[int]) -> float:
+    """Transfers between stages on different ranks, activations forward and gradients back
+    (the same bytes), none overlapped with compute: each rank's per-micro-batch receives m
+    times, plus one pass of every transfer for the fill and drain."""
+    dim = mesh.names.index(pipeline.axis)
+    received = [0.0] * mesh.axes[pipeline.axis]
+    fill = 0.0
+    for cut, nbytes in enumerate(sends[:-1]):
+        if rank_of[cut] == rank_of[cut + 1] or not nbytes:
+            continue
+        t = point_to_point_time(nbytes, dim, mesh)
+        received[rank_of[cut + 1]] += t  # the activation
+        received[rank_of[cut]] += t  # its gradient, back
+        fill += 2 * t
+    return pipeline.micro_batches * max(received) + fill
+
+
+def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, int], rank_of: list[int], p: int) -> float:
+    """The slowest rank's gradient buckets, each bucket's time shared out by its parameters
+    held on the rank (a rank reduces only its stages' gradients), waited for in full."""
+    per_rank = [0.0] * p
+    for c in collectives:
+        if c.consumer:
+            continue
+        names = c.tensor.split(",")
+        for name in names:
+            if name in params:
+                per_rank[rank_of[params[name]]] += c.time_s / len(names)
+    return max(per_rank)

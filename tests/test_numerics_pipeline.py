@@ -1,0 +1,235 @@
+"""Pipelined steps (``pipeline=autopar.Pipeline(...)``, ``pm.step``) train to the single-device
+numbers: loss on every rank, every gradient (whole tensors, gathered over the stage mesh) and
+every parameter after 3 AdamW steps, for each schedule, with tensor and data parallelism (and
+ZeRO-3) inside the stages; the stages' replicas stay bitwise equal. Plus the pipeline's plan
+(cuts, bubble, JSON, text) and the inputs it refuses."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import autopar
+from autopar.errors import InputError
+from autopar.runtime.forked import run_ranks
+from autopar.solver.stages import balanced_cuts
+from examples import gpt, llama
+from numerics_harness import EPS, LR, STEPS, Reference, mismatches, reference
+
+
+def _llama() -> Any:
+    return llama.build(llama.LlamaConfig(layers=4))
+
+
+class _Stack(nn.Module):
+    """Four residual MLP blocks and a head, trained with mse_loss (a mean over a fixed count:
+    each micro-batch weighs 1/m, where the examples' cross entropy weighs by counted targets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(4))
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def _stack() -> Any:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    return (_Stack(), (torch.randn(8, 16, generator=gen),), nn.functional.mse_loss,
+            (torch.randn(8, 8, generator=gen),))
+
+
+MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    schedule: str
+    micro_batches: int
+    virtual_stages: int = 1
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def id(self) -> str:
+        mesh = "x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh))
+        extra = "-".join(f"{k}" for k in self.options)
+        return f"{self.model}-{mesh}-{self.schedule}-m{self.micro_batches}-v{self.virtual_stages}" + \
+            (f"-{extra}" if extra else "")
+
+
+CASES = [
+    Case("llama", (2,), ("pp",), "gpipe", 2),
+    Case("stack", (2,), ("pp",), "gpipe", 4),
+    Case("gpt", (2,), ("pp",), "1f1b", 2),
+    Case("llama", (4,), ("pp",), "1f1b", 4),
+    Case("llama", (2,), ("pp",), "interleaved_1f1b", 4, 2),
+    Case("llama", (2,), ("pp",), "zbv", 4, 2),
+    Case("llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": llama.TP_PLAN}),
+    Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
+    Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),
+]
+_REFERENCES: dict[str, Reference] = {}
+
+
+def _reference(model: str) -> Reference:
+    if model not in _REFERENCES:
+        _REFERENCES[model] = reference(MODELS[model])
+    return _REFERENCES[model]
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha1(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
+    model, inputs, loss_fn, targets = MODELS[case.model]()
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    pipeline = autopar.Pipeline(axis="pp", schedule=case.schedule, micro_batches=case.micro_batches,
+                                virtual_stages=case.virtual_stages)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=pipeline,
+                         **case.options)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    losses, grads = [], {}
+    for i in range(STEPS):
+        loss = pm.step(*inputs, *targets)
+        assert isinstance(loss, DTensor) and not loss.requires_grad and loss.device_mesh is mesh
+        losses.append(loss.to_local().item())
+        if i == 0:
+            state = pm.state_dict()
+            grads = {k: DTensor.from_local(p.grad, pm.stage_mesh, state[k].placements, run_check=False).full_tensor()
+                     for k, p in pm.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
+    local = {k: _digest(v.to_local()) + str(tuple(v.placements)) for k, v in pm.state_dict().items()}
+    return {"losses": losses, "held": sorted(params), "with_grad": sorted(grads),
+            "grad_mismatches": mismatches({k: ref.grads[k] for k in grads}, grads),
+            "state_mismatches": mismatches({k: ref.state[k] for k in params}, params),
+            "local": local, "coordinate": mesh.get_coordinate()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_pipeline_matches_single_device(case: Case) -> None:
+    ref = _reference(case.model)
+    results = run_ranks(_train, math.prod(case.mesh), case, ref)
+    held: set[str] = set()
+    for rank, result in enumerate(results):
+        assert result["losses"] == pytest.approx(ref.losses, rel=1e-4, abs=1e-5), f"rank {rank}"
+        assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
+        assert result["state_mismatches"] == [], f"rank {rank}: {result['state_mismatches']}"
+        assert result["with_grad"] == result["held"], f"rank {rank}: a parameter of its stages got no gradient"
+        held |= set(result["held"])
+    params = {k for k in ref.state if k in ref.grads}
+    assert held == params, f"parameters no stage holds: {sorted(params - held)}"
+    _check_replicas(results)
+
+
+def _check_replicas(results: list[dict[str, Any]]) -> None:
+    """The ranks of one pipeline coordinate holding a replicated shard hold it bit for bit alike."""
+    by_stage: dict[int, list[dict[str, str]]] = {}
+    for result in results:
+        by_stage.setdefault(result["coordinate"][0], []).append(result["local"])
+    for locals_ in by_stage.values():
+        for name in locals_[0]:
+            if "Shard" not in locals_[0][name]:
+                assert len({loc[name] for loc in locals_}) == 1, f"{name} differs between replicas"
+
+
+def _plan(pipeline: autopar.Pipeline, mesh: dict[str, int], build: Callable[[], Any] = _llama) -> autopar.Plan:
+    model, inputs, loss_fn, targets = build()
+    return autopar.plan(model, autopar.Mesh(mesh, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        pipeline=pipeline)
+
+
+def test_plan_pipeline_json_and_text() -> None:
+    p = _plan(autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=4), {"pp": 2, "tp": 2})
+    pipe = p.to_json()["pipeline"]
+    assert (pipe["axis"], pipe["schedule"], pipe["virtual_stages"], pipe["micro_batches"]) == ("pp", "1f1b", 1, 4)
+    assert pipe["stage_mesh"] == {"tp": 2} and p.mesh["axes"] == {"tp": 2}
+    assert [s["blocks"] for s in pipe["stages"]] == [["(head)", "layers.0", "layers.1"],
+                                                     ["layers.2", "layers.3", "(tail)"]]
+    assert [s["rank"] for s in pipe["stages"]] == [0, 1]
+    assert pipe["bubble_fraction"] == pytest.approx((2 - 1) / (4 + 2 - 1))
+    assert all(s["parameter_bytes"] > 0 and s["forward_s"] > 0 for s in pipe["stages"])
+    assert pipe["stages"][0]["sends_bytes"] > 0 and pipe["stages"][1]["sends_bytes"] == 0
+    worst = max(s["forward_s"] + s["backward_s"] for s in pipe["stages"])
+    assert p.predicted.step_time_s == pytest.approx((4 + 2 - 1) * worst + pipe["p2p_s"] + pipe["grad_sync_s"]
+                                                    + pipe["update_s"], rel=1e-9)
+    assert p.solver["objective_s"] == pytest.approx(pipe["stage_plan_step_time_s"], rel=1e-9)
+    assert "stage_of" not in pipe and "estimate" in pipe["estimate"]
+    text = str(p)
+    assert "pipeline" in text and "1f1b" in text and "bubble 20.0%" in text
+
+
+def test_interleaved_bubble_and_v_placement() -> None:
+    p = _plan(autopar.Pipeline(axis="pp", schedule="interleaved_1f1b", micro_batches=4, virtual_stages=2), {"pp": 2})
+    assert p.pipeline.bubble_fraction == pytest.approx((2 - 1) / (2 * 4 + 2 - 1), rel=0.2)  # stages nearly even
+    assert [s.rank for s in p.pipeline.stages] == [0, 1, 0, 1]
+    v = _plan(autopar.Pipeline(axis="pp", schedule="zbv", micro_batches=4, virtual_stages=2), {"pp": 2})
+    assert [s.rank for s in v.pipeline.stages] == [0, 1, 1, 0]
+    assert v.pipeline.stage_mesh == {"stage": 1}
+
+
+def test_balanced_cuts() -> None:
+    assert balanced_cuts([3.0, 1.0, 1.0, 1.0], 2) == [0, 1]
+    assert balanced_cuts([1.0, 1.0, 1.0, 3.0], 2) == [0, 3]
+    assert balanced_cuts([1.0] * 4, 4) == [0, 1, 2, 3]
+    assert balanced_cuts([1.0] * 6, 3) == [0, 2, 4]
+
+
+@pytest.mark.parametrize("pipeline, mesh, message", [
+    (autopar.Pipeline(axis="pp", schedule="zbv", micro_batches=4), {"pp": 2}, "virtual_stages = 2"),
+    (autopar.Pipeline(axis="pp", schedule="interleaved_1f1b", micro_batches=4), {"pp": 2}, ">= 2"),
+    (autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2), {"pp": 4}, "micro_batches >= stages"),
+    (autopar.Pipeline(axis="pp", schedule="dualpipev", micro_batches=2, virtual_stages=2), {"pp": 2}, ">= stages"),
+    (autopar.Pipeline(axis="pp", schedule="bogus"), {"pp": 2}, "schedules are"),
+    (autopar.Pipeline(axis="x", schedule="gpipe"), {"pp": 2}, "not an axis"),
+    (autopar.Pipeline(axis="pp", schedule="gpipe"), {"tp": 2, "pp": 2}, "first (outermost)"),
+    (autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=2), {"pp": 8}, "needs 8 stages"),
+])
+def test_pipeline_input_errors(pipeline: autopar.Pipeline, mesh: dict[str, int], message: str) -> None:
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _plan(pipeline, mesh)
+
+
+def test_tied_weight_across_stages_is_refused() -> None:
+    def tied() -> Any:
+        model, inputs, loss_fn, targets = gpt.build()
+        model.lm_head.weight = model.wte.weight
+        return model, inputs, loss_fn, targets
+    with pytest.raises(InputError, match="wte.weight|lm_head.weight"):
+        _plan(autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=2), {"pp": 2}, tied)
+
+
+def _compile_bad(rank: int, world: int) -> str:
+    model, inputs, loss_fn, targets = _llama()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    try:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                        pipeline=autopar.Pipeline(axis="pp", schedule="zbv", micro_batches=4))
+    except InputError as exc:
+        return str(exc)
+    return ""
+
+
+def test_compile_refuses_a_bad_pipeline_on_every_rank() -> None:
+    messages = run_ranks(_compile_bad, 2)
+    assert all("virtual_stages" in m for m in messages), messages
