@@ -15,13 +15,15 @@ rather than which strategy it runs, so they are searched around it, each combina
 - optimizer state and fp32 master weights in host memory (offload), decided per parameter
   (each placement of a trainable parameter has an offloaded twin strategy, as DeepSpeed's
   ZeRO-Offload++ offloads a share of the state), or, pinned, every trainable parameter's;
-- ZeRO-1: the axes (every axis of more than one rank; not with offload: the runtime's
-  optimizers do not combine the two) where the ILP may
+- ZeRO-1: the axes (every axis of more than one rank) where the ILP may
   shard a parameter's optimizer state, decided per parameter (each placement replicated
   there has a ZeRO-1 twin strategy: ``solver.graph.state_twins``). One family of scenarios
   with the axes holds every plan of the same scenario without them, so only the first
   scenario (today's default, solved with memory to spare) is also searched without ZeRO-1.
   Pinned (``zero={axis: 1}``), every trainable parameter replicated on the axis is ZeRO-1.
+  ZeRO-1 and offload share that family: the runtime's optimizers do not combine them, so the
+  ILP picks one of the two for a plan (a binary family variable) and, within it, the
+  parameters; two families would each be solved wherever memory binds.
 
 With memory to spare none of them pays off: each adds time to every plan (a replay, a
 second gather, per-micro-batch fixed costs) and frees only memory. So the search first
@@ -33,7 +35,7 @@ never gives a faster plan. Pinned choices (``MemoryOptions``) fix their dimensio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.solver.memory import CHECKPOINT_POLICIES, MemoryOptions
 
@@ -87,9 +89,11 @@ class Scenario:
         if self.regather:
             whose = "parameters" if self.regather_blocks is None else f"parameters of {self.regather_blocks} blocks"
             parts.append(f"{whose} gathered again in backward")
-        if self.offload:
+        if self.offload and self.zero1:
+            parts.append(f"optimizer state on the host or ZeRO-1 on {', '.join(self.zero1)}, per parameter")
+        elif self.offload:
             parts.append(f"optimizer state on the host{'' if self.offload_pinned else ' per parameter'}")
-        if self.zero1:
+        elif self.zero1:
             parts.append(f"ZeRO-1 {'' if self.zero1_pinned else 'per parameter '}on {', '.join(self.zero1)}")
         return ", ".join(parts)
 
@@ -112,18 +116,29 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
         counts = [options.micro_batches]
     else:
         counts = [m for m in MICRO_BATCH_CANDIDATES if batch is not None and m <= batch and batch % m == 0] or [1]
-    offloads = [options.offload] if options.offload is not None else [False, True]
-    zero1s = [pinned_zero1] if pinned_zero1 is not None else [(), axes] if axes else [()]
-    found = [Scenario(micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=r, regather_blocks=rk, offload=o,
-                      offload_pinned=o and bool(options.offload), zero1=z, zero1_pinned=pinned_zero1 is not None and bool(z))
-             for o in offloads for z in (zero1s if not o else [()])
-             for m in counts for c, k in _checkpointing(options, blocks)
+    families = _state_families(options, axes, pinned_zero1)
+    found = [replace(family, micro_batches=m, checkpoint=c, checkpoint_blocks=k, regather=r, regather_blocks=rk)
+             for family in families for m in counts for c, k in _checkpointing(options, blocks)
              for r, rk in _regathering(options, blocks, c, k)]
-    if not ((axes and pinned_zero1 is None) or options.offload is None):
+    if len(families) == 1:
         return found
     # the ILP chooses ZeRO-1 or offload per parameter: a scenario allowing them holds every plan of the same
     # one without, which stays only first (today's default, whose free solve is the plan with memory to spare)
     return [s for i, s in enumerate(found) if i == 0 or s.zero1 or s.offload]
+
+
+def _state_families(options: MemoryOptions, axes: tuple[str, ...], pinned_zero1: tuple[str, ...] | None
+                    ) -> list[Scenario]:
+    """Where optimizer state may live, as scenarios: a pin of offload or of ZeRO-1 is the only
+    family; else the plain one and one letting the ILP choose per parameter: ZeRO-1 on the axes
+    or (one or the other in a plan: ``ilp``'s family row) offload, as far as they are allowed."""
+    if options.offload:
+        return [Scenario(offload=True, offload_pinned=True)]
+    if pinned_zero1:
+        return [Scenario(zero1=pinned_zero1, zero1_pinned=True)]
+    zero1 = axes if pinned_zero1 is None else ()
+    offload = options.offload is None
+    return [Scenario()] + ([Scenario(zero1=zero1, offload=offload)] if zero1 or offload else [])
 
 
 def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int | None]]:

@@ -86,18 +86,23 @@ def test_gathering_again_is_searched_per_block() -> None:
                                                                    True)} == {(True, None)}  # all of them
 
 
-def test_zero1_is_one_family_of_scenarios_unless_pinned() -> None:
-    """Unpinned, every scenario lets the ILP choose ZeRO-1 per parameter on the axes, but the
-    first (today's default, solved with memory to spare) does not; offloading never combines
-    with it. Pinned stage 1 makes every scenario's ZeRO-1 a pin; stage 0 none."""
+def test_zero1_and_offload_are_one_family_of_scenarios_unless_pinned() -> None:
+    """Unpinned, every scenario lets the ILP choose ZeRO-1 on the axes or offload, per
+    parameter (one of the two per plan), but the first (today's default, solved with memory to
+    spare) does not. Pinned stage 1 makes every scenario's ZeRO-1 a pin (no offload), stage 0
+    leaves offload alone; ``offload=False`` leaves ZeRO-1 alone; ``offload=True`` pins it."""
     free = candidates(MemoryOptions(), 2, 2, True, ("dp",))
-    assert free[0] == Scenario() and free[1] == Scenario(zero1=("dp",))
-    assert all(s.zero1 == ("dp",) and not s.zero1_pinned for s in free[1:] if not s.offload)
-    assert all(s.zero1 == () for s in free if s.offload)
-    assert "ZeRO-1 per parameter on dp" in free[1].describe()
+    assert free[0] == Scenario() and free[1] == Scenario(zero1=("dp",), offload=True)
+    assert all(s.zero1 == ("dp",) and s.offload and not (s.zero1_pinned or s.offload_pinned) for s in free[1:])
+    assert "optimizer state on the host or ZeRO-1 on dp, per parameter" in free[1].describe()
     pinned = candidates(MemoryOptions(zero={"dp": 1}), 2, 2, True, ("dp",))
-    assert all(s.zero1 == ("dp",) and s.zero1_pinned for s in pinned if not s.offload)
-    assert all(s.zero1 == () for s in candidates(MemoryOptions(zero={"dp": 0}), 2, 2, True, ("dp",)))
+    assert all(s.zero1 == ("dp",) and s.zero1_pinned and not s.offload for s in pinned)
+    stage0 = candidates(MemoryOptions(zero={"dp": 0}), 2, 2, True, ("dp",))
+    assert stage0[0] == Scenario() and all(s.zero1 == () and s.offload for s in stage0[1:])
+    on_device = candidates(MemoryOptions(offload=False), 2, 2, True, ("dp",))
+    assert all(s.zero1 == ("dp",) and not s.offload for s in on_device[1:])
+    hosted = candidates(MemoryOptions(offload=True), 2, 2, True, ("dp",))
+    assert all(s.offload and s.offload_pinned and s.zero1 == () for s in hosted)
 
 
 def test_zero1_is_chosen_per_parameter_where_the_limit_needs_it() -> None:

@@ -28,7 +28,7 @@ from autopar.solver.blocks import Folding
 from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import edge_flags
-from autopar.solver.nodes import OP, PlanGraph
+from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute import add_recompute_peak
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.overlap import OverlapTerms
@@ -118,6 +118,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
+    _one_state_family(model, graph, reps, x)
     for v, w in folding.tied.items():  # one plan in every instance of a split class
         model.rows.extend(({a: 1.0, b: -1.0}, 0.0, 0.0) for a, b in zip(x[v], x[w]))
     terms = PairTerms(strategy_columns=len(model.cost))
@@ -175,6 +176,29 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
                     status=result.status, gap=result.gap, time_limit_s=time_limit_s, zero1_params=zero1)
+
+
+def _one_state_family(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]]) -> None:
+    """Where parameters may have ZeRO-1 and offloaded twins both (``state_twins``), a plan uses
+    one kind: the runtime's optimizers do not combine them. Binary f: ZeRO-1 twins only with f,
+    offloaded ones only without (each sum counts at most one chosen strategy per parameter)."""
+    zero1: list[int] = []
+    offload: list[int] = []
+    with_zero1 = with_offload = 0
+    for v in reps:
+        node = graph.nodes[v]
+        if node.kind != PARAM:
+            continue
+        z = [j for j, s in zip(x[v], node.strategies) if s.zero1 is not None]
+        o = [j for j, s in zip(x[v], node.strategies) if s.offload]
+        zero1 += z
+        offload += o
+        with_zero1 += bool(z)
+        with_offload += bool(o)
+    if zero1 and offload:
+        f = model.var(0.0, integer=True)
+        model.rows.append(({**{j: 1.0 for j in zero1}, f: -float(with_zero1)}, -INF, 0.0))
+        model.rows.append(({**{j: 1.0 for j in offload}, f: float(with_offload)}, -INF, float(with_offload)))
 
 
 def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
