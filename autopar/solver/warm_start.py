@@ -129,7 +129,8 @@ def _matrix(p: Pair, cost: list[float], terms: PairTerms, n_p: int, n_c: int) ->
 
 def _message_passing(unary: dict[str, np.ndarray], factors: list[Factor], rounds: int) -> dict[str, np.ndarray]:
     """Each node's belief (the least price of a plan with it at each strategy) after
-    ``rounds`` of min-sum messages: exact on a tree; a block's graph has few cycles."""
+    ``rounds`` of min-sum messages, or fewer once no message changes (a fixed point: more
+    rounds would give the same): exact on a tree; a block's graph has few cycles."""
     to_p = [np.zeros(len(unary[a])) for a, _, _ in factors]  # factor -> its producer end
     to_c = [np.zeros(len(unary[b])) for _, b, _ in factors]
     for _ in range(rounds):
@@ -137,10 +138,15 @@ def _message_passing(unary: dict[str, np.ndarray], factors: list[Factor], rounds
         for (a, b, _), mp, mc in zip(factors, to_p, to_c):
             belief[a] += mp
             belief[b] += mc
+        changed = False
         for i, (a, b, m) in enumerate(factors):
             into_c = np.min(m + (belief[a] - to_p[i])[:, None], axis=0)
             into_p = np.min(m + (belief[b] - to_c[i])[None, :], axis=1)
-            to_c[i], to_p[i] = into_c - into_c.min(), into_p - into_p.min()
+            into_c, into_p = into_c - into_c.min(), into_p - into_p.min()
+            changed = changed or not (np.array_equal(into_c, to_c[i]) and np.array_equal(into_p, to_p[i]))
+            to_c[i], to_p[i] = into_c, into_p
+        if not changed:
+            break
     belief = {v: u.copy() for v, u in unary.items()}
     for (a, b, _), mp, mc in zip(factors, to_p, to_c):
         belief[a] += mp
