@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
@@ -29,31 +28,8 @@ from autopar.solver.memory import block_of
 from autopar.solver.overlap import plan_windows
 from examples import gpt
 import backward_prefetch
+from tiny_models import Stack
 from numerics_harness import STEPS, Reference, reference, run_checked, run_compiled
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
-
-
-class Stack(nn.Module):
-    """An input projection (so every block's input needs a gradient: they fold) and ``n`` blocks."""
-
-    def __init__(self, d: int, n: int = 2) -> None:
-        super().__init__()
-        self.inp = nn.Linear(d, d, bias=False)
-        self.layers = nn.ModuleList([Block(d) for _ in range(n)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _block_figures(step: Any) -> dict[str, dict[str, float]]:

@@ -18,28 +18,7 @@ import autopar
 from autopar.hardware import PROFILES
 from autopar.solver.trace import BESIDE, COMPUTE, WAITED, timeline
 from examples import gpt
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
-
-
-class Stack(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.inp = nn.Linear(d, d, bias=False)
-        self.layers = nn.ModuleList([Block(d), Block(d)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return x
+from tiny_models import Stack
 
 
 def _check_sums(plan: autopar.Plan) -> list:

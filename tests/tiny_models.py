@@ -30,3 +30,27 @@ class BigTable(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.proj(self.emb(tokens)))).mean(dim=1)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class Stack(torch.nn.Module):
+    """An input projection (so every block's input needs a gradient: they fold) and ``n`` blocks."""
+
+    def __init__(self, d: int, n: int = 2) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d, bias=False)
+        self.layers = torch.nn.ModuleList([Block(d) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -22,7 +22,7 @@ from autopar.runtime.zero1 import ZeroOneShards
 from autopar.solver.plan import Plan
 
 
-def _set_by_path(root: nn.Module, fqn: str, value: nn.Parameter | torch.Tensor, *, buffer: bool) -> None:
+def set_by_path(root: nn.Module, fqn: str, value: nn.Parameter | torch.Tensor, *, buffer: bool) -> None:
     """Register ``value`` at ``fqn``, creating empty modules on the way."""
     *path, leaf = fqn.split(".")
     module = root
@@ -76,10 +76,10 @@ class ParallelModule(nn.Module):
         for name, kind, fqn in placeholders:
             if kind == "param":
                 param = nn.Parameter(local[name], requires_grad=fqn not in frozen)
-                _set_by_path(self, fqn, param, buffer=False)
+                set_by_path(self, fqn, param, buffer=False)
                 params_by_node[name] = param
             elif kind == "buffer":
-                _set_by_path(self, fqn, local[name], buffer=True)
+                set_by_path(self, fqn, local[name], buffer=True)
             elif kind == "constant":
                 self._constants[name] = local[name]
         self._params_by_node = params_by_node

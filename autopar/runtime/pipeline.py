@@ -35,6 +35,7 @@ from autopar.capture.step import StepSignature
 from autopar.cost.buckets import GradBucket
 from autopar.errors import InputError
 from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.runtime.module import set_by_path
 from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
@@ -85,9 +86,9 @@ class PipelinedModule(nn.Module):
         self._batch = batch  # leaves cut into micro-batches by the schedule (the others go whole to the first stage)
         self._params_by_node = params
         for name, param in params.items():
-            _register(self, fqns[name], param, buffer=False)
+            set_by_path(self, fqns[name], param, buffer=False)
         for fqn, tensor in buffers.items():
-            _register(self, fqn, tensor, buffer=True)
+            set_by_path(self, fqn, tensor, buffer=True)
         self.log: CollectiveLog | None = None
         self._build_schedule(modules, metas)
 
@@ -171,19 +172,6 @@ class PipelinedModule(nn.Module):
         for fqn, tensor in list(self.named_parameters()) + list(self.named_buffers()):
             out[fqn] = DTensor.from_local(tensor.detach(), self.stage_mesh, self._placements[fqn], run_check=False)
         return out
-
-
-def _register(root: nn.Module, fqn: str, value: torch.Tensor, *, buffer: bool) -> None:
-    *path, leaf = fqn.split(".")
-    module = root
-    for part in path:
-        if not hasattr(module, part):
-            module.add_module(part, nn.Module())
-        module = getattr(module, part)
-    if buffer:
-        module.register_buffer(leaf, value, persistent=True)
-    else:
-        module.register_parameter(leaf, value)  # type: ignore[arg-type]
 
 
 def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
