@@ -172,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
                         help="with --zero AXIS=3: gather only the first K repeated blocks' parameters again in "
                              "backward, holding the others from forward (default: every parameter's)")
     memory.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
-                        help="pin optimizer state (and fp32 master weights) in host memory, or --no-offload")
+                        help="pin every parameter's optimizer state (and fp32 master weights) in host memory, "
+                        "or --no-offload (default: the planner offloads what the memory limit needs)")
     memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",
                         help="pin the number of micro-batches a step runs (must divide the batch)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")

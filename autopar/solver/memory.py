@@ -58,7 +58,9 @@ class MemoryOptions:
     this many repeated blocks (FSDP2's ``reshard_after_forward`` per block; the others stay
     gathered from forward to backward); None: every parameter's."""
     offload: bool | None = None
-    """Keep optimizer state (and fp32 master weights) in host memory, stepping there."""
+    """True: every trainable parameter keeps its optimizer state (and fp32 master weights) in
+    host memory, stepping there; False: none; None: the planner offloads the parameters the
+    memory limit needs offloaded, if any (``Strategy.offload``)."""
     micro_batches: int | None = None
     """Run the step's batch as this many micro-batches (gradient accumulation): activations
     scale with batch / micro_batches; gradients are synchronized once per step."""
