@@ -25,8 +25,7 @@ import operator
 
 import torch.fx
 
-from autopar.passes.context import PassContext
-from autopar.solver.graph import _module_path
+from autopar.passes.context import PassContext, block_owners
 from autopar.solver.memory import in_block
 
 REGION_PREFIX = "checkpoint_"
@@ -51,20 +50,8 @@ def checkpoint_blocks(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Gra
 
 
 def _owners(graph: torch.fx.Graph, blocks: list[str]) -> dict[torch.fx.Node, str]:
-    """The block each node belongs to (nodes of no checkpointed block are absent)."""
-    owner: dict[torch.fx.Node, str] = {}
-    for node in reversed(graph.nodes):  # users first: inserted nodes inherit from them
-        if node.op in ("placeholder", "output"):
-            continue
-        if "nn_module_stack" in node.meta:
-            path = _module_path(node)
-            block = next((b for b in blocks if in_block(path, b)), None)
-        else:
-            users = {owner.get(u) for u in node.users}
-            block = users.pop() if len(users) == 1 else None
-        if block is not None:
-            owner[node] = block
-    return owner
+    """The checkpointed block each node belongs to (nodes of none are absent)."""
+    return block_owners(graph, lambda path: next((b for b in blocks if in_block(path, b)), None))
 
 
 def _make_contiguous(graph: torch.fx.Graph, owner: dict[torch.fx.Node, str], block: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch.fx
 
 from autopar.cost.model import CostContext
 from autopar.rules.strategy import Strategy
+from autopar.solver.graph import _module_path
 from autopar.solver.memory import MemoryPlan
 from autopar.solver.nodes import PlanGraph
 
@@ -52,3 +54,20 @@ def strategy_of(node: torch.fx.Node) -> Strategy | None:
 
 def plan_name(node: torch.fx.Node) -> str | None:
     return node.meta.get(PLAN_NAME)
+
+
+def block_owners(graph: torch.fx.Graph, block_at: Callable[[str], str | None]) -> dict[torch.fx.Node, str]:
+    """The block each node belongs to (nodes of none are absent): a captured node by its module
+    path (``block_at(path)``), one a pass inserted by its users when they all belong to one block."""
+    owner: dict[torch.fx.Node, str] = {}
+    for node in reversed(graph.nodes):  # users first: inserted nodes inherit from them
+        if node.op in ("placeholder", "output"):
+            continue
+        if "nn_module_stack" in node.meta:
+            block = block_at(_module_path(node))
+        else:
+            users = {owner.get(u) for u in node.users}
+            block = users.pop() if len(users) == 1 else None
+        if block is not None:
+            owner[node] = block
+    return owner

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx
 
-from autopar.passes.context import PassContext, plan_name
+from autopar.passes.context import PassContext, block_owners, plan_name
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
 from autopar.solver.graph import _module_path
@@ -125,7 +125,7 @@ def _mark_backward_starts(gm: torch.fx.GraphModule, containers: dict[str, list[s
     computes and code outside it reads, where ``previous`` gathers parameters again."""
     graph = gm.graph
     regathering = {block_of(str(n.args[1])) for n in graph.nodes if n.op == "call_module" and n.target == "regather"}
-    owner = _owners(graph)
+    owner = block_owners(graph, block_of)
     leaving: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         block = owner.get(node)
@@ -141,23 +141,6 @@ def _mark_backward_starts(gm: torch.fx.GraphModule, containers: dict[str, list[s
             for v in leaving[block]:
                 with graph.inserting_after(v):
                     graph.call_module("backward_starts", (v, block, previous))
-
-
-def _owners(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
-    """The block each node belongs to (nodes of none are absent): a captured node by its module
-    path, an inserted one by its users when they all belong to one block."""
-    owner: dict[torch.fx.Node, str] = {}
-    for node in reversed(graph.nodes):  # users first: inserted nodes inherit from them
-        if node.op in ("placeholder", "output"):
-            continue
-        if "nn_module_stack" in node.meta:
-            block = block_of(_module_path(node))
-        else:
-            users = {owner.get(u) for u in node.users}
-            block = users.pop() if len(users) == 1 else None
-        if block is not None:
-            owner[node] = block
-    return owner
 
 
 def _differentiable(node: torch.fx.Node) -> bool:
