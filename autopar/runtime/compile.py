@@ -133,11 +133,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     failure on any rank, ranks planning differently or passing different seeds) are
     raised on every rank.
     """
-    if not dist.is_initialized():
-        raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
-    if mesh.size() != dist.get_world_size():
-        raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
-                           f"{dist.get_world_size()} ranks; they must match")
+    _check_world(mesh)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
     try:
         precision, compute_dtype = running_precision(model, precision, planning_mesh.hardware.default_precision)
@@ -155,15 +151,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         raise CompileError(str(exc)) from None
     full_mesh, stage_mesh = planning_mesh, None
     if pipeline is not None:
-        _gather_errors("checking the pipeline", _pipeline_error(pipeline, planning_mesh, data_axes, zero, offload,
-                                                                micro_batches), InputError)
+        planning_mesh, stage_mesh = _stage_meshes(pipeline, mesh, full_mesh, data_axes, zero, offload, micro_batches)
         micro_batches = pipeline.micro_batches
-        planning_mesh = pipeline.stage_mesh(full_mesh)
-        stage_mesh = stage_device_mesh(mesh, pipeline.axis)  # a collective: before anything may fail on one rank
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
         ways = math.prod(planning_mesh.axes[a] for a in data_axes)
-        example_inputs = _global_batch(example_inputs, ways)
-        example_targets = _global_batch(example_targets, ways)
+        example_inputs, example_targets = _global_batch(example_inputs, ways), _global_batch(example_targets, ways)
         example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
     prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
         planned_model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
@@ -173,13 +165,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         solver_time_limit_s=solver_time_limit_s, zero=zero, checkpoint=checkpoint,
         checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks, offload=offload,
         micro_batches=micro_batches, _masters=compute_dtype is not None))
-    _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
-    start = time.perf_counter()
-    solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))
-    prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
-    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution) if pipeline is None
-                                       else with_pipeline(finish_step(prepared, solution), pipeline, full_mesh))
-    _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
+    step = _solved_everywhere(prepared, pipeline, full_mesh)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
     if pipeline is not None:
         assert stage_mesh is not None
@@ -188,6 +174,37 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             batch_leaves))
     return _on_every_rank("building the rank's program", lambda: build_rank_module(
         model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves))
+
+
+def _check_world(mesh: DeviceMesh) -> None:
+    if not dist.is_initialized():
+        raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
+    if mesh.size() != dist.get_world_size():
+        raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
+                           f"{dist.get_world_size()} ranks; they must match")
+
+
+def _stage_meshes(pipeline: Pipeline, mesh: DeviceMesh, full_mesh: Mesh, data_axes: tuple[str, ...],
+                  zero: dict[str, int] | None, offload: bool | None, micro_batches: int | None
+                  ) -> tuple[Mesh, DeviceMesh]:
+    """The pipeline checked on every rank, then the mesh its stages are planned on and the
+    stage DeviceMesh (a collective: made before anything may fail on one rank)."""
+    _gather_errors("checking the pipeline", _pipeline_error(pipeline, full_mesh, data_axes, zero, offload,
+                                                            micro_batches), InputError)
+    return pipeline.stage_mesh(full_mesh), stage_device_mesh(mesh, pipeline.axis)
+
+
+def _solved_everywhere(prepared: PreparedStep, pipeline: Pipeline | None, full_mesh: Mesh) -> PlannedStep:
+    """Rank 0 solves the step every rank prepared; every rank builds the plan from its solution
+    (with the pipeline's stages, if any), and the ranks check they agree at each end."""
+    _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
+    start = time.perf_counter()
+    solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))
+    prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
+    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution) if pipeline is None
+                                       else with_pipeline(finish_step(prepared, solution), pipeline, full_mesh))
+    _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
+    return step
 
 
 def _axes_error(mesh: Mesh, data_axes: tuple[str, ...], input_sharded: bool, constraint_axis: str | None) -> str:
