@@ -253,3 +253,22 @@ def test_gathers_are_issued_one_block_ahead() -> None:
             backward_prefetch.assert_prefetched(run, "blocks.0", after="blocks.1")
             backward_prefetch.assert_on_demand(run, "blocks.1")
             assert [e[:2] for e in run if e[0] == "starts"] == [("starts", "blocks.1")]
+
+
+def test_a_bf16_models_reduce_scatters_wait() -> None:
+    """A model whose parameters are bf16 gets its gradients cast up to fp32 before they are
+    reduce-scattered, and the runtime waits for that path: none of them runs beside backward,
+    so the plan hides only its windows (the same step in fp32 hides its reduce-scatters too)."""
+    d, eff = 256, 0.8
+    mesh = autopar.Mesh({"dp": 2}, hardware=dataclasses.replace(PROFILES["h100"], grad_sync_overlap=eff))
+    hidden = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        step = plan_step(Stack(d).to(dtype), mesh, (torch.randn(64, d, dtype=dtype),), loss_fn=F.mse_loss,
+                         example_targets=(torch.randn(64, d, dtype=dtype),), zero={"dp": 3}, data_axes=("dp",))
+        fig = _block_figures(step)
+        assert any(c.kind == "reduce_scatter" and c.phase == "backward" for c in step.plan.collectives)
+        hidden[dtype] = step.plan.predicted.hidden_comm_time_s - _hidden(fig, eff)
+        assert step.plan.solver["objective_s"] == pytest.approx(step.plan.predicted.step_time_s, rel=1e-9)
+        if dtype == torch.float32:
+            assert hidden[dtype] == pytest.approx(_beside(step, eff), rel=1e-9) and hidden[dtype] > 0
+    assert hidden[torch.bfloat16] == pytest.approx(0.0, abs=1e-15)

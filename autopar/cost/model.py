@@ -294,7 +294,10 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
             grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision.for_gradients() if from_parameter
                                 else precision))
-        if from_parameter and _ends_scattering(grad_in, grad_out, mesh.shape):
+        # the runtime leaves it running only where it reduces at the parameter's own width (a bf16
+        # model's gradient is cast up to fp32 first, and that path waits: ``_Redistribute.backward``)
+        if (from_parameter and precision.reduce_bytes_per_param == precision.master_bytes_per_param
+                and _ends_scattering(grad_in, grad_out, mesh.shape)):
             unwaited = collective_time(backward[-1], mesh)
     again = forward if runs_again(ctx, from_parameter, needs_grad, recomputed, saves_input, regathered) else []
     time = sum(collective_time(c, mesh) for c in (*forward, *backward, *again)) * step_repeats(ctx)

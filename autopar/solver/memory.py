@@ -60,7 +60,8 @@ class MemoryOptions:
     offload: bool | None = None
     """True: every trainable parameter keeps its optimizer state (and fp32 master weights) in
     host memory, stepping there; False: none; None: the planner offloads the parameters the
-    memory limit needs offloaded, if any (``Strategy.offload``)."""
+    memory limit needs offloaded, if any (``Strategy.offload``), except where ZeRO-1 is pinned
+    (a plan runs one of the two)."""
     micro_batches: int | None = None
     """Run the step's batch as this many micro-batches (gradient accumulation): activations
     scale with batch / micro_batches; gradients are synchronized once per step."""

@@ -94,7 +94,7 @@ def run_started(model: Model, x: dict[str, list[int]], likely: dict[str, list[in
     if narrow is not None and narrow.values is not None:
         start = {j: round(narrow.values[j]) for cols in x.values() for j in cols}
     left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)  # the limit is for both runs
-    result = run(model, left, cutoff, start=start, lean=True)
+    result = run(model, left, cutoff, start=start, lean=start is not None)  # unstarted, its heuristics find a plan
     return replace(result, time_limit_s=time_limit_s)
 
 
