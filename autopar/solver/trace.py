@@ -69,9 +69,12 @@ class _Layout:
             self.spans.append(Span(name=name, track=COMPUTE, start_s=self.now, seconds=seconds, phase=phase, args=args))
             self.now += seconds
 
-    def collective(self, c: Any, phase: str, hidden_from: float | None = None) -> None:
-        """Collective ``c``'s waited part now; its hidden part ending now, or from ``hidden_from``."""
-        waited = c.time_s if c.waited_s is None else c.waited_s
+    def collective(self, c: Any, phase: str, hidden_from: float | None = None, waited: float | None = None
+                   ) -> None:
+        """Collective ``c``'s waited part (``waited``, else its own) now; its hidden part ending
+        now, or from ``hidden_from``."""
+        if waited is None:
+            waited = c.time_s if c.waited_s is None else c.waited_s
         hidden = c.time_s - waited
         args = {"tensor": c.tensor, "consumer": c.consumer, "bytes": c.bytes}
         name = f"{c.kind} @{c.axis} {fmt_bytes(c.bytes)}"
@@ -109,7 +112,7 @@ def timeline(plan: Plan) -> list[Span]:
             layout.compute(_op_name(node), node.backward_s, "backward", node=node.name, micro_batch=m)
             for c in by_node[("backward", node.name)]:
                 if c not in again:
-                    layout.collective(c, "backward")
+                    layout.collective(c, "backward", waited=_unwaited_share(c, m, micro_batches))
     for c in by_node[("backward", "")]:  # gradient buckets, beside the last backward
         layout.collective(c, "backward", hidden_from=last_backward)
     optimizer = by_node[("optimizer", "optimizer")]
@@ -122,6 +125,16 @@ def timeline(plan: Plan) -> list[Span]:
         if c.kind != "reduce_scatter":
             layout.collective(c, "optimizer")
     return layout.spans
+
+
+def _unwaited_share(c: Any, m: int, micro_batches: int) -> float | None:
+    """A parameter gradient's reduce-scatter left running beside backward hides only in the last
+    micro-batch (``plan._beside_backward``: its ``waited_s`` averages micro-batches that wait in
+    full and the last one's share): that run's waited seconds, the others' all (None: as listed)."""
+    if c.kind != "reduce_scatter" or c.waited_s is None or micro_batches == 1:
+        return None
+    last = c.waited_s * micro_batches - c.time_s * (micro_batches - 1)
+    return last if m == micro_batches - 1 else c.time_s
 
 
 def _op_name(node: Any) -> str:
