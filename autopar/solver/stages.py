@@ -7,11 +7,17 @@ blocks the block before it. The cuts minimize the slowest stage's predicted forw
 backward seconds of one micro-batch (a linear partition, solved exactly by a small dynamic
 program; ties go to the earliest cuts, so every rank cuts alike). The intra-stage plan is
 the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
+
+The pipelined step plays torch's schedule order out with those seconds and the transfers
+across cuts between ranks (``solver.schedule_sim``); after its last action each rank reduces
+its gradient buckets, takes the step's loss from the last stage's rank and updates its
+parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from autopar.cost.collectives import point_to_point_time
 from autopar.cost.model import CostContext
@@ -20,7 +26,8 @@ from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
 from autopar.solver.memory import block_of
 from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
-from autopar.solver.pipeline import Pipeline, pipeline_compute_s
+from autopar.solver.pipeline import Pipeline, pipeline_compute_s, simulate_pipeline
+from autopar.solver.schedule_sim import Simulation
 
 HEAD, TAIL = "(head)", "(tail)"
 """Names the stage listing gives the code before the first block and after the last."""
@@ -46,6 +53,22 @@ class StagePlan:
     """Number of parameter tensors it holds."""
     sends_bytes: float
     """Bytes per device of the activations it sends to the next stage per micro-batch (0 for the last)."""
+    send_s: float = 0.0
+    """Predicted seconds of one such transfer, and of the gradients coming back (0: the next
+    stage runs on the same rank, or there is none)."""
+
+
+class RankEnd(NamedTuple):
+    """How a pp rank's step ends, in seconds from its start."""
+
+    drained_s: float
+    """Its last pipeline action's end."""
+    synced_s: float
+    """Its gradient buckets' end."""
+    update_start_s: float
+    """When it has the step's loss (broadcast from the last stage's rank after that rank's buckets)."""
+    end_s: float
+    """Its optimizer step's end."""
 
 
 @dataclass(kw_only=True)
@@ -63,20 +86,43 @@ class PipelinePlan:
     """Each stage's sub-mesh (the mesh without the pipeline axis), which the placements refer to."""
     stages: list[StagePlan]
     bubble_fraction: float
-    """Predicted share of the step a rank idles in the schedule's fill and drain (``solver.pipeline``)."""
+    """Predicted share of the pipeline's compute span the busiest rank idles (``solver.pipeline``)."""
     bubble_s: float
+    """The span, transfers aside, less the busiest rank's compute seconds."""
     p2p_s: float
-    """Predicted seconds of point-to-point activation and gradient transfers the step waits for."""
+    """Predicted seconds the point-to-point transfers add to the span (they delay their receivers)."""
     grad_sync_s: float
-    """Predicted seconds of the slowest rank's gradient buckets after the pipeline has drained."""
+    """Predicted seconds of the slowest rank's gradient buckets after its pipeline has drained."""
     update_s: float
     """Predicted seconds of the slowest rank's optimizer step (its stages' parameters)."""
     stage_plan_step_time_s: float
     """The ILP's step time of the whole step on one sub-mesh without the pipeline (its objective)."""
-    estimate: str = ("the pipelined step time is an estimate (solver.pipeline's bubble formulas, transfers not "
-                     "overlapped with compute); the ILP placed each stage for one micro-batch on the stage mesh")
+    grad_sync_per_rank_s: list[float] = field(default_factory=list)
+    """Each pp rank's gradient buckets' seconds."""
+    update_per_rank_s: list[float] = field(default_factory=list)
+    """Each pp rank's optimizer step's seconds."""
+    estimate: str = ("the pipelined step time is an estimate (torch's schedule order played out with each stage's "
+                     "predicted seconds, backward halved into input and weight gradients where the schedule splits "
+                     "them, transfers delaying only their receivers); the ILP placed each stage for one micro-batch "
+                     "on the stage mesh")
     stage_of: dict[str, int] = field(default_factory=dict, repr=False)
     """Captured op node -> stage (derived from ``stages``; what the split pass cuts by)."""
+
+    def simulate(self, transfers: bool = True) -> Simulation:
+        """The schedule played out with the stages' predicted seconds (``solver.schedule_sim``)."""
+        return simulate_pipeline(self.schedule, self.size, self.virtual_stages, self.micro_batches,
+                                 [(s.forward_s, s.backward_s) for s in self.stages],
+                                 [s.send_s for s in self.stages] if transfers else ())
+
+    def rank_ends(self, sim: Simulation) -> list[RankEnd]:
+        """Each rank after its pipeline drains, as ``runtime.pipeline.PipelinedModule.step`` runs
+        it: its gradient buckets, then the loss broadcast from the last stage's rank (which
+        sends it after its own buckets), then its optimizer step. The step ends at the latest."""
+        drained = [acts[-1][4] if acts else 0.0 for acts in sim.placed]
+        synced = [d + g for d, g in zip(drained, self.grad_sync_per_rank_s)]
+        loss_at = synced[self.stages[-1].rank]
+        return [RankEnd(d, s, max(s, loss_at), max(s, loss_at) + u)
+                for d, s, u in zip(drained, synced, self.update_per_rank_s)]
 
     def describe(self) -> str:
         cuts = " | ".join(f"{s.index}@{self.axis}{s.rank}: {_span(s.blocks)}" for s in self.stages)
@@ -180,11 +226,9 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
             times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
     params = parameter_stages(graph, stage_of)
     sends = crossing_bytes(graph, chosen, ctx, stage_of, count)
-    compute, bubble = pipeline_compute_s(pipeline, p, [(f, b) for f, b in times], rank_of)
-    p2p = _p2p_seconds(pipeline, mesh, sends, rank_of)
+    send_s = _send_seconds(pipeline, mesh, sends, rank_of)
     sync = _sync_seconds(collectives, graph, params, rank_of, p)
-    update = max(sum(update_s.get(n, 0.0) for n, s in params.items() if rank_of[s] == r)
-                 for r in range(p))
+    update = [sum(update_s.get(n, 0.0) for n, s in params.items() if rank_of[s] == r) for r in range(p)]
     stages = []
     for s in range(count):
         mine = [n for n, t in params.items() if t == s]
@@ -192,14 +236,18 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
         names = ([HEAD] if s == 0 else []) + names + ([TAIL] if s == count - 1 else [])
         stages.append(StagePlan(index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
                                 parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine),
-                                parameters=len(mine), sends_bytes=sends[s] if s < count - 1 else 0.0))
-    total = compute + p2p + sync + update
-    return PipelinePlan(axis=pipeline.axis, size=p, schedule=pipeline.schedule,
+                                parameters=len(mine), sends_bytes=sends[s] if s < count - 1 else 0.0,
+                                send_s=send_s[s]))
+    compute, bubble = pipeline_compute_s(pipeline, p, [(f, b) for f, b in times], rank_of)
+    plan = PipelinePlan(axis=pipeline.axis, size=p, schedule=pipeline.schedule,
                         virtual_stages=pipeline.virtual_stages, micro_batches=pipeline.micro_batches,
                         stage_mesh=dict(ctx.mesh.axes), stages=stages,
-                        bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=p2p,
-                        grad_sync_s=sync, update_s=update, stage_plan_step_time_s=stage_plan_step_s,
-                        stage_of=stage_of), total
+                        bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=0.0,
+                        grad_sync_s=max(sync), update_s=max(update), stage_plan_step_time_s=stage_plan_step_s,
+                        grad_sync_per_rank_s=sync, update_per_rank_s=update, stage_of=stage_of)
+    timed = plan.simulate()
+    plan.p2p_s = timed.span_s - compute
+    return plan, max(end.end_s for end in plan.rank_ends(timed))
 
 
 def parameter_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, int]:
@@ -251,26 +299,21 @@ def crossing_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostConte
     return out
 
 
-def _p2p_seconds(pipeline: Pipeline, mesh: Mesh, sends: list[float], rank_of: list[int]) -> float:
-    """Transfers between stages on different ranks, activations forward and gradients back
-    (the same bytes), none overlapped with compute: each rank's per-micro-batch receives m
-    times, plus one pass of every transfer for the fill and drain."""
+def _send_seconds(pipeline: Pipeline, mesh: Mesh, sends: list[float], rank_of: list[int]) -> list[float]:
+    """Per cut (after stage s), seconds of one transfer across it on the pipeline axis (0 when
+    both stages run on one rank: torch hands the values over in memory)."""
     dim = mesh.names.index(pipeline.axis)
-    received = [0.0] * mesh.axes[pipeline.axis]
-    fill = 0.0
+    out = [0.0] * len(sends)
     for cut, nbytes in enumerate(sends[:-1]):
-        if rank_of[cut] == rank_of[cut + 1] or not nbytes:
-            continue
-        t = point_to_point_time(nbytes, dim, mesh)
-        received[rank_of[cut + 1]] += t  # the activation
-        received[rank_of[cut]] += t  # its gradient, back
-        fill += 2 * t
-    return pipeline.micro_batches * max(received) + fill
+        if rank_of[cut] != rank_of[cut + 1] and nbytes:
+            out[cut] = point_to_point_time(nbytes, dim, mesh)
+    return out
 
 
-def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, int], rank_of: list[int], p: int) -> float:
-    """The slowest rank's gradient buckets, each bucket's time shared out by its parameters
-    held on the rank (a rank reduces only its stages' gradients), waited for in full."""
+def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, int], rank_of: list[int], p: int
+                  ) -> list[float]:
+    """Each rank's gradient buckets, each bucket's time shared out by its parameters held on
+    the rank (a rank reduces only its stages' gradients), waited for in full."""
     per_rank = [0.0] * p
     for c in collectives:
         if c.consumer:
@@ -279,4 +322,4 @@ def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, int], r
         for name in names:
             if name in params:
                 per_rank[rank_of[params[name]]] += c.time_s / len(names)
-    return max(per_rank)
+    return per_rank
