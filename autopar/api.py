@@ -18,6 +18,7 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
+from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
 from autopar.solver.blocks import fold_repeated_blocks
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
@@ -27,7 +28,7 @@ from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.plan import Plan
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.pipeline import Pipeline, as_pipeline
-from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, with_pipeline
+from autopar.step import PlannedStep, PreparedStep, _stage, finish_step
 from autopar.units import fmt_bytes
 
 __all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
@@ -105,28 +106,38 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     stages (``plan.pipeline``).
     """
     if pipeline is not None:
-        mesh = _as_mesh(mesh)
-        kwargs = pipeline_options(as_pipeline(pipeline), mesh, kwargs)
-        step = plan_step(model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **kwargs)
-        return with_pipeline(step, pipeline, mesh)
+        return _plan_pipelined(model, _as_mesh(mesh), example_inputs, as_pipeline(pipeline), progress, kwargs)
     prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
     return finish_step(prepared, solve_step(prepared, progress=progress))
 
 
+def _plan_pipelined(model: nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...], pipeline: Pipeline,
+                    progress: bool, options: dict[str, Any]) -> PlannedStep:
+    """The step planned on the stage mesh for one micro-batch and cut into stages, the choices
+    ``pipeline`` leaves open searched (``pipeline_search``)."""
+    options = pipeline_options(pipeline, mesh, options)
+    limit = _memory_limit(mesh, options.pop("memory_limit", None), options.pop("memory_headroom", None))
+    batch = example_batch((example_inputs, options.get("example_kwargs"), options.get("example_targets", ())))
+
+    def plan_stage(m: int, memory_limit: float) -> PlannedStep:
+        return plan_step(model, pipeline.stage_mesh(mesh), example_inputs, progress=progress,
+                         **{**options, "micro_batches": m, "memory_limit": memory_limit})
+    return plan_pipelined(plan_stage, pipeline, mesh, batch, limit)
+
+
 def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for planning a pipeline's stages: checked against ``mesh`` (the whole mesh),
-    the step captured at one micro-batch (``micro_batches`` is the pipeline's)."""
+    """``options`` for planning a pipeline's stages, checked against ``mesh`` (the whole mesh);
+    the step is captured at one micro-batch (``micro_batches`` is the pipeline's)."""
     pipeline.check(mesh.axes)
-    m = options.get("micro_batches")
-    if m is not None and m != pipeline.micro_batches:
-        raise InputError(f"micro_batches={m} and a pipeline of {pipeline.micro_batches} micro-batches: a pipelined "
-                         "step runs the pipeline's (leave micro_batches out)")
+    if options.get("micro_batches") is not None:
+        raise InputError(f"micro_batches={options['micro_batches']} with a pipeline: a pipelined step runs the "
+                         "pipeline's micro-batches (Pipeline(micro_batches=...); leave micro_batches out)")
     for option in ("data_axes", "zero"):
         if pipeline.axis in (options.get(option) or ()):
             raise InputError(f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data")
     if options.get("offload") or 1 in (options.get("zero") or {}).values():
         raise InputError("a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)")
-    return {**options, "micro_batches": pipeline.micro_batches}
+    return {k: v for k, v in options.items() if k != "micro_batches"}
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype | None:

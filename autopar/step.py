@@ -167,12 +167,18 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
 
 def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh) -> PlannedStep:
     """``step`` (planned on ``pipeline``'s stage mesh for one micro-batch) cut into the
-    pipeline's stages, its predicted step time the pipelined one (``solver.stages``)."""
+    pipeline's stages, its predicted step time the pipelined one (``solver.stages``) and its
+    peak memory the busiest pp rank's under the schedule (``solver.stage_memory``)."""
     plan = step.plan
     update_s = {n.name: n.update_s for n in plan.nodes}
     pipelined, step_time = plan_stages(step.graph, step.chosen, step.ctx, pipeline, mesh, plan.nodes,
-                                       plan.collectives, update_s, plan.predicted.step_time_s)
-    notes = [*plan.notes, f"pipeline: {pipelined.estimate}; peak memory is the whole model's on one stage mesh "
-                          "(the stages' own parameters are listed in the pipeline's stages)"]
-    plan = replace(plan, pipeline=pipelined, notes=notes, predicted=replace(plan.predicted, step_time_s=step_time))
-    return replace(step, plan=plan)
+                                       plan.collectives, update_s, plan.predicted.step_time_s,
+                                       plan.predicted.activation_memory_bytes)
+    peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
+    state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
+    peak = pipelined.rank_memory_bytes[peak_rank]
+    notes = [*plan.notes, f"pipeline: {pipelined.estimate}"]
+    predicted = replace(plan.predicted, step_time_s=step_time, peak_memory_bytes=peak, parameter_memory_bytes=state,
+                        activation_memory_bytes=peak - state,
+                        memory_parts={"model state (its stages)": state, "activations in flight": peak - state})
+    return replace(step, plan=replace(plan, pipeline=pipelined, notes=notes, predicted=predicted))

@@ -223,6 +223,32 @@ def test_memory_pins_from_the_command_line(tmp_path: Path, capsys: pytest.Captur
     assert "2 micro-batches, checkpointing full (2 blocks)" in out, out
 
 
+def test_pipeline_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--pipeline lays stages along an axis, --schedule and --micro-batches pin what they name,
+    the planner picks the rest; --virtual-stages out of the schedule's range is refused."""
+    body = """
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def stack():
+        return Stack(), (torch.randn(8, 8),), loss
+    """
+    path = f"{builder(tmp_path, body)}:stack"
+    args = ["plan", path, "--mesh", "pp=2,dp=2", "--hardware", "cpu", "--width", "200", "--pipeline", "pp"]
+    code, out, err = run([*args, "--schedule", "1f1b", "--micro-batches", "4"], capsys)
+    assert (code, err) == (0, "")
+    assert "pp=2 x stage mesh dp=2: 1f1b, 2 x 1 stages, 4 micro-batches" in out, out
+    code, out, err = run([*args, "--schedule", "zbv", "--virtual-stages", "1"], capsys)
+    assert code == 2 and "virtual_stages = 2" in err, err
+
+
 def test_gathering_again_per_block_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--regather-blocks`` reaches the memory pins: with ``--zero dp=3`` it plans, without
     ZeRO-3 it is refused (what it does: ``test_overlap``, ``test_numerics_zero``)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from autopar.errors import InputError
 from autopar.hardware import PROFILES
+from autopar.solver.pipeline import SCHEDULES
 
 EXIT_CODES = """exit status:
   0  the plan was found (and printed)
@@ -86,13 +87,17 @@ def plan_command(args: argparse.Namespace) -> int:
     builder = load_builder(args.builder)
     model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
+    pipeline = None
+    if args.pipeline is not None:  # --micro-batches is then the pipeline's
+        pipeline = autopar.Pipeline(axis=args.pipeline, schedule=args.schedule, micro_batches=args.micro_batches,
+                                    virtual_stages=args.virtual_stages)
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
                         zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
                         regather_blocks=args.regather_blocks,
-                        micro_batches=args.micro_batches,
-                        offload=args.offload,
+                        micro_batches=None if pipeline else args.micro_batches,
+                        offload=args.offload, pipeline=pipeline,
                         progress=sys.stderr.isatty())
     from rich.console import Console
 
@@ -176,6 +181,13 @@ def parser() -> argparse.ArgumentParser:
                         "or --no-offload (default: the planner offloads what the memory limit needs)")
     memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",
                         help="pin the number of micro-batches a step runs (must divide the batch)")
+    pipe = p.add_argument_group("pipeline (default: none; with --pipeline, what is not given the planner picks)")
+    pipe.add_argument("--pipeline", metavar="AXIS", default=None,
+                      help="lay pipeline stages along this mesh axis (the first); --micro-batches is then the "
+                           "pipeline's")
+    pipe.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the pipeline schedule")
+    pipe.add_argument("--virtual-stages", type=_positive(int), default=None, metavar="V",
+                      help="pin the stages per pp rank (interleaved_1f1b >= 2; zbv and dualpipev 2)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--trace", metavar="FILE", help="also write the predicted step as a timeline (Chrome trace JSON)")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -14,7 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves
 
-from autopar.api import PlannedStep, PreparedStep, finish_step, pipeline_options, prepare_step, solve_step
+from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_options, plan_step, prepare_step,
+                         solve_step)
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.errors import InputError
@@ -152,19 +154,21 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     full_mesh, stage_mesh = planning_mesh, None
     if pipeline is not None:
         planning_mesh, stage_mesh = _stage_meshes(pipeline, mesh, full_mesh, data_axes, zero, offload, micro_batches)
-        micro_batches = pipeline.micro_batches
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
         ways = math.prod(planning_mesh.axes[a] for a in data_axes)
         example_inputs, example_targets = _global_batch(example_inputs, ways), _global_batch(example_targets, ways)
         example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
+    options = dict(loss_fn=loss_fn, example_kwargs=example_kwargs, example_targets=example_targets, train=train,
+                   constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
+                   input_sharded=input_sharded, memory_limit=memory_limit, memory_headroom=memory_headroom,
+                   precision=precision, bucket_bytes=bucket_bytes, solver_time_limit_s=solver_time_limit_s, zero=zero,
+                   checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
+                   offload=offload, _masters=compute_dtype is not None)
+    if pipeline is not None:
+        pipeline = _chosen_pipeline(pipeline, planned_model, full_mesh, example_inputs, options)
+        micro_batches = pipeline.micro_batches
     prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
-        planned_model, planning_mesh, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
-        example_targets=example_targets, train=train, constraints=constraints, constraint_axis=constraint_axis,
-        data_axes=data_axes, input_sharded=input_sharded, memory_limit=memory_limit,
-        memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
-        solver_time_limit_s=solver_time_limit_s, zero=zero, checkpoint=checkpoint,
-        checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks, offload=offload,
-        micro_batches=micro_batches, _masters=compute_dtype is not None))
+        planned_model, planning_mesh, example_inputs, micro_batches=micro_batches, **options))
     step = _solved_everywhere(prepared, pipeline, full_mesh)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
     if pipeline is not None:
@@ -192,6 +196,19 @@ def _stage_meshes(pipeline: Pipeline, mesh: DeviceMesh, full_mesh: Mesh, data_ax
     _gather_errors("checking the pipeline", _pipeline_error(pipeline, full_mesh, data_axes, zero, offload,
                                                             micro_batches), InputError)
     return pipeline.stage_mesh(full_mesh), stage_device_mesh(mesh, pipeline.axis)
+
+
+def _chosen_pipeline(pipeline: Pipeline, model: nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],
+                     options: dict[str, Any]) -> Pipeline:
+    """``pipeline`` with every choice made: as given when pinned, else rank 0's search
+    (``pipeline_search``) handed to every rank, whose stages are then planned as pinned."""
+    if pipeline.pinned:
+        return pipeline
+    plan = _on_rank_zero("choosing the pipeline", lambda: plan_step(model, mesh, example_inputs, pipeline=pipeline,
+                                                                    **options).plan)
+    chosen = plan.pipeline
+    return replace(pipeline, schedule=chosen.schedule, micro_batches=chosen.micro_batches,
+                   virtual_stages=chosen.virtual_stages)
 
 
 def _solved_everywhere(prepared: PreparedStep, pipeline: Pipeline | None, full_mesh: Mesh) -> PlannedStep:

@@ -53,46 +53,73 @@ V_SHAPED = ("zbv", "dualpipev")
 
 _VIRTUAL = {"gpipe": (1, 1), "1f1b": (1, 1), "interleaved_1f1b": (2, 1 << 30), "zbv": (2, 2), "dualpipev": (2, 2)}
 """Stages per rank each schedule runs (lowest, highest)."""
+VIRTUAL_CHOICES = {"gpipe": (1,), "1f1b": (1,), "interleaved_1f1b": (2, 4), "zbv": (2,), "dualpipev": (2,)}
+"""Stages per rank the planner tries per schedule when ``virtual_stages`` is open (Megatron-LM's
+interleaved runs use 2-4 chunks per rank; more halve the bubble again but double the transfers)."""
+MICRO_BATCH_CHOICES = (1, 2, 4, 8)
+"""Micro-batch counts the planner tries when ``micro_batches`` is open, as multiples of the stage
+ranks p: at m = p the 1F1B bubble is (p - 1) / (2p - 1), near half; at 8p it is under 1/9
+(GPipe §2.3: m >= 4p makes it negligible). Each count is captured and planned once."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Pipeline:
-    """A pinned pipeline: the mesh axis whose ranks hold consecutive stages, the schedule,
-    micro-batches and stages per rank; the cuts are balanced by the planner."""
+    """A pipeline on one mesh axis: the schedule, micro-batches and stages per rank, each
+    pinned or (None) chosen by the planner (``solver.pipeline_search``); the cuts are always
+    the planner's."""
 
     axis: str = "pp"
     """Mesh axis the stages are laid along; the other axes form each stage's sub-mesh."""
-    schedule: str = "1f1b"
-    """One of ``SCHEDULES``."""
-    micro_batches: int = 4
-    """Micro-batches per step; the stages are planned for batch / micro_batches rows."""
-    virtual_stages: int = 1
-    """Stages per rank: 1 for gpipe and 1f1b, at least 2 for interleaved_1f1b, 2 for zbv and dualpipev."""
+    schedule: str | None = None
+    """One of ``SCHEDULES``; None: the planner picks the fastest that fits."""
+    micro_batches: int | None = None
+    """Micro-batches per step; the stages are planned for batch / micro_batches rows. None:
+    the planner picks among ``MICRO_BATCH_CHOICES`` multiples of the stage count."""
+    virtual_stages: int | None = None
+    """Stages per rank: 1 for gpipe and 1f1b, at least 2 for interleaved_1f1b, 2 for zbv and
+    dualpipev. None: the schedule's (interleaved_1f1b: the planner picks 2 or 4)."""
+
+    @property
+    def pinned(self) -> bool:
+        """Whether every choice is made (what the runtime and the stage cuts need)."""
+        return None not in (self.schedule, self.micro_batches, self.virtual_stages)
 
     def check(self, mesh_axes: dict[str, int]) -> None:
-        """Refuse what no schedule of torch's runs (checked before capture)."""
+        """Refuse what no schedule of torch's runs (checked before capture); a choice left to
+        the planner is checked once made (``candidates``)."""
         if not isinstance(self.axis, str) or self.axis not in mesh_axes:
             raise InputError(f"pipeline axis {self.axis!r} is not an axis of the mesh {dict(mesh_axes)}")
         if next(iter(mesh_axes)) != self.axis:  # the stage meshes' links are then those of the whole mesh
             raise InputError(f"pipeline axis {self.axis!r} must be the mesh's first (outermost) axis, as in "
                              f"Megatron-LM and torchtitan; the mesh's axes are {tuple(mesh_axes)}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise InputError(f"pipeline schedule {self.schedule!r}: the schedules are {', '.join(SCHEDULES)}")
         for name, value in (("micro_batches", self.micro_batches), ("virtual_stages", self.virtual_stages)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"pipeline {name} must be a positive whole number, got {value!r}")
-        p, v, m = mesh_axes[self.axis], self.virtual_stages, self.micro_batches
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InputError(f"pipeline {name} must be a positive whole number (or None: the planner "
+                                 f"chooses), got {value!r}")
+        p = mesh_axes[self.axis]
         if p < 2:
             raise InputError(f"pipeline axis {self.axis!r} has {p} device: a pipeline needs at least 2 stages ranks")
-        low, high = _VIRTUAL[self.schedule]
+        if self.schedule is not None and self.virtual_stages is not None:
+            self._check_virtual(self.schedule, self.virtual_stages)
+        if self.pinned:
+            self.check_counts(p)
+
+    @staticmethod
+    def _check_virtual(schedule: str, v: int) -> None:
+        low, high = _VIRTUAL[schedule]
         if not low <= v <= high:
             wanted = f"= {low}" if low == high else f">= {low}"
-            raise InputError(f"pipeline schedule {self.schedule!r} runs virtual_stages {wanted} "
+            raise InputError(f"pipeline schedule {schedule!r} runs virtual_stages {wanted} "
                              f"(stages per rank), got {v}")
-        self._check_micro_batches(p, v, m)
 
-    def _check_micro_batches(self, p: int, v: int, m: int) -> None:
-        """The micro-batch counts each torch schedule accepts (its constructor's checks)."""
+    def check_counts(self, p: int) -> None:
+        """The micro-batch counts each torch schedule accepts (its constructor's checks), on a
+        pinned pipeline of ``p`` ranks."""
+        assert self.pinned
+        m, v = self.micro_batches, self.virtual_stages
+        assert m is not None and v is not None
         if self.schedule == "1f1b" and m < p:
             raise InputError(f"pipeline schedule '1f1b' needs micro_batches >= stages ({p}), got {m}")
         if self.schedule == "interleaved_1f1b":
@@ -108,6 +135,31 @@ class Pipeline:
         size 1, ``STAGE_AXIS``, when nothing else is left)."""
         rest = {name: size for name, size in mesh.axes.items() if name != self.axis}
         return Mesh(rest or {STAGE_AXIS: 1}, mesh.hardware, mesh.devices_per_node)
+
+    def choices(self, p: int, batch: int | None, blocks: int) -> list[Pipeline]:
+        """The pinned pipelines the planner prices: each choice left open ranges over the
+        schedules, their stages per rank (``VIRTUAL_CHOICES``, at most one block per stage)
+        and ``MICRO_BATCH_CHOICES`` x p micro-batches dividing ``batch``; those torch refuses
+        are left out. Empty when nothing runs (``search_pipeline`` says why)."""
+        if self.micro_batches is None and batch is None:
+            raise InputError("the planner chooses a pipeline's micro-batches among divisors of the batch, but the "
+                             "step's inputs have no batch dim it can read: pin Pipeline(micro_batches=...)")
+        out = []
+        for schedule in [self.schedule] if self.schedule else SCHEDULES:
+            for v in [self.virtual_stages] if self.virtual_stages else VIRTUAL_CHOICES[schedule]:
+                low, high = _VIRTUAL[schedule]
+                if not low <= v <= high or p * v > blocks:
+                    continue
+                counts = [self.micro_batches] if self.micro_batches else [
+                    k * p for k in MICRO_BATCH_CHOICES if batch is not None and batch % (k * p) == 0]
+                for m in counts:
+                    choice = Pipeline(axis=self.axis, schedule=schedule, micro_batches=m, virtual_stages=v)
+                    try:
+                        choice.check_counts(p)
+                    except InputError:
+                        continue
+                    out.append(choice)
+        return out
 
     def stages(self, pp_size: int) -> int:
         return pp_size * self.virtual_stages

@@ -129,9 +129,11 @@ def render(plan: Plan) -> Group:
         summary.add_row("step time", f"{fmt_time(pred.step_time_s)}  (compute {fmt_time(pred.compute_time_s)}, "
                         f"communication {fmt_time(pred.comm_time_s)}{hidden})")
     limit = f", limit {fmt_bytes(plan.memory_limit_bytes)}" if plan.memory_limit_bytes is not None else ""
-    summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  (parameters+state "
-                    f"{fmt_bytes(pred.parameter_memory_bytes)}, activations {fmt_bytes(pred.activation_memory_bytes)}"
-                    f"{limit})")
+    whose = "the busiest pp rank's: its stages' state" if plan.pipeline is not None else "parameters+state"
+    activations = "activations in flight" if plan.pipeline is not None else "activations"
+    summary.add_row("peak memory", f"{fmt_bytes(pred.peak_memory_bytes)} per device  ({whose} "
+                    f"{fmt_bytes(pred.parameter_memory_bytes)}, {activations} "
+                    f"{fmt_bytes(pred.activation_memory_bytes)}{limit})")
     if plan.train and plan.memory.describe() != "1 micro-batch":
         summary.add_row("memory plan", plan.memory.describe())
     if plan.pipeline is not None:

@@ -16,7 +16,7 @@ parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from autopar.cost.collectives import point_to_point_time
@@ -28,6 +28,8 @@ from autopar.solver.memory import block_of
 from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
 from autopar.solver.pipeline import Pipeline, pipeline_compute_s, simulate_pipeline
 from autopar.solver.schedule_sim import Simulation
+from autopar.solver.stage_memory import node_costs, rank_peaks, stage_bytes, whole_step_extra
+from autopar.units import fmt_bytes
 
 HEAD, TAIL = "(head)", "(tail)"
 """Names the stage listing gives the code before the first block and after the last."""
@@ -56,6 +58,10 @@ class StagePlan:
     send_s: float = 0.0
     """Predicted seconds of one such transfer, and of the gradients coming back (0: the next
     stage runs on the same rank, or there is none)."""
+    state_bytes: float = 0.0
+    """Bytes per device of its model state: parameters, gradients, optimizer state."""
+    activation_bytes: float = 0.0
+    """Bytes per device of the activations one micro-batch's forward saves for its backward."""
 
 
 class RankEnd(NamedTuple):
@@ -101,6 +107,8 @@ class PipelinePlan:
     """Each pp rank's gradient buckets' seconds."""
     update_per_rank_s: list[float] = field(default_factory=list)
     """Each pp rank's optimizer step's seconds."""
+    rank_memory_bytes: list[float] = field(default_factory=list)
+    """Predicted peak bytes per device of each pp rank under the schedule (``solver.stage_memory``)."""
     estimate: str = ("the pipelined step time is an estimate (torch's schedule order played out with each stage's "
                      "predicted seconds, backward halved into input and weight gradients where the schedule splits "
                      "them, transfers delaying only their receivers); the ILP placed each stage for one micro-batch "
@@ -126,8 +134,9 @@ class PipelinePlan:
 
     def describe(self) -> str:
         cuts = " | ".join(f"{s.index}@{self.axis}{s.rank}: {_span(s.blocks)}" for s in self.stages)
+        memory = ", ".join(fmt_bytes(b) for b in self.rank_memory_bytes)
         return (f"{self.schedule}, {self.size} x {self.virtual_stages} stages, {self.micro_batches} micro-batches, "
-                f"bubble {self.bubble_fraction:.1%}; {cuts}")
+                f"bubble {self.bubble_fraction:.1%}; {cuts}; peak memory per pp rank {memory}")
 
 
 def _span(blocks: list[str]) -> str:
@@ -186,11 +195,12 @@ def balanced_cuts(weights: list[float], stages: int) -> list[int]:
 
 
 def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
-                nodes: list, collectives: list, update_s: dict[str, float], stage_plan_step_s: float
-                ) -> tuple[PipelinePlan, float]:
+                nodes: list, collectives: list, update_s: dict[str, float], stage_plan_step_s: float,
+                activation_bytes: float) -> tuple[PipelinePlan, float]:
     """Cut the step into ``pipeline``'s stages and price the pipelined step. ``mesh``: the
     whole mesh (pipeline axis included); ``nodes``/``collectives``: the sub-mesh plan's
-    ``NodePlacement``s and ``PlannedCollective``s; ``update_s``: parameter -> optimizer seconds."""
+    ``NodePlacement``s and ``PlannedCollective``s; ``update_s``: parameter -> optimizer seconds;
+    ``activation_bytes``: the sub-mesh plan's predicted activation memory of one micro-batch."""
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     blocks, unit = block_units(graph)
@@ -205,8 +215,23 @@ def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
     starts = balanced_cuts(weights, count)
     stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(blocks))]
     stage_of = {name: stage_of_unit[u] for name, u in unit.items()}
-    return _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds, collectives,
-                   update_s, stage_plan_step_s)
+    pipelined, total = _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds,
+                               collectives, update_s, stage_plan_step_s)
+    return _with_memory(pipelined, graph, chosen, activation_bytes), total
+
+
+def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, Strategy], activation_bytes: float
+                 ) -> PipelinePlan:
+    """The stages' state and activation bytes, and each pp rank's peak under the schedule."""
+    costs = node_costs(graph, chosen)
+    count = len(pipelined.stages)
+    params = parameter_stages(graph, pipelined.stage_of)
+    state, act = stage_bytes(graph, costs, pipelined.stage_of, params, count)
+    rank_of = [s.rank for s in pipelined.stages]
+    peaks = rank_peaks(pipelined.schedule, pipelined.size, pipelined.virtual_stages, pipelined.micro_batches,
+                       rank_of, state, act, whole_step_extra(graph, costs, activation_bytes))
+    stages = [replace(s, state_bytes=state[s.index], activation_bytes=act[s.index]) for s in pipelined.stages]
+    return replace(pipelined, stages=stages, rank_memory_bytes=peaks)
 
 
 def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,

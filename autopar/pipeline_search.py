@@ -1,0 +1,117 @@
+"""Choosing a pipeline: the schedule, stages per rank and micro-batch count a ``Pipeline``
+leaves open, the cuts always (the inter-op search).
+
+Each micro-batch count m is captured and planned once on the stage mesh (the intra-op ILP
+of one micro-batch, cached by m); every schedule and stages-per-rank choice at that m is then
+cut (``solver.stages``: an exact linear-partition DP over the repeated blocks, the head and
+tail joining the first and last stage) and priced by the same functions a pinned pipeline
+is: the schedule's step with its bubble (``solver.pipeline``), point-to-point transfers,
+gradient sync and optimizer step, and each pp rank's peak memory walked through torch's
+order of actions (``solver.stage_memory``). The fastest pipeline whose busiest rank fits the
+memory limit wins; ties go to the first in ``Pipeline.choices`` order, so every rank and run
+choose alike.
+
+The ILP of one m is solved without a memory limit first: its memory row is the whole model
+on one stage mesh, which is not what a stage holds. Only when none of that m's pipelines fit
+is it solved again under the limit (its plan then leans on ZeRO, checkpointing or offload as
+the whole model would need, an over-estimate of what a stage needs).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from autopar.errors import InputError
+from autopar.mesh import Mesh
+from autopar.solver.ilp import MemoryLimitError
+from autopar.solver.pipeline import Pipeline
+from autopar.step import PlannedStep, with_pipeline
+from autopar.units import fmt_bytes, fmt_time as fmt_s
+
+StagePlanner = Callable[[int, float], PlannedStep]
+"""(micro-batch count, memory limit) -> the step planned on the stage mesh for one micro-batch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Priced:
+    choice: Pipeline
+    step: PlannedStep
+
+    @property
+    def step_time_s(self) -> float:
+        return self.step.plan.predicted.step_time_s
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.step.plan.predicted.peak_memory_bytes
+
+
+def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: int | None,
+                   memory_limit: float) -> PlannedStep:
+    """The fastest pipeline ``spec`` allows that fits ``memory_limit`` (module docstring)."""
+    began = time.perf_counter()
+    p = mesh.axes[spec.axis]
+    choices = spec.choices(p, batch, blocks=math.inf)  # type: ignore[arg-type]
+    if not choices:
+        raise InputError(f"no pipeline of {spec} runs on {spec.axis}={p} with a batch of {batch}: torch's schedules "
+                         f"need micro_batches >= {p} stages, dividing the batch")
+    priced: list[_Priced] = []
+    refused: list[str] = []
+    for m in sorted({c.micro_batches for c in choices}, key=[c.micro_batches for c in choices].index):
+        at_m = [c for c in choices if c.micro_batches == m]
+        found = _price(plan_stage(m, math.inf), at_m, mesh, spec.pinned, refused)
+        if found and not any(f.peak_bytes <= memory_limit for f in found) and math.isfinite(memory_limit):
+            try:
+                found += _price(plan_stage(m, memory_limit), at_m, mesh, spec.pinned, refused)
+            except MemoryLimitError:
+                pass
+        priced += found
+    fitting = [f for f in priced if f.peak_bytes <= memory_limit]
+    if not fitting:
+        raise _no_fit(priced, refused, memory_limit, spec)
+    best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
+    return _annotated(best, fitting, len(priced), memory_limit, time.perf_counter() - began)
+
+
+def _price(step: PlannedStep, choices: list[Pipeline], mesh: Mesh, pinned: bool, refused: list[str]
+           ) -> list[_Priced]:
+    """Each choice cut and priced on ``step``; one the model cannot be cut for is noted (raised when pinned)."""
+    out = []
+    for choice in choices:
+        try:
+            out.append(_Priced(choice=choice, step=with_pipeline(step, choice, mesh)))
+        except InputError as exc:
+            if pinned:
+                raise
+            refused.append(f"{_label(choice)}: {exc}")
+    return out
+
+
+def _label(choice: Pipeline) -> str:
+    return f"{choice.schedule} x{choice.virtual_stages} m={choice.micro_batches}"
+
+
+def _no_fit(priced: list[_Priced], refused: list[str], limit: float, spec: Pipeline) -> InputError:
+    if not priced:
+        return InputError(f"no pipeline of {spec} can be cut for this model: {'; '.join(refused[:3])}")
+    least = min(priced, key=lambda f: f.peak_bytes)
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in least.step.plan.predicted.memory_parts.items())
+    return MemoryLimitError(f"no pipeline fits {fmt_bytes(limit)} per device: the leanest of {len(priced)} priced, "
+                            f"{_label(least.choice)}, needs {fmt_bytes(least.peak_bytes)} on its busiest rank "
+                            f"({parts})")
+
+
+def _annotated(best: _Priced, fitting: list[_Priced], priced: int, limit: float, seconds: float) -> PlannedStep:
+    """The chosen step, its plan saying what was searched and the runners-up."""
+    plan = best.step.plan
+    others = sorted((f for f in fitting if f is not best), key=lambda f: f.step_time_s)[:3]
+    runners = "; ".join(f"{_label(f.choice)} {fmt_s(f.step_time_s)}" for f in others)
+    note = (f"pipeline search: {priced} pipelines priced (schedules x stages per rank x micro-batches), "
+            f"{len(fitting)} fit; chosen {_label(best.choice)} {fmt_s(best.step_time_s)}"
+            + (f"; next: {runners}" if runners else ""))
+    plan = replace(plan, notes=[*plan.notes, note], memory_limit_bytes=limit,
+                   timings={**plan.timings, "pipeline search": seconds})
+    return replace(best.step, plan=plan)

@@ -1,0 +1,77 @@
+"""Peak memory of each pipeline rank under its schedule.
+
+A rank holds its stages' model state (parameters, gradients, optimizer state) for the whole
+step, and each stage's saved activations from a micro-batch's forward until its backward has
+used them. How many micro-batches are in flight at once is the schedule's: GPipe runs every
+forward first (m in flight), 1F1B's rank r at most p - r (Narayanan et al. 2021, arXiv
+2104.04473 §2.2.1), interleaved and zero-bubble schedules in between and differently per
+rank. Rather than a formula per schedule, each rank's actions are walked in the order torch
+runs them (``schedule_sim.torch_order``): a forward (F) adds its stage's activations, a full
+backward (B) frees them, and in a zero-bubble split the weight-gradient step (W) frees them,
+not the input-gradient step (I), since W still reads the saved inputs (Qi et al. 2024, arXiv
+2401.10241 §3: ZB-H1/ZB-V keep W's inputs alive until W runs; counting all of a micro-batch's
+activations until W is the upper estimate).
+
+What the whole-step plan prices once besides the per-op activations (a reshard held until
+backward, a checkpointed block's recompute peak, a prefetched gather, the gradient buckets'
+buffers: ``activation_memory_bytes`` less the ops' own bytes) is added to every rank: an
+upper estimate, since each rank holds only its stages' share of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from autopar.cost.model import NodeCost
+from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
+from autopar.solver.schedule_sim import torch_order
+
+
+def node_costs(graph: PlanGraph, chosen: dict) -> dict[str, NodeCost]:
+    """Each node's cost under its chosen strategy (the one ``build_plan`` priced)."""
+    out = {}
+    for name in graph.order:
+        node = graph.nodes[name]
+        index = next(i for i, s in enumerate(node.strategies) if s is chosen[name])
+        out[name] = node.costs[index]
+    return out
+
+
+def stage_bytes(graph: PlanGraph, costs: dict[str, NodeCost], stage_of: dict[str, int], params: dict[str, int],
+                count: int) -> tuple[list[float], list[float]]:
+    """(model state bytes per stage, saved activation bytes of one micro-batch per stage);
+    the user inputs a micro-batch brings are the first stage's."""
+    state, act = [0.0] * count, [0.0] * count
+    for name, s in params.items():
+        state[s] += costs[name].memory
+    for name in graph.order:
+        kind = graph.nodes[name].kind
+        if kind == OP and name in stage_of:
+            act[stage_of[name]] += costs[name].memory
+        elif kind == INPUT:
+            act[0] += costs[name].memory
+    return state, act
+
+
+def whole_step_extra(graph: PlanGraph, costs: dict[str, NodeCost], activation_memory_bytes: float) -> float:
+    """What the whole-step plan's activation bytes hold besides its nodes' own (module docstring)."""
+    own = sum(c.memory for n, c in costs.items() if graph.nodes[n].kind != PARAM)
+    return max(0.0, activation_memory_bytes - own)
+
+
+def rank_peaks(schedule: str, p: int, v: int, m: int, rank_of: Sequence[int], state: Sequence[float],
+               act: Sequence[float], extra: float) -> list[float]:
+    """Each pp rank's peak bytes: its stages' state, the most activations its schedule keeps
+    alive at once (walked in torch's order), and ``extra``."""
+    peaks = []
+    for r, ops in enumerate(torch_order(schedule, p, v, m)):
+        has_w = {(s, i) for kind, s, i in ops if kind == "W"}
+        live = peak = 0.0
+        for kind, s, i in ops:
+            if kind == "F":
+                live += act[s]
+                peak = max(peak, live)
+            elif kind == "W" or (kind in ("B", "I") and (s, i) not in has_w):
+                live -= act[s]
+        peaks.append(sum(b for s, b in enumerate(state) if rank_of[s] == r) + peak + extra)
+    return peaks

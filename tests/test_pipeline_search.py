@@ -1,0 +1,82 @@
+"""The pipeline search (``autopar.pipeline_search``) and each pp rank's memory under its
+schedule (``solver.stage_memory``); planning only, no ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import autopar
+from autopar.solver.ilp import MemoryLimitError
+from examples import llama
+
+BYTES_PER_PARAM = 16
+"""fp32 AdamW per parameter: weight 4, gradient 4, two moments 8 (``cost.precision`` FP32)."""
+
+
+def _plan(pipeline: autopar.Pipeline, mesh: dict[str, int] | None = None, **options: Any) -> autopar.Plan:
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
+    return autopar.plan(model, autopar.Mesh(mesh or {"pp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                        example_targets=targets, pipeline=pipeline, **options)
+
+
+def _pinned(schedule: str, m: int, v: int = 1) -> autopar.Pipeline:
+    return autopar.Pipeline(axis="pp", schedule=schedule, micro_batches=m, virtual_stages=v)
+
+
+def test_stage_state_is_every_parameter_once() -> None:
+    """On a pp-only mesh every stage holds its parameters whole: the stages' state adds up to
+    16 bytes per parameter of the model (counted by hand from the module)."""
+    model, _, _, _ = llama.build(llama.LlamaConfig(layers=4))
+    params = sum(p.numel() for p in model.parameters())
+    p = _plan(_pinned("1f1b", 4))
+    assert sum(s.state_bytes for s in p.pipeline.stages) == params * BYTES_PER_PARAM
+    assert all(s.activation_bytes > 0 for s in p.pipeline.stages)
+
+
+def test_in_flight_micro_batches_by_schedule() -> None:
+    """GPipe keeps all m micro-batches' activations; 1F1B's rank r at most p - r (Narayanan et
+    al. 2021 §2.2.1); what the step adds besides (buffers, held reshards) is the same on both."""
+    gpipe, one = _plan(_pinned("gpipe", 4)).pipeline, _plan(_pinned("1f1b", 4)).pipeline
+    extras = []
+    for pipe, in_flight in ((gpipe, [4, 4]), (one, [2, 1])):
+        for s, k in zip(pipe.stages, in_flight):
+            extras.append(pipe.rank_memory_bytes[s.rank] - s.state_bytes - k * s.activation_bytes)
+    assert extras == pytest.approx([extras[0]] * 4, rel=1e-9)
+    assert one.rank_memory_bytes[0] < gpipe.rank_memory_bytes[0]
+
+
+def test_pipelined_peak_is_the_busiest_rank() -> None:
+    p = _plan(_pinned("1f1b", 4))
+    assert p.predicted.peak_memory_bytes == max(p.pipeline.rank_memory_bytes)
+    assert sum(p.predicted.memory_parts.values()) == pytest.approx(p.predicted.peak_memory_bytes)
+
+
+def test_search_picks_the_fastest_pinned_choice() -> None:
+    """Every choice the search prices, pinned and planned alone, is no faster than its pick."""
+    chosen = _plan(autopar.Pipeline(axis="pp"))
+    pick = chosen.pipeline
+    times = {}
+    for c in autopar.Pipeline(axis="pp").choices(2, 4, blocks=4):
+        times[(c.schedule, c.virtual_stages, c.micro_batches)] = _plan(c).predicted.step_time_s
+    assert chosen.predicted.step_time_s == pytest.approx(min(times.values()), rel=1e-12)
+    assert times[(pick.schedule, pick.virtual_stages, pick.micro_batches)] == chosen.predicted.step_time_s
+    assert any("pipeline search" in n for n in chosen.notes)
+
+
+def test_search_leaves_out_what_does_not_fit() -> None:
+    """Below the free pick's peak the search picks a leaner pipeline, never predicted faster;
+    below every pipeline's peak it says what the leanest needs."""
+    free = _plan(autopar.Pipeline(axis="pp"))
+    limit = free.predicted.peak_memory_bytes - 1
+    tight = _plan(autopar.Pipeline(axis="pp"), memory_limit=limit)
+    assert tight.predicted.peak_memory_bytes <= limit
+    assert tight.predicted.step_time_s >= free.predicted.step_time_s
+    with pytest.raises(MemoryLimitError, match="no pipeline fits .* the leanest of"):
+        _plan(autopar.Pipeline(axis="pp"), memory_limit=1e3)
+
+
+def test_partly_pinned_search_keeps_the_pins() -> None:
+    p = _plan(autopar.Pipeline(axis="pp", schedule="1f1b"))
+    assert p.pipeline.schedule == "1f1b" and p.pipeline.virtual_stages == 1 and p.pipeline.micro_batches in (2, 4)
