@@ -1,12 +1,14 @@
 """The predicted step as a timeline (``autopar.solver.trace``, ``plan.to_chrome_trace``,
 ``autopar plan --trace``): laid out from the plan's own figures, it ends at the predicted
 step time, its waited collectives add up to the exposed communication and the rest to the
-hidden; a tiny plan's spans are checked by hand."""
+hidden; a tiny plan's spans are checked by hand. A pipelined plan is drawn per pp rank, from
+the simulation its step time comes from."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ from torch import nn
 import autopar
 from autopar.hardware import PROFILES
 from autopar.solver.trace import BESIDE, COMPUTE, WAITED, timeline
-from examples import gpt
+from autopar.solver.trace_pipeline import pipeline_timeline
+from examples import gpt, llama
 from tiny_models import Stack
 
 
@@ -89,3 +92,87 @@ def test_chrome_trace_file_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     end_us = max(e["ts"] + e["dur"] for e in bars if e["tid"] != 2)
     assert end_us == pytest.approx(plan.predicted.step_time_s * 1e6, rel=1e-6)
     assert "wrote the predicted step" in capsys.readouterr().out
+
+
+def _pipelined(schedule: str, mesh: dict[str, int], micro_batches: int = 4, **options: object) -> autopar.Plan:
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
+    pipeline = autopar.Pipeline(axis="pp", schedule=schedule, micro_batches=micro_batches,
+                                virtual_stages=2 if schedule in ("interleaved_1f1b", "zbv") else 1)
+    return autopar.plan(model, autopar.Mesh(mesh, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        pipeline=pipeline, **options)
+
+
+def _by_track(events: list[dict], pid: int) -> dict[str, list[dict]]:
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"
+             and e["pid"] == pid}
+    out: dict[str, list[dict]] = {}
+    for e in sorted((e for e in events if e["ph"] == "X" and e["pid"] == pid), key=lambda e: e["ts"]):
+        out.setdefault(names[e["tid"]], []).append(e)
+    return out
+
+
+@pytest.mark.parametrize("schedule, mesh, options", [
+    ("1f1b", {"pp": 2, "dp": 2}, {"data_axes": ("dp",)}),
+    ("zbv", {"pp": 2}, {}),
+    ("interleaved_1f1b", {"pp": 2, "tp": 2}, {}),
+])
+def test_pipelined_trace_per_pp_rank(tmp_path: Path, schedule: str, mesh: dict[str, int], options: dict) -> None:
+    """One process per pp rank: its stages' actions in the schedule's order with a bubble in every
+    idle gap until it drains, its sends on point-to-point tracks, then its gradient buckets, the
+    wait for the loss and its update; the slowest rank's last span ends at the step time."""
+    plan = _pipelined(schedule, mesh, **options)
+    pipe = plan.pipeline
+    path = tmp_path / "step.json"
+    plan.to_chrome_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    per = math.prod(pipe.stage_mesh.values())
+    assert sorted(procs) == list(range(pipe.size))
+    for r, name in procs.items():
+        ranks = f"rank {r}" if per == 1 else f"ranks {r * per}-{(r + 1) * per - 1}"
+        assert name.startswith(f"pp rank {r} ({ranks} of the mesh; stages ")
+    ends = []
+    for r in range(pipe.size):
+        tracks = _by_track(events, r)
+        compute = tracks["compute"]
+        sync = tracks.get("communication (waited for)", [])
+        clock = sorted(compute + sync, key=lambda e: e["ts"])
+        for a, b in zip(clock, clock[1:]):  # one bar after another, no gap left unexplained until the update
+            assert b["ts"] == pytest.approx(a["ts"] + a["dur"], rel=1e-9, abs=1e-6)
+        assert compute[0]["ts"] == 0 and compute[-1]["name"] == "optimizer step"
+        assert compute[-1]["dur"] == pytest.approx(pipe.update_per_rank_s[r] * 1e6, rel=1e-9)
+        mine = [s for s in pipe.stages if s.rank == r]
+        forward = [e for e in compute if e["name"].startswith("F stage")]
+        assert len(forward) == len(mine) * pipe.micro_batches
+        assert sum(e["dur"] for e in forward) == pytest.approx(pipe.micro_batches * sum(s.forward_s for s in mine)
+                                                               * 1e6)
+        backward = sum(e["dur"] for e in compute if e["name"][:2] in ("B ", "I ", "W "))
+        assert backward == pytest.approx(pipe.micro_batches * sum(s.backward_s for s in mine) * 1e6)
+        waits = {"optimizer step", "bubble", f"waiting for the loss from pp rank {pipe.stages[-1].rank}"}
+        assert all(e["name"] in waits or e["name"][:2] in ("F ", "B ", "I ", "W ") for e in compute)
+        for track, bars in tracks.items():
+            if track.startswith("point-to-point to pp rank"):
+                assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(bars, bars[1:]))
+        assert sum(e["dur"] for e in sync) == pytest.approx(pipe.grad_sync_per_rank_s[r] * 1e6, rel=1e-9)
+        ends.append(max(e["ts"] + e["dur"] for bars in tracks.values() for e in bars))
+    assert max(ends) == pytest.approx(plan.predicted.step_time_s * 1e6, rel=1e-9)
+    assert any(e["name"] == "bubble" for e in events if e["ph"] == "X")
+    if "dp" in mesh:
+        bars = [e for e in events if e["ph"] == "X"]
+        assert all(pipe.grad_sync_per_rank_s) and any(e["cat"] == "backward" and "buckets" in e["name"] for e in bars)
+
+
+def test_pipelined_trace_sends_and_kinds() -> None:
+    """ZB-V runs input and weight gradients apart (I, W) and hands values between the two stages
+    of its middle rank in memory; 1F1B runs whole backwards (B) and sends every activation and
+    gradient across its one cut."""
+    zbv = pipeline_timeline(_pipelined("zbv", {"pp": 2}))
+    names = {s.name.split(" ")[0] for spans in zbv for s in spans if s.track == COMPUTE}
+    assert {"F", "I", "W"} <= names and "B" not in names
+    sends = [s for spans in zbv for s in spans if s.track.startswith("point-to-point")]
+    assert not [s for s in sends if s.args["stage"] == 1 and s.phase == "forward"]  # stage 1 -> 2 on rank 1
+    one = _pipelined("1f1b", {"pp": 2})
+    spans = pipeline_timeline(one)
+    assert {s.name.split(" ")[0] for s in spans[0] if s.track == COMPUTE} == {"F", "B", "bubble", "optimizer"}
+    assert len([s for s in spans[0] if s.track == "point-to-point to pp rank 1"]) == one.pipeline.micro_batches
+    assert len([s for s in spans[1] if s.track == "point-to-point to pp rank 0"]) == one.pipeline.micro_batches

@@ -166,7 +166,9 @@ class Plan:
 
     def to_chrome_trace(self, path: str | Path) -> None:
         """Write the predicted step as a timeline (Chrome trace format: open it in Perfetto or
-        chrome://tracing): compute, collectives waited for and beside compute (``solver.trace``)."""
+        chrome://tracing): compute, collectives waited for and beside compute (``solver.trace``);
+        a pipelined plan's per pp rank: its stages' actions, bubbles, sends, gradient buckets and
+        update (``solver.trace_pipeline``)."""
         write_chrome_trace(self, path)
 
 

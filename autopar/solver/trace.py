@@ -13,7 +13,8 @@ tracks per group of ranks:
   prefetched gather ends as its consumer starts (it ran under the block before), a gradient
   bucket runs beside the last micro-batch's backward.
 
-Every rank of a plan without pipeline stages runs the same timeline, so it is one group.
+Every rank of a plan without pipeline stages runs the same timeline, so it is one group. A
+pipelined plan is drawn per pp rank instead (``solver.trace_pipeline``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Plan(Protocol):
     collectives: list[Any]
     memory: Any
     train: bool
+    pipeline: Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +53,7 @@ class Span:
     start_s: float
     seconds: float
     phase: str
-    """'forward', 'backward', 'recompute' or 'optimizer'."""
+    """'forward', 'backward', 'recompute' or 'optimizer' ('bubble': a pp rank's idle gap)."""
     args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,7 +90,9 @@ class _Layout:
 
 
 def timeline(plan: Plan) -> list[Span]:
-    """The predicted step's spans (module docstring); the last ends at the step time."""
+    """The predicted step's spans (module docstring); the last ends at the step time. A
+    pipelined plan's are those of the whole step on one stage mesh, not the pipelined step
+    (``chrome_trace`` draws that per pp rank)."""
     by_node: dict[tuple[str, str], list[Any]] = defaultdict(list)
     for c in plan.collectives:
         by_node[(c.phase, c.consumer)].append(c)
@@ -144,6 +148,9 @@ def _op_name(node: Any) -> str:
 
 def chrome_trace(plan: Plan) -> dict[str, Any]:
     """The timeline as a Chrome trace object (microseconds; one process per group of ranks)."""
+    if plan.pipeline is not None:
+        from autopar.solver.trace_pipeline import pipeline_chrome_trace  # it draws with this module's spans
+        return pipeline_chrome_trace(plan)
     ranks = math.prod(plan.mesh["axes"].values())
     pid = 0
     events: list[dict[str, Any]] = [
