@@ -168,6 +168,7 @@ _KIND_INDEX = {FORWARD: 0, INPUT_GRAD: 1, WEIGHT_GRAD: 2, BACKWARD: 3}
 
 @lru_cache(maxsize=64)
 def _program(schedule: str, p: int, v: int, m: int) -> _Program:
+    """``torch_order`` resolved to slots, once per schedule, p, v and m."""
     order = torch_order(schedule, p, v, m)
     count, n = p * v, p * v * m
     rank_of = [-1] * count
