@@ -36,7 +36,7 @@ from autopar.cost.buckets import GradBucket
 from autopar.errors import InputError
 from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.runtime.module import set_by_path
-from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads
+from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads, weighed
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
@@ -127,7 +127,7 @@ class PipelinedModule(nn.Module):
             if count is None:
                 raise RuntimeError("the step's loss divides by a count, but the program recorded none")
             self._counts.append(count.detach())
-            return loss * count.to(loss.dtype)
+            return weighed(loss, count)
         return loss * (1.0 / m) if self._loss_kind == MEAN and m > 1 else loss
 
     def step(self, *inputs: Any, **kwargs: Any) -> DTensor:
