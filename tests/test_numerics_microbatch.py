@@ -2,9 +2,9 @@
 single-device whole-batch numbers (loss, every gradient, parameters after 3 AdamW steps),
 also when ignored targets make the micro-batches' counts differ (or leave one micro-batch
 none to count); with dropout, to single-device gradient accumulation over the same
-micro-batches (each micro-batch draws
-its own mask, so a whole-batch step draws other masks); the program's collectives run
-once per micro-batch and the gradient buckets once per step; misuse is refused clearly."""
+micro-batches (each micro-batch draws its own mask, so a whole-batch step draws other
+masks); the program's collectives run once per micro-batch and the gradient buckets once
+per step; misuse is refused clearly."""
 
 from __future__ import annotations
 
