@@ -141,6 +141,19 @@ def mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
     return out
 
 
+Packed = tuple[list[int], bytes]
+"""A whole fp32 tensor as (shape, bytes): ranks return results without tensors."""
+
+
+def pack(t: torch.Tensor) -> Packed:
+    return list(t.shape), t.detach().to(torch.float32).contiguous().numpy().tobytes()
+
+
+def unpack(packed: Packed) -> torch.Tensor:
+    shape, raw = packed
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
+
+
 def diverged_replicas(pm: autopar.ParallelModule) -> list[str]:
     """Parameters and buffers whose copies along a replicated mesh dim differ in any bit."""
     mesh = pm.device_mesh
