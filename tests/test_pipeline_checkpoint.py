@@ -37,7 +37,7 @@ def _llama() -> Any:
     return llama.build(llama.LlamaConfig(layers=4))
 
 
-def _compile(name: str) -> tuple[autopar.ParallelModule | Any, tuple[torch.Tensor, ...]]:
+def _compile(name: str) -> tuple[checkpoint.Compiled, tuple[torch.Tensor, ...]]:
     shape, names, options = MESHES[name]
     model, inputs, loss_fn, targets = _llama()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -45,14 +45,14 @@ def _compile(name: str) -> tuple[autopar.ParallelModule | Any, tuple[torch.Tenso
     return pm, (*inputs, *targets)
 
 
-def _train(pm: Any, opt: torch.optim.Optimizer, args: tuple[torch.Tensor, ...], steps: int) -> None:
+def _train(pm: checkpoint.Compiled, opt: torch.optim.Optimizer, args: tuple[torch.Tensor, ...], steps: int) -> None:
     for _ in range(steps):
         pm.step(*args)  # a ParallelModule's step too: forward and backward of the whole batch
         opt.step()
         opt.zero_grad()
 
 
-def _whole(pm: Any, local: dict[str, torch.Tensor]) -> dict[str, Packed]:
+def _whole(pm: checkpoint.Compiled, local: dict[str, torch.Tensor]) -> dict[str, Packed]:
     """This rank's tensors ``local`` (FQN -> local shard, laid out as ``pm.state_dict()``) as
     whole tensors, gathered over the mesh their DTensors live on (every rank calls)."""
     layout = pm.state_dict()
@@ -60,11 +60,11 @@ def _whole(pm: Any, local: dict[str, torch.Tensor]) -> dict[str, Packed]:
             for k, t in local.items()}
 
 
-def _exp_avgs(pm: Any, opt: torch.optim.Optimizer) -> dict[str, Packed]:
+def _exp_avgs(pm: checkpoint.Compiled, opt: torch.optim.Optimizer) -> dict[str, Packed]:
     return _whole(pm, {k: opt.state[p]["exp_avg"] for k, p in pm.named_parameters()})
 
 
-def _params(pm: Any) -> dict[str, Packed]:
+def _params(pm: checkpoint.Compiled) -> dict[str, Packed]:
     return _whole(pm, {k: v.to_local() for k, v in pm.state_dict().items()})
 
 
