@@ -26,9 +26,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 IGNORE_INDEX = -100
 """Target value cross entropy skips (HF's convention); the last position has no next token."""
+
+LLAMA_TP_PLAN: dict[str, ParallelStyle] = {f"model.layers.*.{name}": style for name, style in [
+    ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
+    ("self_attn.v_proj", ColwiseParallel()), ("self_attn.o_proj", RowwiseParallel()),
+    ("mlp.gate_proj", ColwiseParallel()), ("mlp.up_proj", ColwiseParallel()), ("mlp.down_proj", RowwiseParallel())]}
+"""Megatron tensor parallelism for ``LlamaForCausalLM``'s blocks, in torchtitan's form (``constraints=``)."""
 
 
 def _example(model: nn.Module, vocab: int, seq: int, batch: int, device: str

@@ -60,8 +60,9 @@ class Reference:
 
 
 def reference(build: Callable[[], Any], steps: int = STEPS, seed: int | None = None) -> Reference:
-    """``build() -> (model, inputs, loss_fn, targets)`` run ``steps`` AdamW steps on one device
-    (random ops drawing from the default generator seeded ``seed``, when given)."""
+    """``build() -> (model, inputs, loss_fn, targets[, kwargs])`` run ``steps`` AdamW steps on one
+    device (random ops drawing from the default generator seeded ``seed``, when given); with
+    ``loss_fn=None`` the model's output is the loss, or has it as ``.loss`` (a HF model given labels)."""
     return reference_accumulated(build, 1, steps, seed)
 
 
@@ -70,7 +71,9 @@ def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: i
     """``reference`` as single-device gradient accumulation: each step runs the batch as
     ``micro_batches`` consecutive blocks of rows, each loss weighted 1/m (a mean over a fixed
     number of elements per micro-batch), random ops drawing micro-batch after micro-batch."""
-    model, inputs, loss_fn, targets = build()
+    model, inputs, loss_fn, targets, *rest = build()
+    kwargs: dict[str, Any] = rest[0] if rest else {}
+    assert micro_batches == 1 or not kwargs, "keyword inputs are not cut into micro-batches here"
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     if seed is not None:
         torch.manual_seed(seed)
@@ -80,7 +83,8 @@ def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: i
     for step in range(steps):
         total = 0.0
         for x, t in pieces:
-            loss = loss_fn(model(*x), *t) if loss_fn is not None else model(*x)
+            out = model(*x, **kwargs)
+            loss = loss_fn(out, *t) if loss_fn is not None else getattr(out, "loss", out)  # HF: its own loss
             loss = loss / micro_batches if micro_batches > 1 else loss
             loss.backward()
             total += loss.item()
@@ -135,6 +139,19 @@ def mismatches(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
         elif not torch.allclose(want, got[k], *tolerance):
             out.append(f"{k}: max |diff| {(want.double() - got[k].double()).abs().max().item():.3g}")
     return out
+
+
+Packed = tuple[list[int], bytes]
+"""A whole fp32 tensor as (shape, bytes): ranks return results without tensors."""
+
+
+def pack(t: torch.Tensor) -> Packed:
+    return list(t.shape), t.detach().to(torch.float32).contiguous().numpy().tobytes()
+
+
+def unpack(packed: Packed) -> torch.Tensor:
+    shape, raw = packed
+    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
 
 
 def diverged_replicas(pm: autopar.ParallelModule) -> list[str]:

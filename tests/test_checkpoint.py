@@ -21,7 +21,7 @@ from autopar.rules.strategy import is_strided
 from autopar.runtime import checkpoint
 from autopar.runtime.forked import run_ranks
 from examples import gpt
-from numerics_harness import EPS, LR, compile_gpt, mismatches, reference
+from numerics_harness import EPS, LR, Packed, compile_gpt, mismatches, pack, reference, unpack
 
 QKV = "blocks.0.attn.qkv.weight"  # strided (S(0/3)) under the pinned TP plan
 
@@ -35,29 +35,16 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Ten
         opt.zero_grad()
 
 
-Packed = tuple[list[int], bytes]
-"""A whole fp32 tensor as (shape, bytes): ranks return results without tensors."""
-
-
-def _pack(t: torch.Tensor) -> Packed:
-    return list(t.shape), t.detach().to(torch.float32).contiguous().numpy().tobytes()
-
-
-def _unpack(packed: Packed) -> torch.Tensor:
-    shape, raw = packed
-    return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
-
-
 def _full(pm: autopar.ParallelModule) -> dict[str, Packed]:
     """Whole parameters and buffers (every rank gathers; rank 0's copy is enough to return)."""
-    full = {k: _pack(v.full_tensor()) for k, v in pm.state_dict().items()}
+    full = {k: pack(v.full_tensor()) for k, v in pm.state_dict().items()}
     return full if dist.get_rank() == 0 else {}
 
 
 def _full_exp_avg(pm: autopar.ParallelModule, opt: torch.optim.Optimizer, fqn: str) -> Packed:
     placements = pm.state_dict()[fqn].placements
     local = opt.state[pm.get_parameter(fqn)]["exp_avg"]
-    return _pack(DTensor.from_local(local, pm.device_mesh, placements, run_check=False).full_tensor())
+    return pack(DTensor.from_local(local, pm.device_mesh, placements, run_check=False).full_tensor())
 
 
 def _save_rank(rank: int, world: int, mesh_spec: str, path: str) -> dict[str, Any]:
@@ -85,7 +72,7 @@ def _strided(pm: autopar.ParallelModule) -> int:
 
 
 def _tensors(state: dict[str, Packed]) -> dict[str, torch.Tensor]:
-    return {k: _unpack(v) for k, v in state.items()}
+    return {k: unpack(v) for k, v in state.items()}
 
 
 def _check_resumed(got: dict[str, torch.Tensor], uninterrupted: dict[str, torch.Tensor],
@@ -123,7 +110,7 @@ def _resume_single_device(path: str, saved: dict[str, Any], uninterrupted: dict[
     checkpoint.load_single_device(model, path, opt)
     assert all(p.grad is not None for p in model.parameters())  # and they are left as they were
     opt.zero_grad()
-    assert _pack(opt.state[model.get_parameter(QKV)]["exp_avg"]) == saved["exp_avg"]
+    assert pack(opt.state[model.get_parameter(QKV)]["exp_avg"]) == saved["exp_avg"]
     _train(model, opt, tokens, targets, 1, loss_fn)
     _check_resumed(dict(model.state_dict()), uninterrupted, single_device)
 

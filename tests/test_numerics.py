@@ -11,16 +11,13 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
 from examples import gpt, hf_models, llama
 from numerics_harness import Reference, reference, run_compiled, run_checked
 
-HF_LLAMA_TP = {f"model.layers.*.{name}": style for name, style in [
-    ("self_attn.q_proj", ColwiseParallel()), ("self_attn.k_proj", ColwiseParallel()),
-    ("self_attn.v_proj", ColwiseParallel()), ("self_attn.o_proj", RowwiseParallel()),
-    ("mlp.gate_proj", ColwiseParallel()), ("mlp.up_proj", ColwiseParallel()), ("mlp.down_proj", RowwiseParallel())]}
+HF_LLAMA_TP = hf_models.LLAMA_TP_PLAN
 
 
 def _hf(builder: Callable[..., Any]) -> Callable[[], Any]:

@@ -1,9 +1,10 @@
 """Micro-batches (``micro_batches=m``, ``pm.step``): a step of m micro-batches trains to the
 single-device whole-batch numbers (loss, every gradient, parameters after 3 AdamW steps),
-also when ignored targets make the micro-batches' counts differ; with dropout, to
-single-device gradient accumulation over the same micro-batches (each micro-batch draws
-its own mask, so a whole-batch step draws other masks); the program's collectives run
-once per micro-batch and the gradient buckets once per step; misuse is refused clearly."""
+also when ignored targets make the micro-batches' counts differ (or leave one micro-batch
+none to count); with dropout, to single-device gradient accumulation over the same
+micro-batches (each micro-batch draws its own mask, so a whole-batch step draws other
+masks); the program's collectives run once per micro-batch and the gradient buckets once
+per step; misuse is refused clearly."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def _gpt_ignored() -> Any:
     return model, inputs, loss_fn, (targets,)
 
 
+def _gpt_padded() -> Any:
+    """The first micro-batch (of 4) counts no target at all (padding rows, every target -100):
+    its own loss is 0 / 0 = NaN, but its share of the step's sum is 0, not NaN."""
+    model, inputs, loss_fn, (targets,) = _gpt_ignored()
+    targets[:2] = -100
+    return model, inputs, loss_fn, (targets,)
+
+
 def _regression(reduction: str) -> Callable[[], Any]:
     """An MLP with mse_loss: a mean over a count shapes fix (weights 1/m), or a sum (weights 1)."""
     def build() -> Any:
@@ -52,6 +61,7 @@ def _gpt_dropout() -> Any:
 
 
 MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build, "gpt_ignored": _gpt_ignored,
+                                         "gpt_padded": _gpt_padded,
                                          "gpt_dropout": _gpt_dropout, "mse_mean": _regression("mean"),
                                          "mse_sum": _regression("sum")}
 TP_PLANS = {"gpt": gpt.TP_PLAN, "llama": llama.TP_PLAN, "gpt_ignored": gpt.TP_PLAN}
@@ -106,7 +116,7 @@ class Case:
 CASES = [
     Case("gpt", (2,), 4), Case("gpt", (2, 2), 2, "dp_tp"), Case("gpt", (2, 2), 4, "dp"),
     Case("llama", (2,), 2), Case("llama", (2, 2), 4, "dp_tp"),
-    Case("gpt_ignored", (2,), 4), Case("gpt_ignored", (2, 2), 2, "dp_tp"),
+    Case("gpt_ignored", (2,), 4), Case("gpt_ignored", (2, 2), 2, "dp_tp"), Case("gpt_padded", (2,), 4),
     Case("gpt_dropout", (2,), 2), Case("gpt", (2,), 2, "free", zero=2),
     Case("gpt", (2,), 2, zero=3, regather_blocks=1),  # each micro-batch prefetches block 0 behind held block 1
     Case("gpt_ignored", (2,), 4, "dp_tp", tp_only=True),  # a replicated loss counts its whole targets

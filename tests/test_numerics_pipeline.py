@@ -1,8 +1,9 @@
 """Pipelined steps (``pipeline=autopar.Pipeline(...)``, ``pm.step``) train to the single-device
 numbers: loss on every rank, every gradient (whole tensors, gathered over the stage mesh) and
 every parameter after 3 AdamW steps, for each schedule, with tensor and data parallelism (and
-ZeRO-3) inside the stages; the stages' replicas stay bitwise equal. Plus the pipeline's plan
-(cuts, bubble, JSON, text) and the inputs it refuses."""
+ZeRO-3) inside the stages, also for HF's Llama computing its own loss from padded labels;
+the stages' replicas stay bitwise equal. Plus the pipeline's plan (cuts, bubble, JSON, text)
+and the inputs it refuses."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import autopar
 from autopar.errors import InputError
 from autopar.runtime.forked import run_ranks
 from autopar.solver.stages import balanced_cuts
-from examples import gpt, llama
+from examples import gpt, hf_models, llama
 from numerics_harness import EPS, LR, STEPS, Reference, mismatches, reference
 
 
@@ -55,7 +56,22 @@ def _stack() -> Any:
             (torch.randn(8, 8, generator=gen),))
 
 
-MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack}
+def _hf_llama() -> Any:
+    """HF's ``LlamaForCausalLM`` (4 layers, untied head) computing its own loss from ``labels``:
+    right padding in ``attention_mask`` (HF builds the 4-d mask and the rotary cos/sin in the
+    head: later stages receive them with the hidden states and the labels), padding's labels
+    ignored, and row 1 all ignored (a prompt), so with 4 micro-batches one counts no target."""
+    model, (ids,), _, _, _ = hf_models.build_llama(layers=4, hidden=32, heads=4, kv_heads=2, intermediate=64,
+                                                   vocab=64, seq=16, batch=4)
+    mask = torch.ones_like(ids)
+    mask[0, 12:] = 0
+    mask[3, 5:] = 0
+    labels = ids.masked_fill(mask == 0, hf_models.IGNORE_INDEX)
+    labels[1] = hf_models.IGNORE_INDEX
+    return model, (ids,), None, (), {"labels": labels, "attention_mask": mask}
+
+
+MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack, "hf_llama": _hf_llama}
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,10 @@ CASES = [
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),
     Case("stack", (2,), ("pp",), None, None, None),
+    Case("hf_llama", (2,), ("pp",), "1f1b", 4),
+    Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
+    Case("hf_llama", (2,), ("pp",), "interleaved_1f1b", 4, 2),
+    Case("hf_llama", (2,), ("pp",), "zbv", 4, 2),
 ]
 _REFERENCES: dict[str, Reference] = {}
 
@@ -103,16 +123,17 @@ def _digest(tensor: torch.Tensor) -> str:
 
 
 def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
-    model, inputs, loss_fn, targets = MODELS[case.model]()
+    model, inputs, loss_fn, targets, *rest = MODELS[case.model]()
+    kwargs = rest[0] if rest else {}
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     pipeline = autopar.Pipeline(axis="pp", schedule=case.schedule, micro_batches=case.micro_batches,
                                 virtual_stages=case.virtual_stages)
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=pipeline,
-                         **case.options)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
+                         pipeline=pipeline, **case.options)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     losses, grads = [], {}
     for i in range(STEPS):
-        loss = pm.step(*inputs, *targets)
+        loss = pm.step(*inputs, *targets, **kwargs)
         assert isinstance(loss, DTensor) and not loss.requires_grad and loss.device_mesh is mesh
         losses.append(loss.to_local().item())
         if i == 0:

@@ -7,6 +7,12 @@ keyed by parameter FQN (torch's ``get_optimizer_state_dict`` layout) and placed 
 parameter. DCP reshards on load, so a module compiled for any mesh and plan, or a plain
 single-device module (``load_single_device``), loads it.
 
+A ``PipelinedModule`` is saved and loaded the same way, into the same layout: each rank
+writes (and reads) only its stages' tensors, DTensors on its stage mesh under the model's
+FQNs, so a checkpoint moves between pipelined and non-pipelined meshes. Only the
+optimizer's param groups (hyperparameters and the FQNs they hold: no tensors) are merged
+over the ranks, so that the checkpoint's groups name every parameter, not one rank's.
+
 DCP stores each rank's shard as one contiguous chunk of the global tensor. A strided
 shard (the interleaved qkv of a fused projection) is several chunks per rank, so those
 tensors go through DCP as the plain shard of the same dim: one all-gather per strided
@@ -26,18 +32,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from autopar.errors import InputError
 from autopar.rules.strategy import is_strided
 
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline import PipelinedModule
 
 OPTIMIZER = "optimizer"
 """Key of the optimizer's state in a checkpoint (the model's keys sit beside it)."""
 
+Compiled = ParallelModule | PipelinedModule
+"""What ``save`` and ``load`` take: a module whose ``state_dict()`` holds DTensors."""
 
-def save(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+
+def save(pm: Compiled, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Every rank writes its shards of ``pm`` (and of ``optimizer``'s state) under ``path``.
 
     ``optimizer`` is any torch optimizer over ``pm.parameters()``: per-parameter state
@@ -47,11 +58,12 @@ def save(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer 
     """
     state: dict[str, Any] = dict(pm.state_dict())
     if optimizer is not None:
-        state[OPTIMIZER] = _map_state(_optimizer_state(pm, optimizer), _sharded(pm))
+        osd = _map_state(_optimizer_state(pm, optimizer), _sharded(pm))
+        state[OPTIMIZER] = {**osd, "param_groups": _shared_param_groups(osd["param_groups"])}
     dcp.save(_contiguous_chunks(state), checkpoint_id=str(path))
 
 
-def load(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load(pm: Compiled, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a checkpoint saved from any mesh into ``pm``'s shards (and ``optimizer``), in place.
 
     The optimizer's state and param groups (lr, betas, ...) are the checkpoint's, matched
@@ -64,7 +76,8 @@ def load(pm: ParallelModule, path: str | Path, optimizer: torch.optim.Optimizer 
     dcp.load(state, checkpoint_id=str(path))
     pm.load_state_dict(state)  # redistributes back to the module's own (strided) placements
     if optimizer is not None:
-        own = _map_state(state[OPTIMIZER], lambda fqn, t: _to_local(pm, fqn, t))
+        layout = _layout(pm)
+        own = _map_state(state[OPTIMIZER], lambda fqn, t: _to_local(layout[fqn], t))
         set_optimizer_state_dict(pm, optimizer, own)
 
 
@@ -112,14 +125,56 @@ def _map_state(osd: dict[str, Any], fn: Callable[[str, torch.Tensor], Any]) -> d
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
-def _sharded(pm: ParallelModule) -> Callable[[str, torch.Tensor], torch.Tensor]:
+def _shared_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's param groups merged by position: group i holds the FQNs of every rank's
+    group i, with their (equal) hyperparameters. Ranks holding other parameters (pipeline
+    stages) have other FQNs in their groups, and DCP keeps one rank's copy of a non-tensor
+    value: merged, that copy names every parameter. Only names and numbers move."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return groups
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, groups)
+    merged: list[dict[str, Any]] = []
+    for rank, rank_groups in enumerate(everyone):
+        for i, group in enumerate(rank_groups):
+            if i == len(merged):
+                merged.append({**group, "params": []})
+            settings = {k: v for k, v in group.items() if k != "params"}
+            if not _same(settings, {k: v for k, v in merged[i].items() if k != "params"}):
+                raise InputError(f"optimizer param group {i} has other hyperparameters on rank {rank} than on the "
+                                 f"ranks before it ({settings}): a checkpoint holds one value per group")
+            seen = set(merged[i]["params"])
+            merged[i]["params"] += [fqn for fqn in group["params"] if fqn not in seen]
+    return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal hyperparameters (a tensor lr compared by value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+Layout = tuple[DeviceMesh, tuple[Placement, ...]]
+
+
+def _layout(pm: Compiled) -> dict[str, Layout]:
+    """Each parameter's and buffer's mesh and placements, as its ``state_dict()`` DTensor has
+    them (the device mesh of a ParallelModule, the stage mesh of a PipelinedModule)."""
+    return {fqn: (v.device_mesh, tuple(v.placements)) for fqn, v in pm.state_dict().items()}
+
+
+def _sharded(pm: Compiled) -> Callable[[str, torch.Tensor], torch.Tensor]:
     """A function making parameter ``fqn``'s optimizer state tensor a DTensor placed like the parameter."""
     params = dict(pm.named_parameters())
+    layout = _layout(pm)
 
     def wrap(fqn: str, value: torch.Tensor) -> torch.Tensor:
         local = params[fqn]
         if value.shape == local.shape:
-            return DTensor.from_local(value, pm.device_mesh, pm._placements[fqn], run_check=False)
+            return DTensor.from_local(value, *layout[fqn], run_check=False)
         if value.dim() == 0:
             return value  # a scalar such as Adam's step: the same on every rank, saved once
         raise InputError(f"optimizer state of {fqn} has shape {tuple(value.shape)}, neither the parameter's "
@@ -154,18 +209,23 @@ def _template(value: Any) -> Any:
     return value
 
 
-def _to_local(pm: ParallelModule, fqn: str, value: torch.Tensor) -> torch.Tensor:
-    """A loaded optimizer state tensor as this rank's shard in ``pm``'s placement of ``fqn``."""
+def _to_local(layout: Layout, value: torch.Tensor) -> torch.Tensor:
+    """A loaded optimizer state tensor as this rank's shard in its parameter's ``layout``."""
     if isinstance(value, DTensor):
-        return value.redistribute(pm.device_mesh, pm._placements[fqn]).to_local()
+        return value.redistribute(*layout).to_local()
     return value
 
 
 def full_state_dict(pm: ParallelModule, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded state dict (plain tensors), on rank 0 only by default (others get {}).
 
-    Every rank must call it: the tensors are gathered with collectives.
+    Every rank must call it: the tensors are gathered with collectives. A PipelinedModule is
+    refused: rank 0 holds its own stages only (``save`` then ``load_single_device`` gives the
+    whole model in one process).
     """
+    if isinstance(pm, PipelinedModule):
+        raise InputError("full_state_dict gathers one mesh's shards, but a pipelined module's ranks hold different "
+                         "stages: checkpoint.save(pm, path) then checkpoint.load_single_device(model, path)")
     out = {}
     keep = not rank0_only or dist.get_rank() == 0
     for key, value in pm.state_dict().items():

@@ -280,7 +280,8 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
                           local=state.local, placements=state.placements, tied=step.captured.tied,
                           output_placements=outputs, input_sharded=input_sharded, frozen=state.frozen,
                           signature=rank_signature(step, mesh, input_sharded, batch_leaves), loss_kind=kind,
-                          loss_dtype=torch.float32 if compute_dtype is not None and step.ctx.train else None)
+                          loss_dtype=torch.float32 if compute_dtype is not None and step.ctx.train else None,
+                          transient=state.transient)
 
 
 def whole_batch_leaves(inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> frozenset[int]:

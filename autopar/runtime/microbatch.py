@@ -123,7 +123,7 @@ def run_micro_batches(run: Callable[[list[Any]], torch.Tensor], micro: list[list
             else:
                 seed = torch.tensor(1.0 / m if kind == MEAN else 1.0)
             loss.backward(seed.to(loss.dtype).expand_as(loss))
-            share = loss.detach().float() * seed
+            share = weighed(loss.detach().float(), seed)
             weighted = share if weighted is None else weighted + share
     assert weighted is not None
     if stashed is not None:
@@ -131,6 +131,15 @@ def run_micro_batches(run: Callable[[list[Any]], torch.Tensor], micro: list[list
         restore_grads(stashed, total)
         weighted = weighted / total
     return weighted.to(loss.dtype)
+
+
+def weighed(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's ``loss x weight``, its share of the step's weighted sum. A micro-batch
+    that counts no target (every one ``ignore_index``, as padding rows can be) has a loss of
+    0 / 0 = NaN but sums nothing: its share is 0, so the step's loss is NaN only where the
+    whole batch's is (a total count of 0)."""
+    product = loss * weight.to(loss.dtype)
+    return torch.where(weight != 0, product, torch.zeros_like(product))
 
 
 def stash_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor | None]:

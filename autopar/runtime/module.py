@@ -22,8 +22,10 @@ from autopar.runtime.zero1 import ZeroOneShards
 from autopar.solver.plan import Plan
 
 
-def set_by_path(root: nn.Module, fqn: str, value: nn.Parameter | torch.Tensor, *, buffer: bool) -> None:
-    """Register ``value`` at ``fqn``, creating empty modules on the way."""
+def set_by_path(root: nn.Module, fqn: str, value: nn.Parameter | torch.Tensor, *, buffer: bool,
+                persistent: bool = True) -> None:
+    """Register ``value`` at ``fqn``, creating empty modules on the way (a buffer in ``state_dict()``
+    only if ``persistent``, as the model registered it)."""
     *path, leaf = fqn.split(".")
     module = root
     for part in path:
@@ -31,7 +33,7 @@ def set_by_path(root: nn.Module, fqn: str, value: nn.Parameter | torch.Tensor, *
             module.add_module(part, nn.Module())
         module = getattr(module, part)
     if buffer:
-        module.register_buffer(leaf, value, persistent=True)
+        module.register_buffer(leaf, value, persistent=persistent)
     else:
         module.register_parameter(leaf, value)  # type: ignore[arg-type]
 
@@ -57,7 +59,7 @@ class ParallelModule(nn.Module):
                  placements: dict[str, tuple[Placement, ...]], tied: dict[str, str],
                  output_placements: list[tuple[Placement, ...] | None], input_sharded: bool,
                  frozen: frozenset[str], signature: StepSignature, loss_kind: str | None,
-                 loss_dtype: torch.dtype | None = None) -> None:
+                 loss_dtype: torch.dtype | None = None, transient: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = device_mesh
@@ -79,7 +81,7 @@ class ParallelModule(nn.Module):
                 set_by_path(self, fqn, param, buffer=False)
                 params_by_node[name] = param
             elif kind == "buffer":
-                set_by_path(self, fqn, local[name], buffer=True)
+                set_by_path(self, fqn, local[name], buffer=True, persistent=fqn not in transient)
             elif kind == "constant":
                 self._constants[name] = local[name]
         self._params_by_node = params_by_node
@@ -177,9 +179,10 @@ class ParallelModule(nn.Module):
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """DTensors under the original model's keys (tied aliases included)."""
+        """DTensors under the original model's keys (tied aliases included; non-persistent
+        buffers left out, as the model's ``state_dict()`` leaves them out)."""
         out: dict[str, Any] = {}
-        for fqn, tensor in list(self.named_parameters()) + list(self.named_buffers()):
+        for fqn, tensor in nn.Module.state_dict(self, keep_vars=True).items():
             out[fqn] = DTensor.from_local(tensor.detach() if isinstance(tensor, nn.Parameter) else tensor,
                                           self.device_mesh, self._placements[fqn], run_check=False)
         for alias, fqn in self._tied.items():
@@ -189,18 +192,27 @@ class ParallelModule(nn.Module):
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Copy values in; DTensors are redistributed to this module's placements first."""
-        own = dict(self.named_parameters()) | dict(self.named_buffers())
-        missing = [k for k in own if k not in state_dict]
-        if strict and missing:
-            raise KeyError(f"missing keys: {missing}")
-        with torch.no_grad():
-            for fqn, tensor in own.items():
-                if fqn not in state_dict:
-                    continue
-                value = state_dict[fqn]
-                if isinstance(value, DTensor):
-                    value = value.redistribute(self.device_mesh, self._placements[fqn]).to_local()
-                elif value.shape != tensor.shape:
-                    value = local_shard(value, self._placements[fqn], self.device_mesh)
-                tensor.copy_(value)
+        copy_state_in(self, state_dict, self.device_mesh, self._placements, strict)
         return None
+
+
+def copy_state_in(module: nn.Module, state_dict: dict[str, Any], mesh: DeviceMesh,
+                  placements: dict[str, tuple[Placement, ...]], strict: bool) -> None:
+    """Copy ``state_dict``'s values into ``module``'s local shards (parameters and buffers by
+    FQN; persistent buffers only, as ``state_dict()`` gives them), each DTensor redistributed to
+    ``placements[fqn]`` on ``mesh`` and each whole tensor cut to this rank's shard; keys
+    ``module`` does not hold are left alone (another rank's)."""
+    own = nn.Module.state_dict(module, keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    if strict and missing:
+        raise KeyError(f"missing keys: {missing}")
+    with torch.no_grad():
+        for fqn, tensor in own.items():
+            if fqn not in state_dict:
+                continue
+            value = state_dict[fqn]
+            if isinstance(value, DTensor):
+                value = value.redistribute(mesh, placements[fqn]).to_local()
+            elif value.shape != tensor.shape:
+                value = local_shard(value, placements[fqn], mesh)
+            tensor.copy_(value)

@@ -35,8 +35,8 @@ from autopar.capture.step import StepSignature
 from autopar.cost.buckets import GradBucket
 from autopar.errors import InputError
 from autopar.passes.split_stages import StageProgram, split_stages
-from autopar.runtime.module import set_by_path
-from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads
+from autopar.runtime.module import copy_state_in, set_by_path
+from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads, weighed
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
@@ -71,7 +71,8 @@ class PipelinedModule(nn.Module):
                  comm: Comm, modules: list[StageModule], metas: list[tuple[list[ValueMeta], list[ValueMeta]]],
                  params: dict[str, nn.Parameter], fqns: dict[str, str], buffers: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], signature: StepSignature, batch: frozenset[int],
-                 loss_kind: str, loss_dtype: torch.dtype | None, loss_out: torch.dtype) -> None:
+                 loss_kind: str, loss_dtype: torch.dtype | None, loss_out: torch.dtype,
+                 transient: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.plan = plan
         self.pipeline = pipeline
@@ -88,7 +89,7 @@ class PipelinedModule(nn.Module):
         for name, param in params.items():
             set_by_path(self, fqns[name], param, buffer=False)
         for fqn, tensor in buffers.items():
-            set_by_path(self, fqn, tensor, buffer=True)
+            set_by_path(self, fqn, tensor, buffer=True, persistent=fqn not in transient)
         self.log: CollectiveLog | None = None
         self._build_schedule(modules, metas)
 
@@ -127,7 +128,7 @@ class PipelinedModule(nn.Module):
             if count is None:
                 raise RuntimeError("the step's loss divides by a count, but the program recorded none")
             self._counts.append(count.detach())
-            return loss * count.to(loss.dtype)
+            return weighed(loss, count)
         return loss * (1.0 / m) if self._loss_kind == MEAN and m > 1 else loss
 
     def step(self, *inputs: Any, **kwargs: Any) -> DTensor:
@@ -167,11 +168,18 @@ class PipelinedModule(nn.Module):
         self.log = log
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's stages' parameters and buffers, DTensors on the stage mesh."""
+        """This rank's stages' parameters and (persistent) buffers, DTensors on the stage mesh."""
         out: dict[str, Any] = {}
-        for fqn, tensor in list(self.named_parameters()) + list(self.named_buffers()):
+        for fqn, tensor in nn.Module.state_dict(self, keep_vars=True).items():
             out[fqn] = DTensor.from_local(tensor.detach(), self.stage_mesh, self._placements[fqn], run_check=False)
         return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> Any:
+        """Copy this rank's stages' values in (other keys are other ranks'); DTensors are
+        redistributed to this module's placements on the stage mesh first."""
+        copy_state_in(self, state_dict, self.stage_mesh, self._placements, strict)
+        return None
 
 
 def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
@@ -238,7 +246,7 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
         plan=step.plan, pipeline=pipeline, device_mesh=mesh, stage_mesh=stage_mesh, comm=comm, modules=modules,
         metas=[own[s] for s in mine], params=params, fqns={n: kinds[n][1] for n in params},
         buffers={kinds[n][1]: state.local[n] for n in keep if kinds[n][0] == "buffer"},
-        placements=state.placements, signature=signature, batch=batch, loss_kind=kind,
+        placements=state.placements, transient=state.transient, signature=signature, batch=batch, loss_kind=kind,
         loss_dtype=torch.float32 if compute_dtype is not None else None,
         loss_out=torch.float32 if compute_dtype is not None or loss_meta is None else loss_meta.dtype)
 

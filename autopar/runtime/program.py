@@ -63,6 +63,8 @@ class RankState:
     """FQN -> placements of each parameter and buffer."""
     frozen: frozenset[str]
     """FQNs of parameters with ``requires_grad=False``."""
+    transient: frozenset[str] = frozenset()
+    """FQNs of the model's non-persistent buffers (kept out of ``state_dict()``, as the model keeps them)."""
 
 
 def rank_state(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None, init_seed: int,
@@ -99,7 +101,10 @@ def rank_state(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: I
             assert plan_node is None or plan_node.kind == INPUT
             placeholders.append((name, "input", name))
     shards.release()
-    return RankState(placeholders=placeholders, local=local, placements=placements, frozen=frozen)
+    transient = frozenset(f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules()
+                          for b in m._non_persistent_buffers_set)
+    return RankState(placeholders=placeholders, local=local, placements=placements, frozen=frozen,
+                     transient=transient)
 
 
 def rank_signature(step: PlannedStep, mesh: DeviceMesh, input_sharded: bool, batch_leaves: frozenset[int]
