@@ -118,11 +118,12 @@ def _plan_pipelined(model: nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...
     options = pipeline_options(pipeline, mesh, options)
     limit = _memory_limit(mesh, options.pop("memory_limit", None), options.pop("memory_headroom", None))
     batch = example_batch((example_inputs, options.get("example_kwargs"), options.get("example_targets", ())))
+    ways = math.prod(mesh.axes.get(a, 1) for a in options.get("data_axes") or ())  # bad names: prepare_step says
 
     def plan_stage(m: int, memory_limit: float) -> PlannedStep:
         return plan_step(model, pipeline.stage_mesh(mesh), example_inputs, progress=progress,
                          **{**options, "micro_batches": m, "memory_limit": memory_limit})
-    return plan_pipelined(plan_stage, pipeline, mesh, batch, limit)
+    return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways)
 
 
 def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) -> dict[str, Any]:

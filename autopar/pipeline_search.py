@@ -50,14 +50,16 @@ class _Priced:
 
 
 def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: int | None,
-                   memory_limit: float) -> PlannedStep:
-    """The fastest pipeline ``spec`` allows that fits ``memory_limit`` (module docstring)."""
+                   memory_limit: float, batch_ways: int = 1) -> PlannedStep:
+    """The fastest pipeline ``spec`` allows that fits ``memory_limit`` (module docstring);
+    ``batch_ways``: how many ways the data axes split each micro-batch."""
     began = time.perf_counter()
     p = mesh.axes[spec.axis]
-    choices = spec.choices(p, batch, blocks=math.inf)  # type: ignore[arg-type]
+    choices = spec.choices(p, batch, blocks=math.inf, batch_ways=batch_ways)  # type: ignore[arg-type]
     if not choices:
+        split = f", each split {batch_ways} ways on the data axes" if batch_ways > 1 else ""
         raise InputError(f"no pipeline of {spec} runs on {spec.axis}={p} with a batch of {batch}: torch's schedules "
-                         f"need micro_batches >= {p} stages, dividing the batch")
+                         f"need micro_batches >= {p} stages, dividing the batch{split}")
     priced: list[_Priced] = []
     refused: list[str] = []
     for m in sorted({c.micro_batches for c in choices}, key=[c.micro_batches for c in choices].index):

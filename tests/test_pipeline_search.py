@@ -80,3 +80,12 @@ def test_search_leaves_out_what_does_not_fit() -> None:
 def test_partly_pinned_search_keeps_the_pins() -> None:
     p = _plan(autopar.Pipeline(axis="pp", schedule="1f1b"))
     assert p.pipeline.schedule == "1f1b" and p.pipeline.virtual_stages == 1 and p.pipeline.micro_batches in (2, 4)
+
+
+def test_micro_batches_split_over_the_data_axes() -> None:
+    """With data parallelism inside the stages each micro-batch is split over the data axes:
+    the search offers only counts leaving micro-batches that split (a batch of 8 on dp=2: not
+    8 micro-batches of one row), rather than failing on one it chose itself."""
+    assert {c.micro_batches for c in autopar.Pipeline(axis="pp").choices(2, 8, blocks=4, batch_ways=2)} == {2, 4}
+    p = _plan(autopar.Pipeline(axis="pp", schedule="1f1b"), {"pp": 2, "dp": 2}, data_axes=("dp",))
+    assert p.pipeline.micro_batches in (2, 4)

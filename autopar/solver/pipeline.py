@@ -86,7 +86,7 @@ class Pipeline:
 
     def check(self, mesh_axes: dict[str, int]) -> None:
         """Refuse what no schedule of torch's runs (checked before capture); a choice left to
-        the planner is checked once made (``candidates``)."""
+        the planner is checked once made (``choices``)."""
         if not isinstance(self.axis, str) or self.axis not in mesh_axes:
             raise InputError(f"pipeline axis {self.axis!r} is not an axis of the mesh {dict(mesh_axes)}")
         if next(iter(mesh_axes)) != self.axis:  # the stage meshes' links are then those of the whole mesh
@@ -136,11 +136,12 @@ class Pipeline:
         rest = {name: size for name, size in mesh.axes.items() if name != self.axis}
         return Mesh(rest or {STAGE_AXIS: 1}, mesh.hardware, mesh.devices_per_node)
 
-    def choices(self, p: int, batch: int | None, blocks: int) -> list[Pipeline]:
+    def choices(self, p: int, batch: int | None, blocks: int, batch_ways: int = 1) -> list[Pipeline]:
         """The pinned pipelines the planner prices: each choice left open ranges over the
         schedules, their stages per rank (``VIRTUAL_CHOICES``, at most one block per stage)
-        and ``MICRO_BATCH_CHOICES`` x p micro-batches dividing ``batch``; those torch refuses
-        are left out. Empty when nothing runs (``search_pipeline`` says why)."""
+        and ``MICRO_BATCH_CHOICES`` x p micro-batches dividing ``batch`` into micro-batches
+        that split ``batch_ways`` ways (the data axes'); those torch refuses are left out.
+        Empty when nothing runs (``pipeline_search.plan_pipelined`` says why)."""
         if self.micro_batches is None and batch is None:
             raise InputError("the planner chooses a pipeline's micro-batches among divisors of the batch, but the "
                              "step's inputs have no batch dim it can read: pin Pipeline(micro_batches=...)")
@@ -151,7 +152,7 @@ class Pipeline:
                 if not low <= v <= high or p * v > blocks:
                     continue
                 counts = [self.micro_batches] if self.micro_batches else [
-                    k * p for k in MICRO_BATCH_CHOICES if batch is not None and batch % (k * p) == 0]
+                    k * p for k in MICRO_BATCH_CHOICES if batch is not None and batch % (k * p * batch_ways) == 0]
                 for m in counts:
                     choice = Pipeline(axis=self.axis, schedule=schedule, micro_batches=m, virtual_stages=v)
                     try:
