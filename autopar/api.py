@@ -138,7 +138,8 @@ def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) ->
             raise InputError(f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data")
     if options.get("offload") or 1 in (options.get("zero") or {}).values():
         raise InputError("a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)")
-    return {k: v for k, v in options.items() if k != "micro_batches"}
+    # the memory search may offload optimizer state unless told not to; build_pipelined_module refuses it
+    return {**{k: v for k, v in options.items() if k != "micro_batches"}, "offload": False}
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype | None:

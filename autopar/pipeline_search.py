@@ -13,8 +13,9 @@ choose alike.
 
 The ILP of one m is solved without a memory limit first: its memory row is the whole model
 on one stage mesh, which is not what a stage holds. Only when none of that m's pipelines fit
-is it solved again under the limit (its plan then leans on ZeRO, checkpointing or offload as
-the whole model would need, an over-estimate of what a stage needs).
+is it solved again under the limit (its plan then leans on ZeRO-2/3 or checkpointing as the
+whole model would need, an over-estimate of what a stage needs; never on offload or ZeRO-1,
+which a pipelined step does not run yet).
 """
 
 from __future__ import annotations
@@ -62,20 +63,36 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
                          f"need micro_batches >= {p} stages, dividing the batch{split}")
     priced: list[_Priced] = []
     refused: list[str] = []
+    unfit: list[str] = []  # why a micro-batch count planned under the limit gave no pipeline
     for m in sorted({c.micro_batches for c in choices}, key=[c.micro_batches for c in choices].index):
         at_m = [c for c in choices if c.micro_batches == m]
         found = _price(plan_stage(m, math.inf), at_m, mesh, spec.pinned, refused)
         if found and not any(f.peak_bytes <= memory_limit for f in found) and math.isfinite(memory_limit):
-            try:
-                found += _price(plan_stage(m, memory_limit), at_m, mesh, spec.pinned, refused)
-            except MemoryLimitError:
-                pass
+            limited = _under_limit(plan_stage, m, memory_limit, unfit)
+            if limited is not None:
+                found += _price(limited, at_m, mesh, spec.pinned, refused)
         priced += found
     fitting = [f for f in priced if f.peak_bytes <= memory_limit]
     if not fitting:
-        raise _no_fit(priced, refused, memory_limit, spec)
+        raise _no_fit(priced, refused, unfit, memory_limit, spec)
     best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
     return _annotated(best, fitting, len(priced), memory_limit, time.perf_counter() - began)
+
+
+def _under_limit(plan_stage: StagePlanner, m: int, limit: float, unfit: list[str]) -> PlannedStep | None:
+    """The stage plan of m micro-batches solved under ``limit``; None, saying why in ``unfit``,
+    when there is none or it is one a pipelined step does not run (ZeRO-1: the memory search
+    may choose it unpinned, and ``build_pipelined_module`` refuses it; offload is not searched)."""
+    try:
+        step = plan_stage(m, limit)
+    except MemoryLimitError as exc:
+        unfit.append(f"m={m}, the stage mesh's plan of the whole step under the limit: {exc}")
+        return None
+    if step.plan.shard_buckets:
+        unfit.append(f"m={m}: under the limit the stage plan shards optimizer state (ZeRO-1), which a pipelined "
+                     "step does not run yet")
+        return None
+    return step
 
 
 def _price(step: PlannedStep, choices: list[Pipeline], mesh: Mesh, pinned: bool, refused: list[str]
@@ -96,14 +113,16 @@ def _label(choice: Pipeline) -> str:
     return f"{choice.schedule} x{choice.virtual_stages} m={choice.micro_batches}"
 
 
-def _no_fit(priced: list[_Priced], refused: list[str], limit: float, spec: Pipeline) -> InputError:
+def _no_fit(priced: list[_Priced], refused: list[str], unfit: list[str], limit: float, spec: Pipeline
+            ) -> InputError:
     if not priced:
         return InputError(f"no pipeline of {spec} can be cut for this model: {'; '.join(refused[:3])}")
     least = min(priced, key=lambda f: f.peak_bytes)
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in least.step.plan.predicted.memory_parts.items())
+    why = "".join(f"; {u}" for u in unfit[:2])  # the leanest priced is then a plan made without the limit
     return MemoryLimitError(f"no pipeline fits {fmt_bytes(limit)} per device: the leanest of {len(priced)} priced, "
                             f"{_label(least.choice)}, needs {fmt_bytes(least.peak_bytes)} on its busiest rank "
-                            f"({parts})")
+                            f"({parts}){why}")
 
 
 def _annotated(best: _Priced, fitting: list[_Priced], priced: int, limit: float, seconds: float) -> PlannedStep:

@@ -3,11 +3,13 @@ schedule (``solver.stage_memory``); planning only, no ranks."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import autopar
+from autopar.pipeline_search import _under_limit
 from autopar.solver.ilp import MemoryLimitError
 from examples import llama
 
@@ -73,8 +75,10 @@ def test_search_leaves_out_what_does_not_fit() -> None:
     tight = _plan(autopar.Pipeline(axis="pp"), memory_limit=limit)
     assert tight.predicted.peak_memory_bytes <= limit
     assert tight.predicted.step_time_s >= free.predicted.step_time_s
-    with pytest.raises(MemoryLimitError, match="no pipeline fits .* the leanest of"):
+    with pytest.raises(MemoryLimitError, match="no pipeline fits .* the leanest of") as raised:
         _plan(autopar.Pipeline(axis="pp"), memory_limit=1e3)
+    # the leanest priced was planned without the limit: the message also says why none was planned under it
+    assert "the stage mesh's plan of the whole step under the limit: no plan fits" in str(raised.value)
 
 
 def test_partly_pinned_search_keeps_the_pins() -> None:
@@ -89,3 +93,26 @@ def test_micro_batches_split_over_the_data_axes() -> None:
     assert {c.micro_batches for c in autopar.Pipeline(axis="pp").choices(2, 8, blocks=4, batch_ways=2)} == {2, 4}
     p = _plan(autopar.Pipeline(axis="pp", schedule="1f1b"), {"pp": 2, "dp": 2}, data_axes=("dp",))
     assert p.pipeline.micro_batches in (2, 4)
+
+
+@pytest.mark.parametrize("pipeline", [_pinned("gpipe", 4), autopar.Pipeline(axis="pp")], ids=["pinned", "search"])
+def test_a_binding_limit_never_gives_what_a_pipelined_step_cannot_run(pipeline: autopar.Pipeline) -> None:
+    """Below the free plan's peak the stage mesh's ILP is solved under the limit, whose memory
+    search would offload optimizer state (a pipelined step does not run that yet; ZeRO-1 is left
+    out alike): the plan found keeps every state on the device, or none is found."""
+    limit = 0.9 * _plan(_pinned("gpipe", 4)).predicted.peak_memory_bytes
+    try:
+        p = _plan(pipeline, memory_limit=limit)
+    except MemoryLimitError:
+        return
+    assert p.predicted.peak_memory_bytes <= limit
+    assert not p.memory.offload and not p.shard_buckets
+
+
+def test_a_zero1_stage_plan_is_left_out() -> None:
+    """A stage plan whose memory search chose ZeRO-1 (on a data axis of the stage mesh) is not
+    priced: the runtime refuses it."""
+    unfit: list[str] = []
+    zero1 = SimpleNamespace(plan=SimpleNamespace(shard_buckets=["a bucket"]))
+    assert _under_limit(lambda m, limit: zero1, 4, 1e9, unfit) is None  # type: ignore[arg-type, return-value]
+    assert unfit and "ZeRO-1" in unfit[0]
