@@ -106,23 +106,26 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     stages (``plan.pipeline``).
     """
     if pipeline is not None:
-        return _plan_pipelined(model, _as_mesh(mesh), example_inputs, as_pipeline(pipeline), progress, kwargs)
+        mesh, pipeline = _as_mesh(mesh), as_pipeline(pipeline)
+        return plan_pipeline(pipeline, mesh, example_inputs, kwargs, lambda options: plan_step(
+            model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options))
     prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
     return finish_step(prepared, solve_step(prepared, progress=progress))
 
 
-def _plan_pipelined(model: nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...], pipeline: Pipeline,
-                    progress: bool, options: dict[str, Any]) -> PlannedStep:
+def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...], options: dict[str, Any],
+                  plan_stage_mesh: Callable[[dict[str, Any]], PlannedStep]) -> PlannedStep:
     """The step planned on the stage mesh for one micro-batch and cut into stages, the choices
-    ``pipeline`` leaves open searched (``pipeline_search``)."""
+    ``pipeline`` leaves open searched (``pipeline_search``). ``plan_stage_mesh``: ``plan_step``'s
+    options -> the step planned on the stage mesh (``plan_step`` itself; in ``compile`` every
+    rank prepares and rank 0 solves), so that ``plan`` and ``compile`` plan a pipeline alike."""
     options = pipeline_options(pipeline, mesh, options)
     limit = _memory_limit(mesh, options.pop("memory_limit", None), options.pop("memory_headroom", None))
     batch = example_batch((example_inputs, options.get("example_kwargs"), options.get("example_targets", ())))
     ways = math.prod(mesh.axes.get(a, 1) for a in options.get("data_axes") or ())  # bad names: prepare_step says
 
     def plan_stage(m: int, memory_limit: float) -> PlannedStep:
-        return plan_step(model, pipeline.stage_mesh(mesh), example_inputs, progress=progress,
-                         **{**options, "micro_batches": m, "memory_limit": memory_limit})
+        return plan_stage_mesh({**options, "micro_batches": m, "memory_limit": memory_limit})
     return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways)
 
 

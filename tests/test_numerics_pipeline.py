@@ -272,3 +272,32 @@ def _compile_bad(rank: int, world: int) -> str:
 def test_compile_refuses_a_bad_pipeline_on_every_rank() -> None:
     messages = run_ranks(_compile_bad, 2)
     assert all("virtual_stages" in m for m in messages), messages
+
+
+_GPIPE4 = autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=4, virtual_stages=1)
+
+
+def _compiled_hashes(rank: int, world: int, limit: float) -> list[str]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    out = []
+    for pipeline in (_GPIPE4, autopar.Pipeline(axis="pp")):
+        model, inputs, loss_fn, targets = _stack()
+        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=pipeline,
+                             memory_limit=limit)
+        out.append(pm.plan.plan_hash())
+    return out
+
+
+def test_compile_plans_the_pipeline_plan_prices() -> None:
+    """Under a memory limit that binds the whole model on one stage mesh but not the pipeline,
+    compile plans a pinned pipeline, and the one rank 0's search chose, as ``plan`` does
+    (the stage mesh's ILP without the limit first): the plan that runs is the plan priced."""
+    model, inputs, loss_fn, targets = _stack()
+    mesh = autopar.Mesh({"pp": 2}, "cpu")
+
+    def planned(pipeline: autopar.Pipeline, **options: Any) -> autopar.Plan:
+        return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=pipeline,
+                            **options)
+    limit = planned(_GPIPE4).predicted.peak_memory_bytes
+    expected = [planned(p, memory_limit=limit).plan_hash() for p in (_GPIPE4, autopar.Pipeline(axis="pp"))]
+    assert run_ranks(_compiled_hashes, 2, limit) == [expected, expected]

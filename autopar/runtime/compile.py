@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves
 
-from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_options, plan_step, prepare_step,
-                         solve_step)
+from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_options, plan_pipeline, plan_step,
+                         prepare_step, solve_step)
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.errors import InputError
@@ -29,7 +29,6 @@ from autopar.runtime.program import rank_program, rank_signature, rank_state, st
 from autopar.runtime.random import agree_seed
 from autopar.runtime.parameters import InitFn
 from autopar.solver.pipeline import Pipeline, as_pipeline
-from autopar.step import with_pipeline
 
 T = TypeVar("T")
 
@@ -166,10 +165,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
                    offload=offload, _masters=compute_dtype is not None)
     if pipeline is not None:
         pipeline = _chosen_pipeline(pipeline, planned_model, full_mesh, example_inputs, options)
-        micro_batches = pipeline.micro_batches
-    prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
-        planned_model, planning_mesh, example_inputs, micro_batches=micro_batches, **options))
-    step = _solved_everywhere(prepared, pipeline, full_mesh)
+        step = _pipelined_everywhere(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, options)
+    else:
+        prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
+            planned_model, planning_mesh, example_inputs, micro_batches=micro_batches, **options))
+        step = _solved_everywhere(prepared)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
     if pipeline is not None:
         assert stage_mesh is not None
@@ -211,15 +211,29 @@ def _chosen_pipeline(pipeline: Pipeline, model: nn.Module, mesh: Mesh, example_i
                    virtual_stages=chosen.virtual_stages)
 
 
-def _solved_everywhere(prepared: PreparedStep, pipeline: Pipeline | None, full_mesh: Mesh) -> PlannedStep:
-    """Rank 0 solves the step every rank prepared; every rank builds the plan from its solution
-    (with the pipeline's stages, if any), and the ranks check they agree at each end."""
+def _pipelined_everywhere(pipeline: Pipeline, model: nn.Module, stage_mesh: Mesh, full_mesh: Mesh,
+                          example_inputs: tuple[Any, ...], options: dict[str, Any]) -> PlannedStep:
+    """The pinned ``pipeline``'s step on every rank, planned as ``plan`` plans it
+    (``api.plan_pipeline``: the stage mesh's ILP without the memory limit, again under it only
+    when the pipeline does not fit), each ILP solved by rank 0: the plan that runs is the one
+    ``plan``, and rank 0's search, priced."""
+    def plan_stage_mesh(stage_options: dict[str, Any]) -> PlannedStep:
+        return _solved_everywhere(_on_every_rank("planning", lambda: prepare_step(
+            model, stage_mesh, example_inputs, **stage_options)))
+    step = _on_every_rank("planning the pipeline", lambda: plan_pipeline(
+        pipeline, full_mesh, example_inputs, options, plan_stage_mesh))
+    _agree("the pipelined plans built from rank 0's solutions differ", step.plan.plan_hash())
+    return step
+
+
+def _solved_everywhere(prepared: PreparedStep) -> PlannedStep:
+    """Rank 0 solves the step every rank prepared; every rank builds the plan from its solution,
+    and the ranks check they agree at each end."""
     _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
     start = time.perf_counter()
     solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))
     prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
-    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution) if pipeline is None
-                                       else with_pipeline(finish_step(prepared, solution), pipeline, full_mesh))
+    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
     return step
 
