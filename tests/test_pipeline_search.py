@@ -3,6 +3,7 @@ schedule (``solver.stage_memory``); planning only, no ranks."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -116,3 +117,17 @@ def test_a_zero1_stage_plan_is_left_out() -> None:
     zero1 = SimpleNamespace(plan=SimpleNamespace(shard_buckets=["a bucket"]))
     assert _under_limit(lambda m, limit: zero1, 4, 1e9, unfit) is None  # type: ignore[arg-type, return-value]
     assert unfit and "ZeRO-1" in unfit[0]
+
+
+def test_rank_memory_counts_every_activation_byte_of_the_step() -> None:
+    """What GPipe's ranks hold besides their stages' state and m micro-batches of their
+    activations, with every stage's activations of one micro-batch, is the whole step's
+    activation memory on the stage mesh: its buffers (Llama's rotary tables) included."""
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
+    stage = autopar.plan(model, autopar.Mesh({"stage": 1}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                         micro_batches=4, memory_limit=math.inf)
+    pipe = _plan(_pinned("gpipe", 4)).pipeline
+    for s in pipe.stages:
+        extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - 4 * s.activation_bytes
+        total = extra + sum(t.activation_bytes for t in pipe.stages)
+        assert total == pytest.approx(stage.predicted.activation_memory_bytes, rel=1e-12)

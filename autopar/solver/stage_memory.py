@@ -12,10 +12,11 @@ not the input-gradient step (I), since W still reads the saved inputs (Qi et al.
 2401.10241 §3: ZB-H1/ZB-V keep W's inputs alive until W runs; counting all of a micro-batch's
 activations until W is the upper estimate).
 
-What the whole-step plan prices once besides the per-op activations (a reshard held until
-backward, a checkpointed block's recompute peak, a prefetched gather, the gradient buckets'
-buffers: ``activation_memory_bytes`` less the ops' own bytes) is added to every rank: an
-upper estimate, since each rank holds only its stages' share of it.
+What the whole-step plan prices once besides the ops' activations and the user inputs (the
+model's buffers, a reshard held until backward, a checkpointed block's recompute peak, a
+prefetched gather, the gradient buckets' buffers: ``activation_memory_bytes`` less what
+``stage_bytes`` shares out) is added to every rank: an upper estimate, since each rank holds
+only its stages' share of it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from autopar.cost.model import NodeCost
-from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
+from autopar.solver.nodes import INPUT, OP, PlanGraph
 from autopar.solver.schedule_sim import torch_order
 
 
@@ -54,9 +55,10 @@ def stage_bytes(graph: PlanGraph, costs: dict[str, NodeCost], stage_of: dict[str
 
 
 def whole_step_extra(graph: PlanGraph, costs: dict[str, NodeCost], activation_memory_bytes: float) -> float:
-    """What the whole-step plan's activation bytes hold besides its nodes' own (module docstring)."""
-    own = sum(c.memory for n, c in costs.items() if graph.nodes[n].kind != PARAM)
-    return max(0.0, activation_memory_bytes - own)
+    """What the whole-step plan's activation bytes hold besides what ``stage_bytes`` shares out
+    among the stages, its ops' and user inputs' bytes (module docstring)."""
+    shared = sum(c.memory for n, c in costs.items() if graph.nodes[n].kind in (OP, INPUT))
+    return max(0.0, activation_memory_bytes - shared)
 
 
 def rank_peaks(schedule: str, p: int, v: int, m: int, rank_of: Sequence[int], state: Sequence[float],
