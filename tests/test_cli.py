@@ -247,6 +247,8 @@ def test_pipeline_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert "pp=2 x stage mesh dp=2: 1f1b, 2 x 1 stages, 4 micro-batches" in out, out
     code, out, err = run([*args, "--schedule", "zbv", "--virtual-stages", "1"], capsys)
     assert code == 2 and "virtual_stages = 2" in err, err
+    code, out, err = run([*args[:-2], "--schedule", "1f1b"], capsys)  # not planned without a pipeline
+    assert code == 2 and "add --pipeline AXIS" in err, err
 
 
 def test_gathering_again_per_block_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

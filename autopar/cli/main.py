@@ -88,6 +88,8 @@ def plan_command(args: argparse.Namespace) -> int:
     model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     pipeline = None
+    if args.pipeline is None and (args.schedule is not None or args.virtual_stages is not None):
+        raise InputError("--schedule and --virtual-stages pin choices of a pipeline: add --pipeline AXIS")
     if args.pipeline is not None:  # --micro-batches is then the pipeline's
         pipeline = autopar.Pipeline(axis=args.pipeline, schedule=args.schedule, micro_batches=args.micro_batches,
                                     virtual_stages=args.virtual_stages)
