@@ -8,8 +8,9 @@ tail joining the first and last stage) and priced by the same functions a pinned
 is: the schedule's step with its bubble (``solver.pipeline``), point-to-point transfers,
 gradient sync and optimizer step, and each pp rank's peak memory walked through torch's
 order of actions (``solver.stage_memory``). The fastest pipeline whose busiest rank fits the
-memory limit wins; ties go to the first in ``Pipeline.choices`` order, so every rank and run
-choose alike.
+memory limit wins; ties go to the first priced (micro-batch counts in the order
+``Pipeline.choices`` first names them, each count's choices in that order, those planned
+again under the limit after), so every rank and run choose alike.
 
 The ILP of one m is solved without a memory limit first: its memory row is the whole model
 on one stage mesh, which is not what a stage holds. Only when none of that m's pipelines fit

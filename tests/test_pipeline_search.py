@@ -12,6 +12,7 @@ import pytest
 import autopar
 from autopar.pipeline_search import _under_limit
 from autopar.solver.ilp import MemoryLimitError
+from autopar.solver.stage_memory import rank_peaks
 from examples import llama
 
 BYTES_PER_PARAM = 16
@@ -131,3 +132,17 @@ def test_rank_memory_counts_every_activation_byte_of_the_step() -> None:
         extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - 4 * s.activation_bytes
         total = extra + sum(t.activation_bytes for t in pipe.stages)
         assert total == pytest.approx(stage.predicted.activation_memory_bytes, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule, v, expected", [
+    ("gpipe", 1, [16.0] * 4),  # every forward first: m in flight
+    ("1f1b", 1, [4.0, 3.0, 2.0, 1.0]),  # Narayanan et al. 2021 §2.2.1: rank r holds p - r
+    ("interleaved_1f1b", 2, [5.5, 4.5, 3.5, 2.5]),  # rank 0: p (1 + (p - 1) / (p v)), Korthikanti et al. 2022
+    ("zbv", 2, [4.0] * 4),  # Qi et al. 2024 §6: ZB-V holds what 1F1B's first rank does, p, on every rank
+])
+def test_rank_peaks_follow_the_papers(schedule: str, v: int, expected: list[float]) -> None:
+    """Micro-batches in flight per rank, walked through torch's orders (p=4, m=16; a rank's
+    stages' activations add up to one unit whatever v)."""
+    p = 4
+    rank_of = [autopar.Pipeline(schedule=schedule, virtual_stages=v).stage_rank(s, p) for s in range(p * v)]
+    assert rank_peaks(schedule, p, v, 16, rank_of, [0.0] * (p * v), [1.0 / v] * (p * v), 0.0) == expected
