@@ -23,9 +23,10 @@ from autopar.search import solve_step
 from autopar.solver.blocks import fold_repeated_blocks
 from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
 from autopar.solver.graph import build_plan_graph
-from autopar.solver.memory import MemoryOptions, example_batch, slice_batch
+from autopar.solver.memory import MemoryOptions, example_batch, repeated_blocks, slice_batch
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.plan import Plan
+from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.pipeline import Pipeline, as_pipeline
 from autopar.step import PlannedStep, PreparedStep, _stage, finish_step
@@ -125,7 +126,8 @@ def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...
     ways = math.prod(mesh.axes.get(a, 1) for a in options.get("data_axes") or ())  # bad names: prepare_step says
 
     def plan_stage(m: int, memory_limit: float) -> PlannedStep:
-        return plan_stage_mesh({**options, "micro_batches": m, "memory_limit": memory_limit})
+        return plan_stage_mesh({**options, "micro_batches": m, "memory_limit": memory_limit,
+                                "_pipeline_ranks": mesh.axes[pipeline.axis]})
     return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways)
 
 
@@ -141,6 +143,9 @@ def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) ->
             raise InputError(f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data")
     if options.get("offload") or 1 in (options.get("zero") or {}).values():
         raise InputError("a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)")
+    if options.get("checkpoint") not in (None, "none"):  # its stages' replay waits forever under torch's schedules
+        raise InputError(f"checkpoint={options['checkpoint']!r} with a pipeline: a pipelined step does not yet "
+                         "recompute activations inside its stages")
     # the memory search may offload optimizer state unless told not to; build_pipelined_module refuses it
     return {**{k: v for k, v in options.items() if k != "micro_batches"}, "offload": False}
 
@@ -165,7 +170,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
-                 _masters: bool = False) -> PreparedStep:
+                 _masters: bool = False, _pipeline_ranks: int | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -176,7 +181,9 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     The result is priced under the first scenario ``solve_step`` searches (``scenarios``);
     ``PreparedStep.under`` re-prices it (and re-captures it) for another. ``_masters``: the
     model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
-    bf16 model, which keeps no masters (``get_precision``).
+    bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
+    stage mesh of a pipeline of that many pp ranks: no ZeRO-1, offload or checkpointing (the
+    pipelined runtime runs none yet) and a memory row of the busiest rank's share (``MemoryShares``).
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
 
@@ -185,8 +192,10 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     whole_batch = example_batch((example_inputs, example_kwargs, example_targets))
     mesh = _as_mesh(mesh)
     _check_solve_options(bucket_bytes, solver_time_limit_s)
-    options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks,
-                            regather_blocks=regather_blocks, offload=offload, micro_batches=micro_batches)
+    options = MemoryOptions(zero=zero, checkpoint="none" if _pipeline_ranks else checkpoint,
+                            checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
+                            offload=False if _pipeline_ranks else offload,
+                            micro_batches=micro_batches, zero1_allowed=not _pipeline_ranks)
     options.check(mesh.names)
     m = _capture_micro_batches or micro_batches or 1
     example_inputs, example_kwargs, example_targets = _micro_batch_examples(
@@ -208,9 +217,12 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                                         input_sharded, zero or {})
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
+    blocks = len(repeated_blocks([graph.nodes[n].module for n in graph.order]))
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
                             options, memory_notes, base_graph=graph, batch=whole_batch, recapture=recapture,
-                            batch_ways=math.prod(mesh.axes[a] for a in data_axes))
+                            batch_ways=math.prod(mesh.axes[a] for a in data_axes),
+                            memory_shares=MemoryShares.for_pipeline(_pipeline_ranks, blocks) if _pipeline_ranks
+                            else None)
     if _capture_micro_batches is not None:
         return prepared
     prepared.variants[m] = prepared

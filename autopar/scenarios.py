@@ -136,7 +136,7 @@ def _state_families(options: MemoryOptions, axes: tuple[str, ...], pinned_zero1:
         return [Scenario(offload=True, offload_pinned=True)]
     if pinned_zero1:
         return [Scenario(zero1=pinned_zero1, zero1_pinned=True)]
-    zero1 = axes if pinned_zero1 is None else ()
+    zero1 = axes if pinned_zero1 is None and options.zero1_allowed else ()
     offload = options.offload is None
     return [Scenario()] + ([Scenario(zero1=zero1, offload=offload)] if zero1 or offload else [])
 

@@ -30,7 +30,7 @@ def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
 
 def _solve(prepared: PreparedStep, memory_limit: float | None, **kwargs: Any) -> Solution:
     solution = solve(prepared.graph, prepared.folding, prepared.ctx, memory_limit,
-                     time_limit_s=prepared.solver_time_limit_s, **kwargs)
+                     time_limit_s=prepared.solver_time_limit_s, shares=prepared.memory_shares, **kwargs)
     solution.scenario = prepared.scenario
     return solution
 

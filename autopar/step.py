@@ -27,6 +27,7 @@ from autopar.solver.plan import Plan, build_plan
 from autopar.solver.recompute import checkpointed
 from autopar.solver.regather import regathering
 from autopar.solver.report import solver_note
+from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.stages import plan_stages
 
 
@@ -101,6 +102,8 @@ class PreparedStep:
     """Prepares the step again at another micro-batch count."""
     variants: dict[int, PreparedStep] = field(default_factory=dict)
     """Preparations by micro-batch count, shared by every scenario of one step."""
+    memory_shares: MemoryShares | None = None
+    """For one stage mesh of a pipeline: the busiest pp rank's share of the memory row (None: all of it)."""
 
     def scenarios(self) -> list[Scenario]:
         """The scenarios ``solve_step`` searches, today's default first."""

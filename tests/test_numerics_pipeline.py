@@ -147,11 +147,31 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     return {"losses": losses, "held": sorted(params), "with_grad": sorted(grads),
             "grad_mismatches": mismatches({k: ref.grads[k] for k in grads}, grads),
             "state_mismatches": mismatches({k: ref.state[k] for k in params}, params),
-            "local": local, "coordinate": mesh.get_coordinate()}
+            "local": local, "coordinate": mesh.get_coordinate(), "plan": pm.plan.plan_hash()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_pipeline_matches_single_device(case: Case) -> None:
+    _check_training(case)
+
+
+def test_searched_pipeline_under_a_tight_limit_matches_single_device() -> None:
+    """Below the free search's peak the stage mesh is planned again under the limit, on the
+    busiest rank's share of its memory (parameters sharded on dp here); compile runs the plan
+    ``autopar.plan`` gives, and it trains to the single-device numbers."""
+    mesh = {"pp": 2, "dp": 2}
+    search = autopar.Pipeline(axis="pp")
+    batch = _llama()[1][0].shape[0]
+    leanest = min(_plan(c, mesh).predicted.peak_memory_bytes for c in search.choices(2, batch, blocks=4, batch_ways=1))
+    limit = 0.9 * leanest  # no pipeline of a stage plan without the limit fits
+    planned = _plan(search, mesh, memory_limit=limit)
+    assert any(v != "R" for v in planned.parameters.values())  # parameters sharded on dp, as no free plan was
+    assert planned.predicted.peak_memory_bytes <= limit
+    results = _check_training(Case("llama", (2, 2), ("pp", "dp"), None, None, None, {"memory_limit": limit}))
+    assert {r["plan"] for r in results} == {planned.plan_hash()}
+
+
+def _check_training(case: Case) -> list[dict[str, Any]]:
     ref = _reference(case.model)
     results = run_ranks(_train, math.prod(case.mesh), case, ref)
     held: set[str] = set()
@@ -164,6 +184,7 @@ def test_pipeline_matches_single_device(case: Case) -> None:
     params = {k for k in ref.state if k in ref.grads}
     assert held == params, f"parameters no stage holds: {sorted(params - held)}"
     _check_replicas(results)
+    return results
 
 
 def _check_replicas(results: list[dict[str, Any]]) -> None:
@@ -177,10 +198,11 @@ def _check_replicas(results: list[dict[str, Any]]) -> None:
                 assert len({loc[name] for loc in locals_}) == 1, f"{name} differs between replicas"
 
 
-def _plan(pipeline: autopar.Pipeline, mesh: dict[str, int], build: Callable[[], Any] = _llama) -> autopar.Plan:
+def _plan(pipeline: autopar.Pipeline, mesh: dict[str, int], build: Callable[[], Any] = _llama,
+          **options: Any) -> autopar.Plan:
     model, inputs, loss_fn, targets = build()
     return autopar.plan(model, autopar.Mesh(mesh, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                        pipeline=pipeline)
+                        pipeline=pipeline, **options)
 
 
 def test_plan_pipeline_json_and_text() -> None:
@@ -247,6 +269,13 @@ def test_balanced_cuts() -> None:
 def test_pipeline_input_errors(pipeline: autopar.Pipeline, mesh: dict[str, int], message: str) -> None:
     with pytest.raises(InputError, match=re.escape(message)):
         _plan(pipeline, mesh)
+
+
+def test_checkpointing_inside_stages_is_refused() -> None:
+    """A checkpointed block's replay inside a stage waited forever under torch's schedules: refused
+    with a clear error until it runs (the pipeline search never chooses it)."""
+    with pytest.raises(InputError, match="does not yet recompute"):
+        _plan(autopar.Pipeline(axis="pp"), {"pp": 2}, checkpoint="full")
 
 
 def test_tied_weight_across_stages_is_refused() -> None:

@@ -4,15 +4,14 @@ schedule (``solver.stage_memory``); planning only, no ranks."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import autopar
-from autopar.pipeline_search import _under_limit
 from autopar.solver.ilp import MemoryLimitError
-from autopar.solver.stage_memory import rank_peaks
+from autopar.api import prepare_step
+from autopar.solver.stage_memory import MemoryShares, rank_peaks
 from examples import llama
 
 BYTES_PER_PARAM = 16
@@ -80,7 +79,7 @@ def test_search_leaves_out_what_does_not_fit() -> None:
     with pytest.raises(MemoryLimitError, match="no pipeline fits .* the leanest of") as raised:
         _plan(autopar.Pipeline(axis="pp"), memory_limit=1e3)
     # the leanest priced was planned without the limit: the message also says why none was planned under it
-    assert "the stage mesh's plan of the whole step under the limit: no plan fits" in str(raised.value)
+    assert "the stage mesh's plan under the limit (the busiest rank's share): no plan fits" in str(raised.value)
 
 
 def test_partly_pinned_search_keeps_the_pins() -> None:
@@ -111,13 +110,18 @@ def test_a_binding_limit_never_gives_what_a_pipelined_step_cannot_run(pipeline: 
     assert not p.memory.offload and not p.shard_buckets
 
 
-def test_a_zero1_stage_plan_is_left_out() -> None:
-    """A stage plan whose memory search chose ZeRO-1 (on a data axis of the stage mesh) is not
-    priced: the runtime refuses it."""
-    unfit: list[str] = []
-    zero1 = SimpleNamespace(plan=SimpleNamespace(shard_buckets=["a bucket"]))
-    assert _under_limit(lambda m, limit: zero1, 4, 1e9, unfit) is None  # type: ignore[arg-type, return-value]
-    assert unfit and "ZeRO-1" in unfit[0]
+def test_a_stage_plan_searches_neither_zero1_nor_offload() -> None:
+    """The memory search of a pipeline's stage mesh has no scenario sharding optimizer state alone
+    (ZeRO-1) or offloading it, which the pipelined runtime refuses; the same step without a
+    pipeline has both; its memory row is the busiest rank's share (1F1B's first of 2: 2 of 4 blocks)."""
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
+    step = {"loss_fn": loss_fn, "example_targets": targets, "micro_batches": 2}
+    staged = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, _pipeline_ranks=2, **step)
+    assert not any(s.zero1 or s.offload for s in staged.scenarios())
+    assert staged.memory_shares == MemoryShares(block_state=0.5, activations=1.0)
+    whole = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, **step)
+    assert any(s.zero1 for s in whole.scenarios()) and any(s.offload for s in whole.scenarios())
+    assert whole.memory_shares is None
 
 
 def test_rank_memory_counts_every_activation_byte_of_the_step() -> None:

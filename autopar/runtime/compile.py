@@ -28,6 +28,7 @@ from autopar.runtime.pipeline import PipelinedModule, build_pipelined_module, st
 from autopar.runtime.program import rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.random import agree_seed
 from autopar.runtime.parameters import InitFn
+from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.pipeline import Pipeline, as_pipeline
 
 T = TypeVar("T")
@@ -63,15 +64,21 @@ def _on_every_rank(what: str, fn: Callable[[], T]) -> T:
     return result
 
 
-def _on_rank_zero(what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank."""
-    box: list[Any] = [None, ""]
+def _on_rank_zero(what: str, fn: Callable[[], T], keep_memory_errors: bool = False) -> T:
+    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank. With
+    ``keep_memory_errors`` a ``MemoryLimitError`` stays one on every rank: the pipeline search
+    leaves out a stage plan that does not fit (``pipeline_search._under_limit``), as ``plan`` does."""
+    box: list[Any] = [None, "", False]
     if dist.get_rank() == 0:
         try:
             box[0] = fn()
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            box[1] = _describe_error(exc)
+            box[1], box[2] = _describe_error(exc), keep_memory_errors and isinstance(exc, MemoryLimitError)
+            if box[2]:
+                box[1] = str(exc)
     dist.broadcast_object_list(box, src=0)
+    if box[2]:
+        raise MemoryLimitError(box[1])
     if box[1]:
         raise CompileError(f"{what} failed on rank 0: {box[1]}")
     return box[0]
@@ -204,11 +211,12 @@ def _chosen_pipeline(pipeline: Pipeline, model: nn.Module, mesh: Mesh, example_i
     (``pipeline_search``) handed to every rank, whose stages are then planned as pinned."""
     if pipeline.pinned:
         return pipeline
-    plan = _on_rank_zero("choosing the pipeline", lambda: plan_step(model, mesh, example_inputs, pipeline=pipeline,
-                                                                    **options).plan)
-    chosen = plan.pipeline
-    return replace(pipeline, schedule=chosen.schedule, micro_batches=chosen.micro_batches,
-                   virtual_stages=chosen.virtual_stages)
+    def search() -> tuple[str, int, int]:  # what the ranks need of rank 0's plan, not the plan
+        chosen = plan_step(model, mesh, example_inputs, pipeline=pipeline, **options).plan.pipeline
+        assert chosen is not None
+        return chosen.schedule, chosen.micro_batches, chosen.virtual_stages
+    schedule, m, v = _on_rank_zero("choosing the pipeline", search)
+    return replace(pipeline, schedule=schedule, micro_batches=m, virtual_stages=v)
 
 
 def _pipelined_everywhere(pipeline: Pipeline, model: nn.Module, stage_mesh: Mesh, full_mesh: Mesh,
@@ -219,19 +227,19 @@ def _pipelined_everywhere(pipeline: Pipeline, model: nn.Module, stage_mesh: Mesh
     ``plan``, and rank 0's search, priced."""
     def plan_stage_mesh(stage_options: dict[str, Any]) -> PlannedStep:
         return _solved_everywhere(_on_every_rank("planning", lambda: prepare_step(
-            model, stage_mesh, example_inputs, **stage_options)))
+            model, stage_mesh, example_inputs, **stage_options)), keep_memory_errors=True)
     step = _on_every_rank("planning the pipeline", lambda: plan_pipeline(
         pipeline, full_mesh, example_inputs, options, plan_stage_mesh))
     _agree("the pipelined plans built from rank 0's solutions differ", step.plan.plan_hash())
     return step
 
 
-def _solved_everywhere(prepared: PreparedStep) -> PlannedStep:
+def _solved_everywhere(prepared: PreparedStep, keep_memory_errors: bool = False) -> PlannedStep:
     """Rank 0 solves the step every rank prepared; every rank builds the plan from its solution,
     and the ranks check they agree at each end."""
     _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
     start = time.perf_counter()
-    solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared))
+    solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared), keep_memory_errors)
     prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
     step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
     _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())

@@ -30,6 +30,7 @@ from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.graph import edge_flags
 from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute import add_recompute_peak
+from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
@@ -98,10 +99,11 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
 
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
-          cutoff_s: float | None = None) -> Solution:
+          cutoff_s: float | None = None, shares: MemoryShares | None = None) -> Solution:
     """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``).
     With ``explain`` a MemoryLimitError says what the leanest plan needs (another solve).
-    With ``cutoff_s`` only a plan faster than that counts (else MemoryLimitError, unexplained)."""
+    With ``cutoff_s`` only a plan faster than that counts (else MemoryLimitError, unexplained).
+    ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``)."""
     start = time.perf_counter()
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
@@ -149,6 +151,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     overlap.add_rows(x)
     overlap.add_memory(memory_row, minimize_memory)
     add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
+    if shares is not None:
+        memory_row = shares.weigh(graph, x, memory_row)
     if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
     elif memory_limit is not None:

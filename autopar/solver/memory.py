@@ -65,6 +65,9 @@ class MemoryOptions:
     micro_batches: int | None = None
     """Run the step's batch as this many micro-batches (gradient accumulation): activations
     scale with batch / micro_batches; gradients are synchronized once per step."""
+    zero1_allowed: bool = True
+    """False: no parameter's optimizer state is sharded on its own (ZeRO-1; a pipelined step's
+    runtime does not run it), unless pinned."""
 
     def check(self, mesh_names: tuple[str, ...] | list[str]) -> None:
         """Refuse values the planner could only trip over later."""

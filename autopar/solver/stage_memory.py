@@ -21,10 +21,13 @@ only its stages' share of it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from autopar.cost.model import NodeCost
-from autopar.solver.nodes import INPUT, OP, PlanGraph
+from autopar.solver.memory import block_of
+from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
 from autopar.solver.schedule_sim import torch_order
 
 
@@ -77,3 +80,29 @@ def rank_peaks(schedule: str, p: int, v: int, m: int, rank_of: Sequence[int], st
                 live -= act[s]
         peaks.append(sum(b for s, b in enumerate(state) if rank_of[s] == r) + peak + extra)
     return peaks
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryShares:
+    """What the busiest pp rank holds of the whole step's memory row, for a stage-mesh ILP
+    solved under the memory limit (``pipeline_search``): the state of the repeated blocks' parameters
+    times ``block_state``, every other parameter's whole (the head and tail are one rank's), the
+    rest (activations and what goes with them) times ``activations``. ``for_pipeline`` gives
+    1F1B's first rank: a p-th of the blocks (rounded up), p micro-batches in flight of a p-th of
+    the blocks' activations each, i.e. one micro-batch of them all. The exact per-rank peak is
+    checked after (``rank_peaks``)."""
+
+    block_state: float
+    """Share of the repeated blocks' parameter state."""
+    activations: float = 1.0
+    """Multiple of one micro-batch's activations of the whole step."""
+
+    @staticmethod
+    def for_pipeline(p: int, blocks: int) -> MemoryShares:
+        return MemoryShares(block_state=math.ceil(blocks / p) / blocks if blocks else 1.0)
+
+    def weigh(self, graph: PlanGraph, columns: dict[str, list[int]], row: dict[int, float]) -> dict[int, float]:
+        """``row`` (column -> bytes) weighted: ``columns`` are each node's strategy columns."""
+        weight = {j: self.block_state if block_of(graph.nodes[v].module or "") is not None else 1.0
+                  for v, cols in columns.items() if graph.nodes[v].kind == PARAM for j in cols}
+        return {j: b * weight.get(j, self.activations) for j, b in row.items()}
