@@ -144,6 +144,7 @@ def _annotated(best: _Priced, fitting: list[_Priced], priced: int, limit: float,
     note = (f"pipeline search: {priced} pipelines priced (schedules x stages per rank x micro-batches), "
             f"{len(fitting)} fit; chosen {_label(best.choice)} {fmt_s(best.step_time_s)}"
             + (f"; next: {runners}" if runners else ""))
-    plan = replace(plan, notes=[*plan.notes, note], memory_limit_bytes=limit,
+    notes = [*plan.notes, note] if priced > 1 else plan.notes  # a pinned pipeline: nothing was searched
+    plan = replace(plan, notes=notes, memory_limit_bytes=limit,
                    timings={**plan.timings, "pipeline search": seconds})
     return replace(best.step, plan=plan)

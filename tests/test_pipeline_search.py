@@ -11,6 +11,7 @@ import pytest
 import autopar
 from autopar.solver.ilp import MemoryLimitError
 from autopar.api import prepare_step
+from autopar.solver.pipeline import as_pipeline
 from autopar.solver.stage_memory import MemoryShares, rank_peaks
 from examples import llama
 
@@ -150,3 +151,13 @@ def test_rank_peaks_follow_the_papers(schedule: str, v: int, expected: list[floa
     p = 4
     rank_of = [autopar.Pipeline(schedule=schedule, virtual_stages=v).stage_rank(s, p) for s in range(p * v)]
     assert rank_peaks(schedule, p, v, 16, rank_of, [0.0] * (p * v), [1.0 / v] * (p * v), 0.0) == expected
+
+
+def test_a_schedule_with_one_number_of_stages_per_rank_is_pinned() -> None:
+    """Naming the schedule and micro-batches pins a pipeline (gpipe/1f1b run 1 stage per rank,
+    zbv/dualpipev 2): no search; interleaved_1f1b's stages per rank stay open."""
+    assert as_pipeline(autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=4)).pinned
+    assert as_pipeline(autopar.Pipeline(axis="pp", schedule="zbv", micro_batches=4)).virtual_stages == 2
+    assert not as_pipeline(autopar.Pipeline(axis="pp", schedule="interleaved_1f1b", micro_batches=4)).pinned
+    p = _plan(autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=4))
+    assert not any("pipeline search" in n for n in p.notes)

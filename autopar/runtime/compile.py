@@ -160,6 +160,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     full_mesh, stage_mesh = planning_mesh, None
     if pipeline is not None:
         planning_mesh, stage_mesh = _stage_meshes(pipeline, mesh, full_mesh, data_axes, zero, offload, micro_batches)
+        pipeline = as_pipeline(pipeline)  # checked: a Pipeline, its one number of stages per rank filled in
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
         ways = math.prod(planning_mesh.axes[a] for a in data_axes)
         example_inputs, example_targets = _global_batch(example_inputs, ways), _global_batch(example_targets, ways)

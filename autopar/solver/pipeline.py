@@ -37,7 +37,7 @@ transfers from one rank to another one after another) are played out the same wa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
@@ -173,10 +173,16 @@ class Pipeline:
 
 
 def as_pipeline(pipeline: object) -> Pipeline:
-    """``pipeline=`` as given to ``plan``/``compile``: a ``Pipeline``."""
+    """``pipeline=`` as given to ``plan``/``compile``: a ``Pipeline``, its stages per rank filled
+    in where the schedule runs one number of them (gpipe and 1f1b 1, zbv and dualpipev 2), so
+    that naming the schedule and micro-batches pins a pipeline as before ``virtual_stages`` was open."""
     if not isinstance(pipeline, Pipeline):
         raise InputTypeError(f"pipeline must be an autopar.Pipeline(axis=..., schedule=..., micro_batches=..., "
                              f"virtual_stages=...), got {type(pipeline).__name__}")
+    if pipeline.virtual_stages is None and pipeline.schedule in _VIRTUAL:
+        low, high = _VIRTUAL[pipeline.schedule]
+        if low == high:
+            return replace(pipeline, virtual_stages=low)
     return pipeline
 
 
