@@ -16,6 +16,7 @@ Targets (end-to-end ``plan()`` wall time, issue 8):
 * HF Llama-3-8B, 64 devices: <= 5 s
 * 32 layers, hidden 4096, 64 devices: <= 5 s
 * 80 layers, hidden 8192, 1024 devices: <= 30 s
+* the same on pp=8 x dp=16 x tp=8 with the pipeline searched (issue 9): <= 30 s
 
 Every other row is a single run on whatever machine this is, so the figures are noisy;
 target rows take the median (by total) of ``--target-runs`` runs. One untimed warm-up plan
@@ -24,7 +25,11 @@ run) comes first so that one-off costs (lazy imports, first torch tracing, solve
 not land on the first row. Each run builds a new model and mesh.
 
 ``--quick`` runs the two 64-device targets (HF 8B and 32 layers); ``--only NAME`` runs
-just the named target rows (``hf-8b-64``, ``32l-64``, ``80l-1024``; repeatable).
+just the named target rows (``hf-8b-64``, ``32l-64``, ``80l-1024``, ``80l-1024-pp``; repeatable).
+The last is issue 9's: the 80-layer model on ``pp=8 x dp=16 x tp=8`` with
+``autopar.Pipeline(axis="pp")``, schedule, stages per rank and micro-batches searched (each
+micro-batch count captured and planned once; its capture/strategies/solve columns are the
+chosen count's, total the whole search).
 
 Usage: ``python benchmarks/solve_time.py [--quick | --only NAME ...] [--json out.json] [--target-runs N]``
 """
@@ -76,6 +81,10 @@ MESHES: dict[int, dict[str, int]] = {
     1024: {"dp": 128, "tp": 8},
 }
 LAYERS = (2, 8, 32, 80)
+PIPELINE_MESHES: dict[int, dict[str, int]] = {1024: {"pp": 8, "dp": 16, "tp": 8}}
+"""Meshes of the pipelined target (the pipeline axis first, as ``autopar.Pipeline`` wants it)."""
+PIPELINE_BATCH_PER_DP = 32
+"""Sequences per data-parallel replica of a pipelined step: room for 8-64 micro-batches."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +95,17 @@ class Case:
     layers: int
     hidden: int
     devices: int
+    pipelined: bool = False
+    """On ``PIPELINE_MESHES``, the pipeline's schedule, stages per rank and micro-batches searched."""
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return PIPELINE_MESHES[self.devices] if self.pipelined else MESHES[self.devices]
 
     @property
     def batch(self) -> int:
+        if self.pipelined:
+            return PIPELINE_BATCH_PER_DP * self.mesh["dp"]
         return HF_BATCH if self.family == HF else BATCH_PER_DP * MESHES[self.devices]["dp"]
 
     @property
@@ -110,12 +127,14 @@ class Target:
     def label(self) -> str:
         c = self.case
         model = "HF Llama-3-8B" if c.family == HF else f"{c.layers}L h{c.hidden}"
-        return f"{model} on {c.devices} devices <= {self.limit_s:g} s"
+        pipeline = ", pp=8 searched" if c.pipelined else ""
+        return f"{model} on {c.devices} devices{pipeline} <= {self.limit_s:g} s"
 
 
 HF_8B = Case(HF, 32, 4096, 64)
 TARGETS = (Target("hf-8b-64", HF_8B, 5.0), Target("32l-64", Case(EXAMPLE, 32, 4096, 64), 5.0),
-           Target("80l-1024", Case(EXAMPLE, 80, 8192, 1024), 30.0))
+           Target("80l-1024", Case(EXAMPLE, 80, 8192, 1024), 30.0),
+           Target("80l-1024-pp", Case(EXAMPLE, 80, 8192, 1024, pipelined=True), 30.0))
 QUICK = ("hf-8b-64", "32l-64")
 
 
@@ -142,6 +161,7 @@ class Row:
     batch: int
     seq_len: int
     vocab: int
+    pipelined: bool = False
     runs: list[Run] = field(default_factory=list)
     error: str | None = None
     """Exception of the failed run, e.g. MemoryLimitError when the model cannot fit the mesh."""
@@ -196,10 +216,11 @@ def time_plan(case: Case) -> Run:
     gc.collect()
     start = time.perf_counter()
     model, inputs, step = build_case(case)
-    mesh = autopar.Mesh(MESHES[case.devices], HARDWARE)
+    mesh = autopar.Mesh(case.mesh, HARDWARE)
     build_s = time.perf_counter() - start
     start = time.perf_counter()
-    plan = autopar.plan(model, mesh, inputs, **step)
+    plan = autopar.plan(model, mesh, inputs, **step, **({"pipeline": autopar.Pipeline(axis="pp")}
+                                                        if case.pipelined else {}))
     total_s = time.perf_counter() - start
     t = plan.timings
     return Run(capture_s=t["capture"], strategies_s=t["strategies"], solve_s=t["solve"], total_s=total_s,
@@ -225,13 +246,13 @@ def grid(quick: bool, only: list[str]) -> list[Case]:
         names = set(QUICK if quick else ()) | set(only)
         return [t.case for t in TARGETS if t.name in names]
     example = [Case(EXAMPLE, layers, hidden, devices) for devices in MESHES for hidden in WIDTHS for layers in LAYERS]
-    return [HF_8B, *example]
+    return [HF_8B, *example, *(t.case for t in TARGETS if t.case.pipelined)]
 
 
 def run_row(case: Case, target_runs: int) -> Row:
     target = target_for(case)
     row = Row(family=case.family, layers=case.layers, hidden=case.hidden, devices=case.devices,
-              mesh=dict(MESHES[case.devices]), batch=case.batch, seq_len=case.seq_len, vocab=case.vocab,
+              pipelined=case.pipelined, mesh=dict(case.mesh), batch=case.batch, seq_len=case.seq_len, vocab=case.vocab,
               target_limit_s=target.limit_s if target else None)
     for _ in range(target_runs if target else 1):
         start = time.perf_counter()
@@ -287,13 +308,15 @@ def render(rows: list[Row]) -> None:
             mark = f"[{colour}]{row.verdict}[/] <= {row.target_limit_s:g} s (median of {len(row.runs)})"
         if row.error:
             mark = f"[red]{short_error(row.error)}[/]"
-        table.add_row(row.family, str(row.layers), str(row.hidden), mesh, *cells, mark)
+        model = row.family + (" (pipeline searched)" if row.pipelined else "")
+        table.add_row(model, str(row.layers), str(row.hidden), mesh, *cells, mark)
     console = Console(width=None if sys.stdout.isatty() else 180)  # full width when piped to a file
     console.print(table)
     console.print("Single runs on a noisy machine (target rows: median of their runs); "
                   "total = the whole plan() call (for a failed row: time until it raised).")
     for target in TARGETS:
-        row = next((r for r in rows if Case(r.family, r.layers, r.hidden, r.devices) == target.case), None)
+        row = next((r for r in rows if Case(r.family, r.layers, r.hidden, r.devices, r.pipelined) == target.case),
+                   None)
         if row is None:
             console.print(f"target {target.label()}: not run")
         else:
