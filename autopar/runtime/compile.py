@@ -123,10 +123,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     ``labels=``); the module is then called the same way: ``pm(*inputs, *targets, **kwargs)``.
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
-    ``memory_limit`` (bytes per device) and ``memory_headroom`` (fraction of device memory
-    left free; default the hardware profile's) as in :func:`autopar.plan`; so are the
-    memory pins ``zero``, ``checkpoint``, ``checkpoint_blocks``, ``regather_blocks``, ``offload`` and
-    ``micro_batches``.
+    ``memory_limit``, ``memory_headroom``, the memory pins (``zero``, ``checkpoint``, ``checkpoint_blocks``,
+    ``regather_blocks``, ``offload``, ``micro_batches``) and ``pipeline`` as in :func:`autopar.plan`.
     A model on the meta device is initialized module by module (``reset_parameters`` or
     ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
     Random ops (dropout, ``rand_like``, ...) draw from one generator the module owns
@@ -139,7 +137,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     solution, and every rank builds the plan from it; the ranks check that they captured
     the same step and built plans with the same hash. Errors (mesh size != world size, a
     failure on any rank, ranks planning differently or passing different seeds) are
-    raised on every rank.
+    raised on every rank. A pipeline's open choices are rank 0's search (``pipeline_search``).
     """
     _check_world(mesh)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
@@ -159,12 +157,11 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         raise CompileError(str(exc)) from None
     full_mesh, stage_mesh = planning_mesh, None
     if pipeline is not None:
-        planning_mesh, stage_mesh = _stage_meshes(pipeline, mesh, full_mesh, data_axes, zero, offload, micro_batches)
-        pipeline = as_pipeline(pipeline)  # checked: a Pipeline, its one number of stages per rank filled in
+        planning_mesh, stage_mesh, pipeline = _stage_meshes(pipeline, mesh, full_mesh, data_axes, zero, offload,
+                                                            micro_batches)
     if input_sharded:  # plan for the global batch: this rank's shard stands for all of them
-        ways = math.prod(planning_mesh.axes[a] for a in data_axes)
-        example_inputs, example_targets = _global_batch(example_inputs, ways), _global_batch(example_targets, ways)
-        example_kwargs = dict(zip(example_kwargs or {}, _global_batch(tuple((example_kwargs or {}).values()), ways)))
+        example_inputs, example_kwargs, example_targets = _global_examples(
+            example_inputs, example_kwargs, example_targets, math.prod(planning_mesh.axes[a] for a in data_axes))
     options = dict(loss_fn=loss_fn, example_kwargs=example_kwargs, example_targets=example_targets, train=train,
                    constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
                    input_sharded=input_sharded, memory_limit=memory_limit, memory_headroom=memory_headroom,
@@ -198,12 +195,20 @@ def _check_world(mesh: DeviceMesh) -> None:
 
 def _stage_meshes(pipeline: Pipeline, mesh: DeviceMesh, full_mesh: Mesh, data_axes: tuple[str, ...],
                   zero: dict[str, int] | None, offload: bool | None, micro_batches: int | None
-                  ) -> tuple[Mesh, DeviceMesh]:
+                  ) -> tuple[Mesh, DeviceMesh, Pipeline]:
     """The pipeline checked on every rank, then the mesh its stages are planned on and the
-    stage DeviceMesh (a collective: made before anything may fail on one rank)."""
+    stage DeviceMesh (a collective: made before anything may fail on one rank), and the pipeline
+    (``as_pipeline``: its one number of stages per rank filled in)."""
     _gather_errors("checking the pipeline", _pipeline_error(pipeline, full_mesh, data_axes, zero, offload,
                                                             micro_batches), InputError)
-    return pipeline.stage_mesh(full_mesh), stage_device_mesh(mesh, pipeline.axis)
+    return pipeline.stage_mesh(full_mesh), stage_device_mesh(mesh, pipeline.axis), as_pipeline(pipeline)
+
+
+def _global_examples(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, targets: tuple[Any, ...], ways: int
+                     ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
+    """This rank's shard of the example values, ``ways`` times along the batch: the global batch."""
+    values = _global_batch(tuple((kwargs or {}).values()), ways)
+    return _global_batch(inputs, ways), dict(zip(kwargs or {}, values)), _global_batch(targets, ways)
 
 
 def _chosen_pipeline(pipeline: Pipeline, model: nn.Module, mesh: Mesh, example_inputs: tuple[Any, ...],

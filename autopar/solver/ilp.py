@@ -151,12 +151,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     overlap.add_rows(x)
     overlap.add_memory(memory_row, minimize_memory)
     add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
-    if shares is not None:
-        memory_row = shares.weigh(graph, x, memory_row)
-    if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
-        model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
-    elif memory_limit is not None:
-        model.rows.append(({j: b / MEMORY_UNIT for j, b in memory_row.items()}, -INF, float(memory_limit) / MEMORY_UNIT))
+    memory_row = _memory_use(model, graph, x, memory_row, memory_limit, minimize_memory, shares)
     cutoff = None if cutoff_s is None else cutoff_s * SCALE
     # a start pays for a plan to be found, not for a bound (a memory search's cutoff solves, mostly
     # pruned at the root: 70B shape 1.0-2.9 s plain, 1.6-3.7 s started) nor for the leanest plan
@@ -203,6 +198,20 @@ def _one_state_family(model: Model, graph: PlanGraph, reps: list[str], x: dict[s
         f = model.var(0.0, integer=True)
         model.rows.append(({**{j: 1.0 for j in zero1}, f: -float(with_zero1)}, -INF, 0.0))
         model.rows.append(({**{j: 1.0 for j in offload}, f: float(with_offload)}, -INF, float(with_offload)))
+
+
+def _memory_use(model: Model, graph: PlanGraph, x: dict[str, list[int]], memory_row: dict[int, float],
+                memory_limit: float | None, minimize_memory: bool, shares: MemoryShares | None) -> dict[int, float]:
+    """The memory row (a pipeline rank's share of it with ``shares``) made the objective
+    (``minimize_memory``) or a row under ``memory_limit``; returned as the solution reads it."""
+    if shares is not None:
+        memory_row = shares.weigh(graph, x, memory_row)
+    if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
+        model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
+    elif memory_limit is not None:
+        row = {j: b / MEMORY_UNIT for j, b in memory_row.items()}
+        model.rows.append((row, -INF, float(memory_limit) / MEMORY_UNIT))
+    return memory_row
 
 
 def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
