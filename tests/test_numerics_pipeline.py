@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.errors import InputError
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.pipeline import PipelinedModule
 from autopar.solver.stages import balanced_cuts
 from examples import gpt, hf_models, llama
 from numerics_harness import EPS, LR, STEPS, Reference, mismatches, reference
@@ -130,6 +131,7 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
                                 virtual_stages=case.virtual_stages)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
                          pipeline=pipeline, **case.options)
+    assert isinstance(pm, PipelinedModule)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     losses, grads = [], {}
     for i in range(STEPS):
@@ -144,7 +146,7 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
         opt.zero_grad()
     params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
     local = {k: _digest(v.to_local()) + str(tuple(v.placements)) for k, v in pm.state_dict().items()}
-    return {"losses": losses, "held": sorted(params), "with_grad": sorted(grads),
+    return {"losses": losses, "held": sorted(params), "with_grad": sorted(grads), "misplaced": _misplaced(pm, mesh),
             "grad_mismatches": mismatches({k: ref.grads[k] for k in grads}, grads),
             "state_mismatches": mismatches({k: ref.state[k] for k in params}, params),
             "local": local, "coordinate": mesh.get_coordinate(), "plan": pm.plan.plan_hash()}
@@ -171,6 +173,17 @@ def test_searched_pipeline_under_a_tight_limit_matches_single_device() -> None:
     assert {r["plan"] for r in results} == {planned.plan_hash()}
 
 
+def _misplaced(pm: PipelinedModule, mesh: DeviceMesh) -> list[str]:
+    """This rank's parameters of repeated blocks its planned stages do not run, and those of
+    blocks they run that it lacks: a stage must run the ops the plan cut into it (a checkpointed
+    block's call once joined the stage before, numerically alike but not the plan priced)."""
+    mine = {b for s in pm.plan.pipeline.stages if s.rank == mesh.get_local_rank("pp") for b in s.blocks}
+    every = {b for s in pm.plan.pipeline.stages for b in s.blocks if not b.startswith("(")}
+    held = {k for k, _ in pm.named_parameters()}
+    wrong = [k for k in held if any(k.startswith(b + ".") for b in every - mine)]
+    return wrong + [b for b in mine & every if not any(k.startswith(b + ".") for k in held)]
+
+
 def _check_training(case: Case) -> list[dict[str, Any]]:
     ref = _reference(case.model)
     results = run_ranks(_train, math.prod(case.mesh), case, ref)
@@ -180,6 +193,7 @@ def _check_training(case: Case) -> list[dict[str, Any]]:
         assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
         assert result["state_mismatches"] == [], f"rank {rank}: {result['state_mismatches']}"
         assert result["with_grad"] == result["held"], f"rank {rank}: a parameter of its stages got no gradient"
+        assert result["misplaced"] == [], f"rank {rank}: not its planned stages' blocks: {result['misplaced']}"
         held |= set(result["held"])
     params = {k for k in ref.state if k in ref.grads}
     assert held == params, f"parameters no stage holds: {sorted(params - held)}"
