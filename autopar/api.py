@@ -143,9 +143,6 @@ def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) ->
             raise InputError(f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data")
     if options.get("offload") or 1 in (options.get("zero") or {}).values():
         raise InputError("a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)")
-    if options.get("checkpoint") not in (None, "none"):  # its stages' replay waits forever under torch's schedules
-        raise InputError(f"checkpoint={options['checkpoint']!r} with a pipeline: a pipelined step does not yet "
-                         "recompute activations inside its stages")
     # the memory search may offload optimizer state unless told not to; build_pipelined_module refuses it
     return {**{k: v for k, v in options.items() if k != "micro_batches"}, "offload": False}
 
@@ -182,8 +179,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     ``PreparedStep.under`` re-prices it (and re-captures it) for another. ``_masters``: the
     model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
     bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
-    stage mesh of a pipeline of that many pp ranks: no ZeRO-1, offload or checkpointing (the
-    pipelined runtime runs none yet) and a memory row of the busiest rank's share (``MemoryShares``).
+    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
+    pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``).
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
 
@@ -192,8 +189,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     whole_batch = example_batch((example_inputs, example_kwargs, example_targets))
     mesh = _as_mesh(mesh)
     _check_solve_options(bucket_bytes, solver_time_limit_s)
-    options = MemoryOptions(zero=zero, checkpoint="none" if _pipeline_ranks else checkpoint,
-                            checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
+    options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks,
+                            regather_blocks=regather_blocks,
                             offload=False if _pipeline_ranks else offload,
                             micro_batches=micro_batches, zero1_allowed=not _pipeline_ranks)
     options.check(mesh.names)

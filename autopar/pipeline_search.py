@@ -15,9 +15,9 @@ again under the limit after), so every rank and run choose alike.
 The ILP of each m is solved without a memory limit first. Only when none of those pipelines
 fits is the stage plan of one m solved again under the limit (the m whose free pipelines were
 fastest first, the next if that gives none that fits), on the busiest rank's share of its
-memory row (``MemoryShares``: 1F1B's first rank), so that its memory search picks ZeRO-2/3 for what a
-stage holds rather than for the whole model; ZeRO-1, offload and checkpointing are never
-chosen (the pipelined runtime runs none of them yet).
+memory row (``MemoryShares``: 1F1B's first rank), so that its memory search picks ZeRO-2/3 and
+activation checkpointing for what a stage holds rather than for the whole model; ZeRO-1 and
+offload are never chosen (the pipelined runtime runs neither yet).
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ than without it."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import math
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 import autopar
 from autopar.passes.checkpoint_blocks import REGION_PREFIX
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.recompute import Recompute
 from examples import gpt, llama
 from numerics_harness import Reference, check, reference, run_compiled
 
@@ -221,3 +223,40 @@ def test_block_regions_made_contiguous() -> None:
     gm.graph.lint()
     gm.recompile()
     assert all(torch.equal(w, g) for w, g in zip(want, gm(x)))
+
+
+
+class _NoLog:
+    """A ``Comm`` stand-in for a region without collectives."""
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        yield
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_replays_for_split_backward(policy: str) -> None:
+    """A zero-bubble schedule's backward is two calls (input gradients, then weight gradients),
+    and each recomputes the region: with ``replays`` both give the plain run's gradients (the
+    dropout mask drawn again as in forward). Without it selective checkpointing refuses the
+    second call (torch hands each kept matmul output out once)."""
+    torch.manual_seed(0)
+    region = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.5),
+                                 torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    weights = list(region.parameters())
+
+    def split_backward(replays: bool | None) -> list[torch.Tensor]:
+        """Input then weight gradients of one run (None: not checkpointed)."""
+        run = Recompute(_NoLog(), torch.Generator(), replays=bool(replays))  # type: ignore[arg-type]
+        with torch.random.fork_rng():
+            torch.manual_seed(5)
+            out = region(x) if replays is None else run(region, policy, x)
+        dx = torch.autograd.grad(out.sum(), x, retain_graph=True)
+        return [*dx, *torch.autograd.grad(out.sum(), weights)]
+
+    want = split_backward(None)
+    assert all(torch.equal(w, g) for w, g in zip(want, split_backward(True), strict=True))
+    if policy == "selective":
+        with pytest.raises(RuntimeError, match="backward an extra time"):
+            split_backward(False)

@@ -1,8 +1,9 @@
 """Pipelined steps (``pipeline=autopar.Pipeline(...)``, ``pm.step``) train to the single-device
 numbers: loss on every rank, every gradient (whole tensors, gathered over the stage mesh) and
 every parameter after 3 AdamW steps, for each schedule, with tensor and data parallelism (and
-ZeRO-3) inside the stages, also for HF's Llama computing its own loss from padded labels;
-the stages' replicas stay bitwise equal. Plus the pipeline's plan (cuts, bubble, JSON, text)
+ZeRO-3) inside the stages, with checkpointed blocks recomputed inside them, also for HF's Llama
+computing its own loss from padded labels; each rank runs the blocks the plan cut into its
+stages, and the stages' replicas stay bitwise equal. Plus the pipeline's plan (cuts, bubble, JSON, text)
 and the inputs it refuses."""
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.errors import InputError
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.pipeline import PipelinedModule
 from autopar.solver.stages import balanced_cuts
 from examples import gpt, hf_models, llama
 from numerics_harness import EPS, LR, STEPS, Reference, mismatches, reference
@@ -88,7 +90,7 @@ class Case:
     @property
     def id(self) -> str:
         mesh = "x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh))
-        extra = "-".join(f"{k}" for k in self.options)
+        extra = "-".join(f"{k}={v}" if isinstance(v, (str, int)) else k for k, v in self.options.items())
         return f"{self.model}-{mesh}-{self.schedule}-m{self.micro_batches}-v{self.virtual_stages}" + \
             (f"-{extra}" if extra else "")
 
@@ -108,6 +110,19 @@ CASES = [
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
     Case("hf_llama", (2,), ("pp",), "interleaved_1f1b", 4, 2),
     Case("hf_llama", (2,), ("pp",), "zbv", 4, 2),
+    # checkpointed blocks recompute inside their stages: zero-bubble schedules recompute twice (input, then weight
+    # gradients), ZeRO-3 regathers, tensor parallelism replays its collectives, the first 3 blocks only leave a stage
+    # with checkpointed and plain blocks
+    Case("stack", (2,), ("pp",), "1f1b", 2, 1, {"checkpoint": "full"}),
+    Case("llama", (2,), ("pp",), "1f1b", 2, 1, {"checkpoint": "full"}),
+    Case("llama", (2,), ("pp",), "gpipe", 2, 1, {"checkpoint": "selective"}),
+    Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "full"}),
+    Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "selective"}),
+    Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "checkpoint": "full"}),
+    Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3},
+                                                          "checkpoint": "selective", "checkpoint_blocks": 3}),
+    Case("llama", (2, 2), ("pp", "tp"), "interleaved_1f1b", 4, 2, {"constraints": llama.TP_PLAN,
+                                                                   "checkpoint": "full"}),
 ]
 _REFERENCES: dict[str, Reference] = {}
 
@@ -130,6 +145,7 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
                                 virtual_stages=case.virtual_stages)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
                          pipeline=pipeline, **case.options)
+    assert isinstance(pm, PipelinedModule)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     losses, grads = [], {}
     for i in range(STEPS):
@@ -144,10 +160,11 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
         opt.zero_grad()
     params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
     local = {k: _digest(v.to_local()) + str(tuple(v.placements)) for k, v in pm.state_dict().items()}
-    return {"losses": losses, "held": sorted(params), "with_grad": sorted(grads),
+    return {"losses": losses, "held": sorted(params), "with_grad": sorted(grads), "misplaced": _misplaced(pm, mesh),
             "grad_mismatches": mismatches({k: ref.grads[k] for k in grads}, grads),
             "state_mismatches": mismatches({k: ref.state[k] for k in params}, params),
-            "local": local, "coordinate": mesh.get_coordinate(), "plan": pm.plan.plan_hash()}
+            "local": local, "coordinate": mesh.get_coordinate(), "plan": pm.plan.plan_hash(),
+            "checkpoint": (pm.plan.memory.checkpoint, len(pm.plan.memory.checkpoint_blocks))}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -157,18 +174,30 @@ def test_pipeline_matches_single_device(case: Case) -> None:
 
 def test_searched_pipeline_under_a_tight_limit_matches_single_device() -> None:
     """Below the free search's peak the stage mesh is planned again under the limit, on the
-    busiest rank's share of its memory (parameters sharded on dp here); compile runs the plan
-    ``autopar.plan`` gives, and it trains to the single-device numbers."""
+    busiest rank's share of its memory (here it checkpoints the blocks, some parameters sharded
+    on dp); compile runs the plan ``autopar.plan`` gives, and it trains to the single-device numbers."""
     mesh = {"pp": 2, "dp": 2}
     search = autopar.Pipeline(axis="pp")
     batch = _llama()[1][0].shape[0]
     leanest = min(_plan(c, mesh).predicted.peak_memory_bytes for c in search.choices(2, batch, blocks=4, batch_ways=1))
     limit = 0.9 * leanest  # no pipeline of a stage plan without the limit fits
     planned = _plan(search, mesh, memory_limit=limit)
-    assert any(v != "R" for v in planned.parameters.values())  # parameters sharded on dp, as no free plan was
+    # the limit bought memory (the plan says how: which is the cost model's call)
+    assert planned.memory.checkpoint != "none" or any(v != "R" for v in planned.parameters.values())
     assert planned.predicted.peak_memory_bytes <= limit
     results = _check_training(Case("llama", (2, 2), ("pp", "dp"), None, None, None, {"memory_limit": limit}))
     assert {r["plan"] for r in results} == {planned.plan_hash()}
+
+
+def _misplaced(pm: PipelinedModule, mesh: DeviceMesh) -> list[str]:
+    """This rank's parameters of repeated blocks its planned stages do not run, and those of
+    blocks they run that it lacks: a stage must run the ops the plan cut into it (a checkpointed
+    block's call once joined the stage before, numerically alike but not the plan priced)."""
+    mine = {b for s in pm.plan.pipeline.stages if s.rank == mesh.get_local_rank("pp") for b in s.blocks}
+    every = {b for s in pm.plan.pipeline.stages for b in s.blocks if not b.startswith("(")}
+    held = {k for k, _ in pm.named_parameters()}
+    wrong = [k for k in held if any(k.startswith(b + ".") for b in every - mine)]
+    return wrong + [b for b in mine & every if not any(k.startswith(b + ".") for k in held)]
 
 
 def _check_training(case: Case) -> list[dict[str, Any]]:
@@ -180,7 +209,10 @@ def _check_training(case: Case) -> list[dict[str, Any]]:
         assert result["grad_mismatches"] == [], f"rank {rank}: {result['grad_mismatches']}"
         assert result["state_mismatches"] == [], f"rank {rank}: {result['state_mismatches']}"
         assert result["with_grad"] == result["held"], f"rank {rank}: a parameter of its stages got no gradient"
+        assert result["misplaced"] == [], f"rank {rank}: not its planned stages' blocks: {result['misplaced']}"
         held |= set(result["held"])
+        if "checkpoint" in case.options:  # the blocks pinned checkpointed are (the first 3 or all 4 of them)
+            assert result["checkpoint"] == (case.options["checkpoint"], case.options.get("checkpoint_blocks", 4))
     params = {k for k in ref.state if k in ref.grads}
     assert held == params, f"parameters no stage holds: {sorted(params - held)}"
     _check_replicas(results)
@@ -271,11 +303,19 @@ def test_pipeline_input_errors(pipeline: autopar.Pipeline, mesh: dict[str, int],
         _plan(pipeline, mesh)
 
 
-def test_checkpointing_inside_stages_is_refused() -> None:
-    """A checkpointed block's replay inside a stage waited forever under torch's schedules: refused
-    with a clear error until it runs (the pipeline search never chooses it)."""
-    with pytest.raises(InputError, match="does not yet recompute"):
-        _plan(autopar.Pipeline(axis="pp"), {"pp": 2}, checkpoint="full")
+def test_checkpointing_inside_stages_is_planned() -> None:
+    """checkpoint= with a pipeline plans every stage's blocks checkpointed (they recompute inside
+    their stages: the cases above train them), each rank then holding less than without."""
+    pipeline = autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2, virtual_stages=1)
+    plain = _plan(pipeline, {"pp": 2})
+    for policy in ("selective", "full"):
+        planned = _plan(pipeline, {"pp": 2}, checkpoint=policy)
+        assert planned.memory.checkpoint == policy
+        assert planned.memory.checkpoint_blocks == [f"layers.{i}" for i in range(4)]
+        assert [s.blocks for s in planned.pipeline.stages] == [s.blocks for s in plain.pipeline.stages]
+        for ours, theirs in zip(planned.pipeline.stages, plain.pipeline.stages):
+            assert ours.activation_bytes < theirs.activation_bytes
+            assert ours.backward_s > theirs.backward_s  # the replay
 
 
 def test_tied_weight_across_stages_is_refused() -> None:

@@ -114,11 +114,13 @@ def test_a_binding_limit_never_gives_what_a_pipelined_step_cannot_run(pipeline: 
 def test_a_stage_plan_searches_neither_zero1_nor_offload() -> None:
     """The memory search of a pipeline's stage mesh has no scenario sharding optimizer state alone
     (ZeRO-1) or offloading it, which the pipelined runtime refuses; the same step without a
-    pipeline has both; its memory row is the busiest rank's share (1F1B's first of 2: 2 of 4 blocks)."""
+    pipeline has both; it checkpoints blocks as that one does (they recompute inside their stages);
+    its memory row is the busiest rank's share (1F1B's first of 2: 2 of 4 blocks)."""
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
     step = {"loss_fn": loss_fn, "example_targets": targets, "micro_batches": 2}
     staged = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, _pipeline_ranks=2, **step)
     assert not any(s.zero1 or s.offload for s in staged.scenarios())
+    assert {s.checkpoint for s in staged.scenarios()} == {"none", "selective", "full"}
     assert staged.memory_shares == MemoryShares(block_state=0.5, activations=1.0)
     whole = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, **step)
     assert any(s.zero1 for s in whole.scenarios()) and any(s.offload for s in whole.scenarios())

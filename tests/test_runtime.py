@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -273,6 +275,32 @@ def test_a_rank_killed_by_a_signal_fails_at_once() -> None:
     with pytest.raises(RankFailure, match=r"rank 1 died without a report \(exit code -9\)"):
         run_ranks(_killed_rank, 2, timeout_s=30)
     assert time.monotonic() - start < 20  # not the 90 s the parent would wait for a report
+
+
+_FORK_AFTER_THREADS = """
+import torch
+from autopar.runtime.forked import run_ranks
+
+def rank(rank: int, world: int) -> float:
+    return float(torch.tanh(torch.ones(1 << 20)).sum())  # a parallel op
+
+torch.set_num_threads(2)
+torch.tanh(torch.ones(1 << 20))  # the parent's OpenMP pool starts
+print(run_ranks(rank, 2, timeout_s=10))
+"""
+
+
+def test_ranks_forked_after_the_parent_computed_on_threads_do_not_hang() -> None:
+    """A rank using the OpenMP pool its parent started before the fork waits forever in its
+    first parallel op (a pipelined step once seemed to hang in its first stage so); each rank
+    computes on one thread instead. In a fresh interpreter: this session computes on one."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _FORK_AFTER_THREADS], env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = (float(v) for v in done.stdout.strip().strip("[]").split(","))
+    assert first == second == pytest.approx((1 << 20) * math.tanh(1.0), rel=1e-5)
 
 
 def _gathers_in_flight(rank: int, world: int) -> list[int]:

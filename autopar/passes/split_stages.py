@@ -3,7 +3,8 @@
 The plan names the stage of every captured op (``PipelinePlan.stage_of``). The nodes the
 passes inserted take a stage from their neighbours: a node computed from values of the
 program (a reshard between two ops, a checkpointed block's call) joins the latest stage
-among its inputs (or, for a checkpointed block's call, the stage of the ops it holds);
+among its inputs (or, for a checkpointed block's call, the stage of the ops its region holds:
+the latest stage among its inputs would be the stage before when the block starts a stage);
 a node computed only from placeholders (a parameter's cast or gather, its prefetch, the
 slicing of a user input) joins the earliest stage reading it, so a parameter's gathers run
 in the stage that holds the parameter.
@@ -87,14 +88,22 @@ def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> 
 
 
 def _inner_stage(gm: torch.fx.GraphModule, node: torch.fx.Node, stage_of: dict[str, int]) -> int | None:
-    """For a call of a submodule holding planned ops (a checkpointed block), their first stage."""
+    """For a call running a submodule of planned ops (a checkpointed block: ``recompute`` called
+    with the block's region as its first argument), the stage of those ops. A region is one
+    block's, and cuts fall between blocks, so its ops share one stage."""
     if node.op != "call_module":
         return None
-    sub = gm.get_submodule(str(node.target))
-    graph = getattr(sub, "graph", None)
-    if graph is None:
-        return None
-    inner = [stage_of[n] for n in (plan_name(m) for m in graph.nodes) if n is not None and n in stage_of]
+    # the called module itself is ``Recompute``; the ops are in the region it is handed (a get_attr)
+    targets = [str(node.target)] + [str(a.target) for a in node.args
+                                     if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    inner: set[int] = set()
+    for target in targets:
+        graph = getattr(gm.get_submodule(target), "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            inner |= {stage_of[n] for n in (plan_name(m) for m in graph.nodes) if n is not None and n in stage_of}
+    if len(inner) > 1:
+        raise RuntimeError(f"split_stages: {node.name} runs ops of stages {sorted(inner)}: a checkpointed region "
+                           "spans a cut")
     return min(inner) if inner else None
 
 

@@ -1,9 +1,12 @@
 """Run a function on N gloo ranks forked from this (already torch-importing) process.
 
 For tests, benchmarks and quick local runs: forking costs well under a second for 8 ranks
-where spawning or torchrun costs 10-20 s (each child re-imports torch). The parent must not
-have started an OpenMP thread pool before forking (a forked child then hangs in its first
-parallel op): call ``torch.set_num_threads(1)`` before any computation in the parent.
+where spawning or torchrun costs 10-20 s (each child re-imports torch). An OpenMP thread
+pool the parent started (any op it ran on more than one intra-op thread) does not survive the
+fork: a child using it hangs in its first parallel op, as if waiting on a peer. So each rank
+computes on one intra-op thread (the ranks share the cores anyway); call
+``torch.set_num_threads(1)`` in the parent before any computation too, for its own children
+(``multiprocessing`` elsewhere).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 TIMEOUT_S = 60
@@ -39,6 +43,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: 
 
     faulthandler.enable()  # a rank killed by a signal (a crash in C++) prints where it was
     faulthandler.dump_traceback_later(timeout_s + 30, exit=True)  # last resort if gloo never times out
+    torch.set_num_threads(1)  # never the parent's OpenMP pool, which hangs after the fork (module docstring)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -43,6 +43,7 @@ from autopar.runtime.program import RankState, rank_program, rank_signature, ran
 from autopar.runtime.stages import StageModule, ValueMeta, fake_shard, stage_metas
 from autopar.solver.pipeline import STAGE_AXIS, Pipeline
 from autopar.solver.plan import Plan
+from autopar.solver.schedule_sim import WEIGHT_GRAD, torch_order
 from autopar.step import PlannedStep
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -182,6 +183,13 @@ class PipelinedModule(nn.Module):
         return None
 
 
+def splits_backward(pipeline: Pipeline, p: int) -> bool:
+    """Whether the schedule runs a stage's backward as two calls, input then weight gradients
+    (zero-bubble schedules): a checkpointed block then recomputes in each."""
+    orders = torch_order(pipeline.schedule, p, pipeline.virtual_stages, pipeline.micro_batches)
+    return any(kind == WEIGHT_GRAD for ops in orders for kind, _, _ in ops)
+
+
 def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
                    log: CollectiveLog | None) -> None:
     """All-reduce (sum) the gradients this rank holds of each of the plan's buckets, one
@@ -220,8 +228,8 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
     user_inputs = list(step.captured.user_inputs)
     comm = Comm(stage_mesh)
-    programs = split_stages(rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded), pp.stage_of,
-                            count, user_inputs)
+    program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, splits_backward(pipeline, p))
+    programs = split_stages(program, pp.stage_of, count, user_inputs)
     keep = {name for s in mine for name in programs[s].state}
     state = rank_state(model, stage_mesh, step, init_fn, init_seed, compute_dtype, keep=keep.__contains__)
     signature = rank_signature(step, stage_mesh, input_sharded, batch_leaves)

@@ -37,8 +37,9 @@ def step_loss_kind(step: PlannedStep) -> str | None:
 
 
 def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, compute_dtype: torch.dtype | None,
-                 input_sharded: bool) -> torch.fx.GraphModule:
-    """This rank's program: the captured step with the plan applied (``parallelize_graph``)."""
+                 input_sharded: bool, recompute_replays: bool = False) -> torch.fx.GraphModule:
+    """This rank's program: the captured step with the plan applied (``parallelize_graph``).
+    ``recompute_replays``: backward runs through a checkpointed block twice (``Recompute``)."""
     graph, chosen = step.graph, step.chosen
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
                      input_sharded=input_sharded, device_type=mesh.device_type,
@@ -48,7 +49,8 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
     return parallelize_graph(step.captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                     "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
                                                     "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
-                                                    "recompute": Recompute(comm, random_ops.generator)})
+                                                    "recompute": Recompute(comm, random_ops.generator,
+                                                                          recompute_replays)})
 
 
 @dataclass(kw_only=True)

@@ -11,10 +11,17 @@ and attention) and recomputes the rest. The recompute must reproduce the forward
 - early stop is off, so a recompute runs the whole region, every forward collective in it
   included, on every rank alike (a rank stopping early would skip collectives its peers run);
 - those collectives are logged as phase "recompute" (``Comm.recomputing``).
+
+A zero-bubble pipeline schedule (``replays``) runs a stage's backward as two calls, input
+gradients then weight gradients (``torch.distributed.pipelining._backward``), and torch's
+checkpoint recomputes a region once per backward call, so twice. 'full' needs nothing for
+that; 'selective' does: torch hands each kept output out once, then raises ("backward an
+extra time"), so with ``replays`` every recompute gets the kept outputs back.
 """
 
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -32,6 +39,33 @@ def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpo
 
 def _selective_contexts() -> Any:
     return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _replayable_selective_contexts() -> Any:
+    forward, recompute = _selective_contexts()
+    return forward, _Replayable(recompute)
+
+
+class _Replayable:
+    """Selective checkpointing's recompute context, run any number of times: the outputs the
+    forward kept (the mode's ``storage``: op -> call index -> value) are put back after each
+    recompute, which marks those it handed out as consumed."""
+
+    def __init__(self, cached: Any) -> None:
+        self.cached = cached
+        self.kept: dict[Any, dict[int, Any]] = {}
+
+    def __enter__(self) -> Any:
+        self.kept = {op: dict(calls) for op, calls in self.cached.storage.items()}
+        return self.cached.__enter__()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 trace: TracebackType | None) -> Any:
+        try:
+            return self.cached.__exit__(kind, value, trace)
+        finally:
+            for op, calls in self.kept.items():
+                self.cached.storage[op].update(calls)
 
 
 class _RegionRun:
@@ -58,19 +92,23 @@ class _RegionRun:
 
 class Recompute(nn.Module):
     """Runs a region under activation checkpointing with policy 'full' or 'selective'
-    ('none', or grad disabled: just runs it)."""
+    ('none', or grad disabled: just runs it). ``replays``: backward may recompute a region
+    more than once (module docstring)."""
 
-    def __init__(self, comm: Comm, generator: torch.Generator) -> None:
+    def __init__(self, comm: Comm, generator: torch.Generator, replays: bool = False) -> None:
         super().__init__()
         self.comm = comm
         self.generator = generator
+        self.replays = replays
 
     def forward(self, region: nn.Module, policy: str, *inputs: Any) -> Any:
         if policy == "none" or not torch.is_grad_enabled():
             return region(*inputs)
         if policy not in ("full", "selective"):
             raise ValueError(f"unknown checkpointing policy {policy!r}")
-        context_fn = _selective_contexts if policy == "selective" else noop_context_fn
+        context_fn = noop_context_fn
+        if policy == "selective":
+            context_fn = _replayable_selective_contexts if self.replays else _selective_contexts
         with set_checkpoint_early_stop(False):
             return checkpoint(_RegionRun(region, self.comm, self.generator), *inputs, use_reentrant=False,
                               context_fn=context_fn)
