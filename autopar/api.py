@@ -214,16 +214,21 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                                         input_sharded, zero or {})
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
-    blocks = len(repeated_blocks([graph.nodes[n].module for n in graph.order]))
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
                             options, memory_notes, base_graph=graph, batch=whole_batch, recapture=recapture,
                             batch_ways=math.prod(mesh.axes[a] for a in data_axes),
-                            memory_shares=MemoryShares.for_pipeline(_pipeline_ranks, blocks) if _pipeline_ranks
-                            else None)
+                            memory_shares=_stage_shares(graph, _pipeline_ranks))
     if _capture_micro_batches is not None:
         return prepared
     prepared.variants[m] = prepared
     return prepared.under(prepared.scenarios()[0])
+
+
+def _stage_shares(graph: PlanGraph, pipeline_ranks: int | None) -> MemoryShares | None:
+    """The busiest pp rank's share of the memory row of one stage mesh (None: no pipeline)."""
+    if not pipeline_ranks:
+        return None
+    return MemoryShares.for_pipeline(pipeline_ranks, len(repeated_blocks([graph.nodes[n].module for n in graph.order])))
 
 
 def _micro_batch_examples(examples: tuple[Any, Any, Any], batch: int | None, m: int, train: bool
