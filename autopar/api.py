@@ -18,6 +18,7 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
+from autopar.pipeline_depth import plan_depths
 from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
 from autopar.solver.blocks import fold_repeated_blocks
@@ -108,6 +109,10 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     """
     if pipeline is not None:
         mesh, pipeline = _as_mesh(mesh), as_pipeline(pipeline)
+        if pipeline.from_axis is not None:  # the depth is searched; the depths share their captures
+            shared = {"_captures": {}, **kwargs}
+            return plan_depths(pipeline, mesh, lambda at, chosen: plan_step(
+                model, at, example_inputs, progress=progress, pipeline=chosen, **shared))
         return plan_pipeline(pipeline, mesh, example_inputs, kwargs, lambda options: plan_step(
             model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options))
     prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
@@ -167,7 +172,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
-                 _masters: bool = False, _pipeline_ranks: int | None = None) -> PreparedStep:
+                 _masters: bool = False, _pipeline_ranks: int | None = None,
+                 _captures: dict[int, CapturedGraph] | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -181,6 +187,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
     stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
     pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``).
+    ``_captures``: steps captured before, by micro-batch count, for calls that differ only in
+    the mesh and memory options (``pipeline_depth``); a capture made here is added.
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
 
@@ -205,8 +213,11 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                       bucket_bytes=bucket_bytes, micro_batches=m)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
-        captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
-                           example_targets=example_targets, train=train)
+        captured = (_captures or {}).get(m) or capture(model, example_inputs, loss_fn=loss_fn,
+                                                       example_kwargs=example_kwargs,
+                                                       example_targets=example_targets, train=train)
+        if _captures is not None:
+            _captures[m] = captured
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)

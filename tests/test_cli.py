@@ -249,6 +249,11 @@ def test_pipeline_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 2 and "virtual_stages = 2" in err, err
     code, out, err = run([*args[:-2], "--schedule", "1f1b"], capsys)  # not planned without a pipeline
     assert code == 2 and "add --pipeline AXIS" in err, err
+    searched = ["plan", path, "--mesh", "dp=4", "--hardware", "cpu", "--width", "200", "--pipeline", "pp",
+                "--pipeline-from", "dp", "--schedule", "gpipe"]  # the depth chosen, among 1, 2 and 4 pp ranks
+    code, out, err = run(searched, capsys)
+    assert (code, err) == (0, "")
+    assert "pipeline depth search: 3 depths tried" in out, out
 
 
 def test_gathering_again_per_block_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -370,3 +370,45 @@ def test_compile_plans_the_pipeline_plan_prices() -> None:
     limit = planned(_GPIPE4).predicted.peak_memory_bytes
     expected = [planned(p, memory_limit=limit).plan_hash() for p in (_GPIPE4, autopar.Pipeline(axis="pp"))]
     assert run_ranks(_compiled_hashes, 2, limit) == [expected, expected]
+
+
+def _train_depth_searched(rank: int, world: int, limit: float | None, ref: Reference) -> dict[str, Any]:
+    """``compile`` with the depth left open (``Pipeline(from_axis="dp")``) on a 2-rank dp mesh."""
+    model, inputs, loss_fn, targets = _stack()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit,
+                         zero={"dp": 0}, offload=False, pipeline=autopar.Pipeline(axis="pp", from_axis="dp"))
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    losses = []
+    for _ in range(STEPS):
+        loss = pm.step(*inputs, *targets) if isinstance(pm, PipelinedModule) else pm(*inputs, *targets)
+        if not isinstance(pm, PipelinedModule):
+            loss.backward()
+        losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
+    return {"pipelined": isinstance(pm, PipelinedModule), "plan": pm.plan.plan_hash(), "losses": losses,
+            "held": sorted(params), "state_mismatches": mismatches({k: ref.state[k] for k in params}, params)}
+
+
+@pytest.mark.parametrize("limit", [None, 256 * 1024])
+def test_compile_chooses_the_depth_plan_chooses(limit: float | None) -> None:
+    """Rank 0 searches the depth, every rank lays the mesh out for it and compiles the pinned
+    pipeline (or none): the plan that runs is ``plan``'s, and it trains to the single-device
+    numbers. With memory to spare the stack stays data parallel; under a limit its whole model
+    state does not fit, so it runs as a 2-stage pipeline."""
+    model, inputs, loss_fn, targets = _stack()
+    planned = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                           memory_limit=limit, zero={"dp": 0}, offload=False,
+                           pipeline=autopar.Pipeline(axis="pp", from_axis="dp"))
+    assert (planned.pipeline is not None) == (limit is not None)
+    ref = _reference("stack")
+    results = run_ranks(_train_depth_searched, 2, limit, ref)
+    held = set()
+    for rank, result in enumerate(results):
+        assert result["pipelined"] == (limit is not None) and result["plan"] == planned.plan_hash(), f"rank {rank}"
+        assert result["losses"] == pytest.approx(ref.losses, rel=1e-4, abs=1e-5), f"rank {rank}"
+        assert result["state_mismatches"] == [], f"rank {rank}: {result['state_mismatches']}"
+        held |= set(result["held"])
+    assert held == set(ref.state)

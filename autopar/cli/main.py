@@ -88,11 +88,13 @@ def plan_command(args: argparse.Namespace) -> int:
     model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     pipeline = None
-    if args.pipeline is None and (args.schedule is not None or args.virtual_stages is not None):
-        raise InputError("--schedule and --virtual-stages pin choices of a pipeline: add --pipeline AXIS")
+    if args.pipeline is None and (args.schedule is not None or args.virtual_stages is not None
+                                  or args.pipeline_from is not None):
+        raise InputError("--schedule, --virtual-stages and --pipeline-from are choices of a pipeline: "
+                         "add --pipeline AXIS")
     if args.pipeline is not None:  # --micro-batches is then the pipeline's
         pipeline = autopar.Pipeline(axis=args.pipeline, schedule=args.schedule, micro_batches=args.micro_batches,
-                                    virtual_stages=args.virtual_stages)
+                                    virtual_stages=args.virtual_stages, from_axis=args.pipeline_from)
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
@@ -187,6 +189,9 @@ def parser() -> argparse.ArgumentParser:
     pipe.add_argument("--pipeline", metavar="AXIS", default=None,
                       help="lay pipeline stages along this mesh axis (the first); --micro-batches is then the "
                            "pipeline's")
+    pipe.add_argument("--pipeline-from", metavar="AXIS", default=None,
+                      help="take the --pipeline axis out of this mesh axis (the first), the planner choosing how "
+                           "many pp ranks (1: no pipeline) among its size's divisors")
     pipe.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the pipeline schedule")
     pipe.add_argument("--virtual-stages", type=_positive(int), default=None, metavar="V",
                       help="pin the stages per pp rank (interleaved_1f1b >= 2; zbv and dualpipev 2)")

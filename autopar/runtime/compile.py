@@ -24,7 +24,8 @@ from autopar.runtime.mixed import compute_copy, running_precision
 from autopar.runtime.ops import Comm
 from autopar.solver.memory import example_batch
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.pipeline import PipelinedModule, build_pipelined_module, stage_device_mesh
+from autopar.runtime.pipeline import (PipelinedModule, build_pipelined_module, carved_device_mesh,
+                                      stage_device_mesh)
 from autopar.runtime.program import rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.random import agree_seed
 from autopar.runtime.parameters import InitFn
@@ -139,6 +140,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     failure on any rank, ranks planning differently or passing different seeds) are
     raised on every rank. A pipeline's open choices are rank 0's search (``pipeline_search``).
     """
+    if isinstance(pipeline, Pipeline) and pipeline.from_axis is not None:  # rank 0 chooses the depth first
+        arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "pipeline")}
+        mesh, pipeline = _chosen_depth(pipeline, model, mesh, example_inputs, arguments)
+        return compile(model, mesh, example_inputs, pipeline=pipeline, **arguments)
     _check_world(mesh)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
     try:
@@ -223,6 +228,44 @@ def _chosen_pipeline(pipeline: Pipeline, model: nn.Module, mesh: Mesh, example_i
         return chosen.schedule, chosen.micro_batches, chosen.virtual_stages
     schedule, m, v = _on_rank_zero("choosing the pipeline", search)
     return replace(pipeline, schedule=schedule, micro_batches=m, virtual_stages=v)
+
+
+def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...],
+                  arguments: dict[str, Any]) -> tuple[DeviceMesh, Pipeline | None]:
+    """Rank 0's choice of how many pp ranks to take ``from_axis`` (``pipeline_depth``), every
+    choice of the pipeline made: the mesh laid out for it (a collective) and the pinned pipeline
+    (None: no pipeline), which every rank then compiles as given."""
+    _check_world(mesh)
+    planning_mesh = Mesh.from_device_mesh(mesh, arguments["hardware"])
+    error = "input_sharded=True with Pipeline(from_axis=...): each rank's shard of the batch depends on the " \
+            "depth chosen; pass the whole batch or name the pipeline axis in the mesh" if arguments["input_sharded"] \
+        else _depth_error(pipeline, planning_mesh)
+    _gather_errors("checking the pipeline", error, InputError)
+
+    def search() -> tuple[int, str, int, int] | None:
+        precision, compute_dtype = running_precision(model, arguments["precision"],
+                                                     planning_mesh.hardware.default_precision)
+        planned_model = model if compute_dtype is None else compute_copy(model, compute_dtype)
+        options = {k: v for k, v in arguments.items() if k not in ("init_fn", "init_seed", "seed", "hardware")}
+        chosen = plan_step(planned_model, planning_mesh, example_inputs, pipeline=pipeline,
+                           **{**options, "precision": precision, "_masters": compute_dtype is not None}).plan.pipeline
+        return None if chosen is None else (chosen.size, chosen.schedule, chosen.micro_batches, chosen.virtual_stages)
+    chosen = _on_rank_zero("choosing the pipeline depth", search)
+    if chosen is None:
+        return mesh, None
+    depth, schedule, m, v = chosen
+    names = dict(zip(planning_mesh.names, planning_mesh.shape))
+    carved = _on_every_rank("laying the mesh out for the pipeline", lambda: carved_device_mesh(
+        mesh, pipeline.carved(names, depth)))
+    return carved, replace(pipeline, from_axis=None, schedule=schedule, micro_batches=m, virtual_stages=v)
+
+
+def _depth_error(pipeline: Pipeline, mesh: Mesh) -> str:
+    try:
+        pipeline.check(mesh.axes)
+    except InputError as exc:
+        return _describe_error(exc)
+    return ""
 
 
 def _pipelined_everywhere(pipeline: Pipeline, model: nn.Module, stage_mesh: Mesh, full_mesh: Mesh,

@@ -62,6 +62,12 @@ def stage_device_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:
     return whole[STAGE_AXIS]
 
 
+def carved_device_mesh(mesh: DeviceMesh, axes: dict[str, int]) -> DeviceMesh:
+    """``mesh``'s ranks laid out on ``axes`` (``Pipeline.carved``: a pipeline axis taken out of
+    the first), rank order kept: a collective call on every rank."""
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(tuple(axes.values())), mesh_dim_names=tuple(axes))
+
+
 class PipelinedModule(nn.Module):
     """This rank's stages of a pipelined step, trained with ``loss = pm.step(*inputs, *targets)``.
 

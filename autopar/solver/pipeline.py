@@ -78,15 +78,38 @@ class Pipeline:
     virtual_stages: int | None = None
     """Stages per rank: 1 for gpipe and 1f1b, at least 2 for interleaved_1f1b, 2 for zbv and
     dualpipev. None: the schedule's (interleaved_1f1b: the planner picks 2 or 4)."""
+    from_axis: str | None = None
+    """A mesh axis (the first) to take the pipeline axis out of, its size then the planner's
+    choice (``pipeline_depth``): ``axis`` is not in the mesh; each divisor k of this axis's size
+    is tried as k pp ranks, the axis keeping size / k, and k = 1 as no pipeline at all (a
+    mesh {"dp": 128, "tp": 8} may become {"pp": 16, "dp": 8, "tp": 8}). None: ``axis`` is an
+    axis of the mesh, its size the pp ranks."""
 
     @property
     def pinned(self) -> bool:
         """Whether every choice is made (what the runtime and the stage cuts need)."""
-        return None not in (self.schedule, self.micro_batches, self.virtual_stages)
+        return self.from_axis is None and None not in (self.schedule, self.micro_batches, self.virtual_stages)
+
+    def depths(self, mesh_axes: dict[str, int]) -> list[int]:
+        """The pp ranks the planner tries when the pipeline axis is taken ``from_axis``: every
+        divisor of that axis's size, 1 (no pipeline) first."""
+        assert self.from_axis is not None
+        n = mesh_axes[self.from_axis]
+        return [k for k in range(1, n + 1) if n % k == 0]
+
+    def carved(self, mesh_axes: dict[str, int], depth: int) -> dict[str, int]:
+        """The mesh's axes with ``depth`` pp ranks taken out of ``from_axis`` (outermost: a pp
+        rank's stage mesh is a contiguous block of ranks, as when the user names the axes)."""
+        assert self.from_axis is not None and mesh_axes[self.from_axis] % depth == 0
+        rest = {name: size // depth if name == self.from_axis else size for name, size in mesh_axes.items()}
+        return {self.axis: depth, **rest}
 
     def check(self, mesh_axes: dict[str, int]) -> None:
         """Refuse what no schedule of torch's runs (checked before capture); a choice left to
         the planner is checked once made (``choices``)."""
+        if self.from_axis is not None:
+            self._check_from(mesh_axes)
+            mesh_axes = self.carved(mesh_axes, mesh_axes[self.from_axis])  # the deepest: every axis named
         if not isinstance(self.axis, str) or self.axis not in mesh_axes:
             raise InputError(f"pipeline axis {self.axis!r} is not an axis of the mesh {dict(mesh_axes)}")
         if next(iter(mesh_axes)) != self.axis:  # the stage meshes' links are then those of the whole mesh
@@ -105,6 +128,18 @@ class Pipeline:
             self._check_virtual(self.schedule, self.virtual_stages)
         if self.pinned:
             self.check_counts(p)
+
+    def _check_from(self, mesh_axes: dict[str, int]) -> None:
+        if not isinstance(self.from_axis, str) or self.from_axis not in mesh_axes:
+            raise InputError(f"pipeline from_axis {self.from_axis!r} is not an axis of the mesh {dict(mesh_axes)}")
+        if next(iter(mesh_axes)) != self.from_axis:  # the pp axis then goes first, as ``check`` wants it
+            raise InputError(f"pipeline from_axis {self.from_axis!r} must be the mesh's first (outermost) axis; the "
+                             f"mesh's axes are {tuple(mesh_axes)}")
+        if self.axis in mesh_axes:
+            raise InputError(f"pipeline axis {self.axis!r} is already an axis of the mesh {dict(mesh_axes)}: with "
+                             f"from_axis the planner makes it, taking its size out of {self.from_axis!r}")
+        if mesh_axes[self.from_axis] < 2:
+            raise InputError(f"pipeline from_axis {self.from_axis!r} has 1 device: no pipeline can be taken out of it")
 
     @staticmethod
     def _check_virtual(schedule: str, v: int) -> None:

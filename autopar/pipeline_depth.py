@@ -1,0 +1,74 @@
+"""Choosing how deep to pipeline: ``Pipeline(from_axis=...)`` leaves the number of pp ranks
+to the planner, taken out of the mesh's first axis (a mesh ``{"dp": 128, "tp": 8}`` becomes
+``{"pp": k, "dp": 128 / k, "tp": 8}``).
+
+Every divisor k of that axis's size is planned as Alpa's inter-op pass plans a submesh shape
+(Zheng et al. 2022, §5: the pipeline's stage submeshes enumerated, each stage's intra-op plan
+the ILP's): k = 1 is the step without a pipeline, planned as ``plan`` plans any step (its
+memory search may run micro-batches, ZeRO, checkpointing, offload); each k >= 2 is the
+pipeline search of ``pipeline_search`` on the carved mesh (schedule, stages per rank,
+micro-batches and cuts, each pinned where ``Pipeline`` pins it). The fastest plan that fits
+the memory limit wins, ties to the shallower pipeline, so every rank and run choose alike;
+the plan's notes say what each depth gave or why it gave nothing. The depths share their
+captures: a step captured at one micro-batch size is captured once (``prepare_step``'s
+``_captures``), since the mesh does not change the graph.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from autopar.errors import InputError
+from autopar.mesh import Mesh
+from autopar.solver.ilp import MemoryLimitError
+from autopar.solver.pipeline import Pipeline
+from autopar.step import PlannedStep
+from autopar.units import fmt_bytes, fmt_time
+
+DepthPlanner = Callable[[Mesh, Pipeline | None], PlannedStep]
+"""(mesh, pipeline on it or None) -> the step planned there (``plan_step``)."""
+
+
+def plan_depths(spec: Pipeline, mesh: Mesh, plan_at: DepthPlanner) -> PlannedStep:
+    """The fastest plan over the pipeline depths ``spec`` leaves open (module docstring)."""
+    began = time.perf_counter()
+    spec.check(mesh.axes)
+    found: list[tuple[int, PlannedStep]] = []
+    skipped: list[str] = []
+    for depth in spec.depths(mesh.axes):
+        try:
+            found.append((depth, plan_at(*_at_depth(spec, mesh, depth))))
+        except MemoryLimitError as exc:
+            skipped.append(f"pp={depth}: {exc}")
+        except InputError as exc:
+            if depth == 1:  # the step itself is refused: no depth would plan it
+                raise
+            skipped.append(f"pp={depth}: {exc}")  # e.g. no schedule runs that many ranks on this batch
+    if not found:
+        raise MemoryLimitError(f"no pipeline depth on {spec.from_axis}={mesh.axes[spec.from_axis]} gives a plan "
+                               f"that fits: {'; '.join(skipped[:4])}")
+    depth, best = min(found, key=lambda f: f[1].plan.predicted.step_time_s)  # min keeps the shallowest of equals
+    return _annotated(depth, best, found, skipped, time.perf_counter() - began)
+
+
+def _at_depth(spec: Pipeline, mesh: Mesh, depth: int) -> tuple[Mesh, Pipeline | None]:
+    """The mesh and pipeline of ``depth`` pp ranks (depth 1: the mesh as given, no pipeline)."""
+    if depth == 1:
+        return mesh, None
+    carved = Mesh(spec.carved(mesh.axes, depth), mesh.hardware, mesh.devices_per_node)
+    return carved, replace(spec, from_axis=None)
+
+
+def _annotated(depth: int, best: PlannedStep, found: list[tuple[int, PlannedStep]], skipped: list[str],
+               seconds: float) -> PlannedStep:
+    """The chosen step, its plan saying what each depth gave."""
+    plan = best.plan
+    each = "; ".join(f"pp={k} {fmt_time(s.plan.predicted.step_time_s)} "
+                     f"({fmt_bytes(s.plan.predicted.peak_memory_bytes)})" for k, s in found)
+    note = (f"pipeline depth search: {len(found) + len(skipped)} depths tried, chosen "
+            f"{'no pipeline' if depth == 1 else f'pp={depth}'}; {each}"
+            + "".join(f"; {why[:300]}" for why in skipped[:3]))
+    timings = {**plan.timings, "pipeline depth search": seconds}
+    return replace(best, plan=replace(plan, notes=[*plan.notes, note], timings=timings))

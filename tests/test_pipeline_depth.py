@@ -1,0 +1,113 @@
+"""How deep to pipeline (``autopar.pipeline_depth``): ``Pipeline(from_axis=...)`` takes the
+pp ranks out of the mesh's first axis, each depth planned and the fastest that fits chosen;
+planning only, no ranks (compile's side: tests/test_numerics_pipeline.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+import autopar.api
+from autopar.errors import InputError
+
+SEARCH = autopar.Pipeline(axis="pp", from_axis="dp")
+PINS = {"zero": {"dp": 0}, "offload": False}
+"""Parameters whole on dp and no offload: without a pipeline the step cannot shed model state,
+so a limit below it leaves only pipelines (each pp rank holds its stages' state)."""
+KiB = 1024
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(4))
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def _plan(mesh: dict[str, int], pipeline: autopar.Pipeline | None = SEARCH, **options: Any) -> autopar.Plan:
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    return autopar.plan(_Stack(), autopar.Mesh(mesh, "cpu"), (x,), loss_fn=nn.functional.mse_loss,
+                        example_targets=(y,), pipeline=pipeline, **options)
+
+
+def test_depths_and_carved_axes() -> None:
+    assert SEARCH.depths({"dp": 12, "tp": 2}) == [1, 2, 3, 4, 6, 12]
+    assert SEARCH.carved({"dp": 12, "tp": 2}, 4) == {"pp": 4, "dp": 3, "tp": 2}
+    assert SEARCH.carved({"dp": 12, "tp": 2}, 12) == {"pp": 12, "dp": 1, "tp": 2}
+    assert not SEARCH.pinned and not autopar.Pipeline(schedule="gpipe", micro_batches=2, virtual_stages=1,
+                                                      from_axis="dp").pinned
+
+
+@pytest.mark.parametrize("pipeline, mesh, message", [
+    (autopar.Pipeline(axis="pp", from_axis="dp"), {"tp": 2, "dp": 2}, r"first \(outermost\) axis"),
+    (autopar.Pipeline(axis="pp", from_axis="data"), {"dp": 2}, "not an axis of the mesh"),
+    (autopar.Pipeline(axis="pp", from_axis="dp"), {"dp": 2, "pp": 2}, "already an axis"),
+    (autopar.Pipeline(axis="pp", from_axis="dp"), {"dp": 1, "tp": 2}, "1 device"),
+    (autopar.Pipeline(axis="pp", from_axis="dp", schedule="zbv", virtual_stages=3), {"dp": 2}, "virtual_stages"),
+])
+def test_bad_depth_searches_are_refused(pipeline: autopar.Pipeline, mesh: dict[str, int], message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        _plan(mesh, pipeline)
+
+
+def test_ample_memory_keeps_the_step_unpipelined() -> None:
+    """With room to spare the 4-block stack runs fastest as plain data parallelism (a pipeline
+    pays its bubble); the plan is the one ``plan`` gives without a pipeline, and the note lists
+    every depth with its time."""
+    plan = _plan({"dp": 4})
+    assert plan.pipeline is None
+    assert plan.plan_hash() == _plan({"dp": 4}, None).plan_hash()
+    note = plan.notes[-1]
+    assert note.startswith("pipeline depth search: 3 depths tried, chosen no pipeline")
+    assert all(f"pp={k} " in note for k in (1, 2, 4))
+
+
+def test_a_tight_limit_chooses_the_fastest_fitting_depth() -> None:
+    """Below the unpipelined step's least memory (its model state whole: ``PINS``) only pipelines
+    fit; the chosen one is the plan of the pipeline search on the carved mesh, priced alike,
+    and no depth that fits is faster."""
+    limit = 256 * KiB
+    plan = _plan({"dp": 4}, memory_limit=limit, **PINS)
+    assert plan.pipeline is not None and plan.predicted.peak_memory_bytes <= limit
+    depth = plan.pipeline.size
+    carved = _plan({"pp": depth, "dp": 4 // depth}, autopar.Pipeline(axis="pp"), memory_limit=limit, **PINS)
+    assert plan.plan_hash() == carved.plan_hash()
+    assert plan.predicted.step_time_s == carved.predicted.step_time_s
+    for other in {2, 4} - {depth}:
+        try:
+            rival = _plan({"pp": other, "dp": 4 // other}, autopar.Pipeline(axis="pp"), memory_limit=limit, **PINS)
+        except autopar.MemoryLimitError:
+            continue
+        assert rival.predicted.step_time_s >= plan.predicted.step_time_s
+    assert "pp=1: no plan fits" in plan.notes[-1]
+
+
+def test_nothing_fitting_says_why_for_each_depth() -> None:
+    with pytest.raises(autopar.MemoryLimitError, match=r"no pipeline depth on dp=2 .*pp=1: .*pp=2: "):
+        _plan({"dp": 2}, memory_limit=16 * KiB, **PINS)
+
+
+def test_depths_share_their_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A micro-batch size is captured once for all depths: the mesh does not change the graph."""
+    calls: list[int] = []
+    real = autopar.api.capture
+
+    def counted(model: nn.Module, inputs: tuple[Any, ...], **kwargs: Any) -> Any:
+        calls.append(inputs[0].shape[0])
+        return real(model, inputs, **kwargs)
+    monkeypatch.setattr(autopar.api, "capture", counted)
+    _plan({"dp": 4})
+    assert sorted(calls) == sorted(set(calls))
+    assert 8 in calls and len(calls) > 1  # the whole batch (no pipeline) and some micro-batch sizes
