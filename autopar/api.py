@@ -92,35 +92,38 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
     backward, the first blocks'), ``micro_batches=`` and ``offload=`` pin them
     (``plan.memory`` says what was chosen). ``pipeline=autopar.Pipeline(axis=, schedule=,
     micro_batches=, virtual_stages=)`` pins a pipeline on one mesh axis: the stages are cut
-    between repeated blocks, balanced, and planned on the other axes (``plan.pipeline``).
-    Nothing runs on devices; a meta-device model is planned without allocating weights.
+    between repeated blocks, balanced, and planned on the other axes (``plan.pipeline``);
+    ``Pipeline(from_axis=...)`` also leaves the number of pp ranks (1: none) to the planner
+    (``pipeline_depth``). Nothing runs on devices; a meta-device model is planned without allocating weights.
     """
     return plan_step(model, mesh, example_inputs, **kwargs).plan
 
 
 def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
-              progress: bool = False, pipeline: Pipeline | None = None, **kwargs: Any) -> PlannedStep:
+              progress: bool = False, pipeline: Pipeline | None = None, _cutoff_s: float = math.inf,
+              **kwargs: Any) -> PlannedStep:
     """``plan`` keeping the captured graph and chosen strategies (what execution needs).
 
     Arguments as :func:`prepare_step`; ``progress`` shows the stage on stderr. With
     ``pipeline`` (an ``autopar.Pipeline``), the step is planned on the mesh without the
     pipeline axis for one micro-batch (``pipeline_options``) and cut into the pipeline's
-    stages (``plan.pipeline``).
+    stages (``plan.pipeline``); ``_cutoff_s`` as ``pipeline_search.plan_pipelined``'s.
     """
     if pipeline is not None:
         mesh, pipeline = _as_mesh(mesh), as_pipeline(pipeline)
         if pipeline.from_axis is not None:  # the depth is searched; the depths share their captures
             shared = {"_captures": {}, **kwargs}
-            return plan_depths(pipeline, mesh, lambda at, chosen: plan_step(
-                model, at, example_inputs, progress=progress, pipeline=chosen, **shared))
+            return plan_depths(pipeline, mesh, lambda at, chosen, cutoff_s: plan_step(
+                model, at, example_inputs, progress=progress, pipeline=chosen, _cutoff_s=cutoff_s, **shared))
         return plan_pipeline(pipeline, mesh, example_inputs, kwargs, lambda options: plan_step(
-            model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options))
+            model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options), _cutoff_s)
     prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
     return finish_step(prepared, solve_step(prepared, progress=progress))
 
 
 def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...], options: dict[str, Any],
-                  plan_stage_mesh: Callable[[dict[str, Any]], PlannedStep]) -> PlannedStep:
+                  plan_stage_mesh: Callable[[dict[str, Any]], PlannedStep], cutoff_s: float = math.inf
+                  ) -> PlannedStep:
     """The step planned on the stage mesh for one micro-batch and cut into stages, the choices
     ``pipeline`` leaves open searched (``pipeline_search``). ``plan_stage_mesh``: ``plan_step``'s
     options -> the step planned on the stage mesh (``plan_step`` itself; in ``compile`` every
@@ -133,7 +136,7 @@ def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...
     def plan_stage(m: int, memory_limit: float) -> PlannedStep:
         return plan_stage_mesh({**options, "micro_batches": m, "memory_limit": memory_limit,
                                 "_pipeline_ranks": mesh.axes[pipeline.axis]})
-    return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways)
+    return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways, cutoff_s)
 
 
 def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) -> dict[str, Any]:

@@ -9,13 +9,17 @@ memory search may run micro-batches, ZeRO, checkpointing, offload); each k >= 2 
 pipeline search of ``pipeline_search`` on the carved mesh (schedule, stages per rank,
 micro-batches and cuts, each pinned where ``Pipeline`` pins it). The fastest plan that fits
 the memory limit wins, ties to the shallower pipeline, so every rank and run choose alike;
-the plan's notes say what each depth gave or why it gave nothing. The depths share their
+the plan's notes say what each depth gave or why it gave nothing. A depth whose pipelines
+planned without the limit neither fit nor beat the best plan found is not planned again under
+the limit (``pipeline_search.Outpaced``: that search is most of a large model's planning time;
+depths go shallow to deep, and the unpipelined step first). The depths share their
 captures: a step captured at one micro-batch size is captured once (``prepare_step``'s
 ``_captures``), since the mesh does not change the graph.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,8 +31,9 @@ from autopar.solver.pipeline import Pipeline
 from autopar.step import PlannedStep
 from autopar.units import fmt_bytes, fmt_time
 
-DepthPlanner = Callable[[Mesh, Pipeline | None], PlannedStep]
-"""(mesh, pipeline on it or None) -> the step planned there (``plan_step``)."""
+DepthPlanner = Callable[[Mesh, Pipeline | None, float], PlannedStep]
+"""(mesh, pipeline on it or None, cutoff seconds) -> the step planned there (``plan_step``; the
+cutoff as ``pipeline_search.plan_pipelined``'s)."""
 
 
 def plan_depths(spec: Pipeline, mesh: Mesh, plan_at: DepthPlanner) -> PlannedStep:
@@ -38,9 +43,10 @@ def plan_depths(spec: Pipeline, mesh: Mesh, plan_at: DepthPlanner) -> PlannedSte
     found: list[tuple[int, PlannedStep]] = []
     skipped: list[str] = []
     for depth in spec.depths(mesh.axes):
+        fastest = min((s.plan.predicted.step_time_s for _, s in found), default=math.inf)
         try:
-            found.append((depth, plan_at(*_at_depth(spec, mesh, depth))))
-        except MemoryLimitError as exc:
+            found.append((depth, plan_at(*_at_depth(spec, mesh, depth), fastest)))
+        except MemoryLimitError as exc:  # Outpaced included
             skipped.append(f"pp={depth}: {exc}")
         except InputError as exc:
             if depth == 1:  # the step itself is refused: no depth would plan it

@@ -52,10 +52,20 @@ class _Priced:
         return self.step.plan.predicted.peak_memory_bytes
 
 
+class Outpaced(MemoryLimitError):
+    """No pipeline planned without the memory limit fits, and none is faster than ``cutoff_s``:
+    the stage plans are not solved again under the limit (``pipeline_depth``: another depth's
+    plan is already faster)."""
+
+
 def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: int | None,
-                   memory_limit: float, batch_ways: int = 1) -> PlannedStep:
+                   memory_limit: float, batch_ways: int = 1, cutoff_s: float = math.inf) -> PlannedStep:
     """The fastest pipeline ``spec`` allows that fits ``memory_limit`` (module docstring);
-    ``batch_ways``: how many ways the data axes split each micro-batch."""
+    ``batch_ways``: how many ways the data axes split each micro-batch. ``cutoff_s``: when
+    nothing planned without the limit fits and nothing so planned is faster than this, raise
+    ``Outpaced`` rather than plan under the limit (a plan made under the limit has an ILP
+    objective no lower than without it, so in practice it is priced no faster; the cuts may
+    balance differently, so this is a bound in practice, not a proof)."""
     began = time.perf_counter()
     p = mesh.axes[spec.axis]
     choices = spec.choices(p, batch, blocks=math.inf, batch_ways=batch_ways)  # type: ignore[arg-type]
@@ -70,6 +80,10 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
                       refused) for m in counts}
     priced = [f for m in counts for f in free[m]]
     if not any(f.peak_bytes <= memory_limit for f in priced) and math.isfinite(memory_limit):
+        bound = min((f.step_time_s for f in priced), default=math.inf)
+        if bound >= cutoff_s:
+            raise Outpaced(f"its pipelines planned without the memory limit do not fit and are no faster "
+                           f"({fmt_s(bound)}) than the best plan found ({fmt_s(cutoff_s)}): not planned under the limit")
         priced += _limited(plan_stage, free, choices, mesh, spec.pinned, memory_limit, refused, unfit)
     fitting = [f for f in priced if f.peak_bytes <= memory_limit]
     if not fitting:

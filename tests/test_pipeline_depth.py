@@ -111,3 +111,22 @@ def test_depths_share_their_captures(monkeypatch: pytest.MonkeyPatch) -> None:
     _plan({"dp": 4})
     assert sorted(calls) == sorted(set(calls))
     assert 8 in calls and len(calls) > 1  # the whole batch (no pipeline) and some micro-batch sizes
+
+
+def test_a_depth_outpaced_is_not_planned_under_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When no pipeline planned without the limit fits and none beats the cutoff (the best plan of
+    another depth), the stage mesh is not solved again under the limit: ``Outpaced``."""
+    from autopar.pipeline_search import Outpaced
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    limits: list[float] = []
+    real = autopar.api.plan_step
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        limits.append(kwargs.get("memory_limit"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(autopar.api, "plan_step", recorded)
+    with pytest.raises(Outpaced, match="no faster"):
+        real(_Stack(), autopar.Mesh({"pp": 2, "dp": 2}, "cpu"), (x,), loss_fn=nn.functional.mse_loss,
+             example_targets=(y,), pipeline=autopar.Pipeline(axis="pp"), memory_limit=100 * KiB, _cutoff_s=1e-9)
+    assert limits and all(limit == float("inf") for limit in limits)  # the free stage plans only
