@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from autopar.capture import CapturedGraph, capture
+from autopar.capture import CapturedGraph, capture, reuse_captures
 from autopar.cost import get_precision
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.model import CostContext
@@ -112,9 +112,9 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
     if pipeline is not None:
         mesh, pipeline = _as_mesh(mesh), as_pipeline(pipeline)
         if pipeline.from_axis is not None:  # the depth is searched; the depths share their captures
-            shared = {"_captures": {}, **kwargs}
-            return plan_depths(pipeline, mesh, lambda at, chosen, cutoff_s: plan_step(
-                model, at, example_inputs, progress=progress, pipeline=chosen, _cutoff_s=cutoff_s, **shared))
+            with reuse_captures():
+                return plan_depths(pipeline, mesh, lambda at, chosen, cutoff_s: plan_step(
+                    model, at, example_inputs, progress=progress, pipeline=chosen, _cutoff_s=cutoff_s, **kwargs))
         return plan_pipeline(pipeline, mesh, example_inputs, kwargs, lambda options: plan_step(
             model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options), _cutoff_s)
     prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
@@ -175,8 +175,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
-                 _masters: bool = False, _pipeline_ranks: int | None = None,
-                 _captures: dict[int, CapturedGraph] | None = None) -> PreparedStep:
+                 _masters: bool = False, _pipeline_ranks: int | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -190,8 +189,6 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
     stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
     pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``).
-    ``_captures``: steps captured before, by micro-batch count, for calls that differ only in
-    the mesh and memory options (``pipeline_depth``); a capture made here is added.
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
 
@@ -216,11 +213,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                       bucket_bytes=bucket_bytes, micro_batches=m)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
-        captured = (_captures or {}).get(m) or capture(model, example_inputs, loss_fn=loss_fn,
-                                                       example_kwargs=example_kwargs,
-                                                       example_targets=example_targets, train=train)
-        if _captures is not None:
-            _captures[m] = captured
+        captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
+                           example_targets=example_targets, train=train)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)

@@ -13,8 +13,8 @@ the plan's notes say what each depth gave or why it gave nothing. A depth whose 
 planned without the limit neither fit nor beat the best plan found is not planned again under
 the limit (``pipeline_search.Outpaced``: that search is most of a large model's planning time;
 depths go shallow to deep, and the unpipelined step first). The depths share their
-captures: a step captured at one micro-batch size is captured once (``prepare_step``'s
-``_captures``), since the mesh does not change the graph.
+captures: a step captured at one micro-batch size is captured once (``capture.reuse_captures``),
+since the mesh does not change the graph.
 """
 
 from __future__ import annotations

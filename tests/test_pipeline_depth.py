@@ -102,12 +102,12 @@ def test_nothing_fitting_says_why_for_each_depth() -> None:
 def test_depths_share_their_captures(monkeypatch: pytest.MonkeyPatch) -> None:
     """A micro-batch size is captured once for all depths: the mesh does not change the graph."""
     calls: list[int] = []
-    real = autopar.api.capture
+    real = torch.export.export
 
-    def counted(model: nn.Module, inputs: tuple[Any, ...], **kwargs: Any) -> Any:
-        calls.append(inputs[0].shape[0])
-        return real(model, inputs, **kwargs)
-    monkeypatch.setattr(autopar.api, "capture", counted)
+    def counted(step: nn.Module, args: tuple[Any, ...], **kwargs: Any) -> Any:
+        calls.append(args[0].shape[0])
+        return real(step, args, **kwargs)
+    monkeypatch.setattr(torch.export, "export", counted)
     _plan({"dp": 4})
     assert sorted(calls) == sorted(set(calls))
     assert 8 in calls and len(calls) > 1  # the whole batch (no pipeline) and some micro-batch sizes
