@@ -13,26 +13,13 @@ from torch import nn
 import autopar
 import autopar.api
 from autopar.errors import InputError
+from test_numerics_pipeline import _Stack  # four residual MLP blocks and a head
 
 SEARCH = autopar.Pipeline(axis="pp", from_axis="dp")
 PINS = {"zero": {"dp": 0}, "offload": False}
 """Parameters whole on dp and no offload: without a pipeline the step cannot shed model state,
 so a limit below it leaves only pipelines (each pp rank holds its stages' state)."""
 KiB = 1024
-
-
-class _Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(4))
-        self.out = nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.out(x)
 
 
 def _plan(mesh: dict[str, int], pipeline: autopar.Pipeline | None = SEARCH, **options: Any) -> autopar.Plan:
