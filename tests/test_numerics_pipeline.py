@@ -73,7 +73,14 @@ def _hf_llama() -> Any:
     return model, (ids,), None, (), {"labels": labels, "attention_mask": mask}
 
 
-MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack, "hf_llama": _hf_llama}
+def _wide_vocab() -> Any:
+    """Two thin blocks under a 4096-word output head: the tail outweighs the blocks, so it takes
+    a stage alone (and with interleaving the embedding too)."""
+    return llama.build(llama.LlamaConfig(layers=2, hidden=32, heads=2, kv_heads=1, ffn_hidden=64, vocab_size=4096))
+
+
+MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack, "hf_llama": _hf_llama,
+                                        "wide_vocab": _wide_vocab}
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,9 @@ CASES = [
                                                           "checkpoint": "selective", "checkpoint_blocks": 3}),
     Case("llama", (2, 2), ("pp", "tp"), "interleaved_1f1b", 4, 2, {"constraints": llama.TP_PLAN,
                                                                    "checkpoint": "full"}),
+    # the head and the tail as stages of their own (test_head_and_tail_take_stages_alone)
+    Case("wide_vocab", (2,), ("pp",), "1f1b", 2),
+    Case("wide_vocab", (2,), ("pp",), "interleaved_1f1b", 4, 2),
 ]
 _REFERENCES: dict[str, Reference] = {}
 
@@ -278,6 +288,20 @@ def test_interleaved_bubble_and_v_placement() -> None:
     assert v.pipeline.stage_mesh == {"stage": 1}
 
 
+def test_head_and_tail_take_stages_alone() -> None:
+    """The head and the tail are units of their own: a heavy output head takes the last stage
+    alone, and with four stages for two blocks the embedding takes the first (a stage of no
+    repeated block); each stage's seconds are its ops' (the tail's are the head's matmul and loss)."""
+    stages = _plan(autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2), {"pp": 2}, _wide_vocab)
+    assert [s.blocks for s in stages.pipeline.stages] == [["(head)", "layers.0", "layers.1"], ["(tail)"]]
+    interleaved = _plan(autopar.Pipeline(axis="pp", schedule="interleaved_1f1b", micro_batches=4, virtual_stages=2),
+                        {"pp": 2}, _wide_vocab).pipeline
+    assert [s.blocks for s in interleaved.stages] == [["(head)"], ["layers.0"], ["layers.1"], ["(tail)"]]
+    assert "0@pp0: (head) | 1@pp1: layers.0 | 2@pp0: layers.1 | 3@pp1: (tail)" in interleaved.describe()
+    heaviest = max(interleaved.stages, key=lambda s: s.forward_s + s.backward_s)
+    assert heaviest.blocks == ["(tail)"]
+
+
 def test_balanced_cuts() -> None:
     assert balanced_cuts([3.0, 1.0, 1.0, 1.0], 2) == [0, 1]
     assert balanced_cuts([1.0, 1.0, 1.0, 3.0], 2) == [0, 3]
@@ -294,7 +318,7 @@ def test_balanced_cuts() -> None:
     (autopar.Pipeline(axis="pp", schedule="bogus"), {"pp": 2}, "schedules are"),
     (autopar.Pipeline(axis="x", schedule="gpipe"), {"pp": 2}, "not an axis"),
     (autopar.Pipeline(axis="pp", schedule="gpipe"), {"tp": 2, "pp": 2}, "first (outermost)"),
-    (autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=2, virtual_stages=1), {"pp": 8}, "needs 8 stages"),
+    (autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=2, virtual_stages=1), {"pp": 8}, "needs 8 stages of at least one unit"),
     (autopar.Pipeline(axis="pp", schedule="gpipe"), {"pp": 8}, "can be cut for this model"),
     (autopar.Pipeline(axis="pp", micro_batches=3), {"pp": 2}, "divide the batch"),
 ])

@@ -1,9 +1,11 @@
 """Stage cuts of a pinned pipeline and what they are predicted to cost.
 
-The layer stack is cut between repeated blocks (``solver.memory.block_of``) into p x v
-contiguous stages: the head (what runs before the first block: embeddings) joins the
-first stage, the tail (final norm, output head, loss) the last, and code between two
-blocks the block before it. The cuts minimize the slowest stage's predicted forward +
+The layer stack is cut into p x v contiguous stages between units: the head (what runs
+before the first block: embeddings), each repeated block (``solver.memory.block_of``; code
+between two blocks goes with the block before it), the tail (final norm, output head, loss).
+The head and the tail are units of their own, so a large vocabulary's output head may take
+a stage alone (Narayanan et al. 2021 give the first and last stages fewer layers for the
+same reason) when the stages outnumber what the blocks balance. The cuts minimize the slowest stage's predicted forward +
 backward seconds of one micro-batch (a linear partition, solved exactly by a small dynamic
 program; ties go to the earliest cuts, so every rank cuts alike). The intra-stage plan is
 the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
@@ -141,32 +143,35 @@ class PipelinePlan:
 
 def _span(blocks: list[str]) -> str:
     inner = [b for b in blocks if b not in (HEAD, TAIL)]
+    if not inner:  # a stage of the head or the tail alone
+        return " + ".join(blocks)
     text = inner[0] if len(inner) == 1 else f"{inner[0]}..{inner[-1].rsplit('.', 1)[-1]}"
     return " + ".join(([HEAD] if HEAD in blocks else []) + [text] + ([TAIL] if TAIL in blocks else []))
 
 
 def block_units(graph: PlanGraph) -> tuple[list[str], dict[str, int]]:
-    """The blocks in graph order and each op node's block index (head -> first, code after
-    a block -> that block). Refuses a model without enough structure to cut."""
+    """The units stages are cut into, in graph order, and each op node's unit index: the head
+    (the ops before the first block: embeddings) when there are any, each repeated block (with
+    the code after it, up to the next block), the tail (the ops after the last block: final
+    norm, output head, loss) when there are any. Refuses blocks that do not run one after another."""
+    ops = [name for name in graph.order if graph.nodes[name].kind == OP]
+    owner = {name: block_of(graph.nodes[name].module) for name in ops}
+    in_blocks = [i for i, name in enumerate(ops) if owner[name] is not None]
+    if not in_blocks:
+        return [], {}
+    first, last = in_blocks[0], in_blocks[-1]
+    head = [HEAD] if first > 0 else []
     blocks: list[str] = []
     unit: dict[str, int] = {}
-    head: list[str] = []
-    for name in graph.order:
-        node = graph.nodes[name]
-        if node.kind != OP:
-            continue
-        block = block_of(node.module)
+    for i, name in enumerate(ops):
+        block = owner[name]
         if block is not None and block not in blocks:
             blocks.append(block)
         elif block is not None and blocks[-1] != block:
             raise InputError(f"pipeline stages are cut between repeated blocks, but {name} (in {block}) runs after "
                              f"{blocks[-1]} started: the blocks do not run one after another")
-        if not blocks:
-            head.append(name)
-        else:
-            unit[name] = len(blocks) - 1
-    unit.update({name: 0 for name in head})
-    return blocks, unit
+        unit[name] = 0 if i < first else len(head) + len(blocks) - 1 if i <= last else len(head) + len(blocks)
+    return head + blocks + ([TAIL] if last < len(ops) - 1 else []), unit
 
 
 def balanced_cuts(weights: list[float], stages: int) -> list[int]:
@@ -204,10 +209,12 @@ def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     blocks, unit = block_units(graph)
-    if len(blocks) < count:
+    repeated = [b for b in blocks if b not in (HEAD, TAIL)]
+    if not repeated or len(blocks) < count:
         raise InputError(f"pipeline {pipeline.schedule} on {pipeline.axis}={p} with {pipeline.virtual_stages} "
-                         f"stages per rank needs {count} stages of at least one repeated block each; the model has "
-                         f"{len(blocks)} ({', '.join(blocks) or 'no indexed block container'})")
+                         f"stages per rank needs {count} stages of at least one unit each (the head, a repeated "
+                         f"block, the tail); the model has {len(blocks)} "
+                         f"({', '.join(blocks) or 'no indexed block container'})")
     seconds = {n.name: (n.forward_s, n.backward_s) for n in nodes}
     weights = [0.0] * len(blocks)
     for name, u in unit.items():
@@ -258,7 +265,6 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     for s in range(count):
         mine = [n for n, t in params.items() if t == s]
         names = [b for b, u in zip(blocks, stage_of_unit) if u == s]
-        names = ([HEAD] if s == 0 else []) + names + ([TAIL] if s == count - 1 else [])
         stages.append(StagePlan(index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
                                 parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine),
                                 parameters=len(mine), sends_bytes=sends[s] if s < count - 1 else 0.0,
