@@ -28,6 +28,7 @@ from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.pipeline import Pipeline
+from autopar.solver.stages import block_units
 from autopar.step import PlannedStep
 from autopar.units import fmt_bytes, fmt_time
 
@@ -42,8 +43,15 @@ def plan_depths(spec: Pipeline, mesh: Mesh, plan_at: DepthPlanner) -> PlannedSte
     spec.check(mesh.axes)
     found: list[tuple[int, PlannedStep]] = []
     skipped: list[str] = []
+    units: int | None = None  # what a pipeline can be cut into, once some depth has planned the step
     for depth in spec.depths(mesh.axes):
         fastest = min((s.plan.predicted.step_time_s for _, s in found), default=math.inf)
+        if found and units is None:
+            units = len(block_units(found[0][1].graph)[0])
+        if units is not None and depth > units:  # not planned: no stage would be left without a unit
+            skipped.append(f"pp={depth}: more pp ranks than the {units} units a pipeline cuts this model into "
+                           "(the head, the repeated blocks, the tail)")
+            continue
         try:
             found.append((depth, plan_at(*_at_depth(spec, mesh, depth), fastest)))
         except MemoryLimitError as exc:  # Outpaced included

@@ -117,3 +117,9 @@ def test_a_depth_outpaced_is_not_planned_under_the_limit(monkeypatch: pytest.Mon
         real(_Stack(), autopar.Mesh({"pp": 2, "dp": 2}, "cpu"), (x,), loss_fn=nn.functional.mse_loss,
              example_targets=(y,), pipeline=autopar.Pipeline(axis="pp"), memory_limit=100 * KiB, _cutoff_s=1e-9)
     assert limits and all(limit == float("inf") for limit in limits)  # the free stage plans only
+
+
+def test_depths_beyond_the_units_are_not_planned() -> None:
+    """The stack cuts into 6 units (head, 4 blocks, tail): 8 pp ranks are not planned."""
+    plan = _plan({"dp": 8})
+    assert "pp=8: more pp ranks than the 6 units" in plan.notes[-1]
