@@ -141,6 +141,25 @@ def test_rank_memory_counts_every_activation_byte_of_the_step() -> None:
         assert total == pytest.approx(stage.predicted.activation_memory_bytes, rel=1e-12)
 
 
+def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
+    """A micro-batched stage plan holds its gradient-bucket buffers for the step (``bucket_buffer_bytes``);
+    the pipelined runtime accumulates in ``.grad`` and keeps none, so on pp=2 x dp=2 the ranks hold
+    the stage plan's activation bytes less those buffers, not the whole model's buffers each."""
+    from autopar.solver.plan import bucket_buffer_bytes
+    from autopar.step import with_pipeline
+
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
+    stage = autopar.api.plan_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                                  example_targets=targets, micro_batches=4, memory_limit=math.inf, _pipeline_ranks=2)
+    buffers = bucket_buffer_bytes(stage.plan.grad_buckets, stage.ctx)
+    assert buffers > 0
+    pipe = with_pipeline(stage, _pinned("gpipe", 4), autopar.Mesh({"pp": 2, "dp": 2}, "cpu")).plan.pipeline
+    for s in pipe.stages:
+        extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - 4 * s.activation_bytes
+        total = extra + sum(t.activation_bytes for t in pipe.stages)
+        assert total == pytest.approx(stage.plan.predicted.activation_memory_bytes - buffers, rel=1e-12)
+
+
 @pytest.mark.parametrize("schedule, v, expected", [
     ("gpipe", 1, [16.0] * 4),  # every forward first: m in flight
     ("1f1b", 1, [4.0, 3.0, 2.0, 1.0]),  # Narayanan et al. 2021 §2.2.1: rank r holds p - r

@@ -145,7 +145,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             _add_shared(model, [links[k] for k in keys], count, memory_row, terms)
     sync.add_bucket_rows()
     sync.add_gather_rows(x)
-    sync.add_buffer_memory(memory_row)
+    if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``step.with_pipeline``)
+        sync.add_buffer_memory(memory_row)
     sync.add_overlap_row({j: mult[v] * backward_time(cost, ctx) * SCALE for v in reps if graph.nodes[v].kind == OP
                           for j, cost in zip(x[v], graph.nodes[v].costs)})
     overlap.add_rows(x)
