@@ -257,3 +257,22 @@ def test_forward_only_accepts_a_model_returning_logits() -> None:
     assert [tuple(v.shape) for v in output_values(cg)] == [(2, 8)]
     assert sorted(cg.parameters.values()) == ["bias", "weight"]
 
+
+
+def test_reuse_captures_traces_each_shape_once() -> None:
+    """Inside ``reuse_captures`` the same model, loss and argument shapes give the graph captured first;
+    another shape, or a call outside, traces again; a plan made on a reused capture is the same plan."""
+    import autopar
+    from autopar.capture import reuse_captures
+
+    model, inputs, loss_fn, targets = gpt.build(batch=4)
+    with reuse_captures():
+        first = capture(model, inputs, loss_fn=loss_fn, example_targets=targets)
+        again = capture(model, (inputs[0].clone(),), loss_fn=loss_fn, example_targets=targets)
+        other = capture(model, (inputs[0][:2],), loss_fn=loss_fn, example_targets=(targets[0][:2],))
+        reused = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets)
+        assert capture(model, inputs, loss_fn=loss_fn, example_targets=targets) is first
+    assert again is first and other is not first
+    assert capture(model, inputs, loss_fn=loss_fn, example_targets=targets) is not first
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets)
+    assert reused.predicted == plan.predicted and reused.plan_hash() == plan.plan_hash()

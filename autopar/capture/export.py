@@ -55,6 +55,9 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     check_step_arguments(model, example_inputs, loss_fn, {} if example_kwargs is None else example_kwargs,
                          example_targets)
     kwargs = dict(example_kwargs or {})
+    key = None if _REUSED is None else _reuse_key(model, example_inputs, kwargs, example_targets, loss_fn, train)
+    if key is not None and key in _REUSED:  # type: ignore[operator]
+        return _REUSED[key][1]  # type: ignore[index]
     signature = StepSignature.of(example_inputs, kwargs, example_targets)
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
     flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
@@ -73,7 +76,48 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         at = f"\n  at {where}" if where else ""
         raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}") from exc
     seconds = time.perf_counter() - start
-    return _to_captured(program, train, seconds, signature)
+    captured = _to_captured(program, train, seconds, signature)
+    if key is not None and _REUSED is not None:
+        _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
+    return captured
+
+
+_REUSED: dict[tuple[Any, ...], tuple[nn.Module, CapturedGraph]] | None = None
+"""Captures ``reuse_captures`` keeps (None: outside it, every call traces)."""
+
+
+@contextlib.contextmanager
+def reuse_captures() -> Iterator[None]:
+    """Inside, ``capture`` of the same model object with the same loss function and arguments of the
+    same shapes, dtypes and devices (export traces shapes, never values) returns the graph captured
+    first rather than tracing again: for planning one model under many configurations (a 175B GPT's
+    stage-mesh plan is 70% capture; ``benchmarks/hand_plan_grid.py`` plans hundreds). The model and
+    the loss function must not change inside; arguments other than tensors and plain scalars are
+    traced every time."""
+    global _REUSED
+    outer = _REUSED
+    _REUSED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
+def _reuse_key(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...],
+               loss_fn: Callable[..., torch.Tensor] | None, train: bool) -> tuple[Any, ...] | None:
+    """What a capture depends on: the model and loss function objects, the step's arguments' shapes,
+    dtypes, devices and which of them are one tensor (``_distinct``); None when an argument is neither
+    a tensor nor a plain scalar."""
+    first: dict[int, int] = {}
+    parts: list[object] = []
+    for value in (*inputs, *kwargs.values(), *targets):
+        if isinstance(value, torch.Tensor):
+            parts.append((tuple(value.shape), value.dtype, value.device, first.setdefault(id(value), len(first))))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            parts.append((type(value), value))
+        else:
+            return None
+    return (id(model), loss_fn, train, len(inputs), tuple(kwargs), len(targets), tuple(parts))
 
 
 @contextlib.contextmanager
