@@ -14,6 +14,7 @@ from torch import nn
 
 import autopar
 from autopar.api import plan_pipeline, plan_step
+from autopar.hardware import get_profile
 from autopar.solver.pipeline import Pipeline
 from autopar.step import PlannedStep, with_pipeline
 from examples import gpt, llama
@@ -99,7 +100,7 @@ class Shape:
 
     @property
     def limit(self) -> float:
-        return self.memory_limit or autopar.Mesh({"d": 1}, hardware=self.hardware).hardware.memory_limit()
+        return self.memory_limit or get_profile(self.hardware).memory_limit()
 
     @property
     def flops_label(self) -> str:
