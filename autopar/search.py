@@ -89,8 +89,13 @@ def _may_fit(step: PreparedStep, leanest: dict[Scenario, Solution]) -> bool:
     checkpointing of 40 of 80 blocks: least memory 104.8 GiB in 2.7 s; fastest within 80 GiB
     still unproven after 120 s). Every node at its leanest strategy first: all other memory
     terms are >= 0, so when that sum is over the limit no solve is needed (that 104.8 GiB
-    scenario: 81.8 GiB)."""
-    if sum(min(c.memory for c in node.costs) for node in step.graph.nodes.values() if node.costs) > step.memory_limit:
+    scenario: 81.8 GiB). On a pipeline's stage mesh each node counts at the busiest rank's share
+    (``MemoryShares``), as the solve's memory row does: whole, a 96-block model's state on a
+    stage mesh of pp=32 was over the limit where its share, 3 blocks, is not."""
+    shares = step.memory_shares
+    least = sum(min(c.memory for c in node.costs) * (1.0 if shares is None else shares.weight(node))
+                for node in step.graph.nodes.values() if node.costs)
+    if least > step.memory_limit:
         return False
     try:
         lean = leanest[step.scenario] = _solve(step, None, explain=False, minimize_memory=True)

@@ -160,6 +160,25 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
         assert total == pytest.approx(stage.plan.predicted.activation_memory_bytes - buffers, rel=1e-12)
 
 
+def test_a_stage_mesh_may_fit_by_its_share_of_the_state() -> None:
+    """The memory search's quick bound (every node at its leanest, ``search._may_fit``) counts a
+    stage mesh's nodes at the busiest rank's share, as its solve does: a limit below the whole
+    model's leanest bytes but above the share's leaves the scenario to the solve."""
+    from autopar.search import _may_fit
+
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
+
+    def prepared(limit: float) -> Any:
+        return prepare_step(model, autopar.Mesh({"stage": 1}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                            micro_batches=4, memory_limit=limit, _pipeline_ranks=4)
+    step = prepared(math.inf)
+    nodes = [n for n in step.graph.nodes.values() if n.costs]
+    whole = sum(min(c.memory for c in n.costs) for n in nodes)
+    share = sum(min(c.memory for c in n.costs) * step.memory_shares.weight(n) for n in nodes)
+    assert share < 0.75 * whole
+    assert _may_fit(prepared(0.95 * whole), {})
+
+
 @pytest.mark.parametrize("schedule, v, expected", [
     ("gpipe", 1, [16.0] * 4),  # every forward first: m in flight
     ("1f1b", 1, [4.0, 3.0, 2.0, 1.0]),  # Narayanan et al. 2021 §2.2.1: rank r holds p - r

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from autopar.cost.model import NodeCost
 from autopar.solver.memory import block_of
-from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
+from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph, PlanNode
 from autopar.solver.schedule_sim import torch_order
 
 
@@ -101,8 +101,15 @@ class MemoryShares:
     def for_pipeline(p: int, blocks: int) -> MemoryShares:
         return MemoryShares(block_state=math.ceil(blocks / p) / blocks if blocks else 1.0)
 
+    def weight(self, node: PlanNode) -> float:
+        """The share of ``node``'s memory the busiest rank holds: a repeated block's parameter
+        ``block_state``, another parameter all of it, anything else ``activations``."""
+        if node.kind == PARAM:
+            return self.block_state if block_of(node.module or "") is not None else 1.0
+        return self.activations
+
     def weigh(self, graph: PlanGraph, columns: dict[str, list[int]], row: dict[int, float]) -> dict[int, float]:
         """``row`` (column -> bytes) weighted: ``columns`` are each node's strategy columns."""
-        weight = {j: self.block_state if block_of(graph.nodes[v].module or "") is not None else 1.0
-                  for v, cols in columns.items() if graph.nodes[v].kind == PARAM for j in cols}
+        weight = {j: self.weight(graph.nodes[v]) for v, cols in columns.items() if graph.nodes[v].kind == PARAM
+                  for j in cols}
         return {j: b * weight.get(j, self.activations) for j, b in row.items()}
