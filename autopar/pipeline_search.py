@@ -68,7 +68,9 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
     balance differently, so this is a bound in practice, not a proof)."""
     began = time.perf_counter()
     p = mesh.axes[spec.axis]
-    choices = spec.choices(p, batch, blocks=math.inf, batch_ways=batch_ways)  # type: ignore[arg-type]
+    finest = next(iter(spec.stage_mesh(mesh).axes.values()))  # rows of the finest count: the data axis's, first
+    choices = spec.choices(p, batch, blocks=math.inf, batch_ways=batch_ways,  # type: ignore[arg-type]
+                           finest_ways=finest)
     if not choices:
         split = f", each split {batch_ways} ways on the data axes" if batch_ways > 1 else ""
         raise InputError(f"no pipeline of {spec} runs on {spec.axis}={p} with a batch of {batch}: torch's schedules "

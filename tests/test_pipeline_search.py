@@ -201,3 +201,14 @@ def test_a_schedule_with_one_number_of_stages_per_rank_is_pinned() -> None:
     assert not as_pipeline(autopar.Pipeline(axis="pp", schedule="interleaved_1f1b", micro_batches=4)).pinned
     p = _plan(autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=4))
     assert not any("pipeline search" in n for n in p.notes)
+
+
+def test_the_finest_micro_batch_count_is_searched() -> None:
+    """Besides 1, 2, 4 and 8 x p, the count of one row per rank of the data split (the first
+    axis of the stage mesh, or the data axes): with p=2 and a batch of 64 on dp=2, 32; on one
+    device per stage, 64 micro-batches of one row."""
+    search = autopar.Pipeline(axis="pp")
+    assert {c.micro_batches for c in search.choices(2, 64, blocks=4)} == {2, 4, 8, 16, 64}
+    assert {c.micro_batches for c in search.choices(2, 64, blocks=4, finest_ways=2)} == {2, 4, 8, 16, 32}
+    assert {c.micro_batches for c in search.choices(2, 64, blocks=4, batch_ways=2, finest_ways=3)} == {2, 4, 8, 16}
+    assert {c.micro_batches for c in search.choices(2, 64, blocks=4, batch_ways=2)} == {2, 4, 8, 16, 32}

@@ -59,7 +59,10 @@ interleaved runs use 2-4 chunks per rank; more halve the bubble again but double
 MICRO_BATCH_CHOICES = (1, 2, 4, 8)
 """Micro-batch counts the planner tries when ``micro_batches`` is open, as multiples of the stage
 ranks p: at m = p the 1F1B bubble is (p - 1) / (2p - 1), near half; at 8p it is under 1/9
-(GPipe §2.3: m >= 4p makes it negligible). Each count is captured and planned once."""
+(GPipe §2.3: m >= 4p makes it negligible). Besides these, the finest count: one row per rank of
+the data split (Megatron-LM's micro-batch size 1, which needs no checkpointing where coarser
+counts do: Llama-3-70B on 512 H100s, pp=8, m=16p; ``benchmarks/hand_plan_grid.py``). Each
+count is captured and planned once."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,12 +174,14 @@ class Pipeline:
         rest = {name: size for name, size in mesh.axes.items() if name != self.axis}
         return Mesh(rest or {STAGE_AXIS: 1}, mesh.hardware, mesh.devices_per_node)
 
-    def choices(self, p: int, batch: int | None, blocks: int, batch_ways: int = 1) -> list[Pipeline]:
+    def choices(self, p: int, batch: int | None, blocks: int, batch_ways: int = 1, finest_ways: int = 1
+                ) -> list[Pipeline]:
         """The pinned pipelines the planner prices: each choice left open ranges over the
         schedules, their stages per rank (``VIRTUAL_CHOICES``, at most one block per stage)
         and ``MICRO_BATCH_CHOICES`` x p micro-batches dividing ``batch`` into micro-batches
-        that split ``batch_ways`` ways (the data axes'); those torch refuses are left out.
-        Empty when nothing runs (``pipeline_search.plan_pipelined`` says why)."""
+        that split ``batch_ways`` ways (the data axes'), and the finest count, micro-batches of
+        ``max(batch_ways, finest_ways)`` rows (one per rank of the data split); those torch
+        refuses are left out. Empty when nothing runs (``pipeline_search.plan_pipelined`` says why)."""
         if self.micro_batches is None and batch is None:
             raise InputError("the planner chooses a pipeline's micro-batches among divisors of the batch, but the "
                              "step's inputs have no batch dim it can read: pin Pipeline(micro_batches=...)")
@@ -186,8 +191,7 @@ class Pipeline:
                 low, high = _VIRTUAL[schedule]
                 if not low <= v <= high or p * v > blocks:
                     continue
-                counts = [self.micro_batches] if self.micro_batches else [
-                    k * p for k in MICRO_BATCH_CHOICES if batch is not None and batch % (k * p * batch_ways) == 0]
+                counts = [self.micro_batches] if self.micro_batches else _counts(p, batch, batch_ways, finest_ways)
                 for m in counts:
                     choice = Pipeline(axis=self.axis, schedule=schedule, micro_batches=m, virtual_stages=v)
                     try:
@@ -205,6 +209,18 @@ class Pipeline:
         if self.schedule in V_SHAPED:
             return stage if stage < pp_size else 2 * pp_size - 1 - stage
         return stage % pp_size
+
+
+def _counts(p: int, batch: int | None, batch_ways: int, finest_ways: int) -> list[int]:
+    """Micro-batch counts of ``Pipeline.choices``: ``MICRO_BATCH_CHOICES`` x p, then the finest."""
+    if batch is None:
+        return []
+    counts = [k * p for k in MICRO_BATCH_CHOICES if batch % (k * p * batch_ways) == 0]
+    rows = max(batch_ways, finest_ways)
+    finest = batch // rows
+    if batch % rows == 0 and rows % batch_ways == 0 and finest >= p and finest not in counts:
+        counts.append(finest)
+    return counts
 
 
 def as_pipeline(pipeline: object) -> Pipeline:
