@@ -53,6 +53,22 @@ class Residual(nn.Module):
         return self.head(x + e)
 
 
+class LoopResidual(nn.Module):
+    """The residual add is the loop's, outside the blocks (nn.Sequential blocks): ops between blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(5))
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
 class ReadsLength(Residual):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().forward(tokens) / len(self.blocks)
@@ -104,7 +120,13 @@ def residual() -> Step:
     return _tokens(Residual())
 
 
-REPLICATED: dict[str, Callable[[], Step]] = {"llama": llama, "gpt": gpt, "hf_llama": hf_llama, "residual": residual}
+def loop_residual() -> Step:
+    torch.manual_seed(0)
+    return LoopResidual(), (torch.randn(8, 16),), {"loss_fn": F.mse_loss, "example_targets": (torch.randn(8, 8),)}
+
+
+REPLICATED: dict[str, Callable[[], Step]] = {"llama": llama, "gpt": gpt, "hf_llama": hf_llama, "residual": residual,
+                                             "loop_residual": loop_residual}
 
 
 def _canonical(captured: CapturedGraph) -> list[tuple[Any, ...]]:

@@ -7,7 +7,8 @@ makes the same ops in the same order) and plans keyed by node name match a full 
 
 The traced graph is: placeholders (parameters, buffers, constants, user inputs), the nodes
 before the stack (the prefix: embeddings, rotary tables, masks), blocks 0..K-1 one after the
-other, the nodes after (the suffix: final norm, head, loss) and the output. Block K-1 is the
+other (each followed by the loop's own ops, if any: ``x = x + block(x)``), the nodes after
+(the suffix: final norm, head, loss) and the output. Block K-1 is the
 template; the checks make sure that copying it is what a full trace would give: blocks K-2
 and K-1 run the same ops on the same shapes, and wherever block K-2 reads block K-3 (or its
 own nodes, its own parameters, a node from before the stack) block K-1 reads block K-2 (its
@@ -43,6 +44,7 @@ class Traced:
     placeholders: list[Node]
     prefix: list[Node]
     blocks: list[list[Node]]
+    """Per traced block: its nodes, then the ops outside any block that run before the next."""
     suffix: list[Node]
     """Nodes after the stack, the output last."""
     position: dict[Node, tuple[int, int]] = field(default_factory=dict)
@@ -94,21 +96,45 @@ def split(graph: torch.fx.Graph, specs: list[InputSpec], pattern: Pattern, trace
         return "the step has inputs other than tensors (tokens, script objects)"
     body = nodes[len(placeholders):-1]
     index = [pattern.block_of(n) for n in body]
-    inside = [i for i, b in enumerate(index) if b is not None]
-    if not inside:
+    first = next((i for i, b in enumerate(index) if b is not None), None)
+    if first is None:
         return "no traced op lies in a block"
-    first, last = inside[0], inside[-1]
-    run = index[first: last + 1]
-    if any(b is None for b in run):
-        return "ops outside the blocks run between them"
-    if run != sorted(run) or set(run) != set(range(traced)):  # type: ignore[type-var]
-        return "the blocks' ops interleave"
-    blocks: list[list[Node]] = [[] for _ in range(traced)]
-    for node, b in zip(body[first: last + 1], run):
-        blocks[b].append(node)  # type: ignore[index]
-    result = Traced(placeholders, body[:first], blocks, [*body[last + 1:], nodes[-1]])
+    units = _units(body[first:], index[first:], traced)
+    if isinstance(units, str):
+        return units
+    blocks, rest = units
+    result = Traced(placeholders, body[:first], blocks, [*rest, nodes[-1]])
     result.position = {n: (b, i) for b, block in enumerate(blocks) for i, n in enumerate(block)}
     return _find_block_inputs(result, specs, pattern, traced)
+
+
+def _units(body: list[Node], index: list[int | None], traced: int) -> tuple[list[list[Node]], list[Node]] | str:
+    """The blocks, each with the ops outside any block that run after it and before the next
+    (``x = x + block(x)`` written in the loop), and the nodes after the stack. The last block
+    takes as many of the nodes after it as the others have such ops: the check that it
+    repeats the block before it tells whether they are the same ops."""
+    units: list[list[Node]] = [[] for _ in range(traced)]
+    gaps = [0] * traced
+    current = 0
+    for node, b in zip(body, index):
+        if b is None:
+            units[current].append(node)
+            gaps[current] += 1
+        elif b == current + 1 and b < traced:
+            current = b
+            units[b].append(node)
+        elif b != current or gaps[current]:
+            return f"the ops of blocks {current} and {b} interleave"
+        else:
+            units[b].append(node)
+    if current != traced - 1:
+        return f"only {current + 1} of {traced} traced blocks have ops"
+    gap = gaps[-2] if traced > 1 else 0
+    cut = len(units[-1]) - gaps[-1] + gap
+    units[-1], rest = units[-1][:cut], units[-1][cut:]
+    if gaps[-1] < gap:
+        return "the last traced block is not followed by the ops that follow the others"
+    return units, rest
 
 
 def _find_block_inputs(t: Traced, specs: list[InputSpec], pattern: Pattern, traced: int) -> Traced | str:
