@@ -69,6 +69,22 @@ class LoopResidual(nn.Module):
         return self.out(x)
 
 
+class IndexedBlock(Block):
+    def __init__(self, width: int, hidden: int, index: int) -> None:
+        super().__init__(width, hidden)
+        self.layer_idx = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * 0.5 if self.layer_idx == 4 else out  # the last block differs: not among the traced
+
+
+class BranchesOnIndex(Residual):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(IndexedBlock(16, 32, i) for i in range(5))
+
+
 class ReadsLength(Residual):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().forward(tokens) / len(self.blocks)
@@ -213,8 +229,9 @@ def test_replicated_plan_is_the_full_plan(name: str, monkeypatch: pytest.MonkeyP
     (Residual(widths=[32, 32, 48, 32, 32]), "block 2 differs from block 0 in up.weight"),
     (Residual(layers=3), "has 3 blocks, fewer than 4"),
     (ReadsLength(), "reads len(self.blocks)"),
+    (BranchesOnIndex(), "the blocks' forward uses their index (layer_idx: __eq__)"),
     (SumsBlocks(), "after the blocks, reads a block other than the last"),
-], ids=["unlike-blocks", "too-few", "reads-length", "sums-blocks"])
+], ids=["unlike-blocks", "too-few", "reads-length", "branches-on-index", "sums-blocks"])
 def test_off_pattern_models_are_traced_in_full(model: nn.Module, note: str) -> None:
     step = _tokens(model)
     replicated, full = _both(step)

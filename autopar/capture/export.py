@@ -105,10 +105,15 @@ def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, not
     """The step traced with ``stack`` cut short and its graph replicated to full depth, or
     (None, None) with a note saying why not (the caller then traces it in full)."""
     try:
-        with shortened(stack):
+        with shortened(stack) as index_uses:
             program = _export(step, flat)
     except CaptureError as exc:  # the full trace says what is wrong, if anything is
         notes.append(f"blocks not replicated: {stack.path}: tracing {TRACED} blocks failed ({exc.__cause__!r:.200})")
+        return None, None
+    if index_uses:
+        names = ", ".join(".".join(filter(None, key)) for key in stack.indexed)
+        notes.append(f"blocks not replicated: {stack.path}: the blocks' forward uses their index ({names}: "
+                     f"{index_uses[0]})")
         return None, None
     result = replicate(program, stack, step)
     if isinstance(result, str):

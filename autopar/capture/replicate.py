@@ -45,6 +45,8 @@ class Stack:
     path: str
     container: nn.Module
     count: int
+    indexed: tuple[tuple[str, str], ...] = ()
+    """(submodule inside the block, attribute) where every block holds its own index (``layer_idx``)."""
 
     def note(self) -> str:
         return f"{self.path}: traced {TRACED} of {self.count} blocks, replicated the rest in the graph"
@@ -69,35 +71,40 @@ def find_stack(model: nn.Module) -> tuple[Stack | None, str | None]:
     _, path, container = max(candidates, key=lambda c: c[0])
     if len(container) < MIN_BLOCKS:
         return None, f"blocks not replicated: {path} has {len(container)} blocks, fewer than {MIN_BLOCKS}"
-    why = _differences(list(container._modules.values())) or _shares_tensors(model, container) \
-        or _reads_length(model, path)
+    indexed = _differences(list(container._modules.values()))
+    why = indexed if isinstance(indexed, str) else _shares_tensors(model, container) or _reads_length(model, path)
     if why:
         return None, f"blocks not replicated: {path}: {why}"
-    return Stack(path, container, len(container)), None
+    return Stack(path, container, len(container), tuple(indexed)), None
 
 
-def _differences(blocks: list[nn.Module]) -> str | None:
-    """How the blocks differ (None when they do not). An attribute may differ where every block
-    holds its own index there (Hugging Face's ``layer_idx``): the graph cannot depend on it
-    other than through the checked ops."""
+def _differences(blocks: list[nn.Module]) -> str | list[tuple[str, str]]:
+    """How the blocks differ, or the attributes where each block holds its own index (Hugging
+    Face's ``layer_idx``), the one difference allowed: ``shortened`` watches that the traced
+    blocks' forwards do not use them."""
     signatures = [_signature(block) for block in blocks]
     first = signatures[0]
     for index, other in enumerate(signatures[1:], start=1):
         if [key for key, _ in other] != [key for key, _ in first]:
             return f"block {index} has other modules, tensors or attributes than block 0"
+    indexed = []
     for position, (key, _) in enumerate(first):
         values = [signature[position][1] for signature in signatures]
-        if any(v != values[0] for v in values) and values != [(int, i) for i in range(len(blocks))]:
-            index = next(i for i, v in enumerate(values) if v != values[0])
-            return f"block {index} differs from block 0 in {key}"
-    return None
+        if all(v == values[0] for v in values):
+            continue
+        if isinstance(key, tuple) and values == [(int, i) for i in range(len(blocks))]:
+            indexed.append(key)
+            continue
+        index = next(i for i, v in enumerate(values) if v != values[0])
+        return f"block {index} differs from block 0 in {'.'.join(key) if isinstance(key, tuple) else key}"
+    return indexed
 
 
-def _signature(block: nn.Module) -> list[tuple[str, Any]]:
+def _signature(block: nn.Module) -> list[tuple[str | tuple[str, str], Any]]:
     """What must agree between blocks: module classes, tensors' names, shapes, dtypes and
     grad flags, and every plain attribute. Hooks make a block different (their effect on the
     graph is unknown, and export may not see them as a full trace would)."""
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[str | tuple[str, str], Any]] = []
     for name, module in block.named_modules():
         out.append((name or "<block>", type(module)))
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks \
@@ -109,7 +116,7 @@ def _signature(block: nn.Module) -> list[tuple[str, Any]]:
             out.append((f"{name}.{key}", (_tensor(value), key in module._non_persistent_buffers_set)))
         for key, value in sorted(module.__dict__.items()):
             if key not in _MODULE_STATE and "hook" not in key:
-                out.append((f"{name}.{key}", _plain(value)))
+                out.append(((name, key), _plain(value)))
     return out
 
 
@@ -180,20 +187,55 @@ def _reads_length(model: nn.Module, path: str) -> str | None:
     return None
 
 
+class _WatchedIndex(int):
+    """A block's index that records every use made of it (comparing, hashing, arithmetic,
+    indexing, printing): a forward that branches on its block's index would trace differently
+    for blocks that were not traced."""
+
+    def __new__(cls, value: int, uses: list[str]) -> "_WatchedIndex":
+        made = super().__new__(cls, value)
+        made.value, made.uses = value, uses
+        return made
+
+
+def _recording(name: str) -> Any:
+    def method(self: _WatchedIndex, *args: Any) -> Any:
+        self.uses.append(name)
+        return getattr(int, name)(self.value, *args)
+    return method
+
+
+for _name in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__", "__bool__", "__index__",
+              "__int__", "__float__", "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__mod__",
+              "__floordiv__", "__truediv__", "__pow__", "__neg__", "__and__", "__or__", "__format__", "__str__",
+              "__repr__"):
+    setattr(_WatchedIndex, _name, _recording(_name))
+
+
 @contextlib.contextmanager
-def shortened(stack: Stack, keep: int = TRACED) -> Iterator[None]:
+def shortened(stack: Stack, keep: int = TRACED) -> Iterator[list[str]]:
     """The stack holds only its first ``keep`` blocks inside (the same container object, so
-    every reference to it sees the cut), all of them again afterwards, whatever happens."""
+    every reference to it sees the cut), all of them again afterwards, whatever happens.
+    Yields the uses the traced blocks' forwards made of their index attributes (``Stack.indexed``)."""
     container = stack.container
     full = container._modules
+    blocks = list(full.values())[:keep]
+    uses: list[str] = []
+    watched = [(block.get_submodule(name), attr, i) for i, block in enumerate(blocks) for name, attr in stack.indexed]
+    originals = [module.__dict__[attr] for module, attr, _ in watched]
     container.__dict__["_modules"] = OrderedDict(list(full.items())[:keep])
     try:
-        yield
+        for module, attr, i in watched:
+            module.__dict__[attr] = _WatchedIndex(i, uses)
+        yield uses
     finally:
         container.__dict__["_modules"] = full
+        for (module, attr, _), original in zip(watched, originals):
+            module.__dict__[attr] = original
 
 
-def replicate(program: ExportedProgram, stack: Stack, step: nn.Module) -> tuple[list[InputSpec], dict[str, torch.Tensor]] | str:
+def replicate(program: ExportedProgram, stack: Stack, step: nn.Module
+              ) -> tuple[list[InputSpec], dict[str, torch.Tensor]] | str:
     """Rewrite ``program``'s graph (traced under ``shortened(stack)``) to hold all the stack's
     blocks. Returns the new input specs and the tensors of the new inputs (FQN in ``step`` ->
     the model's own parameter or buffer), or why the traced graph does not allow it (the
