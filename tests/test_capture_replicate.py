@@ -36,13 +36,41 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+class ScaledBlock(Block):
+    """A buffer per block: replicated buffers must come in ``named_buffers()`` order."""
+
+    def __init__(self, width: int, hidden: int = 32) -> None:
+        super().__init__(width, hidden)
+        self.register_buffer("scale", torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class ConstantBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * torch.tensor(0.5)  # lifted by export: one constant input per block
+
+
+class CountingBlock(Block):
+    def __init__(self, width: int, hidden: int = 32) -> None:
+        super().__init__(width, hidden)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # a higher-order op (a subgraph) in each block
+            self.calls.add_(1)
+        return super().forward(x)
+
+
 class Residual(nn.Module):
     """Something after the stack reads a value from before it (the embedding)."""
 
-    def __init__(self, layers: int = 5, width: int = 16, widths: list[int] | None = None) -> None:
+    def __init__(self, layers: int = 5, width: int = 16, widths: list[int] | None = None,
+                 block: type[Block] = Block) -> None:
         super().__init__()
         self.embed = nn.Embedding(64, width)
-        self.blocks = nn.ModuleList(Block(width, h) for h in (widths or [32] * layers))
+        self.blocks = nn.ModuleList(block(width, h) for h in (widths or [32] * layers))
         self.head = nn.Linear(width, 64)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -141,8 +169,16 @@ def loop_residual() -> Step:
     return LoopResidual(), (torch.randn(8, 16),), {"loss_fn": F.mse_loss, "example_targets": (torch.randn(8, 8),)}
 
 
-REPLICATED: dict[str, Callable[[], Step]] = {"llama": llama, "gpt": gpt, "hf_llama": hf_llama, "residual": residual,
-                                             "loop_residual": loop_residual}
+def shared_norm() -> Residual:
+    model = Residual()
+    for block in model.blocks:
+        block.norm = model.blocks[0].norm
+    return model
+
+
+REPLICATED: dict[str, Callable[[], Step]] = {
+    "llama": llama, "gpt": gpt, "hf_llama": hf_llama, "residual": residual, "loop_residual": loop_residual,
+    "buffers": lambda: _tokens(Residual(block=ScaledBlock))}
 
 
 def _canonical(captured: CapturedGraph) -> list[tuple[Any, ...]]:
@@ -231,7 +267,11 @@ def test_replicated_plan_is_the_full_plan(name: str, monkeypatch: pytest.MonkeyP
     (ReadsLength(), "reads len(self.blocks)"),
     (BranchesOnIndex(), "the blocks' forward uses their index (layer_idx: __eq__)"),
     (SumsBlocks(), "after the blocks, reads a block other than the last"),
-], ids=["unlike-blocks", "too-few", "reads-length", "branches-on-index", "sums-blocks"])
+    (Residual(block=ConstantBlock), "reads c_model_blocks_1_lifted_tensor_1 where block 0's wiring says"),
+    (Residual(block=CountingBlock), "not a plain op"),
+    (shared_norm(), "blocks share parameters or buffers"),
+], ids=["unlike-blocks", "too-few", "reads-length", "branches-on-index", "sums-blocks", "constants", "no-grad",
+        "shared"])
 def test_off_pattern_models_are_traced_in_full(model: nn.Module, note: str) -> None:
     step = _tokens(model)
     replicated, full = _both(step)
