@@ -108,16 +108,16 @@ def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, not
         with shortened(stack) as index_uses:
             program = _export(step, flat)
     except CaptureError as exc:  # the full trace says what is wrong, if anything is
-        notes.append(f"blocks not replicated: {stack.path}: tracing {TRACED} blocks failed ({exc.__cause__!r:.200})")
+        notes.append(f"blocks not replicated: {stack.label}: tracing {TRACED} blocks failed ({exc.__cause__!r:.200})")
         return None, None
     if index_uses:
         names = ", ".join(".".join(filter(None, key)) for key in stack.indexed)
-        notes.append(f"blocks not replicated: {stack.path}: the blocks' forward uses their index ({names}: "
+        notes.append(f"blocks not replicated: {stack.label}: the blocks' forward uses their index ({names}: "
                      f"{index_uses[0]})")
         return None, None
     result = replicate(program, stack, step)
     if isinstance(result, str):
-        notes.append(f"blocks not replicated: {stack.path}: {result}")
+        notes.append(f"blocks not replicated: {stack.label}: {result}")
         return None, None
     notes.append(stack.note())
     return program, result

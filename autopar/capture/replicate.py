@@ -48,8 +48,12 @@ class Stack:
     indexed: tuple[tuple[str, str], ...] = ()
     """(submodule inside the block, attribute) where every block holds its own index (``layer_idx``)."""
 
+    @property
+    def label(self) -> str:
+        return self.path or "the model"
+
     def note(self) -> str:
-        return f"{self.path}: traced {TRACED} of {self.count} blocks, replicated the rest in the graph"
+        return f"{self.label}: traced {TRACED} of {self.count} blocks, replicated the rest in the graph"
 
 
 def enabled(replicate_blocks: bool) -> bool:
@@ -70,11 +74,12 @@ def find_stack(model: nn.Module) -> tuple[Stack | None, str | None]:
         return None, None
     _, path, container = max(candidates, key=lambda c: c[0])
     if len(container) < MIN_BLOCKS:
-        return None, f"blocks not replicated: {path} has {len(container)} blocks, fewer than {MIN_BLOCKS}"
+        return None, f"blocks not replicated: {path or 'the model'} has {len(container)} blocks, " \
+                     f"fewer than {MIN_BLOCKS}"
     indexed = _differences(list(container._modules.values()))
     why = indexed if isinstance(indexed, str) else _shares_tensors(model, container) or _reads_length(model, path)
     if why:
-        return None, f"blocks not replicated: {path}: {why}"
+        return None, f"blocks not replicated: {path or 'the model'}: {why}"
     return Stack(path, container, len(container), tuple(indexed)), None
 
 
