@@ -113,6 +113,19 @@ class BranchesOnIndex(Residual):
         self.blocks = nn.ModuleList(IndexedBlock(16, 32, i) for i in range(5))
 
 
+class CountsCalls(Residual):
+    """A ``torch.no_grad()`` block (a higher-order op and its subgraph) before the stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.calls.add_(1)
+        return super().forward(tokens)
+
+
 class ReadsLength(Residual):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return super().forward(tokens) / len(self.blocks)
@@ -178,7 +191,7 @@ def shared_norm() -> Residual:
 
 REPLICATED: dict[str, Callable[[], Step]] = {
     "llama": llama, "gpt": gpt, "hf_llama": hf_llama, "residual": residual, "loop_residual": loop_residual,
-    "buffers": lambda: _tokens(Residual(block=ScaledBlock))}
+    "buffers": lambda: _tokens(Residual(block=ScaledBlock)), "no_grad_before": lambda: _tokens(CountsCalls())}
 
 
 def _canonical(captured: CapturedGraph) -> list[tuple[Any, ...]]:

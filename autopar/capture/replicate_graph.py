@@ -266,13 +266,16 @@ def rebuild(gm: torch.fx.GraphModule, t: Traced, specs: list[InputSpec], pattern
         for kind, end in ends.items():
             if end and end[0] is node:
                 new_specs += _new_inputs(graph, t, by_name, kind, pattern, inputs)
-    for node in (*t.prefix, *(n for block in t.blocks for n in block)):
-        env[node] = _copy(graph, node, env.__getitem__)
+    for node in (*t.prefix, *(n for block in t.blocks for n in block)):  # made as traced: names kept
+        env[node] = _copy(graph, node, env.__getitem__, name=node.name)
     prev = [env[n] for n in t.blocks[last]]
     for i in range(last + 1, count):
         prev = _copy_block(graph, t, pattern, i, prev, inputs[i], env)
-    for node in t.suffix:
-        env[node] = _copy(graph, node, lambda x: prev[t.position[x][1]] if x in t.position else env[x])
+    copied = {_SUFFIX.sub("", n.name) for n in t.blocks[last]}
+    for node in t.suffix:  # numbered after the copies where they share a name, else (get_attr ``submod_3``) kept
+        base = _SUFFIX.sub("", node.name)
+        env[node] = _copy(graph, node, lambda x: prev[t.position[x][1]] if x in t.position else env[x],
+                          name=base if base in copied else node.name)
     # GraphModule.graph's setter, less its recompile: ``capture`` rewrites the graph further and
     # recompiles once at the end (Python code for an 80-block graph costs ~0.2 s each time)
     gm._graph = graph
@@ -320,8 +323,8 @@ def _copy_block(graph: torch.fx.Graph, t: Traced, pattern: Pattern, i: int, prev
 
 def _copy(graph: torch.fx.Graph, node: Node, arg: Callable[[Node], Node], name: str | None = None,
           stack: dict[str, tuple[str, Any]] | None = None) -> Node:
-    """``node`` made anew in ``graph``, named by its op (FX adds the next free number) unless
-    ``name`` is given; its meta shared but for ``stack`` (the FakeTensor values of a copy are
+    """``node`` made anew in ``graph``, named by its op (FX adds the next free number) or ``name``
+    (FX keeps it: it is free); its meta shared but for ``stack`` (the FakeTensor values of a copy are
     those of the node copied: same shape, dtype and strides)."""
     target = name if node.op == "placeholder" else node.target  # a placeholder's target is its argument name
     out = graph.create_node(node.op, target, map_arg(node.args, arg), map_arg(node.kwargs, arg),
