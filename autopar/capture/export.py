@@ -15,10 +15,11 @@ import torch.fx.config
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind, InputSpec, OutputKind
 
 from autopar.capture.aliasing import returned_operand, written_args
 from autopar.capture.graph import CapturedGraph
+from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
 from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
 from autopar.capture.subgraphs import is_higher_order, nested_graph_modules
 
@@ -45,12 +46,16 @@ def _user_frame(exc: BaseException) -> str | None:
 def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
             loss_fn: Callable[..., torch.Tensor] | None = None,
             example_kwargs: dict[str, Any] | None = None,
-            example_targets: tuple[Any, ...] = (), train: bool = True) -> CapturedGraph:
+            example_targets: tuple[Any, ...] = (), train: bool = True,
+            replicate_blocks: bool = True) -> CapturedGraph:
     """Export ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)``.
 
     Works on meta-device models: export fakifies parameters, so no weight memory is
     touched. Raises TypeError for arguments of the wrong kind and CaptureError naming the
-    source line that could not be traced.
+    source line that could not be traced. A stack of at least ``replicate.MIN_BLOCKS``
+    identical blocks is traced ``replicate.TRACED`` blocks deep and the rest copied in the
+    graph (the same graph as a full trace, in a fraction of the time); ``replicate_blocks=False``
+    (or ``AUTOPAR_REPLICATE_BLOCKS=0``) traces every block. ``notes`` say which happened.
     """
     check_step_arguments(model, example_inputs, loss_fn, {} if example_kwargs is None else example_kwargs,
                          example_targets)
@@ -65,9 +70,23 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         # A meta-device model is planned on shapes alone: inputs follow it onto meta.
         flat = tuple(v.to("meta") if isinstance(v, torch.Tensor) else v for v in flat)
     start = time.perf_counter()
+    stack, note = find_stack(model) if enabled(replicate_blocks) else (None, None)
+    notes = [note] if note else []
+    program, inputs = _export_replicated(step, flat, stack, notes) if stack is not None else (None, None)
+    if program is None:
+        program = _export(step, flat)
+    seconds = time.perf_counter() - start
+    captured = _to_captured(program, train, seconds, signature, inputs)
+    captured.notes.extend(notes)
+    if key is not None and _REUSED is not None:
+        _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
+    return captured
+
+
+def _export(step: TrainStep, flat: tuple[Any, ...]) -> ExportedProgram:
     try:
         with _lean_tracing():
-            program = torch.export.export(step, flat, strict=False)
+            return torch.export.export(step, flat, strict=False)
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
@@ -75,11 +94,33 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         at = f"\n  at {where}" if where else ""
         raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}") from exc
-    seconds = time.perf_counter() - start
-    captured = _to_captured(program, train, seconds, signature)
-    if key is not None and _REUSED is not None:
-        _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
-    return captured
+
+
+_Inputs = tuple[list[InputSpec], dict[str, torch.Tensor]]
+"""A replicated program's input specs, and the tensors of the inputs its trace did not have."""
+
+
+def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, notes: list[str]
+                       ) -> tuple[ExportedProgram | None, _Inputs | None]:
+    """The step traced with ``stack`` cut short and its graph replicated to full depth, or
+    (None, None) with a note saying why not (the caller then traces it in full)."""
+    try:
+        with shortened(stack) as index_uses:
+            program = _export(step, flat)
+    except CaptureError as exc:  # the full trace says what is wrong, if anything is
+        notes.append(f"blocks not replicated: {stack.label}: tracing {TRACED} blocks failed ({exc.__cause__!r:.200})")
+        return None, None
+    if index_uses:
+        names = ", ".join(".".join(filter(None, key)) for key in stack.indexed)
+        notes.append(f"blocks not replicated: {stack.label}: the blocks' forward uses their index ({names}: "
+                     f"{index_uses[0]})")
+        return None, None
+    result = replicate(program, stack, step)
+    if isinstance(result, str):
+        notes.append(f"blocks not replicated: {stack.label}: {result}")
+        return None, None
+    notes.append(stack.note())
+    return program, result
 
 
 _REUSED: dict[tuple[Any, ...], tuple[nn.Module, CapturedGraph]] | None = None
@@ -157,7 +198,10 @@ def _distinct(values: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _to_captured(program: ExportedProgram, train: bool, seconds: float, signature: StepSignature) -> CapturedGraph:
+def _to_captured(program: ExportedProgram, train: bool, seconds: float, signature: StepSignature,
+                 inputs: _Inputs | None = None) -> CapturedGraph:
+    """The program as a CapturedGraph; ``inputs``: its input specs and new inputs' tensors when
+    ``capture.replicate`` rewrote its graph (the program's own signature no longer matches)."""
     # The training IR keeps in-place updates (batch norm's running statistics) inside the
     # graph and returns the step's outputs only; later stages rely on that (the first
     # output is the loss, buffers are updated where they live). A functionalized program
@@ -168,15 +212,18 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float, signatur
         raise CaptureError(f"the exported step returns more than its outputs ({', '.join(extra)}); autopar "
                            "needs torch.export's training IR, where in-place updates stay in the graph")
     gm = program.graph_module
+    specs = program.graph_signature.input_specs if inputs is None else inputs[0]
+    added = {} if inputs is None else inputs[1]
     _use_returned_operands(gm.graph)
     _eliminate_dead_code(gm)
-    tied = _merge_tied(program)
+    tied = _merge_tied(gm.graph, specs, lambda target: program.state_dict.get(
+        target, program.constants.get(target, added.get(target))))  # type: ignore[arg-type]
     gm.recompile()  # the top module once, after every rewrite (``_eliminate_dead_code`` leaves it)
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
     user_inputs: list[str] = []
     constants: dict[str, torch.Tensor] = {}
-    for spec in program.graph_signature.input_specs:
+    for spec in specs:
         name = spec.arg.name  # type: ignore[union-attr]
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and _strip_step_prefix(spec.target) in tied:
             continue
@@ -232,21 +279,21 @@ def _eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
             module.recompile()
 
 
-def _merge_tied(program: ExportedProgram) -> dict[str, str]:
+def _merge_tied(graph: torch.fx.Graph, specs: list[InputSpec],
+                tensor_of: Callable[[str], torch.Tensor | None]) -> dict[str, str]:
     """One placeholder per tensor: export gives a tied tensor (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``) one placeholder per name, and only one of them has users.
 
     Keeps the first name (the one ``named_parameters()`` reports), points every use of the
     others at it and erases them. Returns alias FQN -> kept FQN.
     """
-    graph = program.graph_module.graph
     placeholders = {node.name: node for node in graph.nodes if node.op == "placeholder"}
     first: dict[int, tuple[str, str]] = {}  # id(tensor) -> (placeholder, FQN) of its first name
     tied: dict[str, str] = {}
-    for spec in program.graph_signature.input_specs:
+    for spec in specs:
         if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
             continue
-        tensor = program.state_dict.get(spec.target, program.constants.get(spec.target))  # type: ignore[arg-type]
+        tensor = tensor_of(spec.target)  # type: ignore[arg-type]
         if tensor is None:
             continue
         name, fqn = spec.arg.name, _strip_step_prefix(spec.target)  # type: ignore[union-attr]
