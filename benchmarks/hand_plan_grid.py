@@ -25,9 +25,10 @@ skipped too for that (tp, sp, pp, checkpointing): a rank's in-flight activations
 The grid plans each captured shape many times, so it runs inside ``autopar.capture.reuse_captures``
 (one trace per micro-batch shape; the plans are the same, see tests/test_hand_plan_grid.py).
 
-autopar's plan (``autopar_plan``, ONE function, to be switched to the library's pipeline-degree
-search when it lands; planned outside ``reuse_captures`` so that its planning seconds, recorded,
-are ``autopar.plan``'s own): for each pp degree the grid planned (past the state bound), mesh
+autopar's plan (``autopar_plan``; planned outside ``reuse_captures`` so that its planning seconds,
+recorded, are ``autopar.plan``'s own; the library's own depth search, ``Pipeline(from_axis="dp")``,
+would plan every divisor of the data axis, 1 to 64 here, past this script's time budget, so the
+depths are those the grid planned): for each pp degree the grid planned (past the state bound), mesh
 ``{"pp": pp, "dp": devices // (8 pp), "tp": 8}`` with no pins at all (the ILP decides how to use
 the tp axis: TP, SP, data parallel or ZeRO; the memory choices and the pipeline's schedule, v
 and micro-batches are searched), the fastest over pp. Its ratio best grid / autopar >= 1 means
@@ -131,10 +132,10 @@ class AutoparResult:
 # ---- autopar's plan: the one function to switch to the library's pipeline-degree search when it lands ----
 def autopar_plan(model: nn.Module, devices: int, shape: Shape, tokens: torch.Tensor, pps: tuple[int, ...]
                  ) -> AutoparResult:
-    """autopar's plan of ``shape``. Until the library searches the pipeline degree itself, each pp
-    in ``pps`` is planned on ``{"pp": pp, "dp": devices // (tp pp), "tp": tp}`` (tp: one node's
-    devices) with nothing pinned, schedule, stages per rank, micro-batches and memory choices
-    searched, and the fastest kept. Replace the loop by that one call when it lands."""
+    """autopar's plan of ``shape``: each pp in ``pps`` planned on ``{"pp": pp, "dp": devices // (tp pp),
+    "tp": tp}`` (tp: one node's devices) with nothing pinned, schedule, stages per rank,
+    micro-batches and memory choices searched, and the fastest kept (the library's depth search,
+    ``Pipeline(from_axis=...)``, restricted to the degrees the grid planned: module docstring)."""
     module = gpt if shape.is_gpt else llama
     result = AutoparResult()
     began = time.perf_counter()
