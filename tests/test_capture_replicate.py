@@ -20,6 +20,7 @@ from examples import hf_models
 from examples.gpt import GPT, GPTConfig
 from examples.gpt import lm_loss as gpt_loss
 from examples.llama import Llama, LlamaConfig, lm_loss
+from test_numerics_pipeline import _Stack  # the residual add is the loop's: ops between blocks
 
 Step = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 """(model, example inputs, the rest of capture's / plan's step arguments)."""
@@ -79,22 +80,6 @@ class Residual(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x + e)
-
-
-class LoopResidual(nn.Module):
-    """The residual add is the loop's, outside the blocks (nn.Sequential blocks): ops between blocks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(5))
-        self.out = nn.Linear(32, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.out(x)
 
 
 class IndexedBlock(Block):
@@ -179,7 +164,7 @@ def residual() -> Step:
 
 def loop_residual() -> Step:
     torch.manual_seed(0)
-    return LoopResidual(), (torch.randn(8, 16),), {"loss_fn": F.mse_loss, "example_targets": (torch.randn(8, 8),)}
+    return _Stack(), (torch.randn(8, 16),), {"loss_fn": F.mse_loss, "example_targets": (torch.randn(8, 8),)}
 
 
 def shared_norm() -> Residual:
