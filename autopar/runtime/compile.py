@@ -173,13 +173,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
                    precision=precision, bucket_bytes=bucket_bytes, solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
                    offload=offload, _masters=compute_dtype is not None)
-    if pipeline is not None:
-        pipeline = _chosen_pipeline(pipeline, planned_model, full_mesh, example_inputs, options)
-        step = _pipelined_everywhere(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, options)
-    else:
-        prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
-            planned_model, planning_mesh, example_inputs, micro_batches=micro_batches, **options))
-        step = _solved_everywhere(prepared)
+    step, pipeline = _planned(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, micro_batches,
+                              options)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
     if pipeline is not None:
         assert stage_mesh is not None
@@ -188,6 +183,19 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             batch_leaves))
     return _on_every_rank("building the rank's program", lambda: build_rank_module(
         model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves))
+
+
+def _planned(pipeline: Pipeline | None, model: nn.Module, planning_mesh: Mesh, full_mesh: Mesh,
+             example_inputs: tuple[Any, ...], micro_batches: int | None, options: dict[str, Any]
+             ) -> tuple[PlannedStep, Pipeline | None]:
+    """The step every rank runs, planned as ``plan`` plans it (rank 0 solving), and the pipeline
+    with every choice made (None: no pipeline)."""
+    if pipeline is not None:
+        pipeline = _chosen_pipeline(pipeline, model, full_mesh, example_inputs, options)
+        return _pipelined_everywhere(pipeline, model, planning_mesh, full_mesh, example_inputs, options), pipeline
+    prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
+        model, planning_mesh, example_inputs, micro_batches=micro_batches, **options))
+    return _solved_everywhere(prepared), None
 
 
 def _check_world(mesh: DeviceMesh) -> None:
