@@ -85,7 +85,8 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
         bound = min((f.step_time_s for f in priced), default=math.inf)
         if priced and bound >= cutoff_s:
             raise Outpaced(f"its pipelines planned without the memory limit do not fit and are no faster "
-                           f"({fmt_s(bound)}) than the best plan found ({fmt_s(cutoff_s)}): not planned under the limit")
+                           f"({fmt_s(bound)}) than the best plan found ({fmt_s(cutoff_s)}): "
+                           "not planned under the limit")
         priced += _limited(plan_stage, free, choices, mesh, spec.pinned, memory_limit, refused, unfit)
     fitting = [f for f in priced if f.peak_bytes <= memory_limit]
     if not fitting:

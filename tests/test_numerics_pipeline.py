@@ -318,7 +318,8 @@ def test_balanced_cuts() -> None:
     (autopar.Pipeline(axis="pp", schedule="bogus"), {"pp": 2}, "schedules are"),
     (autopar.Pipeline(axis="x", schedule="gpipe"), {"pp": 2}, "not an axis"),
     (autopar.Pipeline(axis="pp", schedule="gpipe"), {"tp": 2, "pp": 2}, "first (outermost)"),
-    (autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=2, virtual_stages=1), {"pp": 8}, "needs 8 stages of at least one unit"),
+    (autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=2, virtual_stages=1), {"pp": 8},
+     "needs 8 stages of at least one unit"),
     (autopar.Pipeline(axis="pp", schedule="gpipe"), {"pp": 8}, "can be cut for this model"),
     (autopar.Pipeline(axis="pp", micro_batches=3), {"pp": 2}, "divide the batch"),
 ])

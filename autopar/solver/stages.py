@@ -4,9 +4,9 @@ The layer stack is cut into p x v contiguous stages between units: the head (wha
 before the first block: embeddings), each repeated block (``solver.memory.block_of``; code
 between two blocks goes with the block before it), the tail (final norm, output head, loss).
 The head and the tail are units of their own, so a large vocabulary's output head may take
-a stage alone (Narayanan et al. 2021 give the first and last stages fewer layers for the
-same reason) when the stages outnumber what the blocks balance. The cuts minimize the slowest stage's predicted forward +
-backward seconds of one micro-batch (a linear partition, solved exactly by a small dynamic
+a stage alone when the stages outnumber what the blocks balance (hand plans give the first
+and last stages fewer layers for the same reason). The cuts minimize the slowest stage's
+predicted forward + backward seconds of one micro-batch (a linear partition, solved exactly by a small dynamic
 program; ties go to the earliest cuts, so every rank cuts alike). The intra-stage plan is
 the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
 
