@@ -13,11 +13,11 @@ memory limit wins; ties go to the first priced (micro-batch counts in the order
 again under the limit after), so every rank and run choose alike.
 
 The ILP of each m is solved without a memory limit first. Only when none of those pipelines
-fits is the stage plan of one m solved again under the limit (the m whose free pipelines were
-fastest first, the next if that gives none that fits), on the busiest rank's share of its
-memory row (``MemoryShares``: 1F1B's first rank), so that its memory search picks ZeRO-2/3 and
-activation checkpointing for what a stage holds rather than for the whole model; ZeRO-1 and
-offload are never chosen (the pipelined runtime runs neither yet).
+fits are stage plans solved again under the limit (the m whose free pipelines were fastest
+first, the next while its free pipelines beat the best that fits: ``_limited``), on the
+busiest rank's share of its memory row (``MemoryShares``: 1F1B's first rank), so that its
+memory search picks ZeRO-2/3 and activation checkpointing for what a stage holds rather than
+for the whole model; ZeRO-1 and offload are never chosen (the pipelined runtime runs neither yet).
 """
 
 from __future__ import annotations
@@ -98,17 +98,21 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
 def _limited(plan_stage: StagePlanner, free: dict[int, list[_Priced]], choices: list[Pipeline], mesh: Mesh,
              pinned: bool, limit: float, refused: list[str], unfit: list[str]) -> list[_Priced]:
     """Pipelines of stage plans solved under ``limit``, when no free one fits: micro-batch counts
-    whose free pipelines were fastest first, until one gives a pipeline that fits (each such
-    solve is a memory search of many ILPs: on the example Llama's 4 layers, 20 s)."""
+    whose free pipelines were fastest first, until the next count's free pipelines are no faster
+    than the best that fits (a plan under the limit is priced no faster than its free one in
+    practice: ``plan_pipelined``'s cutoff). Each such solve is a memory search of many ILPs (on
+    the example Llama's 4 layers, 20 s); stopping at the first count that fits missed the
+    finest count on Llama-3-70B/512 H100s (m=16 with full checkpointing, 11.2 s, where m=128
+    needs none: 9.9 s; ``benchmarks/hand_plan_grid.py``)."""
     def fastest(m: int) -> float:
         return min((f.step_time_s for f in free[m]), default=math.inf)
     out: list[_Priced] = []
     for m in sorted(free, key=fastest):  # sorted is stable: ties keep the choices' order
+        if fastest(m) >= min((f.step_time_s for f in out if f.peak_bytes <= limit), default=math.inf):
+            break  # this count, and every later one, is outpaced by a pipeline that fits
         limited = _under_limit(plan_stage, m, limit, unfit)
         if limited is not None:
             out += _price(limited, [c for c in choices if c.micro_batches == m], mesh, pinned, refused)
-        if any(f.peak_bytes <= limit for f in out):
-            break
     return out
 
 
