@@ -52,6 +52,12 @@ class _Priced:
         return self.step.plan.predicted.peak_memory_bytes
 
 
+WORTH_A_SEARCH = 0.05
+"""Another micro-batch count is planned under the limit only while its free pipelines are at
+least this much faster than the best pipeline that fits: each such plan is a memory search of
+many ILPs (seconds on a 4-layer example, minutes at 70B scale), worth it for a clear gain only."""
+
+
 class Outpaced(MemoryLimitError):
     """No pipeline planned without the memory limit fits, and none is faster than ``cutoff_s``:
     the stage plans are not solved again under the limit (``pipeline_depth``: another depth's
@@ -98,9 +104,9 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
 def _limited(plan_stage: StagePlanner, free: dict[int, list[_Priced]], choices: list[Pipeline], mesh: Mesh,
              pinned: bool, limit: float, refused: list[str], unfit: list[str]) -> list[_Priced]:
     """Pipelines of stage plans solved under ``limit``, when no free one fits: micro-batch counts
-    whose free pipelines were fastest first, until the next count's free pipelines are no faster
-    than the best that fits (a plan under the limit is priced no faster than its free one in
-    practice: ``plan_pipelined``'s cutoff). Each such solve is a memory search of many ILPs (on
+    whose free pipelines were fastest first, until the next count's free pipelines are not
+    ``WORTH_A_SEARCH`` faster than the best that fits (a plan under the limit is priced no faster
+    than its free one in practice: ``plan_pipelined``'s cutoff). Each such solve is a memory search of many ILPs (on
     the example Llama's 4 layers, 20 s); stopping at the first count that fits missed the
     finest count on Llama-3-70B/512 H100s (m=16 with full checkpointing, 11.2 s, where m=128
     needs none: 9.9 s; ``benchmarks/hand_plan_grid.py``)."""
@@ -108,8 +114,9 @@ def _limited(plan_stage: StagePlanner, free: dict[int, list[_Priced]], choices: 
         return min((f.step_time_s for f in free[m]), default=math.inf)
     out: list[_Priced] = []
     for m in sorted(free, key=fastest):  # sorted is stable: ties keep the choices' order
-        if fastest(m) >= min((f.step_time_s for f in out if f.peak_bytes <= limit), default=math.inf):
-            break  # this count, and every later one, is outpaced by a pipeline that fits
+        if fastest(m) >= (1 - WORTH_A_SEARCH) * min((f.step_time_s for f in out if f.peak_bytes <= limit),
+                                                    default=math.inf):
+            break  # this count, and every later one, cannot beat a pipeline that fits by enough
         limited = _under_limit(plan_stage, m, limit, unfit)
         if limited is not None:
             out += _price(limited, [c for c in choices if c.micro_batches == m], mesh, pinned, refused)

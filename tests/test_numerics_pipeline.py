@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.errors import InputError
-from autopar.runtime.forked import run_ranks
+from autopar.runtime.forked import TIMEOUT_S, run_ranks
 from autopar.runtime.pipeline import PipelinedModule
 from autopar.solver.stages import balanced_cuts
 from examples import gpt, hf_models, llama
@@ -185,9 +185,12 @@ def test_pipeline_matches_single_device(case: Case) -> None:
 def test_searched_pipeline_under_a_tight_limit_matches_single_device() -> None:
     """Below the free search's peak the stage mesh is planned again under the limit, on the
     busiest rank's share of its memory (here it checkpoints the blocks, some parameters sharded
-    on dp); compile runs the plan ``autopar.plan`` gives, and it trains to the single-device numbers."""
+    on dp); compile runs the plan ``autopar.plan`` gives, and it trains to the single-device numbers.
+    The micro-batch count is pinned (the schedule and stages per rank searched): each count
+    planned under the limit is a memory search of its own (tests/test_pipeline_search.py
+    covers the counts' search)."""
     mesh = {"pp": 2, "dp": 2}
-    search = autopar.Pipeline(axis="pp")
+    search = autopar.Pipeline(axis="pp", micro_batches=4)
     batch = _llama()[1][0].shape[0]
     leanest = min(_plan(c, mesh).predicted.peak_memory_bytes for c in search.choices(2, batch, blocks=4, batch_ways=1))
     limit = 0.9 * leanest  # no pipeline of a stage plan without the limit fits
@@ -195,7 +198,9 @@ def test_searched_pipeline_under_a_tight_limit_matches_single_device() -> None:
     # the limit bought memory (the plan says how: which is the cost model's call)
     assert planned.memory.checkpoint != "none" or any(v != "R" for v in planned.parameters.values())
     assert planned.predicted.peak_memory_bytes <= limit
-    results = _check_training(Case("llama", (2, 2), ("pp", "dp"), None, None, None, {"memory_limit": limit}))
+    # rank 0 plans under the limit (a memory search) while the others wait
+    results = _check_training(Case("llama", (2, 2), ("pp", "dp"), None, 4, None, {"memory_limit": limit}),
+                              timeout_s=180)
     assert {r["plan"] for r in results} == {planned.plan_hash()}
 
 
@@ -210,9 +215,9 @@ def _misplaced(pm: PipelinedModule, mesh: DeviceMesh) -> list[str]:
     return wrong + [b for b in mine & every if not any(k.startswith(b + ".") for k in held)]
 
 
-def _check_training(case: Case) -> list[dict[str, Any]]:
+def _check_training(case: Case, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
     ref = _reference(case.model)
-    results = run_ranks(_train, math.prod(case.mesh), case, ref)
+    results = run_ranks(_train, math.prod(case.mesh), case, ref, timeout_s=timeout_s)
     held: set[str] = set()
     for rank, result in enumerate(results):
         assert result["losses"] == pytest.approx(ref.losses, rel=1e-4, abs=1e-5), f"rank {rank}"
