@@ -147,11 +147,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     _check_world(mesh)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
     try:
-        precision, compute_dtype = running_precision(model, precision, planning_mesh.hardware.default_precision)
+        precision, compute_dtype, planned_model = _planning_model(model, precision, planning_mesh)
     except InputError as exc:
         raise CompileError(str(exc)) from None
-    # mixed precision: plan (and program) the bf16 model; the fp32 masters stay ``model``'s
-    planned_model = model if compute_dtype is None else compute_copy(model, compute_dtype)
     if input_sharded and not data_axes and "dp" in planning_mesh.names:
         data_axes = ("dp",)
     _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
@@ -251,9 +249,7 @@ def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, exampl
     _gather_errors("checking the pipeline", error, InputError)
 
     def search() -> tuple[int, str, int, int] | None:
-        precision, compute_dtype = running_precision(model, arguments["precision"],
-                                                     planning_mesh.hardware.default_precision)
-        planned_model = model if compute_dtype is None else compute_copy(model, compute_dtype)
+        precision, compute_dtype, planned_model = _planning_model(model, arguments["precision"], planning_mesh)
         options = {k: v for k, v in arguments.items() if k not in ("init_fn", "init_seed", "seed", "hardware")}
         chosen = plan_step(planned_model, planning_mesh, example_inputs, pipeline=pipeline,
                            **{**options, "precision": precision, "_masters": compute_dtype is not None}).plan.pipeline
@@ -262,10 +258,17 @@ def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, exampl
     if chosen is None:
         return mesh, None
     depth, schedule, m, v = chosen
-    names = dict(zip(planning_mesh.names, planning_mesh.shape))
     carved = _on_every_rank("laying the mesh out for the pipeline", lambda: carved_device_mesh(
-        mesh, pipeline.carved(names, depth)))
+        mesh, pipeline.carved(planning_mesh.axes, depth)))
     return carved, replace(pipeline, from_axis=None, schedule=schedule, micro_batches=m, virtual_stages=v)
+
+
+def _planning_model(model: nn.Module, precision: str | None, mesh: Mesh
+                    ) -> tuple[str, torch.dtype | None, nn.Module]:
+    """The precision planned, the compute dtype run, and the model planned: with mixed precision
+    the bf16 compute copy (the fp32 masters stay ``model``'s)."""
+    precision, compute_dtype = running_precision(model, precision, mesh.hardware.default_precision)
+    return precision, compute_dtype, model if compute_dtype is None else compute_copy(model, compute_dtype)
 
 
 def _depth_error(pipeline: Pipeline, mesh: Mesh) -> str:
