@@ -30,7 +30,7 @@ from autopar.solver.plan import Plan
 from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.pipeline import Pipeline, as_pipeline
-from autopar.step import PlannedStep, PreparedStep, _stage, finish_step
+from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc
 from autopar.units import fmt_bytes
 
 __all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
@@ -117,8 +117,9 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
                     model, at, example_inputs, progress=progress, pipeline=chosen, _cutoff_s=cutoff_s, **kwargs))
         return plan_pipeline(pipeline, mesh, example_inputs, kwargs, lambda options: plan_step(
             model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options), _cutoff_s)
-    prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
-    return finish_step(prepared, solve_step(prepared, progress=progress))
+    with paused_gc():
+        prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
+        return finish_step(prepared, solve_step(prepared, progress=progress))
 
 
 def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...], options: dict[str, Any],
