@@ -135,7 +135,7 @@ def gradient_failure(c: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...])
     full = [t.clone().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
     replaced = iter(full)
     args = [next(replaced) if isinstance(a, torch.Tensor) else a for a in c.args]
-    outputs = flatten_outputs(c.op(*args))
+    outputs = flatten_outputs(c.op(*args, **c.kwargs))
     output_grads = [torch.randn(o.shape, generator=_GEN, dtype=o.dtype) if o is not None and o.is_floating_point()
                     else None for o in outputs]
     used = [i for i, g in enumerate(output_grads) if g is not None]
