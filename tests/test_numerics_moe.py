@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.rules.strategy import parse_placements
-from examples import moe
+from examples import hf_models, moe
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,33 @@ def test_compiled_moe_matches_single_device(case: Case) -> None:
     if case.wide:  # the case is meant to check experts split across tp ranks
         tp = case.names.index("tp")
         assert all(parse_placements(v)[tp] == Shard(0) for v in results[0]["experts"].values()), results[0]["experts"]
+
+
+def build_hf_mixtral(experts_implementation: str | None = None) -> Any:
+    """HF Mixtral, tiny, dropout off (``eval``); ``None``: transformers' default experts (grouped_mm)."""
+    model, inputs, loss_fn, targets = hf_models.build_mixtral_step(
+        batch=8, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=64, seq=16,
+        experts_implementation=experts_implementation)
+    model.eval()
+    return model, inputs, loss_fn, targets
+
+
+def train_hf_on_rank(rank: int, world: int, experts_implementation: str | None, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = build_hf_mixtral(experts_implementation)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("dp",))
+    ops = {n.op for n in pm.plan.nodes}
+    return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
+            "grouped_mm": "transformers.grouped_mm_fallback.default" in ops}
+
+
+@pytest.mark.parametrize("experts_implementation", [None, "batched_mm"], ids=["default", "batched_mm"])
+def test_hf_mixtral_matches_single_device(experts_implementation: str | None) -> None:
+    """The default experts run as transformers' opaque grouped-matmul op under torch.export
+    (``torch._grouped_mm`` has no fp32 meta kernel); ``batched_mm`` as index + bmm."""
+    ref = reference(lambda: build_hf_mixtral(experts_implementation))
+    assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
+    results = run_checked(train_hf_on_rank, (2,), experts_implementation, ref)
+    assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
+    assert results[0]["grouped_mm"] == (experts_implementation is None)
+    assert any(r["ran"] for r in results)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sharding_sim import OpCase, check_strategy
+from sharding_sim import OpCase, check_strategy, strategy_str
 from test_rules_bruteforce import case, f64, failures, ints, is_replicate_only, rule_strategies
 from test_rules_conv import MESHES, gradient_failure
 
@@ -52,6 +52,13 @@ def routing_cases() -> list[OpCase]:
         case(aten.scatter_add.default, f64(4, 8, 4), 1, ints(8, 4, 12, 4), f64(4, 12, 4)),
         case(aten.index_add.default, f64(4, 8), 1, ints(8, 12), f64(4, 12)),
         case(aten.index_add.default, f64(8, 4), 0, ints(8, 12), f64(12, 4), alpha=0.5, tag="alpha"),
+        case(aten.index_put.default, f64(8, 4), [_distinct_rows(1, 8, 6).view(6)], f64(6, 4)),
+        case(aten.index_put.default, f64(8, 4), [ints(8, 12)], f64(4), True, tag="accumulate-broadcast"),
+        case(aten.index_put_.default, f64(4, 8, 4), [ints(4, 6), ints(8, 6)], f64(6, 4), True, tag="two-indices"),
+        case(aten.index_put.default, ints(9, 8), [_distinct_rows(1, 8, 8).view(8)], torch.arange(8),
+             tag="hf-inverse-permutation", replicate_only=True),
+        case(aten.repeat_interleave.self_int, f64(4, 8), 2, 0, tag="hf-token-per-choice"),
+        case(aten.repeat_interleave.self_int, f64(4, 8, 4), 3, 1),
         case(aten.histc.default, expert_ids.view(4, 4), 4, 0, 3, tag="hf-tokens-per-expert"),
         case(aten._grouped_mm.default, *_grouped_inputs(torch.float32)),
     ]
@@ -62,7 +69,7 @@ CASES: list[OpCase] = routing_cases()
 NO_BACKWARD = {aten.histc.default: "counts have no gradient", aten.argsort.default: "indices have no gradient",
                aten.argsort.stable: "indices have no gradient",
                aten._grouped_mm.default: "fp32 only on CPU: its backward is checked in fp64 through HF's op below"}
-BACKWARD_CASES = [c for c in CASES if c.op not in NO_BACKWARD]
+BACKWARD_CASES = [c for c in CASES if c.op not in NO_BACKWARD and not getattr(c, "replicate_only", False)]
 
 
 def _strategies(c: OpCase, mesh_shape: tuple[int, ...]) -> list[Strategy]:
@@ -74,7 +81,8 @@ def _strategies(c: OpCase, mesh_shape: tuple[int, ...]) -> list[Strategy]:
 @pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in CASES])
 def test_rule_matches_unsharded_op(op_case: OpCase, mesh_shape: tuple[int, ...]) -> None:
     strategies = _strategies(op_case, mesh_shape)
-    assert any(not is_replicate_only(s) for s in strategies), "the rule offers no sharded strategy that divides"
+    sharded = [s for s in strategies if not is_replicate_only(s)]
+    assert bool(sharded) != getattr(op_case, "replicate_only", False), [strategy_str(s) for s in sharded]
     problems = failures(op_case, strategies, mesh_shape)
     assert not problems, f"{op_case.label} on {mesh_shape}:\n" + "\n".join(problems)
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts routing and dispatch: top-k, sorts, gather / scatter along one dim,
-``index_add``, histograms, and grouped matmuls (``_grouped_mm`` and HF's opaque
+``index_add``, ``index_put``, ``repeat_interleave``, histograms, and grouped matmuls (``_grouped_mm`` and HF's opaque
 ``transformers::grouped_mm_fallback``).
 
 Every op here works along one dim (the experts of ``topk``, the sorted dim, the dim indices
@@ -90,6 +90,40 @@ def index_add_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     along = normalize_dim(call.get("dim"), x.ndim)
     strategies = [DimStrategy((S(d),), (S(d), R, S(d))) for d in _same_size_dims(along, x, source)]
     return [*strategies, DimStrategy((P,), (P, R, P))]
+
+
+@TABLE.register(aten.index_put.default, aten.index_put_.default)
+def index_put_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
+    """``self[i0, ..., ik-1] = values`` (or ``+=`` with ``accumulate``) on the leading ``k`` dims:
+    the trailing dims no index touches split, ``values`` split alike where it holds them (replicated
+    where it broadcasts). With every dim indexed (HF's ``inv_perm[perm] = arange(n)``) nothing splits:
+    the written positions are data, so replication is the whole answer, not a fallback."""
+    x: TensorMeta = call.get("self")
+    indices = list(call.get("indices"))
+    values: TensorMeta = call.get("values")
+    if any(t is None for t in indices):
+        return Unhandled("an index list with a sliced (None) dim")
+    if any(t.dtype in (torch.bool, torch.uint8) for t in indices):
+        return Unhandled("a boolean mask index (data-dependent positions)")
+    skip = (R,) * len(indices)
+    strategies = []
+    for d in range(len(indices), x.ndim):
+        at = values.ndim - (x.ndim - d)  # values broadcast against self's trailing dims
+        held = at >= 0 and values.shape[at] == x.shape[d]
+        strategies.append(DimStrategy((S(d),), (S(d), *skip, S(at) if held else R)))
+    if call.get("accumulate", False) and x.dtype.is_floating_point:  # self + sum of writes: linear in both
+        strategies.append(DimStrategy((P,), (P, *skip, P)))
+    return strategies
+
+
+@TABLE.register(aten.repeat_interleave.self_int)
+def repeat_interleave_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
+    """Each row of ``dim`` repeated ``repeats`` times in place (HF's one copy of a token per choice):
+    a rank's block of rows gives exactly its block of the output, so every dim splits; a copy is linear."""
+    x: TensorMeta = call.get("self")
+    if call.get("dim") is None and x.ndim != 1:
+        return Unhandled("no dim: the input is flattened first")
+    return [*(DimStrategy((S(d),), (S(d),)) for d in range(x.ndim)), DimStrategy((P,), (P,))]
 
 
 @TABLE.register(aten.histc.default)
