@@ -1,4 +1,5 @@
-"""Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` from tiny configs, randomly initialised.
+"""Hugging Face ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and ``MixtralForCausalLM`` from tiny configs,
+randomly initialised.
 
 Nothing is downloaded (no ``from_pretrained``). ``transformers`` is imported inside the
 builders, so importing this file stays cheap. Two ways in, per model:
@@ -85,6 +86,31 @@ def build_llama(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 
     return _example(model, vocab, seq, batch, device)
 
 
+def build_mixtral(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, seq: int = 32,
+                  batch: int = 4, device: str = "cpu", kv_heads: int = 2, intermediate: int = 128, experts: int = 4,
+                  top_k: int = 2, attn_implementation: str = "sdpa", experts_implementation: str | None = None
+                  ) -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    """A ``MixtralForCausalLM`` (``experts`` routed SwiGLU experts, ``top_k`` per token) that returns its own loss.
+
+    Returns ``(model, (ids,), None, (), {"labels": ids})``. ``experts_implementation=None`` keeps
+    transformers' default (``"grouped_mm"``: under torch.export its opaque
+    ``transformers::grouped_mm_fallback`` op); ``"batched_mm"`` indexes the weights per token and
+    runs ``bmm``. HF adds no router loss unless ``output_router_logits`` is set (it is not here).
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    options = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    cfg = MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, intermediate_size=intermediate, vocab_size=vocab,
+                        max_position_embeddings=seq, num_local_experts=experts, num_experts_per_tok=top_k,
+                        bos_token_id=1, eos_token_id=2, use_cache=False, attn_implementation=attn_implementation,
+                        **options)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = MixtralForCausalLM(cfg)
+    return _example(model, vocab, seq, batch, device)
+
+
 def shift_labels(ids: torch.Tensor) -> torch.Tensor:
     """Next-token targets as HF makes them from ``labels``: ``ids`` moved left by one, ``-100`` last."""
     return F.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
@@ -112,3 +138,9 @@ def build_llama_step(batch: int = 4, device: str = "cpu", **sizes: Any
                      ) -> tuple[nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
     """(model, example_inputs, loss_fn, example_targets) for ``autopar plan``; ``sizes`` as :func:`build_llama`."""
     return _as_step(build_llama(batch=batch, device=device, **sizes))
+
+
+def build_mixtral_step(batch: int = 4, device: str = "cpu", **sizes: Any
+                       ) -> tuple[nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """(model, example_inputs, loss_fn, example_targets) for ``autopar plan``; ``sizes`` as :func:`build_mixtral`."""
+    return _as_step(build_mixtral(batch=batch, device=device, **sizes))

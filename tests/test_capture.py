@@ -276,3 +276,28 @@ def test_reuse_captures_traces_each_shape_once() -> None:
     assert capture(model, inputs, loss_fn=loss_fn, example_targets=targets) is not first
     plan = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets)
     assert reused.predicted == plan.predicted and reused.plan_hash() == plan.plan_hash()
+
+
+class LoopMoE(nn.Module):
+    """Mixtral as transformers 4 wrote it: a loop over experts, each taking the tokens routed to it
+    (``torch.where``), so each expert's batch has a size only the routing knows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+def test_data_dependent_sizes_are_refused_by_name() -> None:
+    """torch.export captures the loop with unbacked sizes; autopar plans concrete shapes, and says so."""
+    with pytest.raises(CaptureError, match=r"aten.where.default makes a tensor of data-dependent size u\d+"):
+        capture(LoopMoE(), (torch.randn(16, 8),), loss_fn=lambda y, t: (y - t).square().mean(),
+                example_targets=(torch.randn(16, 8),))

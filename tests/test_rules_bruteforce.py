@@ -533,6 +533,8 @@ UNTESTED: dict[Any, str] = {
     aten.empty.memory_format: "uninitialized values cannot be compared",
     aten.empty_like.default: "uninitialized values cannot be compared",
     aten.new_empty.default: "uninitialized values cannot be compared",
+    "transformers::grouped_mm_fallback": "a custom op that exists once transformers is imported: "
+                                         "test_rules_routing.test_hf_grouped_mm_is_ruled_by_name checks it",
 }
 
 
@@ -707,8 +709,9 @@ def _all_cases() -> list[OpCase]:
     """These cases and those brute-forced in their own files (imported here, not at the top:
     those files import this one's helpers)."""
     from test_rules_conv import CASES as CONV_CASES
+    from test_rules_routing import CASES as ROUTING_CASES
 
-    return [*CASES, *CONV_CASES]
+    return [*CASES, *CONV_CASES, *ROUTING_CASES]
 
 
 def test_in_place_ops_keep_their_first_input_placement() -> None:

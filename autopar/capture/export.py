@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 import torch.fx.config
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.capture.aliasing import returned_operand, written_args
 from autopar.capture.graph import CapturedGraph
@@ -86,7 +88,9 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
 def _export(step: TrainStep, flat: tuple[Any, ...]) -> ExportedProgram:
     try:
         with _lean_tracing():
-            return torch.export.export(step, flat, strict=False)
+            program = torch.export.export(step, flat, strict=False)
+        _refuse_data_dependent_sizes(program)
+        return program
     except CaptureError:
         raise
     except Exception as exc:  # noqa: BLE001 - every tracer failure becomes one clear error
@@ -94,6 +98,23 @@ def _export(step: TrainStep, flat: tuple[Any, ...]) -> ExportedProgram:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         at = f"\n  at {where}" if where else ""
         raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}") from exc
+
+
+def _refuse_data_dependent_sizes(program: ExportedProgram) -> None:
+    """torch.export carries a size computed from values (``torch.where(mask)``, ``x[counts[e]:]``,
+    ``split(counts.tolist())``) as an unbacked symbol; every later stage (rules, costs, the per-rank
+    program's view sizes) works on concrete sizes, so such a step is refused here, naming the op."""
+    for node in program.graph.nodes:
+        sizes = [s for leaf in pytree.tree_leaves(node.meta.get("val")) if isinstance(leaf, torch.Tensor)
+                 for s in leaf.shape if isinstance(s, torch.SymInt)]
+        unbacked = [s for s in sizes if free_unbacked_symbols(s)]
+        if unbacked:  # stack traces are off (``_lean_tracing``): the module names the place
+            modules = list((node.meta.get("nn_module_stack") or {}).values())
+            where = f"\n  in module {modules[-1][0]!r} ({modules[-1][1]})" if modules else ""
+            raise CaptureError(f"{node.target} makes a tensor of data-dependent size {unbacked[0]} (torch.export's "
+                               "unbacked size); autopar plans concrete shapes only: write the step with sizes "
+                               "fixed by the input shapes (as examples/moe.py dispatches tokens into experts x "
+                               f"seq slots){where}")
 
 
 _Inputs = tuple[list[InputSpec], dict[str, torch.Tensor]]

@@ -14,6 +14,7 @@ from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
+from autopar.rules.routing import HF_GROUPED_MM
 from autopar.rules.strategy import OpCall
 
 aten = torch.ops.aten
@@ -36,7 +37,8 @@ def op_flops(call: OpCall) -> float:
     if target in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default):
         a = inputs[1] if target is aten.addmm.default else inputs[0]
         return 2.0 * (out.numel if out else 0) * a.shape[-1]
-    if target is aten.linear.default:
+    if target is aten.linear.default or is_grouped_mm(target):
+        # a grouped matmul: each token row meets one expert's (in, out) matrix
         return 2.0 * (out.numel if out else 0) * inputs[0].shape[-1]
     if target is aten.einsum.default:
         sizes: dict[str, int] = {}
@@ -55,6 +57,13 @@ def op_flops(call: OpCall) -> float:
     if target in VIEW_OPS:
         return 0.0
     return float(sum(o.numel for o in outputs if o is not None))  # about one op per element
+
+
+def is_grouped_mm(target: object) -> bool:
+    """``aten._grouped_mm`` or a library's grouped matmul its rule is registered for by name."""
+    if target is aten._grouped_mm.default:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.name() == HF_GROUPED_MM
 
 
 def conv_flops(call: OpCall) -> float:
@@ -87,7 +96,7 @@ def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta
         return precision.tensor_bytes(t, numel)
 
     read = [size(k) for k in range(len(inputs))]
-    if target is aten.index.Tensor and outputs and outputs[0] is not None:
+    if target in (aten.index.Tensor, aten.gather.default) and outputs and outputs[0] is not None:
         # A gather reads the picked elements of its source, not all of it (an embedding-sized
         # table indexed by a few positions).
         picked = outputs[0].numel if local_numel is None else local_numel(outputs[0], len(inputs))

@@ -29,7 +29,7 @@ _ATTENTION_KERNELS = frozenset({
 
 _MATMUL_KERNELS = frozenset({
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    aten._int_mm.default, aten._scaled_mm.default,
+    aten._int_mm.default, aten._scaled_mm.default, aten._grouped_mm.default,
 })
 
 SAVED_DISPATCH_OPS: frozenset[torch._ops.OpOverload] = _MATMUL_KERNELS | _ATTENTION_KERNELS

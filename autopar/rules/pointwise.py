@@ -21,7 +21,7 @@ aten = torch.ops.aten
 TABLE = RuleTable("pointwise")
 
 # Ops that are elementwise but carry no pointwise tag: casts, copies, bitwise tensor ops,
-# fills, and where / masked_fill with a scalar or 0-d tensor operand (T5, HF masks).
+# fills, floor division, and where / masked_fill with a scalar or 0-d tensor operand (T5, HF masks).
 EXTRA_POINTWISE = [
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
     aten.contiguous.default, aten.alias.default, aten.__and__.Tensor, aten.__or__.Tensor,
@@ -29,6 +29,7 @@ EXTRA_POINTWISE = [
     aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Tensor,
     aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.fill.Scalar, aten.fill.Tensor,
     aten.fill_.Scalar, aten.fill_.Tensor, aten.copy.default, aten.copy_.default, aten.detach_.default,
+    aten.floor_divide.default, aten.floor_divide.Scalar,  # HF MoE: a sorted pair's token, perm // top_k
 ]
 
 # f(sum x_i) = sum f(x_i): a Partial input gives a Partial output.

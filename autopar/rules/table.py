@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from autopar.rules.strategy import DimStrategy, OpCall
 
 
@@ -28,7 +30,9 @@ or ``Unhandled`` for a call the rule does not cover."""
 
 
 class RuleTable:
-    """Rules of one op family, keyed by aten overload (or another FX call target)."""
+    """Rules of one op family, keyed by aten overload (or another FX call target), or by the
+    qualified name of a library's custom op (``"transformers::grouped_mm_fallback"``), which
+    exists only once that library is imported and so cannot be looked up when autopar is."""
 
     def __init__(self, family: str) -> None:
         self.family = family
@@ -62,7 +66,16 @@ class RuleSet:
                 self.family[target] = table.family
 
     def lookup(self, target: Any) -> Rule | None:
-        return self.rules.get(target)
+        rule = self.rules.get(target)
+        if rule is None and isinstance(target, torch._ops.OpOverload) and target.namespace != "aten":
+            rule = self.rules.get(target.name())  # a custom op, registered by name
+        return rule
+
+    def family_of(self, target: Any) -> str | None:
+        """The family whose rule ``lookup`` finds for ``target``."""
+        if target in self.family:
+            return self.family[target]
+        return self.family.get(target.name()) if isinstance(target, torch._ops.OpOverload) else None
 
     def strategies(self, call: OpCall) -> tuple[list[DimStrategy], str | None]:
         """The call's single-dim strategies, and why it falls back to replication (None when

@@ -244,11 +244,11 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
         call = OpCall(node.target, args, kwargs, outputs)
     source = nodes[node.args[0].name] if node.target is operator.getitem else None
-    needs_grad = may_need_grad(node.target, rules.family.get(node.target), producers, nodes, outputs, ctx.train,
+    needs_grad = may_need_grad(node.target, rules.family_of(node.target), producers, nodes, outputs, ctx.train,
                                source, node.args[1] if source is not None else 0) \
         and not runs_without_grad(node)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
-    pn.family = rules.family.get(node.target)
+    pn.family = rules.family_of(node.target)
     pn.follower = pn.family in FOLLOWER_FAMILIES and len(producers) == 1
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
         pn.targets_input = _view_root(producers[1][0], nodes)

@@ -68,7 +68,7 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
         node = graph.nodes[name]
         wanted = demands.get(name)
         if wanted and node.kind == OP and node.call is not None and \
-                rules.family.get(node.call.target) in EQUIVARIANT_FAMILIES:
+                rules.family_of(node.call.target) in EQUIVARIANT_FAMILIES:
             key = call_key(node.call)
             key = None if key is None else (key, tuple(sorted(wanted)), node.needs_grad, node.saved, node.kept)
             known = memo.get(key) if key is not None else None

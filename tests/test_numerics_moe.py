@@ -1,0 +1,111 @@
+"""Mixture-of-experts models train to the single-device numbers when compiled: loss (LM loss plus
+the load-balancing loss), every gradient (the router's too) and every parameter after 3 AdamW
+steps, on gloo ranks forked from this process (``numerics_harness``).
+
+``examples/moe.py`` in both dispatch styles (dropless sorted dispatch, capacity-based one-hot
+einsums), top-1 and top-2, with and without a shared expert. On "dp" the batch is pinned split
+(``data_axes``): routing, dispatch and combine run on each rank's sequences. On "tp" the model is
+wide enough that the planner splits the stacked expert weights by expert (``Shard(0)``) and runs
+dispatch replicated, each rank computing its experts' slots and the outputs gathered back (what
+Megatron calls the all-gather token dispatcher); all-to-all expert parallelism: notes/moe-design.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from numerics_harness import Reference, reference, run_compiled, run_checked
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+import autopar
+from autopar.rules.strategy import parse_placements
+from examples import hf_models, moe
+
+
+@dataclass(frozen=True)
+class Case:
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    top_k: int
+    capacity_factor: float | None = None
+    shared_expert: bool = False
+
+    @property
+    def wide(self) -> bool:
+        """Experts wide enough (and a batch large enough) that splitting them on tp pays on the cpu profile."""
+        return "tp" in self.names
+
+    @property
+    def id(self) -> str:
+        style = "dropless" if self.capacity_factor is None else f"capacity{self.capacity_factor}"
+        shared = "-shared" if self.shared_expert else ""
+        return f"{'x'.join(map(str, self.mesh))}-{'x'.join(self.names)}-top{self.top_k}-{style}{shared}"
+
+    def build(self) -> Any:
+        hidden, ffn, batch, seq = (64, 512, 8, 16) if self.wide else (16, 16, 4, 8)
+        cfg = moe.MoEConfig(vocab_size=32, max_seq_len=seq, hidden=hidden, heads=2, kv_heads=1, ffn_hidden=ffn,
+                            layers=2, experts=4, top_k=self.top_k, capacity_factor=self.capacity_factor,
+                            shared_expert=self.shared_expert, aux_loss_coef=0.1)
+        return moe.build(cfg, batch=batch)
+
+
+DP, TP, DP_TP = ((2,), ("dp",)), ((2,), ("tp",)), ((2, 2), ("dp", "tp"))
+CASES = [
+    Case(*DP, 1), Case(*DP, 2), Case(*DP, 1, 1.0), Case(*DP, 2, 0.5),
+    Case(*TP, 1), Case(*TP, 2), Case(*TP, 1, 1.0), Case(*TP, 2, 0.5),
+    Case(*DP_TP, 2, shared_expert=True), Case(*DP_TP, 2, 1.0, shared_expert=True),
+]
+
+
+def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = case.build()
+    data_axes = ("dp",) if "dp" in case.names else ()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes)
+    return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
+            "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k}}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_compiled_moe_matches_single_device(case: Case) -> None:
+    ref = reference(case.build)
+    assert any("router" in k for k in ref.grads), "the router must get a gradient"
+    results = run_checked(train_on_rank, case.mesh, case, ref)
+    assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
+    assert any(r["ran"] for r in results), "nothing ran split: the case checks nothing parallel"
+    if case.wide:  # the case is meant to check experts split across tp ranks
+        tp = case.names.index("tp")
+        assert all(parse_placements(v)[tp] == Shard(0) for v in results[0]["experts"].values()), results[0]["experts"]
+
+
+def build_hf_mixtral(experts_implementation: str | None = None) -> Any:
+    """HF Mixtral, tiny, dropout off (``eval``); ``None``: transformers' default experts (grouped_mm)."""
+    model, inputs, loss_fn, targets = hf_models.build_mixtral_step(
+        batch=8, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=64, seq=16,
+        experts_implementation=experts_implementation)
+    model.eval()
+    return model, inputs, loss_fn, targets
+
+
+def train_hf_on_rank(rank: int, world: int, experts_implementation: str | None, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = build_hf_mixtral(experts_implementation)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("dp",))
+    ops = {n.op for n in pm.plan.nodes}
+    return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
+            "grouped_mm": "transformers.grouped_mm_fallback.default" in ops}
+
+
+@pytest.mark.parametrize("experts_implementation", [None, "batched_mm"], ids=["default", "batched_mm"])
+def test_hf_mixtral_matches_single_device(experts_implementation: str | None) -> None:
+    """The default experts run as transformers' opaque grouped-matmul op under torch.export
+    (``torch._grouped_mm`` has no fp32 meta kernel); ``batched_mm`` as index + bmm."""
+    ref = reference(lambda: build_hf_mixtral(experts_implementation))
+    assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
+    results = run_checked(train_hf_on_rank, (2,), experts_implementation, ref)
+    assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
+    assert results[0]["grouped_mm"] == (experts_implementation is None)
+    assert any(r["ran"] for r in results)

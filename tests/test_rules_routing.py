@@ -1,0 +1,125 @@
+"""Brute force of the mixture-of-experts routing rules (``autopar/rules/routing.py``) against the
+unsharded op, forward and backward, as ``test_rules_conv`` does: every strategy a rule offers
+that divides is simulated on meshes of 2, 4 and 2x2 ranks; the local autograd of each rank,
+placed as the runtime assumes, must reassemble into the full gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sharding_sim import OpCase, check_strategy, strategy_str
+from test_rules_bruteforce import case, f64, failures, ints, is_replicate_only, rule_strategies
+from test_rules_conv import MESHES, gradient_failure
+
+from autopar.cost.compute import op_flops
+from autopar.rules import DimStrategy, expand
+from autopar.rules.strategy import P, R, S, Strategy
+
+aten = torch.ops.aten
+_GEN = torch.Generator().manual_seed(11)
+
+
+def _distinct_rows(n: int, size: int, picked: int, *rest: int) -> torch.Tensor:
+    """(n, picked, *rest) positions < size along dim 1, distinct within each column: a scatter
+    writing one position twice keeps whichever write lands last, so the op would be ill-defined."""
+    order = torch.rand((n, size, *rest), generator=_GEN).argsort(dim=1)
+    return order[:, :picked]
+
+
+def _grouped_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """8 token rows (in 16) in groups of 3 and 5, two experts' (16, 16) weights. 16 wide: the CPU
+    kernel wants rows of 16-byte multiples, and a quarter of 16 fp32 columns is 16 bytes."""
+    x = torch.randn(8, 16, generator=_GEN, dtype=dtype)
+    w = torch.randn(2, 16, 16, generator=_GEN, dtype=dtype)
+    return x, w, torch.tensor([3, 8], dtype=torch.int32)
+
+
+def routing_cases() -> list[OpCase]:
+    expert_ids = ints(4, 16).double()
+    return [
+        case(aten.topk.default, f64(4, 8, 4), 2, tag="last-dim"),
+        case(aten.topk.default, f64(4, 8, 4), 3, 1, tag="dim1"),
+        case(aten.sort.default, f64(4, 8), 1),
+        case(aten.sort.stable, f64(4, 8, 4), stable=True, dim=1, descending=True),
+        case(aten.argsort.default, f64(4, 8)),
+        case(aten.argsort.stable, ints(4, 4, 16), stable=True, dim=-1, tag="ties"),  # the dropless dispatch's
+        case(aten.gather.default, f64(4, 8, 4), 1, ints(8, 4, 6, 4)),
+        case(aten.gather.default, f64(4, 8, 4), 1, ints(8, 4, 6, 1).expand(4, 6, 4), tag="expanded"),
+        case(aten.gather.default, f64(4, 8), 1, ints(8, 2, 8), tag="fewer-rows"),  # dim 0 cannot split
+        case(aten.scatter.src, f64(4, 8, 4), 1, _distinct_rows(4, 8, 6, 4), f64(4, 6, 4)),
+        case(aten.scatter.value, f64(4, 8), 1, _distinct_rows(4, 8, 6), 1.5),
+        case(aten.scatter_add.default, f64(4, 8, 4), 1, ints(8, 4, 12, 4), f64(4, 12, 4)),
+        case(aten.index_add.default, f64(4, 8), 1, ints(8, 12), f64(4, 12)),
+        case(aten.index_add.default, f64(8, 4), 0, ints(8, 12), f64(12, 4), alpha=0.5, tag="alpha"),
+        case(aten.index_put.default, f64(8, 4), [_distinct_rows(1, 8, 6).view(6)], f64(6, 4)),
+        case(aten.index_put.default, f64(8, 4), [ints(8, 12)], f64(4), True, tag="accumulate-broadcast"),
+        case(aten.index_put_.default, f64(4, 8, 4), [ints(4, 6), ints(8, 6)], f64(6, 4), True, tag="two-indices"),
+        case(aten.index_put.default, ints(9, 8), [_distinct_rows(1, 8, 8).view(8)], torch.arange(8),
+             tag="hf-inverse-permutation", replicate_only=True),
+        case(aten.repeat_interleave.self_int, f64(4, 8), 2, 0, tag="hf-token-per-choice"),
+        case(aten.repeat_interleave.self_int, f64(4, 8, 4), 3, 1),
+        case(aten.histc.default, expert_ids.view(4, 4), 4, 0, 3, tag="hf-tokens-per-expert"),
+        case(aten._grouped_mm.default, *_grouped_inputs(torch.float32)),
+    ]
+
+
+CASES: list[OpCase] = routing_cases()
+"""Read by ``test_rules_bruteforce``'s coverage checks: this family's cases live here."""
+NO_BACKWARD = {aten.histc.default: "counts have no gradient", aten.argsort.default: "indices have no gradient",
+               aten.argsort.stable: "indices have no gradient",
+               aten._grouped_mm.default: "fp32 only on CPU: its backward is checked in fp64 through HF's op below"}
+BACKWARD_CASES = [c for c in CASES if c.op not in NO_BACKWARD and not getattr(c, "replicate_only", False)]
+
+
+def _strategies(c: OpCase, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    call, dims = rule_strategies(c)
+    return expand(call, dims, mesh_shape)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in CASES])
+def test_rule_matches_unsharded_op(op_case: OpCase, mesh_shape: tuple[int, ...]) -> None:
+    strategies = _strategies(op_case, mesh_shape)
+    sharded = [s for s in strategies if not is_replicate_only(s)]
+    assert bool(sharded) != getattr(op_case, "replicate_only", False), [strategy_str(s) for s in sharded]
+    problems = failures(op_case, strategies, mesh_shape)
+    assert not problems, f"{op_case.label} on {mesh_shape}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in BACKWARD_CASES])
+def test_local_backward_matches_full_gradients(op_case: OpCase, mesh_shape: tuple[int, ...]) -> None:
+    strategies = [s for s in _strategies(op_case, mesh_shape) if not is_replicate_only(s)]
+    problems = [f for f in (gradient_failure(op_case, s, mesh_shape) for s in strategies) if f is not None]
+    assert not problems, f"{op_case.label} on {mesh_shape}:\n" + "\n".join(problems)
+
+
+def test_gather_with_fewer_index_rows_keeps_that_dim_whole() -> None:
+    """An index shorter than its source along a dim would give ranks rows of different lengths."""
+    c = next(c for c in CASES if c.label.endswith("fewer-rows"))
+    _, dims = rule_strategies(c)
+    assert DimStrategy((S(0),), (S(0), S(0))) not in dims
+
+
+def test_hf_grouped_mm_is_ruled_by_name() -> None:
+    """Transformers' opaque grouped matmul gets the grouped-matmul rule and FLOPs once it exists."""
+    pytest.importorskip("transformers.integrations.moe")
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    c = case(op, *_grouped_inputs(torch.float64))
+    _, dims = rule_strategies(c)
+    assert DimStrategy((S(1),), (R, S(2), R)) in dims and DimStrategy((P,), (S(1), S(1), R)) in dims
+    for mesh_shape in ((2,), (2, 2)):
+        strategies = _strategies(c, mesh_shape)
+        problems = failures(c, strategies, mesh_shape)
+        problems += [f for f in (gradient_failure(c, s, mesh_shape) for s in strategies if not is_replicate_only(s))
+                     if f is not None]
+        assert not problems, "\n".join(problems)
+    assert op_flops(c.op_call()) == 2.0 * 8 * 16 * 16  # 8 rows x 16 out x 16 in
+
+
+def test_wrong_grouped_mm_split_is_detected() -> None:
+    """Splitting the token rows is wrong (the offsets count global rows): the simulator says so."""
+    c = case(aten._grouped_mm.default, *_grouped_inputs(torch.float32))
+    wrong = expand(c.op_call(), [DimStrategy((S(0),), (S(0), R, R))], (2,))[-1]
+    assert check_strategy(c, wrong, (2,)) is not None
