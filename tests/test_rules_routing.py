@@ -60,6 +60,7 @@ def routing_cases() -> list[OpCase]:
         case(aten.repeat_interleave.self_int, f64(4, 8), 2, 0, tag="hf-token-per-choice"),
         case(aten.repeat_interleave.self_int, f64(4, 8, 4), 3, 1),
         case(aten.histc.default, expert_ids.view(4, 4), 4, 0, 3, tag="hf-tokens-per-expert"),
+        case(aten.histc.default, f64(4, 4), 4, tag="bins-over-the-data-range", unhandled=True),
         case(aten._grouped_mm.default, *_grouped_inputs(torch.float32)),
     ]
 

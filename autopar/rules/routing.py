@@ -127,9 +127,13 @@ def repeat_interleave_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
 
 
 @TABLE.register(aten.histc.default)
-def histc_rule(call: OpCall) -> list[DimStrategy]:
-    """Counts per bin over all elements: each rank's counts of its elements sum to the total."""
+def histc_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
+    """Counts per bin over all elements: each rank's counts of its elements sum to the total,
+    provided the bins are fixed (``min < max``): with ``min == max`` histc spans the data's own
+    range, which differs between ranks' parts."""
     x: TensorMeta = call.tensor_inputs[0]
+    if call.get("min", 0) >= call.get("max", 0):
+        return Unhandled("bins spanning the data's own range (min >= max)")
     return [DimStrategy((P,), (S(d),)) for d in range(x.ndim)]
 
 
