@@ -5,6 +5,7 @@ prepares steps, ``autopar.search`` solves them."""
 from __future__ import annotations
 
 import contextlib
+import math
 import gc
 import time
 import warnings
@@ -168,10 +169,11 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)
 
 
-def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh) -> PlannedStep:
+def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: float = math.inf) -> PlannedStep:
     """``step`` (planned on ``pipeline``'s stage mesh for one micro-batch) cut into the
     pipeline's stages, its predicted step time the pipelined one (``solver.stages``) and its
-    peak memory the busiest pp rank's under the schedule (``solver.stage_memory``)."""
+    peak memory the busiest pp rank's under the schedule (``solver.stage_memory``). Raises
+    ``solver.stages.Outrun`` when no such step can take ``beat_s`` seconds or less."""
     plan = step.plan
     update_s = {n.name: n.update_s for n in plan.nodes}
     # The stage plan's activations include its gradient-bucket buffers, held for a micro-batched
@@ -180,7 +182,8 @@ def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh) -> PlannedS
     # they would land on every rank (the 175B GPT on pp=16: 87 GB of 93).
     activation_bytes = plan.predicted.activation_memory_bytes - bucket_buffer_bytes(plan.grad_buckets, step.ctx)
     pipelined, step_time = plan_stages(step.graph, step.chosen, step.ctx, pipeline, mesh, plan.nodes,
-                                       plan.collectives, update_s, plan.predicted.step_time_s, activation_bytes)
+                                       plan.collectives, update_s, plan.predicted.step_time_s, activation_bytes,
+                                       beat_s)
     peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
     state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
     peak = pipelined.rank_memory_bytes[peak_rank]

@@ -212,3 +212,38 @@ def test_the_finest_micro_batch_count_is_searched() -> None:
     assert {c.micro_batches for c in search.choices(2, 64, blocks=4, finest_ways=2)} == {2, 4, 8, 16, 32}
     assert {c.micro_batches for c in search.choices(2, 64, blocks=4, batch_ways=2, finest_ways=3)} == {2, 4, 8, 16}
     assert {c.micro_batches for c in search.choices(2, 64, blocks=4, batch_ways=2)} == {2, 4, 8, 16, 32}
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
+                                        ("dualpipev", 2)])
+def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int) -> None:
+    """``work_floor_s`` (what ``Outrun`` rules pipelines out by) is below every schedule's
+    played-out step: each rank's actions run one after another, then its buckets and update."""
+    import random
+
+    from autopar.solver.pipeline import Pipeline, simulate_pipeline
+    from autopar.solver.stages import work_floor_s
+    rng = random.Random(0)
+    p, m = 4, 8
+    rank_of = [Pipeline(schedule=schedule, virtual_stages=v).stage_rank(s, p) for s in range(p * v)]
+    for _ in range(20):
+        stage_s = [(rng.uniform(0.1, 1.0), rng.uniform(0.2, 2.0)) for _ in range(p * v)]
+        sends = [rng.uniform(0.0, 0.3) for _ in range(p * v)]
+        sync, update = [rng.uniform(0, 1) for _ in range(p)], [rng.uniform(0, 1) for _ in range(p)]
+        sim = simulate_pipeline(schedule, p, v, m, stage_s, sends)
+        drained = [acts[-1][4] if acts else 0.0 for acts in sim.placed]
+        step = max(d + g + u for d, g, u in zip(drained, sync, update))  # no rank ends before this
+        assert work_floor_s(m, stage_s, rank_of, sync, update) <= step + 1e-12
+
+
+def test_ruling_out_by_work_floor_keeps_the_chosen_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search with pipelines ruled out by their work floor chooses what it chooses when it
+    plays every one out, and says how many it left out."""
+    from autopar import pipeline_search
+
+    searched = _plan(autopar.Pipeline(axis="pp"), {"pp": 2, "dp": 2})
+    monkeypatch.setattr(pipeline_search._Race, "saw", lambda self, priced: None)  # nothing is ever beaten
+    every = _plan(autopar.Pipeline(axis="pp"), {"pp": 2, "dp": 2})
+    assert searched.to_json()["pipeline"] == every.to_json()["pipeline"]
+    assert searched.predicted.step_time_s == every.predicted.step_time_s
+    assert "not played out" in searched.notes[-1] and "not played out" not in every.notes[-1]

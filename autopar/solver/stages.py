@@ -18,6 +18,7 @@ parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -199,13 +200,21 @@ def balanced_cuts(weights: list[float], stages: int) -> list[int]:
     return cuts[::-1]
 
 
+class Outrun(Exception):
+    """A pipeline whose busiest rank's own work (``work_floor_s``) already takes longer than
+    the seconds it had to beat: it is not played out (``plan_stages``'s ``beat_s``)."""
+
+
 def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
                 nodes: list, collectives: list, update_s: dict[str, float], stage_plan_step_s: float,
-                activation_bytes: float) -> tuple[PipelinePlan, float]:
+                activation_bytes: float, beat_s: float = math.inf) -> tuple[PipelinePlan, float]:
     """Cut the step into ``pipeline``'s stages and price the pipelined step. ``mesh``: the
     whole mesh (pipeline axis included); ``nodes``/``collectives``: the sub-mesh plan's
     ``NodePlacement``s and ``PlannedCollective``s; ``update_s``: parameter -> optimizer seconds;
-    ``activation_bytes``: the sub-mesh plan's predicted activation memory of one micro-batch."""
+    ``activation_bytes``: the sub-mesh plan's predicted activation memory of one micro-batch.
+    Raises ``Outrun`` rather than play the schedule out when its work floor is over ``beat_s``
+    (a search's best pipeline so far: building torch's order of a long schedule takes up to
+    a second, most of a large model's pipeline pricing)."""
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     blocks, unit = block_units(graph)
@@ -223,7 +232,7 @@ def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
     stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(blocks))]
     stage_of = {name: stage_of_unit[u] for name, u in unit.items()}
     pipelined, total = _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds,
-                               collectives, update_s, stage_plan_step_s)
+                               collectives, update_s, stage_plan_step_s, beat_s)
     return _with_memory(pipelined, graph, chosen, activation_bytes), total
 
 
@@ -244,7 +253,7 @@ def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, St
 def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
             stage_of: dict[str, int], blocks: list[str], stage_of_unit: list[int],
             seconds: dict[str, tuple[float, float]], collectives: list, update_s: dict[str, float],
-            stage_plan_step_s: float) -> tuple[PipelinePlan, float]:
+            stage_plan_step_s: float, beat_s: float) -> tuple[PipelinePlan, float]:
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
@@ -261,6 +270,9 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     send_s = _send_seconds(pipeline, mesh, sends, rank_of)
     sync = _sync_seconds(collectives, graph, params, rank_of, p)
     update = [sum(update_s.get(n, 0.0) for n, s in params.items() if rank_of[s] == r) for r in range(p)]
+    floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in times], rank_of, sync, update)
+    if floor > beat_s:
+        raise Outrun(f"its busiest rank's own work, {floor:.6g} s, is over {beat_s:.6g} s")
     stages = []
     for s in range(count):
         mine = [n for n, t in params.items() if t == s]
@@ -279,6 +291,18 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     timed = plan.simulate()
     plan.p2p_s = timed.span_s - compute
     return plan, max(end.end_s for end in plan.rank_ends(timed))
+
+
+def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of: list[int], sync_s: list[float],
+                 update_s: list[float]) -> float:
+    """Seconds no pipelined step of these stages beats: a rank runs its actions one after another
+    (every micro-batch's forward and backward of each of its stages), then its gradient buckets
+    and its optimizer step (``PipelinePlan.rank_ends``), so the step lasts at least the longest
+    such sum, whatever the schedule's bubble and transfers add."""
+    work = [0.0] * len(sync_s)
+    for (f, b), r in zip(stage_s, rank_of):
+        work[r] += micro_batches * (f + b)
+    return max(w + g + u for w, g, u in zip(work, sync_s, update_s))
 
 
 def parameter_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, int]:
