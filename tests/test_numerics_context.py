@@ -22,8 +22,11 @@ from numerics_harness import Reference, reference, run_checked, run_compiled
 from test_numerics_attention import VOCAB, TinyAttentionLM
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+from autopar.rules.strategy import parse_placements
+from examples import llama
 
 SEQ = 8
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -76,3 +79,47 @@ def test_context_parallel_attention_matches_single_device(case: Case) -> None:
     (inputs,) = results[0]["sdpa_inputs"]
     assert inputs[:3] == ["S(1)", "R", "R"], inputs  # queries split on the sequence, keys and values whole
     assert ("self.context_attention(" in results[0]["code"]) == (not case.masked)
+
+
+LLAMA = llama.LlamaConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2)
+
+
+@dataclass(frozen=True)
+class LlamaCase:
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    batch: int = 1
+    seq: int = 16
+    """Tokens per sequence: below ``max_seq_len``, the rotary tables are sliced first."""
+
+    @property
+    def id(self) -> str:
+        return "x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+        model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
+        return model, (tokens[:, :self.seq],), loss_fn, (targets[:, :self.seq],)
+
+
+LLAMA_CASES = [LlamaCase((2,), ("cp",)), LlamaCase((2,), ("cp",), seq=8), LlamaCase((2, 2), ("dp", "cp"), batch=2)]
+
+
+def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = case.build()
+    data_axes = tuple(n for n in case.names if n == "dp")
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
+                         data_axes=data_axes)
+    sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
+    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa]}
+
+
+@pytest.mark.parametrize("case", LLAMA_CASES, ids=[c.id for c in LLAMA_CASES])
+def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
+    """Causal grouped-query attention with rotary positions: each rank's tables are those of
+    its own positions (the tables split on the sequence with the activations)."""
+    ref = reference(case.build)
+    results = run_checked(train_llama_on_rank, case.mesh, case, ref)
+    cp = case.names.index("cp")
+    for inputs in results[0]["sdpa_inputs"]:  # q split on the sequence (dim 2) over cp, k and v whole there
+        assert [parse_placements(p)[cp] for p in inputs] == [Shard(2), Replicate(), Replicate()], inputs
