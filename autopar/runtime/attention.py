@@ -9,12 +9,17 @@ the sequence. Here the call runs with ``is_causal=False`` and an explicit mask o
 rank's own positions, ``key <= p``, combined with the call's mask if it has one. Keys past
 the rank's last query position are never seen, so keys, values and the mask are cut there
 first: a rank computes (and keeps for backward) only the keys it attends to, the last rank
-of a contiguous split all of them.
+of a contiguous split all of them. The causal mask (rows x keys) is made once per rank and
+shared by every layer's call; the plan's memory does not count it (a boolean per row and
+key: a 128k sequence on cp=8 holds 16k x 128k = 2 GiB of it; ring attention, which never
+holds all keys at once, would not need it).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -35,12 +40,12 @@ def _resolve(op: str) -> torch._ops.OpOverload:
 
 
 def query_positions(local_rows: int, dim: int, placements: Placements, mesh_shape: tuple[int, ...],
-                    coordinate: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
+                    coordinate: tuple[int, ...]) -> torch.Tensor:
     """The global positions of this rank's ``local_rows`` rows of a tensor split on ``dim`` by
     ``placements`` (mesh dim 0 outermost, as DTensor cuts; a strided shard holds its piece of
     every block), in the order the rank holds them."""
     ways = [n for p, n in zip(placements, mesh_shape) if shard_dim(p) == dim]
-    positions = torch.arange(local_rows * (functools.reduce(int.__mul__, ways, 1)), device=device)
+    positions = torch.arange(local_rows * math.prod(ways))
     for p, n, i in zip(placements, mesh_shape, coordinate):
         if shard_dim(p) != dim:
             continue
@@ -50,9 +55,12 @@ def query_positions(local_rows: int, dim: int, placements: Placements, mesh_shap
 
 
 def causal_on_rows(target: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   positions: torch.Tensor) -> Any:
+                   positions: torch.Tensor, masks: dict[tuple[Any, ...], torch.Tensor] | None = None,
+                   rows: Hashable = None) -> Any:
     """``target(*args, **kwargs)`` (a causal attention call) for query rows at global
-    ``positions``, against every key from position 0."""
+    ``positions``, against every key from position 0. ``masks`` keeps the causal masks made,
+    by ``rows`` (what determines ``positions``), for the next call on the same rows (every
+    layer's): autograd then saves one mask for all of them, not one per layer."""
     if target not in ATTENTION_OPS:
         raise ValueError(f"causal_on_rows runs {sorted(map(str, ATTENTION_OPS))}, not {target}")
     names = [a.name for a in target._schema.arguments]
@@ -66,37 +74,49 @@ def causal_on_rows(target: torch._ops.OpOverload, args: tuple[Any, ...], kwargs:
     k, v = k.narrow(-2, 0, end), v.narrow(-2, 0, end)
     if mask is not None and mask.shape[-1] > 1:
         mask = mask.narrow(-1, 0, end)
-    allowed = torch.arange(end, device=q.device)[None, :] <= positions.to(q.device)[:, None]  # [L_rows, end]
-    bound.update(key=k, value=v, is_causal=False, attn_mask=_combined(allowed, mask, q.dtype, target))
+    # a mask of the call's own when it has one; else boolean, except for the CPU flash
+    # kernel, which takes masks of the query's dtype only
+    dtype = None if mask is None and target is aten.scaled_dot_product_attention.default else q.dtype
+    key = (rows, end, dtype, q.device)
+    causal = masks.get(key) if masks is not None and rows is not None else None
+    if causal is None:
+        allowed = torch.arange(end, device=q.device)[None, :] <= positions.to(q.device)[:, None]  # [rows, end]
+        causal = allowed if dtype is None else _additive(allowed, dtype)
+        if masks is not None and rows is not None:
+            masks[key] = causal
+    bound.update(key=k, value=v, is_causal=False, attn_mask=causal if mask is None else _combined(causal, mask))
     return target(**bound)
 
 
-def _combined(allowed: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype,
-              target: torch._ops.OpOverload) -> torch.Tensor:
-    """The call's mask restricted to ``allowed``: a boolean mask and-ed, a float (additive)
-    one set to -inf where not allowed. Without a mask, a boolean one, except for the CPU
-    flash kernel, which takes masks of the query's dtype only."""
-    if mask is None:
-        if target is aten.scaled_dot_product_attention.default:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float mask: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def _combined(causal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The call's own mask restricted to the causal one (additive, of the mask's dtype): a
+    boolean mask and-ed, a float one set to -inf where the causal mask forbids."""
+    forbidden = ~causal if causal.dtype == torch.bool else causal.isinf()
     if mask.dtype == torch.bool:
-        return mask & allowed
-    return mask.masked_fill(~allowed, float("-inf"))
+        return mask & ~forbidden
+    return mask.masked_fill(forbidden, float("-inf"))
 
 
 class ContextAttention(nn.Module):
     """``self.context_attention(op, q_placements, *args, **kwargs)``: the causal attention
-    ``op`` on this rank's query rows, q placed as ``q_placements`` (as printed in plans)."""
+    ``op`` on this rank's query rows, q placed as ``q_placements`` (as printed in plans).
+    It keeps the causal masks it makes (one per distinct rows and dtype: every layer of a
+    model shares one)."""
 
     def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]) -> None:
         super().__init__()
         self.mesh_shape = tuple(mesh_shape)
         self.coordinate = tuple(coordinate)
+        self.masks: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def forward(self, op: str, q_placements: str, *args: Any, **kwargs: Any) -> Any:
         target = _resolve(op)
         q = args[0] if args else kwargs["query"]
         positions = query_positions(q.shape[-2], q.ndim - 2, parse_placements(q_placements), self.mesh_shape,
-                                    self.coordinate, q.device)
-        return causal_on_rows(target, args, kwargs, positions)
+                                    self.coordinate)
+        return causal_on_rows(target, args, kwargs, positions, self.masks, (q_placements, q.shape[-2], q.ndim))
