@@ -101,15 +101,17 @@ class LlamaCase:
         return model, (tokens[:, :self.seq],), loss_fn, (targets[:, :self.seq],)
 
 
-LLAMA_CASES = [LlamaCase((2,), ("cp",)), LlamaCase((2,), ("cp",), seq=8), LlamaCase((2, 2), ("dp", "cp"), batch=2)]
+LLAMA_CASES = [LlamaCase((2,), ("cp",)), LlamaCase((2,), ("cp",), seq=8), LlamaCase((4,), ("cp",)),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2), LlamaCase((2, 2), ("cp", "tp"))]
 
 
 def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = case.build()
     data_axes = tuple(n for n in case.names if n == "dp")
+    tp = {"constraints": llama.TP_PLAN, "constraint_axis": "tp"} if "tp" in case.names else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         data_axes=data_axes)
+                         data_axes=data_axes, **tp)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
     return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa]}
 
@@ -117,7 +119,8 @@ def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) 
 @pytest.mark.parametrize("case", LLAMA_CASES, ids=[c.id for c in LLAMA_CASES])
 def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
     """Causal grouped-query attention with rotary positions: each rank's tables are those of
-    its own positions (the tables split on the sequence with the activations)."""
+    its own positions (the tables split on the sequence with the activations); beside data
+    parallelism, and beside Megatron tensor parallelism (heads split on tp)."""
     ref = reference(case.build)
     results = run_checked(train_llama_on_rank, case.mesh, case, ref)
     cp = case.names.index("cp")
