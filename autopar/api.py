@@ -308,7 +308,8 @@ def _checked_context_axes(mesh: Mesh, context_axes: tuple[str, ...], data_axes: 
     """``context_axes``, refused where they cannot be: not axes of the mesh, named twice or
     also as data axes, or with inputs arriving split (only along data axes, for now)."""
     if isinstance(context_axes, str):
-        raise InputError(f"context_axes must be a tuple of axis names (write ({context_axes!r},)), got {context_axes!r}")
+        raise InputError(f"context_axes must be a tuple of axis names (write ({context_axes!r},)), "
+                         f"got {context_axes!r}")
     for axis_name in context_axes:
         if axis_name not in mesh.names:
             raise InputError(f"context axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")

@@ -169,7 +169,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             example_inputs, example_kwargs, example_targets, math.prod(planning_mesh.axes[a] for a in data_axes))
     options = dict(loss_fn=loss_fn, example_kwargs=example_kwargs, example_targets=example_targets, train=train,
                    constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
-                   input_sharded=input_sharded, context_axes=context_axes, memory_limit=memory_limit, memory_headroom=memory_headroom,
+                   input_sharded=input_sharded, context_axes=context_axes, memory_limit=memory_limit,
+                   memory_headroom=memory_headroom,
                    precision=precision, bucket_bytes=bucket_bytes, solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
                    offload=offload, _masters=compute_dtype is not None)
