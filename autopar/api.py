@@ -22,7 +22,8 @@ from autopar.pipeline_depth import plan_depths
 from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
 from autopar.solver.blocks import fold_repeated_blocks
-from autopar.solver.constraints import Pin, apply_pins, data_parallel_pins, pins_from_tp_plan, zero_pins
+from autopar.solver.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, pins_from_tp_plan,
+                                       zero_pins)
 from autopar.solver.graph import build_plan_graph
 from autopar.solver.memory import MemoryOptions, example_batch, repeated_blocks, slice_batch
 from autopar.solver.nodes import PARAM, PlanGraph
@@ -147,7 +148,7 @@ def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) ->
     if options.get("micro_batches") is not None:
         raise InputError(f"micro_batches={options['micro_batches']} with a pipeline: a pipelined step runs the "
                          "pipeline's micro-batches (Pipeline(micro_batches=...); leave micro_batches out)")
-    for option in ("data_axes", "zero"):
+    for option in ("data_axes", "context_axes", "zero"):
         if pipeline.axis in (options.get(option) or ()):
             raise InputError(f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data")
     if options.get("offload") or 1 in (options.get("zero") or {}).values():
@@ -171,7 +172,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  memory_headroom: float | None = None, precision: str | None = None,
                  constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
                  rules: RuleSet = DEFAULT_RULES, progress: bool = False,
-                 data_axes: tuple[str, ...] = (), input_sharded: bool = False,
+                 data_axes: tuple[str, ...] = (), input_sharded: bool = False, context_axes: tuple[str, ...] = (),
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
@@ -182,6 +183,9 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
     every user input split along its first (batch) dim. ``input_sharded`` also pins the
     inputs replicated on every other axis (each rank receives exactly its data shard).
+    ``context_axes`` pins context parallelism on those axes: parameters replicated, every
+    user input of the first input's (batch, sequence) split along dim 1, attention run on
+    each rank's query rows against gathered keys and values (``rules.attention``).
     ``zero``, ``checkpoint``, ``offload`` and ``micro_batches`` pin memory choices
     (``MemoryOptions``); with ``micro_batches=m`` the step is captured at batch / m.
     The result is priced under the first scenario ``solve_step`` searches (``scenarios``);
@@ -220,7 +224,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)
         node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis, data_axes,
-                                        input_sharded, zero or {})
+                                        input_sharded, zero or {}, context_axes)
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
@@ -264,10 +268,10 @@ def _limit_origin(mesh: Mesh, memory_limit: float | None, memory_headroom: float
 
 
 def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constraints: dict[str, object] | None,
-                constraint_axis: str, data_axes: tuple[str, ...], input_sharded: bool, zero: dict[str, int]
-                ) -> tuple[dict[str, Any], dict[str, str]]:
-    """Pin a TP plan, data parallelism and inputs arriving split; the pins by node (for
-    block folding) and what the plan reports as pinned."""
+                constraint_axis: str, data_axes: tuple[str, ...], input_sharded: bool, zero: dict[str, int],
+                context_axes: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """Pin a TP plan, data and context parallelism and inputs arriving split; the pins by
+    node (for block folding) and what the plan reports as pinned."""
     node_pins: dict[str, Any] = {}
     pinned: dict[str, str] = {}
     if constraints:
@@ -287,12 +291,37 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
             data_pins = {n: p for n, p in data_pins.items() if graph.nodes[n].kind != PARAM}
         _pin(graph, data_pins, mesh, axis_name, node_pins)
         pinned[f"{axis_name}: parameters, inputs"] = "data parallel"
+    for axis_name in _checked_context_axes(mesh, context_axes, data_axes, input_sharded):
+        axis = mesh.names.index(axis_name)
+        _pin(graph, context_parallel_pins(graph, captured.user_inputs, axis, axis_name), mesh, axis_name, node_pins)
+        pinned[f"{axis_name}: parameters, inputs"] = "context parallel (sequence split)"
     if input_sharded:
         for axis_name in mesh.names:
             if axis_name not in data_axes:
                 _pin(graph, {n: Pin(output=Replicate(), reason=f"inputs arrive split on {data_axes} only")
                              for n in captured.user_inputs if n in graph.nodes}, mesh, axis_name, node_pins)
     return node_pins, pinned
+
+
+def _checked_context_axes(mesh: Mesh, context_axes: tuple[str, ...], data_axes: tuple[str, ...],
+                          input_sharded: bool) -> tuple[str, ...]:
+    """``context_axes``, refused where they cannot be: not axes of the mesh, named twice or
+    also as data axes, or with inputs arriving split (only along data axes, for now)."""
+    if isinstance(context_axes, str):
+        raise InputError(f"context_axes must be a tuple of axis names (write ({context_axes!r},)), "
+                         f"got {context_axes!r}")
+    for axis_name in context_axes:
+        if axis_name not in mesh.names:
+            raise InputError(f"context axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
+        if axis_name in data_axes:
+            raise InputError(f"{axis_name!r} is named in both data_axes and context_axes: an axis splits the batch "
+                             "or the sequence, not both")
+    if len(set(context_axes)) != len(context_axes):
+        raise InputError(f"context_axes {tuple(context_axes)} names an axis twice")
+    if context_axes and input_sharded:
+        raise InputError("input_sharded=True with context_axes: inputs arrive split along data axes only; pass the "
+                         "whole sequence (every rank slices its own chunk)")
+    return tuple(context_axes)
 
 
 def _pin(graph: PlanGraph, pins: dict[str, Pin], mesh: Mesh, axis_name: str, node_pins: dict[str, Any]) -> None:

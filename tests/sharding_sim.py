@@ -42,8 +42,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from autopar.capture.graph import TensorMeta
 from autopar.cost.collectives import grad_placement_at_consumer, grad_placement_at_producer
 from autopar.rules import loss as loss_rules
+from autopar.rules.attention import splits_causal_rows
 from autopar.rules.dropout import draws_random
 from autopar.rules.strategy import OpCall, Strategy, placement_str
+from autopar.runtime.attention import ContextAttention
 from autopar.runtime.random import RandomOps
 
 aten = torch.ops.aten
@@ -301,12 +303,14 @@ def _local_conv_groups(case: OpCase, args: list[Any], out_shape: list[int]) -> l
 
 def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...]
                   ) -> Callable[[list[Any], dict[str, Any], Coord], Any]:
-    """How one rank computes: the op itself, except for batch-split 'mean' losses and
-    random ops.
+    """How one rank computes: the op itself, except for batch-split 'mean' losses, random
+    ops and causal attention split on its queries.
 
     A Partial 'mean' loss is run as the local sum divided by the *global* count
     (``loss.local_mean_loss``), which is what the runtime does for these ops. A random
-    op draws its slice of the global draw (``RandomOps``), as the runtime does.
+    op draws its slice of the global draw (``RandomOps``), as the runtime does. A causal
+    attention whose queries are split on L runs on its rows' global positions
+    (``ContextAttention``), as the runtime does.
     """
     out_pl = strategy.outputs[0] if strategy.outputs else None  # unbind of a size-0 dim has no outputs
     if (case.op in loss_rules.MEAN_AS_PARTIAL and out_pl is not None
@@ -322,6 +326,11 @@ def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tu
             ops = RandomOps(mesh_shape, coord, torch.Generator().manual_seed(RANDOM_SEED))
             return ops(*where, *args, **kwargs)  # each rank has its own copies: in-place draws write them
         return draw
+    q_placements = strategy.inputs[0] if strategy.inputs else ()
+    if call.tensor_inputs and splits_causal_rows(case.op, case.args, case.kwargs, q_placements,
+                                                 call.tensor_inputs[0].ndim):
+        where = placement_str(q_placements)
+        return lambda args, kwargs, coord: ContextAttention(mesh_shape, coord)(str(case.op), where, *args, **kwargs)
     return lambda args, kwargs, coord: case.op(*args, **kwargs)
 
 

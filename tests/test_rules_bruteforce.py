@@ -216,6 +216,7 @@ def view_cases() -> list[OpCase]:
         case(aten._unsafe_view.default, f64(4, 8, 4), [32, 4]),
         case(aten.flatten.using_ints, f64(4, 8, 4), 1, 2),
         case(aten.flatten.using_ints, f64(4, 8, 4), 0, 1, tag="leading"),
+        case(aten.flatten.using_ints, f64(1, 8, 4), 0, 1, tag="size1-batch"),  # a batch of 1: dim 1 splits
         case(aten.flatten.using_ints, f64(4, 8, 4), 1, -1, tag="negative-end"),
         case(aten.unflatten.int, f64(4, 32), 1, [8, 4]),
         case(aten.unflatten.int, f64(8, 4), 0, [4, 2], tag="leading"),

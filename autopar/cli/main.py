@@ -101,7 +101,7 @@ def plan_command(args: argparse.Namespace) -> int:
                         zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
                         regather_blocks=args.regather_blocks,
                         micro_batches=None if pipeline else args.micro_batches,
-                        offload=args.offload, pipeline=pipeline,
+                        offload=args.offload, pipeline=pipeline, context_axes=args.context_axes,
                         progress=sys.stderr.isatty())
     from rich.console import Console
 
@@ -125,6 +125,13 @@ def _positive(kind: type) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
     return parse
+
+
+def _axis_names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected axis names separated by commas, got {text!r}")
+    return names
 
 
 def _zero_stages(text: str) -> dict[str, int]:
@@ -165,6 +172,8 @@ def parser() -> argparse.ArgumentParser:
                        help="fraction of device memory left free by the default limit (default: the profile's, 0.1)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: the hardware's")
     p.add_argument("--forward-only", action="store_true", help="plan a forward-only step (no backward/optimizer)")
+    p.add_argument("--context-axes", type=_axis_names, default=(), metavar="AXIS,...",
+                   help="context parallelism: split the sequence (dim 1 of the inputs) on these axes")
     p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
     memory = p.add_argument_group("memory choices (default: the planner picks them by the memory limit)")

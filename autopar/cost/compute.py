@@ -12,10 +12,11 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
+from autopar.rules.attention import ATTENTION_OPS, splits_causal_rows
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
 from autopar.rules.routing import HF_GROUPED_MM
-from autopar.rules.strategy import OpCall
+from autopar.rules.strategy import OpCall, Strategy
 
 aten = torch.ops.aten
 
@@ -45,18 +46,33 @@ def op_flops(call: OpCall) -> float:
         for labels, meta in zip(call.args[0].replace(" ", "").split("->")[0].split(","), inputs):
             sizes.update(zip(labels, meta.shape))
         return 2.0 * math.prod(sizes.values())
-    if target in (aten.scaled_dot_product_attention.default,
-                  aten._scaled_dot_product_flash_attention_for_cpu.default):
-        q, k = inputs[0], inputs[1]
-        b_h = math.prod(q.shape[:-2])
-        causal = bool(call.get("is_causal", False))
-        full = 4.0 * b_h * q.shape[-2] * k.shape[-2] * q.shape[-1]  # QK^T and PV
-        return full / 2 if causal else full
+    if target in ATTENTION_OPS:
+        return attention_flops(call, bool(call.get("is_causal", False)))
     if target in CONV_OPS:
         return conv_flops(call)
     if target in VIEW_OPS:
         return 0.0
     return float(sum(o.numel for o in outputs if o is not None))  # about one op per element
+
+
+def attention_flops(call: OpCall, causal: bool) -> float:
+    """QK^T and PV over every (query, key) pair, half of them when causal (a kernel skips
+    the masked half)."""
+    q, k = call.tensor_inputs[0], call.tensor_inputs[1]
+    full = 4.0 * math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    return full / 2 if causal else full
+
+
+def rank_flops(call: OpCall, strategy: Strategy, ways: int) -> float:
+    """One rank's forward FLOPs when the op's work is split ``ways`` ways: its share, except
+    for a causal attention split on its query rows (context parallelism). A rank runs its
+    rows against the keys up to its last row with an explicit mask (``runtime.attention``),
+    which no kernel skips, so the rank holding the last rows, which the step waits for,
+    computes the whole rows x keys rectangle: the non-causal share, twice the causal one."""
+    if strategy.inputs and call.tensor_inputs and splits_causal_rows(
+            call.target, call.args, call.kwargs, strategy.inputs[0], call.tensor_inputs[0].ndim):
+        return attention_flops(call, causal=False) / ways
+    return op_flops(call) / ways
 
 
 def is_grouped_mm(target: object) -> bool:

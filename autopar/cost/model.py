@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_flops, random_draw_time, roofline_time,
+from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, random_draw_time, rank_flops, roofline_time,
                                   with_fixed_cost)
 from autopar.cost.offload import offloaded_parameter
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements
@@ -117,7 +117,7 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     saved = ctx.train if saved is None else saved
     mesh = ctx.mesh
     ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
-    flops = op_flops(call) / ways
+    flops = rank_flops(call, strategy, ways)
     placements = [*strategy.inputs, *strategy.outputs]
     # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
     nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,

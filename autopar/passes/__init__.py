@@ -9,21 +9,24 @@ in this order:
    cast before its reshards, its gradient reduced in fp32 (after the reshards it fuses with);
 5. localize_losses: batch-split 'mean' losses become local sum / global count (after
    the reshards, so a count can still read the whole targets input);
-6. retarget_devices: tensors the step creates go to the rank's device;
-7. localize_random: ops that draw random numbers become ``self.random`` calls (one
+6. localize_attention: a causal attention split on its queries' sequence becomes a
+   ``self.context_attention`` call (the causal mask of this rank's query positions);
+7. retarget_devices: tensors the step creates go to the rank's device;
+8. localize_random: ops that draw random numbers become ``self.random`` calls (one
    global draw per op, this rank keeping its slice);
-8. prefetch_gathers: a repeated block's parameter all-gathers are issued before the block
+9. prefetch_gathers: a repeated block's parameter all-gathers are issued before the block
    before it computes (``self.prefetch``), and waited for at their use; a block's backward
    start, which issues the block before's ZeRO-3 regathers, is marked (``self.backward_starts``);
-9. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
+10. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
    call of a submodule holding its nodes (last: a block takes its reshards and draws along).
 A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
 rewrite an op whatever its placement, rewrite inside subgraphs too.
-The ``reshard``, ``regather``, ``prefetch``, ``backward_starts``, ``partial_mean_loss``, ``random``
-and ``recompute`` modules they call are runtime code (``autopar.runtime.ops``,
-``autopar.runtime.regather``, ``autopar.runtime.random``, ``autopar.runtime.recompute``), handed in
-by the caller: passes only write the calls.
+The ``reshard``, ``regather``, ``prefetch``, ``backward_starts``, ``partial_mean_loss``,
+``context_attention``, ``random`` and ``recompute`` modules they call are runtime code
+(``autopar.runtime.ops``, ``autopar.runtime.regather``, ``autopar.runtime.attention``,
+``autopar.runtime.random``, ``autopar.runtime.recompute``), handed in by the caller: passes
+only write the calls.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from autopar.passes.cast_parameters import cast_parameters
 from autopar.passes.checkpoint_blocks import checkpoint_blocks
 from autopar.passes.context import PassContext
 from autopar.passes.insert_reshards import insert_reshards
+from autopar.passes.localize_attention import localize_attention
 from autopar.passes.localize_losses import localize_losses
 from autopar.passes.localize_random import localize_random
 from autopar.passes.localize_shapes import localize_shapes
@@ -44,7 +48,7 @@ from autopar.passes.prefetch_gathers import prefetch_gathers
 from autopar.passes.retarget_devices import retarget_devices
 
 PASSES = (annotate_placements, localize_shapes, insert_reshards, cast_parameters, localize_losses,
-          retarget_devices, localize_random, prefetch_gathers, checkpoint_blocks)
+          localize_attention, retarget_devices, localize_random, prefetch_gathers, checkpoint_blocks)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]
@@ -52,7 +56,7 @@ def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[s
     """A per-rank copy of ``gm`` with the plan applied (``gm`` itself is left as it was).
 
     ``modules`` are the ops the passes call (``reshard``, ``regather``, ``prefetch``,
-    ``backward_starts``, ``partial_mean_loss``, ``random``, ``recompute``).
+    ``backward_starts``, ``partial_mean_loss``, ``context_attention``, ``random``, ``recompute``).
     """
     gm = _copy(gm)
     for name, module in modules.items():

@@ -56,15 +56,21 @@ def _dim_map(call: OpCall) -> tuple:
     raise KeyError(t)
 
 
-def _source_dim(spec: object) -> int | None:
-    """The input dim whose split this output dim inherits, if any."""
+def _source_dim(spec: object, shape: tuple[int, ...]) -> int | None:
+    """The input dim whose split this output dim inherits, if any. A flatten's leading
+    size-1 dims hold no blocks (``flatten(0, 1)`` of a ``(1, s, v)`` sequence split on s is
+    split on s), as DTensor's ``view_groups`` drops them; its ``dim_flatten`` keeps them."""
     if isinstance(spec, dt_views.InputDim):
         return spec.input_dim
     if isinstance(spec, dt_views.Flatten):
-        first = spec.input_dims[0]
-        return first.input_dim if isinstance(first, dt_views.InputDim) else None
+        for piece in spec.input_dims:
+            if not isinstance(piece, dt_views.InputDim):
+                return None
+            if shape[piece.input_dim] != 1:
+                return piece.input_dim
+        return None
     if isinstance(spec, dt_views.Split) and spec.split_id == 0:
-        return _source_dim(spec.input_dim)
+        return _source_dim(spec.input_dim, shape)
     return None
 
 
@@ -82,7 +88,7 @@ def view_rule(call: OpCall) -> list[DimStrategy]:
         return [DimStrategy((P,), (P,))]
     strategies = []
     for out_dim, spec in enumerate(_dim_map(call)):
-        src = _source_dim(spec)
+        src = _source_dim(spec, tuple(call.args[0].shape))
         if src is not None and call.args[0].shape[src] > 1:
             strategies.append(DimStrategy((S(out_dim),), (S(src),)))
         blocks = _strided_blocks(spec)

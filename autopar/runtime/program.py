@@ -17,6 +17,7 @@ from torch.distributed.tensor import Placement
 from autopar.capture.step import StepSignature
 from autopar.passes import PassContext, parallelize_graph
 from autopar.rules.strategy import Strategy
+from autopar.runtime.attention import ContextAttention
 from autopar.runtime.microbatch import SUM, loss_kind
 from autopar.runtime.mixed import compute_buffer
 from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
@@ -45,10 +46,13 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
                      input_sharded=input_sharded, device_type=mesh.device_type,
                      regather=frozenset(step.plan.memory.regather), memory=step.plan.memory,
                      master_dtype=None if compute_dtype is None else torch.float32)
-    random_ops = RandomOps(tuple(mesh.shape), tuple(mesh.get_coordinate()), make_generator(mesh.device_type, seed))
+    shape, coordinate = tuple(mesh.shape), tuple(mesh.get_coordinate())
+    random_ops = RandomOps(shape, coordinate, make_generator(mesh.device_type, seed))
     return parallelize_graph(step.captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                     "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
-                                                    "partial_mean_loss": PartialMeanLoss(comm), "random": random_ops,
+                                                    "partial_mean_loss": PartialMeanLoss(comm),
+                                                    "context_attention": ContextAttention(shape, coordinate),
+                                                    "random": random_ops,
                                                     "recompute": Recompute(comm, random_ops.generator,
                                                                           recompute_replays)})
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from autopar.errors import InputError
+from autopar.capture.graph import TensorMeta
 from autopar.rules.strategy import OpCall, Strategy, is_strided
 from autopar.solver.nodes import PARAM, PlanGraph
 
@@ -200,36 +201,64 @@ def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis
     works on its part of the batch, never gathers it) wherever the op has such a strategy;
     an op that can only run replicated (no rule), or writes into a replicated tensor in
     place, gathers its input, as the plan then shows."""
+    return _split_input_pins(graph, user_inputs, axis, 0, _batch_size(graph, user_inputs),
+                             f"data parallel on {axis_name}", "batch split", inputs_whole, gathers=False)
+
+
+def context_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis_name: str) -> dict[str, Pin]:
+    """Context parallelism on one axis: as ``data_parallel_pins``, but the inputs are split on
+    dim 1, the sequence (every input whose leading dims are the first input's batch and
+    sequence: tokens, positions, targets), in contiguous chunks; what is computed from them
+    stays split on the axis, though an op may gather an input split there (attention takes
+    its queries split on the sequence and gathers keys and values, ``rules.attention``)."""
+    first = _first_input(graph, user_inputs)
+    if first is None or first.ndim < 2:
+        raise InputError(f"context parallel on {axis_name}: the first input needs a sequence dim (dim 1) to split, "
+                         f"got shape {None if first is None else tuple(first.shape)}")
+    return _split_input_pins(graph, user_inputs, axis, 1, first.shape[:2], f"context parallel on {axis_name}",
+                             "sequence split", False, gathers=True)
+
+
+def _split_input_pins(graph: PlanGraph, user_inputs: list[str], axis: int, dim: int,
+                      leading: int | tuple[int, ...] | None, why: str, what: str, strided_ok: bool, *,
+                      gathers: bool) -> dict[str, Pin]:
+    """Parameters replicated; user inputs whose leading dims are ``leading`` (a batch size,
+    or (batch, sequence)) split on ``dim``; ops computed from them kept split where they can
+    (their outputs; with ``gathers`` False their split inputs too)."""
     pins: dict[str, Pin] = {}
     from_data: set[str] = set()
-    batch = _batch_size(graph, user_inputs)
+    want = (leading,) if isinstance(leading, int) or leading is None else tuple(leading)
     for name in graph.order:
         node = graph.nodes[name]
         if node.kind == PARAM:
-            pins[name] = Pin(output=Replicate(), reason=f"data parallel on {axis_name}")
-        elif name in user_inputs and node.outputs[0] is not None and node.outputs[0].shape[:1] == (batch,):
-            pins[name] = Pin(output=Shard(0), reason=f"data parallel on {axis_name} (batch split)",
-                             strided_ok=inputs_whole)
+            pins[name] = Pin(output=Replicate(), reason=why)
+        elif name in user_inputs and node.outputs[0] is not None and node.outputs[0].shape[:len(want)] == want:
+            pins[name] = Pin(output=Shard(dim), reason=f"{why} ({what})", strided_ok=strided_ok)
             from_data.add(name)
         elif node.kind == "op" and node.family != "factory" and any(src in from_data for src, _ in node.args):
             from_data.add(name)  # (a factory reads only the shape of what it is given)
             if node.as_produced:  # an in-place write (or view written through) follows its tensor
                 continue
-            data_args = tuple(k for k, (src, _) in enumerate(node.args) if src in from_data)
-            pin = Pin(split=True, split_inputs=data_args, reason=f"data parallel on {axis_name} (computed from the batch)")
+            data_args = () if gathers else tuple(k for k, (src, _) in enumerate(node.args) if src in from_data)
+            pin = Pin(split=True, split_inputs=data_args, reason=f"{why} (computed from the {what.split()[0]})")
             if any(pin.admits(s, axis) for s in node.strategies):
                 pins[name] = pin
     return pins
 
 
-def _batch_size(graph: PlanGraph, user_inputs: list[str]) -> int | None:
-    """The batch: the leading dim of the first input that has one. Inputs without that
-    leading dim (a bias vector, a scalar) are not data to split; they stay free."""
+def _first_input(graph: PlanGraph, user_inputs: list[str]) -> TensorMeta | None:
     for name in user_inputs:
         meta = graph.nodes[name].outputs[0] if name in graph.nodes else None
         if meta is not None and meta.ndim >= 1:
-            return meta.shape[0]
+            return meta
     return None
+
+
+def _batch_size(graph: PlanGraph, user_inputs: list[str]) -> int | None:
+    """The batch: the leading dim of the first input that has one. Inputs without that
+    leading dim (a bias vector, a scalar) are not data to split; they stay free."""
+    first = _first_input(graph, user_inputs)
+    return None if first is None else first.shape[0]
 
 
 def zero_pins(graph: PlanGraph, axis: int, axis_name: str, stage: int, axis_size: int

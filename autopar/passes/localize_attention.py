@@ -1,0 +1,41 @@
+"""localize_attention: a causal attention whose queries are split on the sequence runs on
+its rows' global positions, through ``self.context_attention``.
+
+``scaled_dot_product_attention(q, k, v, is_causal=True)`` with q placed ``S(2)`` on a
+context axis (``rules.attention``: keys and values whole) becomes
+``self.context_attention('aten.scaled_dot_product_attention.default', 'S(2)', q, k, v,
+is_causal=True)``: the runtime (``autopar.runtime.attention``) knows the rank's coordinate,
+so it knows which query positions the rank holds, and runs the call with the causal mask
+of those positions instead of ``is_causal`` (which would align the rank's first row with
+the first key). Every other attention call is left as captured: split on batch or heads,
+or non-causal, a rank's rows need nothing of their positions. Runs after insert_reshards,
+so the arguments it moves are the resharded ones (keys and values gathered).
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from autopar.passes.context import PassContext, plan_name, strategy_of
+from autopar.rules.attention import splits_causal_rows
+from autopar.rules.strategy import placement_str
+
+
+def localize_attention(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        strategy, name = strategy_of(node), plan_name(node)
+        if node.op != "call_function" or strategy is None or not strategy.inputs or name not in pc.graph.nodes:
+            continue
+        call = pc.graph.nodes[name].call  # the captured call's tensors (q's rank), before any reshard
+        if call is None or not splits_causal_rows(node.target, node.args, node.kwargs, strategy.inputs[0],
+                                                  call.tensor_inputs[0].ndim):
+            continue
+        with graph.inserting_before(node):
+            rows = graph.call_module("context_attention", (str(node.target), placement_str(strategy.inputs[0]),
+                                                           *node.args), dict(node.kwargs))
+        rows.meta.update(node.meta)  # its block, plan name and value: checkpointing and stages follow it
+        node.replace_all_uses_with(rows)
+        graph.erase_node(node)
+    gm.recompile()
+    return gm

@@ -1,0 +1,90 @@
+"""Planning context parallelism: its price (the busiest rank of a causal split), the memory
+limit choosing it, and ``context_axes`` (Python and the command line) with its errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_cli import builder, run
+
+import autopar
+from autopar.cost.compute import attention_flops, rank_flops
+from autopar.rules import DEFAULT_RULES, expand
+from autopar.rules.strategy import OpCall, R, S
+from autopar.capture.graph import TensorMeta
+from examples import llama
+
+aten = torch.ops.aten
+SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def _causal_call(b: int = 1, h: int = 2, s: int = 16, d: int = 8) -> OpCall:
+    q = TensorMeta.of(torch.empty(b, h, s, d))
+    return OpCall(aten.scaled_dot_product_attention.default, (q, q, q, None, 0.0, True), {}, (q,))
+
+
+def test_causal_rows_are_priced_at_the_busiest_rank() -> None:
+    """Split on heads each rank does half of the causal work; split on its rows (contiguous
+    chunks, an explicit mask), the rank with the last rows does its whole rows x keys
+    rectangle: half of the non-causal work, twice its causal share."""
+    call = _causal_call()
+    strategies = expand(call, DEFAULT_RULES.lookup(call.target)(call), (2,))
+    by_heads = next(s for s in strategies if s.inputs[0] == (S(1),))
+    by_rows = next(s for s in strategies if s.inputs[0] == (S(2),))
+    assert by_rows.inputs[1:] == ((R,), (R,))
+    assert rank_flops(call, by_heads, 2) == attention_flops(call, causal=True) / 2
+    assert rank_flops(call, by_rows, 2) == attention_flops(call, causal=False) / 2 == 2 * rank_flops(call, by_heads, 2)
+
+
+def _long_llama() -> tuple[torch.nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """One head (nothing to split there), a batch of 1 and 512 tokens: the activations are
+    the memory, and only the sequence splits them."""
+    cfg = llama.LlamaConfig(vocab_size=64, max_seq_len=512, hidden=32, heads=1, kv_heads=1, ffn_hidden=64, layers=2)
+    return llama.build(cfg, batch=1)
+
+
+def test_a_binding_memory_limit_picks_context_parallelism() -> None:
+    """With memory to spare the attention runs whole on every rank (the cheapest step); at a
+    limit the activations do not fit under, its rows split over cp, keys and values gathered."""
+    model, inputs, loss_fn, targets = _long_llama()
+    mesh = autopar.Mesh({"cp": 2}, "h100")
+    free = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    assert all(n.inputs == ["R", "R", "R"] for n in free.nodes if n.op == SDPA)
+    limit = 0.6 * free.predicted.peak_memory_bytes
+    tight = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit)
+    assert tight.predicted.peak_memory_bytes <= limit
+    assert [n.inputs for n in tight.nodes if n.op == SDPA] == [["S(2)", "R", "R"]] * 2
+    assert tight.predicted.comm_bytes["cp"] > free.predicted.comm_bytes.get("cp", 0.0)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"context_axes": ("sp",)}, "context axis 'sp' is not an axis of the mesh"),
+    ({"context_axes": "cp"}, "must be a tuple of axis names"),
+    ({"context_axes": ("cp", "cp")}, "names an axis twice"),
+    ({"context_axes": ("cp",), "data_axes": ("cp",)}, "both data_axes and context_axes"),
+    ({"context_axes": ("cp",), "data_axes": ("dp",), "input_sharded": True}, "inputs arrive split along data axes"),
+], ids=["unknown", "string", "twice", "also-data", "input-sharded"])
+def test_bad_context_axes_are_refused(options: dict[str, object], message: str) -> None:
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(max_seq_len=8, layers=1), batch=2)
+    with pytest.raises(autopar.InputError, match=message):
+        autopar.plan(model, autopar.Mesh({"dp": 2, "cp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                     example_targets=targets, **options)
+
+
+def test_context_axes_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = """
+    from examples import llama
+
+    def tiny():
+        return llama.build(llama.LlamaConfig(max_seq_len=8, layers=1), batch=1)
+    """
+    path = builder(tmp_path, body)
+    code, out, err = run(["plan", f"{path}:tiny", "--mesh", "cp=2", "--hardware", "cpu", "--context-axes", "cp",
+                          "--width", "200"], capsys)
+    assert (code, err) == (0, "")
+    assert "context parallel (sequence split)" in out, out
+    code, out, err = run(["plan", f"{path}:tiny", "--mesh", "cp=2", "--hardware", "cpu", "--context-axes", "sp"],
+                         capsys)
+    assert code == 2 and "context axis 'sp' is not an axis of the mesh" in err, err

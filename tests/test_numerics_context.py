@@ -1,0 +1,128 @@
+"""Context parallelism (all-gathered keys and values) trains to the single-device numbers:
+loss, every gradient and every parameter after 3 AdamW steps, on gloo ranks forked from
+this process, with the sequence split on ``cp`` (``context_axes=("cp",)``).
+
+The batch is 1, as where context parallelism is used (a batch that divides would be split
+instead: the planner moves the split to the batch with one all-to-all of the tokens, which
+is cheaper than gathering keys and values). The 3-D attention takes its queries split on
+the sequence and its keys and values whole; a causal one runs on each rank's query rows
+(``passes.localize_attention``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from numerics_harness import Reference, reference, run_checked, run_compiled
+from test_numerics_attention import VOCAB, TinyAttentionLM
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar.rules.strategy import parse_placements
+from examples import llama
+
+SEQ = 8
+SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def build(heads: int | None, masked: bool, batch: int = 1
+          ) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = TinyAttentionLM(heads, masked)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
+    tokens[:, SEQ // 2] = 0  # a padding token: a key masked out for every query
+    targets = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+
+    def loss_fn(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), t.flatten())
+
+    return model, (tokens,), loss_fn, (targets,)
+
+
+@dataclass(frozen=True)
+class Case:
+    masked: bool
+    """An explicit (padding & causal) boolean mask; else ``is_causal=True``."""
+    mesh: tuple[int, ...] = (2,)
+    names: tuple[str, ...] = ("cp",)
+    heads: int | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{'mask' if self.masked else 'causal'}-{'x'.join(f'{n}{s}' for n, s in zip(self.names, self.mesh))}"
+
+
+CASES = [Case(True), Case(False), Case(True, (4,)), Case(False, (4,))]
+
+
+def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = build(case.heads, case.masked)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",))
+    sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
+    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
+            "code": pm.program.code}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_context_parallel_attention_matches_single_device(case: Case) -> None:
+    ref = reference(lambda: build(case.heads, case.masked))
+    results = run_checked(train_on_rank, case.mesh, case, ref)
+    (inputs,) = results[0]["sdpa_inputs"]
+    assert inputs[:3] == ["S(1)", "R", "R"], inputs  # queries split on the sequence, keys and values whole
+    assert ("self.context_attention(" in results[0]["code"]) == (not case.masked)
+
+
+LLAMA = llama.LlamaConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2)
+
+
+@dataclass(frozen=True)
+class LlamaCase:
+    mesh: tuple[int, ...]
+    names: tuple[str, ...]
+    batch: int = 1
+    seq: int = 16
+    """Tokens per sequence: below ``max_seq_len``, the rotary tables are sliced first."""
+
+    @property
+    def id(self) -> str:
+        return "x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+        model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
+        return model, (tokens[:, :self.seq],), loss_fn, (targets[:, :self.seq],)
+
+
+LLAMA_CASES = [LlamaCase((2,), ("cp",)), LlamaCase((2,), ("cp",), seq=8), LlamaCase((4,), ("cp",)),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2), LlamaCase((2, 2), ("cp", "tp"))]
+
+
+def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = case.build()
+    data_axes = tuple(n for n in case.names if n == "dp")
+    tp = {"constraints": llama.TP_PLAN, "constraint_axis": "tp"} if "tp" in case.names else {}
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
+                         data_axes=data_axes, **tp)
+    sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
+    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa]}
+
+
+@pytest.mark.parametrize("case", LLAMA_CASES, ids=[c.id for c in LLAMA_CASES])
+def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
+    """Causal grouped-query attention with rotary positions: each rank's tables are those of
+    its own positions (the tables split on the sequence with the activations); beside data
+    parallelism, and beside Megatron tensor parallelism (heads split on tp)."""
+    ref = reference(case.build)
+    results = run_checked(train_llama_on_rank, case.mesh, case, ref)
+    cp = case.names.index("cp")
+    for inputs in results[0]["sdpa_inputs"]:  # q split on the sequence (dim 2) over cp, k and v whole there
+        assert [parse_placements(p)[cp] for p in inputs] == [Shard(2), Replicate(), Replicate()], inputs
