@@ -286,6 +286,26 @@ def test_solver_status_is_read_not_assumed() -> None:
     assert interpret(HighsModelStatus.kOptimal, _Info(True, 1e-9), lambda: [1.0], 5.0).gap == 0.0
 
 
+def test_a_target_stops_at_the_first_plan_that_meets_it() -> None:
+    """``milp.run``'s ``target``: a knapsack (maximize value as minimize -value) whose optimum is
+    -2011 stops at a plan of objective <= -1000 without proving it (what ``search._may_fit`` asks
+    of a least-memory solve); a target below the optimum leaves the solve as it was."""
+    import numpy as np
+
+    from autopar.solver import milp
+    rng = np.random.default_rng(0)
+    weight, value = rng.integers(10, 100, 60).astype(float), rng.integers(10, 100, 60).astype(float)
+    model = milp.Model()
+    for v in value:
+        model.var(-float(v), integer=True)
+    model.rows.append(({j: float(w) for j, w in enumerate(weight)}, -milp.INF, float(weight.sum() / 3)))
+    optimum = milp.run(model, 60.0)
+    met = milp.run(model, 60.0, target=-1000.0)
+    unmet = milp.run(model, 60.0, target=-1e9)
+    assert optimum.status == "optimal" and met.status == "target_reached" and unmet.status == "optimal"
+    assert optimum.objective <= met.objective <= -1000.0 and unmet.objective == optimum.objective
+
+
 def test_a_plan_stopped_at_the_time_limit_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """HiGHS's incumbent at the time limit comes back as a plan that says it is not proven
     optimal (in the plan, its table and a warning), with the gap."""

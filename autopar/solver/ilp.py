@@ -99,11 +99,14 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
 
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
-          cutoff_s: float | None = None, shares: MemoryShares | None = None) -> Solution:
+          cutoff_s: float | None = None, shares: MemoryShares | None = None,
+          enough_bytes: float | None = None) -> Solution:
     """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``).
     With ``explain`` a MemoryLimitError says what the leanest plan needs (another solve).
     With ``cutoff_s`` only a plan faster than that counts (else MemoryLimitError, unexplained).
-    ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``)."""
+    ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``).
+    ``enough_bytes``, with ``minimize_memory``: stop at the first plan needing no more (status
+    'target_reached'): whether some plan fits a limit takes a fraction of the leanest plan's proof."""
     start = time.perf_counter()
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
@@ -164,7 +167,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         result = run_started(model, x, likely, time_limit_s, cutoff)
     else:
         build = time.perf_counter() - start
-        result = run(model, time_limit_s, cutoff)
+        result = run(model, time_limit_s, cutoff, target=enough_bytes if minimize_memory else None)
     if result.values is None:
         if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
             raise MemoryLimitError(f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")

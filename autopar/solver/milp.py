@@ -55,8 +55,8 @@ class Result:
     """Column values of the best plan found; None when none was found."""
     objective: float
     status: str
-    """'optimal', 'time_limit' (stopped with or without a plan), 'infeasible', or HiGHS's own
-    status text for anything else."""
+    """'optimal', 'time_limit' (stopped with or without a plan), 'infeasible', 'target_reached'
+    (stopped at a plan meeting ``run``'s ``target``), or HiGHS's own status text for anything else."""
     gap: float | None
     """Relative gap between the plan found and the best bound (0 when proven optimal; None
     when no plan was found)."""
@@ -64,12 +64,13 @@ class Result:
 
 
 def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start: dict[int, float] | None = None,
-        zero: Sequence[int] = (), lean: bool = False) -> Result:
+        zero: Sequence[int] = (), lean: bool = False, target: float | None = None) -> Result:
     """Solve ``model``; with ``cutoff`` (objective units) only a plan cheaper than it counts:
     HiGHS prunes by it and reports 'infeasible' when there is none. ``start``: values of some
     columns to start from (HiGHS completes the rest, or ignores a start that breaks a row).
     ``zero``: columns held at 0 (a narrowed model). ``lean``: skip the search aids a run that
-    closes at its root does not use (``LEAN_OPTIONS``)."""
+    closes at its root does not use (``LEAN_OPTIONS``). ``target``: stop at the first plan whose
+    objective is at most this (HiGHS's ``objective_target``; status 'target_reached')."""
     # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
     # banner to stdout doing so, which would land in the CLI's output.
     h = _Highs()
@@ -85,6 +86,8 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
         h.setOptionValue(option, value)
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
+    if target is not None:
+        h.setOptionValue("objective_target", float(target))
     n = len(model.cost)
     upper = np.array(model.upper)
     upper[list(zero)] = 0.0
@@ -125,6 +128,8 @@ def interpret(status: highspy.HighsModelStatus, info: object, solution: object, 
         name = "time_limit"
     elif status == statuses.kInfeasible:
         name, feasible = "infeasible", False
+    elif status == statuses.kObjectiveTarget:
+        name = "target_reached"
     else:
         name = str(status).rsplit(".", 1)[-1]
     if not feasible:
