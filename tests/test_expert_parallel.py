@@ -15,7 +15,7 @@ from autopar.errors import InputError
 from autopar.rules.strategy import parse_placements
 from autopar.solver.constraints import expert_parameters
 from autopar.solver.nodes import PARAM
-from examples import moe
+from examples import llama, moe
 
 EP4 = autopar.Mesh({"ep": 4}, "h100")
 
@@ -74,8 +74,9 @@ def test_wide_moe_plans_expert_parallel_by_cost(capacity_factor: float | None) -
     assert ep.predicted.step_time_s < dense.predicted.step_time_s
 
 
-def test_expert_axes_must_be_data_axes() -> None:
-    """An expert axis splits the batch too; naming one outside ``data_axes`` (or a bare string) is refused."""
+def test_expert_axes_must_be_data_axes_of_a_model_with_experts() -> None:
+    """An expert axis splits the batch too; naming one outside ``data_axes`` (or a bare string) is refused,
+    and so is one for a model without stacked expert weights (it would change nothing)."""
     model, inputs, loss_fn, targets = moe.build(moe.MoEConfig(vocab_size=32, max_seq_len=8, hidden=16, heads=2,
                                                               kv_heads=1, ffn_hidden=16, layers=1), batch=4)
     options: dict[str, Any] = {"loss_fn": loss_fn, "example_targets": targets}
@@ -83,6 +84,10 @@ def test_expert_axes_must_be_data_axes() -> None:
         autopar.plan(model, {"dp": 2, "ep": 2}, inputs, data_axes=("dp",), expert_axes=("ep",), **options)
     with pytest.raises(InputError, match=r"write \('ep',\)"):
         autopar.plan(model, {"ep": 2}, inputs, data_axes=("ep",), expert_axes="ep", **options)
+    dense, dense_inputs, dense_loss, dense_targets = llama.build()
+    with pytest.raises(InputError, match=r"expert_axes \('ep',\): no parameter of the model is a stack of expert"):
+        autopar.plan(dense, {"ep": 2}, dense_inputs, loss_fn=dense_loss, example_targets=dense_targets,
+                     data_axes=("ep",), expert_axes=("ep",))
 
 
 def test_dp2ep_syncs_expert_gradients_over_dp_only() -> None:
