@@ -22,7 +22,8 @@ from autopar.pipeline_depth import plan_depths
 from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
 from autopar.solver.blocks import fold_repeated_blocks
-from autopar.solver.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, pins_from_tp_plan,
+from autopar.solver.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, expert_parameters,
+                                        pins_from_tp_plan,
                                        zero_pins)
 from autopar.solver.graph import build_plan_graph
 from autopar.solver.memory import MemoryOptions, example_batch, repeated_blocks, slice_batch
@@ -172,7 +173,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  memory_headroom: float | None = None, precision: str | None = None,
                  constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
                  rules: RuleSet = DEFAULT_RULES, progress: bool = False,
-                 data_axes: tuple[str, ...] = (), input_sharded: bool = False, context_axes: tuple[str, ...] = (),
+                 data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
+                 context_axes: tuple[str, ...] = (),
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
@@ -181,7 +183,10 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
-    every user input split along its first (batch) dim. ``input_sharded`` also pins the
+    every user input split along its first (batch) dim. ``expert_axes`` (data axes too) leave
+    stacked expert weights free there (``expert_parameters``): the planner may split them by
+    expert, tokens reaching their experts by all-to-all (expert parallelism as torchtitan's
+    dp2ep: the batch split over the axis, dense weights replicated). ``input_sharded`` also pins the
     inputs replicated on every other axis (each rank receives exactly its data shard).
     ``context_axes`` pins context parallelism on those axes: parameters replicated, every
     user input of the first input's (batch, sequence) split along dim 1, attention run on
@@ -223,8 +228,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)
-        node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis, data_axes,
-                                        input_sharded, zero or {}, context_axes)
+        node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis,
+                                        (data_axes, expert_axes), input_sharded, zero or {}, context_axes)
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
@@ -268,10 +273,18 @@ def _limit_origin(mesh: Mesh, memory_limit: float | None, memory_headroom: float
 
 
 def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constraints: dict[str, object] | None,
-                constraint_axis: str, data_axes: tuple[str, ...], input_sharded: bool, zero: dict[str, int],
-                context_axes: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, str]]:
-    """Pin a TP plan, data and context parallelism and inputs arriving split; the pins by
-    node (for block folding) and what the plan reports as pinned."""
+                constraint_axis: str, axes: tuple[tuple[str, ...], tuple[str, ...]], input_sharded: bool,
+                zero: dict[str, int], context_axes: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """Pin a TP plan, data parallelism (``axes``: the data axes, and those of them that are
+    expert axes), context parallelism and inputs arriving split; the pins by node (for block
+    folding) and what the plan reports as pinned."""
+    data_axes, expert_axes = axes
+    _check_expert_axes(data_axes, expert_axes)
+    experts = expert_parameters(graph) if expert_axes else frozenset()
+    if expert_axes and not experts:  # naming an expert axis that changes nothing would hide the mistake
+        raise InputError(f"expert_axes {tuple(expert_axes)}: no parameter of the model is a stack of expert "
+                         "weights (used only as the batched operand of bmm, matmul or einsum over its dim 0); "
+                         "experts run by a grouped matmul or gathered per token are not split by expert yet")
     node_pins: dict[str, Any] = {}
     pinned: dict[str, str] = {}
     if constraints:
@@ -286,11 +299,15 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
         if axis_name not in mesh.names:
             raise InputError(f"data axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
         axis = mesh.names.index(axis_name)
-        data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded)
+        free = experts if axis_name in expert_axes else frozenset()
+        data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded,
+                                       free_params=free)
         if zero.get(axis_name, 0) >= 2:  # parameters stored split: ZeRO's pins say how
             data_pins = {n: p for n, p in data_pins.items() if graph.nodes[n].kind != PARAM}
         _pin(graph, data_pins, mesh, axis_name, node_pins)
         pinned[f"{axis_name}: parameters, inputs"] = "data parallel"
+        if free:
+            pinned[f"{axis_name}: parameters, inputs"] = f"data parallel, {len(free)} expert weights free"
     for axis_name in _checked_context_axes(mesh, context_axes, data_axes, input_sharded):
         axis = mesh.names.index(axis_name)
         _pin(graph, context_parallel_pins(graph, captured.user_inputs, axis, axis_name), mesh, axis_name, node_pins)
@@ -322,6 +339,17 @@ def _checked_context_axes(mesh: Mesh, context_axes: tuple[str, ...], data_axes: 
         raise InputError("input_sharded=True with context_axes: inputs arrive split along data axes only; pass the "
                          "whole sequence (every rank slices its own chunk)")
     return tuple(context_axes)
+
+
+def _check_expert_axes(data_axes: tuple[str, ...], expert_axes: tuple[str, ...]) -> None:
+    """An expert axis splits the batch too (tokens leave for their experts' ranks and come back),
+    so it must be a data axis."""
+    if isinstance(expert_axes, str):
+        raise InputError(f"expert_axes must be a tuple of axis names (write ({expert_axes!r},)), got {expert_axes!r}")
+    stray = [a for a in expert_axes if a not in data_axes]
+    if stray:
+        raise InputError(f"expert_axes {tuple(expert_axes)} names {', '.join(map(repr, stray))}, not in data_axes "
+                         f"{tuple(data_axes)}: an expert axis splits the batch too (add it to data_axes)")
 
 
 def _pin(graph: PlanGraph, pins: dict[str, Pin], mesh: Mesh, axis_name: str, node_pins: dict[str, Any]) -> None:

@@ -1,6 +1,8 @@
 """A Mixtral-style mixture-of-experts decoder: Llama's attention, and a routed SwiGLU MoE in place of its MLP.
 
-``build()`` is what ``autopar plan examples/moe.py:build`` calls. Two dispatch styles, chosen by
+``build()`` is what ``autopar plan examples/moe.py:build`` calls; ``build_wide()`` is a wider one, on the
+meta device, whose experts pay to split across ranks (expert parallelism: ``autopar plan
+examples/moe.py:build_wide --mesh ep=4 --data-axes ep --expert-axes ep``). Two dispatch styles, chosen by
 ``MoEConfig.capacity_factor``:
 
 * ``None`` (dropless, Mixtral / Qwen-MoE style): every (token, expert) pair of a sequence is
@@ -236,3 +238,15 @@ def build(cfg: MoEConfig | None = None, batch: int = 8, device: str = "cpu"
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len), device=device)
     targets = torch.roll(tokens, -1, dims=1)
     return model, (tokens,), moe_loss, (targets,)
+
+
+WIDE = MoEConfig(vocab_size=32000, max_seq_len=256, hidden=1024, heads=8, kv_heads=8, ffn_hidden=2048, layers=4,
+                 experts=16, top_k=2, capacity_factor=1.25)
+"""Sixteen wide experts per layer, few tokens each: their weights' gradient all-reduce outweighs the
+all-to-alls that send the tokens to split experts (on H100s)."""
+
+
+def build_wide(batch: int = 8, device: str = "meta"
+               ) -> tuple[MoETransformer, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """``build(WIDE)`` on the meta device: for planning (``autopar.plan``), no weights allocated."""
+    return build(WIDE, batch=batch, device=device)

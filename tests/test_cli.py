@@ -13,6 +13,7 @@ import pytest
 
 import autopar
 from autopar.cli.main import main
+from examples import moe
 
 GOOD = """
 import torch
@@ -67,8 +68,10 @@ def test_a_good_builder_plans_with_exit_code_0(tmp_path: Path, capsys: pytest.Ca
     (["--mesh", "dp=2", "--memory-headroom", "1.5"], r"must be a fraction in \[0, 1\)"),
     (["--mesh", "dp=2", "--memory-headroom", "0.1", "--memory-limit-gib", "4"], "not allowed with argument"),
     (["--mesh", "dp=2", "--devices-per-node", "0"], "must be positive"),
+    (["--mesh", "dp=2", "--data-axes", "dp,dp"], "each axis once"),
+    (["--mesh", "dp=2", "--expert-axes", ""], "each axis once"),
 ], ids=["duplicate-axis", "zero-axis", "bad-size", "negative-limit", "zero-limit", "headroom-above-1",
-        "limit-and-headroom", "zero-devices-per-node"])
+        "limit-and-headroom", "zero-devices-per-node", "data-axis-twice", "no-expert-axis"])
 def test_bad_command_lines_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                   message: str) -> None:
     code, out, err = run(["plan", f"{builder(tmp_path, '')}:build", *args], capsys)
@@ -278,3 +281,14 @@ def test_zero1_is_pinned_on_the_command_line(tmp_path: Path, capsys: pytest.Capt
     assert memory["zero"] == {"dp": 1} and set(memory["zero1"].values()) == {"dp"}
     code, out, err = run([*args, "--zero", "dp=1", "--offload"], capsys)
     assert code == 2 and "not both" in err, err
+
+
+def test_expert_parallelism_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--data-axes`` and ``--expert-axes`` reach the pins (the table's pinned line names the expert
+    weights left free); an expert axis outside the data axes is refused (exit 2)."""
+    args = ["plan", f"{Path(moe.__file__)}:build", "--hardware", "cpu", "--width", "200"]
+    code, out, err = run([*args, "--mesh", "ep=2", "--data-axes", "ep", "--expert-axes", "ep"], capsys)
+    assert (code, err) == (0, ""), err
+    assert "ep: parameters, inputs: data parallel, 6 expert weights free" in out, out
+    code, out, err = run([*args, "--mesh", "dp=2,ep=2", "--data-axes", "dp", "--expert-axes", "ep"], capsys)
+    assert code == 2 and "expert_axes ('ep',) names 'ep', not in data_axes ('dp',)" in err, err

@@ -7,7 +7,11 @@ einsums), top-1 and top-2, with and without a shared expert. On "dp" the batch i
 (``data_axes``): routing, dispatch and combine run on each rank's sequences. On "tp" the model is
 wide enough that the planner splits the stacked expert weights by expert (``Shard(0)``) and runs
 dispatch replicated, each rank computing its experts' slots and the outputs gathered back (what
-Megatron calls the all-gather token dispatcher); all-to-all expert parallelism: notes/moe-design.md.
+Megatron calls the all-gather token dispatcher). On "ep" (an expert axis: ``expert_axes``, a data
+axis whose expert weights are left to the planner) the batch is split as on dp, the wide model's
+experts split by expert, and the slots travel to their expert's rank and back by all-to-all
+(expert parallelism); with "dp" beside it the experts are replicated on dp, as torchtitan's dp2ep;
+with "tp" beside it the planner splits the experts on tp too (tokens replicated there, gathered back).
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 from numerics_harness import Reference, reference, run_compiled, run_checked
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.rules.strategy import parse_placements
@@ -35,8 +41,16 @@ class Case:
 
     @property
     def wide(self) -> bool:
-        """Experts wide enough (and a batch large enough) that splitting them on tp pays on the cpu profile."""
-        return "tp" in self.names
+        """Experts wide enough (and a batch large enough) that splitting them on tp or ep pays on the cpu profile."""
+        return "tp" in self.names or "ep" in self.names
+
+    @property
+    def experts(self) -> int:
+        """On ep, eight: the expert weights' gradient all-reduce the split saves then outweighs the all-to-alls;
+        sixteen beside tp, which would otherwise take the whole expert split (tokens replicated there)."""
+        if "ep" not in self.names:
+            return 4
+        return 16 if "tp" in self.names else 8
 
     @property
     def id(self) -> str:
@@ -47,38 +61,66 @@ class Case:
     def build(self) -> Any:
         hidden, ffn, batch, seq = (64, 512, 8, 16) if self.wide else (16, 16, 4, 8)
         cfg = moe.MoEConfig(vocab_size=32, max_seq_len=seq, hidden=hidden, heads=2, kv_heads=1, ffn_hidden=ffn,
-                            layers=2, experts=4, top_k=self.top_k, capacity_factor=self.capacity_factor,
+                            layers=2, experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
                             shared_expert=self.shared_expert, aux_loss_coef=0.1)
         return moe.build(cfg, batch=batch)
 
 
 DP, TP, DP_TP = ((2,), ("dp",)), ((2,), ("tp",)), ((2, 2), ("dp", "tp"))
+EP, DP_EP, EP_TP = ((2,), ("ep",)), ((2, 2), ("dp", "ep")), ((2, 2), ("ep", "tp"))
 CASES = [
     Case(*DP, 1), Case(*DP, 2), Case(*DP, 1, 1.0), Case(*DP, 2, 0.5),
     Case(*TP, 1), Case(*TP, 2), Case(*TP, 1, 1.0), Case(*TP, 2, 0.5),
     Case(*DP_TP, 2, shared_expert=True), Case(*DP_TP, 2, 1.0, shared_expert=True),
+    Case(*EP, 1), Case(*EP, 2), Case(*EP, 1, 1.0), Case(*EP, 2, 0.5),
+    Case(*DP_EP, 2), Case(*DP_EP, 1, 1.0, shared_expert=True), Case(*EP_TP, 2), Case(*EP_TP, 2, 1.0),
 ]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = case.build()
-    data_axes = ("dp",) if "dp" in case.names else ()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes)
+    data_axes = tuple(a for a in case.names if a in ("dp", "ep"))
+    expert_axes = ("ep",) if "ep" in case.names else ()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
+                         expert_axes=expert_axes)
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
-            "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k}}
+            "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
+            "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if ".moe" in c.module})}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_compiled_moe_matches_single_device(case: Case) -> None:
     ref = reference(case.build)
     assert any("router" in k for k in ref.grads), "the router must get a gradient"
+    if case.capacity_factor is not None:  # the same loss and gradients then mean the same tokens were dropped
+        assert dropped_pairs(case) > 0, "no token over capacity: the case checks no dropping"
     results = run_checked(train_on_rank, case.mesh, case, ref)
     assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
     assert any(r["ran"] for r in results), "nothing ran split: the case checks nothing parallel"
-    if case.wide:  # the case is meant to check experts split across tp ranks
-        tp = case.names.index("tp")
-        assert all(parse_placements(v)[tp] == Shard(0) for v in results[0]["experts"].values()), results[0]["experts"]
+    experts = {k: parse_placements(v) for k, v in results[0]["experts"].items()}
+    if case.wide:  # the case is meant to check experts split by expert across tp (or ep) ranks
+        split = case.names.index("ep" if "ep" in case.names else "tp")
+        assert all(p[split] == Shard(0) for p in experts.values()), results[0]["experts"]
+    if "ep" in case.names:  # expert parallelism: tokens to their experts and back by all-to-all, both ways
+        assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= set(results[0]["dispatch"])
+    if "dp" in case.names and "ep" in case.names:  # dp2ep: experts replicated on dp, gradients summed there
+        assert all(p[case.names.index("dp")] == Replicate() for p in experts.values()), results[0]["experts"]
+
+
+def dropped_pairs(case: Case) -> int:
+    """(token, choice) pairs the first MoE layer drops for lack of capacity, on one device."""
+    model, inputs, _, _ = case.build()
+    seen: list[torch.Tensor] = []
+    layer = model.layers[0].moe
+    handle = layer.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        model(*inputs)
+    handle.remove()
+    routing = moe.route(layer.router, seen[0], layer.cfg.top_k)
+    chosen = F.one_hot(routing.experts.transpose(1, 2).flatten(1, 2), layer.cfg.experts)  # GShard's queue order
+    kept = (chosen.cumsum(dim=1) <= layer.cfg.capacity(seen[0].shape[1])) & chosen.bool()
+    return int(chosen.sum() - kept.sum())
 
 
 def build_hf_mixtral(experts_implementation: str | None = None) -> Any:

@@ -101,7 +101,8 @@ def plan_command(args: argparse.Namespace) -> int:
                         zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
                         regather_blocks=args.regather_blocks,
                         micro_batches=None if pipeline else args.micro_batches,
-                        offload=args.offload, pipeline=pipeline, context_axes=args.context_axes,
+                        offload=args.offload, pipeline=pipeline, data_axes=args.data_axes,
+                        expert_axes=args.expert_axes, context_axes=args.context_axes,
                         progress=sys.stderr.isatty())
     from rich.console import Console
 
@@ -145,6 +146,14 @@ def _zero_stages(text: str) -> dict[str, int]:
     return out
 
 
+def _axis_names(text: str) -> tuple[str, ...]:
+    """``dp,ep`` -> ("dp", "ep") (checked against the mesh later)."""
+    names = tuple(text.split(","))
+    if not all(names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected AXIS[,AXIS...] with each axis once, got {text!r}")
+    return names
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -176,6 +185,12 @@ def parser() -> argparse.ArgumentParser:
                    help="context parallelism: split the sequence (dim 1 of the inputs) on these axes")
     p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
+    data = p.add_argument_group("data and expert parallelism (default: the planner places the batch too)")
+    data.add_argument("--data-axes", type=_axis_names, default=(), metavar="AXIS,...",
+                      help="pin data parallelism on these axes: the batch split, parameters replicated")
+    data.add_argument("--expert-axes", type=_axis_names, default=(), metavar="AXIS,...",
+                      help="of the data axes, those where stacked expert weights are left to the planner (expert "
+                           "parallelism: tokens reach experts split by expert by all-to-all), e.g. ep")
     memory = p.add_argument_group("memory choices (default: the planner picks them by the memory limit)")
     memory.add_argument("--zero", type=_zero_stages, default=None, metavar="AXIS=STAGE,...",
                         help="pin a ZeRO stage per data axis: 0 (DDP), 1 (optimizer state sharded), 2 (parameters "

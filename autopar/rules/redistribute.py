@@ -3,8 +3,8 @@
 The cost model prices these steps and the runtime executes them, so what a plan lists
 is what runs. Shards on several mesh dims of one tensor dim are nested with the first
 mesh dim outermost (DTensor's convention), so the order matters:
-1. un-shard (all-gather, or all-to-all when nothing else touches the two tensor dims),
-   innermost mesh dim first;
+1. un-shard (all-gather, or all-to-all when no other mesh dim splits the two tensor dims
+   but outer ones that stay), innermost mesh dim first;
 2. reduce Partials (all-reduce, or reduce-scatter when it keeps the nesting);
 3. shard what is replicated (a local slice) outermost first, and make Partials from
    replicated values (keep the value on coordinate 0, zeros elsewhere).
@@ -61,6 +61,23 @@ def strided_join(gathered: torch.Tensor, dim: int, factor: int, ways: int) -> to
     return pieces.transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
+def _all_to_all_fits(cur: list[Placement], dst: tuple[Placement, ...], i: int) -> bool:
+    """Mesh dim ``i`` can turn its shard of tensor dim a into one of dim b with one all-to-all.
+
+    Each rank cuts its tensor into chunks along b and concatenates what it receives along a,
+    so afterwards i is the innermost split of both dims. That is DTensor's nesting (outer mesh
+    dims outermost) when every other mesh dim splitting a or b, before or after, is an outer
+    one that stays as it is (a batch split on dp around the ep all-to-all of expert parallelism)."""
+    a, b = shard_dim(cur[i]), shard_dim(dst[i])
+    if b is None or a == b or is_strided(cur[i]) or is_strided(dst[i]):
+        return False
+    for j in range(len(cur)):
+        touches = j != i and {shard_dim(cur[j]), shard_dim(dst[j])} & {a, b}
+        if touches and not (j < i and cur[j] == dst[j] and not is_strided(cur[j])):
+            return False
+    return True
+
+
 @functools.lru_cache(maxsize=65536)
 def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[Step, ...]:
     """The steps from ``src`` to ``dst`` (cached: planning asks for the same pairs many times)."""
@@ -81,9 +98,7 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
     for i in sorted(unshard, reverse=True):
         a, b = shard_dim(cur[i]), shard_dim(dst[i])
         assert a is not None
-        others = {shard_dim(cur[j]) for j in range(ndim) if j != i} | {shard_dim(dst[j]) for j in range(ndim) if j != i}
-        plain = not is_strided(cur[i]) and not is_strided(dst[i])
-        if plain and b is not None and b != a and a not in others and b not in others:
+        if _all_to_all_fits(cur, dst, i):
             steps.append(Step(ALL_TO_ALL, i, tuple(cur), src_dim=a, dst_dim=b))
             cur[i] = dst[i]
         else:

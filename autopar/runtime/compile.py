@@ -109,7 +109,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
             example_targets: tuple[Any, ...] = (),
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
-            data_axes: tuple[str, ...] = (), input_sharded: bool = False, context_axes: tuple[str, ...] = (),
+            data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
+            context_axes: tuple[str, ...] = (),
             init_fn: InitFn | None = None,
             init_seed: int = 0, seed: int | None = None,
             hardware: str | None = None, memory_limit: float | None = None, memory_headroom: float | None = None,
@@ -124,7 +125,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     ``loss_fn=None`` the model returns its loss, as a Hugging Face model called with
     ``labels=``); the module is then called the same way: ``pm(*inputs, *targets, **kwargs)``.
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
-    with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp").
+    with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp"). ``expert_axes``
+    (some of ``data_axes``) leave the expert weights free there: expert parallelism, as in :func:`autopar.plan`.
     ``context_axes`` split the sequence (dim 1 of the inputs) on those axes, as in :func:`autopar.plan`.
     ``memory_limit``, ``memory_headroom``, the memory pins (``zero``, ``checkpoint``, ``checkpoint_blocks``,
     ``regather_blocks``, ``offload``, ``micro_batches``) and ``pipeline`` as in :func:`autopar.plan`.
@@ -169,9 +171,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             example_inputs, example_kwargs, example_targets, math.prod(planning_mesh.axes[a] for a in data_axes))
     options = dict(loss_fn=loss_fn, example_kwargs=example_kwargs, example_targets=example_targets, train=train,
                    constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
-                   input_sharded=input_sharded, context_axes=context_axes, memory_limit=memory_limit,
-                   memory_headroom=memory_headroom,
-                   precision=precision, bucket_bytes=bucket_bytes, solver_time_limit_s=solver_time_limit_s, zero=zero,
+                   expert_axes=expert_axes, input_sharded=input_sharded, context_axes=context_axes,
+                   memory_limit=memory_limit, memory_headroom=memory_headroom, precision=precision,
+                   bucket_bytes=bucket_bytes, solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
                    offload=offload, _masters=compute_dtype is not None)
     step, pipeline = _planned(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, micro_batches,

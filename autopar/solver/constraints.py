@@ -194,15 +194,17 @@ def apply_pins(graph: PlanGraph, pins: dict[str, Pin], axis: int, axis_name: str
 
 
 def data_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis_name: str, *,
-                       inputs_whole: bool = True) -> dict[str, Pin]:
-    """Plain data parallelism on one axis: parameters replicated, batch inputs split on dim 0
+                       inputs_whole: bool = True, free_params: frozenset[str] = frozenset()) -> dict[str, Pin]:
+    """Plain data parallelism on one axis: parameters replicated (but ``free_params``, left to
+    the planner: expert weights on an expert axis, ``expert_parameters``), batch inputs split on dim 0
     (strided allowed when every rank receives the whole batch and slices it itself), and
     everything computed from the inputs stays split on the axis (Shard or Partial: each rank
     works on its part of the batch, never gathers it) wherever the op has such a strategy;
     an op that can only run replicated (no rule), or writes into a replicated tensor in
     place, gathers its input, as the plan then shows."""
     return _split_input_pins(graph, user_inputs, axis, 0, _batch_size(graph, user_inputs),
-                             f"data parallel on {axis_name}", "batch split", inputs_whole, gathers=False)
+                             f"data parallel on {axis_name}", "batch split", inputs_whole, gathers=False,
+                             free_params=free_params)
 
 
 def context_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, axis_name: str) -> dict[str, Pin]:
@@ -221,8 +223,8 @@ def context_parallel_pins(graph: PlanGraph, user_inputs: list[str], axis: int, a
 
 def _split_input_pins(graph: PlanGraph, user_inputs: list[str], axis: int, dim: int,
                       leading: int | tuple[int, ...] | None, why: str, what: str, strided_ok: bool, *,
-                      gathers: bool) -> dict[str, Pin]:
-    """Parameters replicated; user inputs whose leading dims are ``leading`` (a batch size,
+                      gathers: bool, free_params: frozenset[str] = frozenset()) -> dict[str, Pin]:
+    """Parameters replicated (but ``free_params``); user inputs whose leading dims are ``leading`` (a batch size,
     or (batch, sequence)) split on ``dim``; ops computed from them kept split where they can
     (their outputs; with ``gathers`` False their split inputs too)."""
     pins: dict[str, Pin] = {}
@@ -231,7 +233,8 @@ def _split_input_pins(graph: PlanGraph, user_inputs: list[str], axis: int, dim: 
     for name in graph.order:
         node = graph.nodes[name]
         if node.kind == PARAM:
-            pins[name] = Pin(output=Replicate(), reason=why)
+            if name not in free_params:
+                pins[name] = Pin(output=Replicate(), reason=why)
         elif name in user_inputs and node.outputs[0] is not None and node.outputs[0].shape[:len(want)] == want:
             pins[name] = Pin(output=Shard(dim), reason=f"{why} ({what})", strided_ok=strided_ok)
             from_data.add(name)
@@ -244,6 +247,47 @@ def _split_input_pins(graph: PlanGraph, user_inputs: list[str], axis: int, dim: 
             if any(pin.admits(s, axis) for s in node.strategies):
                 pins[name] = pin
     return pins
+
+
+BATCHED_MATMULS = (aten.bmm.default, aten.matmul.default, aten.einsum.default)
+
+
+def expert_parameters(graph: PlanGraph) -> frozenset[str]:
+    """Parameters used only as an operand of batched matmuls whose batch dim is the parameter's
+    dim 0: stacked expert weights ``(experts, in, out)`` run on ``(experts, tokens, in)`` slots.
+
+    On an expert axis (``expert_axes``) these are not pinned replicated, so the planner may
+    split them by expert (``Shard(0)``) while the batch stays split: the slots then travel from
+    their sequence's rank to their expert's rank by an all-to-all (a batch split turning into an
+    expert split), which the planner prices against running every expert on every rank. Any
+    other parameter, used even once elsewhere, is a dense weight and stays replicated."""
+    consumers = graph.consumers()
+    found = set()
+    for name in graph.order:
+        node = graph.nodes[name]
+        uses = consumers[name]
+        if node.kind == PARAM and uses and all(_batch_operand(graph.nodes[c].call, k) for c, k, _ in uses):
+            found.add(name)
+    return frozenset(found)
+
+
+def _batch_operand(call: OpCall | None, arg: int) -> bool:
+    """Tensor input ``arg`` of ``call`` is a batched matmul operand whose dim 0 is the batch dim,
+    shared with the other operand and kept in the output."""
+    if call is None or call.target not in BATCHED_MATMULS:
+        return False
+    operands = call.tensor_inputs
+    if call.target is aten.bmm.default:
+        return True
+    if call.target is aten.matmul.default:
+        return operands[0].ndim > 2 and operands[1].ndim > 2 and operands[0].shape[:-2] == operands[1].shape[:-2]
+    equation = call.args[0].replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return False
+    lhs, out = equation.split("->")
+    labels = lhs.split(",")
+    first = labels[arg][:1]
+    return bool(first) and first in out and any(first in other for k, other in enumerate(labels) if k != arg)
 
 
 def _first_input(graph: PlanGraph, user_inputs: list[str]) -> TensorMeta | None:

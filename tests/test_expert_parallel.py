@@ -1,0 +1,108 @@
+"""Expert parallelism is planned by cost: ``expert_axes`` leaves stacked expert weights free on a
+data axis, and the planner splits them by expert (tokens travelling by all-to-all, priced forward
+and backward) when that beats replicated experts. Training exactly: ``test_numerics_moe``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from torch.distributed.tensor import Shard
+
+import autopar
+from autopar.api import prepare_step
+from autopar.errors import InputError
+from autopar.rules.strategy import parse_placements
+from autopar.solver.constraints import expert_parameters
+from autopar.solver.nodes import PARAM
+from examples import llama, moe
+
+EP4 = autopar.Mesh({"ep": 4}, "h100")
+
+
+def wide(capacity_factor: float | None) -> Any:
+    """``examples/moe.py``'s wide MoE, two layers (the plan is folded: more would only take longer)."""
+    return moe.build(wide_config(capacity_factor), batch=8, device="meta")
+
+
+def wide_config(capacity_factor: float | None) -> moe.MoEConfig:
+    return moe.MoEConfig(**{**moe.WIDE.__dict__, "layers": 2, "capacity_factor": capacity_factor})
+
+
+def plan_wide(capacity_factor: float | None, expert_axes: tuple[str, ...]) -> autopar.Plan:
+    model, inputs, loss_fn, targets = wide(capacity_factor)
+    return autopar.plan(model, EP4, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",),
+                        expert_axes=expert_axes)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25], ids=["dropless", "capacity"])
+def test_expert_weights_are_the_batched_matmul_operands(capacity_factor: float | None) -> None:
+    """Only the stacked expert weights (used as bmm operands) are left free; the router, attention
+    and embeddings are dense weights."""
+    cfg = moe.MoEConfig(vocab_size=32, max_seq_len=8, hidden=16, heads=2, kv_heads=1, ffn_hidden=16, layers=2,
+                        capacity_factor=capacity_factor)
+    model, inputs, loss_fn, targets = moe.build(cfg, batch=4)
+    graph = prepare_step(model, {"ep": 2}, inputs, loss_fn=loss_fn, example_targets=targets).graph
+    found = {graph.nodes[n].fqn for n in expert_parameters(graph)}
+    assert found == {f"layers.{i}.moe.experts.w{j}" for i in range(2) for j in (1, 2, 3)}
+    assert sum(graph.nodes[n].kind == PARAM for n in graph.order) > len(found)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25], ids=["dropless", "capacity"])
+def test_wide_moe_plans_expert_parallel_by_cost(capacity_factor: float | None) -> None:
+    """On ep=4 the wide MoE's experts split by expert and its tokens travel by all-to-all, both
+    ways; the plan is faster than the one with experts pinned replicated (plain data parallelism);
+    the ILP's objective is the plan's predicted step time, and each all-to-all is priced by the
+    ring formula, (n-1) latencies and (n-1)/n of the local bytes, as written here by hand."""
+    ep = plan_wide(capacity_factor, ("ep",))
+    experts = {k: parse_placements(v) for k, v in ep.parameters.items() if ".experts." in k}
+    assert experts and all(p == (Shard(0),) for p in experts.values()), experts
+    # a rank's slots (bf16): E experts x B sequences x C slots x H / ep ranks, C = seq when dropless
+    cfg = wide_config(capacity_factor)
+    slots = cfg.experts * 8 * cfg.capacity(cfg.max_seq_len) * cfg.hidden * 2 // 4
+    dispatch = [c for c in ep.collectives if ".moe" in c.module and c.kind == "all_to_all" and c.bytes == slots]
+    for layer in ("layers.0.moe", "layers.1.moe"):  # dispatch (into the experts) and combine, each reversed
+        assert sorted((c.phase, c.module) for c in dispatch if c.module.startswith(layer)) == [
+            ("backward", layer), ("backward", f"{layer}.experts"), ("forward", layer), ("forward", f"{layer}.experts")]
+    assert ep.solver["objective_s"] == pytest.approx(ep.predicted.step_time_s, rel=1e-9)
+    link, n = EP4.link(0), 4
+    for c in dispatch:
+        by_hand = EP4.hardware.collective_overhead + (n - 1) * link.latency + (n - 1) / n * c.bytes / link.bandwidth
+        assert c.time_s == pytest.approx(by_hand, rel=1e-9)
+    dense = plan_wide(capacity_factor, ())
+    assert all(v == "R" for k, v in dense.parameters.items() if ".experts." in k)
+    assert ep.predicted.step_time_s < dense.predicted.step_time_s
+
+
+def test_expert_axes_must_be_data_axes_of_a_model_with_experts() -> None:
+    """An expert axis splits the batch too; naming one outside ``data_axes`` (or a bare string) is refused,
+    and so is one for a model without stacked expert weights (it would change nothing)."""
+    model, inputs, loss_fn, targets = moe.build(moe.MoEConfig(vocab_size=32, max_seq_len=8, hidden=16, heads=2,
+                                                              kv_heads=1, ffn_hidden=16, layers=1), batch=4)
+    options: dict[str, Any] = {"loss_fn": loss_fn, "example_targets": targets}
+    with pytest.raises(InputError, match=r"expert_axes \('ep',\) names 'ep', not in data_axes \('dp',\)"):
+        autopar.plan(model, {"dp": 2, "ep": 2}, inputs, data_axes=("dp",), expert_axes=("ep",), **options)
+    with pytest.raises(InputError, match=r"write \('ep',\)"):
+        autopar.plan(model, {"ep": 2}, inputs, data_axes=("ep",), expert_axes="ep", **options)
+    dense, dense_inputs, dense_loss, dense_targets = llama.build()
+    with pytest.raises(InputError, match=r"expert_axes \('ep',\): no parameter of the model is a stack of expert"):
+        autopar.plan(dense, {"ep": 2}, dense_inputs, loss_fn=dense_loss, example_targets=dense_targets,
+                     data_axes=("ep",), expert_axes=("ep",))
+
+
+def test_dp2ep_syncs_expert_gradients_over_dp_only() -> None:
+    """dp x ep with both data axes (torchtitan's dp2ep): experts split on ep and replicated on dp, so
+    their gradients are all-reduced in dp's buckets only; dense weights' in both axes' buckets (but the
+    output layer's, which the plan may run row-parallel on ep, its logits reduce-scattered, as cheap)."""
+    model, inputs, loss_fn, targets = wide(1.25)
+    plan = autopar.plan(model, autopar.Mesh({"dp": 2, "ep": 4}, "h100"), inputs, loss_fn=loss_fn,
+                        example_targets=targets, data_axes=("dp", "ep"), expert_axes=("ep",))
+    experts = {k: v for k, v in plan.parameters.items() if ".experts." in k}
+    assert set(experts.values()) == {"RS(0)"}, experts
+    synced = {dim: {p for b in plan.grad_buckets if b.mesh_dim == dim for p in b.params} for dim in (0, 1)}
+    params = {n.name for n in plan.nodes if n.op == "parameter"}
+    expert_nodes = {n for n in params if "_experts_" in n}
+    assert len(expert_nodes) == len(experts)
+    assert expert_nodes <= synced[0] and not expert_nodes & synced[1], synced
+    assert synced[0] - synced[1] - expert_nodes <= {"p_model_output_weight"}, synced
+    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
