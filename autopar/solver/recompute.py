@@ -29,6 +29,9 @@ from autopar.solver.memory import block_of
 from autopar.solver.milp import INF, Model
 from autopar.solver.nodes import OP, PlanGraph, PlanNode
 
+RECOMPUTE_UNIT = 2.0**20
+"""Bytes per unit of the recompute-peak variables and rows (MiB, as the memory limit's row)."""
+
 
 def checkpointed(graph: PlanGraph, policy: str, blocks: list[str]) -> PlanGraph:
     """A copy of ``graph`` priced with ``blocks`` checkpointed under ``policy`` (the
@@ -107,17 +110,19 @@ def add_recompute_peak(model: Model, graph: PlanGraph, reps: list[str], x: dict[
     if not per_block:
         return
     freed = freed_before_recompute(graph)
-    t = model.var(1.0 if minimize_memory and not freed else 0.0, integer=False, upper=INF)
+    # t and s count MiB, their rows' bytes likewise: rows of raw bytes (10^9-10^10 at 128k tokens) beside the
+    # strategies' 0/1 columns made HiGHS's presolve call feasible scenarios infeasible
+    t = model.var(RECOMPUTE_UNIT if minimize_memory and not freed else 0.0, integer=False, upper=INF)
     for row in per_block.values():
-        model.rows.append(({t: 1.0, **{j: -b for j, b in row.items()}}, 0.0, INF))
+        model.rows.append(({t: 1.0, **{j: -b / RECOMPUTE_UNIT for j, b in row.items()}}, 0.0, INF))
     if not freed:
-        memory_row[t] = 1.0
+        memory_row[t] = RECOMPUTE_UNIT
         return
-    s = model.var(1.0 if minimize_memory else 0.0, integer=False, upper=INF)
-    memory_row[s] = 1.0
+    s = model.var(RECOMPUTE_UNIT if minimize_memory else 0.0, integer=False, upper=INF)
+    memory_row[s] = RECOMPUTE_UNIT
     row = {s: 1.0, t: -1.0}
     for v in reps:
         if v in freed:
             for j, cost in zip(x[v], graph.nodes[v].costs):
-                row[j] = row.get(j, 0.0) + mult[v] * cost.memory
+                row[j] = row.get(j, 0.0) + mult[v] * cost.memory / RECOMPUTE_UNIT
     model.rows.append((row, 0.0, INF))
