@@ -310,7 +310,10 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
             pinned[f"{axis_name}: parameters, inputs"] = f"data parallel, {len(free)} expert weights free"
     for axis_name in _checked_context_axes(mesh, context_axes, data_axes, input_sharded):
         axis = mesh.names.index(axis_name)
-        _pin(graph, context_parallel_pins(graph, captured.user_inputs, axis, axis_name), mesh, axis_name, node_pins)
+        context_pins = context_parallel_pins(graph, captured.user_inputs, axis, axis_name)
+        if zero.get(axis_name, 0) >= 2:  # parameters stored split (FSDP over the context axis, as Llama 3)
+            context_pins = {n: p for n, p in context_pins.items() if graph.nodes[n].kind != PARAM}
+        _pin(graph, context_pins, mesh, axis_name, node_pins)
         pinned[f"{axis_name}: parameters, inputs"] = "context parallel (sequence split)"
     if input_sharded:
         for axis_name in mesh.names:

@@ -59,6 +59,20 @@ def test_a_binding_memory_limit_picks_context_parallelism() -> None:
     assert tight.predicted.comm_bytes["cp"] > free.predicted.comm_bytes.get("cp", 0.0)
 
 
+def test_zero3_on_the_context_axis_stores_parameters_split() -> None:
+    """``zero={"cp": 3}`` with ``context_axes=("cp",)``: parameters are stored split on cp (FSDP
+    over the context axis, as Llama 3 trained), not pinned replicated as plain context
+    parallelism pins them; the sequence stays split."""
+    model, inputs, loss_fn, targets = _long_llama()
+    mesh = autopar.Mesh({"cp": 2}, "h100")
+    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
+                        zero={"cp": 3})
+    weights = [n for n in plan.nodes if n.op == "parameter" and n.name.endswith("_wq_weight")]
+    assert weights and all(n.outputs[0].startswith("S(") for n in weights), [n.outputs for n in weights]
+    inputs_placed = [n.outputs[0] for n in plan.nodes if n.op == "input"]
+    assert inputs_placed and all(p == "S(1)" for p in inputs_placed), inputs_placed
+
+
 @pytest.mark.parametrize("options,message", [
     ({"context_axes": ("sp",)}, "context axis 'sp' is not an axis of the mesh"),
     ({"context_axes": "cp"}, "must be a tuple of axis names"),
