@@ -57,6 +57,9 @@ def test_a_binding_memory_limit_picks_context_parallelism() -> None:
     assert tight.predicted.peak_memory_bytes <= limit
     assert [n.inputs for n in tight.nodes if n.op == SDPA] == [["S(2)", "R", "R"]] * 2
     assert tight.predicted.comm_bytes["cp"] > free.predicted.comm_bytes.get("cp", 0.0)
+    assert "context parallel attention on cp: all-gather K/V (query rows split, keys and values gathered) " \
+           "in 2 of 2 calls" in tight.notes  # the plan says which kind
+    assert not any("context parallel" in n for n in free.notes)
 
 
 def test_zero3_on_the_context_axis_stores_parameters_split() -> None:
@@ -71,6 +74,23 @@ def test_zero3_on_the_context_axis_stores_parameters_split() -> None:
     assert weights and all(n.outputs[0].startswith("S(") for n in weights), [n.outputs for n in weights]
     inputs_placed = [n.outputs[0] for n in plan.nodes if n.op == "input"]
     assert inputs_placed and all(p == "S(1)" for p in inputs_placed), inputs_placed
+
+
+def test_a_heads_split_on_a_sequence_axis_is_noted_as_ulysses() -> None:
+    """Attention split on heads on an axis the inputs are split on by sequence reaches its heads
+    by all-to-alls (Ulysses), and the plan says so; a heads split on a tensor-parallel axis
+    (inputs whole there) is Megatron TP, not context parallelism."""
+    cfg = llama.LlamaConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2)
+    model, inputs, loss_fn, targets = llama.build(cfg, batch=1)
+    cp = autopar.plan(model, autopar.Mesh({"cp": 2}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets,
+                      context_axes=("cp",), zero={"cp": 3})
+    assert [n.inputs[0] for n in cp.nodes if n.op == SDPA] == ["S(1)", "S(1)"]
+    assert any(n.startswith("context parallel attention on cp: Ulysses") and n.endswith("in 2 of 2 calls")
+               for n in cp.notes), cp.notes
+    tp = autopar.plan(model, autopar.Mesh({"tp": 2}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets,
+                      constraints=llama.TP_PLAN)
+    assert [n.inputs[0] for n in tp.nodes if n.op == SDPA] == ["S(1)", "S(1)"]
+    assert not any("context parallel" in n for n in tp.notes)
 
 
 @pytest.mark.parametrize("options,message", [

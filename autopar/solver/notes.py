@@ -1,10 +1,17 @@
-"""Things a plan did that its user did not ask for and should know: batch splits it could not make."""
+"""Things a plan did that its user did not ask for and should know: batch splits it could not
+make, and how attention runs where its sequence is split (context parallelism)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from autopar.mesh import Mesh
+from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, placement_str, shard_dim
 from autopar.solver.nodes import INPUT, PlanGraph
+
+ALL_GATHER_KV = "all-gather K/V (query rows split, keys and values gathered)"
+ULYSSES = "Ulysses (heads split on an axis splitting the sequence: all-to-alls around attention)"
 
 
 def unsplit_batch_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh,
@@ -37,3 +44,30 @@ def unsplit_batch_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mes
                          f"{axis_name}={size} ({why}); placed {placement_str(placements)} over "
                          f"{' x '.join(mesh.names)}")
     return notes
+
+
+def context_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh) -> list[str]:
+    """One note per mesh axis where attention calls run context parallel, and which kind:
+    queries split on their sequence dim (keys and values all-gathered, ``rules.attention``), or
+    split on heads on an axis the step's inputs are split on by sequence (dim 1), so that the
+    activations reach attention by all-to-alls from the sequence split into heads (Ulysses). A
+    heads split on an axis that does not split the sequence is Megatron TP, not noted."""
+    sequence_axes = {d for name in graph.order if graph.nodes[name].kind == INPUT
+                     for d, p in enumerate(chosen[name].outputs[0] or ()) if shard_dim(p) == 1}
+    kinds: dict[str, Counter[str]] = {}
+    calls = 0
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.call is None or node.call.target not in ATTENTION_OPS or chosen[name].inputs[0] is None:
+            continue
+        calls += 1
+        q, wanted = node.call.tensor_inputs[0], chosen[name].inputs[0]
+        for d, (axis, size) in enumerate(zip(mesh.names, mesh.shape)):
+            split = shard_dim(wanted[d])
+            if size > 1 and split == q.ndim - 2:
+                kinds.setdefault(axis, Counter())[ALL_GATHER_KV] += 1
+            elif size > 1 and split == q.ndim - 3 and q.ndim >= 4 and d in sequence_axes:
+                kinds.setdefault(axis, Counter())[ULYSSES] += 1
+    return [f"context parallel attention on {axis}: " + "; ".join(f"{kind} in {n} of {calls} calls"
+                                                                  for kind, n in sorted(counts.items()))
+            for axis, counts in kinds.items()]
