@@ -110,8 +110,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             example_targets: tuple[Any, ...] = (),
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
             data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
-            context_axes: tuple[str, ...] = (),
-            init_fn: InitFn | None = None,
+            context_axes: tuple[str, ...] = (), init_fn: InitFn | None = None,
             init_seed: int = 0, seed: int | None = None,
             hardware: str | None = None, memory_limit: float | None = None, memory_headroom: float | None = None,
             precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -125,9 +124,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     ``loss_fn=None`` the model returns its loss, as a Hugging Face model called with
     ``labels=``); the module is then called the same way: ``pm(*inputs, *targets, **kwargs)``.
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
-    with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp"). ``expert_axes``
-    (some of ``data_axes``) leave the expert weights free there: expert parallelism, as in :func:`autopar.plan`.
-    ``context_axes`` split the sequence (dim 1 of the inputs) on those axes, as in :func:`autopar.plan`.
+    with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp"). ``expert_axes`` (expert
+    parallelism) and ``context_axes`` (the sequence split on them) as in :func:`autopar.plan`.
     ``memory_limit``, ``memory_headroom``, the memory pins (``zero``, ``checkpoint``, ``checkpoint_blocks``,
     ``regather_blocks``, ``offload``, ``micro_batches``) and ``pipeline`` as in :func:`autopar.plan`.
     A model on the meta device is initialized module by module (``reset_parameters`` or

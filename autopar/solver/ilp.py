@@ -97,6 +97,25 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
     return [_Edge(p, i, c, a, n) for (p, i, c, a), n in counts.items()]
 
 
+
+def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dict[str, int],
+                      minimize_memory: bool) -> tuple[dict[str, list[int]], dict[int, float]]:
+    """One binary column per strategy of each representative node, exactly one chosen per node,
+    priced by its time (or memory) times the node's multiplicity; the columns and their bytes."""
+    x: dict[str, list[int]] = {}
+    memory_row: dict[int, float] = {}
+    for v in reps:
+        node = graph.nodes[v]
+        x[v] = []
+        own_comm = node.comm_times or [0.0] * len(node.costs)
+        for cost, comm in zip(node.costs, own_comm):
+            weight = cost.memory if minimize_memory else (cost.time + comm) * SCALE
+            j = model.var(mult[v] * weight, integer=True)
+            x[v].append(j)
+            memory_row[j] = mult[v] * cost.memory
+        model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
+    return x, memory_row
+
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
           cutoff_s: float | None = None, shares: MemoryShares | None = None,
@@ -111,18 +130,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
     model = Model()
-    x: dict[str, list[int]] = {}
-    memory_row: dict[int, float] = {}
-    for v in reps:
-        node = graph.nodes[v]
-        x[v] = []
-        own_comm = node.comm_times or [0.0] * len(node.costs)
-        for cost, comm in zip(node.costs, own_comm):
-            weight = cost.memory if minimize_memory else (cost.time + comm) * SCALE
-            j = model.var(mult[v] * weight, integer=True)
-            x[v].append(j)
-            memory_row[j] = mult[v] * cost.memory
-        model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
+    x, memory_row = _strategy_columns(model, graph, reps, mult, minimize_memory)
     _one_state_family(model, graph, reps, x)
     for v, w in folding.tied.items():  # one plan in every instance of a split class
         model.rows.extend(({a: 1.0, b: -1.0}, 0.0, 0.0) for a, b in zip(x[v], x[w]))
