@@ -302,18 +302,14 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
         free = experts if axis_name in expert_axes else frozenset()
         data_pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name, inputs_whole=not input_sharded,
                                        free_params=free)
-        if zero.get(axis_name, 0) >= 2:  # parameters stored split: ZeRO's pins say how
-            data_pins = {n: p for n, p in data_pins.items() if graph.nodes[n].kind != PARAM}
-        _pin(graph, data_pins, mesh, axis_name, node_pins)
+        _pin(graph, _stored_as_zero_says(graph, data_pins, zero.get(axis_name, 0)), mesh, axis_name, node_pins)
         pinned[f"{axis_name}: parameters, inputs"] = "data parallel"
         if free:
             pinned[f"{axis_name}: parameters, inputs"] = f"data parallel, {len(free)} expert weights free"
     for axis_name in _checked_context_axes(mesh, context_axes, data_axes, input_sharded):
         axis = mesh.names.index(axis_name)
         context_pins = context_parallel_pins(graph, captured.user_inputs, axis, axis_name)
-        if zero.get(axis_name, 0) >= 2:  # parameters stored split (FSDP over the context axis, as Llama 3)
-            context_pins = {n: p for n, p in context_pins.items() if graph.nodes[n].kind != PARAM}
-        _pin(graph, context_pins, mesh, axis_name, node_pins)
+        _pin(graph, _stored_as_zero_says(graph, context_pins, zero.get(axis_name, 0)), mesh, axis_name, node_pins)
         pinned[f"{axis_name}: parameters, inputs"] = "context parallel (sequence split)"
     if input_sharded:
         for axis_name in mesh.names:
@@ -322,6 +318,12 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
                              for n in captured.user_inputs if n in graph.nodes}, mesh, axis_name, node_pins)
     return node_pins, pinned
 
+
+
+def _stored_as_zero_says(graph: PlanGraph, pins: dict[str, Pin], stage: int) -> dict[str, Pin]:
+    """A data or context axis's pins, less its replicated-parameter pins where ZeRO-2/3 stores
+    parameters split on the axis (FSDP over data and context axes alike; ZeRO's pins say how)."""
+    return pins if stage < 2 else {n: p for n, p in pins.items() if graph.nodes[n].kind != PARAM}
 
 def _checked_context_axes(mesh: Mesh, context_axes: tuple[str, ...], data_axes: tuple[str, ...],
                           input_sharded: bool) -> tuple[str, ...]:

@@ -562,6 +562,12 @@ def rule_strategies(c: OpCase) -> tuple[OpCall, list[DimStrategy]]:
     return call, dims
 
 
+def expanded_strategies(c: OpCase, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """The rule's strategies for ``c`` expanded to ``mesh_shape`` (what the family test files check)."""
+    call, dims = rule_strategies(c)
+    return expand(call, dims, mesh_shape)
+
+
 def failures(c: OpCase, strategies: list[Strategy], mesh_shape: tuple[int, ...]) -> list[str]:
     return [f for f in (check_strategy(c, s, mesh_shape) for s in strategies) if f is not None]
 

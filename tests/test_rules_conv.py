@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from sharding_sim import (OpCase, ReplicaMismatch, check_strategy, flatten_outputs, simulate_gradients,
                           simulate_with_inputs, strategy_str)
-from test_rules_bruteforce import case, f64, failures, is_replicate_only, positive, rule_strategies
+from test_rules_bruteforce import case, expanded_strategies, f64, failures, is_replicate_only, positive
 
 from autopar.cost.compute import op_flops
 from autopar.rules import DimStrategy, expand
@@ -102,15 +102,10 @@ CASES: list[OpCase] = [*conv_cases(), *batch_norm_cases(), *pool_cases()]
 MESHES = [(2,), (4,), (2, 2)]
 
 
-def _strategies(c: OpCase, mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    call, dims = rule_strategies(c)
-    return expand(call, dims, mesh_shape)
-
-
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m)))
 @pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in CASES])
 def test_rule_matches_unsharded_op(op_case: OpCase, mesh_shape: tuple[int, ...]) -> None:
-    strategies = _strategies(op_case, mesh_shape)
+    strategies = expanded_strategies(op_case, mesh_shape)
     sharded = [s for s in strategies if not is_replicate_only(s)]
     assert sharded, "the rule offers no sharded strategy that divides"
     if len(mesh_shape) == 2:  # some strategy must split on both mesh dims, or nothing 2-D is checked
@@ -157,7 +152,7 @@ def gradient_failure(c: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...])
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
 @pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in CASES])
 def test_local_backward_matches_full_gradients(op_case: OpCase, mesh_shape: tuple[int, ...]) -> None:
-    strategies = [s for s in _strategies(op_case, mesh_shape) if not is_replicate_only(s)]
+    strategies = [s for s in expanded_strategies(op_case, mesh_shape) if not is_replicate_only(s)]
     problems = [f for f in (gradient_failure(op_case, s, mesh_shape) for s in strategies) if f is not None]
     assert not problems, f"{op_case.label} on {mesh_shape}:\n" + "\n".join(problems)
 
@@ -165,18 +160,18 @@ def test_local_backward_matches_full_gradients(op_case: OpCase, mesh_shape: tupl
 def test_groups_that_do_not_divide_are_not_split() -> None:
     """2 groups on 4 ranks: the channels divide, the groups do not, so no group split."""
     c = next(c for c in conv_cases() if c.label.endswith("groups2"))
-    on4 = _strategies(c, (4,))
+    on4 = expanded_strategies(c, (4,))
     assert all(s.inputs[1][0] != S(0) for s in on4), [strategy_str(s) for s in on4]
-    assert any(s.inputs[1][0] == S(0) for s in _strategies(c, (2,)))
-    assert any(s.inputs[1] == (S(0), R) for s in _strategies(c, (2, 2)))  # on one mesh dim of a 2x2
-    assert not any(s.inputs[1] == (S(0), S(0)) for s in _strategies(c, (2, 2)))
+    assert any(s.inputs[1][0] == S(0) for s in expanded_strategies(c, (2,)))
+    assert any(s.inputs[1] == (S(0), R) for s in expanded_strategies(c, (2, 2)))  # on one mesh dim of a 2x2
+    assert not any(s.inputs[1] == (S(0), S(0)) for s in expanded_strategies(c, (2, 2)))
 
 
 def test_training_batch_norm_splits_channels_only() -> None:
     train, _, _, evaluation, _ = batch_norm_cases()
-    assert {s.inputs[0] for s in _strategies(train, (2,))} == {(R,), (S(1),)}
+    assert {s.inputs[0] for s in expanded_strategies(train, (2,))} == {(R,), (S(1),)}
     # spatial dims of size 3 do not divide by 2: batch and channels remain
-    assert {s.inputs[0] for s in _strategies(evaluation, (2,))} == {(R,), (S(0),), (S(1),)}
+    assert {s.inputs[0] for s in expanded_strategies(evaluation, (2,))} == {(R,), (S(0),), (S(1),)}
 
 
 def test_written_inputs() -> None:

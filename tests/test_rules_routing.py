@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from sharding_sim import OpCase, check_strategy, strategy_str
-from test_rules_bruteforce import case, f64, failures, ints, is_replicate_only, rule_strategies
+from test_rules_bruteforce import case, expanded_strategies, f64, failures, ints, is_replicate_only, rule_strategies
 from test_rules_conv import MESHES, gradient_failure
 
 from autopar.cost.compute import op_flops
 from autopar.rules import DimStrategy, expand
-from autopar.rules.strategy import P, R, S, Strategy
+from autopar.rules.strategy import P, R, S
 
 aten = torch.ops.aten
 _GEN = torch.Generator().manual_seed(11)
@@ -73,15 +73,10 @@ NO_BACKWARD = {aten.histc.default: "counts have no gradient", aten.argsort.defau
 BACKWARD_CASES = [c for c in CASES if c.op not in NO_BACKWARD and not getattr(c, "replicate_only", False)]
 
 
-def _strategies(c: OpCase, mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    call, dims = rule_strategies(c)
-    return expand(call, dims, mesh_shape)
-
-
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m)))
 @pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in CASES])
 def test_rule_matches_unsharded_op(op_case: OpCase, mesh_shape: tuple[int, ...]) -> None:
-    strategies = _strategies(op_case, mesh_shape)
+    strategies = expanded_strategies(op_case, mesh_shape)
     sharded = [s for s in strategies if not is_replicate_only(s)]
     assert bool(sharded) != getattr(op_case, "replicate_only", False), [strategy_str(s) for s in sharded]
     problems = failures(op_case, strategies, mesh_shape)
@@ -91,7 +86,7 @@ def test_rule_matches_unsharded_op(op_case: OpCase, mesh_shape: tuple[int, ...])
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
 @pytest.mark.parametrize("op_case", [pytest.param(c, id=c.label) for c in BACKWARD_CASES])
 def test_local_backward_matches_full_gradients(op_case: OpCase, mesh_shape: tuple[int, ...]) -> None:
-    strategies = [s for s in _strategies(op_case, mesh_shape) if not is_replicate_only(s)]
+    strategies = [s for s in expanded_strategies(op_case, mesh_shape) if not is_replicate_only(s)]
     problems = [f for f in (gradient_failure(op_case, s, mesh_shape) for s in strategies) if f is not None]
     assert not problems, f"{op_case.label} on {mesh_shape}:\n" + "\n".join(problems)
 
@@ -111,7 +106,7 @@ def test_hf_grouped_mm_is_ruled_by_name() -> None:
     _, dims = rule_strategies(c)
     assert DimStrategy((S(1),), (R, S(2), R)) in dims and DimStrategy((P,), (S(1), S(1), R)) in dims
     for mesh_shape in ((2,), (2, 2)):
-        strategies = _strategies(c, mesh_shape)
+        strategies = expanded_strategies(c, mesh_shape)
         problems = failures(c, strategies, mesh_shape)
         problems += [f for f in (gradient_failure(c, s, mesh_shape) for s in strategies if not is_replicate_only(s))
                      if f is not None]
