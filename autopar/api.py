@@ -18,6 +18,7 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
+from autopar.scenarios import Scenario
 from autopar.pipeline_depth import plan_depths
 from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
@@ -136,9 +137,11 @@ def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...
     batch = example_batch((example_inputs, options.get("example_kwargs"), options.get("example_targets", ())))
     ways = math.prod(mesh.axes.get(a, 1) for a in options.get("data_axes") or ())  # bad names: prepare_step says
 
-    def plan_stage(m: int, memory_limit: float) -> PlannedStep:
+    def plan_stage(m: int, memory_limit: float, cutoff_s: float = math.inf, try_first: Scenario | None = None
+                   ) -> PlannedStep:
         return plan_stage_mesh({**options, "micro_batches": m, "memory_limit": memory_limit,
-                                "_pipeline_ranks": mesh.axes[pipeline.axis]})
+                                "_pipeline_ranks": mesh.axes[pipeline.axis], "_stage_cutoff_s": cutoff_s,
+                                "_try_first": try_first})
     return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways, cutoff_s)
 
 
@@ -179,7 +182,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
-                 _masters: bool = False, _pipeline_ranks: int | None = None) -> PreparedStep:
+                 _masters: bool = False, _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
+                 _try_first: Scenario | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -198,7 +202,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
     bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
     stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
-    pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``).
+    pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``);
+    ``_stage_cutoff_s``, ``_try_first``: as ``PreparedStep.cutoff_s`` and ``try_first``.
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
 
@@ -235,7 +240,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
                             options, memory_notes, base_graph=graph, batch=whole_batch, recapture=recapture,
                             batch_ways=math.prod(mesh.axes[a] for a in data_axes),
-                            memory_shares=_stage_shares(graph, _pipeline_ranks))
+                            memory_shares=_stage_shares(graph, _pipeline_ranks), cutoff_s=_stage_cutoff_s,
+                            try_first=_try_first)
     if _capture_micro_batches is not None:
         return prepared
     prepared.variants[m] = prepared

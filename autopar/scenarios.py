@@ -35,6 +35,7 @@ never gives a faster plan. Pinned choices (``MemoryOptions``) fix their dimensio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from autopar.solver.memory import CHECKPOINT_POLICIES, MemoryOptions
@@ -96,6 +97,23 @@ class Scenario:
         elif self.zero1:
             parts.append(f"ZeRO-1 {'' if self.zero1_pinned else 'per parameter '}on {', '.join(self.zero1)}")
         return ", ".join(parts)
+
+    def saves_at_least(self, other: Scenario) -> bool:
+        """Whether this scenario gives up, for memory, at least what ``other`` does: the same
+        micro-batches, ZeRO-1 and offload, each of ``other``'s checkpointed blocks checkpointed
+        here with the same policy, each of its regathered parameters regathered here. Its leanest
+        plan then needs no more memory in practice (each block checkpointed or regathered holds
+        less), which ``search._may_fit`` uses to skip a least-memory solve, never to rule a
+        scenario out."""
+        def first(blocks: int | None) -> float:
+            return math.inf if blocks is None else blocks
+        rest = replace(self, checkpoint="none", checkpoint_blocks=None, regather=False, regather_blocks=None)
+        if rest != replace(other, checkpoint="none", checkpoint_blocks=None, regather=False, regather_blocks=None):
+            return False
+        checkpoints = other.checkpoint == "none" or (
+            other.checkpoint == self.checkpoint and first(other.checkpoint_blocks) <= first(self.checkpoint_blocks))
+        regathers = not other.regather or (self.regather and first(other.regather_blocks) <= first(self.regather_blocks))
+        return checkpoints and regathers
 
 
 def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bool,

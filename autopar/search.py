@@ -5,6 +5,7 @@ scenario whose leanest plan does not fit is not solved for time (``_may_fit``)."
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -38,7 +39,8 @@ def _solve(prepared: PreparedStep, memory_limit: float | None, **kwargs: Any) ->
 def _search(prepared: PreparedStep) -> Solution:
     """Today's scenario unconstrained if its plan fits; else the fastest plan of every
     scenario, best first: each scenario's lower bound (``_Bounds``) decides what is solved
-    next, and the search ends when no bound is below the best plan found."""
+    next (``PreparedStep.try_first`` before any), and the search ends when no bound is below
+    the best plan found or ``PreparedStep.cutoff_s``."""
     scenarios = prepared.scenarios()
     first = prepared.under(scenarios[0]) if prepared.scenario != scenarios[0] else prepared
     if len(scenarios) == 1:
@@ -50,13 +52,16 @@ def _search(prepared: PreparedStep) -> Solution:
     bounds = _Bounds(prepared, scenarios)
     bounds.relaxed(scenarios[0], free)
     waiting = list(scenarios)
+    hint = _tried_first(prepared.try_first, waiting)
     counts = found.counts
     counts.update(scenarios=len(scenarios), free_solves=1, solved=0, not_fitting=0, bounded_out=0)
     while waiting:
-        scenario = min(waiting, key=bounds.of)  # ties: the candidate order (cheapest-looking first)
-        if found.best is not None and bounds.of(scenario) >= found.best.objective_s:
+        # ties: the candidate order (cheapest-looking first)
+        scenario = hint if hint in waiting else min(waiting, key=bounds.of)
+        beat_s = min(prepared.cutoff_s, found.best.objective_s if found.best is not None else math.inf)
+        if bounds.of(scenario) >= beat_s:
             counts["bounded_out"] += len(waiting)
-            break  # no plan of this scenario, or of any still waiting, beats the best
+            break  # no plan of this scenario, or of any still waiting, beats the best (or the cutoff)
         group = relaxation(scenario)
         if not bounds.has(group):  # bound its group first: one free solve bounds up to 18 scenarios
             relaxed = bounds.solve_relaxation(group, found)
@@ -68,13 +73,13 @@ def _search(prepared: PreparedStep) -> Solution:
             continue
         waiting.remove(scenario)
         step = prepared.under(scenario)
-        if not _may_fit(step, found.leanest):
+        if not _may_fit(step, found.leanest, found.fit):
             counts["not_fitting"] += 1
             continue
         counts["solved"] += 1
         try:
             found.add(scenario, _solve(step, prepared.memory_limit, explain=False,
-                                       cutoff_s=None if found.best is None else found.best.objective_s))
+                                       cutoff_s=None if math.isinf(beat_s) else beat_s))
         except MemoryLimitError:
             continue
         except (RuntimeError, SolverTimeLimitError) as exc:  # said in the plan, not hidden
@@ -82,29 +87,44 @@ def _search(prepared: PreparedStep) -> Solution:
     return found.result(prepared, scenarios)
 
 
-def _may_fit(step: PreparedStep, leanest: dict[Scenario, Solution]) -> bool:
+def _tried_first(hint: Scenario | None, scenarios: list[Scenario]) -> Scenario | None:
+    """The scenario among ``scenarios`` that is ``hint`` but for its micro-batch count, if any."""
+    if hint is None:
+        return None
+    return next((s for s in scenarios if replace(s, micro_batches=hint.micro_batches) == hint), None)
+
+
+def _may_fit(step: PreparedStep, leanest: dict[Scenario, Solution], fit: list[Scenario]) -> bool:
     """Whether some plan of the step's scenario fits the limit: the least-memory solve stops at
     the first plan that does (HiGHS's objective target), or proves the leanest does not. Solving for the least
     memory proves a scenario that cannot fit in a few seconds where the fastest plan under the
     limit may take minutes to prove infeasible (Llama-3-70B shape, 64 H100s, full
     checkpointing of 40 of 80 blocks: least memory 104.8 GiB in 2.7 s; fastest within 80 GiB
-    still unproven after 120 s). Every node at its leanest strategy first: all other memory
-    terms are >= 0, so when that sum is over the limit no solve is needed (that 104.8 GiB
-    scenario: 81.8 GiB). On a pipeline's stage mesh each node counts at the busiest rank's share
+    still unproven after 120 s; on a pp=8 stage mesh, 90.8 GiB in 1.3 s against 67 s). Every node at its leanest
+    strategy first: all other memory terms are >= 0, so when that sum is over the limit no solve is needed (that
+    104.8 GiB scenario: 81.8 GiB). On a pipeline's stage mesh each node counts at the busiest rank's share
     (``MemoryShares``), as the solve's memory row does: whole, a 96-block model's state on a
-    stage mesh of pp=32 was over the limit where its share, 3 blocks, is not."""
+    stage mesh of pp=32 was over the limit where its share, 3 blocks, is not. No solve either
+    for a scenario that saves at least what one in ``fit`` (scenarios with a plan that fits)
+    saves (``Scenario.saves_at_least``): the solve under the limit decides (Llama-3-70B, pp=8,
+    m=64: 17 least-memory solves of 1-2 s each left out)."""
     shares = step.memory_shares
     least = sum(min(c.memory for c in node.costs) * (1.0 if shares is None else shares.weight(node))
                 for node in step.graph.nodes.values() if node.costs)
     if least > step.memory_limit:
         return False
+    if any(step.scenario.saves_at_least(other) for other in fit):
+        return True
     try:  # stopped at the first plan that fits: whether one does is all this asks
         lean = _solve(step, None, explain=False, minimize_memory=True, enough_bytes=step.memory_limit)
     except (RuntimeError, SolverTimeLimitError):  # not proven either way: the solve under the limit decides
         return True
     if lean.status == "optimal":  # the leanest plan: what a no-fit error reports
         leanest[step.scenario] = lean
-    return lean.status != "optimal" or lean.memory_bytes <= step.memory_limit
+    fits = lean.status != "optimal" or lean.memory_bytes <= step.memory_limit
+    if fits and lean.status in ("optimal", "target_reached"):
+        fit.append(step.scenario)
+    return fits
 
 
 def relaxation(scenario: Scenario) -> Scenario:
@@ -124,6 +144,8 @@ class _Found:
         self.quicker: Solution | None = None
         self.faster: list[str] = []
         self.failed: list[str] = []
+        self.fit: list[Scenario] = []
+        """Scenarios with a plan that fits (``_may_fit``; ``found.add``'s)."""
         self.leanest: dict[Scenario, Solution] = {}
         """Scenario -> its least-memory plan, where ``_may_fit`` solved for it (``_nothing_fits`` reuses them)."""
         self.counts: Counter[str] = Counter()
@@ -131,6 +153,7 @@ class _Found:
         leanest plan does not fit, or left when the search stopped (``Solution.search``)."""
 
     def add(self, scenario: Scenario, found: Solution) -> None:
+        self.fit.append(scenario)
         # ZeRO-1 added by the search (not pinned) on some parameters, and faster than with memory to spare
         if scenario.zero1 != self.first.zero1 and found.zero1_params and found.objective_s < self.free_s:
             if self.quicker is None or found.objective_s < self.quicker.objective_s:
@@ -147,6 +170,9 @@ class _Found:
         if self.best is None:
             if self.failed:
                 raise RuntimeError("; ".join(self.failed))
+            if math.isfinite(prepared.cutoff_s):  # the caller has a plan that fits: no need to say why none does
+                raise MemoryLimitError(f"no plan of {len(scenarios)} memory scenarios fits and predicts less than "
+                                       f"{prepared.cutoff_s:.6g} s")
             raise _nothing_fits(prepared, scenarios, self.leanest)
         self.best.notes = self.failed + self.faster[:1]
         return replace(self.best, search=dict(self.counts))

@@ -69,6 +69,8 @@ class PlannedStep:
     graph: PlanGraph
     chosen: dict[str, Strategy]
     ctx: CostContext
+    scenario: Scenario | None = None
+    """The memory scenario the plan was solved under (a pipeline search tries it first at other micro-batch counts)."""
 
 
 @dataclass
@@ -105,6 +107,12 @@ class PreparedStep:
     """Preparations by micro-batch count, shared by every scenario of one step."""
     memory_shares: MemoryShares | None = None
     """For one stage mesh of a pipeline: the busiest pp rank's share of the memory row (None: all of it)."""
+    cutoff_s: float = math.inf
+    """No plan this slow is wanted (a pipeline search's bound, ``pipeline_search._under_limit``): the
+    memory search solves only for faster plans, and raises ``MemoryLimitError`` when it finds none."""
+    try_first: Scenario | None = None
+    """A scenario (its micro-batch count aside) the memory search solves first: another micro-batch count's
+    choice, a likely good incumbent whose time cuts off the other scenarios' solves sooner."""
 
     def scenarios(self) -> list[Scenario]:
         """The scenarios ``solve_step`` searches, today's default first."""
@@ -167,7 +175,7 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
                         memory=_memory_plan(prepared))
     if solution.status != "optimal":
         warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()
-    return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx)
+    return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx, prepared.scenario)
 
 
 def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: float = math.inf) -> PlannedStep:

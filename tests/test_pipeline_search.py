@@ -176,7 +176,7 @@ def test_a_stage_mesh_may_fit_by_its_share_of_the_state() -> None:
     whole = sum(min(c.memory for c in n.costs) for n in nodes)
     share = sum(min(c.memory for c in n.costs) * step.memory_shares.weight(n) for n in nodes)
     assert share < 0.75 * whole
-    assert _may_fit(prepared(0.95 * whole), {})
+    assert _may_fit(prepared(0.95 * whole), {}, [])
 
 
 @pytest.mark.parametrize("schedule, v, expected", [
@@ -247,3 +247,34 @@ def test_ruling_out_by_work_floor_keeps_the_chosen_pipeline(monkeypatch: pytest.
     assert searched.to_json()["pipeline"] == every.to_json()["pipeline"]
     assert searched.predicted.step_time_s == every.predicted.step_time_s
     assert "not played out" in searched.notes[-1] and "not played out" not in every.notes[-1]
+
+
+@pytest.mark.parametrize("mesh,options", [({"pp": 2, "dp": 2}, {"data_axes": ("dp",), "zero": {"dp": 3}}),
+                                          ({"pp": 2, "tp": 2}, {"checkpoint": "full"})], ids=["zero3", "tp-ckpt"])
+def test_the_ranks_work_adds_up_to_the_stage_plans_step(mesh: dict[str, int], options: dict[str, Any]) -> None:
+    """Every micro-batch's forward and backward of every stage, every rank's buckets and update
+    add up to the stage plan's step: so p x the fastest fitting pipeline cuts off stage plans
+    that cannot beat it (``pipeline_search._under_limit``; a busiest rank works >= the average)."""
+    plan = _plan(_pinned("1f1b", 4), mesh, **options)
+    pipe = plan.pipeline
+    assert pipe is not None
+    work = (pipe.micro_batches * sum(s.forward_s + s.backward_s for s in pipe.stages)
+            + sum(pipe.grad_sync_per_rank_s) + sum(pipe.update_per_rank_s))
+    assert work >= pipe.stage_plan_step_time_s * (1 - 1e-9)
+    assert plan.predicted.step_time_s * pipe.size >= work
+
+
+def test_cutting_off_slow_stage_plans_keeps_the_chosen_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a binding limit, the stage plans solved under it with the cutoff and the scenario
+    tried first give the pipeline a search without them gives."""
+    from autopar import pipeline_search
+
+    mesh = {"pp": 2, "dp": 2}
+    limit = 0.8 * _plan(autopar.Pipeline(axis="pp"), mesh).predicted.peak_memory_bytes
+    searched = _plan(autopar.Pipeline(axis="pp"), mesh, memory_limit=limit)
+    plain = pipeline_search._under_limit
+    monkeypatch.setattr(pipeline_search, "_under_limit", lambda plan_stage, m, limit, unfit, cutoff_s, try_first:
+                        plain(plan_stage, m, limit, unfit, math.inf, None))
+    every = _plan(autopar.Pipeline(axis="pp"), mesh, memory_limit=limit)
+    assert searched.to_json()["pipeline"] == every.to_json()["pipeline"]
+    assert searched.predicted.step_time_s == every.predicted.step_time_s

@@ -72,6 +72,35 @@ def test_pruning_never_changes_the_plan(limit_mib: float) -> None:
     assert counts["bounded_out"] >= 10
 
 
+@pytest.mark.parametrize("limit_mib", LIMITS_MIB)
+def test_a_scenario_tried_first_or_a_cutoff_above_the_best_never_changes_the_plan(limit_mib: float) -> None:
+    """What a pipeline search passes a stage plan's memory search (``PreparedStep.try_first``,
+    ``cutoff_s``) changes the order of solves, never the plan; a cutoff below the best plan's time
+    leaves no plan, said as a memory-limit error."""
+    prepared = _prepared(limit_mib)
+    best = search.solve_step(prepared)
+    for scenario in (prepared.scenarios()[-1], best.scenario):
+        hinted = search.solve_step(replace(prepared, try_first=replace(scenario, micro_batches=7)))
+        assert hinted.objective_s == pytest.approx(best.objective_s, rel=1e-9)
+        assert hinted.scenario == best.scenario
+    capped = search.solve_step(replace(prepared, cutoff_s=best.objective_s * 1.001))
+    assert capped.objective_s == pytest.approx(best.objective_s, rel=1e-9)
+    with pytest.raises(MemoryLimitError, match="predicts less than"):
+        search.solve_step(replace(prepared, cutoff_s=best.objective_s * 0.999))
+
+
+def test_a_scenario_saves_at_least_what_it_checkpoints_and_regathers_beyond_another() -> None:
+    from autopar.scenarios import Scenario
+
+    plain, some = Scenario(micro_batches=4), Scenario(micro_batches=4, checkpoint="full", checkpoint_blocks=20)
+    every = replace(some, checkpoint_blocks=None, regather=True, regather_blocks=79)
+    assert some.saves_at_least(plain) and every.saves_at_least(some) and every.saves_at_least(every)
+    assert not plain.saves_at_least(some) and not some.saves_at_least(every)
+    assert not replace(some, checkpoint="selective").saves_at_least(some)  # another policy: not comparable
+    assert not replace(some, regather=True, regather_blocks=79).saves_at_least(replace(plain, regather=True))
+    assert not some.saves_at_least(replace(plain, micro_batches=8))
+
+
 def test_checkpointing_the_first_blocks_keeps_one_plan_for_every_block() -> None:
     """With only the first of the GPT's 2 blocks checkpointed, the two blocks are priced apart
     (``split_folding``) but tied to one strategy per op, as folded blocks run one plan: made
