@@ -3,6 +3,7 @@ then the ILP over memory scenarios (``autopar.search``) -> Plan (``autopar.step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.plan import Plan
 from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.strided import add_strided_strategies
+from autopar.solver.zigzag import state_pins, zigzag_axes
 from autopar.solver.pipeline import Pipeline, as_pipeline
 from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc
 from autopar.units import fmt_bytes
@@ -174,12 +176,13 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
                  rules: RuleSet = DEFAULT_RULES, progress: bool = False,
                  data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
-                 context_axes: tuple[str, ...] = (),
+                 context_axes: tuple[str, ...] = (), context_layout: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
-                 _masters: bool = False, _pipeline_ranks: int | None = None) -> PreparedStep:
+                 _masters: bool = False, _pipeline_ranks: int | None = None,
+                 _zigzag: tuple[str, ...] | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -199,8 +202,27 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
     stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
     pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``).
+    Context axes are prepared contiguous; where some may cut the sequence zig-zag
+    (``solver.zigzag``), ``PreparedStep.zigzag`` is the step prepared so (``_zigzag``: those
+    axes, () for none), and ``solve_step`` keeps the faster of the two. ``context_layout``
+    pins one: "contiguous", or "zigzag" (refused where no context axis may be).
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
+    if _zigzag is None:
+        if context_layout not in (None, "contiguous", "zigzag"):
+            raise InputError(f"context_layout is 'contiguous', 'zigzag' or None (the faster), got {context_layout!r}")
+        with reuse_captures():  # both layouts plan one captured step
+            contiguous = prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": ()})
+            axes, why = zigzag_axes(contiguous.captured, contiguous.ctx.mesh, tuple(context_axes), zero or {})
+            if context_layout == "zigzag" and not axes:
+                raise InputError(f"context_layout='zigzag': {why}")
+            if context_layout == "contiguous" or not axes:
+                return contiguous
+            zigzag = prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": axes})
+        if context_layout == "zigzag":
+            return zigzag
+        contiguous.zigzag = zigzag
+        return contiguous
 
     def recapture(m: int) -> PreparedStep:
         return prepare_step(model, mesh, example_inputs, **{**arguments, "_capture_micro_batches": m})
@@ -225,6 +247,9 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     with _stage("capture", timings, progress):
         captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
                            example_targets=example_targets, train=train)
+    if _zigzag:  # a property of the plan: its mesh cuts those axes' shards zig-zag (priced and run so)
+        mesh = mesh.with_zigzag(_zigzag)
+        ctx = dataclasses.replace(ctx, mesh=mesh)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)
@@ -309,8 +334,11 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
     for axis_name in _checked_context_axes(mesh, context_axes, data_axes, input_sharded):
         axis = mesh.names.index(axis_name)
         context_pins = context_parallel_pins(graph, captured.user_inputs, axis, axis_name)
+        if axis_name in mesh.zigzag:
+            context_pins = {**state_pins(graph, axis_name), **context_pins}
         _pin(graph, _stored_as_zero_says(graph, context_pins, zero.get(axis_name, 0)), mesh, axis_name, node_pins)
-        pinned[f"{axis_name}: parameters, inputs"] = "context parallel (sequence split)"
+        pinned[f"{axis_name}: parameters, inputs"] = "context parallel (sequence split)" + \
+            (", zig-zag" if axis_name in mesh.zigzag else "")
     if input_sharded:
         for axis_name in mesh.names:
             if axis_name not in data_axes:

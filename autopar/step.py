@@ -105,6 +105,9 @@ class PreparedStep:
     """Preparations by micro-batch count, shared by every scenario of one step."""
     memory_shares: MemoryShares | None = None
     """For one stage mesh of a pipeline: the busiest pp rank's share of the memory row (None: all of it)."""
+    zigzag: PreparedStep | None = None
+    """The same step with zig-zag shards on the context axes that may cut the sequence so
+    (``solver.zigzag``); ``solve_step`` solves both and keeps the faster. None: no such axis."""
 
     def scenarios(self) -> list[Scenario]:
         """The scenarios ``solve_step`` searches, today's default first."""
@@ -154,6 +157,9 @@ def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
 
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     """The plan a solution gives (deterministic: every rank builds the same one from it)."""
+    if solution.zigzag:
+        assert prepared.zigzag is not None, "a zig-zag solution of a step prepared without that layout"
+        prepared = prepared.zigzag
     if solution.scenario is not None and solution.scenario != prepared.scenario:
         prepared = prepared.under(solution.scenario)
     graph, folding = prepared.graph, prepared.folding

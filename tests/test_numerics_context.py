@@ -93,19 +93,22 @@ class LlamaCase:
     """Tokens per sequence: below ``max_seq_len``, the rotary tables are sliced first."""
     zero: int = 0
     """ZeRO stage on the cp axis (3: parameters stored split there, FSDP over the context axis)."""
+    layout: str | None = None
+    """``context_layout`` pinned ("zigzag": rank i holds chunks i and 2n-1-i of 2n); None: the faster."""
 
     @property
     def id(self) -> str:
         return ("x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
-                + (f"-zero{self.zero}" if self.zero else ""))
+                + (f"-zero{self.zero}" if self.zero else "") + (f"-{self.layout}" if self.layout else ""))
 
     def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
         model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
         return model, (tokens[:, :self.seq],), loss_fn, (targets[:, :self.seq],)
 
 
-LLAMA_CASES = [LlamaCase((2,), ("cp",)), LlamaCase((2,), ("cp",), seq=8), LlamaCase((4,), ("cp",)),
-               LlamaCase((2, 2), ("dp", "cp"), batch=2), LlamaCase((2, 2), ("cp", "tp")),
+LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",), seq=8),
+               LlamaCase((4,), ("cp",), layout="zigzag"), LlamaCase((4,), ("cp",), seq=8, layout="zigzag"),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag"), LlamaCase((2, 2), ("cp", "tp")),
                LlamaCase((2,), ("cp",), zero=3)]
 
 
@@ -116,18 +119,22 @@ def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) 
     tp = {"constraints": llama.TP_PLAN, "constraint_axis": "tp"} if "tp" in case.names else {}
     zero = {"zero": {"cp": case.zero}} if case.zero else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         data_axes=data_axes, **tp, **zero)
+                         data_axes=data_axes, context_layout=case.layout, **tp, **zero)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
-    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa]}
+    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
+            "zigzag": pm.plan.mesh.get("zigzag", [])}
 
 
 @pytest.mark.parametrize("case", LLAMA_CASES, ids=[c.id for c in LLAMA_CASES])
 def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
     """Causal grouped-query attention with rotary positions: each rank's tables are those of
     its own positions (the tables split on the sequence with the activations); beside data
-    parallelism, and beside Megatron tensor parallelism (heads split on tp)."""
+    parallelism, and beside Megatron tensor parallelism (heads split on tp). Zig-zag: tokens,
+    targets and rotary tables cut alike, each rank's two chunks against their own keys (with
+    8 tokens on 4 ranks a chunk is one token, and rank 1's two chunks are adjacent)."""
     ref = reference(case.build)
     results = run_checked(train_llama_on_rank, case.mesh, case, ref)
+    assert results[0]["zigzag"] == (["cp"] if case.layout == "zigzag" else []), results[0]["zigzag"]
     cp = case.names.index("cp")
     for inputs in results[0]["sdpa_inputs"]:  # q split on the sequence (dim 2) over cp, k and v whole there
         placed = [parse_placements(p)[cp] for p in inputs]
