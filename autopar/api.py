@@ -3,7 +3,6 @@ then the ILP over memory scenarios (``autopar.search``) -> Plan (``autopar.step.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +31,9 @@ from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.plan import Plan
 from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.strided import add_strided_strategies
-from autopar.solver.zigzag import state_pins, zigzag_axes
+from autopar.solver.zigzag import state_pins
 from autopar.solver.pipeline import Pipeline, as_pipeline
-from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc
+from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc, prepare_layouts
 from autopar.units import fmt_bytes
 
 __all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
@@ -202,32 +201,19 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
     stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
     pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``).
-    Context axes are prepared contiguous; where some may cut the sequence zig-zag
-    (``solver.zigzag``), ``PreparedStep.zigzag`` is the step prepared so (``_zigzag``: those
-    axes, () for none), and ``solve_step`` keeps the faster of the two. ``context_layout``
-    pins one: "contiguous", or "zigzag" (refused where no context axis may be).
+    Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
+    (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the
+    faster. ``context_layout`` pins one: "contiguous", or "zigzag".
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
-    if _zigzag is None:
-        if context_layout not in (None, "contiguous", "zigzag"):
-            raise InputError(f"context_layout is 'contiguous', 'zigzag' or None (the faster), got {context_layout!r}")
-        with reuse_captures():  # both layouts plan one captured step
-            contiguous = prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": ()})
-            axes, why = zigzag_axes(contiguous.captured, contiguous.ctx.mesh, tuple(context_axes), zero or {})
-            if context_layout == "zigzag" and not axes:
-                raise InputError(f"context_layout='zigzag': {why}")
-            if context_layout == "contiguous" or not axes:
-                return contiguous
-            zigzag = prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": axes})
-        if context_layout == "zigzag":
-            return zigzag
-        contiguous.zigzag = zigzag
-        return contiguous
+    if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
+        return prepare_layouts(lambda axes: prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": axes}),
+                               tuple(context_axes), context_layout, zero or {})
 
     def recapture(m: int) -> PreparedStep:
         return prepare_step(model, mesh, example_inputs, **{**arguments, "_capture_micro_batches": m})
     whole_batch = example_batch((example_inputs, example_kwargs, example_targets))
-    mesh = _as_mesh(mesh)
+    mesh = _as_mesh(mesh).with_zigzag(_zigzag)  # a property of the plan: priced and run so
     _check_solve_options(bucket_bytes, solver_time_limit_s)
     options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks,
                             regather_blocks=regather_blocks,
@@ -247,9 +233,6 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     with _stage("capture", timings, progress):
         captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
                            example_targets=example_targets, train=train)
-    if _zigzag:  # a property of the plan: its mesh cuts those axes' shards zig-zag (priced and run so)
-        mesh = mesh.with_zigzag(_zigzag)
-        ctx = dataclasses.replace(ctx, mesh=mesh)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)
