@@ -161,6 +161,10 @@ def test_context_axes_from_the_command_line(tmp_path: Path, capsys: pytest.Captu
                           "--width", "200"], capsys)
     assert (code, err) == (0, "")
     assert "context parallel (sequence split)" in out, out
+    code, out, err = run(["plan", f"{path}:tiny", "--mesh", "cp=2", "--hardware", "cpu", "--context-axes", "cp",
+                          "--context-layout", "zigzag", "--width", "200"], capsys)
+    assert (code, err) == (0, "")
+    assert "cp zig-zag" in out and "context parallel (sequence split), zig-zag" in out, out
     code, out, err = run(["plan", f"{path}:tiny", "--mesh", "cp=2", "--hardware", "cpu", "--context-axes", "sp"],
                          capsys)
     assert code == 2 and "context axis 'sp' is not an axis of the mesh" in err, err
