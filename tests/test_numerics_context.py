@@ -25,7 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+from autopar.rules.attention import held_chunks, query_positions
 from autopar.rules.strategy import parse_placements
+from autopar.runtime.attention import causal_on_rows
 from autopar.runtime.forked import run_ranks
 from examples import llama
 
@@ -162,3 +164,36 @@ def test_zigzag_outputs_come_back_in_order() -> None:
         expected = model(*inputs).flatten().tolist()
     placements, gap = run_ranks(eval_llama_on_rank, 2, expected)[0]
     assert placements == ["S(1)", "R"] and gap < 1e-5, (placements, gap)
+
+
+@pytest.mark.parametrize("op,mask", [("sdpa", None), ("sdpa", "bool"), ("sdpa", "rows"), ("cpu_flash", None),
+                                     ("cpu_flash", "float")])
+def test_zigzag_rows_equal_the_whole_causal_call(op: str, mask: str | None) -> None:
+    """Each zig-zag rank's rows (two runs, each against its keys; the middle rank's runs
+    adjacent) equal those rows of the causal call on the whole sequence: with a padding mask
+    of the call's own (broadcast on L), a mask per row (split with the rows), and the CPU
+    kernel's (out, logsumexp)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 4, generator=gen) for _ in range(3))
+    target = torch.ops.aten.scaled_dot_product_attention.default if op == "sdpa" else \
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    keep = torch.ones(1, 1, 1, 16, dtype=torch.bool)
+    keep[..., 5] = False
+    per_row = (torch.rand(1, 1, 16, 16, generator=gen) > 0.3) | torch.eye(16, dtype=torch.bool)
+    own = {None: None, "bool": keep, "float": torch.zeros(keep.shape).masked_fill(~keep, float("-inf")),
+           "rows": per_row}[mask]
+    zigzag = frozenset({0})
+    for i in range(4):
+        positions = query_positions(4, 2, (Shard(2),), (4,), (i,), zigzag)
+        mine = own.index_select(2, positions) if mask == "rows" else own
+        rows = q.index_select(2, positions)
+        if op == "sdpa":
+            whole = (target(q, k, v, own, 0.0, True),)
+            out = causal_on_rows(target, (rows, k, v, mine, 0.0, True), {}, positions, {}, "rows",
+                                 held_chunks(2, (Shard(2),), zigzag))
+        else:
+            whole = target(q, k, v, 0.0, True, attn_mask=own)
+            out = causal_on_rows(target, (rows, k, v, 0.0, True), {"attn_mask": mine}, positions, {}, "rows",
+                                 held_chunks(2, (Shard(2),), zigzag))
+        for got, want in zip(out if isinstance(out, tuple) else (out,), whole):
+            torch.testing.assert_close(got, want.index_select(2, positions))  # out [.., L, E], logsumexp [.., L]
