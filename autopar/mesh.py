@@ -43,7 +43,8 @@ class Mesh:
     zigzag: frozenset[str]
     """Axes whose shards are zig-zag: a dim split n ways on one is cut into 2n chunks and rank
     i holds chunks i and 2n-1-i, so a causal attention split on its query rows there gives
-    every rank the same work (``api.zigzag_axes`` chooses them; ``rules.redistribute``)."""
+    every rank the same work (``solver.zigzag`` says which may be, the planner keeps the faster
+    layout; ``rules.redistribute.zigzag_take`` cuts them)."""
     _shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _links: tuple[AxisLink, ...] = field(init=False, repr=False, compare=False)
 
@@ -63,7 +64,7 @@ class Mesh:
         if stray:
             raise InputError(f"zig-zag axes {stray} are not axes of the mesh ({list(axes)})")
         object.__setattr__(self, "zigzag", frozenset(zigzag))
-        # Derived once (equality stays on the three above): pricing asks for the shape and
+        # Derived once (equality stays on the fields above): pricing asks for the shape and
         # links hundreds of thousands of times per plan.
         object.__setattr__(self, "_shape", tuple(self.axes.values()))
         object.__setattr__(self, "_links", tuple(self._make_link(d) for d in range(len(self._shape))))
