@@ -22,7 +22,7 @@ Per (sequence, devices), three plans:
   which balances causal rows: ``solver.zigzag``) and the faster plan kept; ``zigzag`` in the
   JSON rows says which. On this shape zig-zag is never kept: a zig-zag axis cuts every split
   dim in 2n chunks, so the 8 kv heads no longer split on cp=8, and the heads split it loses is
-  the faster one (128k, 2 layers: 377 ms a step against 390 ms for zig-zag rows; contiguous
+  the faster one (128k, 2 layers: 377 ms a step against 392 ms for zig-zag rows; contiguous
   rows would add 178 ms of attention compute; ``tests/test_long_context.py``). The quick sweep's
   plans are those planned before zig-zag existed. Planning a ``CP`` row prepares and solves
   both layouts (about twice the planning seconds).

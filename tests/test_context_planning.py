@@ -11,6 +11,7 @@ from test_cli import builder, run
 from test_numerics_context import build as build_attention_lm
 
 import autopar
+from autopar.cost.collectives import CollectiveCall, collective_time
 from autopar.cost.compute import attention_flops, rank_flops
 from autopar.rules import DEFAULT_RULES, expand
 from autopar.rules.strategy import OpCall, R, S
@@ -49,9 +50,22 @@ def test_zigzag_rows_are_priced_near_balanced() -> None:
     assert rank_flops(call, by_rows, 2, zigzag) == attention_flops(call, causal=True) / 2 * 5 / 4
 
 
+def test_zigzag_collectives_are_priced_with_their_reorder() -> None:
+    """A gather on a zig-zag axis puts its pieces back in order (and a reduce-scatter or an
+    all-to-all puts them in rank order first): one copy of its bytes at memory bandwidth."""
+    zigzag, contiguous = autopar.Mesh({"cp": 2}, "h100", zigzag=("cp",)), autopar.Mesh({"cp": 2}, "h100")
+    hw = zigzag.hardware
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        call = CollectiveCall(kind, 0, 2**30)
+        extra = collective_time(call, zigzag) - collective_time(call, contiguous)
+        assert extra == pytest.approx(2 * 2**30 / (hw.memory_bandwidth * hw.memory_efficiency))
+    reduce = CollectiveCall("all_reduce", 0, 2**30)
+    assert collective_time(reduce, zigzag) == collective_time(reduce, contiguous)
+
+
 def _odd_heads_plan(layout: str | None) -> autopar.Plan:
     """12 heads (4 for keys) on cp=8: no heads split, so the sequence's query rows split."""
-    cfg = llama.LlamaConfig(vocab_size=32000, max_seq_len=16384, hidden=1536, heads=12, kv_heads=4, ffn_hidden=4096,
+    cfg = llama.LlamaConfig(vocab_size=32000, max_seq_len=65536, hidden=1536, heads=12, kv_heads=4, ffn_hidden=4096,
                             layers=2)
     with torch.device("meta"):
         model = llama.Llama(cfg)
@@ -62,11 +76,12 @@ def _odd_heads_plan(layout: str | None) -> autopar.Plan:
 
 def test_the_faster_layout_is_kept() -> None:
     """Causal rows split on cp: zig-zag chunks balance them, so the planner (which prices both
-    layouts) keeps the zig-zag plan, faster than the contiguous one; the plan says so."""
+    layouts) keeps the zig-zag plan, faster than the contiguous one (64k tokens: 32.8 against
+    48.0 ms); the plan says so."""
     contiguous, chosen = _odd_heads_plan("contiguous"), _odd_heads_plan(None)
     assert {tuple(n.inputs) for n in chosen.nodes if n.op == SDPA} == {("S(2)", "R", "R")}
     assert chosen.mesh.get("zigzag") == ["cp"] and "zigzag" not in contiguous.mesh
-    assert chosen.predicted.step_time_s < 0.97 * contiguous.predicted.step_time_s
+    assert chosen.predicted.step_time_s < 0.8 * contiguous.predicted.step_time_s
     assert any("zig-zag" in n for n in chosen.notes), chosen.notes
 
 
