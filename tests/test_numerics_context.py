@@ -111,7 +111,8 @@ class LlamaCase:
 
 LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",), seq=8),
                LlamaCase((4,), ("cp",), layout="zigzag"), LlamaCase((4,), ("cp",), seq=8, layout="zigzag"),
-               LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag"), LlamaCase((2, 2), ("cp", "tp")),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag"),
+               LlamaCase((2, 2), ("cp", "tp"), layout="zigzag"),
                LlamaCase((2,), ("cp",), zero=3)]
 
 
