@@ -13,8 +13,9 @@ and the mask are cut there first: a run computes (and keeps for backward) only t
 attends to, the last rank of a contiguous split all of them; on a zig-zag axis rank i's runs
 end at chunks i and 2n-1-i of 2n, so every rank reads 2n+1 chunks of keys (``cost.compute``).
 Keys are put back in order rather than masked where they lie: a cut needs the prefix of
-each run contiguous, and the reorder is one copy of K and V per layer against a rectangle
-of rows x keys of attention work. The causal mask (rows x keys) is made once per rank and
+each run contiguous, and the reorder is one copy of K and V per layer (priced with the
+gather, ``cost.collectives.zigzag_reorder_time``) against a rectangle of rows x keys of
+attention work; masked where they lie, every rank would compute all of its rows x keys. The causal mask (rows x keys) is made once per rank and
 shared by every layer's call; the plan's memory does not count it (a boolean per row and
 key: a 128k sequence on cp=8 holds 16k x 128k = 2 GiB of it; ring attention, which never
 holds all keys at once, would not need it).
@@ -23,7 +24,6 @@ holds all keys at once, would not need it).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -50,9 +50,9 @@ def causal_on_rows(target: torch._ops.OpOverload, args: tuple[Any, ...], kwargs:
     ``positions``, against every key from position 0 (keys in their global order). Each run
     of consecutive positions in each of the ``chunks`` the rank holds (``runs``) is one call,
     against the keys up to its last position: a zig-zag rank's early chunk reads few keys,
-    its late chunk many. ``masks``
-    keeps the causal masks made, by ``rows`` (what determines ``positions``), for the next
-    call on the same rows (every layer's): autograd then saves one mask for all of them."""
+    its late chunk many. ``masks`` keeps the causal masks made, by ``rows`` (what determines
+    ``positions``), for the next call on the same rows (every layer's): autograd then saves
+    one mask for all of them."""
     if target not in ATTENTION_OPS:
         raise ValueError(f"causal_on_rows runs {sorted(map(str, ATTENTION_OPS))}, not {target}")
     names = [a.name for a in target._schema.arguments]
