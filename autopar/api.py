@@ -32,8 +32,9 @@ from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.plan import Plan
 from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.strided import add_strided_strategies
+from autopar.solver.zigzag import state_pins
 from autopar.solver.pipeline import Pipeline, as_pipeline
-from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc
+from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc, prepare_layouts
 from autopar.units import fmt_bytes
 
 __all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
@@ -177,13 +178,13 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
                  rules: RuleSet = DEFAULT_RULES, progress: bool = False,
                  data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
-                 context_axes: tuple[str, ...] = (),
+                 context_axes: tuple[str, ...] = (), context_layout: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
                  _masters: bool = False, _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
-                 _try_first: Scenario | None = None) -> PreparedStep:
+                 _try_first: Scenario | None = None, _zigzag: tuple[str, ...] | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -204,13 +205,19 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
     pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``);
     ``_stage_cutoff_s``, ``_try_first``: as ``PreparedStep.cutoff_s`` and ``try_first``.
+    Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
+    (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the
+    faster. ``context_layout`` pins one: "contiguous", or "zigzag".
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
+    if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
+        return prepare_layouts(lambda axes: prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": axes}),
+                               tuple(context_axes), context_layout, zero or {})
 
     def recapture(m: int) -> PreparedStep:
         return prepare_step(model, mesh, example_inputs, **{**arguments, "_capture_micro_batches": m})
     whole_batch = example_batch((example_inputs, example_kwargs, example_targets))
-    mesh = _as_mesh(mesh)
+    mesh = _as_mesh(mesh).with_zigzag(_zigzag)  # a property of the plan: priced and run so
     _check_solve_options(bucket_bytes, solver_time_limit_s)
     options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks,
                             regather_blocks=regather_blocks,
@@ -315,8 +322,11 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
     for axis_name in _checked_context_axes(mesh, context_axes, data_axes, input_sharded):
         axis = mesh.names.index(axis_name)
         context_pins = context_parallel_pins(graph, captured.user_inputs, axis, axis_name)
+        if axis_name in mesh.zigzag:
+            context_pins = {**state_pins(graph, axis_name), **context_pins}
         _pin(graph, _stored_as_zero_says(graph, context_pins, zero.get(axis_name, 0)), mesh, axis_name, node_pins)
-        pinned[f"{axis_name}: parameters, inputs"] = "context parallel (sequence split)"
+        pinned[f"{axis_name}: parameters, inputs"] = "context parallel (sequence split)" + \
+            (", zig-zag" if axis_name in mesh.zigzag else "")
     if input_sharded:
         for axis_name in mesh.names:
             if axis_name not in data_axes:

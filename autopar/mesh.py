@@ -40,11 +40,16 @@ class Mesh:
     """Profile of every device (a name such as "h100" is looked up)."""
     devices_per_node: int
     """Devices sharing one fast interconnect (NVLink domain)."""
+    zigzag: frozenset[str]
+    """Axes whose shards are zig-zag: a dim split n ways on one is cut into 2n chunks and rank
+    i holds chunks i and 2n-1-i, so a causal attention split on its query rows there gives
+    every rank the same work (``solver.zigzag`` says which may be, the planner keeps the faster
+    layout; ``rules.redistribute.zigzag_take`` cuts them)."""
     _shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _links: tuple[AxisLink, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(self, axes: dict[str, int], hardware: str | HardwareProfile = "h100",
-                 devices_per_node: int = 8) -> None:
+                 devices_per_node: int = 8, zigzag: frozenset[str] | tuple[str, ...] = ()) -> None:
         if not axes:
             raise InputError("a mesh needs at least one axis")
         for name, size in axes.items():
@@ -55,7 +60,11 @@ class Mesh:
         object.__setattr__(self, "axes", dict(axes))
         object.__setattr__(self, "hardware", get_profile(hardware))
         object.__setattr__(self, "devices_per_node", devices_per_node)
-        # Derived once (equality stays on the three above): pricing asks for the shape and
+        stray = sorted(set(zigzag) - set(axes))
+        if stray:
+            raise InputError(f"zig-zag axes {stray} are not axes of the mesh ({list(axes)})")
+        object.__setattr__(self, "zigzag", frozenset(zigzag))
+        # Derived once (equality stays on the fields above): pricing asks for the shape and
         # links hundreds of thousands of times per plan.
         object.__setattr__(self, "_shape", tuple(self.axes.values()))
         object.__setattr__(self, "_links", tuple(self._make_link(d) for d in range(len(self._shape))))
@@ -76,6 +85,20 @@ class Mesh:
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape
+
+    def with_zigzag(self, axes: frozenset[str] | tuple[str, ...]) -> "Mesh":
+        """This mesh with shards on ``axes`` zig-zag (and on no other)."""
+        return Mesh(self.axes, self.hardware, self.devices_per_node, axes)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Chunks a dim split on each axis is cut into: the axis's size, twice it when zig-zag
+        (what a split dim's size must divide by)."""
+        return tuple(2 * n if name in self.zigzag and n > 1 else n for name, n in self.axes.items())
+
+    def zigzag_dims(self) -> frozenset[int]:
+        """Indices of the zig-zag axes."""
+        return frozenset(i for i, name in enumerate(self.axes) if name in self.zigzag)
 
     @property
     def ndim(self) -> int:
@@ -100,8 +123,8 @@ class Mesh:
         return " x ".join(f"{n}={s}" for n, s in self.axes.items())
 
     def to_json(self) -> dict:
-        return {"axes": dict(self.axes), "hardware": self.hardware.name,
-                "devices_per_node": self.devices_per_node}
+        out = {"axes": dict(self.axes), "hardware": self.hardware.name, "devices_per_node": self.devices_per_node}
+        return {**out, "zigzag": sorted(self.zigzag)} if self.zigzag else out
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:

@@ -19,14 +19,37 @@ from autopar.units import fmt_bytes
 
 
 def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
-    """The cheapest plan within the memory limit over the memory scenarios (``scenarios``)."""
+    """The cheapest plan within the memory limit over the memory scenarios (``scenarios``),
+    and over both layouts of the context axes when the step has a zig-zag one
+    (``PreparedStep.zigzag``: the faster plan is kept, the contiguous one on a tie)."""
     with _stage("solve", prepared.timings, progress), paused_gc():
         try:
-            return _search(prepared)
+            return _search_layouts(prepared)
         except MemoryLimitError as exc:
             if not prepared.memory_limit_origin:
                 raise
             raise MemoryLimitError(f"{exc} (the limit is {prepared.memory_limit_origin})") from exc
+
+
+def _search_layouts(prepared: PreparedStep) -> Solution:
+    if prepared.zigzag is None:
+        return _search(prepared)
+    unfit: MemoryLimitError | None = None
+    contiguous: Solution | None = None
+    try:
+        contiguous = _search(prepared)
+    except MemoryLimitError as exc:
+        unfit = exc  # zig-zag may fit: its busiest rank keeps fewer keys
+    try:
+        zigzag = _search(prepared.zigzag)
+    except MemoryLimitError:
+        if contiguous is None:
+            raise unfit from None
+        return contiguous
+    if contiguous is not None and contiguous.objective_s <= zigzag.objective_s:
+        return contiguous
+    zigzag.zigzag = True
+    return zigzag
 
 
 def _solve(prepared: PreparedStep, memory_limit: float | None, **kwargs: Any) -> Solution:

@@ -12,8 +12,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from autopar.capture import CapturedGraph
+from autopar.capture import CapturedGraph, reuse_captures
 from autopar.cost.model import CostContext
+from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy
 from autopar.scenarios import Scenario, candidates
@@ -30,6 +31,7 @@ from autopar.solver.regather import regathering
 from autopar.solver.report import solver_note
 from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.stages import plan_stages
+from autopar.solver.zigzag import zigzag_axes
 
 
 @contextlib.contextmanager
@@ -113,6 +115,9 @@ class PreparedStep:
     try_first: Scenario | None = None
     """A scenario (its micro-batch count aside) the memory search solves first: another micro-batch count's
     choice, a likely good incumbent whose time cuts off the other scenarios' solves sooner."""
+    zigzag: PreparedStep | None = None
+    """The same step with zig-zag shards on the context axes that may cut the sequence so
+    (``solver.zigzag``); ``solve_step`` solves both and keeps the faster. None: no such axis."""
 
     def scenarios(self) -> list[Scenario]:
         """The scenarios ``solve_step`` searches, today's default first."""
@@ -162,6 +167,9 @@ def _memory_plan(prepared: PreparedStep) -> MemoryPlan:
 
 def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     """The plan a solution gives (deterministic: every rank builds the same one from it)."""
+    if solution.zigzag:
+        assert prepared.zigzag is not None, "a zig-zag solution of a step prepared without that layout"
+        prepared = prepared.zigzag
     if solution.scenario is not None and solution.scenario != prepared.scenario:
         prepared = prepared.under(solution.scenario)
     graph, folding = prepared.graph, prepared.folding
@@ -201,3 +209,25 @@ def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: flo
                         activation_memory_bytes=peak - state,
                         memory_parts={"model state (its stages)": state, "activations in flight": peak - state})
     return replace(step, plan=replace(plan, pipeline=pipelined, notes=notes, predicted=predicted))
+
+
+def prepare_layouts(prepare: Callable[[tuple[str, ...]], PreparedStep], context_axes: tuple[str, ...],
+                    layout: str | None, zero: dict[str, int]) -> PreparedStep:
+    """The step prepared by ``prepare(zigzag axes)`` with contiguous context axes and, where
+    some may cut the sequence zig-zag (``solver.zigzag``), with them so as its ``zigzag``
+    (``solve_step`` keeps the faster). ``layout`` pins one: "contiguous", or "zigzag" (refused
+    with the reason where no context axis may be)."""
+    if layout not in (None, "contiguous", "zigzag"):
+        raise InputError(f"context_layout is 'contiguous', 'zigzag' or None (the faster), got {layout!r}")
+    with reuse_captures():  # both layouts plan one captured step
+        contiguous = prepare(())
+        axes, why = zigzag_axes(contiguous.captured, contiguous.ctx.mesh, context_axes, zero)
+        if layout == "zigzag" and not axes:
+            raise InputError(f"context_layout='zigzag': {why}")
+        if layout == "contiguous" or not axes:
+            return contiguous
+        zigzag = prepare(axes)
+    if layout == "zigzag":
+        return zigzag
+    contiguous.zigzag = zigzag
+    return contiguous

@@ -17,15 +17,23 @@ Per (sequence, devices), three plans:
   cannot be made (the batch does not divide the axis): its error's first line is printed.
 - ``CP``: a ``cp`` axis pinned by ``context_axes=("cp",)`` (8 GPUs ``{"cp": 8}``, 64 GPUs
   ``{"cp": 8, "tp": 8}``): inputs split on the sequence, attention on each rank's query rows
-  with keys and values all-gathered.
+  with keys and values all-gathered, or on heads behind all-to-alls (Ulysses). The sequence
+  is planned cut both contiguous and zig-zag (2n chunks, rank i holding chunks i and 2n-1-i,
+  which balances causal rows: ``solver.zigzag``) and the faster plan kept; ``zigzag`` in the
+  JSON rows says which. On this shape zig-zag is never kept: a zig-zag axis cuts every split
+  dim in 2n chunks, so the 8 kv heads no longer split on cp=8, and the heads split it loses is
+  the faster one (128k, 2 layers: 377 ms a step against 392 ms for zig-zag rows; contiguous
+  rows would add 178 ms of attention compute; ``tests/test_long_context.py``). The quick sweep's
+  plans are those planned before zig-zag existed. Planning a ``CP`` row prepares and solves
+  both layouts (about twice the planning seconds).
 - ``free``: no pins at all on the same mesh as ``CP`` (8 GPUs) or ``no CP`` (64 GPUs): the
   planner may split the sequence by itself (or the batch, heads, parameters).
 
 Each row: predicted step time and peak memory, the memory plan (``plan.memory.describe()``),
 how the attention calls' queries are split (read from the plan's placements: per mesh axis,
 ``seq`` where the query is split on dim -2, its rows, which is context parallelism by
-all-gathered K/V, the only kind implemented; ``heads`` where it is split on dim 1, which on a
-context axis is Ulysses-like, heads behind all-to-alls; ``batch`` on dim 0), and planning seconds.
+all-gathered K/V; ``heads`` where it is split on dim 1, which on a context axis is Ulysses,
+heads behind all-to-alls; ``batch`` on dim 0), and planning seconds.
 
 Usage: ``python benchmarks/long_context.py [--quick] [--json out.json]`` (``--quick``: 4k, 32k
 and 128k only). Planning seconds are noisy single runs; plans and predictions are deterministic.
@@ -102,6 +110,8 @@ class Result:
     """Per mesh axis, how the attention queries are split (``seq``, ``heads``, ``batch``, ``-``)."""
     sequence_split: bool = False
     """Some attention call runs on its query rows split (context parallelism by gathered K/V)."""
+    zigzag: list[str] = field(default_factory=list)
+    """Mesh axes the plan cuts zig-zag (``plan.mesh['zigzag']``)."""
     step_ms: float | None = None
     peak_gib: float | None = None
     plan_s: float = 0.0
@@ -138,6 +148,7 @@ def plan_row(seq: int, devices: int, setup: Setup, model: torch.nn.Module, token
         result.peak_gib = plan.predicted.peak_memory_bytes / GiB
         result.attention = attention_splits(plan, list(setup.mesh))
         result.sequence_split = ":seq" in result.attention
+        result.zigzag = list(plan.mesh.get("zigzag", []))
     except (autopar.MemoryLimitError, autopar.InputError) as exc:  # does not fit, or cannot be made
         result.error = str(exc).splitlines()[0]
     result.plan_s = time.perf_counter() - start

@@ -43,8 +43,11 @@ def test_a_long_sequence_splits_attention_on_the_context_axis() -> None:
     assert _query_splits(plan) <= {"S(1)", "S(2)"}
 
 
-@pytest.mark.xfail(strict=True, reason="contiguous causal chunks are priced at the busiest rank (twice a balanced "
-                   "share of the attention FLOPs), so a heads split behind all-to-alls is cheaper than gathered K/V "
-                   "wherever the heads divide the axis; zig-zag chunks would remove the factor")
+@pytest.mark.xfail(strict=True, reason="zig-zag chunks cut the busiest rank's causal rows from twice a balanced share to "
+                   "(2n+1)/2n of it (17/16 on cp=8: each chunk's rectangle against its keys, explicitly masked), yet a "
+                   "heads split behind all-to-alls is balanced exactly and moves fewer bytes than gathering grouped "
+                   "K/V: 377.4 ms a step against 391.7 ms for zig-zag rows (384.4 vs 373.3 ms of compute, 7.3 vs 4.1 "
+                   "ms of exposed communication and reorders; contiguous rows would add 178 ms). Rows win where heads do not "
+                   "split (tests/test_context_planning.py::test_the_faster_layout_is_kept)")
 def test_a_long_sequence_splits_query_rows() -> None:
     assert _query_splits(_plan(131072, 1, context_axes=("cp",))) == {"S(2)"}

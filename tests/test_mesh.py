@@ -8,7 +8,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar.mesh import parse_mesh_spec
+from autopar.errors import InputError
+from autopar.mesh import Mesh, parse_mesh_spec
 
 
 def test_axes_inside_a_node_use_nvlink_and_outer_axes_the_network() -> None:
@@ -35,3 +36,14 @@ def test_mesh_spec_parsing_and_errors() -> None:
         parse_mesh_spec("dp2")
     with pytest.raises(ValueError, match="positive"):
         autopar.Mesh({"dp": 0})
+
+
+def test_zigzag_axes_cut_twice_as_many_chunks() -> None:
+    """A zig-zag axis (``Mesh.zigzag``) cuts a split dim in 2n chunks; it is part of the mesh's
+    identity and its JSON, and must name an axis of the mesh."""
+    mesh = Mesh({"dp": 2, "cp": 4}, "h100", zigzag=("cp",))
+    assert mesh.chunks == (2, 8) and mesh.zigzag_dims() == frozenset({1})
+    assert mesh.to_json()["zigzag"] == ["cp"] and "zigzag" not in Mesh({"dp": 2, "cp": 4}).to_json()
+    assert mesh != Mesh({"dp": 2, "cp": 4}, "h100") and mesh.with_zigzag(()) == Mesh({"dp": 2, "cp": 4}, "h100")
+    with pytest.raises(InputError, match="zig-zag axes \\['sp'\\] are not axes of the mesh"):
+        Mesh({"cp": 2}, zigzag=("sp",))

@@ -25,7 +25,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+from autopar.rules.attention import held_chunks, query_positions
 from autopar.rules.strategy import parse_placements
+from autopar.runtime.attention import causal_on_rows
+from autopar.runtime.forked import run_ranks
 from examples import llama
 
 SEQ = 8
@@ -93,19 +96,23 @@ class LlamaCase:
     """Tokens per sequence: below ``max_seq_len``, the rotary tables are sliced first."""
     zero: int = 0
     """ZeRO stage on the cp axis (3: parameters stored split there, FSDP over the context axis)."""
+    layout: str | None = None
+    """``context_layout`` pinned ("zigzag": rank i holds chunks i and 2n-1-i of 2n); None: the faster."""
 
     @property
     def id(self) -> str:
         return ("x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
-                + (f"-zero{self.zero}" if self.zero else ""))
+                + (f"-zero{self.zero}" if self.zero else "") + (f"-{self.layout}" if self.layout else ""))
 
     def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
         model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
         return model, (tokens[:, :self.seq],), loss_fn, (targets[:, :self.seq],)
 
 
-LLAMA_CASES = [LlamaCase((2,), ("cp",)), LlamaCase((2,), ("cp",), seq=8), LlamaCase((4,), ("cp",)),
-               LlamaCase((2, 2), ("dp", "cp"), batch=2), LlamaCase((2, 2), ("cp", "tp")),
+LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",), seq=8),
+               LlamaCase((4,), ("cp",), layout="zigzag"), LlamaCase((4,), ("cp",), seq=8, layout="zigzag"),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag"),
+               LlamaCase((2, 2), ("cp", "tp"), layout="zigzag"),
                LlamaCase((2,), ("cp",), zero=3)]
 
 
@@ -116,18 +123,22 @@ def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) 
     tp = {"constraints": llama.TP_PLAN, "constraint_axis": "tp"} if "tp" in case.names else {}
     zero = {"zero": {"cp": case.zero}} if case.zero else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         data_axes=data_axes, **tp, **zero)
+                         data_axes=data_axes, context_layout=case.layout, **tp, **zero)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
-    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa]}
+    return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
+            "zigzag": pm.plan.mesh.get("zigzag", [])}
 
 
 @pytest.mark.parametrize("case", LLAMA_CASES, ids=[c.id for c in LLAMA_CASES])
 def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
     """Causal grouped-query attention with rotary positions: each rank's tables are those of
     its own positions (the tables split on the sequence with the activations); beside data
-    parallelism, and beside Megatron tensor parallelism (heads split on tp)."""
+    parallelism, and beside Megatron tensor parallelism (heads split on tp). Zig-zag: tokens,
+    targets and rotary tables cut alike, each rank's two chunks against their own keys (with
+    8 tokens on 4 ranks a chunk is one token, and rank 1's two chunks are adjacent)."""
     ref = reference(case.build)
     results = run_checked(train_llama_on_rank, case.mesh, case, ref)
+    assert results[0]["zigzag"] == (["cp"] if case.layout == "zigzag" else []), results[0]["zigzag"]
     cp = case.names.index("cp")
     for inputs in results[0]["sdpa_inputs"]:  # q split on the sequence (dim 2) over cp, k and v whole there
         placed = [parse_placements(p)[cp] for p in inputs]
@@ -135,3 +146,55 @@ def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
             assert placed in ([Shard(2), Replicate(), Replicate()], [Shard(1)] * 3), inputs
         else:
             assert placed == [Shard(2), Replicate(), Replicate()], inputs
+
+
+def eval_llama_on_rank(rank: int, world: int, expected: list[float]) -> tuple[list[str], float]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model, inputs, _, _ = LlamaCase((world,), ("cp",)).build()
+    pm = autopar.compile(model, mesh, inputs, train=False, context_axes=("cp",), context_layout="zigzag")
+    logits = pm(*inputs)
+    gap = (logits.full_tensor() - torch.tensor(expected).reshape(logits.shape)).abs().max().item()
+    return [str(p) for p in pm._outputs[0]] + [str(p) for p in logits.placements], gap
+
+
+def test_zigzag_outputs_come_back_in_order() -> None:
+    """A forward step's logits, planned split on the sequence over a zig-zag axis, are
+    returned gathered there, in the sequence's order: the user never sees the zig-zag layout."""
+    model, inputs, _, _ = LlamaCase((2,), ("cp",)).build()
+    with torch.no_grad():
+        expected = model(*inputs).flatten().tolist()
+    placements, gap = run_ranks(eval_llama_on_rank, 2, expected)[0]
+    assert placements == ["S(1)", "R"] and gap < 1e-5, (placements, gap)
+
+
+@pytest.mark.parametrize("op,mask", [("sdpa", None), ("sdpa", "bool"), ("sdpa", "rows"), ("cpu_flash", None),
+                                     ("cpu_flash", "float")])
+def test_zigzag_rows_equal_the_whole_causal_call(op: str, mask: str | None) -> None:
+    """Each zig-zag rank's rows (two runs, each against its keys; the middle rank's runs
+    adjacent) equal those rows of the causal call on the whole sequence: with a padding mask
+    of the call's own (broadcast on L), a mask per row (split with the rows), and the CPU
+    kernel's (out, logsumexp)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 4, generator=gen) for _ in range(3))
+    target = torch.ops.aten.scaled_dot_product_attention.default if op == "sdpa" else \
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    keep = torch.ones(1, 1, 1, 16, dtype=torch.bool)
+    keep[..., 5] = False
+    per_row = (torch.rand(1, 1, 16, 16, generator=gen) > 0.3) | torch.eye(16, dtype=torch.bool)
+    own = {None: None, "bool": keep, "float": torch.zeros(keep.shape).masked_fill(~keep, float("-inf")),
+           "rows": per_row}[mask]
+    zigzag = frozenset({0})
+    for i in range(4):
+        positions = query_positions(4, 2, (Shard(2),), (4,), (i,), zigzag)
+        mine = own.index_select(2, positions) if mask == "rows" else own
+        rows = q.index_select(2, positions)
+        if op == "sdpa":
+            whole = (target(q, k, v, own, 0.0, True),)
+            out = causal_on_rows(target, (rows, k, v, mine, 0.0, True), {}, positions, {}, "rows",
+                                 held_chunks(2, (Shard(2),), zigzag))
+        else:
+            whole = target(q, k, v, 0.0, True, attn_mask=own)
+            out = causal_on_rows(target, (rows, k, v, 0.0, True), {"attn_mask": mine}, positions, {}, "rows",
+                                 held_chunks(2, (Shard(2),), zigzag))
+        for got, want in zip(out if isinstance(out, tuple) else (out,), whole):
+            torch.testing.assert_close(got, want.index_select(2, positions))  # out [.., L, E], logsumexp [.., L]

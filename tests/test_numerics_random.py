@@ -23,11 +23,13 @@ from autopar.cost.compute import roofline_time
 from autopar.cost.model import CostContext, op_cost
 from autopar.cost.precision import PRECISIONS
 from autopar.mesh import Mesh
-from autopar.rules.strategy import OpCall, Strategy, parse_placements
+from autopar.rules.redistribute import redistribute_steps
+from autopar.rules.strategy import R, OpCall, Strategy, parse_placements
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.random import RandomOps
 from examples import gpt, hf_models
 from sharding_sim import assemble, distribute
+from test_redistribute import run_steps
 from numerics_harness import Reference, check, reference, run_compiled
 
 aten = torch.ops.aten
@@ -152,6 +154,28 @@ def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, .
                       *[pieces[i][coord].clone() if i in pieces else a for i, a in enumerate(args)])
             outs[coord] = out[0] if isinstance(out, tuple) else out
         assert torch.equal(assemble(outs, pl, mesh), ref), f"{name} {placements}: slices differ from the single-device draw"
+
+
+@pytest.mark.parametrize("op,args", [(aten.native_dropout.default, (X, 0.3, True)),
+                                     (aten.bernoulli.default, (X.sigmoid(),))], ids=["dropout", "bernoulli_probs"])
+@pytest.mark.parametrize("placements", ["S(2)", "S(0)S(2)", "S(2)S(2)", "S(2/2)"])
+def test_random_op_slices_a_zigzag_piece(op: Any, args: tuple[Any, ...], placements: str) -> None:
+    """On a zig-zag mesh dim (the last) each rank keeps the zig-zag piece of the global draw
+    that a reshard from Replicate hands it (``run_steps`` as in test_redistribute)."""
+    torch.manual_seed(SEED)
+    ref = op(*args)
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    pl = parse_placements(placements)
+    mesh, zigzag = (2,) * len(pl), frozenset({len(pl) - 1})
+    coords = list(itertools.product(*map(range, mesh)))
+    steps = redistribute_steps((R,) * len(pl), pl)
+    expected = run_steps({c: ref for c in coords}, steps, mesh, zigzag)
+    given = run_steps({c: args[0] for c in coords}, steps, mesh, zigzag)
+    for coord in coords:
+        ops = RandomOps(mesh, coord, torch.Generator().manual_seed(SEED), zigzag)
+        out = ops(str(op), placements, tuple(ref.shape), given[coord].clone(), *args[1:])
+        out = out[0] if isinstance(out, tuple) else out
+        assert torch.equal(out, expected[coord]), f"{placements} at {coord}"
 
 
 def test_replicated_draw_keeps_generators_in_lockstep() -> None:

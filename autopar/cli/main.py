@@ -103,7 +103,7 @@ def plan_command(args: argparse.Namespace) -> int:
                         micro_batches=None if pipeline else args.micro_batches,
                         offload=args.offload, pipeline=pipeline, data_axes=args.data_axes,
                         expert_axes=args.expert_axes, context_axes=args.context_axes,
-                        progress=sys.stderr.isatty())
+                        context_layout=args.context_layout, progress=sys.stderr.isatty())
     from rich.console import Console
 
     Console(width=args.width).print(render(plan))
@@ -183,6 +183,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-only", action="store_true", help="plan a forward-only step (no backward/optimizer)")
     p.add_argument("--context-axes", type=_axis_names, default=(), metavar="AXIS,...",
                    help="context parallelism: split the sequence (dim 1 of the inputs) on these axes")
+    p.add_argument("--context-layout", choices=["contiguous", "zigzag"], default=None,
+                   help="how the context axes cut the sequence (default: both planned, the faster kept; zigzag: "
+                        "rank i holds chunks i and 2n-1-i of 2n, balancing causal attention)")
     p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
     data = p.add_argument_group("data and expert parallelism (default: the planner places the batch too)")

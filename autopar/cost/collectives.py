@@ -47,8 +47,9 @@ def call_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
 
 def transfer_time(call: CollectiveCall, mesh: Mesh) -> float:
     """The bandwidth term of one collective: linear in ``nbytes``, so per-tensor shares of a
-    bucket add up to the bucket's."""
-    return bytes_moved(call, mesh) / mesh.link(call.mesh_dim).bandwidth
+    bucket add up to the bucket's; on a zig-zag axis with the local reorder of its bytes
+    (``zigzag_reorder_time``, linear too)."""
+    return bytes_moved(call, mesh) / mesh.link(call.mesh_dim).bandwidth + zigzag_reorder_time(call, mesh)
 
 
 def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
@@ -59,6 +60,16 @@ def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
     if mesh.shape[call.mesh_dim] == 1:
         return 0.0
     return call_time(call.kind, call.mesh_dim, mesh) + transfer_time(call, mesh)
+
+
+def zigzag_reorder_time(call: CollectiveCall, mesh: Mesh) -> float:
+    """On a zig-zag axis (``Mesh.zigzag``) an all-gather's pieces are put back in order after
+    it, and a reduce-scatter's or all-to-all's input is put in rank order before it
+    (``runtime.ops.Comm``): one copy of M bytes, read and written at memory bandwidth."""
+    if not mesh.zigzag or call.kind == ALL_REDUCE or mesh.names[call.mesh_dim] not in mesh.zigzag:
+        return 0.0
+    hw = mesh.hardware
+    return 2 * call.nbytes / (hw.memory_bandwidth * hw.memory_efficiency)
 
 
 def point_to_point_time(nbytes: float, mesh_dim: int, mesh: Mesh) -> float:

@@ -12,11 +12,11 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
-from autopar.rules.attention import ATTENTION_OPS, splits_causal_rows
+from autopar.rules.attention import ATTENTION_OPS, busiest_pairs, splits_causal_rows
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
 from autopar.rules.routing import HF_GROUPED_MM
-from autopar.rules.strategy import OpCall, Strategy
+from autopar.rules.strategy import OpCall, Strategy, shard_dim
 
 aten = torch.ops.aten
 
@@ -63,15 +63,23 @@ def attention_flops(call: OpCall, causal: bool) -> float:
     return full / 2 if causal else full
 
 
-def rank_flops(call: OpCall, strategy: Strategy, ways: int) -> float:
+def rank_flops(call: OpCall, strategy: Strategy, ways: int, mesh: Mesh | None = None) -> float:
     """One rank's forward FLOPs when the op's work is split ``ways`` ways: its share, except
     for a causal attention split on its query rows (context parallelism). A rank runs its
-    rows against the keys up to its last row with an explicit mask (``runtime.attention``),
-    which no kernel skips, so the rank holding the last rows, which the step waits for,
-    computes the whole rows x keys rectangle: the non-causal share, twice the causal one."""
+    rows against the keys up to their last position with an explicit mask
+    (``runtime.attention``), which no kernel skips, so the step waits for the busiest rank's
+    rows x keys pairs (``rules.attention.busiest_pairs``): contiguous chunks on n ranks, the
+    last rank's L/n x L, the non-causal share (twice the causal one); zig-zag chunks on a
+    zig-zag axis of ``mesh``, (2n+1)/2n of the causal share. Other splits divide evenly."""
     if strategy.inputs and call.tensor_inputs and splits_causal_rows(
             call.target, call.args, call.kwargs, strategy.inputs[0], call.tensor_inputs[0].ndim):
-        return attention_flops(call, causal=False) / ways
+        if mesh is None:  # no mesh, no zig-zag axes: contiguous chunks, the last rank's rectangle
+            return attention_flops(call, causal=False) / ways
+        q, k = call.tensor_inputs[0], call.tensor_inputs[1]
+        dim, placements = q.ndim - 2, tuple(strategy.inputs[0])
+        rows = math.prod(n for p, n in zip(placements, mesh.shape) if shard_dim(p) == dim)
+        pairs = busiest_pairs(q.shape[-2], dim, placements, mesh.shape, mesh.zigzag_dims())
+        return attention_flops(call, causal=False) * pairs / (q.shape[-2] * k.shape[-2]) / (ways // rows)
     return op_flops(call) / ways
 
 

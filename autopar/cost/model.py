@@ -117,7 +117,7 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     saved = ctx.train if saved is None else saved
     mesh = ctx.mesh
     ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
-    flops = rank_flops(call, strategy, ways)
+    flops = rank_flops(call, strategy, ways, mesh)
     placements = [*strategy.inputs, *strategy.outputs]
     # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
     nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,

@@ -4,8 +4,8 @@ its rows' global positions, through ``self.context_attention``.
 ``scaled_dot_product_attention(q, k, v, is_causal=True)`` with q placed ``S(2)`` on a
 context axis (``rules.attention``: keys and values whole) becomes
 ``self.context_attention('aten.scaled_dot_product_attention.default', 'S(2)', q, k, v,
-is_causal=True)``: the runtime (``autopar.runtime.attention``) knows the rank's coordinate,
-so it knows which query positions the rank holds, and runs the call with the causal mask
+is_causal=True)``: the runtime (``autopar.runtime.attention``) knows the rank's coordinate
+and which axes are zig-zag, so it knows which query positions the rank holds, and runs the call with the causal mask
 of those positions instead of ``is_causal`` (which would align the rank's first row with
 the first key). Every other attention call is left as captured: split on batch or heads,
 or non-causal, a rank's rows need nothing of their positions. Runs after insert_reshards,

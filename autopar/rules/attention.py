@@ -25,6 +25,9 @@ rewrite do not compose). Splitting S (ring attention) is not offered here.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from typing import Any
 
 import torch
@@ -32,7 +35,8 @@ from torch.distributed.tensor import Placement
 
 from autopar.capture.graph import TensorMeta
 from autopar.rules.dropout import draws_random
-from autopar.rules.strategy import R, DimStrategy, OpCall, Placements, S, schema_arg, shard_dim
+from autopar.rules.redistribute import strided_take, zigzag_take
+from autopar.rules.strategy import R, DimStrategy, OpCall, Placements, S, schema_arg, shard_dim, split_factor
 from autopar.rules.table import RuleTable
 
 aten = torch.ops.aten
@@ -84,6 +88,70 @@ def splits_causal_rows(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     global positions (``passes.localize_attention``), not as captured."""
     return (target in ATTENTION_OPS and bool(schema_arg(target, args, kwargs, "is_causal", False))
             and any(shard_dim(p) == q_ndim - 2 for p in q_placements))
+
+
+def query_positions(local_rows: int, dim: int, placements: Placements, mesh_shape: tuple[int, ...],
+                    coordinate: tuple[int, ...], zigzag: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The global positions of this rank's ``local_rows`` rows of a tensor split on ``dim`` by
+    ``placements`` (mesh dim 0 outermost, as DTensor cuts; a strided shard holds its piece of
+    every block, a zig-zag one, on the mesh dims in ``zigzag``, two mirrored chunks), in the
+    order the rank holds them."""
+    ways = [n for p, n in zip(placements, mesh_shape) if shard_dim(p) == dim]
+    positions = torch.arange(local_rows * math.prod(ways))
+    for d, (p, n, i) in enumerate(zip(placements, mesh_shape, coordinate)):
+        if shard_dim(p) != dim:
+            continue
+        factor = split_factor(p)
+        if d in zigzag and n > 1:
+            positions = zigzag_take(positions, 0, factor, n, i)
+        else:
+            positions = strided_take(positions, 0, factor, n, i) if factor > 1 else positions.chunk(n)[i]
+    return positions
+
+
+def held_chunks(dim: int, placements: Placements, zigzag: frozenset[int]) -> int:
+    """Chunks of dim ``dim`` a rank holds: one per block of a strided shard, two per zig-zag
+    mesh dim splitting it (``rules.redistribute.zigzag_view``)."""
+    held = 1
+    for d, p in enumerate(placements):
+        if shard_dim(p) == dim:
+            held *= split_factor(p) * (2 if d in zigzag else 1)
+    return held
+
+
+def runs(positions: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each run of consecutive positions within one held chunk of
+    ``chunk`` rows, in row order: one for a plain shard, two for a zig-zag one (the middle
+    rank's two chunks are adjacent, yet each is cut at its own last key)."""
+    steps = ((positions[1:] - positions[:-1]) != 1).nonzero().flatten().add(1).tolist()
+    breaks = sorted({0, *steps, *range(chunk, positions.numel(), chunk), positions.numel()})
+    return [(a, b - a) for a, b in zip(breaks[:-1], breaks[1:])]
+
+
+@functools.lru_cache(maxsize=4096)
+def busiest_pairs(length: int, dim: int, placements: Placements, mesh_shape: tuple[int, ...],
+                  zigzag: frozenset[int]) -> int:
+    """(query row, key) pairs the busiest rank computes for a causal attention of ``length``
+    queries split on ``dim`` by ``placements``, as ``runtime.attention`` runs it: each run of
+    consecutive positions against every key up to its last one, masked (no kernel skips the
+    masked half). Contiguous on n ranks the last rank's L/n rows read all L keys, L^2/n pairs,
+    twice a balanced share of the causal L^2/2; zig-zag (2n chunks of c = L/2n, rank i holding
+    chunks i and 2n-1-i, as Megatron-LM's and TransformerEngine's context parallelism and
+    torch's ``_HeadTailLoadBalancer`` cut) every rank's runs end at chunks i+1 and 2n-i,
+    c * (i+1) c + c * (2n-i) c = (2n+1) c^2 pairs: (2n+1)/2n of the balanced share."""
+    ways = [n for p, n in zip(placements, mesh_shape) if shard_dim(p) == dim]
+    splitting = [d for d, p in enumerate(placements) if shard_dim(p) == dim]
+    busiest = 0
+    for coordinate in itertools.product(*(range(n) for n in ways)):
+        full = [0] * len(mesh_shape)
+        for d, i in zip(splitting, coordinate):
+            full[d] = i
+        local = length // math.prod(ways)
+        positions = query_positions(local, dim, placements, mesh_shape, tuple(full), zigzag)
+        chunk = local // held_chunks(dim, placements, zigzag)
+        busiest = max(busiest, sum(count * (int(positions[first + count - 1]) + 1)
+                                   for first, count in runs(positions, chunk)))
+    return busiest
 
 
 def _query_sequence_strategy(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta) -> DimStrategy | None:

@@ -61,6 +61,38 @@ def strided_join(gathered: torch.Tensor, dim: int, factor: int, ways: int) -> to
     return pieces.transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
+def zigzag_view(x: torch.Tensor, dim: int, factor: int, ways: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s piece of a zig-zag shard as a view of ``x``: dim ``dim`` seen as
+    ``factor`` blocks (1: a plain shard), each cut into 2 * ways chunks, of which the rank holds
+    chunks index and 2 * ways - 1 - index; dim becomes three, (block, which chunk, position).
+    Those two chunks are one step of a strided slice apart, so this is a view."""
+    cut = x.unflatten(dim, (factor, 2 * ways, x.shape[dim] // (factor * 2 * ways)))
+    pick = slice(index, 2 * ways - index, 2 * ways - 1 - 2 * index)
+    return cut[(slice(None),) * (dim + 1) + (pick,)]
+
+
+def zigzag_take(x: torch.Tensor, dim: int, factor: int, ways: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s piece of a zig-zag shard (``zigzag_view``), dim ``dim`` whole again."""
+    return zigzag_view(x, dim, factor, ways, index).flatten(dim, dim + 2)
+
+
+def zigzag_join(gathered: torch.Tensor, dim: int, factor: int, ways: int) -> torch.Tensor:
+    """Undo the rank-major order of an all-gather of zig-zag pieces: rank j's first chunk is
+    chunk j of each block, its second chunk 2 * ways - 1 - j."""
+    pieces = gathered.unflatten(dim, (ways, factor, 2, gathered.shape[dim] // (ways * factor * 2)))
+    first, second = pieces.select(dim + 2, 0), pieces.select(dim + 2, 1).flip(dim)
+    return torch.cat([first, second], dim).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def zigzag_order(x: torch.Tensor, dim: int, ways: int) -> torch.Tensor:
+    """``x`` reordered along ``dim`` so that its contiguous chunk j is rank j's zig-zag piece:
+    what a reduce-scatter or an all-to-all, which hand rank j the j-th contiguous chunk, is
+    given to leave zig-zag pieces."""
+    chunks = x.unflatten(dim, (2 * ways, x.shape[dim] // (2 * ways)))
+    first, second = chunks.narrow(dim, 0, ways), chunks.narrow(dim, ways, ways).flip(dim)
+    return torch.stack([first, second], dim + 1).flatten(dim, dim + 2)
+
+
 def _all_to_all_fits(cur: list[Placement], dst: tuple[Placement, ...], i: int) -> bool:
     """Mesh dim ``i`` can turn its shard of tensor dim a into one of dim b with one all-to-all.
 

@@ -3,13 +3,19 @@ per-rank programs run (``passes.localize_attention`` writes them).
 
 A causal SDPA is top-left aligned on the whole sequence: query i sees keys 0..i. Split on
 L (context parallelism with all-gathered keys and values, ``rules.attention``), a rank
-holds query rows at global positions ``p`` (a contiguous run for a plain shard) and every
-key, so ``is_causal=True`` on its rows would align them with keys 0.. as if they started
-the sequence. Here the call runs with ``is_causal=False`` and an explicit mask of the
-rank's own positions, ``key <= p``, combined with the call's mask if it has one. Keys past
-the rank's last query position are never seen, so keys, values and the mask are cut there
-first: a rank computes (and keeps for backward) only the keys it attends to, the last rank
-of a contiguous split all of them. The causal mask (rows x keys) is made once per rank and
+holds query rows at global positions ``p`` (a contiguous run for a plain shard; two mirrored
+runs on a zig-zag axis, ``Mesh.zigzag``) and every key, in global order (a zig-zag all-gather
+puts the pieces back in order), so ``is_causal=True`` on its rows would align them with keys
+0.. as if they started the sequence. Here each run of consecutive positions is one call with
+``is_causal=False`` and an explicit mask of its own positions, ``key <= p``, combined with the
+call's mask if it has one. Keys past the run's last position are never seen, so keys, values
+and the mask are cut there first: a run computes (and keeps for backward) only the keys it
+attends to, the last rank of a contiguous split all of them; on a zig-zag axis rank i's runs
+end at chunks i and 2n-1-i of 2n, so every rank reads 2n+1 chunks of keys (``cost.compute``).
+Keys are put back in order rather than masked where they lie: a cut needs the prefix of
+each run contiguous, and the reorder is one copy of K and V per layer (priced with the
+gather, ``cost.collectives.zigzag_reorder_time``) against a rectangle of rows x keys of
+attention work; masked where they lie, every rank would compute all of its rows x keys. The causal mask (rows x keys) is made once per rank and
 shared by every layer's call; the plan's memory does not count it (a boolean per row and
 key: a 128k sequence on cp=8 holds 16k x 128k = 2 GiB of it; ring attention, which never
 holds all keys at once, would not need it).
@@ -18,7 +24,6 @@ holds all keys at once, would not need it).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -26,9 +31,8 @@ import torch
 from torch import nn
 
 from autopar.capture.schema import positional_args
-from autopar.rules.attention import ATTENTION_OPS
-from autopar.rules.redistribute import strided_take
-from autopar.rules.strategy import Placements, parse_placements, shard_dim, split_factor
+from autopar.rules.attention import ATTENTION_OPS, held_chunks, query_positions, runs
+from autopar.rules.strategy import parse_placements
 
 aten = torch.ops.aten
 
@@ -39,53 +43,61 @@ def _resolve(op: str) -> torch._ops.OpOverload:
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
-def query_positions(local_rows: int, dim: int, placements: Placements, mesh_shape: tuple[int, ...],
-                    coordinate: tuple[int, ...]) -> torch.Tensor:
-    """The global positions of this rank's ``local_rows`` rows of a tensor split on ``dim`` by
-    ``placements`` (mesh dim 0 outermost, as DTensor cuts; a strided shard holds its piece of
-    every block), in the order the rank holds them."""
-    ways = [n for p, n in zip(placements, mesh_shape) if shard_dim(p) == dim]
-    positions = torch.arange(local_rows * math.prod(ways))
-    for p, n, i in zip(placements, mesh_shape, coordinate):
-        if shard_dim(p) != dim:
-            continue
-        factor = split_factor(p)
-        positions = strided_take(positions, 0, factor, n, i) if factor > 1 else positions.chunk(n)[i]
-    return positions
-
-
 def causal_on_rows(target: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                    positions: torch.Tensor, masks: dict[tuple[Any, ...], torch.Tensor] | None = None,
-                   rows: Hashable = None) -> Any:
+                   rows: Hashable = None, chunks: int = 1) -> Any:
     """``target(*args, **kwargs)`` (a causal attention call) for query rows at global
-    ``positions``, against every key from position 0. ``masks`` keeps the causal masks made,
-    by ``rows`` (what determines ``positions``), for the next call on the same rows (every
-    layer's): autograd then saves one mask for all of them, not one per layer."""
+    ``positions``, against every key from position 0 (keys in their global order). Each run
+    of consecutive positions in each of the ``chunks`` the rank holds (``runs``) is one call,
+    against the keys up to its last position: a zig-zag rank's early chunk reads few keys,
+    its late chunk many. ``masks`` keeps the causal masks made, by ``rows`` (what determines
+    ``positions``), for the next call on the same rows (every layer's): autograd then saves
+    one mask for all of them."""
     if target not in ATTENTION_OPS:
         raise ValueError(f"causal_on_rows runs {sorted(map(str, ATTENTION_OPS))}, not {target}")
     names = [a.name for a in target._schema.arguments]
     bound = dict(zip(names, positional_args(target, args, kwargs)))
-    q, k, v, mask = bound["query"], bound["key"], bound["value"], bound["attn_mask"]
+    q = bound["query"]
     if not bound["is_causal"]:
         raise ValueError(f"causal_on_rows: {target} is not called with is_causal=True")
     if positions.numel() != q.shape[-2]:
         raise ValueError(f"{positions.numel()} query positions for {q.shape[-2]} query rows")
-    end = int(positions.max()) + 1  # keys after the last query row are masked for every row
-    k, v = k.narrow(-2, 0, end), v.narrow(-2, 0, end)
-    if mask is not None and mask.shape[-1] > 1:
-        mask = mask.narrow(-1, 0, end)
+    outs = [_causal_run(target, bound, positions, first, count, masks, rows) for first, count in
+            runs(positions, q.shape[-2] // chunks)]
+    if len(outs) == 1:
+        return outs[0]
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs, dim=-2)
+    # the CPU kernel's (out [..., L, Ev], logsumexp [..., L]): each along its L
+    return tuple(torch.cat(parts, dim=-2 if parts[0].ndim == q.ndim else -1) for parts in zip(*outs))
+
+
+def _causal_run(target: torch._ops.OpOverload, bound: dict[str, Any], positions: torch.Tensor, first: int,
+                count: int, masks: dict[tuple[Any, ...], torch.Tensor] | None, rows: Hashable) -> Any:
+    """The call on rows ``first .. first + count`` (consecutive positions) against keys
+    0..their last position; keys after it are masked for every row, so they are cut."""
+    q, k, v, mask = bound["query"], bound["key"], bound["value"], bound["attn_mask"]
+    mine = positions[first:first + count]
+    end = int(mine[-1]) + 1
+    q, k, v = q.narrow(-2, first, count), k.narrow(-2, 0, end), v.narrow(-2, 0, end)
+    if mask is not None:
+        if mask.ndim >= 2 and mask.shape[-2] > 1:
+            mask = mask.narrow(-2, first, count)
+        if mask.shape[-1] > 1:
+            mask = mask.narrow(-1, 0, end)
     # a mask of the call's own when it has one; else boolean, except for the CPU flash
     # kernel, which takes masks of the query's dtype only
     dtype = None if mask is None and target is aten.scaled_dot_product_attention.default else q.dtype
-    key = (rows, end, dtype, q.device)
+    key = (rows, first, end, dtype, q.device)
     causal = masks.get(key) if masks is not None and rows is not None else None
     if causal is None:
-        allowed = torch.arange(end, device=q.device)[None, :] <= positions.to(q.device)[:, None]  # [rows, end]
+        allowed = torch.arange(end, device=q.device)[None, :] <= mine.to(q.device)[:, None]  # [rows, end]
         causal = allowed if dtype is None else _additive(allowed, dtype)
         if masks is not None and rows is not None:
             masks[key] = causal
-    bound.update(key=k, value=v, is_causal=False, attn_mask=causal if mask is None else _combined(causal, mask))
-    return target(**bound)
+    run = dict(bound, query=q, key=k, value=v, is_causal=False,
+               attn_mask=causal if mask is None else _combined(causal, mask))
+    return target(**run)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -108,15 +120,18 @@ class ContextAttention(nn.Module):
     It keeps the causal masks it makes (one per distinct rows and dtype: every layer of a
     model shares one)."""
 
-    def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]) -> None:
+    def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                 zigzag: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.mesh_shape = tuple(mesh_shape)
         self.coordinate = tuple(coordinate)
+        self.zigzag = frozenset(zigzag)
         self.masks: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def forward(self, op: str, q_placements: str, *args: Any, **kwargs: Any) -> Any:
         target = _resolve(op)
         q = args[0] if args else kwargs["query"]
-        positions = query_positions(q.shape[-2], q.ndim - 2, parse_placements(q_placements), self.mesh_shape,
-                                    self.coordinate)
-        return causal_on_rows(target, args, kwargs, positions, self.masks, (q_placements, q.shape[-2], q.ndim))
+        placements = parse_placements(q_placements)
+        positions = query_positions(q.shape[-2], q.ndim - 2, placements, self.mesh_shape, self.coordinate, self.zigzag)
+        return causal_on_rows(target, args, kwargs, positions, self.masks, (q_placements, q.shape[-2], q.ndim),
+                              held_chunks(q.ndim - 2, placements, self.zigzag))

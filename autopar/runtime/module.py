@@ -19,6 +19,7 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import local_shard
 from autopar.runtime.regather import regather_hooks
 from autopar.runtime.zero1 import ZeroOneShards
+from autopar.rules.redistribute import redistribute_steps
 from autopar.solver.plan import Plan
 
 
@@ -172,10 +173,20 @@ class ParallelModule(nn.Module):
         return outputs
 
     def _wrap(self, outputs: list[Any]) -> Any:
-        """Local outputs as DTensors placed as planned (the loss: replicated)."""
-        wrapped = [DTensor.from_local(o, self.device_mesh, placements or (Replicate(),) * self.device_mesh.ndim,
-                                      run_check=False) if isinstance(o, torch.Tensor) else o
-                   for o, placements in zip(outputs, self._outputs)]
+        """Local outputs as DTensors placed as planned (the loss: replicated); an output split
+        on a zig-zag axis (``Mesh.zigzag``) is gathered there first, as a DTensor's shards are
+        contiguous chunks (a collective the plan does not list: outputs of ``train=False``)."""
+        wrapped = []
+        for o, placements in zip(outputs, self._outputs):
+            if not isinstance(o, torch.Tensor):
+                wrapped.append(o)
+                continue
+            placements = placements or (Replicate(),) * self.device_mesh.ndim
+            whole = tuple(Replicate() if i in self._comm.zigzag and p.is_shard() else p
+                          for i, p in enumerate(placements))
+            if whole != tuple(placements):
+                o = self._comm.run(o, redistribute_steps(tuple(placements), whole), "output")
+            wrapped.append(DTensor.from_local(o, self.device_mesh, whole, run_check=False))
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]

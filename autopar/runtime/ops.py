@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.rules import loss as loss_rules
 from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVES, REDUCE_SCATTER, SLICE, ZERO,
-                                        Step, redistribute_steps, strided_join, strided_take)
+                                        Step, redistribute_steps, strided_join, strided_take, zigzag_join,
+                                        zigzag_order, zigzag_take)
 from autopar.rules.strategy import parse_placements
 
 
@@ -71,10 +72,13 @@ def _steps(src: str, dst: str) -> tuple[Step, ...]:
 
 
 class Comm:
-    """Runs redistribution steps for this rank on a DeviceMesh."""
+    """Runs redistribution steps for this rank on a DeviceMesh. On the mesh dims in ``zigzag``
+    a shard is zig-zag (``Mesh.zigzag``): slices take, gathers join, and reduce-scatters and
+    all-to-alls send, rank j's two chunks (``rules.redistribute.zigzag_take``)."""
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, zigzag: frozenset[int] = frozenset()) -> None:
         self.mesh = mesh
+        self.zigzag = frozenset(zigzag)
         self.coordinate = mesh.get_coordinate()
         self.log: CollectiveLog | None = None
         self._recomputing = False
@@ -146,7 +150,7 @@ class Comm:
         last = steps[-1] if steps else None
         if last is None or last.kind != REDUCE_SCATTER or self.mesh.size(last.mesh_dim) == 1:
             return self.run(x, steps, phase)
-        x = self.run(x, steps[:-1], phase).contiguous()
+        x = self._scatter_order(self.run(x, steps[:-1], phase), last).contiguous()
         if self._scattering is not None:
             self._scattering.trigger_wait()
         self._record(phase, REDUCE_SCATTER, last.mesh_dim, x)
@@ -164,9 +168,18 @@ class Comm:
             x = fc.wait_tensor(x)
             if step.src_dim != 0:
                 x = torch.cat(x.chunk(n, dim=0), dim=step.src_dim)
-            if step.factor > 1:
-                x = strided_join(x, step.src_dim, step.factor, n)
+            x = self._joined(x, step, n)
         return self.run(x, pending.rest, phase)
+
+    def _joined(self, gathered: torch.Tensor, step: Step, n: int) -> torch.Tensor:
+        """An all-gather's rank-major pieces of ``step.src_dim`` in the tensor's own order."""
+        if step.mesh_dim in self.zigzag:
+            return zigzag_join(gathered, step.src_dim, step.factor, n)
+        return strided_join(gathered, step.src_dim, step.factor, n) if step.factor > 1 else gathered
+
+    def _scatter_order(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """``x`` laid out so that contiguous chunk j of ``step.dst_dim`` is what rank j keeps."""
+        return zigzag_order(x, step.dst_dim, self.mesh.size(step.mesh_dim)) if step.mesh_dim in self.zigzag else x
 
     def _step(self, x: torch.Tensor, step: Step, phase: str) -> torch.Tensor:
         i = step.mesh_dim
@@ -175,6 +188,8 @@ class Comm:
         if n == 1 and step.kind in COLLECTIVES:  # one rank on this mesh dim: its data is already the result
             return x
         if step.kind == SLICE:
+            if i in self.zigzag:
+                return zigzag_take(x, step.dst_dim, step.factor, n, self.coordinate[i]).contiguous()
             if step.factor > 1:
                 return strided_take(x, step.dst_dim, step.factor, n, self.coordinate[i]).contiguous()
             size = x.shape[step.dst_dim] // n
@@ -188,15 +203,16 @@ class Comm:
         if step.kind == ALL_GATHER:
             out = self._gather(x, i, step.src_dim, waited=True)
             self._record(phase, ALL_GATHER, i, out)
-            return strided_join(out, step.src_dim, step.factor, n) if step.factor > 1 else out
+            return self._joined(out, step, n)
         if step.kind == REDUCE_SCATTER:
             self._record(phase, REDUCE_SCATTER, i, x)
+            x = self._scatter_order(x, step).contiguous()
             return fc.wait_tensor(fc.reduce_scatter_single(x, "sum", step.dst_dim, group))
         if step.kind == ALL_TO_ALL:
             self._record(phase, ALL_TO_ALL, i, x)
-            chunks = torch.stack(x.chunk(n, dim=step.dst_dim))  # [n, ...]: chunk j goes to rank j
+            chunks = torch.stack(self._scatter_order(x, step).chunk(n, dim=step.dst_dim))  # chunk j goes to rank j
             received = fc.wait_tensor(fc.all_to_all_single(chunks.contiguous(), None, None, group))
-            return torch.cat(received.unbind(0), dim=step.src_dim)
+            return self._joined(torch.cat(received.unbind(0), dim=step.src_dim), step, n)
         raise ValueError(step.kind)
 
 

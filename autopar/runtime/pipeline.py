@@ -233,7 +233,7 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     count = pipeline.stages(p)
     mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
     user_inputs = list(step.captured.user_inputs)
-    comm = Comm(stage_mesh)
+    comm = Comm(stage_mesh, step.ctx.mesh.zigzag_dims())
     program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, splits_backward(pipeline, p))
     programs = split_stages(program, pp.stage_of, count, user_inputs)
     keep = {name for s in mine for name in programs[s].state}
@@ -270,7 +270,8 @@ def _metas(step: PlannedStep, mesh: DeviceMesh, programs: list[StageProgram], st
            user_inputs: list[str]) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
     """Every stage's received and sent values (``runtime.stages.stage_metas``), found on a
     copy of the program built for the purpose (its modules' state is left behind)."""
-    shapes = split_stages(rank_program(step, mesh, Comm(mesh), seed, compute_dtype, input_sharded),
+    comm = Comm(mesh, step.ctx.mesh.zigzag_dims())
+    shapes = split_stages(rank_program(step, mesh, comm, seed, compute_dtype, input_sharded),
                           step.plan.pipeline.stage_of, len(programs), user_inputs)
     fake: dict[str, Any] = {}
     for name, kind, fqn in state.placeholders:

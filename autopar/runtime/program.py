@@ -46,12 +46,12 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
                      input_sharded=input_sharded, device_type=mesh.device_type,
                      regather=frozenset(step.plan.memory.regather), memory=step.plan.memory,
                      master_dtype=None if compute_dtype is None else torch.float32)
-    shape, coordinate = tuple(mesh.shape), tuple(mesh.get_coordinate())
-    random_ops = RandomOps(shape, coordinate, make_generator(mesh.device_type, seed))
+    shape, coordinate, zigzag = tuple(mesh.shape), tuple(mesh.get_coordinate()), step.ctx.mesh.zigzag_dims()
+    random_ops = RandomOps(shape, coordinate, make_generator(mesh.device_type, seed), zigzag)
     return parallelize_graph(step.captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                     "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
                                                     "partial_mean_loss": PartialMeanLoss(comm),
-                                                    "context_attention": ContextAttention(shape, coordinate),
+                                                    "context_attention": ContextAttention(shape, coordinate, zigzag),
                                                     "random": random_ops,
                                                     "recompute": Recompute(comm, random_ops.generator,
                                                                           recompute_replays)})

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import InputError
 from autopar.rules import dropout as random_rules
-from autopar.rules.redistribute import SLICE, redistribute_steps, strided_view
+from autopar.rules.redistribute import SLICE, redistribute_steps, strided_view, zigzag_view
 from autopar.rules.strategy import Placements, R, parse_placements, shard_dim
 
 aten = torch.ops.aten
@@ -69,11 +69,14 @@ class RandomOps(nn.Module):
     ``global_shape`` the shape of that output on one device.
     """
 
-    def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], generator: torch.Generator) -> None:
+    def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], generator: torch.Generator,
+                 zigzag: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.mesh_shape = tuple(mesh_shape)
         self.coordinate = tuple(coordinate)
         self.generator = generator
+        self.zigzag = frozenset(zigzag)
+        """Mesh dims whose shards are zig-zag (``Mesh.zigzag``)."""
 
     def forward(self, op: str, placements: str, global_shape: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
         target = _resolve(op)
@@ -105,12 +108,15 @@ class RandomOps(nn.Module):
     def region(self, whole: torch.Tensor, placements: Placements) -> torch.Tensor:
         """This rank's elements of the global ``whole`` as a view (no copy), in its local
         tensor's order: the slice a reshard from Replicate hands it, with each strided dim
-        left as two, (block, position in this rank's piece)."""
+        left as two, (block, position in this rank's piece), each zig-zag one as three."""
         view, where = whole, list(range(whole.ndim))  # where each global dim sits in ``view``
         for step in redistribute_steps((R,) * len(placements), placements):
             assert step.kind == SLICE, step
             n, i, d = self.mesh_shape[step.mesh_dim], self.coordinate[step.mesh_dim], where[step.dst_dim]
-            if step.factor > 1:
+            if step.mesh_dim in self.zigzag and n > 1:  # (block, which chunk, position): two dims more
+                view = zigzag_view(view, d, step.factor, n, i)
+                where = [w + 2 if w > d else w for w in where]
+            elif step.factor > 1:
                 view = strided_view(view, d, step.factor, n, i)
                 where = [w + 1 if w > d else w for w in where]
             else:

@@ -112,7 +112,7 @@ def state_twins(node: PlanNode, ctx: CostContext) -> list[Strategy]:
 
 def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) -> PlanGraph:
     """Candidate strategies and their node costs for every tensor-producing node."""
-    mesh_shape = ctx.mesh.shape
+    mesh_shape = ctx.mesh.chunks  # what split dims must divide by (zig-zag axes: twice their size)
     nodes: dict[str, PlanNode] = {}
     order: list[str] = []
     loss: str | None = None
@@ -256,7 +256,7 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
     known = memo.get(key) if key is not None else None
     if known is None:
         dim_strategies, fallback = rules.strategies(call)
-        strategies = expand(call, dim_strategies, ctx.mesh.shape)
+        strategies = expand(call, dim_strategies, ctx.mesh.chunks)
         known = (dim_strategies, strategies, [op_cost(call, s, ctx) for s in strategies], fallback)
         if key is not None:
             memo[key] = known

@@ -77,6 +77,8 @@ class Solution:
     """How a memory search found it (``autopar.search``): scenarios, and how many were solved
     under the limit, skipped as not fitting, bounded out, or bounded by a free solve; empty
     when the first plan fit."""
+    zigzag: bool = False
+    """Solved on the step's zig-zag layout (``PreparedStep.zigzag``), not its contiguous one."""
 
 
 @dataclass

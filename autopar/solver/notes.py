@@ -12,6 +12,8 @@ from autopar.solver.nodes import INPUT, PlanGraph
 
 ALL_GATHER_KV = "all-gather K/V (query rows split, keys and values gathered)"
 ULYSSES = "Ulysses (heads split on an axis splitting the sequence: all-to-alls around attention)"
+ZIGZAG = ("; the sequence cut zig-zag (2n chunks, rank i holding chunks i and 2n-1-i: causal rows balanced, "
+          "tokens, targets and position tables cut alike, outputs gathered back in order)")
 
 
 def unsplit_batch_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh,
@@ -51,7 +53,8 @@ def context_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh) -> 
     queries split on their sequence dim (keys and values all-gathered, ``rules.attention``), or
     split on heads on an axis the step's inputs are split on by sequence (dim 1), so that the
     activations reach attention by all-to-alls from the sequence split into heads (Ulysses). A
-    heads split on an axis that does not split the sequence is Megatron TP, not noted."""
+    heads split on an axis that does not split the sequence is Megatron TP, not noted. On a
+    zig-zag axis (``Mesh.zigzag``) the note says so."""
     sequence_axes = {d for name in graph.order if graph.nodes[name].kind == INPUT
                      for d, p in enumerate(chosen[name].outputs[0] or ()) if shard_dim(p) == 1}
     kinds: dict[str, Counter[str]] = {}
@@ -70,4 +73,4 @@ def context_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh) -> 
                 kinds.setdefault(axis, Counter())[ULYSSES] += 1
     return [f"context parallel attention on {axis}: " + "; ".join(f"{kind} in {n} of {calls} calls"
                                                                   for kind, n in sorted(counts.items()))
-            for axis, counts in kinds.items()]
+            + (ZIGZAG if axis in mesh.zigzag else "") for axis, counts in kinds.items()]

@@ -116,7 +116,8 @@ def render(plan: Plan) -> Group:
     summary.add_column(style="bold")
     summary.add_column()
     summary.add_row("mesh", " x ".join(f"{k}={v}" for k, v in mesh["axes"].items())
-                    + f"  ({mesh['hardware']}, {mesh['devices_per_node']} per node)")
+                    + f"  ({mesh['hardware']}, {mesh['devices_per_node']} per node"
+                    + "".join(f", {a} zig-zag" for a in mesh.get("zigzag", ())) + ")")
     summary.add_row("step", ("training" if plan.train else "forward only") + f", {plan.precision}")
     hidden = f" exposed, {fmt_time(pred.hidden_comm_time_s)} hidden behind compute" if pred.hidden_comm_time_s else ""
     if plan.pipeline is not None:  # the figures in brackets are the whole step's on one stage mesh

@@ -77,7 +77,7 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
                 known = (node.dim_strategies, node.strategies, node.costs, node.fallback)
                 if twins:
                     dims = [*node.dim_strategies, *twins]
-                    strategies = expand(node.call, dims, ctx.mesh.shape)
+                    strategies = expand(node.call, dims, ctx.mesh.chunks)
                     costs = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved,
                                      kept=node.kept) for s in strategies]
                     known = (dims, strategies, costs, node.fallback)
@@ -88,7 +88,7 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
             meta = node.outputs[0]
             assert meta is not None
             extra = [strided(dim, factor) for index, dim, factor in sorted(wanted) if index == 0]
-            node.strategies = placeholder_strategies(meta, ctx.mesh.shape, extra)
+            node.strategies = placeholder_strategies(meta, ctx.mesh.chunks, extra)
             node.costs = leaf_costs(node, ctx)
         for s in node.dim_strategies:
             for k, p in enumerate(s.inputs):
