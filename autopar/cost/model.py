@@ -15,6 +15,7 @@ from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_tim
                                       grad_placement_at_producer, reshard)
 from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, random_draw_time, rank_flops, roofline_time,
                                   with_fixed_cost)
+from autopar.cost.moe import compute_factor
 from autopar.cost.offload import offloaded_parameter
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements
 from autopar.cost.precision import Precision
@@ -117,7 +118,7 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     saved = ctx.train if saved is None else saved
     mesh = ctx.mesh
     ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
-    flops = rank_flops(call, strategy, ways)
+    flops = rank_flops(call, strategy, ways) * compute_factor(call, strategy, mesh)  # the busiest expert rank
     placements = [*strategy.inputs, *strategy.outputs]
     # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
     nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,
