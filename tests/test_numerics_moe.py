@@ -138,18 +138,20 @@ def train_hf_on_rank(rank: int, world: int, experts_implementation: str | None, 
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("dp",))
     ops = {n.op for n in pm.plan.nodes}
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
-            "grouped_mm": "transformers.grouped_mm_fallback.default" in ops}
+            "moe_experts": "autopar.moe_experts.default" in ops}
 
 
 @pytest.mark.parametrize("experts_implementation", [None, "batched_mm"], ids=["default", "batched_mm"])
 def test_hf_mixtral_matches_single_device(experts_implementation: str | None) -> None:
     """The default experts run as transformers' opaque grouped-matmul op under torch.export
-    (``torch._grouped_mm`` has no fp32 meta kernel); ``batched_mm`` as index + bmm."""
+    (``torch._grouped_mm`` has no fp32 meta kernel), the whole sorted region captured as one
+    ``autopar::moe_experts`` op (``capture.moe_region``), each dp rank sorting its own tokens;
+    ``batched_mm`` as index + bmm."""
     ref = reference(lambda: build_hf_mixtral(experts_implementation))
     assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
     results = run_checked(train_hf_on_rank, (2,), experts_implementation, ref)
     assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
-    assert results[0]["grouped_mm"] == (experts_implementation is None)
+    assert results[0]["moe_experts"] == (experts_implementation is None)
     assert any(r["ran"] for r in results)
 
 

@@ -305,6 +305,9 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
             for phase, call, data_dependent in moe_collectives(node.call, chosen[name], ctx.mesh, ctx.precision,
                                                                ctx.train):
                 ledger.record(call, phase, name, name, node.module, step_repeats(ctx), data_dependent=data_dependent)
+                if phase == "forward" and node.recompute:  # no policy keeps the op: its block's replay runs it
+                    ledger.record(call, "recompute", name, name, node.module, step_repeats(ctx),
+                                  data_dependent=data_dependent)
     return held, regathered, unwaited
 
 
