@@ -155,22 +155,22 @@ def test_hf_mixtral_matches_single_device(experts_implementation: str | None) ->
     assert any(r["ran"] for r in results)
 
 
-def build_hf_mixtral_ep(top_k: int = 2) -> Any:
+def build_hf_mixtral_ep(top_k: int = 2, intermediate: int = 512) -> Any:
     """HF Mixtral with its default (grouped_mm) experts, wide enough (16 experts of 512) that splitting
-    them by expert pays on the cpu profile; dropout off (``eval``)."""
+    them by expert pays on the cpu profile (of 1024: splitting their F on tp as well); dropout off (``eval``)."""
     model, inputs, loss_fn, targets = hf_models.build_mixtral_step(
-        batch=8, hidden=64, heads=4, kv_heads=2, intermediate=512, vocab=64, seq=16, experts=16, top_k=top_k)
+        batch=8, hidden=64, heads=4, kv_heads=2, intermediate=intermediate, vocab=64, seq=16, experts=16, top_k=top_k)
     model.eval()
     return model, inputs, loss_fn, targets
 
 
-HF_EP_CASES = [(EP, 2), (DP_EP, 2)]
+HF_EP_CASES = [(EP, 2), (DP_EP, 2), (EP_TP, 2)]
 
 
 def train_hf_ep_on_rank(rank: int, world: int, case: tuple[Any, int], ref: Reference) -> dict[str, Any]:
     (shape, names), top_k = case
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model, inputs, loss_fn, targets = build_hf_mixtral_ep(top_k)
+    model, inputs, loss_fn, targets = build_hf_mixtral_ep(top_k, 1024 if "tp" in names else 512)
     data_axes = tuple(a for a in names if a in ("dp", "ep"))
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
                          expert_axes=("ep",))
@@ -186,7 +186,7 @@ def test_hf_mixtral_expert_parallel_matches_single_device(case: tuple[Any, int])
     all-to-alls (``runtime.moe``); loss, every gradient (router included) and the parameters after
     3 AdamW steps are the single device's, and the all-to-alls that ran are the planned ones."""
     (_, names), top_k = case
-    ref = reference(lambda: build_hf_mixtral_ep(top_k))
+    ref = reference(lambda: build_hf_mixtral_ep(top_k, 1024 if "tp" in names else 512))
     assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
     results = run_checked(train_hf_ep_on_rank, case[0][0], case, ref)
     assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
@@ -195,3 +195,6 @@ def test_hf_mixtral_expert_parallel_matches_single_device(case: tuple[Any, int])
     assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= set(results[0]["dispatch"])
     if "dp" in names:  # dp2ep: experts replicated on dp
         assert all(parse_placements(p)[names.index("dp")] == Replicate() for p in results[0]["experts"].values())
+    if "tp" in names:  # tensor parallel inside the experts: gate and up each split on F (strided), down on F
+        placed = {k.rsplit(".", 1)[1]: v for k, v in results[0]["experts"].items()}
+        assert placed == {"gate_up_proj": "S(0)S(1/2)", "down_proj": "S(0)S(2)"}, results[0]["experts"]
