@@ -155,22 +155,49 @@ def test_hf_mixtral_matches_single_device(experts_implementation: str | None) ->
     assert any(r["ran"] for r in results)
 
 
-def build_hf_mixtral_ep(top_k: int = 2, intermediate: int = 512) -> Any:
+AUX_LOSS_COEF = 0.1
+
+
+def build_hf_mixtral_ep(top_k: int = 2, intermediate: int = 512, aux_loss: bool = False) -> Any:
     """HF Mixtral with its default (grouped_mm) experts, wide enough (16 experts of 512) that splitting
-    them by expert pays on the cpu profile (of 1024: splitting their F on tp as well); dropout off (``eval``)."""
+    them by expert pays on the cpu profile (of 1024: splitting their F on tp as well); dropout off
+    (``eval``). ``aux_loss``: the loss adds the model's load-balancing loss (``output_router_logits``:
+    HF's ``load_balancing_loss_func`` over every layer's router logits), weighted ``AUX_LOSS_COEF``."""
     model, inputs, loss_fn, targets = hf_models.build_mixtral_step(
         batch=8, hidden=64, heads=4, kv_heads=2, intermediate=intermediate, vocab=64, seq=16, experts=16, top_k=top_k)
     model.eval()
-    return model, inputs, loss_fn, targets
+    model.config.output_router_logits = aux_loss
+    return model, inputs, with_aux_loss if aux_loss else loss_fn, targets
 
 
-HF_EP_CASES = [(EP, 2), (DP_EP, 2), (EP_TP, 2)]
+def with_aux_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """The LM loss plus the router's load-balancing loss, as HF's own loss with ``labels=`` adds it
+    (there in place, ``loss += coef * aux_loss``, which the planner cannot yet place on a data axis:
+    the batch-split mean loss is Partial and the in-place add must keep that)."""
+    return hf_models.causal_lm_loss(output, targets) + AUX_LOSS_COEF * output.aux_loss
 
 
-def train_hf_ep_on_rank(rank: int, world: int, case: tuple[Any, int], ref: Reference) -> dict[str, Any]:
-    (shape, names), top_k = case
+@dataclass(frozen=True)
+class HfCase:
+    mesh: tuple[tuple[int, ...], tuple[str, ...]]
+    top_k: int
+    aux_loss: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{'x'.join(self.mesh[1])}-top{self.top_k}{'-aux' if self.aux_loss else ''}"
+
+    def build(self) -> Any:
+        return build_hf_mixtral_ep(self.top_k, 1024 if "tp" in self.mesh[1] else 512, self.aux_loss)
+
+
+HF_EP_CASES = [HfCase(EP, 2), HfCase(EP, 1, aux_loss=True), HfCase(DP_EP, 2), HfCase(EP_TP, 2)]
+
+
+def train_hf_ep_on_rank(rank: int, world: int, case: HfCase, ref: Reference) -> dict[str, Any]:
+    shape, names = case.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model, inputs, loss_fn, targets = build_hf_mixtral_ep(top_k, 1024 if "tp" in names else 512)
+    model, inputs, loss_fn, targets = case.build()
     data_axes = tuple(a for a in names if a in ("dp", "ep"))
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
                          expert_axes=("ep",))
@@ -179,16 +206,23 @@ def train_hf_ep_on_rank(rank: int, world: int, case: tuple[Any, int], ref: Refer
             "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if c.data_dependent})}
 
 
-@pytest.mark.parametrize("case", HF_EP_CASES, ids=[f"{'x'.join(c[0][1])}-top{c[1]}" for c in HF_EP_CASES])
-def test_hf_mixtral_expert_parallel_matches_single_device(case: tuple[Any, int]) -> None:
+@pytest.mark.parametrize("case", HF_EP_CASES, ids=[c.id for c in HF_EP_CASES])
+def test_hf_mixtral_expert_parallel_matches_single_device(case: HfCase) -> None:
     """HF Mixtral's default experts (captured as one ``autopar::moe_experts`` op) split by expert on
     ep: each rank's (token, choice) pairs go to their experts' ranks and back by variable-split
     all-to-alls (``runtime.moe``); loss, every gradient (router included) and the parameters after
-    3 AdamW steps are the single device's, and the all-to-alls that ran are the planned ones."""
-    (_, names), top_k = case
-    ref = reference(lambda: build_hf_mixtral_ep(top_k, 1024 if "tp" in names else 512))
+    3 AdamW steps are the single device's, and the all-to-alls that ran are the planned ones. With
+    ``aux_loss`` the loss includes HF's load-balancing loss, computed from the router's logits beside
+    the expert layer (the router's gradient then has both terms)."""
+    names = case.mesh[1]
+    ref = reference(case.build)
     assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
-    results = run_checked(train_hf_ep_on_rank, case[0][0], case, ref)
+    if case.aux_loss:  # the case checks nothing unless the loss includes the aux loss
+        model, inputs, _, _ = case.build()
+        with torch.no_grad():
+            aux = model(*inputs).aux_loss
+        assert aux is not None and float(aux) > 1.0  # about 1 at balance (times top_k): it weighs in
+    results = run_checked(train_hf_ep_on_rank, case.mesh[0], case, ref)
     assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
     split = names.index("ep")
     assert all(parse_placements(p)[split] == Shard(0) for p in results[0]["experts"].values()), results[0]["experts"]
