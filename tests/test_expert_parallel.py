@@ -4,6 +4,7 @@ and backward) when that beats replicated experts. Training exactly: ``test_numer
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -12,10 +13,11 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar.api import prepare_step
 from autopar.errors import InputError
+from autopar.hardware import get_profile
 from autopar.rules.strategy import parse_placements
 from autopar.solver.constraints import expert_parameters
 from autopar.solver.nodes import PARAM
-from examples import llama, moe
+from examples import hf_models, llama, moe
 
 EP4 = autopar.Mesh({"ep": 4}, "h100")
 
@@ -106,3 +108,38 @@ def test_dp2ep_syncs_expert_gradients_over_dp_only() -> None:
     assert expert_nodes <= synced[0] and not expert_nodes & synced[1], synced
     assert synced[0] - synced[1] - expert_nodes <= {"p_model_output_weight"}, synced
     assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+def wide_mixtral() -> Any:
+    """HF Mixtral with its default experts (captured as one ``autopar::moe_experts`` op), 2 layers of
+    8 experts (H 1024, F 4096), top-2, 8 x 512 tokens, on the meta device."""
+    return hf_models.build_mixtral_step(batch=8, layers=2, hidden=1024, heads=8, kv_heads=2, intermediate=4096,
+                                        vocab=1024, seq=512, experts=8, top_k=2, device="meta")
+
+
+def test_wide_hf_mixtral_plans_expert_parallel_with_variable_all_to_alls(imbalance: float = 1.2) -> None:
+    """On ep=4 the wide HF Mixtral's experts split by expert: per layer and step, the counts (8 int64s)
+    and two row all-to-alls forward (dispatch, combine) and two backward, each of the busiest rank's
+    rows, ``moe_imbalance`` times k * T_local * H bf16 bytes (data dependent: the runtime's differ),
+    priced by the ring formula; the ILP's objective is the predicted step, faster than replicated
+    experts' (the profile's imbalance set to 1.2, not its default, to see it priced)."""
+    hardware = dataclasses.replace(get_profile("h100"), moe_imbalance=imbalance)
+    mesh = autopar.Mesh({"ep": 4}, hardware)
+    model, inputs, loss_fn, targets = wide_mixtral()
+    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",),
+                        expert_axes=("ep",))
+    assert {v for k, v in plan.parameters.items() if ".experts." in k} == {"S(0)"}
+    rows = int(imbalance * 2 * (8 * 512 // 4) * 1024 * 2)
+    link, n = mesh.link(0), 4
+    for layer in (0, 1):
+        calls = [c for c in plan.collectives if c.module == f"model.layers.{layer}.mlp.experts"]
+        assert sorted((c.phase, c.kind, c.bytes, c.data_dependent) for c in calls) == [
+            ("backward", "all_to_all", rows, True)] * 2 + [("forward", "all_to_all", 64, False)] + [
+            ("forward", "all_to_all", rows, True)] * 2
+        for c in calls:
+            by_hand = mesh.hardware.collective_overhead + (n - 1) * link.latency + (n - 1) / n * c.bytes / link.bandwidth
+            assert c.time_s == pytest.approx(by_hand, rel=1e-9)
+    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    dense = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",))
+    assert {v for k, v in dense.parameters.items() if ".experts." in k} == {"R"}
+    assert plan.predicted.step_time_s < dense.predicted.step_time_s
