@@ -137,7 +137,8 @@ def test_wide_hf_mixtral_plans_expert_parallel_with_variable_all_to_alls(imbalan
             ("backward", "all_to_all", rows, True)] * 2 + [("forward", "all_to_all", 64, False)] + [
             ("forward", "all_to_all", rows, True)] * 2
         for c in calls:
-            by_hand = mesh.hardware.collective_overhead + (n - 1) * link.latency + (n - 1) / n * c.bytes / link.bandwidth
+            by_hand = (mesh.hardware.collective_overhead + (n - 1) * link.latency
+                       + (n - 1) / n * c.bytes / link.bandwidth)
             assert c.time_s == pytest.approx(by_hand, rel=1e-9)
     assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     dense = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",))

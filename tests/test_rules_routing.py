@@ -130,7 +130,8 @@ def _moe_case() -> OpCase:
     pytest.importorskip("transformers.integrations.moe")
     ids = torch.rand(8, 4, generator=_GEN).argsort(dim=1)[:, :2]  # distinct experts per token, as top-k
     weights = torch.rand(8, 2, generator=_GEN, dtype=torch.float64)
-    return case(MOE_EXPERTS, f64(8, 16), ids, weights, f64(4, 16, 16), f64(4, 16, 8), "transformers::grouped_mm_fallback")
+    return case(MOE_EXPERTS, f64(8, 16), ids, weights, f64(4, 16, 16), f64(4, 16, 8),
+                "transformers::grouped_mm_fallback")
 
 
 def test_moe_experts_rule_local_strategies_match_the_whole_layer() -> None:

@@ -23,6 +23,7 @@ per-op rules plan it (its tokens gathered on a data axis: correct, without exper
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,11 +89,25 @@ def _weight(transposed: Any) -> torch.fx.Node:
     return node.args[0]
 
 
-def _match(sort: torch.fx.Node) -> tuple[tuple[torch.fx.Node, ...], str, torch.fx.Node, set[torch.fx.Node]]:
-    """The region around ``sort``: (x, ids, weights, gate_up, down), the grouped matmul's name,
-    the region's output node and its nodes; raises ``_NoMatch`` when it differs."""
-    ids_flat = _op(sort.args[0], aten.reshape.default, aten.view.default)
-    ids = ids_flat.args[0]
+@dataclass
+class _Dispatch:
+    """The routing half of a region: what sorting the pairs made."""
+
+    x: torch.fx.Node
+    ids: torch.fx.Node
+    weights: torch.fx.Node
+    rows: torch.fx.Node
+    w_sorted: torch.fx.Node
+    inverse: torch.fx.Node
+    offs: torch.fx.Node
+    experts: int
+    made: tuple[torch.fx.Node, ...]
+    """Nodes that only feed the inverse permutation (``empty_like``, ``arange``)."""
+
+
+def _dispatch(sort: torch.fx.Node) -> _Dispatch:
+    """The sort of the flat expert ids, the gathers it keys and the group offsets; no match otherwise."""
+    ids = _op(sort.args[0], aten.reshape.default, aten.view.default).args[0]
     if ids.meta["val"].ndim != 2 or ids.meta["val"].dtype.is_floating_point:
         raise _NoMatch
     tokens, k = ids.meta["val"].shape
@@ -104,24 +119,29 @@ def _match(sort: torch.fx.Node) -> tuple[tuple[torch.fx.Node, ...], str, torch.f
     if pair_token.args[1] != k:
         raise _NoMatch
     rows = _only_user(pair_token, aten.index.Tensor)
-    x = rows.args[0]
     w_sorted = _op(by_target.get(aten.index.Tensor), aten.index.Tensor)
-    w_flat = _op(w_sorted.args[0], aten.reshape.default, aten.view.default)
+    weights = _op(w_sorted.args[0], aten.reshape.default, aten.view.default).args[0]
     inverse = _op(by_target.get(aten.index_put_.default), aten.index_put_.default)
-    empty = _op(inverse.args[0], aten.empty_like.default)
-    arange = _op(inverse.args[2], aten.arange.default)
+    made = (_op(inverse.args[0], aten.empty_like.default), _op(inverse.args[2], aten.arange.default))
     histc = _only_user(_only_user(sorted_ids, aten.to.dtype), aten.histc.default)
-    experts = histc.args[1]
-    offs = _only_user(histc, aten.cumsum.default)
-    up_mm, down_mm = sorted(offs.users, key=lambda n: n.meta["val"].shape[-1], reverse=True) \
-        if len(offs.users) == 2 else (None, None)
-    if up_mm is None:
+    x = rows.args[0]
+    if weights.meta["val"].shape != (tokens, k) or x.meta["val"].shape[0] != tokens:
         raise _NoMatch
+    return _Dispatch(x, ids, weights, rows, w_sorted, inverse, _only_user(histc, aten.cumsum.default),
+                     histc.args[1], made)
+
+
+def _experts(d: _Dispatch) -> tuple[str, torch.fx.Node, torch.fx.Node, torch.fx.Node]:
+    """The SwiGLU of grouped matmuls on the sorted rows: (grouped matmul's name, gate_up, down,
+    the down projection's node); no match otherwise."""
+    if len(d.offs.users) != 2:
+        raise _NoMatch
+    up_mm, down_mm = sorted(d.offs.users, key=lambda n: n.meta["val"].shape[-1], reverse=True)
     name = _grouped_mm_name(up_mm)
-    if _grouped_mm_name(down_mm) != name or _uncast(up_mm.args[0]) is not rows or up_mm.args[2] is not offs:
+    if _grouped_mm_name(down_mm) != name or _uncast(up_mm.args[0]) is not d.rows or up_mm.args[2] is not d.offs:
         raise _NoMatch
     gate_up, down = _weight(up_mm.args[1]), _weight(down_mm.args[1])
-    if gate_up.meta["val"].shape[0] != experts or down.meta["val"].shape[0] != experts:
+    if gate_up.meta["val"].shape[0] != d.experts or down.meta["val"].shape[0] != d.experts:
         raise _NoMatch
     chunk = _only_user(up_mm, aten.chunk.default)
     if tuple(chunk.args[1:]) not in ((2, -1), (2, 1)):
@@ -129,27 +149,36 @@ def _match(sort: torch.fx.Node) -> tuple[tuple[torch.fx.Node, ...], str, torch.f
     gate, up = _getitem(chunk, 0), _getitem(chunk, 1)
     silu = _only_user(gate, aten.silu.default)
     glu = _only_user(silu, aten.mul.Tensor)
-    if glu.args != (silu, up) or _uncast(down_mm.args[0]) is not glu or down_mm.args[2] is not offs:
+    if glu.args != (silu, up) or _uncast(down_mm.args[0]) is not glu or down_mm.args[2] is not d.offs:
         raise _NoMatch
+    return name, gate_up, down, down_mm
+
+
+def _combine(d: _Dispatch, down_mm: torch.fx.Node) -> torch.fx.Node:
+    """The weighting, unsort and sum over choices after the experts: the region's output node."""
     weighted = _only_user(down_mm, aten.mul.Tensor)
     scale = _op(weighted.args[1], aten.unsqueeze.default)
-    if scale.args[0] is not w_sorted:
-        raise _NoMatch
     unsorted = _only_user(weighted, aten.index.Tensor)
-    if list(unsorted.args[1]) != [inverse]:
+    if scale.args[0] is not d.w_sorted or list(unsorted.args[1]) != [d.inverse]:
         raise _NoMatch
     summed = _only_user(_only_user(unsorted, aten.view.default, aten.reshape.default), aten.sum.dim_IntList)
-    if list(summed.args[1]) != [1] or summed.meta["val"].shape != x.meta["val"].shape:
+    if list(summed.args[1]) != [1] or summed.meta["val"].shape != d.x.meta["val"].shape:
         raise _NoMatch
     out = summed
     while len(out.users) == 1 and next(iter(out.users)).target is aten.to.dtype:
         out = next(iter(out.users))
     _uncast(out)
-    inputs = (x, ids, w_flat.args[0], gate_up, down)
-    if w_flat.args[0].meta["val"].shape != (tokens, k) or x.meta["val"].shape[0] != tokens:
-        raise _NoMatch
-    region = _between(inputs, out) | {empty, arange}
-    return inputs, name, out, region
+    return out
+
+
+def _match(sort: torch.fx.Node) -> tuple[tuple[torch.fx.Node, ...], str, torch.fx.Node, set[torch.fx.Node]]:
+    """The region around ``sort``: (x, ids, weights, gate_up, down), the grouped matmul's name,
+    the region's output node and its nodes; raises ``_NoMatch`` when it differs."""
+    d = _dispatch(sort)
+    name, gate_up, down, down_mm = _experts(d)
+    out = _combine(d, down_mm)
+    inputs = (d.x, d.ids, d.weights, gate_up, down)
+    return inputs, name, out, _between(inputs, out) | set(d.made)
 
 
 def _between(inputs: tuple[torch.fx.Node, ...], out: torch.fx.Node) -> set[torch.fx.Node]:

@@ -157,9 +157,10 @@ def moe_experts_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     ``gate_up (E, 2F, H)``, ``down (E, H, F)`` -> ``(T, H)``. Each token's output depends on its own
     rows alone, so the tokens split (each rank sorts its own pairs), with every expert on every
     rank, or with the experts split alike (expert parallelism: pairs travel to their expert's
-    rank and back by variable-split all-to-alls, ``runtime.moe``, on one mesh dim at most: ``exclusive``). Inside the experts, ``F`` splits as a
-    column-parallel then row-parallel pair, Partial: gate and up are stacked along ``2F``, so
-    ``gate_up`` splits strided (each rank its slice of gate and of up, ``chunk(2)`` local)."""
+    rank and back by variable-split all-to-alls, ``runtime.moe``, on one mesh dim at most:
+    ``exclusive``). Inside the experts, ``F`` splits as a column-parallel then row-parallel
+    pair, Partial: gate and up are stacked along ``2F``, so ``gate_up`` splits strided (each
+    rank its slice of gate and of up, ``chunk(2)`` local)."""
     x, ids, weights, gate_up, down = call.tensor_inputs
     if x.ndim != 2 or ids.shape != weights.shape or gate_up.ndim != 3 or down.ndim != 3:
         return Unhandled("not the (T, H) tokens and (T, k) routing of capture.moe_region")

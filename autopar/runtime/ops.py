@@ -44,7 +44,8 @@ from autopar.rules.strategy import parse_placements
 
 DATA_DEPENDENT = -1
 """The bytes logged for a collective whose size depends on the data (an expert-parallel layer's
-row all-to-alls, ``runtime.moe``); the plan lists those at their expected size (``PlannedCollective.data_dependent``)."""
+row all-to-alls, ``runtime.moe``); the plan lists those at their expected size
+(``PlannedCollective.data_dependent``)."""
 
 
 @dataclass
