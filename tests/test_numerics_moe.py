@@ -182,17 +182,21 @@ class HfCase:
     mesh: tuple[tuple[int, ...], tuple[str, ...]]
     top_k: int
     aux_loss: bool = False
+    checkpoint: str | None = None
+    """Pinned activation checkpointing: the expert layer's all-to-alls run again in backward."""
 
     @property
     def id(self) -> str:
-        return f"{'x'.join(self.mesh[1])}-top{self.top_k}{'-aux' if self.aux_loss else ''}"
+        extra = ("-aux" if self.aux_loss else "") + (f"-{self.checkpoint}" if self.checkpoint else "")
+        return f"{'x'.join(self.mesh[1])}-top{self.top_k}{extra}"
 
     def build(self) -> Any:
         return build_hf_mixtral_ep(self.top_k, 1024 if "tp" in self.mesh[1] else 512, self.aux_loss)
 
 
-HF_EP_CASES = [HfCase(EP, 2, aux_loss=True), HfCase(DP_EP, 1), HfCase(EP_TP, 2)]
-"""Top-2 and top-1, the load-balancing loss, dp2ep and TP inside the experts, in three cases (CI time)."""
+HF_EP_CASES = [HfCase(EP, 2, aux_loss=True, checkpoint="selective"), HfCase(DP_EP, 1), HfCase(EP_TP, 2)]
+"""Top-2 and top-1, the load-balancing loss, checkpointing, dp2ep and TP inside the experts, in three
+cases (CI time)."""
 
 
 def train_hf_ep_on_rank(rank: int, world: int, case: HfCase, ref: Reference) -> dict[str, Any]:
@@ -201,7 +205,7 @@ def train_hf_ep_on_rank(rank: int, world: int, case: HfCase, ref: Reference) -> 
     model, inputs, loss_fn, targets = case.build()
     data_axes = tuple(a for a in names if a in ("dp", "ep"))
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
-                         expert_axes=("ep",))
+                         expert_axes=("ep",), checkpoint=case.checkpoint)
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
             "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if c.data_dependent})}
@@ -212,7 +216,8 @@ def test_hf_mixtral_expert_parallel_matches_single_device(case: HfCase) -> None:
     """HF Mixtral's default experts (captured as one ``autopar::moe_experts`` op) split by expert on
     ep: each rank's (token, choice) pairs go to their experts' ranks and back by variable-split
     all-to-alls (``runtime.moe``); loss, every gradient (router included) and the parameters after
-    3 AdamW steps are the single device's, and the all-to-alls that ran are the planned ones. With
+    3 AdamW steps are the single device's, and the all-to-alls that ran are the planned ones (with
+    checkpointing, those of the replay too). With
     ``aux_loss`` the loss includes HF's load-balancing loss, computed from the router's logits beside
     the expert layer (the router's gradient then has both terms)."""
     names = case.mesh[1]
@@ -228,6 +233,9 @@ def test_hf_mixtral_expert_parallel_matches_single_device(case: HfCase) -> None:
     split = names.index("ep")
     assert all(parse_placements(p)[split] == Shard(0) for p in results[0]["experts"].values()), results[0]["experts"]
     assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= set(results[0]["dispatch"])
+    if case.checkpoint:  # the blocks' replay runs the counts, dispatch and combine again (and the plan says so)
+        assert ("all_to_all", "ep", "recompute") in results[0]["dispatch"]
+        assert {k for (_, k, _, _), _ in results[0]["recomputed"]} == {"all_to_all"}
     if "dp" in names:  # dp2ep: experts replicated on dp
         assert all(parse_placements(p)[names.index("dp")] == Replicate() for p in results[0]["experts"].values())
     if "tp" in names:  # tensor parallel inside the experts: gate and up each split on F (strided), down on F
