@@ -144,3 +144,54 @@ def test_wide_hf_mixtral_plans_expert_parallel_with_variable_all_to_alls(imbalan
     dense = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",))
     assert {v for k, v in dense.parameters.items() if ".experts." in k} == {"R"}
     assert plan.predicted.step_time_s < dense.predicted.step_time_s
+
+
+def _dispatch_on_rank(rank: int, world: int, bad_id: bool) -> Any:
+    """``runtime.moe.ExpertDispatch`` on this rank's 8 of 16 tokens and 2 of 4 experts, against the
+    one-device op on everything: output, gradients of the tokens, router weights and expert weights,
+    and the collectives logged; with ``bad_id`` rank 1 routes a token to expert 7 (of 4)."""
+    import torch
+    import transformers.integrations.moe  # noqa: F401 - registers transformers::grouped_mm_fallback
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.capture.moe import MOE_EXPERTS
+    from autopar.runtime.moe import ExpertDispatch
+    from autopar.runtime.ops import CollectiveLog, Comm
+
+    comm = Comm(init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+    comm.log = CollectiveLog()
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(16, 8, generator=gen), torch.rand(16, 2, generator=gen),
+               torch.randn(4, 16, 8, generator=gen), torch.randn(4, 8, 8, generator=gen)]
+    ids = torch.rand(16, 4, generator=gen).argsort(dim=1)[:, :2]
+    full = [t.clone().requires_grad_() for t in tensors]
+    x, w, gate_up, down = full
+    MOE_EXPERTS(x, ids, w, gate_up, down, "transformers::grouped_mm_fallback").sum().backward()
+    if bad_id and rank == 1:
+        ids[8, 0] = 7
+    tokens, experts = slice(8 * rank, 8 * rank + 8), slice(2 * rank, 2 * rank + 2)
+    local = [t[tokens].clone().requires_grad_() for t in tensors[:2]] + \
+        [t[experts].clone().requires_grad_() for t in tensors[2:]]
+    try:
+        out = ExpertDispatch(comm)(local[0], ids[tokens], local[1], *local[2:], "transformers::grouped_mm_fallback", 0)
+    except ValueError as exc:
+        return str(exc)
+    out.sum().backward()
+    wanted = [f.grad[tokens] for f in full[:2]] + [f.grad[experts] for f in full[2:]]
+    errors = [float((a.grad - b).abs().max() / b.abs().max()) for a, b in zip(local, wanted)]  # relative
+    return errors, comm.log.entries
+
+
+def test_expert_dispatch_matches_one_device_and_refuses_bad_ids_on_every_rank() -> None:
+    """Two ranks, each with its tokens and its experts, compute what one device computes, gradients
+    too (the all-to-alls' backward is the reverse all-to-all); they log the counts all-to-all (4
+    int64s) and the rows' dispatch and combine (data-dependent bytes) forward and backward. An expert
+    id out of range on one rank is refused on both (the other would wait for it in the all-to-all)."""
+    from autopar.runtime.forked import run_ranks
+    from autopar.runtime.ops import DATA_DEPENDENT
+
+    for errors, log in run_ranks(_dispatch_on_rank, 2, False):
+        assert max(errors) < 1e-6, errors  # fp32: the weight gradients sum their rows in another order
+        assert sorted(log) == sorted([("forward", "all_to_all", 0, 32)] + [
+            (p, "all_to_all", 0, DATA_DEPENDENT) for p in ("forward", "forward", "backward", "backward")])
+    assert all("expert id outside [0, 4)" in r for r in run_ranks(_dispatch_on_rank, 2, True))

@@ -73,11 +73,16 @@ class ExpertDispatch(nn.Module):
         local expert ``(n, E_l)`` (int64)."""
         n = self.comm.mesh.size(mesh_dim)
         with torch.no_grad():
-            counts = torch.bincount(sorted_ids, minlength=experts)
-            if counts.numel() != experts:
-                raise ValueError(f"expert ids reach {counts.numel() - 1}, but the layer has {experts} experts")
+            valid = bool(((sorted_ids >= 0) & (sorted_ids < experts)).all())
+            # an id out of range is sent as counts of -1, so that every rank raises, not one alone
+            # (the others would wait in the rows' all-to-all for it)
+            counts = torch.bincount(sorted_ids, minlength=experts) if valid else \
+                torch.full((experts,), -1, dtype=torch.int64, device=sorted_ids.device)
             self.comm.record_bytes("forward", ALL_TO_ALL, mesh_dim, counts.numel() * counts.element_size())
             received = fc.wait_tensor(fc.all_to_all_single(counts, None, None, (self.comm.mesh, mesh_dim)))
+        if not valid or bool((received < 0).any()):
+            raise ValueError(f"an expert id outside [0, {experts}) on some rank of mesh dim {mesh_dim}: the router "
+                             "must choose among the layer's experts")
         return counts, received.view(n, experts // n)
 
     def _all_to_all(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
