@@ -1,9 +1,9 @@
 """What a dropless expert layer (``autopar::moe_experts``, ``capture.moe``) costs beyond its
 roofline: under expert parallelism its all-to-alls, and the load imbalance of its experts.
 
-The one place these are priced: the ILP (a strategy's own communication, ``solver.graph``),
-the plan's collectives and prediction (``solver.plan``) and the op's compute (``cost.model``)
-all call here.
+The one place these are priced: the ILP (a strategy's own communication, ``solver.graph``, and
+a checkpointed block's replay of it, ``solver.recompute``), the plan's collectives and prediction
+(``solver.plan``) and the op's compute and kept rows (``cost.model``) all call here.
 
 Expert parallelism on mesh dim ``d`` of ``n`` ranks (``runtime.moe``), per rank and layer, with
 ``T_l`` local tokens, ``k`` choices, hidden size ``H`` and ``f`` = ``HardwareProfile.moe_imbalance``:
@@ -73,6 +73,14 @@ def compute_factor(call: OpCall, strategy: Strategy, mesh: Mesh) -> float:
     return mesh.hardware.moe_imbalance
 
 
+def pair_share(call: OpCall, strategy: Strategy, mesh: Mesh) -> float:
+    """The share of the layer's (token, expert) pairs a rank computes, and so of the rows it keeps
+    for backward (the gathered tokens, the SwiGLU's intermediates): its tokens' share, times the
+    imbalance where the experts are split (the busiest rank's pairs)."""
+    ids = call.tensor_inputs[1]
+    return local_numel(ids, strategy.inputs[1], mesh.shape) / ids.numel * compute_factor(call, strategy, mesh)
+
+
 def moe_collectives(call: OpCall, strategy: Strategy, mesh: Mesh, precision: Precision, train: bool
                     ) -> list[MoeCollective]:
     """Every collective one run of the op makes on a rank under ``strategy``
@@ -94,5 +102,5 @@ def moe_collectives(call: OpCall, strategy: Strategy, mesh: Mesh, precision: Pre
     return forward + [MoeCollective("backward", moved, True)] * (2 if train else 0)
 
 
-__all__ = ["COUNT_BYTES", "MoeCollective", "compute_factor", "expert_dims", "is_moe", "moe_collectives",
+__all__ = ["COUNT_BYTES", "MoeCollective", "compute_factor", "expert_dims", "is_moe", "moe_collectives", "pair_share",
            "moe_flops"]
