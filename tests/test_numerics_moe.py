@@ -161,20 +161,17 @@ AUX_LOSS_COEF = 0.1
 def build_hf_mixtral_ep(top_k: int = 2, intermediate: int = 512, aux_loss: bool = False) -> Any:
     """HF Mixtral with its default (grouped_mm) experts, wide enough (16 experts of 512) that splitting
     them by expert pays on the cpu profile (of 1024: splitting their F on tp as well); dropout off
-    (``eval``). ``aux_loss``: the loss adds the model's load-balancing loss (``output_router_logits``:
-    HF's ``load_balancing_loss_func`` over every layer's router logits), weighted ``AUX_LOSS_COEF``."""
-    model, inputs, loss_fn, targets = hf_models.build_mixtral_step(
-        batch=8, hidden=64, heads=4, kv_heads=2, intermediate=intermediate, vocab=64, seq=16, experts=16, top_k=top_k)
+    (``eval``). ``aux_loss``: the model computes its own loss (``labels=``): the LM loss plus, in place
+    (``loss += coef * aux_loss``), its load-balancing loss over every layer's router logits
+    (``output_router_logits``), weighted ``AUX_LOSS_COEF``; then ``(model, inputs, None, (), kwargs)``."""
+    sizes: dict[str, Any] = dict(batch=8, hidden=64, heads=4, kv_heads=2, intermediate=intermediate, vocab=64,
+                                 seq=16, experts=16, top_k=top_k)
+    example = hf_models.build_mixtral(**sizes) if aux_loss else hf_models.build_mixtral_step(**sizes)
+    model = example[0]
     model.eval()
     model.config.output_router_logits = aux_loss
-    return model, inputs, with_aux_loss if aux_loss else loss_fn, targets
-
-
-def with_aux_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """The LM loss plus the router's load-balancing loss, as HF's own loss with ``labels=`` adds it
-    (there in place, ``loss += coef * aux_loss``, which the planner cannot yet place on a data axis:
-    the batch-split mean loss is Partial and the in-place add must keep that)."""
-    return hf_models.causal_lm_loss(output, targets) + AUX_LOSS_COEF * output.aux_loss
+    model.router_aux_loss_coef = AUX_LOSS_COEF
+    return example
 
 
 @dataclass(frozen=True)
@@ -202,11 +199,12 @@ cases (CI time)."""
 def train_hf_ep_on_rank(rank: int, world: int, case: HfCase, ref: Reference) -> dict[str, Any]:
     shape, names = case.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model, inputs, loss_fn, targets = case.build()
+    model, inputs, loss_fn, targets, *rest = case.build()
+    kwargs = rest[0] if rest else {}
     data_axes = tuple(a for a in names if a in ("dp", "ep"))
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
-                         expert_axes=("ep",), checkpoint=case.checkpoint)
-    return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
+                         data_axes=data_axes, expert_axes=("ep",), checkpoint=case.checkpoint)
+    return {**run_compiled(pm, (*inputs, *targets), ref, kwargs=kwargs), "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
             "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if c.data_dependent})}
 
@@ -224,10 +222,12 @@ def test_hf_mixtral_expert_parallel_matches_single_device(case: HfCase) -> None:
     ref = reference(case.build)
     assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
     if case.aux_loss:  # the case checks nothing unless the loss includes the aux loss
-        model, inputs, _, _ = case.build()
+        model, inputs, _, _, kwargs = case.build()
         with torch.no_grad():
-            aux = model(*inputs).aux_loss
-        assert aux is not None and float(aux) > 1.0  # about 1 at balance (times top_k): it weighs in
+            out = model(*inputs, **kwargs)
+        lm = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), inputs[0][:, 1:].flatten())
+        assert float(out.aux_loss) > 1.0  # about top_k at balance: it weighs in
+        assert float(out.loss) == pytest.approx(float(lm + AUX_LOSS_COEF * out.aux_loss), rel=1e-5)
     results = run_checked(train_hf_ep_on_rank, case.mesh[0], case, ref)
     assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
     split = names.index("ep")
