@@ -14,7 +14,8 @@ experts, no bias, weights not transposed), as torch.export captures it::
     inv = index_put_(empty_like(perm), [perm], arange(n))
     y = sum(view(index(mul(out, unsqueeze(w_sorted, -1)), [inv]), [T, k, H]), [1])   (then to(dtype))
 
-Every ``to`` must be a no-op (same dtype): a region that casts is left as captured. Only the
+Every ``to`` inside must be a no-op (same dtype), and the output must come back in the tokens'
+dtype (the op's last cast): a region that casts otherwise is left as captured. Only the
 nodes listed are replaced, and only when nothing outside the region reads any of them; anything
 else (another activation, biases, a post-expert norm) leaves the region as captured, where the
 per-op rules plan it (its tokens gathered on a data axis: correct, without expert parallelism).
@@ -164,10 +165,11 @@ def _combine(d: _Dispatch, down_mm: torch.fx.Node) -> torch.fx.Node:
     summed = _only_user(_only_user(unsorted, aten.view.default, aten.reshape.default), aten.sum.dim_IntList)
     if list(summed.args[1]) != [1] or summed.meta["val"].shape != d.x.meta["val"].shape:
         raise _NoMatch
-    out = summed
+    out = summed  # then casts, back to the tokens' dtype (a bf16 model sums its fp32-weighted rows in fp32)
     while len(out.users) == 1 and next(iter(out.users)).target is aten.to.dtype:
         out = next(iter(out.users))
-    _uncast(out)
+    if out.meta["val"].dtype != d.x.meta["val"].dtype:
+        raise _NoMatch
     return out
 
 
