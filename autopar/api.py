@@ -296,8 +296,9 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
     experts = expert_parameters(graph) if expert_axes else frozenset()
     if expert_axes and not experts:  # naming an expert axis that changes nothing would hide the mistake
         raise InputError(f"expert_axes {tuple(expert_axes)}: no parameter of the model is a stack of expert "
-                         "weights (used only as the batched operand of bmm, matmul or einsum over its dim 0); "
-                         "experts run by a grouped matmul or gathered per token are not split by expert yet")
+                         "weights (used only as the batched operand of bmm, matmul or einsum over its dim 0, or by a "
+                         "sorted dropless expert layer captured as autopar::moe_experts); experts gathered per "
+                         "token are not split by expert yet")
     node_pins: dict[str, Any] = {}
     pinned: dict[str, str] = {}
     if constraints:

@@ -69,6 +69,13 @@ class HardwareProfile:
     and a repeated block's prefetched parameter gathers behind the neighbouring block's
     compute (``solver.overlap``); the step pays only what exceeds this much compute (0:
     none hidden)."""
+    moe_imbalance: float = 1.3
+    """Expert parallelism's load imbalance: the busiest rank of an expert axis receives this many
+    times the mean number of (token, expert) pairs, so it sends and receives that many times the
+    mean all-to-all bytes and computes that many times the mean expert FLOPs, and the step waits
+    for it (``cost.moe``). Dropless routing bounds nothing; 1.2-1.5 is what early training
+    typically shows with a load-balancing loss (1.0: priced at expectation). Set it per profile
+    (``dataclasses.replace(profile, moe_imbalance=1.1)``)."""
     overlapped_dispatch: bool = False
     """The host dispatches ahead of the device (CUDA streams): an op takes the longer of
     its work and its fixed cost, not their sum."""

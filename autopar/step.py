@@ -147,7 +147,7 @@ class PreparedStep:
             graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
                                           for n, node in graph.nodes.items()})
         checkpointing = blocks if scenario.checkpoint_blocks is None else blocks[:scenario.checkpoint_blocks]
-        graph = checkpointed(graph, scenario.checkpoint, checkpointing if scenario.checkpoint != "none" else [])
+        graph = checkpointed(graph, scenario.checkpoint, checkpointing if scenario.checkpoint != "none" else [], ctx)
         if scenario.regather:
             graph = regathering(graph, None if scenario.regather_blocks is None else blocks[:scenario.regather_blocks])
         partly = any(k is not None and k < len(blocks) for k in (scenario.checkpoint_blocks, scenario.regather_blocks))

@@ -6,6 +6,7 @@ import ast
 import inspect
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -301,3 +302,44 @@ def test_data_dependent_sizes_are_refused_by_name() -> None:
     with pytest.raises(CaptureError, match=r"aten.where.default makes a tensor of data-dependent size u\d+"):
         capture(LoopMoE(), (torch.randn(16, 8),), loss_fn=lambda y, t: (y - t).square().mean(),
                 example_targets=(torch.randn(16, 8),))
+
+
+def _mixtral_graph(dtype: torch.dtype = torch.float32, **config: Any) -> tuple[Any, CapturedGraph]:
+    """A tiny HF Mixtral (default experts) in ``dtype`` with ``config`` overrides, and its captured step."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, vocab_size=64, max_position_embeddings=16, num_local_experts=4,
+                        num_experts_per_tok=2, use_cache=False, **config)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(cfg).to(dtype)
+    ids = torch.randint(0, 64, (2, 16))
+    return model, capture(model, (ids,), loss_fn=lambda out, t: out.logits.float().mean(), example_targets=(ids,))
+
+
+def test_hf_sorted_expert_region_is_captured_as_one_op() -> None:
+    """HF's default experts (sort, gather, two grouped matmuls, inverse permutation, sum) become one
+    ``autopar::moe_experts`` call per layer, reading the tokens, the router's choices and weights and
+    the two stacked weights, which computes what the region did; in bf16 too (compile's mixed
+    precision captures a bf16 copy: ``aten._grouped_mm``, the rows weighted and summed in fp32 and
+    cast back); a region of another form (a GELU between the grouped matmuls) is left as captured."""
+    pytest.importorskip("transformers")
+    from autopar.capture.moe import MOE_EXPERTS
+
+    model, captured = _mixtral_graph()
+    calls = [n for n in captured.gm.graph.nodes if n.target is MOE_EXPERTS]
+    assert len(calls) == 2 and any("2 sorted dropless expert regions" in note for note in captured.notes)
+    targets = {str(n.target) for n in captured.gm.graph.nodes}
+    assert not targets & {"aten.sort.default", "transformers.grouped_mm_fallback.default", "aten.histc.default"}
+    params = [captured.parameters[a.name] for a in calls[0].args[3:5]]
+    assert params == ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    experts = model.model.layers[0].mlp.experts
+    x, weights = torch.randn(32, 32), torch.rand(32, 2)
+    ids = torch.rand(32, 4).argsort(dim=1)[:, :2]
+    op = MOE_EXPERTS(x, ids, weights, experts.gate_up_proj, experts.down_proj, calls[0].args[5])
+    torch.testing.assert_close(op, experts(x, ids, weights), rtol=1e-5, atol=1e-6)
+    _, bf16 = _mixtral_graph(torch.bfloat16)
+    assert [str(n.args[5]) for n in bf16.gm.graph.nodes if n.target is MOE_EXPERTS] == ["aten::_grouped_mm"] * 2
+    _, other = _mixtral_graph(hidden_act="gelu")
+    assert not any(n.target is MOE_EXPERTS for n in other.gm.graph.nodes)
+    assert sum(str(n.target) == "transformers.grouped_mm_fallback.default" for n in other.gm.graph.nodes) == 4

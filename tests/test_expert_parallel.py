@@ -4,6 +4,7 @@ and backward) when that beats replicated experts. Training exactly: ``test_numer
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -12,10 +13,11 @@ from torch.distributed.tensor import Shard
 import autopar
 from autopar.api import prepare_step
 from autopar.errors import InputError
+from autopar.hardware import get_profile
 from autopar.rules.strategy import parse_placements
 from autopar.solver.constraints import expert_parameters
 from autopar.solver.nodes import PARAM
-from examples import llama, moe
+from examples import hf_models, llama, moe
 
 EP4 = autopar.Mesh({"ep": 4}, "h100")
 
@@ -106,3 +108,91 @@ def test_dp2ep_syncs_expert_gradients_over_dp_only() -> None:
     assert expert_nodes <= synced[0] and not expert_nodes & synced[1], synced
     assert synced[0] - synced[1] - expert_nodes <= {"p_model_output_weight"}, synced
     assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+def wide_mixtral() -> Any:
+    """HF Mixtral with its default experts (captured as one ``autopar::moe_experts`` op), 2 layers of
+    8 experts (H 1024, F 4096), top-2, 8 x 512 tokens, on the meta device."""
+    return hf_models.build_mixtral_step(batch=8, layers=2, hidden=1024, heads=8, kv_heads=2, intermediate=4096,
+                                        vocab=1024, seq=512, experts=8, top_k=2, device="meta")
+
+
+def test_wide_hf_mixtral_plans_expert_parallel_with_variable_all_to_alls(imbalance: float = 1.2) -> None:
+    """On ep=4 the wide HF Mixtral's experts split by expert: per layer and step, the counts (8 int64s)
+    and two row all-to-alls forward (dispatch, combine) and two backward, each of the busiest rank's
+    rows, ``moe_imbalance`` times k * T_local * H bf16 bytes (data dependent: the runtime's differ),
+    priced by the ring formula; the ILP's objective is the predicted step, faster than replicated
+    experts' (the profile's imbalance set to 1.2, not its default, to see it priced)."""
+    hardware = dataclasses.replace(get_profile("h100"), moe_imbalance=imbalance)
+    mesh = autopar.Mesh({"ep": 4}, hardware)
+    model, inputs, loss_fn, targets = wide_mixtral()
+    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",),
+                        expert_axes=("ep",))
+    assert {v for k, v in plan.parameters.items() if ".experts." in k} == {"S(0)"}
+    rows = int(imbalance * 2 * (8 * 512 // 4) * 1024 * 2)
+    link, n = mesh.link(0), 4
+    for layer in (0, 1):
+        calls = [c for c in plan.collectives if c.module == f"model.layers.{layer}.mlp.experts"]
+        assert sorted((c.phase, c.kind, c.bytes, c.data_dependent) for c in calls) == [
+            ("backward", "all_to_all", rows, True)] * 2 + [("forward", "all_to_all", 64, False)] + [
+            ("forward", "all_to_all", rows, True)] * 2
+        for c in calls:
+            by_hand = (mesh.hardware.collective_overhead + (n - 1) * link.latency
+                       + (n - 1) / n * c.bytes / link.bandwidth)
+            assert c.time_s == pytest.approx(by_hand, rel=1e-9)
+    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    dense = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",))
+    assert {v for k, v in dense.parameters.items() if ".experts." in k} == {"R"}
+    assert plan.predicted.step_time_s < dense.predicted.step_time_s
+
+
+def _dispatch_on_rank(rank: int, world: int) -> Any:
+    """``runtime.moe.ExpertDispatch`` on this rank's 8 of 16 tokens and 2 of 4 experts, against the
+    one-device op on everything: the gradients' relative errors (tokens, router weights, expert
+    weights) and the collectives logged; then the error when rank 1 routes a token to expert 7 (of 4)."""
+    import torch
+    import transformers.integrations.moe  # noqa: F401 - registers transformers::grouped_mm_fallback
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.capture.moe import MOE_EXPERTS
+    from autopar.runtime.moe import ExpertDispatch
+    from autopar.runtime.ops import CollectiveLog, Comm
+
+    comm = Comm(init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+    comm.log = CollectiveLog()
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(16, 8, generator=gen), torch.rand(16, 2, generator=gen),
+               torch.randn(4, 16, 8, generator=gen), torch.randn(4, 8, 8, generator=gen)]
+    ids = torch.rand(16, 4, generator=gen).argsort(dim=1)[:, :2]
+    full = [t.clone().requires_grad_() for t in tensors]
+    x, w, gate_up, down = full
+    MOE_EXPERTS(x, ids, w, gate_up, down, "transformers::grouped_mm_fallback").sum().backward()
+    tokens, experts = slice(8 * rank, 8 * rank + 8), slice(2 * rank, 2 * rank + 2)
+    local = [t[tokens].clone().requires_grad_() for t in tensors[:2]] + \
+        [t[experts].clone().requires_grad_() for t in tensors[2:]]
+    layer = ExpertDispatch(comm)
+    layer(local[0], ids[tokens], local[1], *local[2:], "transformers::grouped_mm_fallback", 0).sum().backward()
+    wanted = [f.grad[tokens] for f in full[:2]] + [f.grad[experts] for f in full[2:]]
+    errors = [float((a.grad - b).abs().max() / b.abs().max()) for a, b in zip(local, wanted)]  # relative
+    if rank == 1:
+        ids[8, 0] = 7
+    try:
+        layer(local[0], ids[tokens], local[1], *local[2:], "transformers::grouped_mm_fallback", 0)
+    except ValueError as exc:
+        return errors, list(comm.log.entries[:5]), str(exc)
+    return errors, list(comm.log.entries[:5]), None
+
+
+def test_expert_dispatch_matches_one_device_and_refuses_bad_ids_on_every_rank() -> None:
+    """Two ranks, each with its tokens and its experts, compute what one device computes, gradients
+    too (the all-to-alls' backward is the reverse all-to-all); they log the counts all-to-all (4
+    int64s) and the rows' dispatch and combine (data-dependent bytes) forward and backward. An expert
+    id out of range on one rank is refused on both (the other would wait for it in the all-to-all)."""
+    from autopar.runtime.forked import run_ranks
+    from autopar.runtime.ops import DATA_DEPENDENT
+
+    for errors, log, refused in run_ranks(_dispatch_on_rank, 2):
+        assert max(errors) < 1e-6, errors  # fp32: the weight gradients sum their rows in another order
+        assert sorted(log) == sorted([("forward", "all_to_all", 0, 32)] + [
+            (p, "all_to_all", 0, DATA_DEPENDENT) for p in ("forward", "forward", "backward", "backward")])
+        assert refused is not None and "expert id outside [0, 4)" in refused

@@ -138,16 +138,106 @@ def train_hf_on_rank(rank: int, world: int, experts_implementation: str | None, 
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("dp",))
     ops = {n.op for n in pm.plan.nodes}
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
-            "grouped_mm": "transformers.grouped_mm_fallback.default" in ops}
+            "moe_experts": "autopar.moe_experts.default" in ops}
 
 
 @pytest.mark.parametrize("experts_implementation", [None, "batched_mm"], ids=["default", "batched_mm"])
 def test_hf_mixtral_matches_single_device(experts_implementation: str | None) -> None:
     """The default experts run as transformers' opaque grouped-matmul op under torch.export
-    (``torch._grouped_mm`` has no fp32 meta kernel); ``batched_mm`` as index + bmm."""
+    (``torch._grouped_mm`` has no fp32 meta kernel), the whole sorted region captured as one
+    ``autopar::moe_experts`` op (``capture.moe_region``), each dp rank sorting its own tokens;
+    ``batched_mm`` as index + bmm."""
     ref = reference(lambda: build_hf_mixtral(experts_implementation))
     assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
     results = run_checked(train_hf_on_rank, (2,), experts_implementation, ref)
     assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
-    assert results[0]["grouped_mm"] == (experts_implementation is None)
+    assert results[0]["moe_experts"] == (experts_implementation is None)
     assert any(r["ran"] for r in results)
+
+
+AUX_LOSS_COEF = 0.1
+
+
+def build_hf_mixtral_ep(top_k: int = 2, intermediate: int = 512, aux_loss: bool = False) -> Any:
+    """HF Mixtral with its default (grouped_mm) experts, wide enough (16 experts of 512) that splitting
+    them by expert pays on the cpu profile (of 1024: splitting their F on tp as well); dropout off
+    (``eval``). ``aux_loss``: the model computes its own loss (``labels=``): the LM loss plus, in place
+    (``loss += coef * aux_loss``), its load-balancing loss over every layer's router logits
+    (``output_router_logits``), weighted ``AUX_LOSS_COEF``; then ``(model, inputs, None, (), kwargs)``."""
+    sizes: dict[str, Any] = dict(batch=8, hidden=64, heads=4, kv_heads=2, intermediate=intermediate, vocab=64,
+                                 seq=16, experts=16, top_k=top_k)
+    example = hf_models.build_mixtral(**sizes) if aux_loss else hf_models.build_mixtral_step(**sizes)
+    model = example[0]
+    model.eval()
+    model.config.output_router_logits = aux_loss
+    model.router_aux_loss_coef = AUX_LOSS_COEF
+    return example
+
+
+@dataclass(frozen=True)
+class HfCase:
+    mesh: tuple[tuple[int, ...], tuple[str, ...]]
+    top_k: int
+    aux_loss: bool = False
+    checkpoint: str | None = None
+    """Pinned activation checkpointing: the expert layer's all-to-alls run again in backward."""
+
+    @property
+    def id(self) -> str:
+        extra = ("-aux" if self.aux_loss else "") + (f"-{self.checkpoint}" if self.checkpoint else "")
+        return f"{'x'.join(self.mesh[1])}-top{self.top_k}{extra}"
+
+    def build(self) -> Any:
+        return build_hf_mixtral_ep(self.top_k, 1024 if "tp" in self.mesh[1] else 512, self.aux_loss)
+
+
+HF_EP_CASES = [HfCase(EP, 2, aux_loss=True, checkpoint="selective"), HfCase(DP_EP, 1), HfCase(EP_TP, 2)]
+"""Top-2 and top-1, the load-balancing loss, checkpointing, dp2ep and TP inside the experts, in three
+cases (CI time)."""
+
+
+def train_hf_ep_on_rank(rank: int, world: int, case: HfCase, ref: Reference) -> dict[str, Any]:
+    shape, names = case.mesh
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model, inputs, loss_fn, targets, *rest = case.build()
+    kwargs = rest[0] if rest else {}
+    data_axes = tuple(a for a in names if a in ("dp", "ep"))
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
+                         data_axes=data_axes, expert_axes=("ep",), checkpoint=case.checkpoint)
+    return {**run_compiled(pm, (*inputs, *targets), ref, kwargs=kwargs), "fallbacks": [str(f) for f in pm.plan.fallbacks],
+            "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
+            "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if c.data_dependent})}
+
+
+@pytest.mark.parametrize("case", HF_EP_CASES, ids=[c.id for c in HF_EP_CASES])
+def test_hf_mixtral_expert_parallel_matches_single_device(case: HfCase) -> None:
+    """HF Mixtral's default experts (captured as one ``autopar::moe_experts`` op) split by expert on
+    ep: each rank's (token, choice) pairs go to their experts' ranks and back by variable-split
+    all-to-alls (``runtime.moe``); loss, every gradient (router included) and the parameters after
+    3 AdamW steps are the single device's, and the all-to-alls that ran are the planned ones (with
+    checkpointing, those of the replay too). With
+    ``aux_loss`` the loss includes HF's load-balancing loss, computed from the router's logits beside
+    the expert layer (the router's gradient then has both terms)."""
+    names = case.mesh[1]
+    ref = reference(case.build)
+    assert any(".gate." in k for k in ref.grads), "the router must get a gradient"
+    if case.aux_loss:  # the case checks nothing unless the loss includes the aux loss
+        model, inputs, _, _, kwargs = case.build()
+        with torch.no_grad():
+            out = model(*inputs, **kwargs)
+        lm = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), inputs[0][:, 1:].flatten())
+        assert float(out.aux_loss) > 1.0  # about top_k at balance: it weighs in
+        assert float(out.loss) == pytest.approx(float(lm + AUX_LOSS_COEF * out.aux_loss), rel=1e-5)
+    results = run_checked(train_hf_ep_on_rank, case.mesh[0], case, ref)
+    assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
+    split = names.index("ep")
+    assert all(parse_placements(p)[split] == Shard(0) for p in results[0]["experts"].values()), results[0]["experts"]
+    assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= set(results[0]["dispatch"])
+    if case.checkpoint:  # the blocks' replay runs the counts, dispatch and combine again (and the plan says so)
+        assert ("all_to_all", "ep", "recompute") in results[0]["dispatch"]
+        assert {k for (_, k, _, _), _ in results[0]["recomputed"]} == {"all_to_all"}
+    if "dp" in names:  # dp2ep: experts replicated on dp
+        assert all(parse_placements(p)[names.index("dp")] == Replicate() for p in results[0]["experts"].values())
+    if "tp" in names:  # tensor parallel inside the experts: gate and up each split on F (strided), down on F
+        placed = {k.rsplit(".", 1)[1]: v for k, v in results[0]["experts"].items()}
+        assert placed == {"gate_up_proj": "S(0)S(1/2)", "down_proj": "S(0)S(2)"}, results[0]["experts"]

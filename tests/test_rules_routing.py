@@ -9,12 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from sharding_sim import OpCase, check_strategy, strategy_str
-from test_rules_bruteforce import case, expanded_strategies, f64, failures, ints, is_replicate_only, rule_strategies
+from test_rules_bruteforce import (case, expanded_strategies, f64, failures, ints, is_replicate_only,
+                                   rule_strategies)
 from test_rules_conv import MESHES, gradient_failure
 
+from autopar.capture.moe import MOE_EXPERTS
 from autopar.cost.compute import op_flops
+from autopar.cost.moe import expert_dims
 from autopar.rules import DimStrategy, expand
-from autopar.rules.strategy import P, R, S
+from autopar.rules.strategy import P, R, S, strided
 
 aten = torch.ops.aten
 _GEN = torch.Generator().manual_seed(11)
@@ -119,3 +122,37 @@ def test_wrong_grouped_mm_split_is_detected() -> None:
     c = case(aten._grouped_mm.default, *_grouped_inputs(torch.float32))
     wrong = expand(c.op_call(), [DimStrategy((S(0),), (S(0), R, R))], (2,))[-1]
     assert check_strategy(c, wrong, (2,)) is not None
+
+
+def _moe_case() -> OpCase:
+    """A whole dropless expert layer (``autopar::moe_experts``): 8 tokens of 16, top-2 of 4 experts of
+    F = 8 (gate and up stacked: 16), fp64, with HF's grouped matmul (its loop runs any dtype)."""
+    pytest.importorskip("transformers.integrations.moe")
+    ids = torch.rand(8, 4, generator=_GEN).argsort(dim=1)[:, :2]  # distinct experts per token, as top-k
+    weights = torch.rand(8, 2, generator=_GEN, dtype=torch.float64)
+    return case(MOE_EXPERTS, f64(8, 16), ids, weights, f64(4, 16, 16), f64(4, 16, 8),
+                "transformers::grouped_mm_fallback")
+
+
+def test_moe_experts_rule_local_strategies_match_the_whole_layer() -> None:
+    """The strategies a rank runs on its own (tokens split with every expert, ``F`` split inside the
+    experts: gate_up strided, down on ``F``, Partial) match the whole layer forward and backward on
+    2, 4 and 2x2 ranks; the expert-parallel one (experts split with the tokens) is not local: a rank
+    holds other ranks' experts' pairs, so the simulator, which runs no all-to-all, says it is wrong
+    (``runtime.moe`` runs it; ``test_numerics_moe`` checks it), and it is exclusive (one mesh dim)."""
+    c = _moe_case()
+    _, dims = rule_strategies(c)
+    assert DimStrategy((S(0),), (S(0),) * 5, exclusive=True) in dims
+    assert DimStrategy((P,), (R, R, R, strided(1, 2), S(2))) in dims
+    for mesh_shape in MESHES:
+        strategies = expanded_strategies(c, mesh_shape)
+        local = [s for s in strategies if not expert_dims(s, mesh_shape)]
+        problems = failures(c, local, mesh_shape)
+        problems += [f for f in (gradient_failure(c, s, mesh_shape) for s in local if not is_replicate_only(s))
+                     if f is not None]
+        assert not problems, f"{mesh_shape}:\n" + "\n".join(problems)
+        expert_parallel = [s for s in strategies if expert_dims(s, mesh_shape)]
+        assert expert_parallel and all(len(expert_dims(s, mesh_shape)) == 1 for s in expert_parallel)
+        assert check_strategy(c, expert_parallel[0], mesh_shape) is not None
+    pairs, hidden, ffn = 16, 16, 8
+    assert op_flops(c.op_call()) == 2.0 * pairs * hidden * 2 * ffn + 2.0 * pairs * ffn * hidden + 3.0 * pairs * ffn

@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.capture.aliasing import returned_operand, written_args
 from autopar.capture.graph import CapturedGraph
+from autopar.capture.moe_region import collapse_moe_regions
 from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
 from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
 from autopar.capture.subgraphs import is_higher_order, nested_graph_modules
@@ -237,6 +238,7 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float, signatur
     added = {} if inputs is None else inputs[1]
     _use_returned_operands(gm.graph)
     _eliminate_dead_code(gm)
+    collapsed = collapse_moe_regions(gm)  # before planning: the planner chooses expert parallelism for the op
     tied = _merge_tied(gm.graph, specs, lambda target: program.state_dict.get(
         target, program.constants.get(target, added.get(target))))  # type: ignore[arg-type]
     gm.recompile()  # the top module once, after every rewrite (``_eliminate_dead_code`` leaves it)
@@ -256,9 +258,13 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float, signatur
                 constants[name] = program.constants[spec.target]  # type: ignore[index]
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
-    return CapturedGraph(gm=gm, parameters=parameters, buffers=buffers, user_inputs=user_inputs,
-                         train=train, capture_seconds=seconds, tied=tied, constants=constants,
-                         signature=signature)
+    captured = CapturedGraph(gm=gm, parameters=parameters, buffers=buffers, user_inputs=user_inputs,
+                             train=train, capture_seconds=seconds, tied=tied, constants=constants,
+                             signature=signature)
+    if collapsed:
+        captured.notes.append(f"{collapsed} sorted dropless expert regions (grouped matmuls) captured as one "
+                              "autopar::moe_experts op each (capture.moe_region)")
+    return captured
 
 
 def _use_returned_operands(graph: torch.fx.Graph) -> None:

@@ -12,6 +12,7 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
+from autopar.cost.moe import is_moe, moe_flops
 from autopar.rules.attention import ATTENTION_OPS, busiest_pairs, splits_causal_rows
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
@@ -46,6 +47,8 @@ def op_flops(call: OpCall) -> float:
         for labels, meta in zip(call.args[0].replace(" ", "").split("->")[0].split(","), inputs):
             sizes.update(zip(labels, meta.shape))
         return 2.0 * math.prod(sizes.values())
+    if is_moe(target):
+        return moe_flops(call)
     if target in ATTENTION_OPS:
         return attention_flops(call, bool(call.get("is_causal", False)))
     if target in CONV_OPS:

@@ -15,6 +15,7 @@ from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_tim
                                       grad_placement_at_producer, reshard)
 from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, random_draw_time, rank_flops, roofline_time,
                                   with_fixed_cost)
+from autopar.cost.moe import compute_factor, is_moe, pair_share
 from autopar.cost.offload import offloaded_parameter
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements
 from autopar.cost.precision import Precision
@@ -117,7 +118,7 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     saved = ctx.train if saved is None else saved
     mesh = ctx.mesh
     ways = math.prod(n for i, n in enumerate(mesh.shape) if splits_work(strategy, i))
-    flops = rank_flops(call, strategy, ways, mesh)
+    flops = rank_flops(call, strategy, ways, mesh) * compute_factor(call, strategy, mesh)  # the busiest expert rank
     placements = [*strategy.inputs, *strategy.outputs]
     # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
     nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,
@@ -147,6 +148,8 @@ def _internal_bytes(call: OpCall, strategy: Strategy, ctx: CostContext, kept: Sa
     largest floating tensor is (a loss's ``log_softmax`` is split as its logits)."""
     if not kept.internal_bytes:
         return 0.0
+    if is_moe(call.target):  # what it keeps is per (token, expert) pair: the rank's pairs, not its weights' share
+        return kept.internal_bytes * pair_share(call, strategy, ctx.mesh)
     tensors = [(m, pl) for m, pl in zip([*call.tensor_inputs, *call.outputs], [*strategy.inputs, *strategy.outputs])
                if m is not None and pl is not None and m.dtype.is_floating_point and m.numel]
     if not tensors:

@@ -11,20 +11,22 @@ in this order:
    the reshards, so a count can still read the whole targets input);
 6. localize_attention: a causal attention split on its queries' sequence becomes a
    ``self.context_attention`` call (the causal mask of this rank's query positions);
-7. retarget_devices: tensors the step creates go to the rank's device;
-8. localize_random: ops that draw random numbers become ``self.random`` calls (one
+7. expert_parallel: a dropless expert layer whose experts are split becomes a
+   ``self.moe_dispatch_combine`` call (variable-split all-to-alls to the experts' ranks and back);
+8. retarget_devices: tensors the step creates go to the rank's device;
+9. localize_random: ops that draw random numbers become ``self.random`` calls (one
    global draw per op, this rank keeping its slice);
-9. prefetch_gathers: a repeated block's parameter all-gathers are issued before the block
+10. prefetch_gathers: a repeated block's parameter all-gathers are issued before the block
    before it computes (``self.prefetch``), and waited for at their use; a block's backward
    start, which issues the block before's ZeRO-3 regathers, is marked (``self.backward_starts``);
-10. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
+11. checkpoint_blocks: each block the plan checkpoints runs as one ``self.recompute``
    call of a submodule holding its nodes (last: a block takes its reshards and draws along).
 A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
 rewrite an op whatever its placement, rewrite inside subgraphs too.
 The ``reshard``, ``regather``, ``prefetch``, ``backward_starts``, ``partial_mean_loss``,
-``context_attention``, ``random`` and ``recompute`` modules they call are runtime code
-(``autopar.runtime.ops``, ``autopar.runtime.regather``, ``autopar.runtime.attention``,
+``context_attention``, ``moe_dispatch_combine``, ``random`` and ``recompute`` modules they call are runtime code
+(``autopar.runtime.ops``, ``autopar.runtime.regather``, ``autopar.runtime.attention``, ``autopar.runtime.moe``,
 ``autopar.runtime.random``, ``autopar.runtime.recompute``), handed in by the caller: passes
 only write the calls.
 """
@@ -39,6 +41,7 @@ from autopar.passes.annotate_placements import annotate_placements
 from autopar.passes.cast_parameters import cast_parameters
 from autopar.passes.checkpoint_blocks import checkpoint_blocks
 from autopar.passes.context import PassContext
+from autopar.passes.expert_parallel import expert_parallel
 from autopar.passes.insert_reshards import insert_reshards
 from autopar.passes.localize_attention import localize_attention
 from autopar.passes.localize_losses import localize_losses
@@ -48,7 +51,7 @@ from autopar.passes.prefetch_gathers import prefetch_gathers
 from autopar.passes.retarget_devices import retarget_devices
 
 PASSES = (annotate_placements, localize_shapes, insert_reshards, cast_parameters, localize_losses,
-          localize_attention, retarget_devices, localize_random, prefetch_gathers, checkpoint_blocks)
+          localize_attention, expert_parallel, retarget_devices, localize_random, prefetch_gathers, checkpoint_blocks)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]

@@ -36,12 +36,13 @@ EXTRA_POINTWISE = [
 LINEAR_UNARY = {
     aten.neg.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
     aten.contiguous.default, aten.alias.default, aten.clone.default, aten.mul.Scalar,
-    aten.div.Scalar, aten.detach.default, aten.type_as.default,
+    aten.div.Scalar, aten.detach.default, aten.type_as.default, aten.mul_.Scalar, aten.div_.Scalar,
 }
-# Partial in every tensor argument at once: sum_i x_i + sum_i y_i = sum_i (x_i + y_i).
-LINEAR_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor}
+# Partial in every tensor argument at once: sum_i x_i + sum_i y_i = sum_i (x_i + y_i). In place
+# too: HF's ``loss += coef * aux_loss`` on a batch-split (Partial) loss.
+LINEAR_ALL_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
 # Linear in one argument when the others are replicated: (sum x_i) * y = sum x_i * y.
-LINEAR_IN_ARG = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,)}
+LINEAR_IN_ARG = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,), aten.mul_.Tensor: (0, 1), aten.div_.Tensor: (0,)}
 
 
 def broadcast_strategies(call: OpCall) -> list[DimStrategy]:
@@ -66,9 +67,15 @@ def broadcast_strategies(call: OpCall) -> list[DimStrategy]:
 
 
 def pointwise_rule(call: OpCall) -> list[DimStrategy]:
-    strategies = broadcast_strategies(call)
+    strategies = broadcast_strategies(call) + _linear_strategies(call)
     if writes_first_arg(call.target):  # the output is the input: the same placement (self never broadcasts)
         return [s for s in strategies if s.outputs[0] == s.inputs[0]]
+    return strategies
+
+
+def _linear_strategies(call: OpCall) -> list[DimStrategy]:
+    """Partial in, Partial out, where the op is linear in those inputs."""
+    strategies = []
     n_in = len(call.tensor_inputs)
     n_out = len(call.outputs)
     if call.target in LINEAR_UNARY and n_in == 1 and _keeps_sums(call):

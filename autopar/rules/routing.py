@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from autopar.capture.graph import TensorMeta
-from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, normalize_dim
+from autopar.capture.moe import MOE_EXPERTS
+from autopar.rules.strategy import P, R, DimStrategy, OpCall, S, normalize_dim, strided
 from autopar.rules.table import RuleTable, Unhandled
 
 aten = torch.ops.aten
@@ -148,3 +149,21 @@ def grouped_mm_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     return [DimStrategy((S(1),), (R, S(2), R)),  # column-parallel
             DimStrategy((P,), (S(1), S(1), R)),  # row-parallel: each rank sums its slice of ``in``
             DimStrategy((P,), (P, R, R)), DimStrategy((P,), (R, P, R))]
+
+
+@TABLE.register(MOE_EXPERTS)
+def moe_experts_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
+    """A whole dropless expert layer (``capture.moe``): ``x (T, H)``, ``ids``, ``weights (T, k)``,
+    ``gate_up (E, 2F, H)``, ``down (E, H, F)`` -> ``(T, H)``. Each token's output depends on its own
+    rows alone, so the tokens split (each rank sorts its own pairs), with every expert on every
+    rank, or with the experts split alike (expert parallelism: pairs travel to their expert's
+    rank and back by variable-split all-to-alls, ``runtime.moe``, on one mesh dim at most:
+    ``exclusive``). Inside the experts, ``F`` splits as a column-parallel then row-parallel
+    pair, Partial: gate and up are stacked along ``2F``, so ``gate_up`` splits strided (each
+    rank its slice of gate and of up, ``chunk(2)`` local)."""
+    x, ids, weights, gate_up, down = call.tensor_inputs
+    if x.ndim != 2 or ids.shape != weights.shape or gate_up.ndim != 3 or down.ndim != 3:
+        return Unhandled("not the (T, H) tokens and (T, k) routing of capture.moe_region")
+    return [DimStrategy((S(0),), (S(0), S(0), S(0), R, R)),
+            DimStrategy((S(0),), (S(0),) * 5, exclusive=True),
+            DimStrategy((P,), (R, R, R, strided(1, 2), S(2)))]

@@ -102,6 +102,9 @@ class DimStrategy:
     """Sizes besides tensor dims that this strategy divides among the mesh dim's ranks (a
     grouped convolution's groups): ``expand`` keeps a combination only where each divides
     by the product of the mesh dims splitting it."""
+    exclusive: bool = False
+    """At most one mesh dim (of more than one rank) may take this strategy: its runtime works on
+    one process group (expert parallelism's all-to-alls, ``runtime.moe``)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,7 @@ def expand(call: OpCall, dim_strategies: list[DimStrategy], mesh_shape: tuple[in
         ok = ok and all(pl is None or m is None or divides(m, pl, mesh_shape)
                         for m, pl in zip(call.outputs, outputs))
         ok = ok and _sizes_divide(combo, mesh_shape)
+        ok = ok and sum(1 for c, n in zip(combo, mesh_shape) if c.exclusive and n > 1) <= 1
         if ok:
             out.append(Strategy(outputs, inputs))  # type: ignore[arg-type]
     return out

@@ -43,6 +43,12 @@ from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLL
 from autopar.rules.strategy import parse_placements
 
 
+DATA_DEPENDENT = -1
+"""The bytes logged for a collective whose size depends on the data (an expert-parallel layer's
+row all-to-alls, ``runtime.moe``); the plan lists those at their expected size
+(``PlannedCollective.data_dependent``)."""
+
+
 @dataclass
 class CollectiveLog:
     """What ran: (phase, kind, mesh dim, bytes of M) per collective."""
@@ -115,10 +121,14 @@ class Comm:
             self._recomputing = previous
 
     def _record(self, phase: str, kind: str, dim: int, tensor: torch.Tensor) -> None:
-        if self.log is not None:
+        self.record_bytes(phase, kind, dim, tensor.numel() * tensor.element_size())
+
+    def record_bytes(self, phase: str, kind: str, dim: int, nbytes: int) -> None:
+        """Log one collective of ``nbytes`` (``DATA_DEPENDENT``: sized by the data) run on mesh dim ``dim``."""
+        if self.log is not None and self.mesh.size(dim) > 1:
             if self._recomputing and phase == "forward":
                 phase = "recompute"
-            self.log.entries.append((phase, kind, dim, tensor.numel() * tensor.element_size()))
+            self.log.entries.append((phase, kind, dim, nbytes))
 
     def run(self, x: torch.Tensor, steps: tuple[Step, ...], phase: str) -> torch.Tensor:
         for step in steps:

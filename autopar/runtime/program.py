@@ -20,6 +20,7 @@ from autopar.rules.strategy import Strategy
 from autopar.runtime.attention import ContextAttention
 from autopar.runtime.microbatch import SUM, loss_kind
 from autopar.runtime.mixed import compute_buffer
+from autopar.runtime.moe import ExpertDispatch
 from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.runtime.random import RandomOps, make_generator
@@ -52,6 +53,7 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
                                                     "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
                                                     "partial_mean_loss": PartialMeanLoss(comm),
                                                     "context_attention": ContextAttention(shape, coordinate, zigzag),
+                                                    "moe_dispatch_combine": ExpertDispatch(comm),
                                                     "random": random_ops,
                                                     "recompute": Recompute(comm, random_ops.generator,
                                                                           recompute_replays)})

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from autopar.errors import InputError
 from autopar.capture.graph import TensorMeta
+from autopar.cost.moe import is_moe
 from autopar.rules.strategy import OpCall, Strategy, is_strided
 from autopar.solver.nodes import PARAM, PlanGraph
 
@@ -254,7 +255,8 @@ BATCHED_MATMULS = (aten.bmm.default, aten.matmul.default, aten.einsum.default)
 
 def expert_parameters(graph: PlanGraph) -> frozenset[str]:
     """Parameters used only as an operand of batched matmuls whose batch dim is the parameter's
-    dim 0: stacked expert weights ``(experts, in, out)`` run on ``(experts, tokens, in)`` slots.
+    dim 0: stacked expert weights ``(experts, in, out)`` run on ``(experts, tokens, in)`` slots,
+    or as the expert weights of a whole dropless expert layer (``capture.moe``).
 
     On an expert axis (``expert_axes``) these are not pinned replicated, so the planner may
     split them by expert (``Shard(0)``) while the batch stays split: the slots then travel from
@@ -273,7 +275,10 @@ def expert_parameters(graph: PlanGraph) -> frozenset[str]:
 
 def _batch_operand(call: OpCall | None, arg: int) -> bool:
     """Tensor input ``arg`` of ``call`` is a batched matmul operand whose dim 0 is the batch dim,
-    shared with the other operand and kept in the output."""
+    shared with the other operand and kept in the output, or a stacked expert weight of a whole
+    expert layer (``autopar::moe_experts``: ``gate_up``, ``down``)."""
+    if call is not None and is_moe(call.target):
+        return arg in (3, 4)
     if call is None or call.target not in BATCHED_MATMULS:
         return False
     operands = call.tensor_inputs

@@ -19,6 +19,7 @@ from autopar.capture.subgraphs import runs_without_grad, subgraph_call
 from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.collectives import transfer_time as collective_transfer
+from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
                                 step_repeats, zero1_gather_call)
 from autopar.cost.zero1 import zero1_dim
@@ -153,9 +154,10 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     settle_gradients(nodes, order, loss, ctx, leaf_costs, probes)
     for name, fx_node in blocks.items():  # priced by their subgraphs, with or without their backward
         nodes[name].costs = [block_cost(fx_node, ctx, backward=nodes[name].needs_grad)] * len(nodes[name].strategies)
-    for name in order:  # a loss's own collectives (its count, the whole loss) come with its strategy
+    for name in order:  # a loss's own collectives (its count, the whole loss), an expert layer's all-to-alls
         node = nodes[name]
-        if name == loss or (node.call is not None and node.call.target in MEAN_AS_PARTIAL):
+        if name == loss or (node.call is not None and (node.call.target in MEAN_AS_PARTIAL
+                                                       or is_moe(node.call.target))):
             node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(node, s, ctx, name == loss))
                                * step_repeats(ctx) for s in node.strategies]
     return PlanGraph(nodes, order, loss, output_names, saved_probes=probes)
@@ -182,8 +184,11 @@ def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode]) ->
 
 def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool) -> list[CollectiveCall]:
     """Collectives a node's strategy runs by itself: a batch-split mean loss summing its count,
-    and the step's loss reduced so that every rank returns all of it."""
+    an expert-parallel layer's all-to-alls (``cost.moe``, forward and backward) and the step's
+    loss reduced so that every rank returns all of it."""
     calls = loss_count_reductions(node, strategy, ctx)
+    if node.call is not None:
+        calls += [c.call for c in moe_collectives(node.call, strategy, ctx.mesh, ctx.precision, ctx.train)]
     return [*calls, *loss_replication(node, strategy, ctx)] if is_loss else calls
 
 

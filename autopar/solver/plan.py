@@ -10,6 +10,7 @@ from typing import Any
 
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, ShardBucket, gradient_buckets
+from autopar.cost.moe import moe_collectives
 from autopar.cost.zero1 import chunk_elements
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, exposed_sync_time, grad_placements,
                                 grad_sync_dims, held_reshard_bytes, step_repeats)
@@ -52,6 +53,9 @@ class PlannedCollective:
     waited_s: float | None = None
     """Of ``time_s``, the seconds the step waits for; the rest runs beside compute (a
     prefetched gather in its window, a gradient bucket beside backward). None: all of it."""
+    data_dependent: bool = False
+    """``bytes`` is an expectation: what runs depends on the data (an expert-parallel layer's
+    all-to-alls, ``cost.moe``: the busiest rank's rows under the profile's imbalance)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,13 +226,14 @@ class _Ledger:
         self.comm_bytes = {axis: 0.0 for axis in mesh.names}
 
     def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1,
-               waited: float = 1.0) -> None:
-        """``waited``: the share of the call the step waits for."""
+               waited: float = 1.0, data_dependent: bool = False) -> None:
+        """``waited``: the share of the call the step waits for; ``data_dependent``: its bytes are an expectation."""
         axis = self.mesh.names[call.mesh_dim]
         time = collective_time(call, self.mesh)
         self.collectives.append(PlannedCollective(
             kind=call.kind, axis=axis, bytes=call.nbytes, phase=phase, tensor=tensor, consumer=consumer,
-            module=module, time_s=time, count=count, waited_s=None if waited == 1.0 else time * waited))
+            module=module, time_s=time, count=count, waited_s=None if waited == 1.0 else time * waited,
+            data_dependent=data_dependent))
         self.comm_bytes[axis] += bytes_moved(call, self.mesh) * count
 
 
@@ -296,6 +301,13 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
                     unwaited.append(len(ledger.collectives) - 1)  # the last backward call
         for call in loss_count_reductions(node, chosen[name], ctx):
             ledger.record(call, "forward", name, name, node.module, step_repeats(ctx))
+        if node.call is not None:  # an expert-parallel layer's all-to-alls, at the expected bytes
+            for phase, call, data_dependent in moe_collectives(node.call, chosen[name], ctx.mesh, ctx.precision,
+                                                               ctx.train):
+                ledger.record(call, phase, name, name, node.module, step_repeats(ctx), data_dependent=data_dependent)
+                if phase == "forward" and node.recompute:  # no policy keeps the op: its block's replay runs it
+                    ledger.record(call, "recompute", name, name, node.module, step_repeats(ctx),
+                                  data_dependent=data_dependent)
     return held, regathered, unwaited
 
 

@@ -23,19 +23,23 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from autopar.cost.model import NodeCost
+from autopar.cost.collectives import collective_time
+from autopar.cost.model import CostContext, NodeCost, step_repeats
+from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.recompute import kept_by_policy
 from autopar.solver.memory import block_of
 from autopar.solver.milp import INF, Model
+from autopar.rules.strategy import Strategy
 from autopar.solver.nodes import OP, PlanGraph, PlanNode
 
 RECOMPUTE_UNIT = 2.0**20
 """Bytes per unit of the recompute-peak variables and rows (MiB, as the memory limit's row)."""
 
 
-def checkpointed(graph: PlanGraph, policy: str, blocks: list[str]) -> PlanGraph:
+def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostContext | None = None) -> PlanGraph:
     """A copy of ``graph`` priced with ``blocks`` checkpointed under ``policy`` (the
-    original graph and its shared cost lists are left as they are)."""
+    original graph and its shared cost lists are left as they are). ``ctx`` prices what an
+    op's replay communicates by itself (an expert-parallel layer's forward all-to-alls)."""
     if policy == "none" or not blocks:
         return graph
     chosen = set(blocks)
@@ -49,7 +53,18 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str]) -> PlanGraph:
         leaves = any(block_of(graph.nodes[c].module) != block for c, _, _ in consumers[name]) \
             or name in graph.output_names
         nodes[name] = _recomputed(node, block, policy, keep=leaves or kept_by_policy(policy, _target(node)))
+        if ctx is not None and node.call is not None and is_moe(node.call.target):  # no policy keeps it: replayed
+            nodes[name] = replace(nodes[name], comm_times=[t + replay_comm_time(node, s, ctx) for t, s in zip(
+                node.comm_times or [0.0] * len(node.strategies), node.strategies)])
     return replace(graph, nodes=nodes)
+
+
+def replay_comm_time(node: PlanNode, strategy: Strategy, ctx: CostContext) -> float:
+    """Seconds per step of the collectives an op's forward runs by itself, run again when its
+    block recomputes (an expert-parallel layer's counts, dispatch and combine, ``cost.moe``)."""
+    assert node.call is not None
+    calls = moe_collectives(node.call, strategy, ctx.mesh, ctx.precision, ctx.train)
+    return sum(collective_time(c.call, ctx.mesh) for c in calls if c.phase == "forward") * step_repeats(ctx)
 
 
 def _recomputed(node: PlanNode, block: str, policy: str, *, keep: bool) -> PlanNode:

@@ -56,7 +56,7 @@ def _rows(plan: Plan) -> list[tuple[str, str, str]]:
     comms: dict[str, Counter] = defaultdict(Counter)
     for c in plan.collectives:
         phase = "fwd" if c.phase == "forward" else "bwd"
-        comms[layer_of(c.module)][(phase, c.kind, c.axis, c.bytes)] += c.count
+        comms[layer_of(c.module)][(phase, c.kind, c.axis, c.bytes, "~" if c.data_dependent else "")] += c.count
     order: list[str] = []
     for n in plan.nodes:
         layer = layer_of(n.module)
@@ -68,8 +68,8 @@ def _rows(plan: Plan) -> list[tuple[str, str, str]]:
     rows = []
     for layer in order:
         p = "\n".join(params.get(layer, [])) or "-"
-        c = "\n".join(f"{ph} {kind} @{axis} {fmt_bytes(b)}" + (f" x{k}" if k > 1 else "")
-                      for (ph, kind, axis, b), k in sorted(comms.get(layer, Counter()).items())) or "-"
+        c = "\n".join(f"{ph} {kind} @{axis} {approx}{fmt_bytes(b)}" + (f" x{k}" if k > 1 else "")  # ~: expected
+                      for (ph, kind, axis, b, approx), k in sorted(comms.get(layer, Counter()).items())) or "-"
         rows.append((layer, p, c))
     return _merge_repeats(rows)
 
