@@ -109,7 +109,7 @@ class ServingReport:
     """Latency percentiles and SLO attainment of one run."""
 
     requests: int
-    """Requests simulated."""
+    """Requests counted (the run's, less its warm-up)."""
     ttft_s: dict[int, float]
     """TTFT percentiles: {50: p50, 90: p90, 99: p99}, seconds."""
     tpot_s: dict[int, float]
@@ -142,19 +142,30 @@ class SimResult:
         decoded = self.requests.output_tokens - 1
         return np.where(decoded > 0, (self.finish_s - self.first_token_s) / np.maximum(decoded, 1), 0.0)
 
-    def attainment(self, slo: SLO) -> float:
-        """Fraction of requests meeting both targets."""
-        ok = (self.ttft_s <= slo.ttft_s) & (self.tpot_s <= slo.tpot_s)
+    def measured(self, warmup: float) -> slice:
+        """The requests a report counts: all but the first ``warmup`` fraction by arrival (a run
+        starts with empty replicas; its first requests see less queueing than the steady state)."""
+        if not 0 <= warmup < 1:
+            raise InputError(f"warmup is the fraction of requests left out, in [0, 1); got {warmup}")
+        return slice(int(len(self.requests) * warmup), None)
+
+    def attainment(self, slo: SLO, warmup: float = 0.0) -> float:
+        """Fraction of the measured requests meeting both targets."""
+        window = self.measured(warmup)
+        ok = (self.ttft_s[window] <= slo.ttft_s) & (self.tpot_s[window] <= slo.tpot_s)
         return float(ok.mean())
 
-    def report(self, slo: SLO) -> ServingReport:
+    def report(self, slo: SLO, warmup: float = 0.0) -> ServingReport:
+        """Percentiles and attainment of the measured requests; throughput over the whole run."""
+        window = self.measured(warmup)
+        ttft, tpot = self.ttft_s[window], self.tpot_s[window]
         span = float(self.finish_s.max() - self.requests.arrival_s.min())
         pct = (50, 90, 99)
         return ServingReport(
-            requests=len(self.requests),
-            ttft_s={p: float(np.percentile(self.ttft_s, p)) for p in pct},
-            tpot_s={p: float(np.percentile(self.tpot_s, p)) for p in pct},
-            attainment=self.attainment(slo),
+            requests=len(ttft),
+            ttft_s={p: float(np.percentile(ttft, p)) for p in pct},
+            tpot_s={p: float(np.percentile(tpot, p)) for p in pct},
+            attainment=self.attainment(slo, warmup),
             throughput_rps=len(self.requests) / span if span > 0 else math.inf,
             output_tokens_per_s=float(self.requests.output_tokens.sum()) / span if span > 0 else math.inf)
 
@@ -163,11 +174,11 @@ def simulate(deployment: Deployment, requests: Requests) -> SimResult:
     """Run ``requests`` through ``deployment``; deterministic (no randomness, ties broken by order)."""
     if len(requests) == 0:
         raise InputError("simulate needs at least one request")
-    _check_capacity(deployment, requests)
+    check_capacity(deployment, requests)
     return _Simulation(deployment, requests).run()
 
 
-def _check_capacity(deployment: Deployment, requests: Requests) -> None:
+def check_capacity(deployment: Deployment, requests: Requests) -> None:
     """Refuse a request no replica's cache can ever hold, rather than let it wait forever."""
     needs = {"serve": requests.prompt_tokens + requests.output_tokens, "prefill": requests.prompt_tokens,
              "decode": requests.prompt_tokens + requests.output_tokens}

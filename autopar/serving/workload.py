@@ -206,15 +206,18 @@ class Workload:
 
         The draws depend on the seed and ``n`` only, not on the rate: the rate scales the same
         unit-rate inter-arrival gaps, so runs at different rates see the same requests, closer
-        or further apart (common random numbers: the goodput search compares rates, not noise)."""
+        or further apart (common random numbers: the goodput search compares rates, not noise).
+        Gaps, prompts and outputs come from three streams of the seed, so the first k of ``n``
+        requests are the ``k`` requests of a shorter run: runs of different lengths agree on
+        their common prefix."""
         n = _positive_int(n, "number of requests")
         rate = self.arrival_rate if rate is None else rate
         if not rate > 0 or not math.isfinite(rate):
             raise InputError(f"arrival rate must be a positive number of requests/s, got {rate}")
-        rng = np.random.default_rng(self.seed)
-        gaps = rng.exponential(1.0, size=n)
-        prompt = self.prompt.sample(rng, n)
-        output = self.output.sample(rng, n)
+        gap_rng, prompt_rng, output_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(self.seed).spawn(3))
+        gaps = gap_rng.exponential(1.0, size=n)
+        prompt = self.prompt.sample(prompt_rng, n)
+        output = self.output.sample(output_rng, n)
         return Requests(arrival_s=np.cumsum(gaps) / rate, prompt_tokens=prompt, output_tokens=output)
 
 
