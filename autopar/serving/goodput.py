@@ -70,7 +70,7 @@ def requests_needed(slo: SLO, tail: int = 50, minimum: int = 200) -> int:
     sqrt(tail) / n), at least ``minimum``."""
     if slo.percentile >= 1:
         return max(minimum, 20 * tail)
-    return max(minimum, math.ceil(tail / (1 - slo.percentile)))
+    return max(minimum, math.ceil(tail / (1 - slo.percentile) - 1e-9))  # 50 / 0.1 is 500.0000000001
 
 
 def find_goodput(deployment: Deployment, workload: Workload, slo: SLO, *, requests: int | None = None,

@@ -277,7 +277,8 @@ def read_trace(path: str | Path) -> Requests:
             reader = csv.DictReader(f)
             missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or ())]
             if missing:
-                raise InputError(f"{path}: trace needs columns {', '.join(TRACE_COLUMNS)}; missing {', '.join(missing)}")
+                raise InputError(f"{path}: trace needs columns {', '.join(TRACE_COLUMNS)}; "
+                                 f"missing {', '.join(missing)}")
             rows = [_trace_row(row, path, line) for line, row in enumerate(reader, start=2)]
     except OSError as e:
         raise InputError(f"cannot read trace {path}: {e}") from None
