@@ -11,7 +11,7 @@ from autopar.errors import InputError
 from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.goodput import best_deployment, find_goodput, requests_needed
 from autopar.serving.roofline import LLAMA3_8B, RooflineStepTimes
-from autopar.serving.simulator import simulate
+from autopar.serving.simulator import KVCapacityError, simulate
 from autopar.serving.workload import SLO, Fixed, Requests, Uniform, Workload
 
 
@@ -106,7 +106,7 @@ def test_disaggregated_ttft_includes_the_kv_transfer() -> None:
 
 def test_a_request_longer_than_the_kv_cache_is_refused() -> None:
     times = LinearTimes(base=1e-3, kv_capacity_tokens=1000)
-    with pytest.raises(InputError, match="needs 1001 tokens of KV cache.*holds \\(1000\\)"):
+    with pytest.raises(KVCapacityError, match="needs 1001 tokens of KV cache.*holds \\(1000\\)"):
         simulate(aggregated(times), one_request(900, 101))
     simulate(aggregated(times), one_request(900, 100))  # exactly full fits
 
@@ -197,6 +197,19 @@ def test_best_deployment_ranks_by_goodput_per_device() -> None:
     assert [r.deployment.name for r in ranked] == ["agg x1", "wasteful"]
     assert ranked[0].goodput_rps == pytest.approx(ranked[1].goodput_rps)
     assert ranked[0].goodput_per_device == pytest.approx(2 * ranked[1].goodput_per_device)
+
+
+def test_goodput_of_a_trace_replays_it_at_scaled_rates() -> None:
+    trace = SMALL_LOAD.sample(400)
+    assert trace.rate == pytest.approx(SMALL_LOAD.arrival_rate, rel=0.1)
+    fast = trace.at_rate(2 * trace.rate)
+    assert fast.rate == pytest.approx(2 * trace.rate) and np.array_equal(fast.prompt_tokens, trace.prompt_tokens)
+    deployment = aggregated(SMALL, replicas=2, max_batch=32, token_budget=512)
+    slo = SLO(ttft_s=0.1, tpot_s=0.01)
+    result = find_goodput(deployment, trace, slo, rel_tol=0.05)
+    assert result.goodput_rps > 0 and result.report is not None and result.report.requests == 360
+    sampled = find_goodput(deployment, SMALL_LOAD, slo, **SEARCH)
+    assert result.goodput_rps == pytest.approx(sampled.goodput_rps, rel=0.3)  # the same load, replayed
 
 
 def test_requests_needed_resolves_the_percentile() -> None:

@@ -22,13 +22,13 @@ not monotone in the rate.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from autopar.errors import InputError
 from autopar.serving.deployment import Deployment
-from autopar.serving.simulator import ServingReport, check_capacity, simulate
-from autopar.serving.workload import SLO, Workload
+from autopar.serving.simulator import KVCapacityError, ServingReport, simulate
+from autopar.serving.workload import SLO, Requests, Workload
 
 _MAX_STEPS = 40
 """Doublings or halvings of the rate before the bracket search gives up: 2^40 spans any real range."""
@@ -73,44 +73,51 @@ def requests_needed(slo: SLO, tail: int = 50, minimum: int = 200) -> int:
     return max(minimum, math.ceil(tail / (1 - slo.percentile) - 1e-9))  # 50 / 0.1 is 500.0000000001
 
 
-def find_goodput(deployment: Deployment, workload: Workload, slo: SLO, *, requests: int | None = None,
+def find_goodput(deployment: Deployment, workload: Workload | Requests, slo: SLO, *, requests: int | None = None,
                  duration_s: float | None = None, warmup: float = 0.1, rel_tol: float = 0.02) -> GoodputResult:
     """``deployment``'s goodput: the search described in the module docstring, to within ``rel_tol``
     of the rate. A run at rate r simulates max(``requests``, r x ``duration_s``) requests
     (defaults ``requests_needed(slo)`` and 30 x the TTFT target) and counts all but the first
-    ``warmup`` fraction."""
+    ``warmup`` fraction. ``workload`` may be recorded ``Requests`` (``read_trace``): each run
+    replays all of them, the time axis scaled to the rate (``requests`` and ``duration_s`` unused)."""
     if not 0 < rel_tol < 1:
         raise InputError(f"rel_tol must be in (0, 1), got {rel_tol}")
     minimum = requests_needed(slo) if requests is None else requests
     duration = 30 * slo.ttft_s if duration_s is None else duration_s
     if minimum < 1 or not duration >= 0:
         raise InputError(f"requests must be >= 1 and duration_s >= 0, got {minimum} and {duration}")
+    sample, start = _sampler(workload, minimum, duration)
     runs: dict[float, ServingReport] = {}
 
     def meets(rate: float) -> bool:
         if rate not in runs:
-            n = max(minimum, math.ceil(rate * duration))
-            runs[rate] = simulate(deployment, workload.sample(n, rate)).report(slo, warmup)
+            runs[rate] = simulate(deployment, sample(rate)).report(slo, warmup)
         return runs[rate].attainment >= slo.percentile
 
     try:
-        # Lengths do not depend on the rate; the longest run the search may make is checked.
-        check_capacity(deployment, workload.sample(max(minimum, math.ceil(workload.arrival_rate * duration))))
-    except InputError as e:
-        return GoodputResult(deployment=deployment, goodput_rps=0.0, report=None, simulations=0, reason=str(e))
-
-    lo, hi = _bracket(meets, workload.arrival_rate)
+        lo, hi = _bracket(meets, start)
+        while lo and hi / lo > 1 + rel_tol:
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    except KVCapacityError as e:  # a candidate whose caches cannot hold the requests serves none of them
+        return GoodputResult(deployment=deployment, goodput_rps=0.0, report=None, simulations=len(runs), reason=str(e))
     if lo == 0.0:
         return GoodputResult(deployment=deployment, goodput_rps=0.0, report=None, simulations=len(runs),
                              reason=f"attainment stays below {slo.percentile} even at "
-                                    f"{workload.arrival_rate / 2 ** _MAX_STEPS:.3g} req/s (the SLO is too tight)")
-    while hi / lo > 1 + rel_tol:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+                                    f"{start / 2 ** _MAX_STEPS:.3g} req/s (the SLO is too tight)")
     return GoodputResult(deployment=deployment, goodput_rps=lo, report=runs[lo], simulations=len(runs))
 
 
-def _bracket(meets, start: float) -> tuple[float, float]:
+def _sampler(workload: Workload | Requests, minimum: int, duration: float
+             ) -> tuple[Callable[[float], Requests], float]:
+    """The requests of a run at a given rate, and the rate the search starts at."""
+    if isinstance(workload, Requests):
+        trace = workload
+        return trace.at_rate, trace.rate
+    return (lambda rate: workload.sample(max(minimum, math.ceil(rate * duration)), rate)), workload.arrival_rate
+
+
+def _bracket(meets: Callable[[float], bool], start: float) -> tuple[float, float]:
     """Rates ``lo`` < ``hi`` with ``meets(lo)`` and not ``meets(hi)``, a factor 2 apart; ``lo`` 0
     when no rate down to ``start / 2^40`` meets the SLO."""
     rate = start
@@ -127,7 +134,7 @@ def _bracket(meets, start: float) -> tuple[float, float]:
     return 0.0, rate
 
 
-def best_deployment(candidates: Iterable[Deployment], workload: Workload, slo: SLO, *,
+def best_deployment(candidates: Iterable[Deployment], workload: Workload | Requests, slo: SLO, *,
                     requests: int | None = None, duration_s: float | None = None, warmup: float = 0.1,
                     rel_tol: float = 0.02) -> list[GoodputResult]:
     """Every candidate's goodput (``find_goodput``'s arguments), best goodput per device first

@@ -41,7 +41,11 @@ from autopar.errors import InputError
 from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.workload import SLO, Requests
 
-_ARRIVAL, _STEP_END, _TRANSFER_END = 0, 1, 2
+_STEP_END, _TRANSFER_END = 1, 2
+
+
+class KVCapacityError(InputError):
+    """A request needs more KV cache than a replica of its pool holds: it could never run."""
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -188,7 +192,7 @@ def check_capacity(deployment: Deployment, requests: Requests) -> None:
         too_big = np.flatnonzero(needs[role] > capacity)
         if too_big.size:
             i = int(too_big[0])
-            raise InputError(
+            raise KVCapacityError(
                 f"request {i} (prompt {requests.prompt_tokens[i]} + output {requests.output_tokens[i]} tokens) needs "
                 f"{needs[role][i]} tokens of KV cache, more than a {role} replica of {deployment.name!r} holds "
                 f"({capacity}); {too_big.size} request(s) too long: give replicas more memory (more devices per "

@@ -173,6 +173,22 @@ class Requests:
     def __len__(self) -> int:
         return len(self.arrival_s)
 
+    @property
+    def rate(self) -> float:
+        """Mean arrival rate, requests/s: arrivals after the first over the span they cover."""
+        span = float(self.arrival_s[-1] - self.arrival_s[0]) if len(self) else 0.0
+        if span <= 0:
+            raise InputError("Requests: a rate needs at least two distinct arrival times")
+        return (len(self) - 1) / span
+
+    def at_rate(self, rate: float) -> "Requests":
+        """The same requests with the time axis scaled to a mean arrival rate of ``rate`` (a trace
+        replayed faster or slower keeps its burstiness), starting at 0."""
+        if not rate > 0 or not math.isfinite(rate):
+            raise InputError(f"arrival rate must be a positive number of requests/s, got {rate}")
+        arrival = (self.arrival_s - self.arrival_s[0]) * (self.rate / rate)
+        return Requests(arrival_s=arrival, prompt_tokens=self.prompt_tokens, output_tokens=self.output_tokens)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
