@@ -10,11 +10,11 @@ from autopar.serving.candidates import candidate_deployments, tp_degrees
 from autopar.serving.deployment import Deployment, Pool, StepTimes
 from autopar.serving.goodput import GoodputResult, best_deployment, find_goodput, requests_needed
 from autopar.serving.roofline import LLAMA3_8B, RooflineStepTimes, TransformerShape
-from autopar.serving.simulator import ServingReport, SimResult, simulate
+from autopar.serving.simulator import KVCapacityError, ServingReport, SimResult, simulate
 from autopar.serving.workload import (SLO, Cluster, Empirical, Fixed, LogNormal, Requests, TokenDistribution, Uniform,
                                       Workload, read_trace)
 
-__all__ = ["candidate_deployments", "tp_degrees", "Deployment", "Pool", "StepTimes", "GoodputResult", "best_deployment",
-           "find_goodput", "requests_needed", "LLAMA3_8B", "RooflineStepTimes", "TransformerShape", "ServingReport",
-           "SimResult", "simulate", "SLO", "Cluster", "Empirical", "Fixed", "LogNormal", "Requests", "TokenDistribution",
-           "Uniform", "Workload", "read_trace"]
+__all__ = ["candidate_deployments", "tp_degrees", "Deployment", "Pool", "StepTimes", "GoodputResult",
+           "best_deployment", "find_goodput", "requests_needed", "LLAMA3_8B", "RooflineStepTimes", "TransformerShape",
+           "KVCapacityError", "ServingReport", "SimResult", "simulate", "SLO", "Cluster", "Empirical", "Fixed",
+           "LogNormal", "Requests", "TokenDistribution", "Uniform", "Workload", "read_trace"]
