@@ -12,7 +12,8 @@ from autopar.rules.redistribute import ALL_REDUCE
 from autopar.serving.candidates import candidate_deployments, tp_degrees
 from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.roofline import LLAMA3_8B, RooflineStepTimes, TransformerShape
-from autopar.serving.workload import SLO, Cluster, Empirical, Fixed, LogNormal, Uniform, Workload, read_trace
+from autopar.serving.workload import (SLO, Cluster, Empirical, Fixed, LogNormal, Requests, Uniform, Workload,
+                                      read_trace)
 
 
 @pytest.mark.parametrize("dist, low, high", [(Fixed(value=7), 7, 7), (Uniform(low=3, high=9), 3, 9),
@@ -83,6 +84,17 @@ def test_trace_is_read_sorted_and_bad_rows_name_their_line(tmp_path) -> None:
         read_trace(missing)
     with pytest.raises(InputError, match="cannot read trace"):
         read_trace(tmp_path / "absent.csv")
+
+
+def test_requests_take_lists_and_refuse_unsorted_or_fractional_counts() -> None:
+    r = Requests(arrival_s=[0, 1.5], prompt_tokens=[10, 20], output_tokens=[1, 2])
+    assert r.arrival_s.dtype == np.float64 and r.prompt_tokens.dtype == np.int64 and r.rate == pytest.approx(1 / 1.5)
+    with pytest.raises(InputError, match="non-decreasing"):
+        Requests(arrival_s=[1.0, 0.5], prompt_tokens=[1, 1], output_tokens=[1, 1])
+    with pytest.raises(InputTypeError, match="must be ints"):
+        Requests(arrival_s=[0.0], prompt_tokens=[1.5], output_tokens=[1])
+    with pytest.raises(InputError, match="two distinct arrival times"):
+        _ = Requests(arrival_s=[0.0], prompt_tokens=[1], output_tokens=[1]).rate
 
 
 def test_llama3_8b_shape() -> None:

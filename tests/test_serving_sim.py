@@ -10,9 +10,10 @@ import pytest
 from autopar.errors import InputError
 from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.goodput import best_deployment, find_goodput, requests_needed
-from autopar.serving.roofline import LLAMA3_8B, RooflineStepTimes
+from autopar.serving.candidates import candidate_deployments
+from autopar.serving.roofline import LLAMA3_8B, RooflineStepTimes, TransformerShape
 from autopar.serving.simulator import KVCapacityError, simulate
-from autopar.serving.workload import SLO, Fixed, Requests, Uniform, Workload
+from autopar.serving.workload import SLO, Cluster, Fixed, Requests, Uniform, Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +112,11 @@ def test_a_request_longer_than_the_kv_cache_is_refused() -> None:
     simulate(aggregated(times), one_request(900, 100))  # exactly full fits
 
 
+def test_bad_step_times_are_reported() -> None:
+    with pytest.raises(InputError, match="steps must take a finite time"):
+        simulate(aggregated(LinearTimes(base=-1.0)), one_request(10, 2))
+
+
 def test_kv_capacity_serializes_requests_that_do_not_fit_together() -> None:
     times = LinearTimes(base=1e-3, per_token=1e-5, per_decode=1e-4, kv_capacity_tokens=1500)
     requests = Requests(arrival_s=np.zeros(2), prompt_tokens=np.array([1000, 1000]), output_tokens=np.array([10, 10]))
@@ -167,6 +173,22 @@ def test_more_replicas_never_lower_goodput() -> None:
     assert goodputs[0] > 0
     assert all(b >= a for a, b in zip(goodputs, goodputs[1:])), goodputs
     assert goodputs[3] > 2.5 * goodputs[0]  # roughly linear: replicas share nothing
+
+
+def test_more_devices_never_lower_the_best_goodput() -> None:
+    """The issue's property, over every candidate (aggregated TP degrees, disaggregated splits) of a
+    1B-parameter model priced by the roofline, on 1, 2 and 4 devices."""
+    model = TransformerShape(layers=16, hidden=2048, heads=16, kv_heads=4, intermediate=8192, vocab=32000)
+    workload = Workload(prompt_tokens=Uniform(low=64, high=512), output_tokens=Uniform(low=8, high=32),
+                        arrival_rate=50.0)
+    slo = SLO(ttft_s=0.05, tpot_s=0.006)
+    best = []
+    for devices in (1, 2, 4):
+        candidates = candidate_deployments(Cluster(devices=devices, devices_per_node=4), model, max_batch=64,
+                                           token_budget=512)
+        ranked = best_deployment(candidates, workload, slo, requests=300, duration_s=0.5, rel_tol=0.05)
+        best.append(max(r.goodput_rps for r in ranked))
+    assert best[0] > 0 and all(b >= a for a, b in zip(best, best[1:])), best
 
 
 def test_a_looser_slo_never_lowers_goodput() -> None:

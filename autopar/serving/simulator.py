@@ -94,6 +94,8 @@ class _Replica:
     """Tokens still to prefill or decode of requests routed here (the routing key)."""
     busy: bool = False
     """A step is running."""
+    capacity: int = 0
+    """Cache tokens the replica holds (read once: a StepTimes may compute it)."""
     work: list[tuple[_Request, int]] = field(default_factory=list)
     """The running step's work: (request, prefill chunk tokens), chunk 0 for a decode token."""
 
@@ -207,7 +209,8 @@ class _Simulation:
         self.reqs = [_Request(index=i, arrival=float(a), prompt=int(p), output=int(o)) for i, (a, p, o) in
                      enumerate(zip(requests.arrival_s, requests.prompt_tokens, requests.output_tokens))]
         roles = ("serve",) if not deployment.disaggregated else ("prefill", "decode")
-        self.pools = {role: [_Replica(pool=pool, role=role, index=k) for k in range(pool.replicas)]
+        self.pools = {role: [_Replica(pool=pool, role=role, index=k, capacity=pool.step_times.kv_capacity_tokens)
+                             for k in range(pool.replicas)]
                       for role, pool in zip(roles, deployment.pools)}
         self.entry = self.pools[roles[0]]
         self.events: list[tuple[float, int, int, object]] = []
@@ -247,7 +250,7 @@ class _Simulation:
         self.start(rep, now)
 
     def admit(self, rep: _Replica, now: float) -> None:
-        capacity, limit = rep.pool.step_times.kv_capacity_tokens, rep.pool.max_batch
+        capacity, limit = rep.capacity, rep.pool.max_batch
         while rep.queue and len(rep.running) < limit and rep.kv_used + rep.need(rep.queue[0]) <= capacity:
             req = rep.queue.popleft()
             rep.kv_used += rep.need(req)
@@ -260,6 +263,9 @@ class _Simulation:
         if rep.busy:
             return
         duration = _plan_step(rep)
+        if not 0 <= duration < math.inf:
+            raise InputError(f"step times of {rep.pool.describe()} gave a {rep.role} step of {duration!r} s; "
+                             "steps must take a finite time >= 0")
         if rep.work:
             rep.busy = True
             self.push(now + duration, _STEP_END, rep)

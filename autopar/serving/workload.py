@@ -161,6 +161,13 @@ class Requests:
     """Tokens each request generates, the first one by its prefill (int64, >= 1)."""
 
     def __post_init__(self) -> None:
+        # Lists are welcome; the simulator and the reports want arrays.
+        object.__setattr__(self, "arrival_s", np.asarray(self.arrival_s, dtype=np.float64))
+        for name in ("prompt_tokens", "output_tokens"):
+            values = np.asarray(getattr(self, name))
+            if values.size and not np.issubdtype(values.dtype, np.integer):
+                raise InputTypeError(f"Requests.{name} must be ints, got {values.dtype}")
+            object.__setattr__(self, name, values.astype(np.int64))
         n = len(self.arrival_s)
         if len(self.prompt_tokens) != n or len(self.output_tokens) != n:
             raise InputError("Requests: arrival_s, prompt_tokens and output_tokens differ in length")
