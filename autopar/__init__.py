@@ -1,7 +1,8 @@
 """autopar: automatic DP/TP/SP parallelization of PyTorch models.
 
 ``autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 4}), example_inputs=...)`` returns the
-cheapest placement of one training step on that mesh.
+cheapest placement of one training step on that mesh. ``Cluster``, ``Workload`` and ``SLO``
+describe a serving deployment's inputs (``autopar.serving``: simulator and goodput search).
 """
 
 from autopar.api import plan
@@ -9,9 +10,10 @@ from autopar.capture import CaptureError
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.runtime import CompileError, ParallelModule, compile
+from autopar.serving.workload import SLO, Cluster, Workload
 from autopar.solver.ilp import MemoryLimitError, SolverTimeLimitError
 from autopar.solver.pipeline import Pipeline
 from autopar.solver.plan import Plan
 
 __all__ = ["plan", "compile", "Mesh", "Pipeline", "Plan", "ParallelModule", "InputError", "InputTypeError", "CaptureError",
-           "CompileError", "MemoryLimitError", "SolverTimeLimitError"]
+           "CompileError", "MemoryLimitError", "SolverTimeLimitError", "Cluster", "Workload", "SLO"]
