@@ -11,6 +11,7 @@ from typing import Any
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, ShardBucket, gradient_buckets
 from autopar.cost.moe import moe_collectives
+from autopar.cost.ring import ring_transfers
 from autopar.cost.zero1 import chunk_elements
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, exposed_sync_time, grad_placements,
                                 grad_sync_dims, held_reshard_bytes, step_repeats)
@@ -308,6 +309,10 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
                 if phase == "forward" and node.recompute:  # no policy keeps the op: its block's replay runs it
                     ledger.record(call, "recompute", name, name, node.module, step_repeats(ctx),
                                   data_dependent=data_dependent)
+            for phase, call, exposed in ring_transfers(node.call, chosen[name], ctx.mesh, ctx.precision, ctx.train):
+                ledger.record(call, phase, name, name, node.module, step_repeats(ctx), exposed)  # the rest hidden
+                if phase == "forward" and node.recompute:
+                    ledger.record(call, "recompute", name, name, node.module, step_repeats(ctx), exposed)
     return held, regathered, unwaited
 
 
