@@ -28,7 +28,7 @@ one mesh dim (``exclusive``: the ring runs on one process group), the mask on it
 never gathered: ``passes.localize_attention`` runs the call as ``runtime.ring``, which passes
 the K/V blocks around the ring and merges the blocks' outputs by their log-sum-exp. The
 placement tells the two apart: k split on its sequence dim is the ring (``ring_dim``). Offered
-for self-attention (as many keys as queries) without dropout.
+for self-attention (as many keys as queries) without dropout, with a boolean mask or none.
 """
 
 from __future__ import annotations
@@ -182,13 +182,27 @@ def _query_sequence_strategy(call: OpCall, q: TensorMeta, k: TensorMeta, v: Tens
 
 def _ring_strategy(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta) -> DimStrategy | None:
     """Ring attention: q, k, v and every output split on their sequence dim (module docstring).
-    None where L is 1, the keys are not the queries' positions (L != S), or dropout is drawn
-    (each block would draw its own)."""
+    None where L is 1, the keys are not the queries' positions (L != S), dropout is drawn (each
+    block would draw its own), the shapes are not the kernel's (``_kernel_shapes``), or its mask is a float bias
+    (which may want a gradient, the scores' gradient, which the kernel's backward does not give)."""
     gathered = _query_sequence_strategy(call, q, k, v)
-    if gathered is None or k.shape[-2] != q.shape[-2] or float(call.get("dropout_p", 0.0) or 0.0) > 0.0:
+    if (gathered is None or k.shape[-2] != q.shape[-2] or float(call.get("dropout_p", 0.0) or 0.0) > 0.0
+            or not _kernel_shapes(q, k, v) or (isinstance(mask := call.get("attn_mask"), TensorMeta)
+                                                and mask.dtype != torch.bool)):
         return None
     inputs = (gathered.inputs[0], S(k.ndim - 2), S(v.ndim - 2), *gathered.inputs[3:])
     return DimStrategy(gathered.outputs, inputs, exclusive=True)
+
+
+def _kernel_shapes(q: TensorMeta, k: TensorMeta, v: TensorMeta) -> bool:
+    """Shapes the kernel ``runtime.ring`` runs takes: (batch, heads, seq, dim), a 3-D call with
+    one head, q, k and v of one batch (no broadcast: each gets its own gradient) and grouped
+    keys and values heads dividing the queries'."""
+    batch = q.ndim - 2 if q.ndim == 3 else q.ndim - 3  # the dims before heads (before seq when 3-D)
+    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim or \
+            not q.shape[:batch] == k.shape[:batch] == v.shape[:batch]:
+        return False
+    return q.ndim == 3 or (k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0)
 
 
 def ring_dim(target: Any, kv_placements: Placements, kv_ndim: int) -> int | None:

@@ -230,7 +230,13 @@ def ring_call(link: RingLink, target: Any, args: tuple[Any, ...], kwargs: dict[s
     schedule = RingSchedule(link, q_positions.to(q.device), q.shape[-2] // held_chunks(dim, qp, zigzag), blocks,
                             k.shape[-2] // held_chunks(k.ndim - 2, kp, zigzag), bool(bound["is_causal"]),
                             bound.get("scale"))
-    out, lse = RingFunction.apply(q, k, v, mask, schedule)
+    if q.ndim == 3:  # the kernel takes (batch, heads, seq, dim): one head, the mask's dims aligned alike
+        q, k, v = q.unsqueeze(-3), k.unsqueeze(-3), v.unsqueeze(-3)
+        mask = mask.unsqueeze(-3) if mask is not None and mask.ndim >= 3 else mask
+        out, lse = RingFunction.apply(q, k, v, mask, schedule)
+        out, lse = out.squeeze(-3), lse.squeeze(-2)
+    else:
+        out, lse = RingFunction.apply(q, k, v, mask, schedule)
     return out if target is aten.scaled_dot_product_attention.default else (out, lse)
 
 
