@@ -16,7 +16,7 @@ from autopar.cost.moe import is_moe, moe_flops
 from autopar.rules.attention import ATTENTION_OPS, busiest_pairs, ring_dim, splits_causal_rows
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
-from autopar.rules.ring import busiest_step_pairs
+from autopar.rules.ring import busiest_steps
 from autopar.rules.routing import HF_GROUPED_MM
 from autopar.rules.strategy import OpCall, Strategy, shard_dim
 
@@ -101,7 +101,7 @@ def ring_of(call: OpCall, strategy: Strategy) -> int | None:
 
 def ring_step_flops(call: OpCall, strategy: Strategy, ways: int, mesh: Mesh) -> list[float]:
     """One rank's forward FLOPs at each step of ring attention (``runtime.ring``): the busiest
-    rank's pieces at that step (``rules.ring.busiest_step_pairs``: causal blocks after the rows
+    rank's pieces at that step (``rules.ring.busiest_steps``: causal blocks after the rows
     skipped, the diagonal's masked half skipped by the kernel), its batch and heads split
     ``ways`` over the sequence's splits."""
     q, k = call.tensor_inputs[0], call.tensor_inputs[1]
@@ -109,10 +109,28 @@ def ring_step_flops(call: OpCall, strategy: Strategy, ways: int, mesh: Mesh) -> 
     assert ring is not None
     dim, placements = q.ndim - 2, tuple(strategy.inputs[0])
     rows = math.prod(n for d, (p, n) in enumerate(zip(placements, mesh.shape)) if shard_dim(p) == dim or d == ring)
-    pairs = busiest_step_pairs(q.shape[-2], dim, placements, tuple(strategy.inputs[1]), mesh.shape, ring,
-                               bool(call.get("is_causal", False)), mesh.zigzag_dims())
     per_pair = attention_flops(call, causal=False) / (q.shape[-2] * k.shape[-2]) / (ways // rows)
-    return [per_pair * p for p in pairs]
+    return [per_pair * pairs for pairs, _ in _steps(call, strategy, mesh)]
+
+
+def ring_launches(call: OpCall, strategy: Strategy, mesh: Mesh, backward: bool = False) -> int:
+    """Ops ring attention launches on the busiest rank, forward: per piece of each step
+    (``rules.ring.step_pieces``) the kernel and its merge (``runtime.ring.merge``); backward:
+    per piece the kernel's backward and the three gradients' additions."""
+    return sum(pieces for _, pieces in _steps(call, strategy, mesh)) * (1 + (3 if backward else MERGE_OPS))
+
+
+MERGE_OPS = 12
+"""Ops of one online-softmax merge as ``runtime.ring.merge`` runs it (logaddexp, isinf,
+zeros_like, where, two subtractions and exps, the multiplies, the addition and the copy)."""
+
+
+def _steps(call: OpCall, strategy: Strategy, mesh: Mesh) -> tuple[tuple[int, int], ...]:
+    q = call.tensor_inputs[0]
+    ring = ring_of(call, strategy)
+    assert ring is not None
+    return busiest_steps(q.shape[-2], q.ndim - 2, tuple(strategy.inputs[0]), tuple(strategy.inputs[1]), mesh.shape,
+                         ring, bool(call.get("is_causal", False)), mesh.zigzag_dims())
 
 
 def is_grouped_mm(target: object) -> bool:

@@ -80,12 +80,13 @@ def step_pieces(q_positions: torch.Tensor, q_chunk: int, k_positions: torch.Tens
 
 
 @functools.lru_cache(maxsize=1024)
-def busiest_step_pairs(length: int, dim: int, q_placements: Placements, kv_placements: Placements,
-                       mesh_shape: tuple[int, ...], ring: int, causal: bool, zigzag: frozenset[int]
-                       ) -> tuple[int, ...]:
-    """Per ring step, the (query, key) pairs the busiest rank computes (the pieces' ``pairs``):
-    each step ends when the slowest rank has its next block, so the ring waits for the
-    busiest rank step by step. A sequence of ``length`` split on ``dim``."""
+def busiest_steps(length: int, dim: int, q_placements: Placements, kv_placements: Placements,
+                  mesh_shape: tuple[int, ...], ring: int, causal: bool, zigzag: frozenset[int]
+                  ) -> tuple[tuple[int, int], ...]:
+    """Per ring step, the (query, key) pairs the busiest rank computes (the pieces' ``pairs``)
+    and the most pieces a rank runs (each a kernel call and a merge): each step ends when the
+    slowest rank has its next block, so the ring waits for the busiest rank step by step. A
+    sequence of ``length`` split on ``dim``."""
     q_ways = math.prod(n for p, n in zip(q_placements, mesh_shape) if shard_dim(p) == dim)
     k_ways = math.prod(n for p, n in zip(kv_placements, mesh_shape) if shard_dim(p) == dim)
     q_local, k_local = length // q_ways, length // k_ways
@@ -93,7 +94,7 @@ def busiest_step_pairs(length: int, dim: int, q_placements: Placements, kv_place
     k_chunk = k_local // held_chunks(dim, kv_placements, zigzag)
     splitting = [d for d, p in enumerate(q_placements) if shard_dim(p) == dim or d == ring]
     n = mesh_shape[ring]
-    busiest = [0] * n
+    busiest, most = [0] * n, [0] * n
     for picked in itertools.product(*(range(mesh_shape[d]) for d in splitting)):
         coordinate = [0] * len(mesh_shape)
         for d, c in zip(splitting, picked):
@@ -103,6 +104,7 @@ def busiest_step_pairs(length: int, dim: int, q_placements: Placements, kv_place
             source = (coordinate[ring] - j) % n
             k_positions = block_positions(k_local, dim, kv_placements, mesh_shape, tuple(coordinate), ring, source,
                                           zigzag)
-            work = sum(p.pairs() for p in step_pieces(q_positions, q_chunk, k_positions, k_chunk, causal))
-            busiest[j] = max(busiest[j], work)
-    return tuple(busiest)
+            pieces = step_pieces(q_positions, q_chunk, k_positions, k_chunk, causal)
+            busiest[j] = max(busiest[j], sum(p.pairs() for p in pieces))
+            most[j] = max(most[j], len(pieces))
+    return tuple(zip(busiest, most))
