@@ -99,11 +99,12 @@ class RingSchedule:
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """Fold one piece's (out, lse) into the running ones (fp32 or wider, in place); rows that saw no key
-    yet have lse -inf and weigh nothing."""
+    """Fold one piece's (out, lse) into the running ones (fp32 or wider, in place); rows that saw
+    no key yet have lse -inf and weigh nothing."""
     total = torch.logaddexp(lse, part_lse)
     finite = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(part.to(out.dtype) * torch.exp(part_lse - finite).unsqueeze(-1))
+    weight = torch.exp(part_lse - finite).unsqueeze(-1)
+    out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(part.to(out.dtype) * weight)
     lse.copy_(total)
 
 
@@ -120,7 +121,8 @@ def _piece_mask(piece: Piece, mask: torch.Tensor | None, q_pos: torch.Tensor, k_
             if own.dtype == torch.bool else own.to(dtype)
     if piece.mode == MASKED or (piece.mode == DIAGONAL and own is not None):
         forbidden = k_pos.to(q_pos.device)[None, :] > q_pos[:, None]
-        causal = torch.zeros(forbidden.shape, dtype=dtype, device=forbidden.device).masked_fill(forbidden, float("-inf"))
+        causal = torch.zeros(forbidden.shape, dtype=dtype, device=forbidden.device)
+        causal = causal.masked_fill(forbidden, float("-inf"))
         own = causal if own is None else own + causal
     return own
 
