@@ -110,12 +110,14 @@ class LlamaCase:
     """``context_layout`` pinned ("zigzag": rank i holds chunks i and 2n-1-i of 2n); None: the faster."""
     attention: str | None = None
     """``context_attention`` pinned ("ring"); None: the solver's (all-gathered K/V on these shapes)."""
+    checkpoint: str | None = None
+    """Activation checkpointing pinned: the blocks' forward (a ring's sends too) runs again in backward."""
 
     @property
     def id(self) -> str:
         return ("x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
                 + (f"-zero{self.zero}" if self.zero else "") + (f"-{self.layout}" if self.layout else "")
-                + (f"-{self.attention}" if self.attention else ""))
+                + (f"-{self.attention}" if self.attention else "") + (f"-{self.checkpoint}" if self.checkpoint else ""))
 
     def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
         model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
@@ -127,7 +129,7 @@ LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",
                LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag"),
                LlamaCase((2, 2), ("cp", "tp"), layout="zigzag"),
                LlamaCase((2,), ("cp",), zero=3),
-               LlamaCase((2,), ("cp",), layout="zigzag", attention="ring"),
+               LlamaCase((2,), ("cp",), layout="zigzag", attention="ring", checkpoint="selective"),
                LlamaCase((4,), ("cp",), layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("cp", "tp"), layout="zigzag", attention="ring")]
@@ -141,7 +143,7 @@ def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) 
     zero = {"zero": {"cp": case.zero}} if case.zero else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
                          data_axes=data_axes, context_layout=case.layout, context_attention=case.attention,
-                         **tp, **zero)
+                         checkpoint=case.checkpoint, **tp, **zero)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
     return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
             "zigzag": pm.plan.mesh.get("zigzag", [])}
