@@ -220,3 +220,26 @@ def test_zigzag_rows_equal_the_whole_causal_call(op: str, mask: str | None) -> N
                                  held_chunks(2, (Shard(2),), zigzag))
         for got, want in zip(out if isinstance(out, tuple) else (out,), whole):
             torch.testing.assert_close(got, want.index_select(2, positions))  # out [.., L, E], logsumexp [.., L]
+
+
+def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+    from examples import hf_models
+    return hf_models.build_llama_step(batch=1, seq=16)
+
+
+def train_hf_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = _hf_llama()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
+                         context_attention="ring")
+    return {**run_compiled(pm, (*inputs, *targets), ref),
+            "sdpa_inputs": [n.inputs for n in pm.plan.nodes if n.op == SDPA]}
+
+
+def test_hf_llama_ring_attention_matches_single_device() -> None:
+    """Hugging Face's Llama (its own boolean causal mask, split on its rows and read by the
+    ring's blocks at their keys' columns; grouped-query attention) with ring attention on cp=2."""
+    pytest.importorskip("transformers")
+    case = LlamaCase((2,), ("cp",), attention="ring")
+    results = run_checked(train_hf_llama_on_rank, case.mesh, case, reference(_hf_llama))
+    assert results[0]["sdpa_inputs"] and all(inputs == ["S(2)"] * 4 for inputs in results[0]["sdpa_inputs"])
