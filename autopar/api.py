@@ -34,6 +34,7 @@ from autopar.solver.stage_memory import MemoryShares
 from autopar.solver.strided import add_strided_strategies
 from autopar.solver.zigzag import state_pins
 from autopar.solver.pipeline import Pipeline, as_pipeline
+from autopar.solver.context_kind import pin_context_attention
 from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc, prepare_layouts
 from autopar.units import fmt_bytes
 
@@ -179,7 +180,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  rules: RuleSet = DEFAULT_RULES, progress: bool = False,
                  data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
                  context_axes: tuple[str, ...] = (), context_layout: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, solver_time_limit_s: float = 120.0,
+                 context_attention: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
@@ -207,7 +209,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     ``_stage_cutoff_s``, ``_try_first``: as ``PreparedStep.cutoff_s`` and ``try_first``.
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the
-    faster. ``context_layout`` pins one: "contiguous", or "zigzag".
+    faster. ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins
+    how attention runs on a split sequence: "ring" or "allgather" (``solver.context_kind``).
     """
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
     if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
@@ -242,6 +245,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         add_strided_strategies(graph, rules, ctx)
         node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis,
                                         (data_axes, expert_axes), input_sharded, zero or {}, context_axes)
+        pin_context_attention(graph, context_attention)
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
     prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,

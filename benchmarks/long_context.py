@@ -17,7 +17,14 @@ Per (sequence, devices), three plans:
   cannot be made (the batch does not divide the axis): its error's first line is printed.
 - ``CP``: a ``cp`` axis pinned by ``context_axes=("cp",)`` (8 GPUs ``{"cp": 8}``, 64 GPUs
   ``{"cp": 8, "tp": 8}``): inputs split on the sequence, attention on each rank's query rows
-  with keys and values all-gathered, or on heads behind all-to-alls (Ulysses). The sequence
+  with keys and values all-gathered, by ring attention (keys and values split too, passed
+  around the ring), or on heads behind all-to-alls (Ulysses). At 32k on 8 GPUs the heads split
+  stays the fastest (1026.6 ms; ring on zig-zag chunks 1064.6 ms, gathered K/V on zig-zag rows
+  1104.1 ms: with full checkpointing each block's attention runs twice, and the ring's
+  per-block launches and sends weigh on a 4k-token block); ring attention wins where heads do
+  not split or at 128k with memory to spare (``tests/test_long_context.py``: 2 layers, 373.8
+  against 377.4 ms). At 128k on 8 GPUs no ``CP`` plan fits, ring or not: the leanest one is
+  fully checkpointed, so what ring attention saves (no gathered K/V) is not what binds. The sequence
   is planned cut both contiguous and zig-zag (2n chunks, rank i holding chunks i and 2n-1-i,
   which balances causal rows: ``solver.zigzag``) and the faster plan kept; ``zigzag`` in the
   JSON rows says which. On this shape zig-zag is never kept: a zig-zag axis cuts every split
@@ -31,9 +38,10 @@ Per (sequence, devices), three plans:
 
 Each row: predicted step time and peak memory, the memory plan (``plan.memory.describe()``),
 how the attention calls' queries are split (read from the plan's placements: per mesh axis,
-``seq`` where the query is split on dim -2, its rows, which is context parallelism by
-all-gathered K/V; ``heads`` where it is split on dim 1, which on a context axis is Ulysses,
-heads behind all-to-alls; ``batch`` on dim 0), and planning seconds.
+``seq`` where the query is split on dim -2, its rows, with keys and values all-gathered;
+``ring`` where the keys are split there too, ring attention (K/V blocks passed around the
+ring, ``runtime.ring``); ``heads`` where it is split on dim 1, which on a context axis is
+Ulysses, heads behind all-to-alls; ``batch`` on dim 0), and planning seconds.
 
 Usage: ``python benchmarks/long_context.py [--quick] [--json out.json]`` (``--quick``: 4k, 32k
 and 128k only). Planning seconds are noisy single runs; plans and predictions are deterministic.
@@ -109,7 +117,7 @@ class Result:
     attention: str = ""
     """Per mesh axis, how the attention queries are split (``seq``, ``heads``, ``batch``, ``-``)."""
     sequence_split: bool = False
-    """Some attention call runs on its query rows split (context parallelism by gathered K/V)."""
+    """Some attention call runs on its query rows split (context parallelism by gathered K/V, or ring)."""
     zigzag: list[str] = field(default_factory=list)
     """Mesh axes the plan cuts zig-zag (``plan.mesh['zigzag']``)."""
     step_ms: float | None = None
@@ -127,9 +135,12 @@ def attention_splits(plan: autopar.Plan, axes: list[str]) -> str:
             continue
         ndim = len(node.shapes[0])
         parts = []
-        for axis, match in zip(axes, PLACEMENT.finditer(node.inputs[0])):
+        keys = list(PLACEMENT.finditer(node.inputs[1]))
+        for axis, match, key in zip(axes, PLACEMENT.finditer(node.inputs[0]), keys):
             dim = match.group(1)
             kind = "-" if dim is None else SPLIT_KIND.get(int(dim) - ndim + 4, f"dim {dim}")
+            if kind == "seq" and key.group(1) == dim:  # keys split on the sequence too: passed around the ring
+                kind = "ring"
             parts.append(f"{axis}:{kind}")
         text = " ".join(parts)
         if text not in seen:
@@ -147,7 +158,7 @@ def plan_row(seq: int, devices: int, setup: Setup, model: torch.nn.Module, token
         result.step_ms = plan.predicted.step_time_s * 1e3
         result.peak_gib = plan.predicted.peak_memory_bytes / GiB
         result.attention = attention_splits(plan, list(setup.mesh))
-        result.sequence_split = ":seq" in result.attention
+        result.sequence_split = ":seq" in result.attention or ":ring" in result.attention
         result.zigzag = list(plan.mesh.get("zigzag", []))
     except (autopar.MemoryLimitError, autopar.InputError) as exc:  # does not fit, or cannot be made
         result.error = str(exc).splitlines()[0]

@@ -42,11 +42,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from autopar.capture.graph import TensorMeta
 from autopar.cost.collectives import grad_placement_at_consumer, grad_placement_at_producer
 from autopar.rules import loss as loss_rules
-from autopar.rules.attention import splits_causal_rows
+from autopar.rules.attention import ring_dim, splits_causal_rows
 from autopar.rules.dropout import draws_random
 from autopar.rules.strategy import OpCall, Strategy, placement_str
 from autopar.runtime.attention import ContextAttention
 from autopar.runtime.random import RandomOps
+from autopar.runtime.ring import ring_call
+from ring_threads import ThreadRing, run_threads
 
 aten = torch.ops.aten
 
@@ -327,11 +329,36 @@ def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tu
             return ops(*where, *args, **kwargs)  # each rank has its own copies: in-place draws write them
         return draw
     q_placements = strategy.inputs[0] if strategy.inputs else ()
+    ring = _ring_of(case, call, strategy)
+    if ring is not None:  # ring attention: each ring of ranks (the other coordinates alike) on threads
+        rings: dict[Coord, ThreadRing] = {}
+        q_where, kv_where = placement_str(q_placements), placement_str(strategy.inputs[1])
+
+        def on_ring(args: list[Any], kwargs: dict[str, Any], coord: Coord) -> Any:
+            group = rings.setdefault(coord[:ring] + coord[ring + 1:], ThreadRing(mesh_shape[ring]))
+            return ring_call(group.link(coord[ring]), case.op, tuple(args), kwargs, q_where, kv_where, mesh_shape,
+                             coord, ring, frozenset())
+        return on_ring
     if call.tensor_inputs and splits_causal_rows(case.op, case.args, case.kwargs, q_placements,
                                                  call.tensor_inputs[0].ndim):
         where = placement_str(q_placements)
         return lambda args, kwargs, coord: ContextAttention(mesh_shape, coord)(str(case.op), where, *args, **kwargs)
     return lambda args, kwargs, coord: case.op(*args, **kwargs)
+
+
+def _ring_of(case: OpCase, call: OpCall, strategy: Strategy) -> int | None:
+    """The mesh dim a ring attention strategy runs its ring on (``runtime.ring``), else None."""
+    if len(strategy.inputs) < 3 or len(call.tensor_inputs) < 3:
+        return None
+    return ring_dim(case.op, strategy.inputs[1], call.tensor_inputs[1].ndim)
+
+
+def _each_rank(coords: list[Coord], work: Callable[[Coord], Any], together: bool) -> list[Any]:
+    """``work`` per rank: one after another, or ``together`` on threads (ranks of a ring wait
+    for each other)."""
+    if together:
+        return run_threads(len(coords), lambda i: work(coords[i]))
+    return [work(c) for c in coords]
 
 
 def simulate(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...],
@@ -362,16 +389,16 @@ def _run_ranks(case: OpCase, strategy: Strategy, per_input: list[dict[Coord, tor
     call = case.op_call()
     run = _local_runner(case, call, strategy, mesh_shape)
     n_kw = len(case.kwargs)
-    local_outputs: dict[Coord, tuple[torch.Tensor | None, ...]] = {}
-    for coord in ranks(mesh_shape):
+
+    def on_rank(coord: Coord) -> tuple[torch.Tensor | None, ...]:
         local = iter([d[coord] for d in per_input])
         flat = _replace_tensors([*case.args, *case.kwargs.values()], local)
         args = flat[:len(flat) - n_kw] if n_kw else flat
         kwargs = dict(zip(case.kwargs, flat[len(flat) - n_kw:])) if n_kw else {}
         op, args = localize_shape_args(case, call, args, strategy, mesh_shape)
-        result = run(args, kwargs, coord) if op is case.op else op(*args, **kwargs)
-        local_outputs[coord] = flatten_outputs(result)
-    return local_outputs
+        return flatten_outputs(run(args, kwargs, coord) if op is case.op else op(*args, **kwargs))
+    coords = ranks(mesh_shape)
+    return dict(zip(coords, _each_rank(coords, on_rank, _ring_of(case, call, strategy) is not None)))
 
 
 def simulate_gradients(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...], wanted: Sequence[int],
@@ -389,11 +416,15 @@ def simulate_gradients(case: OpCase, strategy: Strategy, mesh_shape: tuple[int, 
     local_outputs = _run_ranks(case, strategy, per_input, mesh_shape)
     grads_out = {i: distribute(g, [grad_placement_at_producer(p) for p in strategy.outputs[i]], mesh_shape, gen)
                  for i, g in enumerate(output_grads) if g is not None}
-    local_grads: dict[Coord, tuple[torch.Tensor | None, ...]] = {}
-    for coord, outs in local_outputs.items():
+
+    def on_rank(coord: Coord) -> tuple[torch.Tensor | None, ...]:
+        outs = local_outputs[coord]
         used = [i for i in grads_out if outs[i] is not None and outs[i].requires_grad]
-        local_grads[coord] = torch.autograd.grad([outs[i] for i in used], [per_input[i][coord] for i in wanted],
-                                                 [grads_out[i][coord] for i in used], allow_unused=True)
+        return torch.autograd.grad([outs[i] for i in used], [per_input[i][coord] for i in wanted],
+                                   [grads_out[i][coord] for i in used], allow_unused=True)
+    coords = list(local_outputs)
+    ring = _ring_of(case, case.op_call(), strategy) is not None  # backward passes dK/dV around the ring
+    local_grads = dict(zip(coords, _each_rank(coords, on_rank, ring)))
     assembled: list[torch.Tensor | None] = []
     for k, i in enumerate(wanted):
         placements = [grad_placement_at_consumer(p, strategy.is_active(d)) for d, p in enumerate(strategy.inputs[i])]

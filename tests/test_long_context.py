@@ -4,7 +4,6 @@ runs the whole shape). Planning only, on the meta device."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import autopar
@@ -36,18 +35,21 @@ def test_short_sequences_split_the_batch() -> None:
 
 def test_a_long_sequence_splits_attention_on_the_context_axis() -> None:
     """128k tokens, one sequence: no batch to split; with the sequence pinned split the plan fits
-    and every attention call runs split on cp (heads behind all-to-alls today, not rows: see
-    the next test)."""
+    and every attention call runs split on cp (by ring attention: see the next test)."""
     plan = _plan(131072, 1, context_axes=("cp",))
     assert plan.predicted.peak_memory_bytes <= 0.9 * 80 * 2**30
     assert _query_splits(plan) <= {"S(1)", "S(2)"}
 
 
-@pytest.mark.xfail(strict=True, reason="zig-zag chunks cut the busiest rank's causal rows from twice a balanced share to "
-                   "(2n+1)/2n of it (17/16 on cp=8: each chunk's rectangle against its keys, explicitly masked), yet a "
-                   "heads split behind all-to-alls is balanced exactly and moves fewer bytes than gathering grouped "
-                   "K/V: 377.4 ms a step against 391.7 ms for zig-zag rows (384.4 vs 373.3 ms of compute, 7.3 vs 4.1 "
-                   "ms of exposed communication and reorders; contiguous rows would add 178 ms). Rows win where heads do not "
-                   "split (tests/test_context_planning.py::test_the_faster_layout_is_kept)")
-def test_a_long_sequence_splits_query_rows() -> None:
-    assert _query_splits(_plan(131072, 1, context_axes=("cp",))) == {"S(2)"}
+def test_a_long_sequence_runs_ring_attention() -> None:
+    """128k tokens on cp=8: ring attention on zig-zag chunks (every rank exactly a balanced share
+    of the causal pairs, its K/V sends hidden under each step's blocks but the last dK/dV's)
+    beats the heads split behind all-to-alls: 373.8 ms a step against 377.4 ms (the same
+    373.3 ms of compute, 0.5 against 4.1 ms of exposed communication). Before ring attention the
+    query rows split lost to heads (391.7 ms for zig-zag rows: (2n+1)/2n of the balanced share,
+    explicitly masked, and the gathered K/V's all-gathers and reduce-scatters)."""
+    plan = _plan(131072, 1, context_axes=("cp",))
+    assert {tuple(n.inputs) for n in plan.nodes if n.op == SDPA} == {("S(2)", "S(2)", "S(2)")}
+    assert plan.mesh.get("zigzag") == ["cp"]
+    heads = _plan(131072, 1, context_axes=("cp",), context_attention="allgather")
+    assert _query_splits(heads) == {"S(1)"} and plan.predicted.step_time_s < heads.predicted.step_time_s

@@ -1,12 +1,13 @@
-"""Context parallelism (all-gathered keys and values) trains to the single-device numbers:
-loss, every gradient and every parameter after 3 AdamW steps, on gloo ranks forked from
-this process, with the sequence split on ``cp`` (``context_axes=("cp",)``).
+"""Context parallelism (all-gathered keys and values, or ring attention) trains to the
+single-device numbers: loss, every gradient and every parameter after 3 AdamW steps, on gloo
+ranks forked from this process, with the sequence split on ``cp`` (``context_axes=("cp",)``).
 
 The batch is 1, as where context parallelism is used (a batch that divides would be split
 instead: the planner moves the split to the batch with one all-to-all of the tokens, which
 is cheaper than gathering keys and values). The 3-D attention takes its queries split on
 the sequence and its keys and values whole; a causal one runs on each rank's query rows
-(``passes.localize_attention``).
+(``passes.localize_attention``). Pinned to ring attention (``context_attention="ring"``), queries,
+keys and values split, each call runs ``runtime.ring`` (its sends checked against the plan's).
 """
 
 from __future__ import annotations
@@ -57,19 +58,24 @@ class Case:
     mesh: tuple[int, ...] = (2,)
     names: tuple[str, ...] = ("cp",)
     heads: int | None = None
+    attention: str | None = None
+    """``context_attention`` pinned ("ring": keys and values passed around the ring); None: the solver's."""
 
     @property
     def id(self) -> str:
-        return f"{'mask' if self.masked else 'causal'}-{'x'.join(f'{n}{s}' for n, s in zip(self.names, self.mesh))}"
+        return (f"{'mask' if self.masked else 'causal'}-{'x'.join(f'{n}{s}' for n, s in zip(self.names, self.mesh))}"
+                + (f"-{self.attention}" if self.attention else ""))
 
 
-CASES = [Case(True), Case(False), Case(True, (4,)), Case(False, (4,))]
+CASES = [Case(True), Case(False), Case(True, (4,)), Case(False, (4,)), Case(True, (4,), attention="ring"),
+         Case(False, (2,), attention="ring")]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = build(case.heads, case.masked)
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",))
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
+                         context_attention=case.attention)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
     return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
             "code": pm.program.code}
@@ -80,8 +86,12 @@ def test_context_parallel_attention_matches_single_device(case: Case) -> None:
     ref = reference(lambda: build(case.heads, case.masked))
     results = run_checked(train_on_rank, case.mesh, case, ref)
     (inputs,) = results[0]["sdpa_inputs"]
+    code = results[0]["code"]
+    if case.attention == "ring":  # queries, keys and values split on the sequence, the mask on its rows
+        assert inputs == ["S(1)"] * len(inputs) and "self.ring_attention(" in code, inputs
+        return
     assert inputs[:3] == ["S(1)", "R", "R"], inputs  # queries split on the sequence, keys and values whole
-    assert ("self.context_attention(" in results[0]["code"]) == (not case.masked)
+    assert ("self.context_attention(" in code) == (not case.masked)
 
 
 LLAMA = llama.LlamaConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2)
@@ -98,11 +108,16 @@ class LlamaCase:
     """ZeRO stage on the cp axis (3: parameters stored split there, FSDP over the context axis)."""
     layout: str | None = None
     """``context_layout`` pinned ("zigzag": rank i holds chunks i and 2n-1-i of 2n); None: the faster."""
+    attention: str | None = None
+    """``context_attention`` pinned ("ring"); None: the solver's (all-gathered K/V on these shapes)."""
+    checkpoint: str | None = None
+    """Activation checkpointing pinned: the blocks' forward (a ring's sends too) runs again in backward."""
 
     @property
     def id(self) -> str:
         return ("x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
-                + (f"-zero{self.zero}" if self.zero else "") + (f"-{self.layout}" if self.layout else ""))
+                + (f"-zero{self.zero}" if self.zero else "") + (f"-{self.layout}" if self.layout else "")
+                + (f"-{self.attention}" if self.attention else "") + (f"-{self.checkpoint}" if self.checkpoint else ""))
 
     def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
         model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
@@ -113,7 +128,11 @@ LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",
                LlamaCase((4,), ("cp",), layout="zigzag"), LlamaCase((4,), ("cp",), seq=8, layout="zigzag"),
                LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag"),
                LlamaCase((2, 2), ("cp", "tp"), layout="zigzag"),
-               LlamaCase((2,), ("cp",), zero=3)]
+               LlamaCase((2,), ("cp",), zero=3),
+               LlamaCase((2,), ("cp",), layout="zigzag", attention="ring", checkpoint="selective"),
+               LlamaCase((4,), ("cp",), layout="zigzag", attention="ring"),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag", attention="ring"),
+               LlamaCase((2, 2), ("cp", "tp"), layout="zigzag", attention="ring")]
 
 
 def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
@@ -123,7 +142,8 @@ def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) 
     tp = {"constraints": llama.TP_PLAN, "constraint_axis": "tp"} if "tp" in case.names else {}
     zero = {"zero": {"cp": case.zero}} if case.zero else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         data_axes=data_axes, context_layout=case.layout, **tp, **zero)
+                         data_axes=data_axes, context_layout=case.layout, context_attention=case.attention,
+                         checkpoint=case.checkpoint, **tp, **zero)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
     return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
             "zigzag": pm.plan.mesh.get("zigzag", [])}
@@ -142,7 +162,9 @@ def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
     cp = case.names.index("cp")
     for inputs in results[0]["sdpa_inputs"]:  # q split on the sequence (dim 2) over cp, k and v whole there
         placed = [parse_placements(p)[cp] for p in inputs]
-        if case.zero:  # weights gathered anyway: the planner may split attention by heads on cp instead
+        if case.attention == "ring":  # keys and values split too, passed around the ring
+            assert placed == [Shard(2)] * 3, inputs
+        elif case.zero:  # weights gathered anyway: the planner may split attention by heads on cp instead
             assert placed in ([Shard(2), Replicate(), Replicate()], [Shard(1)] * 3), inputs
         else:
             assert placed == [Shard(2), Replicate(), Replicate()], inputs
@@ -198,3 +220,26 @@ def test_zigzag_rows_equal_the_whole_causal_call(op: str, mask: str | None) -> N
                                  held_chunks(2, (Shard(2),), zigzag))
         for got, want in zip(out if isinstance(out, tuple) else (out,), whole):
             torch.testing.assert_close(got, want.index_select(2, positions))  # out [.., L, E], logsumexp [.., L]
+
+
+def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+    from examples import hf_models
+    return hf_models.build_llama_step(batch=1, seq=16)
+
+
+def train_hf_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
+    model, inputs, loss_fn, targets = _hf_llama()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
+                         context_attention="ring")
+    return {**run_compiled(pm, (*inputs, *targets), ref),
+            "sdpa_inputs": [n.inputs for n in pm.plan.nodes if n.op == SDPA]}
+
+
+def test_hf_llama_ring_attention_matches_single_device() -> None:
+    """Hugging Face's Llama (its own boolean causal mask, split on its rows and read by the
+    ring's blocks at their keys' columns; grouped-query attention) with ring attention on cp=2."""
+    pytest.importorskip("transformers")
+    case = LlamaCase((2,), ("cp",), attention="ring")
+    results = run_checked(train_hf_llama_on_rank, case.mesh, case, reference(_hf_llama))
+    assert results[0]["sdpa_inputs"] and all(inputs == ["S(2)"] * 4 for inputs in results[0]["sdpa_inputs"])

@@ -1,19 +1,20 @@
-"""Context parallelism in the attention rule: queries split on the sequence (L), keys and
-values whole, brute-forced forward and backward.
+"""Context parallelism in the attention rule, brute-forced forward and backward: queries split
+on the sequence (L) with keys and values whole, and ring attention (keys and values split too,
+run by ``runtime.ring`` on threads, ``ring_threads``).
 
 ``test_rules_bruteforce`` runs every attention case's strategies forward (the causal ones
 on each rank's query rows, as ``runtime.attention`` runs them). Here backward too: each
 rank's local autograd, placed as the runtime assumes (the gradients of the whole keys and
 values Partial, summed by the reduce-scatter that is the backward of their all-gather),
 must reassemble into the full gradients; and the simulator must reject what is wrong
-(keys split with the queries; a causal call run as captured on its rows).
+(keys split with the queries run as captured; a causal call run as captured on its rows).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sharding_sim import OpCase, check_strategy, strategy_str
+from sharding_sim import OpCase, check_strategy
 from test_rules_bruteforce import attention_cases, bools, case, dropout_cases, f64, rule_strategies
 from test_rules_conv import gradient_failure
 
@@ -65,18 +66,44 @@ def _causal_case() -> OpCase:
     return next(c for c in CASES if c.label.endswith("-causal") and "gqa" not in c.label and "3d" not in c.label)
 
 
-def test_keys_split_with_the_queries_is_wrong() -> None:
-    """Each rank attending to its own chunk of keys only is not attention over the sequence."""
+def test_keys_split_with_the_queries_is_ring_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys split with the queries is ring attention (the rule offers it, on one mesh dim), right
+    run as the ring (``runtime.ring``); each rank attending to its own chunk of keys only, as
+    captured, is not attention over the sequence."""
     c = _causal_case()
-    (wrong,) = expand(c.op_call(), [DimStrategy((S(2),), (S(2), S(2), S(2)))], (2,))[-1:]
-    assert check_strategy(c, wrong, (2,)) is not None
+    ring = DimStrategy((S(2),), (S(2), S(2), S(2)), exclusive=True)
+    assert ring in rule_strategies(c)[1]
+    (strategy,) = expand(c.op_call(), [ring], (2,))[-1:]
+    assert check_strategy(c, strategy, (2,)) is None
+    monkeypatch.setattr(sharding_sim, "_ring_of", lambda *args: None)
+    assert check_strategy(c, strategy, (2,)) is not None
+
+
+def test_ring_attention_runs_on_one_mesh_dim() -> None:
+    """Two rings at once (keys split on the sequence on both mesh dims) are never offered: the
+    ring runs on one process group."""
+    c = _causal_case()
+    strategies = _cp_strategies(c, (2, 2))
+    rings = [s for s in strategies if sum(shard_dim(p) == 2 for p in s.inputs[1]) > 0]
+    assert rings and all(sum(shard_dim(p) == 2 for p in s.inputs[1]) == 1 for s in rings)
+
+
+def test_float_bias_and_dropout_calls_have_no_ring() -> None:
+    """A float mask may want a gradient the kernel's backward does not give; dropout would be
+    drawn per block: neither is offered the ring."""
+    for c in [*CASES, *dropout_cases()]:
+        call = c.op_call()
+        mask = call.get("attn_mask")
+        if (isinstance(mask, torch.Tensor) or getattr(mask, "dtype", torch.bool) != torch.bool
+                or float(call.get("dropout_p", 0.0) or 0.0) > 0):
+            assert not any(shard_dim(s.inputs[1][0]) == call.tensor_inputs[1].ndim - 2
+                           for s in _cp_strategies(c, (2,))), c.label
 
 
 def test_causal_rows_run_as_captured_are_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
     """``is_causal=True`` on a rank's rows aligns them with the first keys: the rewrite is needed."""
     c = _causal_case()
-    (strategy,) = _cp_strategies(c, (2,))
-    assert strategy.inputs[1:] == ((R,), (R,)), strategy_str(strategy)
+    (strategy,) = [s for s in _cp_strategies(c, (2,)) if s.inputs[1:] == ((R,), (R,))]
     assert check_strategy(c, strategy, (2,)) is None
     monkeypatch.setattr(sharding_sim, "splits_causal_rows", lambda *args: False)
     assert check_strategy(c, strategy, (2,)) is not None

@@ -103,7 +103,8 @@ def plan_command(args: argparse.Namespace) -> int:
                         micro_batches=None if pipeline else args.micro_batches,
                         offload=args.offload, pipeline=pipeline, data_axes=args.data_axes,
                         expert_axes=args.expert_axes, context_axes=args.context_axes,
-                        context_layout=args.context_layout, progress=sys.stderr.isatty())
+                        context_layout=args.context_layout, context_attention=args.context_attention,
+                        progress=sys.stderr.isatty())
     from rich.console import Console
 
     Console(width=args.width).print(render(plan))
@@ -186,6 +187,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context-layout", choices=["contiguous", "zigzag"], default=None,
                    help="how the context axes cut the sequence (default: both planned, the faster kept; zigzag: "
                         "rank i holds chunks i and 2n-1-i of 2n, balancing causal attention)")
+    p.add_argument("--context-attention", choices=["ring", "allgather"], default=None,
+                   help="how attention runs on a split sequence (default: the cheaper per call; ring: keys and "
+                        "values passed around the ring; allgather: gathered on every rank)")
     p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
     data = p.add_argument_group("data and expert parallelism (default: the planner places the batch too)")

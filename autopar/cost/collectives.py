@@ -2,7 +2,8 @@
 
 Ring algorithms (REFERENCE.md): all-reduce 2(n-1)a + 2(n-1)/n M/b; all-gather and
 reduce-scatter (n-1)a + (n-1)/n M/b with M the gathered size; all-to-all
-(n-1)a + (n-1)/n M/b with M the bytes a device holds.
+(n-1)a + (n-1)/n M/b with M the bytes a device holds. A ring step's send to the next rank
+(``rules.ring.SEND_RECV``, ring attention): a + M/b, M the bytes sent (``point_to_point_time``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 
 from autopar.rules.redistribute import ALL_GATHER, ALL_REDUCE, COLLECTIVES, redistribute_steps
+from autopar.rules.ring import SEND_RECV
 from autopar.rules.strategy import is_partial, local_numel, shard_dim
 
 _REPLICATE, _PARTIAL = Replicate(), Partial()
@@ -37,11 +39,12 @@ class CollectiveCall:
 
 def call_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
     """What one collective costs whatever its size: the call's fixed cost and the alpha terms,
-    2(n-1) ring steps for all-reduce, n-1 otherwise (0 on a mesh dim of size 1)."""
+    2(n-1) ring steps for all-reduce, one for a ring step's send, n-1 otherwise (0 on a mesh
+    dim of size 1)."""
     n = mesh.shape[mesh_dim]
     if n == 1:
         return 0.0
-    steps = 2 * (n - 1) if kind == ALL_REDUCE else n - 1
+    steps = 2 * (n - 1) if kind == ALL_REDUCE else 1 if kind == SEND_RECV else n - 1
     return mesh.hardware.collective_overhead + steps * mesh.link(mesh_dim).latency
 
 
@@ -66,7 +69,7 @@ def zigzag_reorder_time(call: CollectiveCall, mesh: Mesh) -> float:
     """On a zig-zag axis (``Mesh.zigzag``) an all-gather's pieces are put back in order after
     it, and a reduce-scatter's or all-to-all's input is put in rank order before it
     (``runtime.ops.Comm``): one copy of M bytes, read and written at memory bandwidth."""
-    if not mesh.zigzag or call.kind == ALL_REDUCE or mesh.names[call.mesh_dim] not in mesh.zigzag:
+    if not mesh.zigzag or call.kind in (ALL_REDUCE, SEND_RECV) or mesh.names[call.mesh_dim] not in mesh.zigzag:
         return 0.0
     hw = mesh.hardware
     return 2 * call.nbytes / (hw.memory_bandwidth * hw.memory_efficiency)
@@ -82,6 +85,8 @@ def point_to_point_time(nbytes: float, mesh_dim: int, mesh: Mesh) -> float:
 def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:
     """Bytes one device sends over its link for this collective (for the plan's comm_bytes)."""
     n = mesh.shape[call.mesh_dim]
+    if call.kind == SEND_RECV:  # all of it, to the next rank
+        return float(call.nbytes) if n > 1 else 0.0
     factor = 2 if call.kind == ALL_REDUCE else 1
     return factor * (n - 1) / n * call.nbytes
 

@@ -13,9 +13,10 @@ from autopar.cost.precision import Precision
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
 from autopar.cost.moe import is_moe, moe_flops
-from autopar.rules.attention import ATTENTION_OPS, busiest_pairs, splits_causal_rows
+from autopar.rules.attention import ATTENTION_OPS, busiest_pairs, ring_dim, splits_causal_rows
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.dropout import drawn_numel
+from autopar.rules.ring import busiest_steps
 from autopar.rules.routing import HF_GROUPED_MM
 from autopar.rules.strategy import OpCall, Strategy, shard_dim
 
@@ -73,7 +74,12 @@ def rank_flops(call: OpCall, strategy: Strategy, ways: int, mesh: Mesh | None = 
     (``runtime.attention``), which no kernel skips, so the step waits for the busiest rank's
     rows x keys pairs (``rules.attention.busiest_pairs``): contiguous chunks on n ranks, the
     last rank's L/n x L, the non-causal share (twice the causal one); zig-zag chunks on a
-    zig-zag axis of ``mesh``, (2n+1)/2n of the causal share. Other splits divide evenly."""
+    zig-zag axis of ``mesh``, (2n+1)/2n of the causal share. Ring attention: the sum of its
+    steps' (``ring_step_flops``). Other splits divide evenly."""
+    if ring_of(call, strategy) is not None:
+        if mesh is None:
+            raise ValueError("ring attention is priced on a mesh: its steps depend on the mesh's shape")
+        return sum(ring_step_flops(call, strategy, ways, mesh))
     if strategy.inputs and call.tensor_inputs and splits_causal_rows(
             call.target, call.args, call.kwargs, strategy.inputs[0], call.tensor_inputs[0].ndim):
         if mesh is None:  # no mesh, no zig-zag axes: contiguous chunks, the last rank's rectangle
@@ -84,6 +90,47 @@ def rank_flops(call: OpCall, strategy: Strategy, ways: int, mesh: Mesh | None = 
         pairs = busiest_pairs(q.shape[-2], dim, placements, mesh.shape, mesh.zigzag_dims())
         return attention_flops(call, causal=False) * pairs / (q.shape[-2] * k.shape[-2]) / (ways // rows)
     return op_flops(call) / ways
+
+
+def ring_of(call: OpCall, strategy: Strategy) -> int | None:
+    """The mesh dim an attention call runs ring attention on under ``strategy``, else None."""
+    if len(strategy.inputs) < 3 or len(call.tensor_inputs) < 3:
+        return None
+    return ring_dim(call.target, strategy.inputs[1], call.tensor_inputs[1].ndim)
+
+
+def ring_step_flops(call: OpCall, strategy: Strategy, ways: int, mesh: Mesh) -> list[float]:
+    """One rank's forward FLOPs at each step of ring attention (``runtime.ring``): the busiest
+    rank's pieces at that step (``rules.ring.busiest_steps``: causal blocks after the rows
+    skipped, the diagonal's masked half skipped by the kernel), its batch and heads split
+    ``ways`` over the sequence's splits."""
+    q, k = call.tensor_inputs[0], call.tensor_inputs[1]
+    ring = ring_of(call, strategy)
+    assert ring is not None
+    dim, placements = q.ndim - 2, tuple(strategy.inputs[0])
+    rows = math.prod(n for d, (p, n) in enumerate(zip(placements, mesh.shape)) if shard_dim(p) == dim or d == ring)
+    per_pair = attention_flops(call, causal=False) / (q.shape[-2] * k.shape[-2]) / (ways // rows)
+    return [per_pair * pairs for pairs, _ in _steps(call, strategy, mesh)]
+
+
+def ring_launches(call: OpCall, strategy: Strategy, mesh: Mesh, backward: bool = False) -> int:
+    """Ops ring attention launches on the busiest rank, forward: per piece of each step
+    (``rules.ring.step_pieces``) the kernel and its merge (``runtime.ring.merge``); backward:
+    per piece the kernel's backward and the three gradients' additions."""
+    return sum(pieces for _, pieces in _steps(call, strategy, mesh)) * (1 + (3 if backward else MERGE_OPS))
+
+
+MERGE_OPS = 12
+"""Ops of one online-softmax merge as ``runtime.ring.merge`` runs it (logaddexp, isinf,
+zeros_like, where, two subtractions and exps, the multiplies, the addition and the copy)."""
+
+
+def _steps(call: OpCall, strategy: Strategy, mesh: Mesh) -> tuple[tuple[int, int], ...]:
+    q = call.tensor_inputs[0]
+    ring = ring_of(call, strategy)
+    assert ring is not None
+    return busiest_steps(q.shape[-2], q.ndim - 2, tuple(strategy.inputs[0]), tuple(strategy.inputs[1]), mesh.shape,
+                         ring, bool(call.get("is_causal", False)), mesh.zigzag_dims())
 
 
 def is_grouped_mm(target: object) -> bool:

@@ -13,8 +13,8 @@ from torch.distributed.tensor import Partial
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, random_draw_time, rank_flops, roofline_time,
-                                  with_fixed_cost)
+from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, random_draw_time, rank_flops, ring_launches,
+                                  ring_of, roofline_time, with_fixed_cost)
 from autopar.cost.moe import compute_factor, is_moe, pair_share
 from autopar.cost.offload import offloaded_parameter
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements
@@ -127,11 +127,14 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     hw = mesh.hardware
     kernel = call.target not in VIEW_OPS  # a view runs no kernel: priced free
     # the global draw of a random op is not split
-    forward = with_fixed_cost(work, hw.op_overhead if kernel else 0.0, hw) + random_draw_time(call, mesh, ctx.precision)
+    ring = ring_of(call, strategy) is not None  # ring attention launches ops per block (``ring_launches``)
+    launches = ring_launches(call, strategy, mesh) if ring else int(kernel)
+    forward = with_fixed_cost(work, hw.op_overhead * launches, hw) + random_draw_time(call, mesh, ctx.precision)
     time = forward
     memory = 0.0
     if backward and any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
-        time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead if kernel else 0.0, hw)
+        launches = ring_launches(call, strategy, mesh, backward=True) if ring else int(kernel)
+        time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead * launches, hw)
     # outputs saved for backward; views and in-place ops return their input's memory
     sizes = [ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape)) if o is not None and pl is not None
              else 0 for o, pl in zip(call.outputs, strategy.outputs)]

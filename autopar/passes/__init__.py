@@ -10,7 +10,8 @@ in this order:
 5. localize_losses: batch-split 'mean' losses become local sum / global count (after
    the reshards, so a count can still read the whole targets input);
 6. localize_attention: a causal attention split on its queries' sequence becomes a
-   ``self.context_attention`` call (the causal mask of this rank's query positions);
+   ``self.context_attention`` call (the causal mask of this rank's query positions), one
+   planned as ring attention (keys split on the sequence too) a ``self.ring_attention`` call;
 7. expert_parallel: a dropless expert layer whose experts are split becomes a
    ``self.moe_dispatch_combine`` call (variable-split all-to-alls to the experts' ranks and back);
 8. retarget_devices: tensors the step creates go to the rank's device;
@@ -25,8 +26,9 @@ A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
 rewrite an op whatever its placement, rewrite inside subgraphs too.
 The ``reshard``, ``regather``, ``prefetch``, ``backward_starts``, ``partial_mean_loss``,
-``context_attention``, ``moe_dispatch_combine``, ``random`` and ``recompute`` modules they call are runtime code
-(``autopar.runtime.ops``, ``autopar.runtime.regather``, ``autopar.runtime.attention``, ``autopar.runtime.moe``,
+``context_attention``, ``ring_attention``, ``moe_dispatch_combine``, ``random`` and ``recompute`` modules they
+call are runtime code (``autopar.runtime.ops``, ``autopar.runtime.regather``, ``autopar.runtime.attention``,
+``autopar.runtime.ring``, ``autopar.runtime.moe``,
 ``autopar.runtime.random``, ``autopar.runtime.recompute``), handed in by the caller: passes
 only write the calls.
 """

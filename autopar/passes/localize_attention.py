@@ -10,6 +10,11 @@ of those positions instead of ``is_causal`` (which would align the rank's first 
 the first key). Every other attention call is left as captured: split on batch or heads,
 or non-causal, a rank's rows need nothing of their positions. Runs after insert_reshards,
 so the arguments it moves are the resharded ones (keys and values gathered).
+
+An attention call planned as ring attention (its keys split on the sequence too,
+``rules.attention.ring_dim``), causal or not, becomes ``self.ring_attention(op, q_placements,
+kv_placements, ring_dim, q, k, v, ...)`` (``autopar.runtime.ring``): its keys and values
+travel around the ring instead of being gathered.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import torch.fx
 
 from autopar.passes.context import PassContext, plan_name, strategy_of
-from autopar.rules.attention import splits_causal_rows
+from autopar.rules.attention import ring_dim, splits_causal_rows
 from autopar.rules.strategy import placement_str
 
 
@@ -28,12 +33,18 @@ def localize_attention(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Gr
         if node.op != "call_function" or strategy is None or not strategy.inputs or name not in pc.graph.nodes:
             continue
         call = pc.graph.nodes[name].call  # the captured call's tensors (q's rank), before any reshard
-        if call is None or not splits_causal_rows(node.target, node.args, node.kwargs, strategy.inputs[0],
-                                                  call.tensor_inputs[0].ndim):
+        if call is None or len(call.tensor_inputs) < 3:
+            continue
+        ring = ring_dim(node.target, strategy.inputs[1], call.tensor_inputs[1].ndim)
+        if ring is not None:
+            module, extra = "ring_attention", (placement_str(strategy.inputs[1]), ring)
+        elif splits_causal_rows(node.target, node.args, node.kwargs, strategy.inputs[0], call.tensor_inputs[0].ndim):
+            module, extra = "context_attention", ()
+        else:
             continue
         with graph.inserting_before(node):
-            rows = graph.call_module("context_attention", (str(node.target), placement_str(strategy.inputs[0]),
-                                                           *node.args), dict(node.kwargs))
+            rows = graph.call_module(module, (str(node.target), placement_str(strategy.inputs[0]), *extra,
+                                              *node.args), dict(node.kwargs))
         rows.meta.update(node.meta)  # its block, plan name and value: checkpointing and stages follow it
         node.replace_all_uses_with(rows)
         graph.erase_node(node)

@@ -20,7 +20,15 @@ on its L dim (replicated where it broadcasts there). A non-causal call then runs
 on each rank's query rows. A causal one is top-left aligned on the global positions, so a
 rank's rows need the causal mask of their own positions: ``passes.localize_attention``
 rewrites it (``runtime.attention``); with dropout it is not offered (the draw and that
-rewrite do not compose). Splitting S (ring attention) is not offered here.
+rewrite do not compose).
+
+Context parallelism, ring attention: q, k, v and the outputs all split on their sequence dim on
+one mesh dim (``exclusive``: the ring runs on one process group), the mask on its L dim as above
+(its key dim whole: each step reads the columns of the keys it holds). Keys and values are
+never gathered: ``passes.localize_attention`` runs the call as ``runtime.ring``, which passes
+the K/V blocks around the ring and merges the blocks' outputs by their log-sum-exp. The
+placement tells the two apart: k split on its sequence dim is the ring (``ring_dim``). Offered
+for self-attention (as many keys as queries) without dropout, with a boolean mask or none.
 """
 
 from __future__ import annotations
@@ -74,8 +82,8 @@ def _attention_strategies(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorM
         # Every output (the CPU kernel's logsumexp [..., L] too) starts with the leading dims.
         outputs = tuple(None if o is None else S(d) for o in call.outputs)
         strategies.append(DimStrategy(outputs, tuple(inputs)))
-    sequence = _query_sequence_strategy(call, q, k, v)
-    return strategies if sequence is None else [*strategies, sequence]
+    sequence = [s for s in (_query_sequence_strategy(call, q, k, v), _ring_strategy(call, q, k, v)) if s is not None]
+    return [*strategies, *sequence]
 
 
 def is_causal(call: OpCall) -> bool:
@@ -84,8 +92,9 @@ def is_causal(call: OpCall) -> bool:
 
 def splits_causal_rows(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], q_placements: Placements,
                        q_ndim: int) -> bool:
-    """A causal attention call whose queries are split on L: it must run with its rows'
-    global positions (``passes.localize_attention``), not as captured."""
+    """A causal attention call whose queries are split on L against gathered keys: it must run
+    with its rows' global positions (``passes.localize_attention``), not as captured (a ring
+    attention call, ``ring_dim``, knows its positions by itself)."""
     return (target in ATTENTION_OPS and bool(schema_arg(target, args, kwargs, "is_causal", False))
             and any(shard_dim(p) == q_ndim - 2 for p in q_placements))
 
@@ -169,6 +178,39 @@ def _query_sequence_strategy(call: OpCall, q: TensorMeta, k: TensorMeta, v: Tens
     # out [..., L, Ev]; the CPU kernel's logsumexp [..., L]
     outputs = tuple(None if o is None else S(o.ndim - 2 if o.ndim == out.ndim else o.ndim - 1) for o in call.outputs)
     return DimStrategy(outputs, tuple(inputs))
+
+
+def _ring_strategy(call: OpCall, q: TensorMeta, k: TensorMeta, v: TensorMeta) -> DimStrategy | None:
+    """Ring attention: q, k, v and every output split on their sequence dim (module docstring).
+    None where L is 1, the keys are not the queries' positions (L != S), dropout is drawn (each
+    block would draw its own), the shapes are not the kernel's (``_kernel_shapes``), or its mask is a float bias
+    (which may want a gradient, the scores' gradient, which the kernel's backward does not give)."""
+    gathered = _query_sequence_strategy(call, q, k, v)
+    if (gathered is None or k.shape[-2] != q.shape[-2] or float(call.get("dropout_p", 0.0) or 0.0) > 0.0
+            or not _kernel_shapes(q, k, v) or (isinstance(mask := call.get("attn_mask"), TensorMeta)
+                                                and mask.dtype != torch.bool)):
+        return None
+    inputs = (gathered.inputs[0], S(k.ndim - 2), S(v.ndim - 2), *gathered.inputs[3:])
+    return DimStrategy(gathered.outputs, inputs, exclusive=True)
+
+
+def _kernel_shapes(q: TensorMeta, k: TensorMeta, v: TensorMeta) -> bool:
+    """Shapes the kernel ``runtime.ring`` runs takes: (batch, heads, seq, dim), a 3-D call with
+    one head, q, k and v of one batch (no broadcast: each gets its own gradient) and grouped
+    keys and values heads dividing the queries'."""
+    batch = q.ndim - 2 if q.ndim == 3 else q.ndim - 3  # the dims before heads (before seq when 3-D)
+    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim or \
+            not q.shape[:batch] == k.shape[:batch] == v.shape[:batch]:
+        return False
+    return q.ndim == 3 or (k.shape[-3] == v.shape[-3] and q.shape[-3] % k.shape[-3] == 0)
+
+
+def ring_dim(target: Any, kv_placements: Placements, kv_ndim: int) -> int | None:
+    """The mesh dim an attention call runs ring attention on: where its keys are split on their
+    sequence dim (``_ring_strategy``); None for every other strategy."""
+    if target not in ATTENTION_OPS:
+        return None
+    return next((d for d, p in enumerate(kv_placements) if shard_dim(p) == kv_ndim - 2), None)
 
 
 @TABLE.register(aten.scaled_dot_product_attention.default)

@@ -110,7 +110,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             example_targets: tuple[Any, ...] = (),
             train: bool = True, constraints: dict[str, object] | None = None, constraint_axis: str = "tp",
             data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
-            context_axes: tuple[str, ...] = (), context_layout: str | None = None, init_fn: InitFn | None = None,
+            context_axes: tuple[str, ...] = (), context_layout: str | None = None,
+            context_attention: str | None = None, init_fn: InitFn | None = None,
             init_seed: int = 0, seed: int | None = None,
             hardware: str | None = None, memory_limit: float | None = None, memory_headroom: float | None = None,
             precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -125,8 +126,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     ``labels=``); the module is then called the same way: ``pm(*inputs, *targets, **kwargs)``.
     Call on every rank with the same arguments. Every rank passes the whole batch, or,
     with ``input_sharded=True``, its shard along ``data_axes`` (default: "dp"). ``expert_axes`` (expert
-    parallelism), ``context_axes`` (the sequence split on them) and ``context_layout`` as in
-    :func:`autopar.prepare_step`.
+    parallelism), ``context_axes`` (the sequence split on them), ``context_layout`` and
+    ``context_attention`` as in :func:`autopar.prepare_step`.
     ``memory_limit``, ``memory_headroom``, the memory pins (``zero``, ``checkpoint``, ``checkpoint_blocks``,
     ``regather_blocks``, ``offload``, ``micro_batches``) and ``pipeline`` as in :func:`autopar.plan`.
     A model on the meta device is initialized module by module (``reset_parameters`` or
@@ -171,7 +172,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     options = dict(loss_fn=loss_fn, example_kwargs=example_kwargs, example_targets=example_targets, train=train,
                    constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
                    expert_axes=expert_axes, input_sharded=input_sharded, context_axes=context_axes,
-                   context_layout=context_layout, memory_limit=memory_limit, memory_headroom=memory_headroom,
+                   context_layout=context_layout, context_attention=context_attention, memory_limit=memory_limit,
+                   memory_headroom=memory_headroom,
                    precision=precision, bucket_bytes=bucket_bytes, solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
                    offload=offload, _masters=compute_dtype is not None)

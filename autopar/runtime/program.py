@@ -21,6 +21,8 @@ from autopar.runtime.attention import ContextAttention
 from autopar.runtime.microbatch import SUM, loss_kind
 from autopar.runtime.mixed import compute_buffer
 from autopar.runtime.moe import ExpertDispatch
+from autopar.cost.compute import ring_of
+from autopar.runtime.ring import RingAttention, check_ring_device
 from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.runtime.random import RandomOps, make_generator
@@ -47,12 +49,15 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
                      input_sharded=input_sharded, device_type=mesh.device_type,
                      regather=frozenset(step.plan.memory.regather), memory=step.plan.memory,
                      master_dtype=None if compute_dtype is None else torch.float32)
+    check_ring_device(mesh.device_type, sum(graph.nodes[n].call is not None and ring_of(graph.nodes[n].call, chosen[n])
+                                            is not None for n in graph.order))
     shape, coordinate, zigzag = tuple(mesh.shape), tuple(mesh.get_coordinate()), step.ctx.mesh.zigzag_dims()
     random_ops = RandomOps(shape, coordinate, make_generator(mesh.device_type, seed), zigzag)
     return parallelize_graph(step.captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                     "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
                                                     "partial_mean_loss": PartialMeanLoss(comm),
                                                     "context_attention": ContextAttention(shape, coordinate, zigzag),
+                                                    "ring_attention": RingAttention(comm, zigzag),
                                                     "moe_dispatch_combine": ExpertDispatch(comm),
                                                     "random": random_ops,
                                                     "recompute": Recompute(comm, random_ops.generator,

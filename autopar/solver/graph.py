@@ -20,9 +20,11 @@ from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
 from autopar.cost.collectives import transfer_time as collective_transfer
 from autopar.cost.moe import is_moe, moe_collectives
+from autopar.cost.ring import ring_waited_time
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
                                 step_repeats, zero1_gather_call)
 from autopar.cost.zero1 import zero1_dim
+from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, call_key, divides
@@ -160,6 +162,11 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
                                                        or is_moe(node.call.target))):
             node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(node, s, ctx, name == loss))
                                * step_repeats(ctx) for s in node.strategies]
+        elif node.call is not None and node.call.target in ATTENTION_OPS:  # ring attention's sends, as waited for
+            times = [ring_waited_time(node.call, s, ctx.mesh, ctx.precision, ctx.train) * step_repeats(ctx)
+                     for s in node.strategies]
+            if any(times):
+                node.comm_times = times
     return PlanGraph(nodes, order, loss, output_names, saved_probes=probes)
 
 

@@ -8,9 +8,11 @@ from collections import Counter
 from autopar.mesh import Mesh
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, placement_str, shard_dim
+from autopar.solver.context_kind import sequence_kind
 from autopar.solver.nodes import INPUT, PlanGraph
 
 ALL_GATHER_KV = "all-gather K/V (query rows split, keys and values gathered)"
+RING = "ring attention (queries, keys and values split; K/V blocks passed around the ring, overlapped with compute)"
 ULYSSES = "Ulysses (heads split on an axis splitting the sequence: all-to-alls around attention)"
 ZIGZAG = ("; the sequence cut zig-zag (2n chunks, rank i holding chunks i and 2n-1-i: causal rows balanced, "
           "tokens, targets and position tables cut alike, outputs gathered back in order)")
@@ -51,6 +53,7 @@ def unsplit_batch_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mes
 def context_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh) -> list[str]:
     """One note per mesh axis where attention calls run context parallel, and which kind:
     queries split on their sequence dim (keys and values all-gathered, ``rules.attention``), or
+    queries, keys and values all split on it (ring attention, ``runtime.ring``), or
     split on heads on an axis the step's inputs are split on by sequence (dim 1), so that the
     activations reach attention by all-to-alls from the sequence split into heads (Ulysses). A
     heads split on an axis that does not split the sequence is Megatron TP, not noted. On a
@@ -68,7 +71,8 @@ def context_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh) -> 
         for d, (axis, size) in enumerate(zip(mesh.names, mesh.shape)):
             split = shard_dim(wanted[d])
             if size > 1 and split == q.ndim - 2:
-                kinds.setdefault(axis, Counter())[ALL_GATHER_KV] += 1
+                ring = sequence_kind(chosen[name], q.ndim, node.call.tensor_inputs[1].ndim, d) == "ring"
+                kinds.setdefault(axis, Counter())[RING if ring else ALL_GATHER_KV] += 1
             elif size > 1 and split == q.ndim - 3 and q.ndim >= 4 and d in sequence_axes:
                 kinds.setdefault(axis, Counter())[ULYSSES] += 1
     return [f"context parallel attention on {axis}: " + "; ".join(f"{kind} in {n} of {calls} calls"

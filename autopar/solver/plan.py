@@ -11,6 +11,7 @@ from typing import Any
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
 from autopar.cost.buckets import GradBucket, ShardBucket, gradient_buckets
 from autopar.cost.moe import moe_collectives
+from autopar.cost.ring import ring_transfers
 from autopar.cost.zero1 import chunk_elements
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, exposed_sync_time, grad_placements,
                                 grad_sync_dims, held_reshard_bytes, step_repeats)
@@ -224,6 +225,8 @@ class _Ledger:
         self.mesh = mesh
         self.collectives: list[PlannedCollective] = []
         self.comm_bytes = {axis: 0.0 for axis in mesh.names}
+        self.hidden_s = 0.0
+        """Seconds of the recorded calls that run under their op's compute (ring attention's sends)."""
 
     def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1,
                waited: float = 1.0, data_dependent: bool = False) -> None:
@@ -308,6 +311,10 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
                 if phase == "forward" and node.recompute:  # no policy keeps the op: its block's replay runs it
                     ledger.record(call, "recompute", name, name, node.module, step_repeats(ctx),
                                   data_dependent=data_dependent)
+            for phase, call, exposed in ring_transfers(node.call, chosen[name], ctx.mesh, ctx.precision, ctx.train):
+                for ran in (phase, "recompute") if phase == "forward" and node.recompute else (phase,):
+                    ledger.record(call, ran, name, name, node.module, step_repeats(ctx), exposed)
+                    ledger.hidden_s += collective_time(call, ctx.mesh) * (1.0 - exposed) * step_repeats(ctx)
     return held, regathered, unwaited
 
 
@@ -428,7 +435,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
             ledger.record(call, "forward", graph.loss, "output", loss.module, step_repeats(ctx))
     total_comm = sum(c.time_s * c.count for c in ledger.collectives)
     # buckets and reduce-scatters behind the last backward; prefetched gathers behind their neighbouring blocks
-    hidden = beside + windows.windowed_s - windows.exposed_s
+    hidden = beside + windows.windowed_s - windows.exposed_s + ledger.hidden_s  # and ring sends under their blocks
     comm_time = total_comm - hidden
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}

@@ -26,6 +26,8 @@ from dataclasses import replace
 from autopar.cost.collectives import collective_time
 from autopar.cost.model import CostContext, NodeCost, step_repeats
 from autopar.cost.moe import is_moe, moe_collectives
+from autopar.cost.ring import ring_waited_time
+from autopar.rules.attention import ATTENTION_OPS
 from autopar.cost.recompute import kept_by_policy
 from autopar.solver.memory import block_of
 from autopar.solver.milp import INF, Model
@@ -53,7 +55,8 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostCont
         leaves = any(block_of(graph.nodes[c].module) != block for c, _, _ in consumers[name]) \
             or name in graph.output_names
         nodes[name] = _recomputed(node, block, policy, keep=leaves or kept_by_policy(policy, _target(node)))
-        if ctx is not None and node.call is not None and is_moe(node.call.target):  # no policy keeps it: replayed
+        if ctx is not None and node.call is not None and (is_moe(node.call.target)  # no policy keeps it: replayed
+                                                           or node.call.target in ATTENTION_OPS):
             nodes[name] = replace(nodes[name], comm_times=[t + replay_comm_time(node, s, ctx) for t, s in zip(
                 node.comm_times or [0.0] * len(node.strategies), node.strategies)])
     return replace(graph, nodes=nodes)
@@ -61,10 +64,12 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostCont
 
 def replay_comm_time(node: PlanNode, strategy: Strategy, ctx: CostContext) -> float:
     """Seconds per step of the collectives an op's forward runs by itself, run again when its
-    block recomputes (an expert-parallel layer's counts, dispatch and combine, ``cost.moe``)."""
+    block recomputes (an expert-parallel layer's counts, dispatch and combine, ``cost.moe``; ring attention's sends,
+    as waited for, ``cost.ring``)."""
     assert node.call is not None
     calls = moe_collectives(node.call, strategy, ctx.mesh, ctx.precision, ctx.train)
-    return sum(collective_time(c.call, ctx.mesh) for c in calls if c.phase == "forward") * step_repeats(ctx)
+    ring = ring_waited_time(node.call, strategy, ctx.mesh, ctx.precision, ctx.train, ("forward",))  # ring attention's
+    return (sum(collective_time(c.call, ctx.mesh) for c in calls if c.phase == "forward") + ring) * step_repeats(ctx)
 
 
 def _recomputed(node: PlanNode, block: str, policy: str, *, keep: bool) -> PlanNode:

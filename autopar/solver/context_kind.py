@@ -1,0 +1,52 @@
+"""Which kind of context-parallel attention a strategy runs on each mesh dim, and pinning one.
+
+Attention over a sequence split on a mesh dim runs in one of three ways, each a strategy of the
+attention rule (``rules.attention``) the solver may choose per call: queries split on their
+sequence with keys and values all-gathered ("allgather"); queries, keys and values all split
+on it, keys and values passed around the ring ("ring", ``runtime.ring``); or heads split on an
+axis the activations are split on by sequence (Ulysses: all-to-alls around attention).
+``context_attention`` pins the first two: every attention call whose queries are split on
+their sequence keeps only strategies of that kind.
+"""
+
+from __future__ import annotations
+
+from autopar.errors import InputError
+from autopar.rules.attention import ATTENTION_OPS
+from autopar.rules.strategy import Strategy, shard_dim
+from autopar.solver.nodes import PlanGraph
+
+KINDS = ("ring", "allgather")
+
+
+def sequence_kind(strategy: Strategy, q_ndim: int, k_ndim: int, mesh_dim: int) -> str | None:
+    """"ring" or "allgather" where ``strategy`` splits the queries on their sequence on
+    ``mesh_dim``, else None."""
+    if shard_dim(strategy.inputs[0][mesh_dim]) != q_ndim - 2:
+        return None
+    return "ring" if shard_dim(strategy.inputs[1][mesh_dim]) == k_ndim - 2 else "allgather"
+
+
+def pin_context_attention(graph: PlanGraph, kind: str | None) -> None:
+    """Keep, at each attention call, only the strategies whose sequence splits are of ``kind``
+    (None: every strategy). Refused where a call would keep none."""
+    if kind is None:
+        return
+    if kind not in KINDS:
+        raise InputError(f"context_attention is 'ring', 'allgather' or None (the solver's choice), got {kind!r}")
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.call is None or node.call.target not in ATTENTION_OPS or len(node.call.tensor_inputs) < 3:
+            continue
+        q, k = node.call.tensor_inputs[0].ndim, node.call.tensor_inputs[1].ndim
+        kinds = [{sequence_kind(s, q, k, d) for d in range(len(s.inputs[0]))} - {None} for s in node.strategies]
+        if not any(kinds):
+            continue  # never split on its sequence: nothing to pin
+        if not any(kind in found for found in kinds):
+            raise InputError(f"context_attention={kind!r}: attention call {name} has no strategy of that kind "
+                             "(ring attention needs self-attention without dropout, rules.attention)")
+        keep = [i for i, found in enumerate(kinds) if found <= {kind}]
+        node.strategies = [node.strategies[i] for i in keep]
+        node.costs = [node.costs[i] for i in keep]
+        if node.comm_times:
+            node.comm_times = [node.comm_times[i] for i in keep]
