@@ -93,6 +93,9 @@ class HardwareProfile:
     have for that loop; server cores run single-threaded Python at a similar speed."""
     default_precision: str = "bf16"
     """Precision a plan uses unless told otherwise: 'bf16' (mixed) or 'fp32'."""
+    ring_attention: bool = False
+    """autopar's runtime runs ring attention on this device (``runtime.ring``: around the CPU flash
+    kernel; a GPU kernel path is not written yet), so the planner may choose it."""
     memory_headroom: float = 0.1
     """Fraction of ``memory_bytes`` the default memory limit leaves free for what a plan does
     not count (CUDA context, library workspaces, allocator fragmentation); see the module
@@ -211,7 +214,7 @@ PROFILES: dict[str, HardwareProfile] = {
         op_overhead=17.5e-6, backward_op_overhead=28e-6, collective_overhead=1.45e-3,
         optimizer_param_overhead=64e-6,
         host_link_bandwidth=5 * GB, host_memory_bandwidth=1.8 * GB, host_optimizer_param_overhead=64e-6,
-        default_precision="fp32",
+        default_precision="fp32", ring_attention=True,
     ),
 }
 

@@ -3,6 +3,8 @@ limit choosing it, and ``context_axes`` (Python and the command line) with its e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 import pytest
@@ -65,13 +67,15 @@ def test_zigzag_collectives_are_priced_with_their_reorder() -> None:
 
 def _odd_heads_plan(layout: str | None, attention: str | None = "allgather") -> autopar.Plan:
     """12 heads (4 for keys) on cp=8: no heads split, so the sequence's query rows split
-    (keys and values all-gathered unless ``attention`` says otherwise)."""
+    (keys and values all-gathered unless ``attention`` says otherwise). On an H100 profile whose
+    runtime ran ring attention (``HardwareProfile.ring_attention``; today's runs it on CPUs only)."""
     cfg = llama.LlamaConfig(vocab_size=32000, max_seq_len=65536, hidden=1536, heads=12, kv_heads=4, ffn_hidden=4096,
                             layers=2)
     with torch.device("meta"):
         model = llama.Llama(cfg)
         tokens = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len))
-    return autopar.plan(model, autopar.Mesh({"cp": 8}, "h100"), (tokens,), loss_fn=llama.lm_loss,
+    h100 = replace(autopar.hardware.get_profile("h100"), ring_attention=True)
+    return autopar.plan(model, autopar.Mesh({"cp": 8}, h100), (tokens,), loss_fn=llama.lm_loss,
                         example_targets=(tokens,), context_axes=("cp",), context_layout=layout,
                         context_attention=attention)
 

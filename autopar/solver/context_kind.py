@@ -12,9 +12,10 @@ their sequence keeps only strategies of that kind.
 from __future__ import annotations
 
 from autopar.errors import InputError
+from autopar.hardware import HardwareProfile
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, shard_dim
-from autopar.solver.nodes import PlanGraph
+from autopar.solver.nodes import PlanGraph, PlanNode
 
 KINDS = ("ring", "allgather")
 
@@ -27,13 +28,18 @@ def sequence_kind(strategy: Strategy, q_ndim: int, k_ndim: int, mesh_dim: int) -
     return "ring" if shard_dim(strategy.inputs[1][mesh_dim]) == k_ndim - 2 else "allgather"
 
 
-def pin_context_attention(graph: PlanGraph, kind: str | None) -> None:
+def pin_context_attention(graph: PlanGraph, kind: str | None, hardware: HardwareProfile) -> None:
     """Keep, at each attention call, only the strategies whose sequence splits are of ``kind``
-    (None: every strategy). Refused where a call would keep none."""
+    (None: every strategy the runtime runs on ``hardware``). Refused where a call would keep none."""
+    if kind not in (None, *KINDS):
+        raise InputError(f"context_attention is 'ring', 'allgather' or None (the solver's choice), got {kind!r}")
+    if not hardware.ring_attention:  # a plan must run: no ring where the runtime has no kernel for it
+        if kind == "ring":
+            raise InputError(f"context_attention='ring': autopar runs ring attention on CPU meshes only so far "
+                             f"(runtime.ring), not on {hardware.name}")
+        _drop_ring(graph)
     if kind is None:
         return
-    if kind not in KINDS:
-        raise InputError(f"context_attention is 'ring', 'allgather' or None (the solver's choice), got {kind!r}")
     for name in graph.order:
         node = graph.nodes[name]
         if node.call is None or node.call.target not in ATTENTION_OPS or len(node.call.tensor_inputs) < 3:
@@ -45,8 +51,22 @@ def pin_context_attention(graph: PlanGraph, kind: str | None) -> None:
         if not any(kind in found for found in kinds):
             raise InputError(f"context_attention={kind!r}: attention call {name} has no strategy of that kind "
                              "(ring attention needs self-attention without dropout, rules.attention)")
-        keep = [i for i, found in enumerate(kinds) if found <= {kind}]
-        node.strategies = [node.strategies[i] for i in keep]
-        node.costs = [node.costs[i] for i in keep]
-        if node.comm_times:
-            node.comm_times = [node.comm_times[i] for i in keep]
+        _keep(node, [i for i, found in enumerate(kinds) if found <= {kind}])
+
+
+def _drop_ring(graph: PlanGraph) -> None:
+    """Every attention call's ring strategies left out (those of another kind kept)."""
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.call is None or node.call.target not in ATTENTION_OPS or len(node.call.tensor_inputs) < 3:
+            continue
+        q, k = node.call.tensor_inputs[0].ndim, node.call.tensor_inputs[1].ndim
+        _keep(node, [i for i, s in enumerate(node.strategies)
+                     if "ring" not in {sequence_kind(s, q, k, d) for d in range(len(s.inputs[0]))}])
+
+
+def _keep(node: PlanNode, keep: list[int]) -> None:
+    node.strategies = [node.strategies[i] for i in keep]
+    node.costs = [node.costs[i] for i in keep]
+    if node.comm_times:
+        node.comm_times = [node.comm_times[i] for i in keep]
