@@ -1,7 +1,8 @@
 """``solve_step``: the fastest plan within the memory limit over the memory scenarios
 (``autopar.scenarios``), a branch and bound: the scenario with the least lower bound is
-solved next (``_Bounds``), the search ends when none is below the best plan found, and a
-scenario whose leanest plan does not fit is not solved for time (``_may_fit``)."""
+solved next (``_Bounds``: a free solve of its relaxation, then its own LP relaxation under the
+limit), the search ends when none is below the best plan found, and a scenario whose leanest
+plan does not fit is not solved for time (``_may_fit``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError,
 from autopar.solver.nodes import PlanGraph
 from autopar.step import PreparedStep, _stage, finish_step, paused_gc
 from autopar.units import fmt_bytes
+
+
+TIE = 1e-6
+"""A scenario's solve under the limit seeks plans faster than the best found by more than this
+fraction: the search keeps the first of equal plans anyway, and HiGHS's cutoff (its objective
+bound) lets equal plans through, proving each optimal again (the 4-layer example Llama on a pp=2
+stage mesh: 2-3 s per scenario)."""
+
+
+LP_TIME_LIMIT_S = 10.0
+"""Seconds an LP bound may take (0.05-3 s seen); past it the scenario is solved unbounded."""
 
 
 def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
@@ -77,7 +89,7 @@ def _search(prepared: PreparedStep) -> Solution:
     waiting = list(scenarios)
     hint = _tried_first(prepared.try_first, waiting)
     counts = found.counts
-    counts.update(scenarios=len(scenarios), free_solves=1, solved=0, not_fitting=0, bounded_out=0)
+    counts.update(scenarios=len(scenarios), free_solves=1, lp_bounds=0, solved=0, not_fitting=0, bounded_out=0)
     while waiting:
         # ties: the candidate order (cheapest-looking first)
         scenario = hint if hint in waiting else min(waiting, key=bounds.of)
@@ -94,15 +106,21 @@ def _search(prepared: PreparedStep) -> Solution:
                 waiting.remove(group)
                 counts["solved"] += 1
             continue
+        if scenario not in bounds.lp:  # then, if it may fit, its LP relaxation under the limit (sees memory)
+            # the least-memory solve first: it proves a scenario that cannot fit in about a second,
+            # where an LP took 15-120 s to (Llama-3-70B on a pp=8 stage mesh, m=16)
+            if _may_fit(prepared.under(scenario), found.leanest, found.fit) and bounds.solve_lp(scenario):
+                counts["lp_bounds"] += 1
+            else:
+                waiting.remove(scenario)
+                counts["not_fitting"] += 1
+            continue
         waiting.remove(scenario)
         step = prepared.under(scenario)
-        if not _may_fit(step, found.leanest, found.fit):
-            counts["not_fitting"] += 1
-            continue
         counts["solved"] += 1
         try:
             found.add(scenario, _solve(step, prepared.memory_limit, explain=False,
-                                       cutoff_s=None if math.isinf(beat_s) else beat_s))
+                                       cutoff_s=None if math.isinf(beat_s) else beat_s * (1 - TIE)))
         except MemoryLimitError:
             continue
         except (RuntimeError, SolverTimeLimitError) as exc:  # said in the plan, not hidden
@@ -216,7 +234,12 @@ class _Bounds:
       buckets only (regathers are windowed under blocks that do not recompute: the first
       blocks checkpoint), which hide at most ``grad_sync_overlap`` of the last
       micro-batch's share of it. So the scenario predicts at least the relaxation's time
-      plus (1 - eff / repeats) x its least recompute (tested against free solves)."""
+      plus (1 - eff / repeats) x its least recompute (tested against free solves);
+    - once it is the least bound left, its own ILP's LP relaxation under the memory limit
+      (``solve_lp``): the only bound that sees memory, so the one that rules out scenarios a
+      tight limit makes slow (the 4-layer example Llama on a pp=2 stage mesh: the relaxations
+      bound every scenario at 0.086 s, their LPs at 0.111-0.176 s against plans of 0.114-0.206 s;
+      the memory search 28 s -> 2.2 s, the same plan)."""
 
     def __init__(self, prepared: PreparedStep, scenarios: list[Scenario]) -> None:
         self.prepared = prepared
@@ -232,9 +255,14 @@ class _Bounds:
         self.free: dict[Scenario, float | None] = {}
         """Relaxation -> its optimum without the memory row (None when not proven)."""
         self.full: dict[Scenario, float] = {}
+        self.lp: dict[Scenario, float] = {}
+        """Scenario -> its LP relaxation's optimum under the memory limit (``solve_lp``)."""
         self.floors: dict[tuple[int, str, int | None], float] = {}
 
     def of(self, scenario: Scenario) -> float:
+        return max(self._free_bound(scenario), self.lp.get(scenario, 0.0))
+
+    def _free_bound(self, scenario: Scenario) -> float:
         if scenario in self.full:
             return self.full[scenario]
         group = relaxation(scenario)
@@ -244,6 +272,20 @@ class _Bounds:
         bound = 0.0 if free is None else free + self._recompute_floor(scenario, group)
         self.full[scenario] = max(self.node[scenario], bound)
         return self.full[scenario]
+
+    def solve_lp(self, scenario: Scenario) -> bool:
+        """Bound ``scenario`` by its LP relaxation under the memory limit (no plan within the limit
+        beats it; 0 when not solved to optimality); False when even the relaxation does not fit."""
+        step = replace(self.prepared.under(scenario),
+                       solver_time_limit_s=min(LP_TIME_LIMIT_S, self.prepared.solver_time_limit_s))
+        try:
+            relaxed = _solve(step, self.prepared.memory_limit, explain=False, relaxed=True)
+        except MemoryLimitError:
+            return False
+        except (RuntimeError, SolverTimeLimitError):  # no bound: the solve under the limit decides
+            relaxed = None
+        self.lp[scenario] = relaxed.objective_s if relaxed is not None and relaxed.status == "relaxed" else 0.0
+        return True
 
     def has(self, group: Scenario) -> bool:
         return group in self.free

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -121,13 +121,15 @@ def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dic
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
           cutoff_s: float | None = None, shares: MemoryShares | None = None,
-          enough_bytes: float | None = None) -> Solution:
+          enough_bytes: float | None = None, relaxed: bool = False) -> Solution:
     """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``).
     With ``explain`` a MemoryLimitError says what the leanest plan needs (another solve).
     With ``cutoff_s`` only a plan faster than that counts (else MemoryLimitError, unexplained).
     ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``).
     ``enough_bytes``, with ``minimize_memory``: stop at the first plan needing no more (status
-    'target_reached'): whether some plan fits a limit takes a fraction of the leanest plan's proof."""
+    'target_reached'): whether some plan fits a limit takes a fraction of the leanest plan's proof.
+    ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
+    bound no plan within the limit beats; MemoryLimitError when even the relaxation does not fit."""
     start = time.perf_counter()
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
@@ -169,7 +171,11 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     cutoff = None if cutoff_s is None else cutoff_s * SCALE
     # a start pays for a plan to be found, not for a bound (a memory search's cutoff solves, mostly
     # pruned at the root: 70B shape 1.0-2.9 s plain, 1.6-3.7 s started) nor for the leanest plan
-    if len(model.cost) >= NARROW_FROM_COLUMNS and cutoff is None and not minimize_memory:
+    if relaxed:
+        build = time.perf_counter() - start
+        result = run(model, time_limit_s, relaxed=True)
+        result = replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
+    elif len(model.cost) >= NARROW_FROM_COLUMNS and cutoff is None and not minimize_memory:
         likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
                                    keep=NARROW_KEEP)
         merge_tied(likely, folding.tied)

@@ -64,13 +64,14 @@ class Result:
 
 
 def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start: dict[int, float] | None = None,
-        zero: Sequence[int] = (), lean: bool = False, target: float | None = None) -> Result:
+        zero: Sequence[int] = (), lean: bool = False, target: float | None = None, relaxed: bool = False) -> Result:
     """Solve ``model``; with ``cutoff`` (objective units) only a plan cheaper than it counts:
     HiGHS prunes by it and reports 'infeasible' when there is none. ``start``: values of some
     columns to start from (HiGHS completes the rest, or ignores a start that breaks a row).
     ``zero``: columns held at 0 (a narrowed model). ``lean``: skip the search aids a run that
     closes at its root does not use (``LEAN_OPTIONS``). ``target``: stop at the first plan whose
-    objective is at most this (HiGHS's ``objective_target``; status 'target_reached')."""
+    objective is at most this (HiGHS's ``objective_target``; status 'target_reached'). ``relaxed``:
+    the LP relaxation (no column integral): its optimum bounds the model's from below."""
     # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
     # banner to stdout doing so, which would land in the CLI's output.
     h = _Highs()
@@ -103,7 +104,7 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
         upper.append(hi)
     h.addRows(len(model.rows), np.array(lower), np.array(upper), len(indices),
               np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
-    if model.integer:
+    if model.integer and not relaxed:
         h.changeColsIntegrality(len(model.integer), np.array(model.integer, dtype=np.int32),
                                 np.array([highspy.HighsVarType.kInteger] * len(model.integer)))
     if start:
