@@ -101,6 +101,27 @@ def test_a_scenario_saves_at_least_what_it_checkpoints_and_regathers_beyond_anot
     assert not some.saves_at_least(replace(plain, micro_batches=8))
 
 
+def test_a_scenarios_lp_bound_never_exceeds_its_optimum_under_the_limit() -> None:
+    """``_Bounds.solve_lp``: the LP relaxation under the limit is below every scenario's best
+    plan within it, above the free relaxation's bound for most, and absent where the
+    relaxation does not fit either."""
+    prepared = _prepared(LIMITS_MIB[0])
+    scenarios = prepared.scenarios()
+    bounds = search._Bounds(prepared, scenarios)
+    tighter = 0
+    for scenario in scenarios:
+        try:
+            best = search._solve(prepared.under(scenario), prepared.memory_limit, explain=False).objective_s
+        except MemoryLimitError:
+            best = None
+        fits = bounds.solve_lp(scenario)
+        assert fits or best is None, scenario
+        if best is not None:
+            assert bounds.lp[scenario] <= best * (1 + 1e-9), scenario
+            tighter += bounds.lp[scenario] > bounds.node[scenario] * (1 + 1e-6)
+    assert tighter >= len(scenarios) // 2
+
+
 def test_checkpointing_the_first_blocks_keeps_one_plan_for_every_block() -> None:
     """With only the first of the GPT's 2 blocks checkpointed, the two blocks are priced apart
     (``split_folding``) but tied to one strategy per op, as folded blocks run one plan: made
