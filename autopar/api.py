@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.capture import CapturedGraph, capture, reuse_captures
 from autopar.cost import get_precision
+from autopar.cost.precision import Precision
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
@@ -204,14 +205,13 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     ``PreparedStep.under`` re-prices it (and re-captures it) for another. ``_masters``: the
     model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
     bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
-    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the
-    pipelined runtime runs neither yet) and a memory row of the busiest rank's share (``MemoryShares``);
-    ``_stage_cutoff_s``, ``_try_first``: as ``PreparedStep.cutoff_s`` and ``try_first``.
+    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs
+    neither yet), a memory row of the busiest rank's share (``MemoryShares``); ``_stage_cutoff_s``,
+    ``_try_first``: as ``PreparedStep.cutoff_s``, ``try_first``.
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
-    (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the
-    faster. ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins
-    how attention runs on a split sequence: "ring" or "allgather" (``solver.context_kind``).
-    """
+    (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
+    ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
+    runs on a split sequence: "ring" or "allgather" (``solver.context_kind``)."""
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
     if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
         return prepare_layouts(lambda axes: prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": axes}),
@@ -223,19 +223,14 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     mesh = _as_mesh(mesh).with_zigzag(_zigzag)  # a property of the plan: priced and run so
     _check_solve_options(bucket_bytes, solver_time_limit_s)
     options = MemoryOptions(zero=zero, checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks,
-                            regather_blocks=regather_blocks,
-                            offload=False if _pipeline_ranks else offload,
+                            regather_blocks=regather_blocks, offload=False if _pipeline_ranks else offload,
                             micro_batches=micro_batches, zero1_allowed=not _pipeline_ranks)
     options.check(mesh.names)
     m = _capture_micro_batches or micro_batches or 1
     example_inputs, example_kwargs, example_targets = _micro_batch_examples(
         (example_inputs, example_kwargs, example_targets), whole_batch, m, train)
-    precision_policy = get_precision(precision or mesh.hardware.default_precision,
-                                     None if _masters else _parameter_dtype(model))
-    limit = _memory_limit(mesh, memory_limit, memory_headroom)
-    origin = _limit_origin(mesh, memory_limit, memory_headroom)
-    ctx = CostContext(mesh=mesh, precision=precision_policy, train=train, inputs_whole=not input_sharded,
-                      bucket_bytes=bucket_bytes, micro_batches=m)
+    ctx = CostContext(mesh=mesh, precision=_precision(model, mesh, precision, _masters), train=train,
+                      inputs_whole=not input_sharded, bucket_bytes=bucket_bytes, micro_batches=m)
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
         captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
@@ -248,7 +243,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         pin_context_attention(graph, context_attention, mesh.hardware)
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
-    prepared = PreparedStep(captured, graph, folding, ctx, limit, origin, timings, pinned, solver_time_limit_s,
+    prepared = PreparedStep(captured, graph, folding, ctx, _memory_limit(mesh, memory_limit, memory_headroom),
+                            _limit_origin(mesh, memory_limit, memory_headroom), timings, pinned, solver_time_limit_s,
                             options, memory_notes, base_graph=graph, batch=whole_batch, recapture=recapture,
                             batch_ways=math.prod(mesh.axes[a] for a in data_axes),
                             memory_shares=_stage_shares(graph, _pipeline_ranks), cutoff_s=_stage_cutoff_s,
@@ -257,6 +253,12 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         return prepared
     prepared.variants[m] = prepared
     return prepared.under(prepared.scenarios()[0])
+
+
+def _precision(model: nn.Module, mesh: Mesh, precision: str | None, masters: bool) -> Precision:
+    """The named precision (default: the hardware's) for ``model``'s parameter dtype; ``masters``:
+    the model is the bf16 compute copy of fp32 masters (``prepare_step``)."""
+    return get_precision(precision or mesh.hardware.default_precision, None if masters else _parameter_dtype(model))
 
 
 def _stage_shares(graph: PlanGraph, pipeline_ranks: int | None) -> MemoryShares | None:

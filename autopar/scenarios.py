@@ -112,7 +112,8 @@ class Scenario:
             return False
         checkpoints = other.checkpoint == "none" or (
             other.checkpoint == self.checkpoint and first(other.checkpoint_blocks) <= first(self.checkpoint_blocks))
-        regathers = not other.regather or (self.regather and first(other.regather_blocks) <= first(self.regather_blocks))
+        regathers = not other.regather or (
+            self.regather and first(other.regather_blocks) <= first(self.regather_blocks))
         return checkpoints and regathers
 
 

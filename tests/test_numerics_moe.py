@@ -204,7 +204,8 @@ def train_hf_ep_on_rank(rank: int, world: int, case: HfCase, ref: Reference) -> 
     data_axes = tuple(a for a in names if a in ("dp", "ep"))
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
                          data_axes=data_axes, expert_axes=("ep",), checkpoint=case.checkpoint)
-    return {**run_compiled(pm, (*inputs, *targets), ref, kwargs=kwargs), "fallbacks": [str(f) for f in pm.plan.fallbacks],
+    return {**run_compiled(pm, (*inputs, *targets), ref, kwargs=kwargs),
+            "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
             "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if c.data_dependent})}
 

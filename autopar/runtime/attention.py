@@ -15,8 +15,8 @@ end at chunks i and 2n-1-i of 2n, so every rank reads 2n+1 chunks of keys (``cos
 Keys are put back in order rather than masked where they lie: a cut needs the prefix of
 each run contiguous, and the reorder is one copy of K and V per layer (priced with the
 gather, ``cost.collectives.zigzag_reorder_time``) against a rectangle of rows x keys of
-attention work; masked where they lie, every rank would compute all of its rows x keys. The causal mask (rows x keys) is made once per rank and
-shared by every layer's call; the plan's memory does not count it (a boolean per row and
+attention work; masked where they lie, every rank would compute all of its rows x keys. The
+causal mask (rows x keys) is made once per rank and shared by every layer's call; the plan's memory does not count it (a boolean per row and
 key: a 128k sequence on cp=8 holds 16k x 128k = 2 GiB of it; ring attention, which never
 holds all keys at once, would not need it).
 """

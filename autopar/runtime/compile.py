@@ -105,6 +105,14 @@ def _step_fingerprint(prepared: PreparedStep) -> str:
     return hashlib.sha256(repr((items, options)).encode()).hexdigest()[:16]
 
 
+def _agreed_seed(seed: int | None) -> int:
+    """``agree_seed``'s seed, its disagreement raised as a CompileError on every rank."""
+    try:
+        return agree_seed(seed)
+    except ValueError as exc:
+        raise CompileError(str(exc)) from None
+
+
 def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] = (), *,
             loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
             example_targets: tuple[Any, ...] = (),
@@ -158,10 +166,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         data_axes = ("dp",)
     _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
                                                          constraint_axis if constraints else None))
-    try:
-        seed = agree_seed(seed)
-    except ValueError as exc:
-        raise CompileError(str(exc)) from None
+    seed = _agreed_seed(seed)
     full_mesh, stage_mesh = planning_mesh, None
     if pipeline is not None:
         planning_mesh, stage_mesh, pipeline = _stage_meshes(pipeline, mesh, full_mesh, data_axes, zero, offload,
@@ -173,8 +178,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
                    constraints=constraints, constraint_axis=constraint_axis, data_axes=data_axes,
                    expert_axes=expert_axes, input_sharded=input_sharded, context_axes=context_axes,
                    context_layout=context_layout, context_attention=context_attention, memory_limit=memory_limit,
-                   memory_headroom=memory_headroom,
-                   precision=precision, bucket_bytes=bucket_bytes, solver_time_limit_s=solver_time_limit_s, zero=zero,
+                   memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
+                   solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
                    offload=offload, _masters=compute_dtype is not None)
     step, pipeline = _planned(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, micro_batches,
