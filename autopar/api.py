@@ -214,8 +214,9 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     runs on a split sequence: "ring" or "allgather" (``solver.context_kind``)."""
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
     if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
+        layout = context_layout or ("contiguous" if context_attention == "ulysses" else None)  # no rows to balance
         return prepare_layouts(lambda axes: prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": axes}),
-                               tuple(context_axes), context_layout, zero or {})
+                               tuple(context_axes), layout, zero or {})
 
     def recapture(m: int) -> PreparedStep:
         return prepare_step(model, mesh, example_inputs, **{**arguments, "_capture_micro_batches": m})

@@ -59,7 +59,8 @@ class Case:
     names: tuple[str, ...] = ("cp",)
     heads: int | None = None
     attention: str | None = None
-    """``context_attention`` pinned ("ring": keys and values passed around the ring); None: the solver's."""
+    """``context_attention`` pinned ("ring": keys and values passed around the ring; "ulysses": heads
+    split behind all-to-alls); None: the solver's."""
 
     @property
     def id(self) -> str:
@@ -68,7 +69,8 @@ class Case:
 
 
 CASES = [Case(True), Case(False), Case(True, (4,)), Case(False, (4,)), Case(True, (4,), attention="ring"),
-         Case(False, (2,), attention="ring")]
+         Case(False, (2,), attention="ring"), Case(True, (4,), heads=4, attention="ulysses"),
+         Case(False, (2,), heads=2, attention="ulysses")]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
@@ -89,6 +91,9 @@ def test_context_parallel_attention_matches_single_device(case: Case) -> None:
     code = results[0]["code"]
     if case.attention == "ring":  # queries, keys and values split on the sequence, the mask on its rows
         assert inputs == ["S(1)"] * len(inputs) and "self.ring_attention(" in code, inputs
+        return
+    if case.attention == "ulysses":  # (B, H, L, E) split on heads behind all-to-alls: a plain SDPA per rank
+        assert inputs[:3] == ["S(1)"] * 3 and "context_attention(" not in code and "ring_attention(" not in code
         return
     assert inputs[:3] == ["S(1)", "R", "R"], inputs  # queries split on the sequence, keys and values whole
     assert ("self.context_attention(" in code) == (not case.masked)
@@ -132,7 +137,8 @@ LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",
                LlamaCase((2,), ("cp",), layout="zigzag", attention="ring", checkpoint="selective"),
                LlamaCase((4,), ("cp",), layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag", attention="ring"),
-               LlamaCase((2, 2), ("cp", "tp"), layout="zigzag", attention="ring")]
+               LlamaCase((2, 2), ("cp", "tp"), layout="zigzag", attention="ring"),
+               LlamaCase((2,), ("cp",), attention="ulysses"), LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses")]
 
 
 def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
@@ -164,6 +170,8 @@ def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
         placed = [parse_placements(p)[cp] for p in inputs]
         if case.attention == "ring":  # keys and values split too, passed around the ring
             assert placed == [Shard(2)] * 3, inputs
+        elif case.attention == "ulysses":  # heads split behind all-to-alls
+            assert placed == [Shard(1)] * 3, inputs
         elif case.zero:  # weights gathered anyway: the planner may split attention by heads on cp instead
             assert placed in ([Shard(2), Replicate(), Replicate()], [Shard(1)] * 3), inputs
         else:

@@ -106,6 +106,6 @@ def test_ring_pricing_by_hand() -> None:
 
 def test_the_pin_is_checked() -> None:
     model, inputs, loss_fn, targets = build_attention_lm(None, masked=True)
-    with pytest.raises(autopar.InputError, match="context_attention is 'ring', 'allgather' or None"):
+    with pytest.raises(autopar.InputError, match="context_attention is 'ring', 'allgather', 'ulysses' or None"):
         autopar.plan(model, autopar.Mesh({"cp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                     context_axes=("cp",), context_attention="ulysses")
+                     context_axes=("cp",), context_attention="heads")

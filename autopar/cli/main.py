@@ -187,9 +187,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context-layout", choices=["contiguous", "zigzag"], default=None,
                    help="how the context axes cut the sequence (default: both planned, the faster kept; zigzag: "
                         "rank i holds chunks i and 2n-1-i of 2n, balancing causal attention)")
-    p.add_argument("--context-attention", choices=["ring", "allgather"], default=None,
+    p.add_argument("--context-attention", choices=["ring", "allgather", "ulysses"], default=None,
                    help="how attention runs on a split sequence (default: the cheaper per call; ring: keys and "
-                        "values passed around the ring; allgather: gathered on every rank)")
+                        "values passed around the ring; allgather: gathered on every rank; ulysses: all-to-alls "
+                        "to a heads split)")
     p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
     data = p.add_argument_group("data and expert parallelism (default: the planner places the batch too)")

@@ -5,8 +5,10 @@ attention rule (``rules.attention``) the solver may choose per call: queries spl
 sequence with keys and values all-gathered ("allgather"); queries, keys and values all split
 on it, keys and values passed around the ring ("ring", ``runtime.ring``); or heads split on an
 axis the activations are split on by sequence (Ulysses: all-to-alls around attention).
-``context_attention`` pins the first two: every attention call whose queries are split on
-their sequence keeps only strategies of that kind.
+``context_attention`` pins one: "ring" or "allgather" keeps, at every attention call whose
+queries may split on their sequence, only strategies of that kind; "ulysses" keeps only those
+that split no call's queries on their sequence (the sequence-split activations then reach
+attention through all-to-alls to a heads split, or gathered, whichever is cheaper).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, shard_dim
 from autopar.solver.nodes import PlanGraph, PlanNode
 
-KINDS = ("ring", "allgather")
+KINDS = ("ring", "allgather", "ulysses")
 
 
 def sequence_kind(strategy: Strategy, q_ndim: int, k_ndim: int, mesh_dim: int) -> str | None:
@@ -32,7 +34,8 @@ def pin_context_attention(graph: PlanGraph, kind: str | None, hardware: Hardware
     """Keep, at each attention call, only the strategies whose sequence splits are of ``kind``
     (None: every strategy the runtime runs on ``hardware``). Refused where a call would keep none."""
     if kind not in (None, *KINDS):
-        raise InputError(f"context_attention is 'ring', 'allgather' or None (the solver's choice), got {kind!r}")
+        raise InputError(f"context_attention is 'ring', 'allgather', 'ulysses' or None (the solver's choice), "
+                         f"got {kind!r}")
     if not hardware.ring_attention:  # a plan must run: no ring where the runtime has no kernel for it
         if kind == "ring":
             raise InputError(f"context_attention='ring': autopar runs ring attention on CPU meshes only so far "
@@ -48,6 +51,9 @@ def pin_context_attention(graph: PlanGraph, kind: str | None, hardware: Hardware
         kinds = [{sequence_kind(s, q, k, d) for d in range(len(s.inputs[0]))} - {None} for s in node.strategies]
         if not any(kinds):
             continue  # never split on its sequence: nothing to pin
+        if kind == "ulysses":
+            _keep(node, [i for i, found in enumerate(kinds) if not found])
+            continue
         if not any(kind in found for found in kinds):
             raise InputError(f"context_attention={kind!r}: attention call {name} has no strategy of that kind "
                              "(ring attention needs self-attention without dropout, rules.attention)")
