@@ -199,8 +199,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     ``context_axes`` pins context parallelism on those axes: parameters replicated, every
     user input of the first input's (batch, sequence) split along dim 1, attention run on
     each rank's query rows against gathered keys and values (``rules.attention``).
-    ``zero``, ``checkpoint``, ``offload`` and ``micro_batches`` pin memory choices
-    (``MemoryOptions``); with ``micro_batches=m`` the step is captured at batch / m.
+    ``zero``, ``checkpoint``, ``offload``, ``micro_batches`` pin memory choices (``MemoryOptions``; m: batch / m).
     The result is priced under the first scenario ``solve_step`` searches (``scenarios``);
     ``PreparedStep.under`` re-prices it (and re-captures it) for another. ``_masters``: the
     model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
