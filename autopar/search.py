@@ -109,14 +109,14 @@ def _search(prepared: PreparedStep) -> Solution:
         if scenario not in bounds.lp:  # then, if it may fit, its LP relaxation under the limit (sees memory)
             # the least-memory solve first: it proves a scenario that cannot fit in about a second,
             # where an LP took 15-120 s to (Llama-3-70B on a pp=8 stage mesh, m=16)
-            if _may_fit(prepared.under(scenario), found.leanest, found.fit) and bounds.solve_lp(scenario):
+            if _may_fit(bounds.step(scenario), found.leanest, found.fit) and bounds.solve_lp(scenario):
                 counts["lp_bounds"] += 1
             else:
                 waiting.remove(scenario)
                 counts["not_fitting"] += 1
             continue
         waiting.remove(scenario)
-        step = prepared.under(scenario)
+        step = bounds.step(scenario)
         counts["solved"] += 1
         try:
             found.add(scenario, _solve(step, prepared.memory_limit, explain=False,
@@ -243,6 +243,7 @@ class _Bounds:
 
     def __init__(self, prepared: PreparedStep, scenarios: list[Scenario]) -> None:
         self.prepared = prepared
+        self.steps: dict[Scenario, PreparedStep] = {}
         fewest = min(s.micro_batches for s in scenarios)
         by_rest: dict[Scenario, float] = {}
         self.node: dict[Scenario, float] = {}
@@ -250,7 +251,7 @@ class _Bounds:
             # gathering again prices edges, not nodes
             rest = replace(scenario, micro_batches=fewest, regather=False, regather_blocks=None)
             if rest not in by_rest:
-                by_rest[rest] = _node_bound(prepared.under(rest).graph)
+                by_rest[rest] = _node_bound(self.step(rest).graph)
             self.node[scenario] = by_rest[rest]
         self.free: dict[Scenario, float | None] = {}
         """Relaxation -> its optimum without the memory row (None when not proven)."""
@@ -258,6 +259,12 @@ class _Bounds:
         self.lp: dict[Scenario, float] = {}
         """Scenario -> its LP relaxation's optimum under the memory limit (``solve_lp``)."""
         self.floors: dict[tuple[int, str, int | None], float] = {}
+
+    def step(self, scenario: Scenario) -> PreparedStep:
+        """The step priced under ``scenario``, built once however many bounds and solves read it."""
+        if scenario not in self.steps:
+            self.steps[scenario] = self.prepared.under(scenario)
+        return self.steps[scenario]
 
     def of(self, scenario: Scenario) -> float:
         return max(self._free_bound(scenario), self.lp.get(scenario, 0.0))
@@ -276,7 +283,7 @@ class _Bounds:
     def solve_lp(self, scenario: Scenario) -> bool:
         """Bound ``scenario`` by its LP relaxation under the memory limit (no plan within the limit
         beats it; 0 when not solved to optimality); False when even the relaxation does not fit."""
-        step = replace(self.prepared.under(scenario),
+        step = replace(self.step(scenario),
                        solver_time_limit_s=min(LP_TIME_LIMIT_S, self.prepared.solver_time_limit_s))
         try:
             relaxed = _solve(step, self.prepared.memory_limit, explain=False, relaxed=True)
@@ -298,7 +305,7 @@ class _Bounds:
     def solve_relaxation(self, group: Scenario, found: _Found) -> Solution | None:
         """Solve ``group`` without the memory row and record its bound; its proven optimum, or None."""
         try:
-            solution = _solve(self.prepared.under(group), None, explain=False)
+            solution = _solve(self.step(group), None, explain=False)
         except (RuntimeError, SolverTimeLimitError) as exc:
             found.failed.append(f"memory scenario '{group.describe()}' not bounded: {exc}")
             self.free[group] = None
@@ -312,7 +319,7 @@ class _Bounds:
             return 0.0
         key = (scenario.micro_batches, scenario.checkpoint, scenario.checkpoint_blocks)  # all it depends on
         if key not in self.floors:
-            step, base = self.prepared.under(scenario), self.prepared.under(group)
+            step, base = self.step(scenario), self.step(group)
             eff = step.ctx.mesh.hardware.grad_sync_overlap if step.ctx.train else 0.0
             added = sum(min(c.time - b.time for c, b in zip(node.costs, base.graph.nodes[name].costs))
                         for name, node in step.graph.nodes.items() if node.costs)

@@ -36,39 +36,22 @@ def pin_context_attention(graph: PlanGraph, kind: str | None, hardware: Hardware
     if kind not in (None, *KINDS):
         raise InputError(f"context_attention is 'ring', 'allgather', 'ulysses' or None (the solver's choice), "
                          f"got {kind!r}")
-    if not hardware.ring_attention:  # a plan must run: no ring where the runtime has no kernel for it
-        if kind == "ring":
-            raise InputError(f"context_attention='ring': autopar runs ring attention on CPU meshes only so far "
-                             f"(runtime.ring), not on {hardware.name}")
-        _drop_ring(graph)
-    if kind is None:
-        return
+    if kind == "ring" and not hardware.ring_attention:
+        raise InputError(f"context_attention='ring': autopar runs ring attention on CPU meshes only so far "
+                         f"(runtime.ring), not on {hardware.name}")
+    # a plan must run: no ring where the runtime has no kernel for it
+    runs = {"ring", "allgather"} if hardware.ring_attention else {"allgather"}
+    allowed = runs if kind is None else set() if kind == "ulysses" else {kind}
     for name in graph.order:
         node = graph.nodes[name]
         if node.call is None or node.call.target not in ATTENTION_OPS or len(node.call.tensor_inputs) < 3:
             continue
         q, k = node.call.tensor_inputs[0].ndim, node.call.tensor_inputs[1].ndim
         kinds = [{sequence_kind(s, q, k, d) for d in range(len(s.inputs[0]))} - {None} for s in node.strategies]
-        if not any(kinds):
-            continue  # never split on its sequence: nothing to pin
-        if kind == "ulysses":
-            _keep(node, [i for i, found in enumerate(kinds) if not found])
-            continue
-        if not any(kind in found for found in kinds):
+        if kind in ("ring", "allgather") and any(kinds) and not any(kind in found for found in kinds):
             raise InputError(f"context_attention={kind!r}: attention call {name} has no strategy of that kind "
                              "(ring attention needs self-attention without dropout, rules.attention)")
-        _keep(node, [i for i, found in enumerate(kinds) if found <= {kind}])
-
-
-def _drop_ring(graph: PlanGraph) -> None:
-    """Every attention call's ring strategies left out (those of another kind kept)."""
-    for name in graph.order:
-        node = graph.nodes[name]
-        if node.call is None or node.call.target not in ATTENTION_OPS or len(node.call.tensor_inputs) < 3:
-            continue
-        q, k = node.call.tensor_inputs[0].ndim, node.call.tensor_inputs[1].ndim
-        _keep(node, [i for i, s in enumerate(node.strategies)
-                     if "ring" not in {sequence_kind(s, q, k, d) for d in range(len(s.inputs[0]))}])
+        _keep(node, [i for i, found in enumerate(kinds) if found <= allowed])
 
 
 def _keep(node: PlanNode, keep: list[int]) -> None:
