@@ -1,5 +1,5 @@
 """Mixture-of-experts routing and dispatch: top-k, sorts, gather / scatter along one dim,
-``index_add``, ``index_put``, ``repeat_interleave``, histograms, and grouped matmuls (``_grouped_mm`` and HF's opaque
+``index_add``, ``index_copy``, ``slice_scatter``, ``index_put``, ``repeat_interleave``, histograms, and grouped matmuls (``_grouped_mm`` and HF's opaque
 ``transformers::grouped_mm_fallback``).
 
 Every op here works along one dim (the experts of ``topk``, the sorted dim, the dim indices
@@ -82,15 +82,28 @@ def scatter_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     return strategies
 
 
-@TABLE.register(aten.index_add.default)
+@TABLE.register(aten.index_add.default, aten.index_copy.default, aten.index_copy_.default)
 def index_add_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
-    """``self`` plus ``alpha * source`` added at rows ``index`` (1-D) of ``dim``."""
+    """``self`` plus ``alpha * source`` added at rows ``index`` (1-D) of ``dim``, or ``source``
+    written there (``index_copy``: a KV cache's write at the step's positions, split by heads)."""
     x, index, source = call.tensor_inputs
     if x.ndim == 0:
         return Unhandled("a 0-d destination")
     along = normalize_dim(call.get("dim"), x.ndim)
     strategies = [DimStrategy((S(d),), (S(d), R, S(d))) for d in _same_size_dims(along, x, source)]
     return [*strategies, DimStrategy((P,), (P, R, P))]
+
+
+@TABLE.register(aten.slice_scatter.default)
+def slice_scatter_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
+    """``self`` with ``src`` written over ``self[start:end:step]`` along ``dim`` (a cache write at a
+    range of positions): every other dim splits with ``src`` split alike; a copy is linear."""
+    x, src = call.tensor_inputs
+    if x.ndim == 0:
+        return Unhandled("a 0-d destination")
+    along = normalize_dim(call.get("dim"), x.ndim)
+    strategies = [DimStrategy((S(d),), (S(d), S(d))) for d in _same_size_dims(along, x, src)]
+    return [*strategies, DimStrategy((P,), (P, P))]
 
 
 @TABLE.register(aten.index_put.default, aten.index_put_.default)
