@@ -68,16 +68,46 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
+        self.cache: KVCache | None = None  # serving only (Llama.setup_cache)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``cached``: (slots, positions, mask) of a serving step (see ``Llama.forward``)."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        gqa = self.kv_heads != self.heads
+        if cached is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            assert self.cache is not None, "call Llama.setup_cache first"
+            slots, positions, mask = cached
+            k, v = self.cache.update(slots, positions, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class KVCache(nn.Module):
+    """Keys and values of every sequence slot (a request being served), (slots, max_len, kv heads,
+    head dim), written in place at each step's (slot, position) pairs, as vLLM's slot mapping."""
+
+    def __init__(self, slots: int, max_len: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        shape = (slots, max_len, kv_heads, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (batch, kv heads, steps, head dim) of each row's slot at its positions (batch,
+        steps); return the rows' whole caches as (batch, kv heads, max_len, head dim)."""
+        at = (slots[:, None], positions)
+        self.k.index_put_(at, k.transpose(1, 2))
+        self.v.index_put_(at, v.transpose(1, 2))
+        return self.k[slots].transpose(1, 2), self.v[slots].transpose(1, 2)
 
 
 class FeedForward(nn.Module):
@@ -99,8 +129,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cached)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -116,12 +147,37 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+    def setup_cache(self, slots: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> None:
+        """Give every attention a KV cache of ``slots`` sequences of up to ``max_len`` tokens (default:
+        the rotary table's length) for serving steps: ``model(tokens, positions, slots)``."""
+        max_len = max_len or self.cfg.max_seq_len
+        if max_len > self.cfg.max_seq_len:
+            raise ValueError(f"max_len {max_len} exceeds the rotary table's {self.cfg.max_seq_len} positions")
+        head_dim = self.cfg.hidden // self.cfg.heads
+        dtype = dtype or self.output.weight.dtype
+        for layer in self.layers:
+            with torch.device(self.output.weight.device):
+                layer.attention.cache = KVCache(slots, max_len, self.cfg.kv_heads, head_dim, dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens`` (batch, steps). Training: causal over the whole sequence. Serving
+        (after ``setup_cache``): row b continues cache slot ``slots[b]`` at ``positions[b]`` (batch,
+        steps), its keys written there and its queries attending to the slot's positions up to
+        their own: a prefill (chunk) of one request or a decode step of many, the same program."""
+        if positions is None:
+            s = tokens.shape[1]
+            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+            cached = None
+        else:
+            assert slots is not None, "a serving step names each row's cache slot"
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+            max_len = self.layers[0].attention.cache.k.shape[1]
+            mask = torch.arange(max_len, device=tokens.device) <= positions[..., None]
+            cached = (slots, positions, mask[:, None])
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, cached)
         return self.output(self.norm(x))
 
 
