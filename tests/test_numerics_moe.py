@@ -181,18 +181,27 @@ class HfCase:
     aux_loss: bool = False
     checkpoint: str | None = None
     """Pinned activation checkpointing: the expert layer's all-to-alls run again in backward."""
+    family: str = "mixtral"
+    """"qwen2_moe": HF Qwen2-MoE (softmax-then-top-k routing, a gated shared expert beside the experts)."""
 
     @property
     def id(self) -> str:
         extra = ("-aux" if self.aux_loss else "") + (f"-{self.checkpoint}" if self.checkpoint else "")
-        return f"{'x'.join(self.mesh[1])}-top{self.top_k}{extra}"
+        return f"{self.family}-{'x'.join(self.mesh[1])}-top{self.top_k}{extra}"
 
     def build(self) -> Any:
+        if self.family == "qwen2_moe":
+            example = hf_models.build_qwen2_moe_step(batch=8, hidden=64, heads=4, kv_heads=2, intermediate=512,
+                                                     vocab=64, seq=16, experts=16, top_k=self.top_k)
+            example[0].eval()
+            return example
         return build_hf_mixtral_ep(self.top_k, 1024 if "tp" in self.mesh[1] else 512, self.aux_loss)
 
 
-HF_EP_CASES = [HfCase(EP, 2, aux_loss=True, checkpoint="selective"), HfCase(DP_EP, 1), HfCase(EP_TP, 2)]
-"""Top-2 and top-1, the load-balancing loss, checkpointing, dp2ep and TP inside the experts, in three
+HF_EP_CASES = [HfCase(EP, 2, aux_loss=True, checkpoint="selective"), HfCase(DP_EP, 1), HfCase(EP_TP, 2),
+               HfCase(EP, 2, family="qwen2_moe")]
+"""Top-2 and top-1, the load-balancing loss, checkpointing, dp2ep and TP inside the experts on HF Mixtral, and
+HF Qwen2-MoE (its softmax-then-top-k router, a sigmoid-gated shared expert beside the split experts), in four
 cases (CI time)."""
 
 
