@@ -12,14 +12,16 @@ keys and values split, each call runs ``runtime.ring`` (its sends checked agains
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics_harness import Reference, reference, run_checked, run_compiled
+from numerics_harness import Reference, planned_counts, reference, run_checked, run_compiled
 from test_numerics_attention import VOCAB, TinyAttentionLM
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,6 +32,7 @@ from autopar.rules.attention import held_chunks, query_positions
 from autopar.rules.strategy import parse_placements
 from autopar.runtime.attention import causal_on_rows
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.ops import CollectiveLog
 from examples import llama
 
 SEQ = 8
@@ -178,23 +181,39 @@ def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
             assert placed == [Shard(2), Replicate(), Replicate()], inputs
 
 
+def small_vocab_llama() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+    """The case's Llama with far fewer tokens in the vocabulary (16) than hidden units (256): gathering the
+    logits is then cheaper than an all-to-all of the output layer's input to split it (logits Partial)."""
+    return llama.build(replace(LLAMA, vocab_size=16, hidden=256), batch=1)
+
+
 def eval_llama_on_rank(rank: int, world: int, expected: list[float]) -> tuple[list[str], float]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    model, inputs, _, _ = LlamaCase((world,), ("cp",)).build()
+    model, inputs, _, _ = small_vocab_llama()
     pm = autopar.compile(model, mesh, inputs, train=False, context_axes=("cp",), context_layout="zigzag")
+    log = CollectiveLog()
+    pm.attach_log(log)
     logits = pm(*inputs)
     gap = (logits.full_tensor() - torch.tensor(expected).reshape(logits.shape)).abs().max().item()
-    return [str(p) for p in pm._outputs[0]] + [str(p) for p in logits.placements], gap
+    names = mesh.mesh_dim_names
+    ran = sorted(Counter((p, k, names[d], b) for p, k, d, b in log.entries).items())
+    return [str(p) for p in pm._outputs[0]] + [str(p) for p in logits.placements], gap, ran, \
+        sorted(planned_counts(pm.plan).items()), (pm.plan.solver["objective_s"], pm.plan.predicted.step_time_s)
 
 
 def test_zigzag_outputs_come_back_in_order() -> None:
     """A forward step's logits, planned split on the sequence over a zig-zag axis, are
-    returned gathered there, in the sequence's order: the user never sees the zig-zag layout."""
-    model, inputs, _, _ = LlamaCase((2,), ("cp",)).build()
+    returned gathered there, in the sequence's order: the user never sees the zig-zag layout. The
+    plan lists (and prices) that gather with the step's other collectives: what ran is what it lists."""
+    model, inputs, _, _ = small_vocab_llama()
     with torch.no_grad():
         expected = model(*inputs).flatten().tolist()
-    placements, gap = run_ranks(eval_llama_on_rank, 2, expected)[0]
+    placements, gap, ran, planned, (objective, predicted) = run_ranks(eval_llama_on_rank, 2, expected)[0]
+    assert objective == pytest.approx(predicted, rel=1e-9)
     assert placements == ["S(1)", "R"] and gap < 1e-5, (placements, gap)
+    logits_bytes = math.prod((1, LLAMA.max_seq_len, 16)) * 4  # an all-gather's bytes: the gathered tensor's
+    assert (("forward", "all_gather", "cp", logits_bytes), 1) in planned, planned
+    assert ran == planned, (ran, planned)
 
 
 @pytest.mark.parametrize("op,mask", [("sdpa", None), ("sdpa", "bool"), ("sdpa", "rows"), ("cpu_flash", None),
