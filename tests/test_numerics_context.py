@@ -12,6 +12,7 @@ keys and values split, each call runs ``runtime.ring`` (its sends checked agains
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,15 +118,19 @@ class LlamaCase:
     """``context_attention`` pinned ("ring"); None: the solver's (all-gathered K/V on these shapes)."""
     checkpoint: str | None = None
     """Activation checkpointing pinned: the blocks' forward (a ring's sends too) runs again in backward."""
+    heads: tuple[int, int] = (LLAMA.heads, LLAMA.kv_heads)
+    """(heads, kv_heads): Ulysses splits both on cp (times tp beside it), so they must divide by it."""
 
     @property
     def id(self) -> str:
         return ("x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
                 + (f"-zero{self.zero}" if self.zero else "") + (f"-{self.layout}" if self.layout else "")
-                + (f"-{self.attention}" if self.attention else "") + (f"-{self.checkpoint}" if self.checkpoint else ""))
+                + (f"-{self.attention}" if self.attention else "") + (f"-{self.checkpoint}" if self.checkpoint else "")
+                + (f"-h{self.heads[0]}kv{self.heads[1]}" if self.heads != (LLAMA.heads, LLAMA.kv_heads) else ""))
 
     def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
-        model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
+        cfg = dataclasses.replace(LLAMA, heads=self.heads[0], kv_heads=self.heads[1])
+        model, (tokens,), loss_fn, (targets,) = llama.build(cfg, batch=self.batch)
         return model, (tokens[:, :self.seq],), loss_fn, (targets[:, :self.seq],)
 
 
@@ -138,7 +143,10 @@ LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",
                LlamaCase((4,), ("cp",), layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("cp", "tp"), layout="zigzag", attention="ring"),
-               LlamaCase((2,), ("cp",), attention="ulysses"), LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses")]
+               LlamaCase((2,), ("cp",), attention="ulysses"), LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses"),
+               LlamaCase((4,), ("cp",), attention="ulysses", heads=(4, 4)),
+               LlamaCase((2,), ("cp",), layout="zigzag", attention="ulysses", heads=(4, 4)),
+               LlamaCase((2, 2), ("cp", "tp"), attention="ulysses")]
 
 
 def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
