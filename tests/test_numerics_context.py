@@ -37,10 +37,10 @@ SEQ = 8
 SDPA = "aten.scaled_dot_product_attention.default"
 
 
-def build(heads: int | None, masked: bool, batch: int = 1
+def build(heads: int | None, masked: bool, batch: int = 1, causal: bool = True
           ) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
     torch.manual_seed(0)
-    model = TinyAttentionLM(heads, masked)
+    model = TinyAttentionLM(heads, masked, causal)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
     tokens[:, SEQ // 2] = 0  # a padding token: a key masked out for every query
@@ -62,21 +62,31 @@ class Case:
     attention: str | None = None
     """``context_attention`` pinned ("ring": keys and values passed around the ring; "ulysses": heads
     split behind all-to-alls); None: the solver's."""
+    causal: bool = True
+    """False: bidirectional (the padding mask alone where ``masked``, else no mask at all)."""
 
     @property
     def id(self) -> str:
-        return (f"{'mask' if self.masked else 'causal'}-{'x'.join(f'{n}{s}' for n, s in zip(self.names, self.mesh))}"
+        kind = ("mask" if self.masked else "causal") if self.causal else ("padding" if self.masked else "full")
+        return (f"{kind}-{'x'.join(f'{n}{s}' for n, s in zip(self.names, self.mesh))}"
                 + (f"-{self.attention}" if self.attention else ""))
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+        return build(self.heads, self.masked, causal=self.causal)
 
 
 CASES = [Case(True), Case(False), Case(True, (4,)), Case(False, (4,)), Case(True, (4,), attention="ring"),
          Case(False, (2,), attention="ring"), Case(True, (4,), heads=4, attention="ulysses"),
-         Case(False, (2,), heads=2, attention="ulysses")]
+         Case(False, (2,), heads=2, attention="ulysses"),
+         # bidirectional: nothing to localize, every rank's rows against all keys
+         Case(False, (2,), causal=False), Case(True, (4,), heads=4, causal=False),
+         Case(True, (2,), causal=False, attention="ring"), Case(False, (4,), causal=False, attention="ring"),
+         Case(True, (2,), heads=2, causal=False, attention="ulysses")]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
-    model, inputs, loss_fn, targets = build(case.heads, case.masked)
+    model, inputs, loss_fn, targets = case.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
                          context_attention=case.attention)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
@@ -86,18 +96,20 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_context_parallel_attention_matches_single_device(case: Case) -> None:
-    ref = reference(lambda: build(case.heads, case.masked))
+    ref = reference(case.build)
     results = run_checked(train_on_rank, case.mesh, case, ref)
     (inputs,) = results[0]["sdpa_inputs"]
     code = results[0]["code"]
-    if case.attention == "ring":  # queries, keys and values split on the sequence, the mask on its rows
-        assert inputs == ["S(1)"] * len(inputs) and "self.ring_attention(" in code, inputs
+    seq = "S(1)" if case.heads is None else "S(2)"  # (B, L, E) or (B, H, L, E)
+    if case.attention == "ring":  # queries, keys and values split on the sequence, a causal mask on its rows
+        mask = [seq if case.causal else "R"] * (len(inputs) - 3)  # a bidirectional one broadcasts on the rows
+        assert inputs == [seq] * 3 + mask and "self.ring_attention(" in code, inputs
         return
     if case.attention == "ulysses":  # (B, H, L, E) split on heads behind all-to-alls: a plain SDPA per rank
         assert inputs[:3] == ["S(1)"] * 3 and "context_attention(" not in code and "ring_attention(" not in code
         return
-    assert inputs[:3] == ["S(1)", "R", "R"], inputs  # queries split on the sequence, keys and values whole
-    assert ("self.context_attention(" in code) == (not case.masked)
+    assert inputs[:3] == [seq, "R", "R"], inputs  # queries split on the sequence, keys and values whole
+    assert ("self.context_attention(" in code) == (case.causal and not case.masked)
 
 
 LLAMA = llama.LlamaConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2)
