@@ -250,24 +250,41 @@ def test_zigzag_rows_equal_the_whole_causal_call(op: str, mask: str | None) -> N
             torch.testing.assert_close(got, want.index_select(2, positions))  # out [.., L, E], logsumexp [.., L]
 
 
-def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+def _hf_llama(batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor],
+                                      tuple[torch.Tensor]]:
     from examples import hf_models
-    return hf_models.build_llama_step(batch=1, seq=16)
+    return hf_models.build_llama_step(batch=batch, seq=16)
+
+
+HF_CASES = [LlamaCase((2,), ("cp",), attention="ring"), LlamaCase((2,), ("cp",), attention="allgather"),
+            LlamaCase((2,), ("cp",), attention="ulysses"),
+            LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses"),
+            LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="allgather"),
+            LlamaCase((4,), ("cp",), attention="allgather"), LlamaCase((4,), ("cp",), attention="ulysses")]
+"""Hugging Face's Llama: 4 heads, 2 key/value heads repeated to 4 before attention (``repeat_kv``), so
+Ulysses splits them on cp=4 too (and there beats a pinned ring, which leaves heads splits in)."""
 
 
 def train_hf_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
-    model, inputs, loss_fn, targets = _hf_llama()
+    model, inputs, loss_fn, targets = _hf_llama(case.batch)
+    data_axes = tuple(n for n in case.names if n == "dp")
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         context_attention="ring")
+                         data_axes=data_axes, context_attention=case.attention)
     return {**run_compiled(pm, (*inputs, *targets), ref),
             "sdpa_inputs": [n.inputs for n in pm.plan.nodes if n.op == SDPA]}
 
 
-def test_hf_llama_ring_attention_matches_single_device() -> None:
+@pytest.mark.parametrize("case", HF_CASES, ids=[c.id for c in HF_CASES])
+def test_hf_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
     """Hugging Face's Llama (its own boolean causal mask, split on its rows and read by the
-    ring's blocks at their keys' columns; grouped-query attention) with ring attention on cp=2."""
+    ring's blocks at their keys' columns; grouped-query attention) under each kind of context
+    parallel attention, beside data parallelism too."""
     pytest.importorskip("transformers")
-    case = LlamaCase((2,), ("cp",), attention="ring")
-    results = run_checked(train_hf_llama_on_rank, case.mesh, case, reference(_hf_llama))
-    assert results[0]["sdpa_inputs"] and all(inputs == ["S(2)"] * 4 for inputs in results[0]["sdpa_inputs"])
+    results = run_checked(train_hf_llama_on_rank, case.mesh, case, reference(lambda: _hf_llama(case.batch)))
+    cp = case.names.index("cp")
+    want = {"ring": [Shard(2)] * 4, "allgather": [Shard(2), Replicate(), Replicate(), Shard(2)],
+            "ulysses": [Shard(1)] * 3 + [Replicate()]}[case.attention or ""]
+    assert results[0]["sdpa_inputs"]
+    for inputs in results[0]["sdpa_inputs"]:  # (q, k, v, mask (B, 1, L, L)) on cp
+        assert [parse_placements(p)[cp] for p in inputs] == want, inputs
