@@ -155,9 +155,13 @@ LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",
                LlamaCase((4,), ("cp",), layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("cp", "tp"), layout="zigzag", attention="ring"),
-               LlamaCase((2,), ("cp",), attention="ulysses"), LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses"),
+               LlamaCase((2,), ("cp",), attention="ulysses"),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses"),
                LlamaCase((4,), ("cp",), attention="ulysses", heads=(4, 4)),
                LlamaCase((2,), ("cp",), layout="zigzag", attention="ulysses", heads=(4, 4)),
+               # tp outer, heads dividing tp x cp: TP's heads split further on cp (heads S(1) on both);
+               # cp outer, [S(1), S(1)] would be cp-major, not what an all-to-all after TP holds: heads gathered on tp
+               LlamaCase((2, 2), ("tp", "cp"), attention="ulysses", heads=(8, 4)),
                LlamaCase((2, 2), ("cp", "tp"), attention="ulysses")]
 
 
@@ -192,6 +196,8 @@ def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
             assert placed == [Shard(2)] * 3, inputs
         elif case.attention == "ulysses":  # heads split behind all-to-alls
             assert placed == [Shard(1)] * 3, inputs
+            if case.names[0] == "tp":  # and on tp, as TP left them: composed, not gathered
+                assert [parse_placements(p)[0] for p in inputs] == [Shard(1)] * 3, inputs
         elif case.zero:  # weights gathered anyway: the planner may split attention by heads on cp instead
             assert placed in ([Shard(2), Replicate(), Replicate()], [Shard(1)] * 3), inputs
         else:
