@@ -7,7 +7,14 @@ instead: the planner moves the split to the batch with one all-to-all of the tok
 is cheaper than gathering keys and values). The 3-D attention takes its queries split on
 the sequence and its keys and values whole; a causal one runs on each rank's query rows
 (``passes.localize_attention``). Pinned to ring attention (``context_attention="ring"``), queries,
-keys and values split, each call runs ``runtime.ring`` (its sends checked against the plan's).
+keys and values split, each call runs ``runtime.ring`` (its sends checked against the plan's);
+pinned to Ulysses, heads split behind all-to-alls.
+
+The matrix (issue 11): each kind (allgather, ring, Ulysses) on cp=2 and cp=4, causal, bidirectional
+and with a padding mask on the tiny attention LM; on the example Llama (causal, rotary, GQA) beside
+dp and tp; on HF Llama (its own boolean mask) on cp=2, cp=4 and dp x cp. Not here, and why: ring
+on HF Llama cp=4 (a pinned ring leaves heads splits in, and its repeated kv heads make Ulysses the
+cheaper plan there); Ulysses with kv heads that do not divide cp (refused: ``test_context_planning``).
 """
 
 from __future__ import annotations
