@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.capture import CapturedGraph, capture, reuse_captures
 from autopar.cost import get_precision
-from autopar.cost.precision import Precision
+from autopar.cost.precision import BF16_PARAMETERS, Precision
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
@@ -257,8 +258,10 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
 
 def _precision(model: nn.Module, mesh: Mesh, precision: str | None, masters: bool) -> Precision:
     """The named precision (default: the hardware's) for ``model``'s parameter dtype; ``masters``:
-    the model is the bf16 compute copy of fp32 masters (``prepare_step``)."""
-    return get_precision(precision or mesh.hardware.default_precision, None if masters else _parameter_dtype(model))
+    the model is the bf16 compute copy of fp32 masters (``prepare_step``). Captured from that copy
+    or from a bf16 model, the graph's dtypes are those that run, and floats are priced at them."""
+    policy = get_precision(precision or mesh.hardware.default_precision, None if masters else _parameter_dtype(model))
+    return replace(policy, captured_as_run=True) if masters or policy is BF16_PARAMETERS else policy
 
 
 def _stage_shares(graph: PlanGraph, pipeline_ranks: int | None) -> MemoryShares | None:

@@ -51,7 +51,12 @@ def pin_context_attention(graph: PlanGraph, kind: str | None, hardware: Hardware
         if kind in ("ring", "allgather") and any(kinds) and not any(kind in found for found in kinds):
             raise InputError(f"context_attention={kind!r}: attention call {name} has no strategy of that kind "
                              "(ring attention needs self-attention without dropout, rules.attention)")
-        _keep(node, [i for i, found in enumerate(kinds) if found <= allowed])
+        keep = [i for i, found in enumerate(kinds) if found <= allowed]
+        if kind == "ulysses" and node.strategies and not keep:  # else the solver fails on an empty choice
+            raise InputError(f"context_attention='ulysses': attention call {name} has no strategy splitting its heads "
+                             "on the context axes, and its output must stay split there: its heads and key/value "
+                             "heads must divide by the ranks (into 2n chunks on a zig-zag axis)")
+        _keep(node, keep)
 
 
 def _keep(node: PlanNode, keep: list[int]) -> None:
