@@ -16,4 +16,5 @@ from autopar.solver.pipeline import Pipeline
 from autopar.solver.plan import Plan
 
 __all__ = ["plan", "compile", "compile_serving", "ServingModule", "Mesh", "Pipeline", "Plan", "ParallelModule",
-           "InputError", "InputTypeError", "CaptureError", "CompileError", "MemoryLimitError", "SolverTimeLimitError", "Cluster", "Workload", "SLO"]
+           "InputError", "InputTypeError", "CaptureError", "CompileError", "MemoryLimitError", "SolverTimeLimitError",
+           "Cluster", "Workload", "SLO"]

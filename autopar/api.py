@@ -185,7 +185,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
                  regather_blocks: int | None = None, state_placements: dict[str, tuple[Any, ...]] | None = None,
-                 _capture_micro_batches: int | None = None, _masters: bool = False, _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
+                 _capture_micro_batches: int | None = None, _masters: bool = False,
+                 _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
                  _try_first: Scenario | None = None, _zigzag: tuple[str, ...] | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 

@@ -74,7 +74,8 @@ class ServingModule(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         return self.decode_module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> Any:
         """Copy values into the shared shards (both programs read them)."""
         return self.decode_module.load_state_dict(state_dict, strict, assign)
 
