@@ -144,3 +144,73 @@ def test_serving_refuses_training_options_and_other_shapes() -> None:
         assert len(errors) == 2, errors
         assert "train=" in errors[0] and "forward-only" in errors[0], errors[0]
         assert "shape" in errors[1], errors[1]
+
+
+HF_PROMPT, HF_CHUNK, HF_CACHE = [5, 7, 9, 11, 13, 2], 4, 32
+
+
+def _hf_static() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The tiny HF Llama and transformers' export wrapper around it: a ``StaticCache`` of batch 1
+    registered as buffers (``key_cache_i`` (1, kv heads, len, head dim), written by ``index_copy_``),
+    called ``(input_ids, cache_position=...)`` with consecutive positions."""
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    from examples import hf_models
+    model, *_ = hf_models.build_llama(batch=1, seq=HF_CACHE)
+    model.eval()
+    model.generation_config.use_cache = True
+    model.generation_config.cache_implementation = "static"
+    return model, TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=HF_CACHE)
+
+
+def _hf_greedy(prefill: Any, decode: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens of ``HF_PROMPT`` (chunked prefill, the last chunk padded at the next positions,
+    which the causal mask hides and decode overwrites in order) and the logits each came from."""
+    from autopar.runtime.generate import whole
+    length = len(HF_PROMPT)
+    for start in range(0, length, HF_CHUNK):
+        real = HF_PROMPT[start:start + HF_CHUNK]
+        ids = torch.tensor([real + [0] * (HF_CHUNK - len(real))])
+        last = whole(prefill(ids, cache_position=torch.arange(start, start + HF_CHUNK)))[0, len(real) - 1]
+    tokens, logits = [int(last.argmax())], [last]
+    for step in range(NEW - 1):
+        last = whole(decode(torch.tensor([[tokens[-1]]]), cache_position=torch.tensor([length + step])))[0, -1]
+        tokens.append(int(last.argmax()))
+        logits.append(last)
+    return tokens, logits
+
+
+def serve_hf_on_rank(rank: int, world: int) -> dict[str, Any]:
+    from examples import hf_models
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    _, wrapped = _hf_static()
+    constraints = {f"model.{pattern}": style for pattern, style in hf_models.LLAMA_TP_PLAN.items()}
+    serving = autopar.compile_serving(wrapped, mesh, (torch.zeros(1, HF_CHUNK, dtype=torch.long),),
+                                      (torch.zeros(1, 1, dtype=torch.long),), constraints=constraints,
+                                      prefill_kwargs={"cache_position": torch.arange(HF_CHUNK)},
+                                      decode_kwargs={"cache_position": torch.tensor([0])})
+    tokens, logits = _hf_greedy(serving.prefill, serving.decode)
+    cache = serving.decode_module.get_buffer("key_cache_0")
+    return {"tokens": tokens, "logits": [t.tolist() for t in logits],
+            "cache": (tuple(cache.shape), serving.placements["key_cache_0"])}
+
+
+def test_hf_llama_static_cache_serving_generates_the_single_device_tokens() -> None:
+    """Hugging Face's Llama with its ``StaticCache`` (transformers' export wrapper) on tp=2, Megatron
+    TP pinned: chunked prefill then decode give the single-device tokens (recomputing the sequence),
+    and the cache is split by KV heads (dim 1 of HF's layout)."""
+    pytest.importorskip("transformers")
+    model, wrapped = _hf_static()
+    want, want_logits = [], []
+    with torch.no_grad():
+        seq = torch.tensor([HF_PROMPT])
+        for _ in range(NEW):
+            last = model(seq).logits[0, -1]
+            want.append(int(last.argmax()))
+            want_logits.append(last)
+            seq = torch.cat([seq, last.argmax().view(1, 1)], 1)
+        assert _hf_greedy(wrapped, wrapped)[0] == want  # the wrapper's cache on one device
+    for rank, result in enumerate(run_ranks(serve_hf_on_rank, 2)):
+        assert result["tokens"] == want, f"rank {rank}"
+        torch.testing.assert_close(torch.tensor(result["logits"]), torch.stack(want_logits), rtol=1e-4, atol=1e-5)
+        assert result["cache"] == ((1, 1, HF_CACHE, 16), (Shard(1),)), result["cache"]
