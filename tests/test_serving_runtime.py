@@ -13,10 +13,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
+from autopar.api import plan_step
 from autopar.errors import InputError
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.generate import generate
 from autopar.runtime.ops import CollectiveLog
+from autopar.solver.nodes import BUFFER, PARAM
 from examples import llama
 from tests.numerics_harness import planned_counts
 
@@ -69,6 +71,27 @@ def test_cached_greedy_tokens_equal_recomputing_the_sequence() -> None:
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5, msg=f"token {step}")
     assert int(logits[0, -1].argmax()) == model(torch.tensor([PROMPTS[0][:10]]))[0, -1].argmax()
     assert int(logits[1, 7].argmax()) == want[2][0]
+
+
+def _state_placements(step: Any) -> dict[str, tuple[Any, ...]]:
+    """FQN -> placements of every parameter and buffer a planned step holds."""
+    graph = step.graph
+    return {graph.nodes[n].fqn: step.chosen[n].outputs[0] for n in graph.order
+            if graph.nodes[n].kind in (PARAM, BUFFER)}
+
+
+def test_prefill_planned_with_the_decode_steps_state_placements() -> None:
+    """Planned alone, a batch-1 prefill places some weight otherwise than the decode step (the tiny
+    model's LM head); pinned with ``state_placements`` every parameter and cache buffer matches, and
+    a placement no strategy takes is refused by name."""
+    model = _serving_llama()
+    decode = _state_placements(plan_step(model, {"tp": 2}, _step(SLOTS, 1), train=False))
+    alone = _state_placements(plan_step(model, {"tp": 2}, _step(1, CHUNK), train=False))
+    pinned = plan_step(model, {"tp": 2}, _step(1, CHUNK), train=False, state_placements=decode)
+    assert alone != decode and _state_placements(pinned) == decode
+    assert pinned.plan.pinned["parameters, buffers"] == "placed as the step sharing them"
+    with pytest.raises(InputError, match="norm.weight"):
+        plan_step(model, {"tp": 2}, _step(1, CHUNK), train=False, state_placements={"norm.weight": (Shard(1),)})
 
 
 def _log_step(module: autopar.ParallelModule, call: Any, names: tuple[str, ...]) -> dict[str, list[Any]]:
