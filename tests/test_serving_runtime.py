@@ -63,7 +63,9 @@ def test_cached_greedy_tokens_equal_recomputing_the_sequence() -> None:
     want, want_logits = _recomputed()
     model = _serving_llama()
     with torch.no_grad():
-        got = generate(model, model, PROMPTS, NEW, chunk=CHUNK, slots=SLOTS)
+        got = generate(model, model, PROMPTS, NEW, chunk=CHUNK, slots=SLOTS, max_len=MAX_LEN)
+        with pytest.raises(InputError, match="need 34 cache positions"):
+            generate(model, model, [[1] * 30], NEW, chunk=CHUNK, slots=SLOTS, max_len=MAX_LEN)
         two = [PROMPTS[0][:10], PROMPTS[2][:8] + [0, 0]]  # one batched prefill of two rows into slots 3 and 1
         logits = model(torch.tensor(two), torch.arange(10).expand(2, 10), torch.tensor([3, 1]))
     assert got.tokens == want
@@ -112,7 +114,7 @@ def serve_on_rank(rank: int, world: int) -> dict[str, Any]:
     shared = [fqn for _, kind, fqn in prefill._placeholders if kind in ("param", "buffer")
               and (prefill.get_parameter(fqn) if kind == "param" else prefill.get_buffer(fqn)).data_ptr()
               != (decode.get_parameter(fqn) if kind == "param" else decode.get_buffer(fqn)).data_ptr()]
-    got = generate(serving.prefill, serving.decode, PROMPTS, NEW, chunk=CHUNK, slots=SLOTS)
+    got = generate(serving.prefill, serving.decode, PROMPTS, NEW, chunk=CHUNK, slots=SLOTS, max_len=MAX_LEN)
     names = ("tp",)
     logged = {"prefill": _log_step(prefill, lambda: serving.prefill(*_step(1, CHUNK)), names),
               "decode": _log_step(decode, lambda: serving.decode(*_step(SLOTS, 1)), names)}
@@ -214,14 +216,19 @@ def serve_hf_on_rank(rank: int, world: int) -> dict[str, Any]:
                                       decode_kwargs={"cache_position": torch.tensor([0])})
     tokens, logits = _hf_greedy(serving.prefill, serving.decode)
     cache = serving.decode_module.get_buffer("key_cache_0")
-    return {"tokens": tokens, "logits": [t.tolist() for t in logits],
+    prefill_ids, decode_ids = torch.zeros(1, HF_CHUNK, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)
+    logged = {"prefill": _log_step(serving.prefill_module, lambda: serving.prefill(
+                  prefill_ids, cache_position=torch.arange(HF_CHUNK)), ("tp",)),
+              "decode": _log_step(serving.decode_module, lambda: serving.decode(
+                  decode_ids, cache_position=torch.tensor([0])), ("tp",))}
+    return {"tokens": tokens, "logits": [t.tolist() for t in logits], "logged": logged,
             "cache": (tuple(cache.shape), serving.placements["key_cache_0"])}
 
 
 def test_hf_llama_static_cache_serving_generates_the_single_device_tokens() -> None:
     """Hugging Face's Llama with its ``StaticCache`` (transformers' export wrapper) on tp=2, Megatron
     TP pinned: chunked prefill then decode give the single-device tokens (recomputing the sequence),
-    and the cache is split by KV heads (dim 1 of HF's layout)."""
+    the cache is split by KV heads (dim 1 of HF's layout), and each step runs its plan's collectives."""
     pytest.importorskip("transformers")
     model, wrapped = _hf_static()
     want, want_logits = [], []
@@ -237,3 +244,5 @@ def test_hf_llama_static_cache_serving_generates_the_single_device_tokens() -> N
         assert result["tokens"] == want, f"rank {rank}"
         torch.testing.assert_close(torch.tensor(result["logits"]), torch.stack(want_logits), rtol=1e-4, atol=1e-5)
         assert result["cache"] == ((1, 1, HF_CACHE, 16), (Shard(1),)), result["cache"]
+        for step, logged in result["logged"].items():
+            assert logged["ran"] == logged["planned"] and logged["ran"], f"rank {rank} {step}: collectives differ"

@@ -42,16 +42,22 @@ def whole(logits: Any) -> torch.Tensor:
 
 
 def generate(prefill: Step, decode: Step, prompts: list[list[int]], max_new_tokens: int, *, chunk: int,
-             slots: int, pad_token: int = 0) -> Generation:
+             slots: int, max_len: int | None = None, pad_token: int = 0) -> Generation:
     """Greedy tokens for each prompt: prompt i prefilled into cache slot i (``chunk`` tokens a
     step, as ``prefill`` was compiled), then ``max_new_tokens - 1`` decode steps over all ``slots``
     (as ``decode`` was compiled; slots without a prompt compute a throwaway token at their position 0).
-    ``ServingModule.prefill``/``.decode`` or a single-device model called the same way."""
+    ``ServingModule.prefill``/``.decode`` or a single-device model called the same way. ``max_len``
+    (the cache's positions per slot), when given, refuses prompts that would run past it."""
     if not prompts or len(prompts) > slots or any(not p for p in prompts):
         raise InputError(f"generate takes 1 to {slots} (the decode step's slots) non-empty prompts, "
                          f"got {len(prompts)} of lengths {[len(p) for p in prompts]}")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    # the last token fed sits at position len + max_new_tokens - 2; padding at len (< max_len)
+    longest = max(len(p) + max(max_new_tokens - 1, 1) for p in prompts)
+    if max_len is not None and longest > max_len:
+        raise InputError(f"a prompt of {max(len(p) for p in prompts)} tokens and {max_new_tokens} new ones need "
+                         f"{longest} cache positions; the cache holds {max_len} per slot")
     out = Generation(tokens=[[] for _ in prompts])
     last = [_prefill_one(prefill, prompt, slot, chunk, pad_token) for slot, prompt in enumerate(prompts)]
     out.logits.append(torch.stack(last).float())
