@@ -33,7 +33,9 @@ _REFUSED = {"train": "serving steps are forward-only (train=False)",
             "example_targets": "serving steps return the model's outputs, not a loss",
             "micro_batches": "micro_batches applies to training steps",
             "input_sharded": "serving ranks each pass the whole step's inputs",
-            "state_placements": "the prefill step's state is placed as the decode step's"}
+            "example_kwargs": "pass each step's keyword inputs as prefill_kwargs= and decode_kwargs=",
+            "state_placements": "the prefill step's state is placed as the decode step's",
+            "_shared_state": "the prefill step runs on the decode step's state"}
 
 
 class ServingModule(nn.Module):
@@ -115,4 +117,4 @@ def _disagreement(decode: ParallelModule, prefill: ParallelModule) -> str:
     differ = [f"{fqn}: decode {decode._placements[fqn]}, prefill {placements}"
               for fqn, placements in prefill._placements.items()
               if fqn in decode._placements and tuple(decode._placements[fqn]) != tuple(placements)]
-    return "; ".join(differ[:4]) and f"placed differently by the two plans: {'; '.join(differ[:4])}"
+    return f"placed differently by the two plans: {'; '.join(differ[:4])}" if differ else ""
