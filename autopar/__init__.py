@@ -9,11 +9,12 @@ from autopar.api import plan
 from autopar.capture import CaptureError
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
-from autopar.runtime import CompileError, ParallelModule, compile
+from autopar.runtime import CompileError, ParallelModule, ServingModule, compile, compile_serving
 from autopar.serving.workload import SLO, Cluster, Workload
 from autopar.solver.ilp import MemoryLimitError, SolverTimeLimitError
 from autopar.solver.pipeline import Pipeline
 from autopar.solver.plan import Plan
 
-__all__ = ["plan", "compile", "Mesh", "Pipeline", "Plan", "ParallelModule", "InputError", "InputTypeError", "CaptureError",
-           "CompileError", "MemoryLimitError", "SolverTimeLimitError", "Cluster", "Workload", "SLO"]
+__all__ = ["plan", "compile", "compile_serving", "ServingModule", "Mesh", "Pipeline", "Plan", "ParallelModule",
+           "InputError", "InputTypeError", "CaptureError", "CompileError", "MemoryLimitError", "SolverTimeLimitError",
+           "Cluster", "Workload", "SLO"]

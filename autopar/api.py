@@ -26,8 +26,7 @@ from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
 from autopar.solver.blocks import fold_repeated_blocks
 from autopar.solver.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, expert_parameters,
-                                        pins_from_tp_plan,
-                                       zero_pins)
+                                        pins_from_tp_plan, placement_pins, zero_pins)
 from autopar.solver.graph import build_plan_graph
 from autopar.solver.memory import MemoryOptions, example_batch, repeated_blocks, slice_batch
 from autopar.solver.nodes import PARAM, PlanGraph
@@ -186,8 +185,9 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
-                 regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
-                 _masters: bool = False, _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
+                 regather_blocks: int | None = None, state_placements: dict[str, tuple[Any, ...]] | None = None,
+                 _capture_micro_batches: int | None = None, _masters: bool = False,
+                 _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
                  _try_first: Scenario | None = None, _zigzag: tuple[str, ...] | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
@@ -211,7 +211,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
     ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
-    runs on a split sequence: "ring" or "allgather" (``solver.context_kind``)."""
+    runs on a split sequence: "ring" or "allgather" (``solver.context_kind``). ``state_placements`` (FQN ->
+    placements) pins parameters and buffers as another step's plan, to share them (``compile_serving``)."""
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
     if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
         layout = context_layout or ("contiguous" if context_attention == "ulysses" else None)  # no rows to balance
@@ -241,6 +242,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         add_strided_strategies(graph, rules, ctx)
         node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis,
                                         (data_axes, expert_axes), input_sharded, zero or {}, context_axes)
+        if state_placements:
+            _pin_state(graph, mesh, state_placements, node_pins, pinned)
         pin_context_attention(graph, context_attention, mesh.hardware)
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
@@ -344,6 +347,15 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
                              for n in captured.user_inputs if n in graph.nodes}, mesh, axis_name, node_pins)
     return node_pins, pinned
 
+
+
+def _pin_state(graph: PlanGraph, mesh: Mesh, placements: dict[str, tuple[Any, ...]], node_pins: dict[str, Any],
+               pinned: dict[str, str]) -> None:
+    """Pin the parameters and buffers ``placements`` names on every axis (``state_placements``)."""
+    for axis_name in mesh.names:
+        pins = placement_pins(graph, placements, mesh.names.index(axis_name), "placed as the step sharing it")
+        _pin(graph, pins, mesh, axis_name, node_pins)
+    pinned["parameters, buffers"] = "placed as the step sharing them"
 
 
 def _stored_as_zero_says(graph: PlanGraph, pins: dict[str, Pin], stage: int) -> dict[str, Pin]:
