@@ -196,18 +196,15 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     stacked expert weights free there (``expert_parameters``): the planner may split them by
     expert, tokens reaching their experts by all-to-all (expert parallelism as torchtitan's
     dp2ep: the batch split over the axis, dense weights replicated). ``input_sharded`` also pins the
-    inputs replicated on every other axis (each rank receives exactly its data shard).
-    ``context_axes`` pins context parallelism on those axes: parameters replicated, every
-    user input of the first input's (batch, sequence) split along dim 1, attention run on
-    each rank's query rows against gathered keys and values (``rules.attention``).
-    ``zero``, ``checkpoint``, ``offload``, ``micro_batches`` pin memory choices (``MemoryOptions``; m: batch / m).
-    The result is priced under the first scenario ``solve_step`` searches (``scenarios``);
-    ``PreparedStep.under`` re-prices it (and re-captures it) for another. ``_masters``: the
-    model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
-    bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
-    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs
-    neither yet), a memory row of the busiest rank's share (``MemoryShares``); ``_stage_cutoff_s``,
-    ``_try_first``: as ``PreparedStep.cutoff_s``, ``try_first``.
+    inputs replicated on every other axis (each rank receives exactly its data shard). ``context_axes``
+    pins context parallelism there: parameters replicated, every user input of the first input's (batch,
+    sequence) split along dim 1, attention on each rank's query rows (``rules.attention``).
+    ``zero``, ``checkpoint``, ``offload``, ``micro_batches`` pin memory choices (``MemoryOptions``; m: batch / m),
+    priced under ``solve_step``'s first scenario; ``PreparedStep.under`` re-prices (re-captures) for another.
+    ``_masters``: the model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not
+    a bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
+    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs neither
+    yet), a memory row of the busiest rank's share; ``_stage_cutoff_s``, ``_try_first``: ``PreparedStep``'s.
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
     ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
@@ -242,8 +239,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         add_strided_strategies(graph, rules, ctx)
         node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis,
                                         (data_axes, expert_axes), input_sharded, zero or {}, context_axes)
-        if state_placements:
-            _pin_state(graph, mesh, state_placements, node_pins, pinned)
+        _pin_state(graph, mesh, state_placements or {}, node_pins, pinned)
         pin_context_attention(graph, context_attention, mesh.hardware)
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
@@ -352,6 +348,8 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
 def _pin_state(graph: PlanGraph, mesh: Mesh, placements: dict[str, tuple[Any, ...]], node_pins: dict[str, Any],
                pinned: dict[str, str]) -> None:
     """Pin the parameters and buffers ``placements`` names on every axis (``state_placements``)."""
+    if not placements:
+        return
     for axis_name in mesh.names:
         pins = placement_pins(graph, placements, mesh.names.index(axis_name), "placed as the step sharing it")
         _pin(graph, pins, mesh, axis_name, node_pins)
