@@ -240,7 +240,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis,
                                         (data_axes, expert_axes), input_sharded, zero or {}, context_axes)
         _pin_state(graph, mesh, state_placements or {}, node_pins, pinned)
-        pin_context_attention(graph, context_attention, mesh.hardware)
+        pin_context_attention(graph, context_attention, mesh, tuple(context_axes))
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
     prepared = PreparedStep(captured, graph, folding, ctx, _memory_limit(mesh, memory_limit, memory_headroom),

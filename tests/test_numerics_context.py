@@ -12,9 +12,10 @@ pinned to Ulysses, heads split behind all-to-alls.
 
 The matrix (issue 11): each kind (allgather, ring, Ulysses) on cp=2 and cp=4, causal, bidirectional
 and with a padding mask on the tiny attention LM; on the example Llama (causal, rotary, GQA) beside
-dp and tp; on HF Llama (its own boolean mask) on cp=2, cp=4 and dp x cp. Not here, and why: ring
-on HF Llama cp=4 (a pinned ring leaves heads splits in, and its repeated kv heads make Ulysses the
-cheaper plan there); Ulysses with kv heads that do not divide cp (refused: ``test_context_planning``).
+dp and tp; on HF Llama (its own boolean mask) on cp=2, cp=4 and dp x cp (a pinned ring or all-gather
+keeps no heads split on the context axis: HF repeats its kv heads, which would otherwise make Ulysses
+the cheaper plan on cp=4). Not here: Ulysses with kv heads that do not divide cp (refused:
+``test_context_planning``).
 """
 
 from __future__ import annotations
@@ -292,9 +293,10 @@ HF_CASES = [LlamaCase((2,), ("cp",), attention="ring"), LlamaCase((2,), ("cp",),
             LlamaCase((2,), ("cp",), attention="ulysses"),
             LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses"),
             LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="allgather"),
-            LlamaCase((4,), ("cp",), attention="allgather"), LlamaCase((4,), ("cp",), attention="ulysses")]
+            LlamaCase((4,), ("cp",), attention="allgather"), LlamaCase((4,), ("cp",), attention="ulysses"),
+            LlamaCase((4,), ("cp",), attention="ring")]
 """Hugging Face's Llama: 4 heads, 2 key/value heads repeated to 4 before attention (``repeat_kv``), so
-Ulysses splits them on cp=4 too (and there beats a pinned ring, which leaves heads splits in)."""
+Ulysses splits them on cp=4 too (a pinned ring or all-gather keeps no heads split on cp)."""
 
 
 def train_hf_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
