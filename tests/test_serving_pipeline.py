@@ -147,3 +147,37 @@ def test_pinned_stage_blocks_cut_where_named() -> None:
                              stage_blocks=(("(head)", "layers.0"), ("layers.2", "layers.1", "layers.3", "(tail)")))
     with pytest.raises(InputError, match=r"stage_blocks .* must cut this step's units \['\(head\)', 'layers.0'"):
         plan_step(model, {"pp": 2}, _step(SLOTS, 1), train=False, pipeline=wrong)
+
+
+def serve_hf_on_rank(rank: int, world: int) -> dict[str, Any]:
+    from tests.test_serving_runtime import HF_CHUNK, _hf_greedy, _hf_static
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    _, wrapped = _hf_static()
+    serving = autopar.compile_serving(wrapped, mesh, (torch.zeros(1, HF_CHUNK, dtype=torch.long),),
+                                      (torch.zeros(1, 1, dtype=torch.long),), pipeline=autopar.Pipeline(axis="pp"),
+                                      prefill_kwargs={"cache_position": torch.arange(HF_CHUNK)},
+                                      decode_kwargs={"cache_position": torch.tensor([0])})
+    tokens, logits = _hf_greedy(serving.prefill, serving.decode)
+    log = CollectiveLog()
+    serving.decode_module.attach_log(log)
+    serving.decode(torch.zeros(1, 1, dtype=torch.long), cache_position=torch.tensor([0]))
+    return {"tokens": tokens, "logits": [t.tolist() for t in logits], "ran": Counter(log.transfers),
+            "planned": serving.decode_module.plan.pipeline.forward_transfers(),
+            "caches": sorted(n for n, _ in serving.decode_module.named_buffers() if "_cache_" in n)}
+
+
+def test_hf_llama_static_cache_serving_on_two_stages() -> None:
+    """Hugging Face's Llama with its ``StaticCache`` (transformers' export wrapper) on pp=2: each
+    stage holds its layer's key and value caches, chunked prefill then decode give the tokens of
+    the wrapper on one device, and the two ranks together run the decode step's planned sends."""
+    pytest.importorskip("transformers")
+    from tests.test_serving_runtime import _hf_greedy, _hf_static
+    _, wrapped = _hf_static()
+    with torch.no_grad():
+        want, want_logits = _hf_greedy(wrapped, wrapped)
+    results = run_ranks(serve_hf_on_rank, 2)
+    for rank, result in enumerate(results):
+        assert result["tokens"] == want, f"rank {rank}"
+        torch.testing.assert_close(torch.tensor(result["logits"]), torch.stack(want_logits), rtol=1e-4, atol=1e-5)
+        assert result["caches"] == [f"key_cache_{rank}", f"value_cache_{rank}"], result["caches"]
+    assert results[0]["ran"] + results[1]["ran"] == results[0]["planned"] and results[0]["planned"]
