@@ -17,6 +17,13 @@ step's total count). After the schedule, the gradients of this rank's parameters
 all-reduced over the stage mesh's data axes once, bucket by bucket as the plan lists them
 (the pieces of each bucket this rank holds), and the step's loss is broadcast from the
 last stage to every rank.
+
+A forward-only step (``train=False``: a serving step, ``compile_serving``) is ``pm(*inputs)``:
+one micro-batch through the stages in order on ``ScheduleGPipe`` built without a loss, which
+torch runs forward only (``has_backward`` false: the same ``PipelineStage`` sends, no second
+runtime); the last stage's outputs are then broadcast over the pipeline axis, so every rank
+returns them, and each rank logs the sends and the broadcast it ran (``CollectiveLog.transfers``)
+as the plan lists them (``PipelinePlan.forward_transfers``).
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ def carved_device_mesh(mesh: DeviceMesh, axes: dict[str, int]) -> DeviceMesh:
 
 
 class PipelinedModule(nn.Module):
-    """This rank's stages of a pipelined step, trained with ``loss = pm.step(*inputs, *targets)``.
+    """This rank's stages of a pipelined step, trained with ``loss = pm.step(*inputs, *targets)``
+    (compiled ``train=False``: outputs of a forward-only step with ``pm(*inputs)``).
 
     Parameters are this rank's stages' own (their shards on the stage mesh), registered under
     the model's FQNs; ``state_dict()`` gives them as DTensors on the stage mesh."""
@@ -132,8 +140,6 @@ class PipelinedModule(nn.Module):
             raise InputError("a pipelined module trains with loss = pm.step(*inputs, *targets, **kwargs): a call of "
                              "one rank's stages is not the step")
         args = self._first_stage_args(inputs, kwargs)
-        for module in self._modules_run:
-            module.sent_bytes.clear()
         out = self._schedule.step(*args, return_outputs=True)
         self._log_sends()
         wrapped = [DTensor.from_local(o, self.stage_mesh, p or (Replicate(),) * self.stage_mesh.ndim, run_check=False)
@@ -148,6 +154,8 @@ class PipelinedModule(nn.Module):
         first = [m for m in self._modules_run if m.index == 0]
         for module in first:
             module.set_fixed([v for k, v in enumerate(micro[0]) if k not in self._batch])
+        for module in self._modules_run:
+            module.sent_bytes.clear()
         return tuple(leaves[k] for k in sorted(self._batch)) if first else ()
 
     def _log_sends(self) -> None:

@@ -12,6 +12,11 @@ module's very tensors (``rank_state(shared=...)``), so a cache write by either i
 How the cache is split is the decode plan's choice: under Megatron TP (``constraints=``) the cache
 follows the key/value projections, split by KV heads where they divide by the tp axis and
 replicated where they do not (as vLLM keeps them), since a head cut in two would gather it.
+
+With ``pipeline=`` both steps are cut into stages (``runtime.pipeline``: one micro-batch through
+the stages in order, the last stage's outputs broadcast to every rank), the prefill's cuts pinned to
+the decode's (``Pipeline.stage_blocks``) as its placements are, so that each stage's layers, and their
+KV caches, are held once and shared by both programs.
 """
 
 from __future__ import annotations
@@ -99,8 +104,10 @@ def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[An
     ``autopar.compile`` for both steps (``constraints``, ``hardware``, ``precision``, ...), each
     compiled ``train=False``. The decode step is planned first and freely; the prefill step's
     parameters and buffers are pinned to the decode plan's placements, and its program runs on
-    the decode module's shards (see the module docstring). Errors (an option serving does not
-    take, a prefill step that cannot take the decode plan's placements) are raised on every rank.
+    the decode module's shards (see the module docstring). ``pipeline=autopar.Pipeline(axis=...)``
+    cuts both into stages (one micro-batch, GPipe, one stage per rank; other choices are refused),
+    the prefill at the decode's cuts. Errors (an option serving does not take, a prefill step that
+    cannot take the decode plan's placements or cuts) are raised on every rank.
     """
     refused = next((f"{k}=: {why}" for k, why in _REFUSED.items() if k in options), "")
     pipeline = options.pop("pipeline", None)
