@@ -121,16 +121,24 @@ def refuse_on_rank(rank: int, world: int) -> list[str]:
             autopar.compile_serving(_serving_llama(), mesh, _step(1, CHUNK), _step(SLOTS, 1), pipeline=pipeline)
         except InputError as exc:
             errors.append(str(exc))
+    serving = autopar.compile_serving(_serving_llama(), mesh, _step(1, CHUNK), _step(SLOTS, 1),
+                                      pipeline=autopar.Pipeline(axis="pp"))
+    try:
+        serving.decode(*_step(SLOTS - 1, 1))
+    except InputError as exc:
+        errors.append(str(exc))
     return errors
 
 
 def test_pipelined_serving_refuses_what_a_forward_chain_does_not_run() -> None:
     """A schedule or micro-batch count other than one micro-batch through the stages in order is
-    refused by name on every rank (before anything is planned)."""
+    refused by name on every rank (before anything is planned); a decode step of another batch
+    than compiled is refused by name on every rank, before any stage sends."""
     for errors in run_ranks(refuse_on_rank, 2):
-        assert len(errors) == 2, errors
+        assert len(errors) == 3, errors
         assert "'schedule': '1f1b'" in errors[0] and "one micro-batch" in errors[0], errors[0]
         assert "'micro_batches': 2" in errors[1], errors[1]
+        assert "shape" in errors[2], errors[2]
 
 
 def test_pinned_stage_blocks_cut_where_named() -> None:
