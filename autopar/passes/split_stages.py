@@ -2,9 +2,12 @@
 
 The plan names the stage of every captured op (``PipelinePlan.stage_of``). The nodes the
 passes inserted take a stage from their neighbours: a node computed from values of the
-program (a reshard between two ops, a checkpointed block's call) joins the latest stage
-among its inputs (or, for a checkpointed block's call, the stage of the ops its region holds:
-the latest stage among its inputs would be the stage before when the block starts a stage);
+program (a checkpointed block's call, code the passes add after an op) joins the latest
+stage among its inputs (or, for a checkpointed block's call, the stage of the ops its region
+holds: the latest stage among its inputs would be the stage before when the block starts a
+stage); a reshard between two ops joins its earliest reader's stage (not before its input's),
+so that a value crossing a cut is sent once, placed as its producer placed it, and resharded
+by each later stage reading it, as the plan prices the sends (``solver.stages.crossing_bytes``);
 a node computed only from placeholders (a parameter's cast or gather, its prefetch, the
 slicing of a user input) joins the earliest stage reading it, so a parameter's gathers run
 in the stage that holds the parameter.
@@ -41,11 +44,16 @@ class StageProgram:
     """Names of the values it returns, in order."""
 
 
+_RESHARDS = ("reshard", "regather")
+"""Submodules the passes call to change a value's placement (``passes.insert_reshards``)."""
+
+
 def split_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int, user_inputs: list[str]
                  ) -> list[StageProgram]:
     """``gm`` (a rank's program) as ``stages`` stage programs; ``stage_of``: plan node name ->
     stage; ``user_inputs``: the placeholders the caller feeds (the others are state)."""
     assigned = _assign(gm, stage_of, stages)
+    _reshard_per_stage(gm, assigned)
     users_after = _carried(gm, assigned, set(user_inputs), stages)
     out = []
     for s in range(stages):
@@ -60,6 +68,7 @@ def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> 
     """Every non-placeholder node's stage (module docstring)."""
     assigned: dict[torch.fx.Node, int] = {}
     from_sources: list[torch.fx.Node] = []
+    reshards: list[torch.fx.Node] = []  # placed once their readers are
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue
@@ -73,18 +82,52 @@ def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> 
             assigned[node] = stage_of[name]
         elif inner is not None:
             assigned[node] = inner
+        elif inputs and node.op == "call_module" and node.target in _RESHARDS:
+            reshards.append(node)
+            continue
         elif inputs:
             assigned[node] = max(inputs)
         else:
             from_sources.append(node)
             continue
-        if inputs and max(inputs) > assigned[node]:
-            raise RuntimeError(f"split_stages: {node.name} (stage {assigned[node]}) reads a value of stage "
-                               f"{max(inputs)}: the cuts do not follow the program's order")
+        _check_order(node, assigned)
+    for node in reversed(reshards):  # users first
+        inputs = [assigned[a] for a in node.all_input_nodes if a in assigned]
+        readers = [assigned[u] for u in node.users if u in assigned]
+        assigned[node] = max(max(inputs), min(readers)) if readers else max(inputs)
+    for node in reshards + [u for r in reshards for u in r.users if u in assigned]:
+        _check_order(node, assigned)
     for node in reversed(from_sources):  # users first: a chain from placeholders follows its readers
         readers = [assigned[u] for u in node.users if u in assigned]
         assigned[node] = min(readers) if readers else 0
     return assigned
+
+
+def _reshard_per_stage(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int]) -> None:
+    """A reshard that readers of several stages share (``insert_reshards`` shares one among
+    consumers wanting the same placement) is copied into each later stage reading it, so that
+    the value it reshards crosses the cut (once) rather than the value and its reshard both."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or node.target not in _RESHARDS or node not in assigned:
+            continue
+        later: dict[int, list[torch.fx.Node]] = {}
+        for user in node.users:
+            if assigned.get(user, -1) > assigned[node]:
+                later.setdefault(assigned[user], []).append(user)
+        for stage, users in later.items():
+            first = min(users, key=lambda u: list(gm.graph.nodes).index(u))
+            with gm.graph.inserting_before(first):
+                copy = gm.graph.node_copy(node)
+            assigned[copy] = stage
+            for user in users:
+                user.replace_input_with(node, copy)
+
+
+def _check_order(node: torch.fx.Node, assigned: dict[torch.fx.Node, int]) -> None:
+    inputs = [assigned[a] for a in node.all_input_nodes if a in assigned]
+    if inputs and max(inputs) > assigned[node]:
+        raise RuntimeError(f"split_stages: {node.name} (stage {assigned[node]}) reads a value of stage "
+                           f"{max(inputs)}: the cuts do not follow the program's order")
 
 
 def _inner_stage(gm: torch.fx.GraphModule, node: torch.fx.Node, stage_of: dict[str, int]) -> int | None:

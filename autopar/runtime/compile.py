@@ -193,7 +193,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         assert stage_mesh is not None
         return _on_every_rank("building the rank's stages", lambda: build_pipelined_module(
             model, mesh, stage_mesh, step, pipeline, init_fn, input_sharded, init_seed, seed, compute_dtype,
-            batch_leaves))
+            batch_leaves, _shared_state))
     return _on_every_rank("building the rank's program", lambda: build_rank_module(
         model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves, _shared_state))
 

@@ -57,6 +57,10 @@ class CollectiveLog:
     regathers: list[tuple[str, tuple[str, str, int, int]]] = field(default_factory=list)
     """(parameter FQN, entry) for each collective of a ZeRO-3 regather in backward (also in
     ``entries``): the plan does not list them yet."""
+    transfers: list[tuple[str, int, int]] = field(default_factory=list)
+    """(kind, stage, bytes) per transfer a forward-only pipelined step runs on the pipeline axis,
+    logged by the rank sending it: "send" of a stage's activations to the next stage's rank,
+    "broadcast" of the step's outputs from the last stage's rank (``PipelinePlan.forward_transfers``)."""
 
 
 @dataclass

@@ -17,6 +17,13 @@ step's total count). After the schedule, the gradients of this rank's parameters
 all-reduced over the stage mesh's data axes once, bucket by bucket as the plan lists them
 (the pieces of each bucket this rank holds), and the step's loss is broadcast from the
 last stage to every rank.
+
+A forward-only step (``train=False``: a serving step, ``compile_serving``) is ``pm(*inputs)``:
+one micro-batch through the stages in order on ``ScheduleGPipe`` built without a loss, which
+torch runs forward only (``has_backward`` false: the same ``PipelineStage`` sends, no second
+runtime); the last stage's outputs are then broadcast over the pipeline axis, so every rank
+returns them, and each rank logs the sends and the broadcast it ran (``CollectiveLog.transfers``)
+as the plan lists them (``PipelinePlan.forward_transfers``).
 """
 
 from __future__ import annotations
@@ -69,7 +76,8 @@ def carved_device_mesh(mesh: DeviceMesh, axes: dict[str, int]) -> DeviceMesh:
 
 
 class PipelinedModule(nn.Module):
-    """This rank's stages of a pipelined step, trained with ``loss = pm.step(*inputs, *targets)``.
+    """This rank's stages of a pipelined step, trained with ``loss = pm.step(*inputs, *targets)``
+    (compiled ``train=False``: outputs of a forward-only step with ``pm(*inputs)``).
 
     Parameters are this rank's stages' own (their shards on the stage mesh), registered under
     the model's FQNs; ``state_dict()`` gives them as DTensors on the stage mesh."""
@@ -78,8 +86,9 @@ class PipelinedModule(nn.Module):
                  comm: Comm, modules: list[StageModule], metas: list[tuple[list[ValueMeta], list[ValueMeta]]],
                  params: dict[str, nn.Parameter], fqns: dict[str, str], buffers: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], signature: StepSignature, batch: frozenset[int],
-                 loss_kind: str, loss_dtype: torch.dtype | None, loss_out: torch.dtype,
-                 transient: frozenset[str] = frozenset()) -> None:
+                 loss_kind: str | None, loss_dtype: torch.dtype | None, loss_out: torch.dtype,
+                 transient: frozenset[str] = frozenset(), outputs: list[ValueMeta] | None = None,
+                 output_placements: list[tuple[Placement, ...] | None] | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.pipeline = pipeline
@@ -92,6 +101,8 @@ class PipelinedModule(nn.Module):
         self._loss_dtype = loss_dtype  # mixed precision: each micro-batch's bf16 loss made fp32, as ParallelModule
         self._loss_out = loss_out
         self._batch = batch  # leaves cut into micro-batches by the schedule (the others go whole to the first stage)
+        self._outputs = outputs or []  # a forward-only step's outputs (the last stage's), broadcast to every pp rank
+        self._output_placements = output_placements or []
         self._params_by_node = params
         for name, param in params.items():
             set_by_path(self, fqns[name], param, buffer=False)
@@ -113,15 +124,66 @@ class PipelinedModule(nn.Module):
                         for m, (i, o) in zip(modules, metas)]
         cls = SCHEDULE_CLASSES[self.pipeline.schedule]
         single = self.pipeline.schedule in ("gpipe", "1f1b")
+        # no loss function: torch's schedule runs forward only (``has_backward`` False; a serving step)
         self._schedule = cls(self._stages[0] if single else self._stages, n_microbatches=self.pipeline.micro_batches,
-                             loss_fn=self._weigh, scale_grads=False)
+                             loss_fn=self._weigh if self._loss_kind is not None else None, scale_grads=False)
         self._last_rank = self.pipeline.stage_rank(count - 1, p)
         self._group = group
         self._counts: list[torch.Tensor] = []
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        raise InputError("a pipelined module trains with loss = pm.step(*inputs, *targets, **kwargs): a call of one "
-                         "rank's stages is not the step")
+        """A forward-only step (compiled ``train=False``, one micro-batch: a serving step): the
+        stages in order, each stage's values sent point to point to the next stage's ranks by the
+        schedule, then the last stage's outputs broadcast over the pipeline axis, so that every rank
+        returns them: DTensors on the stage mesh, placed as planned (as ``ParallelModule`` returns)."""
+        if self._loss_kind is not None:
+            raise InputError("a pipelined module trains with loss = pm.step(*inputs, *targets, **kwargs): a call of "
+                             "one rank's stages is not the step")
+        args = self._first_stage_args(inputs, kwargs)
+        out = self._schedule.step(*args, return_outputs=True)
+        self._log_sends()
+        wrapped = [DTensor.from_local(o, self.stage_mesh, p or (Replicate(),) * self.stage_mesh.ndim, run_check=False)
+                   for o, p in zip(self._broadcast_outputs(out), self._output_placements)]
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def _first_stage_args(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The values the schedule hands the first stage (this rank's, if it holds it; else none),
+        its inputs that are not cut into micro-batches set aside; every value checked on every rank."""
+        micro = self.signature.split(inputs, kwargs)  # checks every value as ParallelModule.step does
+        leaves = self.signature.flatten(inputs, kwargs)
+        first = [m for m in self._modules_run if m.index == 0]
+        for module in first:
+            module.set_fixed([v for k, v in enumerate(micro[0]) if k not in self._batch])
+        for module in self._modules_run:
+            module.sent_bytes.clear()
+        return tuple(leaves[k] for k in sorted(self._batch)) if first else ()
+
+    def _log_sends(self) -> None:
+        """Log each send this rank's stages ran to another rank (what each call returned)."""
+        if self.log is None:
+            return
+        p = self.device_mesh.size(self.device_mesh.mesh_dim_names.index(self.pipeline.axis))
+        for module in self._modules_run:
+            after = module.index + 1
+            if after < self.pipeline.stages(p) and self.pipeline.stage_rank(after, p) != \
+                    self.pipeline.stage_rank(module.index, p):
+                self.log.transfers.extend(("send", module.index, b) for b in module.sent_bytes)
+
+    def _broadcast_outputs(self, out: Any) -> list[torch.Tensor]:
+        """The last stage's outputs on every rank, broadcast from its rank over the pipeline axis
+        (each rank receives the shard of the rank at its own place on the stage mesh)."""
+        p = self.device_mesh.size(self.device_mesh.mesh_dim_names.index(self.pipeline.axis))
+        last = self.pipeline.stages(p) - 1
+        device = torch.device(self.device_mesh.device_type)
+        if any(m.index == last for m in self._modules_run):
+            values = [o.detach() for o in (out if isinstance(out, (tuple, list)) else [out])]
+        else:
+            values = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in self._outputs]
+        for value in values:
+            if self.log is not None and self.device_mesh.get_local_rank(self.pipeline.axis) == self._last_rank:
+                self.log.transfers.append(("broadcast", last, value.numel() * value.element_size()))
+            dist.broadcast(value, group=self._group, group_src=self._last_rank)
+        return values
 
     def _weigh(self, output: Any, micro_batch: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss as the step weighs it (``runtime.microbatch``); called by the
@@ -142,16 +204,13 @@ class PipelinedModule(nn.Module):
         """One training step on the whole batch: forward and backward of every micro-batch
         by the schedule, gradients added to ``.grad`` (as ``backward`` would) and synchronized
         over the data axes once; returns the step's loss on every rank (replicated, detached)."""
-        micro = self.signature.split(inputs, kwargs)  # checks every value as ParallelModule.step does
-        leaves = self.signature.flatten(inputs, kwargs)
-        first = [m for m in self._modules_run if m.index == 0]
-        for module in first:
-            module.set_fixed([v for k, v in enumerate(micro[0]) if k not in self._batch])
+        if self._loss_kind is None:
+            raise InputError("pm.step trains: this module was compiled with train=False (call pm(...) for outputs)")
+        args = self._first_stage_args(inputs, kwargs)
         params = [p for p in self.parameters() if p.requires_grad]
         stashed = stash_grads(params)
         self._counts = []
         losses: list[torch.Tensor] = []
-        args = tuple(leaves[k] for k in sorted(self._batch)) if first else ()
         self._schedule.step(*args, target=torch.arange(self.pipeline.micro_batches), losses=losses,
                             return_outputs=False)
         reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
@@ -219,16 +278,21 @@ def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], m
 
 def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh, step: PlannedStep,
                            pipeline: Pipeline, init_fn: InitFn | None, input_sharded: bool, init_seed: int, seed: int,
-                           compute_dtype: torch.dtype | None, batch_leaves: frozenset[int]) -> PipelinedModule:
+                           compute_dtype: torch.dtype | None, batch_leaves: frozenset[int],
+                           shared: dict[str, torch.Tensor] | None = None) -> PipelinedModule:
     """This rank's stages of an agreed pipelined plan (module docstring); ``stage_mesh``:
-    ``stage_device_mesh(mesh, pipeline.axis)``; other arguments as ``build_rank_module``'s."""
+    ``stage_device_mesh(mesh, pipeline.axis)``; other arguments as ``build_rank_module``'s
+    (``shared``: state taken from another module, ``compile_serving``'s)."""
     pp = step.plan.pipeline
     assert pp is not None
     if step.plan.shard_buckets or step.plan.memory.offload:  # the memory search may choose them unpinned
         raise InputError("this pipelined plan shards optimizer state (ZeRO-1) or offloads it to the host, which a "
                          "pipelined step does not run yet: raise memory_limit, or pin zero= with stage 0, 2 or 3")
     kind = step_loss_kind(step)
-    assert kind is not None, "a pipeline trains"
+    if kind is None and (pipeline.schedule != "gpipe" or pipeline.micro_batches != 1):
+        raise InputError(f"a forward-only pipelined step (train=False) runs one micro-batch through the stages in "
+                         f"order: pin Pipeline(schedule='gpipe', micro_batches=1), got {pipeline.schedule!r} with "
+                         f"{pipeline.micro_batches} micro-batches")
     p = mesh.size(mesh.mesh_dim_names.index(pipeline.axis))
     count = pipeline.stages(p)
     mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
@@ -237,7 +301,8 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, splits_backward(pipeline, p))
     programs = split_stages(program, pp.stage_of, count, user_inputs)
     keep = {name for s in mine for name in programs[s].state}
-    state = rank_state(model, stage_mesh, step, init_fn, init_seed, compute_dtype, keep=keep.__contains__)
+    state = rank_state(model, stage_mesh, step, init_fn, init_seed, compute_dtype, keep=keep.__contains__,
+                       shared=shared)
     signature = rank_signature(step, stage_mesh, input_sharded, batch_leaves)
     missing = [k for k in range(len(user_inputs)) if k not in signature.tensors]
     if missing:
@@ -246,8 +311,7 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     batch = signature.batch_leaves if pipeline.micro_batches > 1 else frozenset(signature.tensors)
     metas = _metas(step, stage_mesh, programs, state, signature, seed, compute_dtype, input_sharded, user_inputs)
     kinds = {name: (kind_, fqn) for name, kind_, fqn in state.placeholders}
-    params = {n: nn.Parameter(state.local[n], requires_grad=kinds[n][1] not in state.frozen)
-              for n in keep if kinds[n][0] == "param"}
+    params = {n: _parameter(state.local[n], kinds[n][1] not in state.frozen) for n in keep if kinds[n][0] == "param"}
     slots = [sorted(batch).index(k) if k in batch else None for k in range(len(user_inputs))]
     modules = []
     for s in mine:
@@ -262,7 +326,14 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
         buffers={kinds[n][1]: state.local[n] for n in keep if kinds[n][0] == "buffer"},
         placements=state.placements, transient=state.transient, signature=signature, batch=batch, loss_kind=kind,
         loss_dtype=torch.float32 if compute_dtype is not None else None,
-        loss_out=torch.float32 if compute_dtype is not None or loss_meta is None else loss_meta.dtype)
+        loss_out=torch.float32 if compute_dtype is not None or loss_meta is None else loss_meta.dtype,
+        outputs=metas[-1][1], output_placements=[step.chosen[n].outputs[0] if n in step.chosen else None
+                                                 for n in step.graph.output_names])
+
+
+def _parameter(tensor: torch.Tensor, trains: bool) -> nn.Parameter:
+    """A stage's parameter: a shared module's Parameter itself (``shared=``), else a new one."""
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=trains)
 
 
 def _metas(step: PlannedStep, mesh: DeviceMesh, programs: list[StageProgram], state: RankState,

@@ -12,13 +12,20 @@ module's very tensors (``rank_state(shared=...)``), so a cache write by either i
 How the cache is split is the decode plan's choice: under Megatron TP (``constraints=``) the cache
 follows the key/value projections, split by KV heads where they divide by the tp axis and
 replicated where they do not (as vLLM keeps them), since a head cut in two would gather it.
+
+With ``pipeline=`` both steps are cut into stages (``runtime.pipeline``: one micro-batch through
+the stages in order, the last stage's outputs broadcast to every rank), the prefill's cuts pinned to
+the decode's (``Pipeline.stage_blocks``) as its placements are, so that each stage's layers, and their
+KV caches, are held once and shared by both programs.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
@@ -26,9 +33,10 @@ from torch.distributed.tensor import Placement
 from autopar.errors import InputError
 from autopar.runtime.compile import _gather_errors, compile
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline import PipelinedModule
+from autopar.solver.pipeline import Pipeline
 
 _REFUSED = {"train": "serving steps are forward-only (train=False)",
-            "pipeline": "pipelined serving is not supported yet",
             "loss_fn": "serving steps return the model's outputs, not a loss",
             "example_targets": "serving steps return the model's outputs, not a loss",
             "micro_batches": "micro_batches applies to training steps",
@@ -47,7 +55,8 @@ class ServingModule(nn.Module):
     module's, which owns the state; ``placements`` maps each FQN to the placements both plans give it.
     """
 
-    def __init__(self, *, prefill: ParallelModule, decode: ParallelModule) -> None:
+    def __init__(self, *, prefill: ParallelModule | PipelinedModule, decode: ParallelModule | PipelinedModule
+                 ) -> None:
         super().__init__()
         self.decode_module = decode  # owns the state (the only submodule: each tensor listed once)
         object.__setattr__(self, "prefill_module", prefill)
@@ -95,23 +104,65 @@ def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[An
     ``autopar.compile`` for both steps (``constraints``, ``hardware``, ``precision``, ...), each
     compiled ``train=False``. The decode step is planned first and freely; the prefill step's
     parameters and buffers are pinned to the decode plan's placements, and its program runs on
-    the decode module's shards (see the module docstring). Errors (an option serving does not
-    take, a prefill step that cannot take the decode plan's placements) are raised on every rank.
+    the decode module's shards (see the module docstring). ``pipeline=autopar.Pipeline(axis=...)``
+    cuts both into stages (one micro-batch, GPipe, one stage per rank; other choices are refused),
+    the prefill at the decode's cuts. Errors (an option serving does not take, a prefill step that
+    cannot take the decode plan's placements or cuts) are raised on every rank.
     """
     refused = next((f"{k}=: {why}" for k, why in _REFUSED.items() if k in options), "")
-    _gather_errors("checking the serving options", refused, InputError)
-    decode = compile(model, mesh, decode_inputs, example_kwargs=decode_kwargs, train=False, **options)
-    assert isinstance(decode, ParallelModule)  # no pipeline (refused above)
-    shared = {fqn: decode.get_parameter(fqn) if kind == "param" else decode.get_buffer(fqn)
-              for _, kind, fqn in decode._placeholders if kind in ("param", "buffer")}
-    prefill = compile(model, mesh, prefill_inputs, example_kwargs=prefill_kwargs, train=False,
-                      state_placements=decode._placements, _shared_state=shared, **options)
-    assert isinstance(prefill, ParallelModule)
+    pipeline = options.pop("pipeline", None)
+    _gather_errors("checking the serving options", refused or _pipeline_error(pipeline), InputError)
+    if pipeline is not None:  # one micro-batch (a prefill chunk, a decode step) through the stages in order
+        pipeline = replace(pipeline, schedule="gpipe", micro_batches=1, virtual_stages=1)
+    decode = compile(model, mesh, decode_inputs, example_kwargs=decode_kwargs, train=False, pipeline=pipeline,
+                     **options)
+    if isinstance(decode, PipelinedModule):  # the prefill's stages hold the decode's layers (and KV caches)
+        assert decode.plan.pipeline is not None and pipeline is not None
+        pipeline = replace(pipeline, stage_blocks=tuple(tuple(s.blocks) for s in decode.plan.pipeline.stages))
+    prefill = compile(model, mesh, prefill_inputs, example_kwargs=prefill_kwargs, train=False, pipeline=pipeline,
+                      state_placements=_all_placements(decode), _shared_state=_state(decode), **options)
     _gather_errors("sharing the state of the prefill and decode steps", _disagreement(decode, prefill))
     return ServingModule(prefill=prefill, decode=decode)
 
 
-def _disagreement(decode: ParallelModule, prefill: ParallelModule) -> str:
+def _pipeline_error(pipeline: object) -> str:
+    """What keeps ``pipeline=`` from serving ("" if nothing): a serving step is one micro-batch
+    run through the stages in order, so only the stages' axis (and their cuts) may be chosen."""
+    if pipeline is None:
+        return ""
+    if not isinstance(pipeline, Pipeline):
+        return f"pipeline= takes an autopar.Pipeline(axis=...), got {type(pipeline).__name__}"
+    if pipeline.from_axis is not None:
+        return "pipeline=Pipeline(from_axis=...): name the pipeline axis in the mesh to serve on it"
+    wrong = {k: v for k, v in (("schedule", pipeline.schedule), ("micro_batches", pipeline.micro_batches),
+                               ("virtual_stages", pipeline.virtual_stages)) if v not in (None, "gpipe", 1)}
+    if wrong:
+        return (f"pipeline=: a serving step runs one micro-batch through one stage per rank in order (schedule "
+                f"'gpipe', micro_batches 1, virtual_stages 1), got {wrong}")
+    return ""
+
+
+def _all_placements(module: ParallelModule | PipelinedModule) -> dict[str, tuple[Placement, ...]]:
+    """FQN -> placements of every parameter and buffer of the step, as every rank pins them (a
+    pipelined module's ranks each hold their stages' only: theirs are gathered, a collective)."""
+    if not isinstance(module, PipelinedModule):
+        return dict(module._placements)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dict(module._placements))
+    return {fqn: placements for mine in every for fqn, placements in mine.items()}
+
+
+def _state(module: ParallelModule | PipelinedModule) -> dict[str, torch.Tensor]:
+    """FQN -> the rank's tensor of each parameter and buffer ``module`` holds (a pipelined
+    module: its stages' only), for another program to run on."""
+    if isinstance(module, PipelinedModule):
+        return {**dict(module.named_parameters(remove_duplicate=False)),
+                **dict(module.named_buffers(remove_duplicate=False))}
+    return {fqn: module.get_parameter(fqn) if kind == "param" else module.get_buffer(fqn)
+            for _, kind, fqn in module._placeholders if kind in ("param", "buffer")}
+
+
+def _disagreement(decode: ParallelModule | PipelinedModule, prefill: ParallelModule | PipelinedModule) -> str:
     """What keeps the two programs from sharing their state ("" if nothing): a tensor both read,
     placed differently (the pins keep this from happening; checked since a wrong shard is silent)."""
     differ = [f"{fqn}: decode {decode._placements[fqn]}, prefill {placements}"

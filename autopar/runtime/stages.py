@@ -55,6 +55,8 @@ class StageModule(nn.Module):
         self._slots = slots  # first stage: position among its call's arguments of each input (None: fixed)
         self._fixed: list[Any] = []
         self._regathers = regathers
+        self.sent_bytes: list[int] = []
+        """Bytes of what each call returned (what ``PipelineStage`` sends on), cleared by the step."""
 
     def set_fixed(self, values: list[Any]) -> None:
         """The first stage's inputs that are not cut into micro-batches, in input order."""
@@ -71,6 +73,7 @@ class StageModule(nn.Module):
         # value passed on cannot be, so those go out as copies (exact; gradients flow through)
         out = [t.clone() if isinstance(t, torch.Tensor) and (t._base is not None or any(t is r for r in received))
                else t for t in out]
+        self.sent_bytes.append(sum(t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor)))
         return out[0] if len(out) == 1 else tuple(out)
 
 

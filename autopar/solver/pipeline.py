@@ -87,6 +87,11 @@ class Pipeline:
     is tried as k pp ranks, the axis keeping size / k, and k = 1 as no pipeline at all (a
     mesh {"dp": 128, "tp": 8} may become {"pp": 16, "dp": 8, "tp": 8}). None: ``axis`` is an
     axis of the mesh, its size the pp ranks."""
+    stage_blocks: tuple[tuple[str, ...], ...] | None = None
+    """The units each stage runs, in order (``solver.stages.block_units``: '(head)', the repeated
+    blocks such as 'layers.0', '(tail)'), pinned: every unit once, in program order. None: the
+    planner's balanced cuts. ``compile_serving`` pins a prefill step's cuts to its decode step's
+    so that both programs hold the same layers (and KV caches) on each stage."""
 
     @property
     def pinned(self) -> bool:
@@ -193,7 +198,8 @@ class Pipeline:
                     continue
                 counts = [self.micro_batches] if self.micro_batches else _counts(p, batch, batch_ways, finest_ways)
                 for m in counts:
-                    choice = Pipeline(axis=self.axis, schedule=schedule, micro_batches=m, virtual_stages=v)
+                    choice = Pipeline(axis=self.axis, schedule=schedule, micro_batches=m, virtual_stages=v,
+                                      stage_blocks=self.stage_blocks)
                     try:
                         choice.check_counts(p)
                     except InputError:

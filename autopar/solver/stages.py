@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from collections import Counter
 from typing import NamedTuple
 
 from autopar.cost.collectives import point_to_point_time
@@ -27,6 +28,7 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
+from autopar.solver.cuts import balanced_cuts, pinned_cuts
 from autopar.solver.memory import block_of
 from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
 from autopar.solver.pipeline import Pipeline, pipeline_compute_s, simulate_pipeline
@@ -112,6 +114,12 @@ class PipelinePlan:
     """Each pp rank's optimizer step's seconds."""
     rank_memory_bytes: list[float] = field(default_factory=list)
     """Predicted peak bytes per device of each pp rank under the schedule (``solver.stage_memory``)."""
+    output_bytes: float = 0.0
+    """Bytes per device of a forward-only step's outputs (a serving step's logits), broadcast from the
+    last stage's ranks to the other pp ranks after the step, so that every rank returns them; 0 for
+    a training step (its loss's broadcast, a few bytes, is not priced)."""
+    output_s: float = 0.0
+    """Predicted seconds of that broadcast: p - 1 point-to-point sends from the last stage's rank."""
     estimate: str = ("the pipelined step time is an estimate (torch's schedule order played out with each stage's "
                      "predicted seconds, backward halved into input and weight gradients where the schedule splits "
                      "them, transfers delaying only their receivers); the ILP placed each stage for one micro-batch "
@@ -134,6 +142,18 @@ class PipelinePlan:
         loss_at = synced[self.stages[-1].rank]
         return [RankEnd(d, s, max(s, loss_at), max(s, loss_at) + u)
                 for d, s, u in zip(drained, synced, self.update_per_rank_s)]
+
+    def forward_transfers(self) -> Counter[tuple[str, int, float]]:
+        """What a forward-only step sends on the pipeline axis, as ``runtime.pipeline`` logs it:
+        ("send", stage, bytes) per micro-batch across each cut between two ranks (the stage
+        sending), and ("broadcast", last stage, bytes) of the step's outputs."""
+        out: Counter[tuple[str, int, float]] = Counter()
+        for stage, after in zip(self.stages, self.stages[1:]):
+            if stage.rank != after.rank and stage.sends_bytes:
+                out[("send", stage.index, stage.sends_bytes)] += self.micro_batches
+        if self.output_bytes:
+            out[("broadcast", self.stages[-1].index, self.output_bytes)] += 1
+        return out
 
     def describe(self) -> str:
         cuts = " | ".join(f"{s.index}@{self.axis}{s.rank}: {_span(s.blocks)}" for s in self.stages)
@@ -175,31 +195,6 @@ def block_units(graph: PlanGraph) -> tuple[list[str], dict[str, int]]:
     return head + blocks + ([TAIL] if last < len(ops) - 1 else []), unit
 
 
-def balanced_cuts(weights: list[float], stages: int) -> list[int]:
-    """Start index of each stage's first unit: ``stages`` contiguous non-empty groups of
-    ``weights`` whose heaviest group is lightest (earliest cuts among equals)."""
-    n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: the lightest heaviest group of the first i units in k groups; start[k][i]: its last group's start
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    start = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i] * (1 - 1e-12):
-                    best[k][i], start[k][i] = cost, j
-    cuts, i = [], n
-    for k in range(stages, 0, -1):
-        i = start[k][i]
-        cuts.append(i)
-    return cuts[::-1]
-
-
 class Outrun(Exception):
     """A pipeline whose busiest rank's own work (``work_floor_s``) already takes longer than
     the seconds it had to beat: it is not played out (``plan_stages``'s ``beat_s``)."""
@@ -228,7 +223,8 @@ def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
     weights = [0.0] * len(blocks)
     for name, u in unit.items():
         weights[u] += sum(seconds[name])
-    starts = balanced_cuts(weights, count)
+    starts = pinned_cuts(pipeline.stage_blocks, blocks, count) if pipeline.stage_blocks is not None \
+        else balanced_cuts(weights, count)
     stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(blocks))]
     stage_of = {name: stage_of_unit[u] for name, u in unit.items()}
     pipelined, total = _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds,
@@ -288,9 +284,22 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
                         bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=0.0,
                         grad_sync_s=max(sync), update_s=max(update), stage_plan_step_time_s=stage_plan_step_s,
                         grad_sync_per_rank_s=sync, update_per_rank_s=update, stage_of=stage_of)
+    if not ctx.train:
+        plan.output_bytes = _output_bytes(graph, chosen, ctx)
+        plan.output_s = (p - 1) * point_to_point_time(plan.output_bytes, mesh.names.index(pipeline.axis), mesh)
     timed = plan.simulate()
     plan.p2p_s = timed.span_s - compute
-    return plan, max(end.end_s for end in plan.rank_ends(timed))
+    return plan, max(end.end_s for end in plan.rank_ends(timed)) + plan.output_s
+
+
+def _output_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> float:
+    """Bytes per device of a forward-only step's outputs, each output tensor once, as placed."""
+    total = 0.0
+    for name in dict.fromkeys(graph.output_names):
+        meta = graph.nodes[name].outputs[0] if name in graph.nodes else None
+        if meta is not None and name in chosen:
+            total += ctx.precision.tensor_bytes(meta, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape))
+    return total
 
 
 def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of: list[int], sync_s: list[float],
