@@ -115,7 +115,7 @@ def test_compiled_moe_matches_single_device(case: Case) -> None:
         assert all(parse_placements(p)[dp].is_shard() for p in results[0]["stored"].values()), results[0]["stored"]
     elif "ep" in case.names:  # expert parallelism: tokens to their experts and back by all-to-all, both ways
         assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= set(results[0]["dispatch"])
-    if "dp" in case.names and "ep" in case.names and not case.zero:  # dp2ep: experts replicated on dp, gradients summed there
+    if "dp" in case.names and "ep" in case.names and not case.zero:  # dp2ep: experts replicated on dp, summed there
         assert all(p[case.names.index("dp")] == Replicate() for p in experts.values()), results[0]["experts"]
 
 

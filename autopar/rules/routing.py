@@ -1,6 +1,6 @@
 """Mixture-of-experts routing and dispatch: top-k, sorts, gather / scatter along one dim,
-``index_add``, ``index_copy``, ``slice_scatter``, ``index_put``, ``repeat_interleave``, histograms, and grouped matmuls (``_grouped_mm`` and HF's opaque
-``transformers::grouped_mm_fallback``).
+``index_add``, ``index_copy``, ``slice_scatter``, ``index_put``, ``repeat_interleave``, histograms, and grouped
+matmuls (``_grouped_mm`` and HF's opaque ``transformers::grouped_mm_fallback``).
 
 Every op here works along one dim (the experts of ``topk``, the sorted dim, the dim indices
 point into) and is independent across the others, so any other dim splits when every operand

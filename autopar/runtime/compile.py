@@ -153,8 +153,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     the same step and built plans with the same hash. Errors (mesh size != world size, a
     failure on any rank, ranks planning differently or passing different seeds) are
     raised on every rank. A pipeline's open choices are rank 0's search (``pipeline_search``).
-    ``state_placements`` as in :func:`autopar.prepare_step`; ``_shared_state`` (FQN -> this rank's
-    shard, placed so) is another module's state the new one runs on (``compile_serving``).
+    ``state_placements``: :func:`autopar.prepare_step`'s; ``_shared_state``: another module's shards to run on.
     """
     if isinstance(pipeline, Pipeline) and pipeline.from_axis is not None:  # rank 0 chooses the depth first
         arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "pipeline")}
@@ -166,8 +165,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
         precision, compute_dtype, planned_model = _planning_model(model, precision, planning_mesh)
     except InputError as exc:
         raise CompileError(str(exc)) from None
-    if input_sharded and not data_axes and "dp" in planning_mesh.names:
-        data_axes = ("dp",)
+    data_axes = data_axes or (("dp",) if input_sharded and "dp" in planning_mesh.names else ())
     _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
                                                          constraint_axis if constraints else None))
     seed = _agreed_seed(seed)
