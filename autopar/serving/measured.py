@@ -1,0 +1,69 @@
+"""Step times fitted to a measured serving run, so the simulator can be checked against the engine.
+
+The engine (``autopar.runtime.engine``) runs compiled steps of fixed shapes: a decode call over every
+cache slot costs the same whatever the batch, and a prefill call runs one request's chunk of the
+compiled length, padded. So a replica's step of ``d`` decodes and ``c`` prefill calls costs about
+``overhead + D * (d > 0) + P * c``, with ``D`` the decode call, ``P`` the prefill call and
+``overhead`` what surrounds them (the step's own Python, planning and broadcasting it). Each is the
+median of its measurements (robust to the noise of ranks sharing cores); the KV transfer is the
+median measured transfer. Approximation: the simulator hands a step its prefill tokens in all,
+priced as ``ceil(tokens / chunk)`` calls, where the engine runs one call per request's partial chunk.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from autopar.errors import InputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasuredStepTimes:
+    """A ``StepTimes`` of fixed-shape steps, fitted with ``fit_step_times``."""
+
+    decode_call_s: float
+    """One decode call (every slot)."""
+    prefill_call_s: float
+    """One prefill call (one compiled chunk)."""
+    overhead_s: float
+    """Per step, around its calls."""
+    transfer_s: float
+    """One request's KV cache from a prefill replica to a decode replica."""
+    chunk: int
+    """Tokens of one prefill call."""
+    capacity_tokens: int
+    """Cache tokens a replica holds (slots x positions)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.capacity_tokens
+
+    def prefill_s(self, tokens_in_batch: int, context: int) -> float:
+        return self.overhead_s + self.prefill_call_s * math.ceil(tokens_in_batch / self.chunk)
+
+    def decode_s(self, batch_size: int, total_context_tokens: int) -> float:
+        return self.overhead_s + self.decode_call_s
+
+    def mixed_s(self, prefill_tokens: int, prefill_context: int, decode_batch: int,
+                decode_context_tokens: int) -> float:
+        return self.prefill_s(prefill_tokens, prefill_context) + self.decode_call_s
+
+    def kv_transfer_s(self, tokens: int) -> float:
+        return self.transfer_s
+
+
+def fit_step_times(*, decode_calls_s: list[float], prefill_calls_s: list[float],
+                   steps: list[tuple[int, int, int, float]], plans_s: list[float], transfers_s: list[float],
+                   chunk: int, capacity_tokens: int) -> MeasuredStepTimes:
+    """Medians of the measured calls; the overhead is the median of each step's duration less its
+    calls (``steps``: (decode rows, prefill tokens, prefill calls, s)) plus the median plan broadcast."""
+    if not decode_calls_s or not prefill_calls_s or not steps:
+        raise InputError("fitting step times needs measured decode calls, prefill calls and steps")
+    decode, prefill = statistics.median(decode_calls_s), statistics.median(prefill_calls_s)
+    around = statistics.median(s - decode * (d > 0) - prefill * c for d, _, c, s in steps)
+    plan = statistics.median(plans_s) if plans_s else 0.0
+    return MeasuredStepTimes(decode_call_s=decode, prefill_call_s=prefill, overhead_s=max(around, 0.0) + plan,
+                             transfer_s=statistics.median(transfers_s) if transfers_s else 0.0, chunk=chunk,
+                             capacity_tokens=capacity_tokens)
