@@ -65,17 +65,27 @@ def _step(batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return zeros, zeros.clone(), torch.arange(batch)
 
 
-def serve_on_rank(rank: int, world: int, requests: list[ServeRequest], modes: list[str]) -> dict[str, Any]:
-    """Compile the replicas once (one plan, each rank's module on its replica's tp sub-mesh), warm
-    them up, then serve ``requests`` in each mode: this rank's records."""
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replica", "tp"))
-    serving = autopar.compile_serving(serving_llama(), mesh, _step(1, CHUNK), _step(SLOTS, 1),
-                                      constraints=llama.TP_PLAN, replica_axis="replica")
+def compile_replicas(mesh: Any) -> autopar.ServingModule:
+    """This rank's replica of the Llama's serving steps, Megatron TP pinned: one plan for every replica
+    (``replica_axis``), each rank's module on its replica's tp sub-mesh."""
+    return autopar.compile_serving(serving_llama(), mesh, _step(1, CHUNK), _step(SLOTS, 1),
+                                   constraints=llama.TP_PLAN, replica_axis="replica")
+
+
+def serve_modes(serving: autopar.ServingModule, mesh: Any, requests: list[ServeRequest], modes: list[str]
+                ) -> dict[str, Any]:
+    """Warm the replicas up (first calls of each kind and the first transfers are slower), then serve
+    ``requests`` in each mode: this rank's records."""
     replicas = mesh.mesh.tolist()
     warmup = [ServeRequest(prompt=[1] * (CHUNK + 1), max_new_tokens=3, arrival_s=0.0)] * 2
-    for roles in MODES.values():  # first calls of each kind (and the first transfers) are slower
+    for roles in MODES.values():
         serve(serving, warmup, replicas, roles, CONFIG)
     return {mode: dataclasses.asdict(serve(serving, requests, replicas, MODES[mode], CONFIG)) for mode in modes}
+
+
+def serve_on_rank(rank: int, world: int, requests: list[ServeRequest], modes: list[str]) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replica", "tp"))
+    return serve_modes(compile_replicas(mesh), mesh, requests, modes)
 
 
 def delivered(records: list[dict[str, Any]], mode: str) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
@@ -106,7 +116,7 @@ def simulated(mode: str, records: list[dict[str, Any]], requests: list[ServeRequ
     times = fit_step_times(decode_calls_s=[s for r in leaders for s in r["decode_calls_s"]],
                            prefill_calls_s=[s for r in leaders for s in r["prefill_calls_s"]],
                            steps=[tuple(s) for r in leaders for s in r["steps"]],
-                           plans_s=[s for r in records for s in r["plans_s"]],
+                           gaps_s=[s for r in leaders for s in r["gaps_s"]],
                            transfers_s=[s for r in records for _, s in r["transfers"]], chunk=CHUNK,
                            capacity_tokens=SLOTS * MAX_LEN)
 

@@ -79,8 +79,9 @@ class EngineRecord:
     """Duration of each decode call (every slot)."""
     steps: list[tuple[int, int, int, float]] = field(default_factory=list)
     """Per step of this replica: (decode rows, prefill tokens, prefill calls, duration s)."""
-    plans_s: list[float] = field(default_factory=list)
-    """Rank 0: per iteration, the time to plan it and broadcast the plan (sleeps left out)."""
+    gaps_s: list[float] = field(default_factory=list)
+    """Between two steps of this replica in consecutive iterations: the time from one's end to the next's
+    start (the plan's broadcast, waiting for the other replicas' steps, transfers)."""
     transfers: list[tuple[int, float]] = field(default_factory=list)
     """Per cache received: (positions, s from the first metadata byte waited for to the cache written)."""
 
@@ -108,11 +109,8 @@ def serve(serving: ServingModule, requests: list[ServeRequest], replicas: list[l
     runner.t0 = time.perf_counter()
     while True:
         box: list[Any] = [_next_iteration(scheduler, runner) if me == 0 else None]
-        began = runner.now()
         dist.broadcast_object_list(box, src=0)
         iteration: Iteration = box[0]
-        if me == 0:
-            runner.record.plans_s.append(runner.now() - began + runner.planned_s)
         if iteration.finished:
             return runner.record
         runner.run(iteration)
@@ -121,9 +119,7 @@ def serve(serving: ServingModule, requests: list[ServeRequest], replicas: list[l
 def _next_iteration(scheduler: Scheduler, runner: _Runner) -> Iteration:
     """The scheduler's next iteration with work (sleeping until the next arrival while there is none)."""
     while True:
-        began = runner.now()
-        iteration = scheduler.plan(began)
-        runner.planned_s = runner.now() - began
+        iteration = scheduler.plan(runner.now())
         arrival = scheduler.next_arrival()
         if iteration.steps or iteration.transfers or iteration.finished or arrival is None:
             return iteration
@@ -161,7 +157,8 @@ class _Runner:
         self.caches = [buffers[name] for name in config.cache_buffers]
         self.record = EngineRecord(replica=replica)
         self.t0 = 0.0
-        self.planned_s = 0.0  # rank 0: the last plan's duration
+        self.iteration = 0
+        self.last_step = (-2, 0.0)  # (iteration, end) of this replica's last step
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -175,6 +172,7 @@ class _Runner:
         step = iteration.steps.get(self.replica)
         if step:
             self._step(step)
+        self.iteration += 1
 
     def _emit(self, request: int, token: int, at: float) -> None:
         self.record.tokens.setdefault(request, []).append(token)
@@ -193,6 +191,9 @@ class _Runner:
         end = self.now()
         for request, token in produced:  # a step's tokens reach the user when it ends
             self._emit(request, token, end)
+        if self.leader and self.last_step[0] == self.iteration - 1:
+            self.record.gaps_s.append(start - self.last_step[1])
+        self.last_step = (self.iteration, end)
         if self.leader:
             calls = sum(-(-t // self.config.chunk) for *_, t in step.prefill)
             self.record.steps.append((len(step.decode), sum(t for *_, t in step.prefill), calls, end - start))

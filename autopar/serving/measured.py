@@ -4,16 +4,17 @@ The engine (``autopar.runtime.engine``) runs compiled steps of fixed shapes: a d
 cache slot costs the same whatever the batch, and a prefill call runs one request's chunk of the
 compiled length, padded. So a replica's step of ``d`` decodes and ``c`` prefill calls costs about
 ``overhead + D * (d > 0) + P * c``, with ``D`` the decode call, ``P`` the prefill call and
-``overhead`` what surrounds them (the step's own Python, planning and broadcasting it). Each is the
-median of its measurements (robust to the noise of ranks sharing cores); the KV transfer is the
-median measured transfer. Approximation: the simulator hands a step its prefill tokens in all,
+``overhead`` what surrounds them: the step's own Python, and the gap before the next step (the plan's
+broadcast, waiting for the other replicas' steps, which the engine runs in lockstep, and transfers).
+Each is the mean of its measurements, not the median: a latency is a sum of steps, whose expectation
+is the sum of the means (calls slowed now and then by ranks sharing cores count). The KV transfer is
+the mean measured transfer. Approximation: the simulator hands a step its prefill tokens in all,
 priced as ``ceil(tokens / chunk)`` calls, where the engine runs one call per request's partial chunk.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
+from statistics import fmean
 from dataclasses import dataclass
 
 from autopar.errors import InputError
@@ -27,12 +28,12 @@ class MeasuredStepTimes:
     """One decode call (every slot)."""
     prefill_call_s: float
     """One prefill call (one compiled chunk)."""
+    calls_per_token: float
+    """Prefill calls per prefill token, measured (at least 1/chunk: partial chunks are padded)."""
     overhead_s: float
     """Per step, around its calls."""
     transfer_s: float
     """One request's KV cache from a prefill replica to a decode replica."""
-    chunk: int
-    """Tokens of one prefill call."""
     capacity_tokens: int
     """Cache tokens a replica holds (slots x positions)."""
 
@@ -41,7 +42,7 @@ class MeasuredStepTimes:
         return self.capacity_tokens
 
     def prefill_s(self, tokens_in_batch: int, context: int) -> float:
-        return self.overhead_s + self.prefill_call_s * math.ceil(tokens_in_batch / self.chunk)
+        return self.overhead_s + self.prefill_call_s * self.calls_per_token * tokens_in_batch
 
     def decode_s(self, batch_size: int, total_context_tokens: int) -> float:
         return self.overhead_s + self.decode_call_s
@@ -55,15 +56,17 @@ class MeasuredStepTimes:
 
 
 def fit_step_times(*, decode_calls_s: list[float], prefill_calls_s: list[float],
-                   steps: list[tuple[int, int, int, float]], plans_s: list[float], transfers_s: list[float],
+                   steps: list[tuple[int, int, int, float]], gaps_s: list[float], transfers_s: list[float],
                    chunk: int, capacity_tokens: int) -> MeasuredStepTimes:
-    """Medians of the measured calls; the overhead is the median of each step's duration less its
-    calls (``steps``: (decode rows, prefill tokens, prefill calls, s)) plus the median plan broadcast."""
+    """Means of the measured calls; the overhead is the mean of each step's duration less its calls
+    (``steps``: (decode rows, prefill tokens, prefill calls, s)) plus the mean gap between steps."""
     if not decode_calls_s or not prefill_calls_s or not steps:
         raise InputError("fitting step times needs measured decode calls, prefill calls and steps")
-    decode, prefill = statistics.median(decode_calls_s), statistics.median(prefill_calls_s)
-    around = statistics.median(s - decode * (d > 0) - prefill * c for d, _, c, s in steps)
-    plan = statistics.median(plans_s) if plans_s else 0.0
-    return MeasuredStepTimes(decode_call_s=decode, prefill_call_s=prefill, overhead_s=max(around, 0.0) + plan,
-                             transfer_s=statistics.median(transfers_s) if transfers_s else 0.0, chunk=chunk,
+    decode, prefill = fmean(decode_calls_s), fmean(prefill_calls_s)
+    around = fmean(s - decode * (d > 0) - prefill * c for d, _, c, s in steps)
+    gap = fmean(gaps_s) if gaps_s else 0.0
+    tokens, calls = sum(t for _, t, _, _ in steps), sum(c for *_, c, _ in steps)
+    return MeasuredStepTimes(decode_call_s=decode, prefill_call_s=prefill, overhead_s=max(around, 0.0) + gap,
+                             calls_per_token=calls / tokens if tokens else 1 / chunk,
+                             transfer_s=fmean(transfers_s) if transfers_s else 0.0,
                              capacity_tokens=capacity_tokens)
