@@ -156,18 +156,15 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     raised on every rank. A pipeline's open choices are rank 0's search (``pipeline_search``).
     ``state_placements`` as in :func:`autopar.prepare_step`; ``_shared_state`` (FQN -> this rank's
     shard, placed so) is another module's state the new one runs on (``compile_serving``).
-    ``replica_axis``: an axis of ``mesh`` along which independent, identical replicas of the step lie
-    (serving replicas, which exchange nothing during a step): the step is planned and built for
-    ``mesh`` without that axis, each rank's module on its own replica's sub-mesh (every rank of the
-    world still calls ``compile`` with the same arguments; ``mesh`` still covers the world).
+    ``replica_axis``: an axis of ``mesh`` holding identical, independent replicas of the step (serving):
+    every rank's module is planned and built on its replica's sub-mesh (``mesh`` still covers the world).
     """
     if isinstance(pipeline, Pipeline) and pipeline.from_axis is not None:  # rank 0 chooses the depth first
         arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "pipeline")}
         mesh, pipeline = _chosen_depth(pipeline, model, mesh, example_inputs, arguments)
         return compile(model, mesh, example_inputs, pipeline=pipeline, **arguments)
     _check_world(mesh)
-    if replica_axis is not None:
-        mesh = _replica_mesh(mesh, replica_axis, pipeline)
+    mesh = _replica_mesh(mesh, replica_axis, pipeline)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
     try:
         precision, compute_dtype, planned_model = _planning_model(model, precision, planning_mesh)
@@ -226,9 +223,11 @@ def _check_world(mesh: DeviceMesh) -> None:
                            f"{dist.get_world_size()} ranks; they must match")
 
 
-def _replica_mesh(mesh: DeviceMesh, axis: str, pipeline: Pipeline | None) -> DeviceMesh:
-    """This rank's replica of ``mesh`` along ``axis`` (``compile(replica_axis=)``): the mesh without
-    that axis, checked on every rank first (a collective: the sub-mesh is made on every rank)."""
+def _replica_mesh(mesh: DeviceMesh, axis: str | None, pipeline: Pipeline | None) -> DeviceMesh:
+    """This rank's replica of ``mesh`` along ``axis`` (``compile(replica_axis=)``; None: ``mesh``): the
+    mesh without that axis, checked on every rank first (a collective: the sub-mesh is made on every rank)."""
+    if axis is None:
+        return mesh
     names = tuple(mesh.mesh_dim_names or ())
     error = f"replica_axis {axis!r} is not an axis of the mesh {dict(zip(names, mesh.shape))}" \
         if axis not in names else "replica_axis with pipeline= is not supported yet" if pipeline is not None else ""
