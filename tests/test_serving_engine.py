@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.errors import InputError
+from autopar.runtime import engine
 from autopar.runtime.engine import ServeRequest, serve
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.scheduler import Scheduler
@@ -57,10 +58,11 @@ REQUESTS = [ServeRequest(prompt=[5, 7, 9, 11, 13, 2, 3, 4, 8, 100, 200], max_new
             ServeRequest(prompt=list(range(1, 20)), max_new_tokens=4, arrival_s=0.01),
             ServeRequest(prompt=[8, 6, 4], max_new_tokens=6, arrival_s=0.3)]
 """Two chunks with padding, one token only, a prompt over the token budget, a late lone arrival (each
-replica idles while the other works, disaggregated)."""
+replica idles while the other works, disaggregated; rank 0 broadcasts empty plans while none has work)."""
 
 
 def engine_on_rank(rank: int, world: int) -> dict[str, Any]:
+    engine.IDLE_S = 0.05  # the late arrival's wait broadcasts empty plans too
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "tp"))
     errors = []
     try:

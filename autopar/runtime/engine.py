@@ -116,14 +116,23 @@ def serve(serving: ServingModule, requests: list[ServeRequest], replicas: list[l
         runner.run(iteration)
 
 
+IDLE_S = 1.0
+"""Longest sleep before an empty plan is broadcast anyway: the other ranks, waiting in the broadcast,
+must hear from rank 0 well within the process group's timeout however far apart requests arrive."""
+
+
 def _next_iteration(scheduler: Scheduler, runner: _Runner) -> Iteration:
-    """The scheduler's next iteration with work (sleeping until the next arrival while there is none)."""
+    """The scheduler's next iteration with work (sleeping until the next arrival while there is none;
+    an empty one after ``IDLE_S``)."""
+    slept = 0.0
     while True:
         iteration = scheduler.plan(runner.now())
         arrival = scheduler.next_arrival()
-        if iteration.steps or iteration.transfers or iteration.finished or arrival is None:
+        if iteration.steps or iteration.transfers or iteration.finished or arrival is None or slept >= IDLE_S:
             return iteration
-        time.sleep(max(arrival - runner.now(), 0.0))
+        nap = min(max(arrival - runner.now(), 0.0), IDLE_S - slept)
+        time.sleep(nap)
+        slept += nap
 
 
 def _input_error(serving: ServingModule, requests: list[ServeRequest], replicas: list[list[int]],
