@@ -21,22 +21,33 @@ from examples import serve as example
 
 def test_scheduler_batches_routes_and_hands_off_as_the_simulator() -> None:
     """Aggregated: arrivals go to the least loaded replica; a step decodes every running request and
-    fills the token budget with chunks in admission order. Disaggregated: a prefilled request's cache
-    moves to the decode replica at the next iteration, freeing the prefill slot, and decodes there."""
+    fills the token budget with chunks in admission order; each replica is planned when it is done.
+    Disaggregated: the prefill replica sends a prefilled request's cache with its next plan (freeing the
+    slot), and the decode replica receives it when it admits it, decoding it in the same step."""
     s = Scheduler([(0.0, 10, 3), (0.0, 4, 2), (0.5, 3, 1)], ["serve", "serve"], slots=2, max_len=16, token_budget=6)
-    first = s.plan(0.0)
-    assert first.steps[0].prefill == [(0, 0, 0, 6)] and first.steps[1].prefill == [(1, 0, 0, 4)]
-    second = s.plan(0.1)  # request 1 decodes; request 0 continues its prompt
-    assert second.steps[1].decode == [(1, 0, 4)] and second.steps[0].prefill == [(0, 0, 6, 4)]
-    assert not s.plan(0.2).steps.get(1)  # request 1 finished (2 tokens); the third has not arrived
-    third = s.plan(0.6)
-    assert third.steps[1].prefill == [(2, 1, 0, 3)], "routed to replica 1: less outstanding work"
+    s.arrive(0.0)
+    assert s.plan(0).prefill == [(0, 0, 0, 6)] and s.plan(1).prefill == [(1, 0, 0, 4)]
+    s.done(1)
+    assert s.plan(1).decode == [(1, 0, 4)], "request 1 decodes while replica 0 still runs its first step"
+    s.done(1)
+    assert not s.plan(1), "request 1 is done (2 tokens); the third has not arrived"
+    s.done(0)
+    assert s.plan(0).prefill == [(0, 0, 6, 4)]
+    s.arrive(0.6)
+    third = s.plan(1)
+    assert third.prefill == [(2, 1, 0, 3)], "routed to replica 1 (less outstanding work), into its free slot"
     d = Scheduler([(0.0, 5, 3)], ["prefill", "decode"], slots=1, max_len=16, token_budget=8)
-    assert d.plan(0.0).steps[0].prefill == [(0, 0, 0, 5)]
-    handoff = d.plan(0.1)
-    assert [(t.request, t.src, t.src_slot, t.dst, t.dst_slot, t.length) for t in handoff.transfers] == \
-        [(0, 0, 0, 1, 0, 5)]
-    assert handoff.steps[1].decode == [(0, 0, 5)] and 0 in d.replicas[0].free
+    d.arrive(0.0)
+    assert d.plan(0).prefill == [(0, 0, 0, 5)] and not d.plan(1)
+    d.done(0)
+    send, receive = d.plan(0).send, d.plan(1)
+    assert [(t.request, t.src, t.src_slot, t.dst, t.length) for t in send] == [(0, 0, 0, 1, 5)]
+    assert [(t.request, t.dst_slot) for t in receive.receive] == [(0, 0)] and receive.decode == [(0, 0, 5)]
+    d.done(0)
+    d.done(1)
+    assert d.plan(1).decode == [(0, 0, 6)] and d.replicas[0].free == [0]
+    d.done(1)
+    assert d.finished
     with pytest.raises(InputError, match="does not fit a cache slot"):
         Scheduler([(0.0, 15, 4)], ["serve"], slots=1, max_len=16, token_budget=8)
 

@@ -1,16 +1,19 @@
 """A continuous-batching serving engine on ranks: replicas of one ``ServingModule``, aggregated or
 disaggregated (prefill replicas handing each request's KV cache to decode replicas point to point).
 
-How the ranks agree: the deployment's first rank (global rank 0) runs the ``Scheduler`` from its
-clock and broadcasts each iteration's plan to every rank (as vLLM's driver worker broadcasts the
-scheduler's output), so the ranks of a replica run the same steps and two replicas agree on every
-hand-off; no rank decides anything from its own clock. The schedule needs only lengths and the
-clock; token values stay on the replicas (the first token travels with its cache).
+How the ranks agree: the deployment's first rank (global rank 0) runs the ``Scheduler`` in a thread,
+from its clock, and pushes each replica's next plan, when the replica is done with its last one, to a
+queue per rank in the process group's store (the control plane: vLLM's driver worker broadcasts the
+scheduler's output the same way); every rank of a replica pops the same plans in the same order, so they
+run the same steps, and no rank decides anything from its own clock. Replicas run at their own pace;
+each replica's first rank reports a finished plan on a queue the scheduler waits on. The schedule needs
+only lengths and the clock; token values stay on the replicas (the first token travels with its cache).
 
-How KV moves: a transfer in a plan (request r, prefill replica's slot a -> decode replica's slot b,
-the prompt's length L) runs at the start of the iteration: prefill rank i sends decode rank i (the
-same tp index, so the same shard) first a metadata tensor (r, b, L, first token), then every cache
-buffer's rows ``[a, :L]`` packed in one tensor, which decode rank i writes into rows ``[b, :L]``.
+How KV moves: when a request's prefill is done, its prefill replica's next plan sends its cache: prefill
+rank i sends decode rank i (the same tp index, so the same shard) first a metadata tensor (request,
+length, first token), then every cache buffer's rows ``[slot, :length]`` packed in one tensor (``isend``:
+the replica goes on; the packed copy frees the slot). The decode replica's plan that admits the request
+receives both (tagged by request), checks the metadata and writes the rows into its slot.
 
 Times (s since a barrier at the start, each replica's first rank's clock): a request's first token
 when its prefill's step ends (aggregated) or when its cache has arrived (disaggregated, as the
@@ -19,7 +22,12 @@ simulator counts it), each later token when its decode step ends.
 
 from __future__ import annotations
 
+import itertools
+import pickle
+import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +37,7 @@ import torch.distributed as dist
 from autopar.errors import InputError
 from autopar.runtime.compile import _gather_errors
 from autopar.runtime.generate import whole
-from autopar.runtime.scheduler import Iteration, ReplicaStep, Scheduler, Transfer
+from autopar.runtime.scheduler import ReplicaStep, Scheduler, Transfer
 from autopar.runtime.serving import ServingModule
 
 
@@ -56,7 +64,7 @@ class EngineConfig:
     max_len: int
     """Cache positions per slot."""
     token_budget: int
-    """Tokens one iteration's step processes at most per replica (decodes + prefill chunks)."""
+    """Tokens one step of a replica processes at most (decodes + prefill chunks)."""
     cache_buffers: tuple[str, ...]
     """FQNs of the KV-cache buffers, laid out (slot, position, ...): what a transfer sends."""
     pad_token: int = 0
@@ -80,10 +88,17 @@ class EngineRecord:
     steps: list[tuple[int, int, int, float]] = field(default_factory=list)
     """Per step of this replica: (decode rows, prefill tokens, prefill calls, duration s)."""
     gaps_s: list[float] = field(default_factory=list)
-    """Between two steps of this replica in consecutive iterations: the time from one's end to the next's
-    start (the plan's broadcast, waiting for the other replicas' steps, transfers)."""
+    """Between two steps of this replica in consecutive plans: the time from one's end to the next's start
+    (reporting, planning, handing the plan over, transfers)."""
     transfers: list[tuple[int, float]] = field(default_factory=list)
     """Per cache received: (positions, s from the first metadata byte waited for to the cache written)."""
+
+
+IDLE_S = 1.0
+"""Longest a replica goes without a plan: an idle one gets an empty plan then, so that its ranks, waiting
+on the store, hear from the scheduler well within the store's timeout however far apart requests arrive."""
+_RUNS = itertools.count()
+"""``serve`` calls made by this process: the same sequence on every rank, naming each run's store keys."""
 
 
 def serve(serving: ServingModule, requests: list[ServeRequest], replicas: list[list[int]], roles: list[str],
@@ -91,7 +106,7 @@ def serve(serving: ServingModule, requests: list[ServeRequest], replicas: list[l
     """Serve ``requests`` on the deployment (call on every rank with the same arguments): ``replicas``
     lists each replica's global ranks in their mesh order (``serving`` is this rank's replica's
     module), ``roles`` each replica's role ("serve", or "prefill" and "decode"). Returns this rank's
-    record. Bad input is refused on every rank."""
+    record. Bad input is refused on every rank; so is a failure of the scheduler."""
     me = dist.get_rank()
     replica = next((i for i, ranks in enumerate(replicas) if me in ranks), -1)
     error = _input_error(serving, requests, replicas, roles, config, replica)
@@ -104,35 +119,86 @@ def serve(serving: ServingModule, requests: list[ServeRequest], replicas: list[l
             error = str(exc)
     _gather_errors("starting the serving engine", error, InputError)
     assert scheduler is not None
+    store, prefix = dist.distributed_c10d._get_default_store(), f"autopar/engine/{next(_RUNS)}"
     runner = _Runner(serving, requests, replicas, replica, config)
     dist.barrier()
     runner.t0 = time.perf_counter()
+    thread = None
+    if me == 0:
+        arrivals = [r.arrival_s for r in requests]
+        thread = threading.Thread(target=_schedule, args=(scheduler, store.clone(), replicas, prefix, runner.t0,
+                                                          arrivals), daemon=True)
+        thread.start()
+    switch = sys.getswitchinterval()
+    if thread is not None:  # the scheduler thread takes the interpreter within 0.5 ms of a report
+        sys.setswitchinterval(min(switch, 5e-4))
+    try:
+        while (plan := pickle.loads(store.queue_pop(f"{prefix}/plan/{me}"))) is not None:
+            if isinstance(plan, str):
+                raise RuntimeError(f"the serving scheduler failed on rank 0: {plan}")
+            runner.run(plan)
+            if runner.leader:
+                store.queue_push(f"{prefix}/done", pickle.dumps(replica))
+    finally:
+        sys.setswitchinterval(switch)
+        if thread is not None:
+            thread.join()
+    runner.finish()
+    dist.barrier()
+    return runner.record
+
+
+def _schedule(scheduler: Scheduler, store: Any, replicas: list[list[int]], prefix: str, t0: float,
+              arrivals: list[float]) -> None:
+    """The scheduler thread: plans each idle replica and waits for reports (and ticks: each arrival, and
+    every ``IDLE_S / 2``, from a timer thread, so that the wait needs no timeout); ends with a None plan
+    on every rank (an error's text when it fails, so every rank raises rather than waits)."""
+    def publish(replica: int, plan: Any) -> None:
+        for rank in replicas[replica]:
+            store.queue_push(f"{prefix}/plan/{rank}", pickle.dumps(plan))
+    stop = threading.Event()
+    timer = threading.Thread(target=_ticks, args=(store.clone(), f"{prefix}/done", arrivals, t0, stop), daemon=True)
+    timer.start()
+    try:
+        _schedule_loop(scheduler, store, len(replicas), f"{prefix}/done", t0, publish)
+        last: Any = None
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        last = f"{type(exc).__name__}: {exc}"
+    stop.set()
+    timer.join()
+    for replica in range(len(replicas)):
+        publish(replica, last)
+
+
+def _schedule_loop(scheduler: Scheduler, store: Any, replicas: int, key: str, t0: float, publish: Any) -> None:
+    busy, quiet = [False] * replicas, [0.0] * replicas  # running a plan; when each was last given one
     while True:
-        box: list[Any] = [_next_iteration(scheduler, runner) if me == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        iteration: Iteration = box[0]
-        if iteration.finished:
-            return runner.record
-        runner.run(iteration)
+        now = time.perf_counter() - t0
+        scheduler.arrive(now)
+        if scheduler.finished:
+            return
+        for replica in (r for r in range(replicas) if not busy[r]):
+            step = scheduler.plan(replica)
+            if step or now - quiet[replica] >= IDLE_S:
+                publish(replica, step)
+                busy[replica], quiet[replica] = True, now
+        reports = [pickle.loads(store.queue_pop(key))]  # a replica's report or a tick
+        reports += [pickle.loads(store.queue_pop(key)) for _ in range(store.queue_len(key))]
+        for replica in (r for r in reports if r >= 0):
+            scheduler.done(replica)
+            busy[replica] = False
 
 
-IDLE_S = 1.0
-"""Longest sleep before an empty plan is broadcast anyway: the other ranks, waiting in the broadcast,
-must hear from rank 0 well within the process group's timeout however far apart requests arrive."""
-
-
-def _next_iteration(scheduler: Scheduler, runner: _Runner) -> Iteration:
-    """The scheduler's next iteration with work (sleeping until the next arrival while there is none;
-    an empty one after ``IDLE_S``)."""
-    slept = 0.0
+def _ticks(store: Any, key: str, arrivals: list[float], t0: float, stop: threading.Event) -> None:
+    """Push a tick (-1) on the scheduler's queue at each arrival and at least every ``IDLE_S / 2``."""
+    pending = deque(arrivals)
     while True:
-        iteration = scheduler.plan(runner.now())
-        arrival = scheduler.next_arrival()
-        if iteration.steps or iteration.transfers or iteration.finished or arrival is None or slept >= IDLE_S:
-            return iteration
-        nap = min(max(arrival - runner.now(), 0.0), IDLE_S - slept)
-        time.sleep(nap)
-        slept += nap
+        now = time.perf_counter() - t0
+        while pending and pending[0] <= now:
+            pending.popleft()
+        if stop.wait(min(pending[0] - now, IDLE_S / 2) if pending else IDLE_S / 2):
+            return
+        store.queue_push(key, pickle.dumps(-1))
 
 
 def _input_error(serving: ServingModule, requests: list[ServeRequest], replicas: list[list[int]],
@@ -166,22 +232,27 @@ class _Runner:
         self.caches = [buffers[name] for name in config.cache_buffers]
         self.record = EngineRecord(replica=replica)
         self.t0 = 0.0
-        self.iteration = 0
-        self.last_step = (-2, 0.0)  # (iteration, end) of this replica's last step
+        self.plans = 0
+        self.last_step = (-2, 0.0)  # (plan, end) of this replica's last step
+        self.sending: list[tuple[dist.Work, torch.Tensor]] = []  # isends in flight, their buffers kept
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def run(self, iteration: Iteration) -> None:
-        for transfer in iteration.transfers:
-            if transfer.src == self.replica:
-                self._send(transfer)
-            elif transfer.dst == self.replica:
-                self._receive(transfer)
-        step = iteration.steps.get(self.replica)
-        if step:
-            self._step(step)
-        self.iteration += 1
+    def run(self, plan: ReplicaStep) -> None:
+        for transfer in plan.send:
+            self._send(transfer)
+        for transfer in plan.receive:
+            self._receive(transfer)
+        if plan.decode or plan.prefill:
+            self._step(plan)
+        self.plans += 1
+
+    def finish(self) -> None:
+        """Wait for the caches sent (each received by now: every request has finished)."""
+        for work, _ in self.sending:
+            work.wait()
+        self.sending = []
 
     def _emit(self, request: int, token: int, at: float) -> None:
         self.record.tokens.setdefault(request, []).append(token)
@@ -200,9 +271,9 @@ class _Runner:
         end = self.now()
         for request, token in produced:  # a step's tokens reach the user when it ends
             self._emit(request, token, end)
-        if self.leader and self.last_step[0] == self.iteration - 1:
+        if self.leader and self.last_step[0] == self.plans - 1:
             self.record.gaps_s.append(start - self.last_step[1])
-        self.last_step = (self.iteration, end)
+        self.last_step = (self.plans, end)
         if self.leader:
             calls = sum(-(-t // self.config.chunk) for *_, t in step.prefill)
             self.record.steps.append((len(step.decode), sum(t for *_, t in step.prefill), calls, end - start))
@@ -242,25 +313,25 @@ class _Runner:
         return self.replicas[replica][self.position]
 
     def _send(self, transfer: Transfer) -> None:
-        meta = torch.tensor([transfer.request, transfer.dst_slot, transfer.length,
-                             self.record.tokens[transfer.request][-1]], dtype=torch.long)
+        meta = torch.tensor([transfer.request, transfer.length, self.record.tokens[transfer.request][-1]])
         rows = torch.cat([c[transfer.src_slot, :transfer.length].flatten() for c in self.caches])
         peer = self._peer(transfer.dst)
-        for work in (dist.isend(meta, peer), dist.isend(rows, peer)):
-            work.wait()
+        for tag, tensor in enumerate((meta, rows)):
+            self.sending.append((dist.isend(tensor, peer, tag=2 * transfer.request + tag), tensor))
 
     def _receive(self, transfer: Transfer) -> None:
         began = self.now()
         peer = self._peer(transfer.src)
-        meta = torch.empty(4, dtype=torch.long)
-        dist.recv(meta, peer)
-        request, slot, length, first = meta.tolist()
-        if (request, slot, length) != (transfer.request, transfer.dst_slot, transfer.length):
+        meta = torch.empty(3, dtype=torch.long)
+        dist.recv(meta, peer, tag=2 * transfer.request)
+        request, length, first = meta.tolist()
+        if (request, length) != (transfer.request, transfer.length):
             raise RuntimeError(f"rank {dist.get_rank()} expected request {transfer.request}'s cache ({transfer}) "
-                               f"from rank {peer}, got request {request}, slot {slot}, length {length}")
+                               f"from rank {peer}, got request {request}'s of length {length}")
         sizes = [c[0, :length].numel() for c in self.caches]
         rows = torch.empty(sum(sizes), dtype=self.caches[0].dtype)
-        dist.recv(rows, peer)
+        dist.recv(rows, peer, tag=2 * transfer.request + 1)
+        slot = transfer.dst_slot
         for cache, part in zip(self.caches, rows.split(sizes)):
             cache[slot, :length] = part.view_as(cache[slot, :length])
         end = self.now()

@@ -4,8 +4,8 @@ The engine (``autopar.runtime.engine``) runs compiled steps of fixed shapes: a d
 cache slot costs the same whatever the batch, and a prefill call runs one request's chunk of the
 compiled length, padded. So a replica's step of ``d`` decodes and ``c`` prefill calls costs about
 ``overhead + D * (d > 0) + P * c``, with ``D`` the decode call, ``P`` the prefill call and
-``overhead`` what surrounds them: the step's own Python, and the gap before the next step (the plan's
-broadcast, waiting for the other replicas' steps, which the engine runs in lockstep, and transfers).
+``overhead`` what surrounds them: the step's own Python, and the gap before the replica's next step
+(reporting the step, planning the next and handing it over, the transfers at its start).
 Each is the mean of its measurements, not the median: a latency is a sum of steps, whose expectation
 is the sum of the means (calls slowed now and then by ranks sharing cores count). The KV transfer is
 the mean measured transfer. Approximation: the simulator hands a step its prefill tokens in all,
