@@ -88,14 +88,26 @@ def engine_on_rank(rank: int, world: int) -> dict[str, Any]:
               ["serve", "serve"], example.CONFIG)
     except InputError as exc:
         errors.append(str(exc))
+    planned = Scheduler.plan
+    Scheduler.plan = _fail  # type: ignore[method-assign]
+    try:
+        serve(serving, REQUESTS[:1], mesh.mesh.tolist(), ["prefill", "decode"], example.CONFIG)
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    finally:
+        Scheduler.plan = planned  # type: ignore[method-assign]
     return {**out, "errors": errors}
+
+
+def _fail(self: Scheduler, replica: int) -> None:
+    raise ValueError(f"no plan for replica {replica}")
 
 
 def test_engine_on_replicas_gives_the_single_device_tokens() -> None:
     """Aggregated (2 x tp=2) and disaggregated (prefill tp=2 -> decode tp=2): every request's tokens
     are the single-device greedy ones, on every rank that produced them; TTFT is at least a prefill
     call and TPOT positive; bad input (an unknown replica axis, a request over a slot) is refused on
-    every rank."""
+    every rank, and a failing scheduler raises on every rank."""
     want = example.greedy(REQUESTS)
     results = run_ranks(engine_on_rank, 4, timeout_s=120)
     for mode in example.MODES:
@@ -115,6 +127,7 @@ def test_engine_on_replicas_gives_the_single_device_tokens() -> None:
         (sim_ttft, _), _ = example.simulated(mode, records, REQUESTS)
         assert (sim_ttft > 0).all()
     for result in results:
-        assert len(result["errors"]) == 2, result["errors"]
+        assert len(result["errors"]) == 3, result["errors"]
         assert "replica_axis 'dp'" in result["errors"][0] and "does not fit a cache slot" in result["errors"][1]
+        assert "scheduler failed on rank 0: ValueError: no plan for replica 0" in result["errors"][2]
 
