@@ -128,6 +128,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             offload: bool | None = None, micro_batches: int | None = None,
             checkpoint_blocks: int | None = None, regather_blocks: int | None = None,
             pipeline: Pipeline | None = None, state_placements: dict[str, tuple[Placement, ...]] | None = None,
+            replica_axis: str | None = None,
             _shared_state: dict[str, torch.Tensor] | None = None) -> ParallelModule | PipelinedModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
@@ -154,12 +155,15 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     failure on any rank, ranks planning differently or passing different seeds) are
     raised on every rank. A pipeline's open choices are rank 0's search (``pipeline_search``).
     ``state_placements``: :func:`autopar.prepare_step`'s; ``_shared_state``: another module's shards to run on.
+    ``replica_axis``: an axis of identical, independent replicas (serving): each rank's module is planned
+    and built on its replica's sub-mesh (``mesh`` still covers the world).
     """
     if isinstance(pipeline, Pipeline) and pipeline.from_axis is not None:  # rank 0 chooses the depth first
         arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "pipeline")}
         mesh, pipeline = _chosen_depth(pipeline, model, mesh, example_inputs, arguments)
         return compile(model, mesh, example_inputs, pipeline=pipeline, **arguments)
     _check_world(mesh)
+    mesh = _replica_mesh(mesh, replica_axis, pipeline)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
     try:
         precision, compute_dtype, planned_model = _planning_model(model, precision, planning_mesh)
@@ -187,13 +191,23 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     step, pipeline = _planned(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, micro_batches,
                               options)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
+    return _built(model, mesh, stage_mesh, step, pipeline, (init_fn, init_seed, seed), input_sharded, compute_dtype,
+                  batch_leaves, _shared_state)
+
+
+def _built(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh | None, step: PlannedStep,
+           pipeline: Pipeline | None, init: tuple[InitFn | None, int, int], input_sharded: bool,
+           compute_dtype: torch.dtype | None, batch_leaves: frozenset[int],
+           shared: dict[str, torch.Tensor] | None) -> ParallelModule | PipelinedModule:
+    """This rank's module for the agreed plan (``init``: init_fn, init_seed, seed), built on every rank."""
+    init_fn, init_seed, seed = init
     if pipeline is not None:
         assert stage_mesh is not None
         return _on_every_rank("building the rank's stages", lambda: build_pipelined_module(
             model, mesh, stage_mesh, step, pipeline, init_fn, input_sharded, init_seed, seed, compute_dtype,
-            batch_leaves, _shared_state))
+            batch_leaves, shared))
     return _on_every_rank("building the rank's program", lambda: build_rank_module(
-        model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves, _shared_state))
+        model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves, shared))
 
 
 def _planned(pipeline: Pipeline | None, model: nn.Module, planning_mesh: Mesh, full_mesh: Mesh,
@@ -215,6 +229,18 @@ def _check_world(mesh: DeviceMesh) -> None:
     if mesh.size() != dist.get_world_size():
         raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
                            f"{dist.get_world_size()} ranks; they must match")
+
+
+def _replica_mesh(mesh: DeviceMesh, axis: str | None, pipeline: Pipeline | None) -> DeviceMesh:
+    """This rank's replica of ``mesh`` along ``axis`` (``compile(replica_axis=)``; None: ``mesh``): the
+    mesh without that axis, checked on every rank first (a collective: the sub-mesh is made on every rank)."""
+    if axis is None:
+        return mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    error = f"replica_axis {axis!r} is not an axis of the mesh {dict(zip(names, mesh.shape))}" \
+        if axis not in names else "replica_axis with pipeline= is not supported yet" if pipeline is not None else ""
+    _gather_errors("checking replica_axis", error, InputError)
+    return stage_device_mesh(mesh, axis)
 
 
 def _stage_meshes(pipeline: Pipeline, mesh: DeviceMesh, full_mesh: Mesh, data_axes: tuple[str, ...],
