@@ -10,10 +10,13 @@ from autopar.capture import CaptureError
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.runtime import CompileError, ParallelModule, compile
+from autopar.serving.planner import plan_serving
+from autopar.serving.serving_plan import ServingPlan
 from autopar.serving.workload import SLO, Cluster, Workload
 from autopar.solver.ilp import MemoryLimitError, SolverTimeLimitError
 from autopar.solver.pipeline import Pipeline
 from autopar.solver.plan import Plan
 
 __all__ = ["plan", "compile", "Mesh", "Pipeline", "Plan", "ParallelModule", "InputError", "InputTypeError", "CaptureError",
-           "CompileError", "MemoryLimitError", "SolverTimeLimitError", "Cluster", "Workload", "SLO"]
+           "CompileError", "MemoryLimitError", "SolverTimeLimitError", "Cluster", "Workload", "SLO", "plan_serving",
+           "ServingPlan"]

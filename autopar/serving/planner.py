@@ -1,0 +1,184 @@
+"""``plan_serving``: the serving deployment of a model on a cluster with the highest goodput under an SLO.
+
+1. Every TP degree a replica may have (divisors of the node up to the cluster) gets its step times
+   from ILP plans of its prefill and decode steps (``planned.plan_step_times``); a degree whose
+   steps cannot be planned (the weights do not fit, the heads do not split) is left out with its reason.
+2. The cluster is cut into identical units of one node (or the whole cluster when smaller); a unit's
+   candidates are every aggregated deployment and every prefill/decode split of its devices
+   (``candidates.deployments``), KV transfers on the node's links. Arrivals split evenly over the
+   units (a Poisson stream thinned at random is Poisson), so a unit serves rate/units and the
+   cluster's goodput is units x the unit's. Devices beyond whole units stay idle (said in the plan).
+3. Candidates are searched best bound first (``_throughput_bound``: what the pools could process
+   at full batches, ignoring the SLO, an upper bound of goodput under the fitted step times); one whose
+   bound does not beat the best goodput found is not simulated. The rest go through DistServe's
+   goodput search (``goodput.find_goodput``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from torch import nn
+
+from autopar.errors import InputError, InputTypeError
+from autopar.serving.candidates import deployments
+from autopar.serving.deployment import Deployment, Pool
+from autopar.serving.goodput import GoodputResult, find_goodput
+from autopar.serving.planned import PlannedStepTimes, plan_step_times
+from autopar.serving.servable import check_servable
+from autopar.serving.serving_plan import ServingPlan, build_plan
+from autopar.serving.workload import SLO, Cluster, Workload
+
+_SAMPLE = 4096
+"""Requests drawn to read the workload's lengths (means, longest): enough for the tail, deterministic."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lengths:
+    """The workload's request lengths as the planning reads them."""
+
+    mean_prompt: float
+    """Mean prompt tokens."""
+    mean_output: float
+    """Mean output tokens."""
+    longest: int
+    """Longest request (prompt + output) of the sample: the decode steps are planned up to it."""
+    shortest_prompt: int
+    """Shortest prompt of the sample."""
+    single_token: float
+    """Fraction of requests with one output token (their TPOT is 0)."""
+
+    @classmethod
+    def of(cls, workload: Workload) -> "Lengths":
+        r = workload.sample(_SAMPLE)
+        return cls(mean_prompt=float(r.prompt_tokens.mean()), mean_output=float(r.output_tokens.mean()),
+                   longest=int((r.prompt_tokens + r.output_tokens).max()), shortest_prompt=int(r.prompt_tokens.min()),
+                   single_token=float(np.mean(r.output_tokens == 1)))
+
+
+def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SLO, *, max_batch: int = 256,
+                 token_budget: int = 2048, disaggregated: bool = True, tp_degrees: tuple[int, ...] | None = None,
+                 step_overhead_s: float = 0.0, rel_tol: float = 0.02) -> ServingPlan:
+    """The deployment of ``model`` on ``cluster`` serving ``workload`` with the highest goodput under ``slo``
+    (module docstring). ``model`` must be servable (``autopar.serving.servable``); a model built on the meta
+    device plans without allocating. ``max_batch`` and ``token_budget`` are every pool's batching limits
+    (vLLM's ``max_num_seqs``, ``max_num_batched_tokens``); ``tp_degrees`` restricts the replicas' TP degrees;
+    ``step_overhead_s`` adds fixed seconds per step; ``rel_tol`` is the goodput search's precision."""
+    started = time.perf_counter()
+    for value, kind in ((cluster, Cluster), (workload, Workload), (slo, SLO)):
+        if not isinstance(value, kind):
+            raise InputTypeError(f"plan_serving needs a {kind.__name__}, got {type(value).__name__}")
+    check_servable(model)
+    lengths = Lengths.of(workload)
+    positions = getattr(model, "max_positions", None) or 1 << 30
+    if lengths.longest > positions:
+        raise InputError(f"requests of up to {lengths.longest} tokens (prompt + output) exceed the model's "
+                         f"{positions} positions")
+    unit = min(cluster.devices, cluster.devices_per_node)
+    times, skipped = _replica_times(model, cluster, unit, lengths, token_budget, tp_degrees, step_overhead_s)
+    if not times:
+        raise InputError("no replica of the model can be planned on this cluster: "
+                         + "; ".join(f"tp={tp}: {why}" for tp, why in skipped.items()))
+    limit = cluster.profile.memory_limit()
+    role_times = {(tp, role): _for_role(t, role, limit) for tp, t in times.items()
+                  for role in ("serve", "prefill", "decode")}
+    candidates = deployments(unit, sorted(times), lambda tp, role: role_times[tp, role], max_batch=max_batch,
+                             token_budget=token_budget, disaggregated=disaggregated)
+    results, pruned = _search(candidates, workload, slo, lengths, rel_tol, cluster.devices // unit)
+    return build_plan(results=results, pruned=pruned, times=times, skipped=skipped, cluster=cluster,
+                      workload=workload, slo=slo, units=cluster.devices // unit, lengths=(lengths.mean_prompt,
+                      lengths.mean_output), planning_s=time.perf_counter() - started,
+                      model_name=type(model).__name__)
+
+
+def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengths, token_budget: int,
+                   degrees: tuple[int, ...] | None, overhead: float) -> tuple[dict[int, PlannedStepTimes], dict[int, str]]:
+    """Each TP degree's planned step times, and why the others were left out."""
+    wanted = [tp for tp in range(1, unit + 1) if cluster.devices_per_node % tp == 0 and unit % tp == 0]
+    if degrees is not None:
+        bad = [tp for tp in degrees if tp not in wanted]
+        if bad:
+            raise InputError(f"tp_degrees {bad} do not divide a unit of {unit} devices (one node, or the cluster)")
+        wanted = sorted(degrees)
+    times: dict[int, PlannedStepTimes] = {}
+    skipped: dict[int, str] = {}
+    positions = getattr(model, "max_positions", None) or 1 << 30
+    for tp in wanted:
+        try:
+            times[tp] = plan_step_times(model, cluster.profile, cluster.devices_per_node, tp,
+                                        max_context=lengths.longest, token_budget=token_budget,
+                                        max_positions=positions, transfer_intra_node=True, step_overhead_s=overhead)
+        except InputError as exc:  # MemoryLimitError included: this degree cannot hold the model's steps
+            skipped[tp] = str(exc).splitlines()[0]
+            continue
+        if times[tp].kv_capacity_tokens < lengths.longest:
+            skipped[tp] = (f"its KV cache holds {times[tp].kv_capacity_tokens} tokens beside the weights, less than "
+                           f"the longest request's {lengths.longest}")
+            del times[tp]
+    return times, skipped
+
+
+def _for_role(times: PlannedStepTimes, role: str, limit: float) -> PlannedStepTimes:
+    """The replica's KV capacity in its role: a prefill replica runs prefill plans and keeps caches as they
+    place them, a decode replica its decode plans, an aggregated one both (caches as decode keeps them)."""
+    if role == "prefill":
+        return times.for_phases(times.prefill_points, times.prefill_points, limit)
+    if role == "decode":
+        return times.for_phases(times.decode_points, times.decode_points, limit)
+    return times
+
+
+def _throughput_bound(d: Deployment, lengths: Lengths, slo: SLO) -> tuple[float, str]:
+    """Requests/s the deployment's pools could process at full batches, the SLO aside (an upper bound of its
+    goodput under these step times), or 0 and why when no request can meet the SLO at all."""
+    def prefill_rate(p: Pool) -> float:  # prompts packed into full-budget steps
+        per_step = max(p.token_budget / lengths.mean_prompt, 1.0)
+        pairs = per_step * lengths.mean_prompt * (lengths.mean_prompt + 1) / 2
+        return p.replicas * per_step / p.step_times.prefill_s(round(per_step * lengths.mean_prompt), round(pairs))
+
+    def decode_rate(p: Pool) -> float:  # full batches (as many requests as the cache holds at the mean)
+        context = lengths.mean_prompt + lengths.mean_output / 2
+        batch = max(min(p.max_batch, p.step_times.kv_capacity_tokens // (lengths.mean_prompt + lengths.mean_output)), 1)
+        return p.replicas * batch / (lengths.mean_output * p.step_times.decode_s(int(batch), round(batch * context)))
+
+    first, second = (d.serve, d.serve) if d.serve is not None else (d.prefill, d.decode)
+    assert first is not None and second is not None
+    fastest_first = first.step_times.prefill_s(lengths.shortest_prompt,
+                                               lengths.shortest_prompt * (lengths.shortest_prompt + 1) // 2)
+    if fastest_first > slo.ttft_s:
+        return 0.0, f"prefilling the shortest prompt alone takes {fastest_first:.3g} s > the TTFT target {slo.ttft_s} s"
+    fastest_token = second.step_times.decode_s(1, lengths.shortest_prompt + 1)
+    if fastest_token > slo.tpot_s and lengths.single_token < slo.percentile:
+        return 0.0, f"a decode step of one request takes {fastest_token:.3g} s > the TPOT target {slo.tpot_s} s"
+    return min(prefill_rate(first), decode_rate(second)), ""
+
+
+def _search(candidates: list[Deployment], workload: Workload, slo: SLO, lengths: Lengths, rel_tol: float,
+            units: int) -> tuple[list[GoodputResult], int]:
+    """Goodput of the candidates worth simulating (best bound first), best first; and how many were pruned
+    (a candidate is pruned when its bound does not beat the best goodput found of its kind).
+    The workload's rate is divided among the units (each unit is searched at its share)."""
+    bounds = [_throughput_bound(d, lengths, slo) for d in candidates]
+    unit_workload = Workload(prompt_tokens=workload.prompt_tokens, output_tokens=workload.output_tokens,
+                             arrival_rate=workload.arrival_rate / units, seed=workload.seed)
+    results: list[GoodputResult] = []
+    best = {False: 0.0, True: 0.0}  # per kind, so that the best aggregated and disaggregated are both found
+    pruned = 0
+    for i in sorted(range(len(candidates)), key=lambda i: (-bounds[i][0], i)):
+        bound, reason = bounds[i]
+        kind = candidates[i].disaggregated
+        if not bound:
+            results.append(GoodputResult(deployment=candidates[i], goodput_rps=0.0, report=None, simulations=0,
+                                         reason=reason))
+            continue
+        if bound <= best[kind]:
+            pruned += 1
+            continue
+        result = find_goodput(candidates[i], unit_workload, slo, rel_tol=rel_tol)
+        best[kind] = max(best[kind], result.goodput_rps)
+        results.append(result)
+    order = sorted(range(len(results)), key=lambda i: (-results[i].goodput_rps, results[i].deployment.name))
+    return [results[i] for i in order], pruned
+
