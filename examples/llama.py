@@ -249,3 +249,9 @@ def build_8b_serving() -> Llama:
 def build_70b_serving() -> Llama:
     """Llama-3-70B's shape for ``autopar serve-plan examples/llama.py:build_70b_serving``."""
     return build_serving(LLAMA3_70B)
+
+
+def build_small_serving() -> Llama:
+    """A 4-layer, 1024-wide Llama on the meta device: plans in seconds (tests, ``autopar serve-plan`` demos)."""
+    return build_serving(LlamaConfig(vocab_size=32000, max_seq_len=2048, hidden=1024, heads=16, kv_heads=8,
+                                     ffn_hidden=2816, layers=4))

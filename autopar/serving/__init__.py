@@ -18,7 +18,8 @@ from autopar.serving.simulator import KVCapacityError, ServingReport, SimResult,
 from autopar.serving.workload import (SLO, Cluster, Empirical, Fixed, LogNormal, Requests, TokenDistribution, Uniform,
                                       Workload, read_trace)
 
-__all__ = ["plan_serving", "ServingPlan", "PoolPlan", "PlannedStepTimes", "plan_step_times", "candidate_deployments",
-           "tp_degrees", "Deployment", "Pool", "StepTimes", "GoodputResult", "best_deployment", "find_goodput", "requests_needed", "LLAMA3_8B", "RooflineStepTimes", "TransformerShape",
+__all__ = ["plan_serving", "ServingPlan", "PoolPlan", "PlannedStepTimes", "plan_step_times",
+           "candidate_deployments", "tp_degrees", "Deployment", "Pool", "StepTimes", "GoodputResult",
+           "best_deployment", "find_goodput", "requests_needed", "LLAMA3_8B", "RooflineStepTimes", "TransformerShape",
            "KVCapacityError", "ServingReport", "SimResult", "simulate", "SLO", "Cluster", "Empirical", "Fixed",
            "LogNormal", "Requests", "TokenDistribution", "Uniform", "Workload", "read_trace"]

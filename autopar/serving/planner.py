@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from torch import nn
@@ -86,7 +86,7 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
                   for role in ("serve", "prefill", "decode")}
     candidates = deployments(unit, sorted(times), lambda tp, role: role_times[tp, role], max_batch=max_batch,
                              token_budget=token_budget, disaggregated=disaggregated)
-    results, pruned = _search(candidates, workload, slo, lengths, rel_tol, cluster.devices // unit)
+    results, pruned = _search(candidates, workload, slo, lengths, rel_tol)
     return build_plan(results=results, pruned=pruned, times=times, skipped=skipped, cluster=cluster,
                       workload=workload, slo=slo, units=cluster.devices // unit, lengths=(lengths.mean_prompt,
                       lengths.mean_output), planning_s=time.perf_counter() - started,
@@ -94,7 +94,8 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
 
 
 def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengths, token_budget: int,
-                   degrees: tuple[int, ...] | None, overhead: float) -> tuple[dict[int, PlannedStepTimes], dict[int, str]]:
+                   degrees: tuple[int, ...] | None, overhead: float
+                   ) -> tuple[dict[int, PlannedStepTimes], dict[int, str]]:
     """Each TP degree's planned step times, and why the others were left out."""
     wanted = [tp for tp in range(1, unit + 1) if cluster.devices_per_node % tp == 0 and unit % tp == 0]
     if degrees is not None:
@@ -155,14 +156,12 @@ def _throughput_bound(d: Deployment, lengths: Lengths, slo: SLO) -> tuple[float,
     return min(prefill_rate(first), decode_rate(second)), ""
 
 
-def _search(candidates: list[Deployment], workload: Workload, slo: SLO, lengths: Lengths, rel_tol: float,
-            units: int) -> tuple[list[GoodputResult], int]:
+def _search(candidates: list[Deployment], workload: Workload, slo: SLO, lengths: Lengths, rel_tol: float
+            ) -> tuple[list[GoodputResult], int]:
     """Goodput of the candidates worth simulating (best bound first), best first; and how many were pruned
     (a candidate is pruned when its bound does not beat the best goodput found of its kind).
-    The workload's rate is divided among the units (each unit is searched at its share)."""
+    Candidates are units: the bounds and goodputs are a unit's."""
     bounds = [_throughput_bound(d, lengths, slo) for d in candidates]
-    unit_workload = Workload(prompt_tokens=workload.prompt_tokens, output_tokens=workload.output_tokens,
-                             arrival_rate=workload.arrival_rate / units, seed=workload.seed)
     results: list[GoodputResult] = []
     best = {False: 0.0, True: 0.0}  # per kind, so that the best aggregated and disaggregated are both found
     pruned = 0
@@ -176,7 +175,10 @@ def _search(candidates: list[Deployment], workload: Workload, slo: SLO, lengths:
         if bound <= best[kind]:
             pruned += 1
             continue
-        result = find_goodput(candidates[i], unit_workload, slo, rel_tol=rel_tol)
+        # The bracket starts at half the bound (the unit's share of the SLO-free throughput): a few halvings
+        # from there, instead of doublings from the asked rate, which may be orders of magnitude lower.
+        start = replace(workload, arrival_rate=bound / 2)
+        result = find_goodput(candidates[i], start, slo, rel_tol=rel_tol)
         best[kind] = max(best[kind], result.goodput_rps)
         results.append(result)
     order = sorted(range(len(results)), key=lambda i: (-results[i].goodput_rps, results[i].deployment.name))

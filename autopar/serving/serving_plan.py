@@ -130,6 +130,7 @@ def _pool_plan(pool: Pool, role: str, units: int, times: PlannedStepTimes, lengt
     prompt, output = lengths
     slots = int(st.kv_capacity_tokens // (prompt + output))
     batch = max(min(slots, pool.max_batch), 1)
+    context = round(batch * (prompt + output / 2))  # a batch midway through its outputs
     main = st.prefill_points if role == "prefill" else st.decode_points
     return PoolPlan(role=role, tp=st.tp, replicas=pool.replicas * units, max_batch=pool.max_batch, slots=slots,
                     token_budget=pool.token_budget, kv_bytes_per_token=main[0].kv_bytes_per_token,
@@ -137,7 +138,7 @@ def _pool_plan(pool: Pool, role: str, units: int, times: PlannedStepTimes, lengt
                     weight_bytes_device=max(p.weight_bytes for p in main),
                     prefill_mean_s=0.0 if role == "decode" else st.prefill_s(round(prompt),
                                                                              round(prompt * (prompt + 1) / 2)),
-                    decode_step_s=0.0 if role == "prefill" else st.decode_s(batch, round(batch * (prompt + output / 2))),
+                    decode_step_s=0.0 if role == "prefill" else st.decode_s(batch, context),
                     kv_transfer_s=st.kv_transfer_s(round(prompt)) if transfer else 0.0,
                     decode_line=st.decode_line, prefill_line=st.prefill_line, planned_steps=describe_points(times),
                     parameters=dict(max(main, key=lambda p: p.shape.tokens * p.shape.max_len).parameters))
@@ -189,8 +190,9 @@ def render(plan: ServingPlan) -> Group:
     head = Table.grid(padding=(0, 2))
     c = plan.cluster
     head.add_row("model", plan.model or "-")
-    head.add_row("cluster", f"{c['devices']} x {c['hardware']} ({c['devices_per_node']} per node): {plan.units} unit(s) "
-                            f"of {plan.unit_devices}" + (f", {plan.idle_devices} idle" if plan.idle_devices else ""))
+    head.add_row("cluster", f"{c['devices']} x {c['hardware']} ({c['devices_per_node']} per node): "
+                            f"{plan.units} unit(s) of {plan.unit_devices}"
+                            + (f", {plan.idle_devices} idle" if plan.idle_devices else ""))
     w, s = plan.workload, plan.slo
     head.add_row("workload", f"prompt {w['mean_prompt_tokens']:.0f}, output {w['mean_output_tokens']:.0f} tokens "
                              f"(means), asked {w['arrival_rate']:g} req/s")
