@@ -17,17 +17,19 @@ larger of FLOPs at peak and bytes at bandwidth, plus its collectives):
   pairs (a chunk of c after p: c p + c(c+1)/2), which is what a kernel that skips masked blocks
   (flash attention) computes: the example's program applies its mask instead, so its planned
   points compute about twice the pairs of a causal prompt.
-- A step of N new tokens (decodes and chunks together) costs the larger of the two lines,
-  ``max(w + beta N + gamma C, a + b N + c P)``: whole steps on a roofline. A small prefill chunk
-  still reads every weight (the decode line), a large decode batch turns compute-bound (the
-  prefill line). Per-op rooflines summed are convex in N, so the lines are chords between their
-  points (pessimistic inside, optimistic beyond); ``tests/test_serving_plan.py`` checks a
-  held-out planned point against the fit.
+- A step of N new tokens, B of them decodes (chunked prefill mixes both), costs the larger of the two
+  lines, ``max(w + beta B + gamma C, a + b N + c P)``: whole steps on a roofline. A small prefill chunk
+  still reads every weight (the decode line's w), a large decode batch turns compute-bound (the prefill
+  line). Prefill tokens are not charged beta: the decode plans' per-request cost is in the decode plans'
+  layout, which the ILP does not choose for a prefill (it may split a prompt's tokens instead). Per-op
+  rooflines summed are convex, so the lines are chords between their points (pessimistic inside,
+  optimistic beyond); ``tests/test_serving_plan.py`` checks a held-out planned point against the fit.
 
-KV capacity per replica: the device memory limit less the largest (weights + activations other
-than the cache) over the planned points its phases run, over the plan's KV bytes per token per
-device (the cache buffers' shares as the plan places them). Planned steps are cached per model,
-mesh and shape, so a search over SLOs or cluster sizes plans each step once.
+Each step is planned leaving room for a full batch's caches (``Reserve``). KV capacity per replica: the
+device memory limit less the largest (weights + activations other than the cache) over the planned points
+its phases run, over the plan's KV bytes per token per device (the cache buffers' shares as the plan
+places them). Planned steps are cached per model, mesh, memory limit and shape, so a search over SLOs or
+cluster sizes plans each step once.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from autopar.cost.collectives import point_to_point_time
 from autopar.errors import InputError
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
+from autopar.solver.ilp import MemoryLimitError
 from autopar.serving.servable import StepShape, cache_buffers, kv_bytes_per_token, step_inputs
 
 DECODE_BATCHES = (32, 128)
@@ -104,6 +107,34 @@ def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int
                                   kv_bytes_per_token_device=kv_device,
                                   kv_bytes_per_token=kv_bytes_per_token(buffers), parameters=dict(plan.parameters))
     return cache[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reserve:
+    """Room for the KV cache a replica needs, kept out of the memory its steps are planned in.
+
+    The ILP minimizes a step's time within the memory limit: left the whole device, it keeps weights
+    replicated wherever that saves communication (a 70B prefill at tp=4 fills 75 GB per device), leaving
+    no room for the caches that make a serving replica useful. So each step is planned within the limit
+    less the cache of ``tokens`` tokens not already in the step itself, at the cache's share per device
+    when split by heads; where that leaves no plan the whole limit is used (the capacity then says so)."""
+
+    tokens: int
+    """KV tokens to leave room for: ``plan_serving`` asks for a full batch at the mean request length."""
+    bytes_per_token: float
+    """KV bytes of a token per device, as reserved (the whole cache's over tp)."""
+    limit: float
+    """The device's memory limit."""
+
+    def plan(self, model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape
+             ) -> PlannedPoint:
+        spare = max(self.tokens - shape.batch * shape.max_len, 0) * self.bytes_per_token
+        if spare and spare < self.limit:
+            try:
+                return plan_point(model, profile, devices_per_node, tp, shape, self.limit - spare)
+            except MemoryLimitError:
+                pass
+        return plan_point(model, profile, devices_per_node, tp, shape, self.limit)
 
 
 def _solve(rows: list[tuple[float, float, float]], times: list[float]) -> tuple[float, float, float]:
@@ -176,19 +207,23 @@ def kv_capacity(points: tuple[PlannedPoint, ...], memory_limit: float, per_token
 
 def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, *,
                     max_context: int, token_budget: int, max_positions: int, transfer_intra_node: bool,
-                    step_overhead_s: float = 0.0) -> PlannedStepTimes:
+                    kv_reserve_tokens: int = 0, step_overhead_s: float = 0.0) -> PlannedStepTimes:
     """A replica of ``tp`` devices: its prefill and decode steps planned (module docstring) and fitted.
-    ``max_context``: the longest request (prompt + output) to serve; ``max_positions``: the model's limit."""
+    ``max_context``: the longest request (prompt + output) to serve; ``max_positions``: the model's limit;
+    ``kv_reserve_tokens``: KV-cache tokens the steps are planned to leave room for (``Reserve``)."""
     limit = profile.memory_limit()
+    step_inputs(model, StepShape(batch=1, steps=1, max_len=2))
+    reserve = Reserve(tokens=kv_reserve_tokens, bytes_per_token=kv_bytes_per_token(cache_buffers(
+        model, StepShape(batch=1, steps=1, max_len=2))) / tp, limit=limit)
     long = min(max_context, max_positions)
     short = max(long // 4, 2)
     if long <= short:
         raise InputError(f"requests of up to {max_context} tokens are too short to plan decode steps at two contexts")
     t1, t2 = min(PREFILL_TOKENS[0], max_positions // 2), min(max(token_budget, PREFILL_TOKENS[0] * 2), max_positions)
-    prefill = tuple(plan_point(model, profile, devices_per_node, tp, StepShape(batch=1, steps=t, max_len=n), limit)
+    prefill = tuple(reserve.plan(model, profile, devices_per_node, tp, StepShape(batch=1, steps=t, max_len=n))
                     for t, n in ((t1, t1), (t2, t2), (t1, t2)))
     b1, b2 = DECODE_BATCHES
-    decode = tuple(plan_point(model, profile, devices_per_node, tp, StepShape(batch=b, steps=1, max_len=n), limit)
+    decode = tuple(reserve.plan(model, profile, devices_per_node, tp, StepShape(batch=b, steps=1, max_len=n))
                    for b, n in ((b1, short), (b2, short), (b1, long)))
     decode_line = _solve([(1, p.shape.tokens, p.shape.context_tokens) for p in decode],
                          [p.step_time_s for p in decode])

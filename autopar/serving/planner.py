@@ -77,7 +77,8 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
         raise InputError(f"requests of up to {lengths.longest} tokens (prompt + output) exceed the model's "
                          f"{positions} positions")
     unit = min(cluster.devices, cluster.devices_per_node)
-    times, skipped = _replica_times(model, cluster, unit, lengths, token_budget, tp_degrees, step_overhead_s)
+    times, skipped = _replica_times(model, cluster, unit, lengths, (max_batch, token_budget), tp_degrees,
+                                    step_overhead_s)
     if not times:
         raise InputError("no replica of the model can be planned on this cluster: "
                          + "; ".join(f"tp={tp}: {why}" for tp, why in skipped.items()))
@@ -93,10 +94,12 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
                       model_name=type(model).__name__)
 
 
-def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengths, token_budget: int,
+def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengths, batching: tuple[int, int],
                    degrees: tuple[int, ...] | None, overhead: float
                    ) -> tuple[dict[int, PlannedStepTimes], dict[int, str]]:
-    """Each TP degree's planned step times, and why the others were left out."""
+    """Each TP degree's planned step times, and why the others were left out. ``batching``: the pools'
+    (max batch, token budget); the steps leave room for a full batch's caches at the mean length."""
+    max_batch, token_budget = batching
     wanted = [tp for tp in range(1, unit + 1) if cluster.devices_per_node % tp == 0 and unit % tp == 0]
     if degrees is not None:
         bad = [tp for tp in degrees if tp not in wanted]
@@ -107,10 +110,12 @@ def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengt
     skipped: dict[int, str] = {}
     positions = getattr(model, "max_positions", None) or 1 << 30
     for tp in wanted:
+        reserve = round(max_batch * (lengths.mean_prompt + lengths.mean_output))
         try:
             times[tp] = plan_step_times(model, cluster.profile, cluster.devices_per_node, tp,
                                         max_context=lengths.longest, token_budget=token_budget,
-                                        max_positions=positions, transfer_intra_node=True, step_overhead_s=overhead)
+                                        max_positions=positions, transfer_intra_node=True, step_overhead_s=overhead,
+                                        kv_reserve_tokens=reserve)
         except InputError as exc:  # MemoryLimitError included: this degree cannot hold the model's steps
             skipped[tp] = str(exc).splitlines()[0]
             continue
