@@ -48,7 +48,7 @@ def candidate_deployments(cluster: Cluster, model: TransformerShape, *, max_batc
 
 
 def deployments(devices: int, degrees: list[int], times: Callable[[int, str], StepTimes], *, max_batch: int = 256,
-                token_budget: int = 2048, disaggregated: bool = True) -> list[Deployment]:
+                token_budget: int = 2048, disaggregated: bool = True, aggregated: bool = True) -> list[Deployment]:
     """Every deployment of ``devices`` whose replicas have one of the TP ``degrees``: aggregated ones
     filling the devices, then (``disaggregated``) every split into whole prefill and decode replicas.
     ``times(tp, role)``: a replica's step times in its role ("serve", "prefill" or "decode")."""
@@ -57,7 +57,7 @@ def deployments(devices: int, degrees: list[int], times: Callable[[int, str], St
                     token_budget=token_budget, label=f"tp={tp}")
 
     out = [Deployment(name=f"agg tp={tp} x{devices // tp}", serve=pool(tp, devices // tp, "serve"))
-           for tp in degrees if devices % tp == 0]
+           for tp in degrees if devices % tp == 0 and aggregated]
     if not disaggregated:
         return out
     for tp_p in degrees:

@@ -76,8 +76,9 @@ class PlannedPoint:
     """The plan's placement of every parameter (a serving plan reports them)."""
 
 
-_PLANNED: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, PlannedPoint]]" = weakref.WeakKeyDictionary()
-"""Planned points per model object, by (hardware, devices per node, tp, limit, shape)."""
+_PLANNED: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, PlannedPoint | InputError]]" = weakref.WeakKeyDictionary()
+"""Planned points per model object, by (hardware, devices per node, tp, limit, shape); a step that cannot be
+planned (no plan fits the memory) keeps its error, which is as costly to find as a plan."""
 
 
 def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
@@ -86,27 +87,39 @@ def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int
     key = (profile.name, devices_per_node, tp, memory_limit, shape)
     cache = _PLANNED.setdefault(model, {})
     if key not in cache:
-        from autopar.api import plan_step  # serving sits above the planner; imported late to keep import order free
+        try:
+            cache[key] = _planned(model, profile, devices_per_node, tp, shape, memory_limit)
+        except InputError as exc:
+            cache[key] = exc
+    found = cache[key]
+    if isinstance(found, InputError):
+        raise found
+    return found
 
-        inputs = step_inputs(model, shape)
-        buffers = cache_buffers(model, shape)
-        mesh = Mesh({"tp": tp}, profile, devices_per_node)
-        plan = plan_step(model, mesh, inputs, train=False, memory_limit=memory_limit).plan
-        kv_device = 0.0
-        for node in plan.nodes:  # the cache buffers as the plan places them
-            if node.op == "buffer" and node.shapes and node.shapes[0][:2] == [shape.batch, shape.max_len]:
-                per_token = math.prod(node.shapes[0][2:]) * next(iter(buffers.values())).element_size()
-                kv_device += per_token / (tp if "S" in node.outputs[0] else 1)
-        if not kv_device:  # the buffers are the cache (cache_buffers found them), but no plan node matched
-            kv_device = kv_bytes_per_token(buffers)
-        parts = plan.predicted.memory_parts
-        cache_bytes = kv_device * shape.batch * shape.max_len
-        cache[key] = PlannedPoint(shape=shape, step_time_s=plan.predicted.step_time_s,
-                                  weight_bytes=parts.get("weights", plan.predicted.parameter_memory_bytes),
-                                  working_bytes=max(parts.get("activations", 0.0) - cache_bytes, 0.0),
-                                  kv_bytes_per_token_device=kv_device,
-                                  kv_bytes_per_token=kv_bytes_per_token(buffers), parameters=dict(plan.parameters))
-    return cache[key]
+
+def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
+             memory_limit: float) -> PlannedPoint:
+    """``plan_point`` uncached."""
+    from autopar.api import plan_step  # serving sits above the planner; imported late to keep import order free
+
+    inputs = step_inputs(model, shape)
+    buffers = cache_buffers(model, shape)
+    mesh = Mesh({"tp": tp}, profile, devices_per_node)
+    plan = plan_step(model, mesh, inputs, train=False, memory_limit=memory_limit).plan
+    kv_device = 0.0
+    for node in plan.nodes:  # the cache buffers as the plan places them
+        if node.op == "buffer" and node.shapes and node.shapes[0][:2] == [shape.batch, shape.max_len]:
+            per_token = math.prod(node.shapes[0][2:]) * next(iter(buffers.values())).element_size()
+            kv_device += per_token / (tp if "S" in node.outputs[0] else 1)
+    if not kv_device:  # the buffers are the cache (cache_buffers found them), but no plan node matched
+        kv_device = kv_bytes_per_token(buffers)
+    parts = plan.predicted.memory_parts
+    cache_bytes = kv_device * shape.batch * shape.max_len
+    return PlannedPoint(shape=shape, step_time_s=plan.predicted.step_time_s,
+                        weight_bytes=parts.get("weights", plan.predicted.parameter_memory_bytes),
+                        working_bytes=max(parts.get("activations", 0.0) - cache_bytes, 0.0),
+                        kv_bytes_per_token_device=kv_device, kv_bytes_per_token=kv_bytes_per_token(buffers),
+                        parameters=dict(plan.parameters))
 
 
 @dataclass(frozen=True, kw_only=True)

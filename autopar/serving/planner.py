@@ -17,12 +17,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from torch import nn
 
 from autopar.errors import InputError, InputTypeError
+from autopar.mesh import Mesh
 from autopar.serving.candidates import deployments
 from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.goodput import GoodputResult, find_goodput
@@ -79,19 +80,32 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
     unit = min(cluster.devices, cluster.devices_per_node)
     times, skipped = _replica_times(model, cluster, unit, lengths, (max_batch, token_budget), tp_degrees,
                                     step_overhead_s)
+    steps_s = time.perf_counter() - started
     if not times:
         raise InputError("no replica of the model can be planned on this cluster: "
                          + "; ".join(f"tp={tp}: {why}" for tp, why in skipped.items()))
     limit = cluster.profile.memory_limit()
-    role_times = {(tp, role): _for_role(t, role, limit) for tp, t in times.items()
-                  for role in ("serve", "prefill", "decode")}
-    candidates = deployments(unit, sorted(times), lambda tp, role: role_times[tp, role], max_batch=max_batch,
-                             token_budget=token_budget, disaggregated=disaggregated)
-    results, pruned = _search(candidates, workload, slo, lengths, rel_tol)
-    return build_plan(results=results, pruned=pruned, times=times, skipped=skipped, cluster=cluster,
-                      workload=workload, slo=slo, units=cluster.devices // unit, lengths=(lengths.mean_prompt,
-                      lengths.mean_output), planning_s=time.perf_counter() - started,
+    search = _Search(workload=workload, slo=slo, lengths=lengths, rel_tol=rel_tol)
+    for size in _unit_sizes(cluster, unit, times, disaggregated):
+        intra = size <= cluster.devices_per_node  # a two-node unit sends its caches over the network
+        role_times = {(tp, role): _for_role(t, role, limit, intra) for tp, t in times.items()
+                      for role in ("serve", "prefill", "decode")}
+        search.run(deployments(size, sorted(times), lambda tp, role: role_times[tp, role], max_batch=max_batch,
+                               token_budget=token_budget, disaggregated=disaggregated,
+                               aggregated=size == unit), cluster.devices // size)
+    return build_plan(results=search.ranked(), pruned=search.pruned, times=times, skipped=skipped, cluster=cluster,
+                      workload=workload, slo=slo, lengths=(lengths.mean_prompt, lengths.mean_output),
+                      planning_s=time.perf_counter() - started, steps_s=steps_s,
                       model_name=type(model).__name__)
+
+
+def _unit_sizes(cluster: Cluster, unit: int, times: dict[int, PlannedStepTimes], disaggregated: bool) -> list[int]:
+    """Devices per unit to search: one node; and two nodes (disaggregated only) when a node holds at most two
+    of the smallest replicas, so that one node allows only a 1:1 prefill/decode split (a 70B at tp >= 4)."""
+    sizes = [unit]
+    if disaggregated and cluster.devices >= 2 * unit and unit == cluster.devices_per_node and unit // min(times) <= 2:
+        sizes.append(2 * unit)
+    return sizes
 
 
 def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengths, batching: tuple[int, int],
@@ -126,9 +140,12 @@ def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengt
     return times, skipped
 
 
-def _for_role(times: PlannedStepTimes, role: str, limit: float) -> PlannedStepTimes:
+def _for_role(times: PlannedStepTimes, role: str, limit: float, intra_node: bool) -> PlannedStepTimes:
     """The replica's KV capacity in its role: a prefill replica runs prefill plans and keeps caches as they
-    place them, a decode replica its decode plans, an aggregated one both (caches as decode keeps them)."""
+    place them, a decode replica its decode plans, an aggregated one both (caches as decode keeps them).
+    ``intra_node``: KV transfers stay on the node's links."""
+    if not intra_node:
+        times = replace(times, transfer_mesh=Mesh({"pd": 2}, times.transfer_mesh.hardware, devices_per_node=1))
     if role == "prefill":
         return times.for_phases(times.prefill_points, times.prefill_points, limit)
     if role == "decode":
@@ -161,31 +178,45 @@ def _throughput_bound(d: Deployment, lengths: Lengths, slo: SLO) -> tuple[float,
     return min(prefill_rate(first), decode_rate(second)), ""
 
 
-def _search(candidates: list[Deployment], workload: Workload, slo: SLO, lengths: Lengths, rel_tol: float
-            ) -> tuple[list[GoodputResult], int]:
-    """Goodput of the candidates worth simulating (best bound first), best first; and how many were pruned
-    (a candidate is pruned when its bound does not beat the best goodput found of its kind).
-    Candidates are units: the bounds and goodputs are a unit's."""
-    bounds = [_throughput_bound(d, lengths, slo) for d in candidates]
-    results: list[GoodputResult] = []
-    best = {False: 0.0, True: 0.0}  # per kind, so that the best aggregated and disaggregated are both found
-    pruned = 0
-    for i in sorted(range(len(candidates)), key=lambda i: (-bounds[i][0], i)):
-        bound, reason = bounds[i]
-        kind = candidates[i].disaggregated
-        if not bound:
-            results.append(GoodputResult(deployment=candidates[i], goodput_rps=0.0, report=None, simulations=0,
-                                         reason=reason))
-            continue
-        if bound <= best[kind]:
-            pruned += 1
-            continue
-        # The bracket starts at half the bound (the unit's share of the SLO-free throughput): a few halvings
-        # from there, instead of doublings from the asked rate, which may be orders of magnitude lower.
-        start = replace(workload, arrival_rate=bound / 2)
-        result = find_goodput(candidates[i], start, slo, rel_tol=rel_tol)
-        best[kind] = max(best[kind], result.goodput_rps)
-        results.append(result)
-    order = sorted(range(len(results)), key=lambda i: (-results[i].goodput_rps, results[i].deployment.name))
-    return [results[i] for i in order], pruned
+@dataclass(kw_only=True)
+class _Search:
+    """The goodput search over units' candidates, best bound first, pruning by bound (module docstring)."""
 
+    workload: Workload
+    """The requests (its rate only seeds the search)."""
+    slo: SLO
+    """The targets."""
+    lengths: Lengths
+    """The workload's lengths."""
+    rel_tol: float
+    """Precision of each goodput."""
+    results: list[tuple[GoodputResult, int]] = field(default_factory=list)
+    """Each candidate searched (a unit's goodput) with the units of the cluster."""
+    best: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    """The best cluster goodput found per kind (disaggregated or not): both bests are found exactly."""
+    pruned: int = 0
+    """Candidates not simulated: their bound could not beat the best of their kind."""
+
+    def run(self, candidates: list[Deployment], units: int) -> None:
+        bounds = [_throughput_bound(d, self.lengths, self.slo) for d in candidates]
+        for i in sorted(range(len(candidates)), key=lambda i: (-bounds[i][0], i)):
+            bound, reason = bounds[i]
+            kind = candidates[i].disaggregated
+            if not bound:
+                self.results.append((GoodputResult(deployment=candidates[i], goodput_rps=0.0, report=None,
+                                                   simulations=0, reason=reason), units))
+                continue
+            if bound * units <= self.best[kind]:
+                self.pruned += 1
+                continue
+            # The bracket starts at half the bound (the unit's SLO-free throughput): a few halvings from there,
+            # instead of doublings from the asked rate, which may be orders of magnitude lower.
+            start = replace(self.workload, arrival_rate=bound / 2)
+            result = find_goodput(candidates[i], start, self.slo, rel_tol=self.rel_tol)
+            self.best[kind] = max(self.best[kind], result.goodput_rps * units)
+            self.results.append((result, units))
+
+    def ranked(self) -> list[tuple[GoodputResult, int]]:
+        """Results by cluster goodput, best first (ties: the smaller unit, then the name)."""
+        return sorted(self.results, key=lambda r: (-r[0].goodput_rps * r[1], r[0].deployment.devices,
+                                                   r[0].deployment.name))

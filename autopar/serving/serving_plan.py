@@ -75,7 +75,8 @@ class ServingPlan:
     deployment: str
     """The chosen unit deployment's name (one unit)."""
     units: int
-    """Identical units the cluster is cut into (one node each, or the whole cluster when smaller)."""
+    """Identical units the cluster is cut into (one node each, or the whole cluster when smaller; two nodes
+    for a disaggregated unit of replicas so large that a node holds only two)."""
     unit_devices: int
     """Devices of one unit."""
     idle_devices: int
@@ -102,6 +103,8 @@ class ServingPlan:
     """TP degrees left out, and why."""
     planning_s: float
     """Seconds plan_serving took (planning the steps and the goodput search)."""
+    steps_s: float = 0.0
+    """Of those, the seconds planning the serving steps with the ILP (0 when all were planned before)."""
 
     @property
     def goodput_per_device(self) -> float:
@@ -144,11 +147,13 @@ def _pool_plan(pool: Pool, role: str, units: int, times: PlannedStepTimes, lengt
                     parameters=dict(max(main, key=lambda p: p.shape.tokens * p.shape.max_len).parameters))
 
 
-def build_plan(*, results: list[GoodputResult], pruned: int, times: dict[int, PlannedStepTimes],
-               skipped: dict[int, str], cluster: Cluster, workload: Workload, slo: SLO, units: int,
-               lengths: tuple[float, float], planning_s: float, model_name: str = "") -> ServingPlan:
-    """The plan of the best result (``results`` best first), with the search's figures."""
-    best = results[0]
+def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, times: dict[int, PlannedStepTimes],
+               skipped: dict[int, str], cluster: Cluster, workload: Workload, slo: SLO,
+               lengths: tuple[float, float], planning_s: float, steps_s: float = 0.0,
+               model_name: str = "") -> ServingPlan:
+    """The plan of the best result (``results``: a unit's result and the cluster's units, best first), with
+    the search's figures."""
+    best, units = results[0]
     d = best.deployment
     roles = (("serve", d.serve),) if d.serve is not None else (("prefill", d.prefill), ("decode", d.decode))
     pools = [_pool_plan(p, role, units, times[p.step_times.tp], lengths, role == "decode")  # type: ignore[union-attr]
@@ -158,7 +163,7 @@ def build_plan(*, results: list[GoodputResult], pruned: int, times: dict[int, Pl
     unit_devices = d.devices
 
     def kind_best(disaggregated: bool) -> float:
-        return max((r.goodput_rps for r in results if r.deployment.disaggregated == disaggregated), default=0.0) * units
+        return max((r.goodput_rps * n for r, n in results if r.deployment.disaggregated == disaggregated), default=0.0)
     return ServingPlan(
         model=model_name, cluster={"devices": cluster.devices, "hardware": cluster.profile.name,
                            "devices_per_node": cluster.devices_per_node},
@@ -170,9 +175,9 @@ def build_plan(*, results: list[GoodputResult], pruned: int, times: dict[int, Pl
         pools=pools, goodput_rps=best.goodput_rps * units, reason=best.reason,
         ttft_p_s=_at(report.ttft_s, q) if report else None, tpot_p_s=_at(report.tpot_s, q) if report else None,
         best_aggregated_rps=kind_best(False), best_disaggregated_rps=kind_best(True),
-        candidates=[{"name": r.deployment.name, "goodput_rps": r.goodput_rps * units, "simulations": r.simulations,
-                     "reason": r.reason} for r in results],
-        pruned=pruned, skipped_tp=skipped, planning_s=planning_s)
+        candidates=[{"name": r.deployment.name, "unit_devices": r.deployment.devices, "goodput_rps": r.goodput_rps * n,
+                     "simulations": r.simulations, "reason": r.reason} for r, n in results],
+        pruned=pruned, skipped_tp=skipped, planning_s=planning_s, steps_s=steps_s)
 
 
 def _at(percentiles: dict[int, float], q: int) -> float:
@@ -208,7 +213,8 @@ def render(plan: ServingPlan) -> Group:
                              f"{plan.pruned} pruned by bound")
     for tp, why in plan.skipped_tp.items():
         head.add_row("", f"tp={tp} left out: {why}")
-    head.add_row("planning", f"{plan.planning_s:.1f} s")
+    head.add_row("planning", f"{plan.planning_s:.1f} s ({plan.steps_s:.1f} s planning serving steps with the ILP, the "
+                             "rest the goodput search)")
     table = Table(title="pools (per replica; step times from ILP-planned prefill and decode steps)")
     for col in ("role", "replicas x tp", "batch (max / slots)", "KV per token (device)", "KV capacity",
                 "weights/device", "prefill mean", "decode step", "KV transfer", "placements"):
