@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -185,9 +186,23 @@ def _at(percentiles: dict[int, float], q: int) -> float:
     return percentiles[q] if q in percentiles else percentiles[min(percentiles, key=lambda k: abs(k - q))]
 
 
-def _placements(parameters: dict[str, str]) -> str:
-    counts = Counter(parameters.values())
-    return ", ".join(f"{placement} x{n}" for placement, n in counts.most_common(4))
+_INDEX = re.compile(r"\.\d+\.")
+
+
+def placement_rows(pools: list[PoolPlan]) -> list[tuple[str, ...]]:
+    """One row per parameter name with its layer index replaced by ``*`` and each pool's placements of
+    those parameters (several when the ILP placed layers differently: folded blocks share one)."""
+    names: dict[str, None] = {}
+    found: list[dict[str, Counter]] = []
+    for pool in pools:
+        by_pattern: dict[str, Counter] = {}
+        for fqn, placement in pool.parameters.items():
+            pattern = _INDEX.sub(".*.", fqn)
+            names.setdefault(pattern)
+            by_pattern.setdefault(pattern, Counter())[placement] += 1
+        found.append(by_pattern)
+    return [(name, *(", ".join(p for p, _ in f.get(name, Counter()).most_common()) or "-" for f in found))
+            for name in names]
 
 
 def render(plan: ServingPlan) -> Group:
@@ -217,7 +232,7 @@ def render(plan: ServingPlan) -> Group:
                              "rest the goodput search)")
     table = Table(title="pools (per replica; step times from ILP-planned prefill and decode steps)")
     for col in ("role", "replicas x tp", "batch (max / slots)", "KV per token (device)", "KV capacity",
-                "weights/device", "prefill mean", "decode step", "KV transfer", "placements"):
+                "weights/device", "prefill mean", "decode step", "KV transfer"):
         table.add_column(col)
     for p in plan.pools:
         table.add_row(p.role, f"{p.replicas} x tp={p.tp}", f"{p.max_batch} / {p.slots}",
@@ -225,5 +240,14 @@ def render(plan: ServingPlan) -> Group:
                       f"{p.kv_capacity_tokens:,} tok", fmt_bytes(p.weight_bytes_device),
                       fmt_time(p.prefill_mean_s) if p.prefill_mean_s else "-",
                       fmt_time(p.decode_step_s) if p.decode_step_s else "-",
-                      fmt_time(p.kv_transfer_s) if p.kv_transfer_s else "-", _placements(p.parameters))
-    return Group(head, table) if plan.pools else Group(head)
+                      fmt_time(p.kv_transfer_s) if p.kv_transfer_s else "-")
+    if not plan.pools:
+        return Group(head)
+    placements = Table(title="parameter placements over each replica's tp axis (the ILP's, in the pool's largest "
+                             "planned step: R replicate, S(d) shard dim d)")
+    placements.add_column("parameter")
+    for p in plan.pools:
+        placements.add_column(f"{p.role} (tp={p.tp})")
+    for row in placement_rows(plan.pools):
+        placements.add_row(*row)
+    return Group(head, table, placements)
