@@ -229,7 +229,7 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
     reserve = Reserve(tokens=kv_reserve_tokens, bytes_per_token=kv_bytes_per_token(cache_buffers(
         model, StepShape(batch=1, steps=1, max_len=2))) / tp, limit=limit)
     long = min(max_context, max_positions)
-    short = max(long // 4, 2)
+    short = max(long // 4, 1)
     if long <= short:
         raise InputError(f"requests of up to {max_context} tokens are too short to plan decode steps at two contexts")
     t1, t2 = min(PREFILL_TOKENS[0], max_positions // 2), min(max(token_budget, PREFILL_TOKENS[0] * 2), max_positions)

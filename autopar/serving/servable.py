@@ -9,7 +9,10 @@ A servable model keeps its own KV cache and runs one program for both phases (th
 - ``forward(tokens, positions, slots)``: ``tokens`` and ``positions`` (batch, steps) int64,
   ``slots`` (batch,) int64: row b continues cache slot ``slots[b]`` at ``positions[b]``.
 
-A prefill chunk is batch 1 x ``chunk`` steps; a decode step is batch = requests x 1 step. Hugging
+A prefill chunk is batch 1 x ``chunk`` steps; a decode step is batch = requests x 1 step. Planning calls
+``setup_cache`` for every step it plans (up to 128 slots of the longest request): a model with real weights
+then allocates those caches, so build large models on the meta device; the model is left with the last
+planned step's cache (call ``setup_cache`` again before serving). Hugging
 Face models keep their cache outside the module (``past_key_values``); a thin wrapper holding a
 static cache as buffers and exposing these two methods adapts one (not written yet).
 """
