@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor import Replicate
 
 from autopar.capture import CapturedGraph, capture, reuse_captures
 from autopar.cost import get_precision
-from autopar.cost.precision import Precision
+from autopar.cost.precision import BF16_PARAMETERS, Precision
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
@@ -25,8 +26,7 @@ from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
 from autopar.solver.blocks import fold_repeated_blocks
 from autopar.solver.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, expert_parameters,
-                                        pins_from_tp_plan,
-                                       zero_pins)
+                                        pins_from_tp_plan, placement_pins, zero_pins)
 from autopar.solver.graph import build_plan_graph
 from autopar.solver.memory import MemoryOptions, example_batch, repeated_blocks, slice_batch
 from autopar.solver.nodes import PARAM, PlanGraph
@@ -185,8 +185,9 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  solver_time_limit_s: float = 120.0,
                  zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
                  micro_batches: int | None = None, checkpoint_blocks: int | None = None,
-                 regather_blocks: int | None = None, _capture_micro_batches: int | None = None,
-                 _masters: bool = False, _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
+                 regather_blocks: int | None = None, state_placements: dict[str, tuple[Any, ...]] | None = None,
+                 _capture_micro_batches: int | None = None, _masters: bool = False,
+                 _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
                  _try_first: Scenario | None = None, _zigzag: tuple[str, ...] | None = None) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
@@ -195,22 +196,20 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     stacked expert weights free there (``expert_parameters``): the planner may split them by
     expert, tokens reaching their experts by all-to-all (expert parallelism as torchtitan's
     dp2ep: the batch split over the axis, dense weights replicated). ``input_sharded`` also pins the
-    inputs replicated on every other axis (each rank receives exactly its data shard).
-    ``context_axes`` pins context parallelism on those axes: parameters replicated, every
-    user input of the first input's (batch, sequence) split along dim 1, attention run on
-    each rank's query rows against gathered keys and values (``rules.attention``).
-    ``zero``, ``checkpoint``, ``offload``, ``micro_batches`` pin memory choices (``MemoryOptions``; m: batch / m).
-    The result is priced under the first scenario ``solve_step`` searches (``scenarios``);
-    ``PreparedStep.under`` re-prices it (and re-captures it) for another. ``_masters``: the
-    model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not a
-    bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
-    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs
-    neither yet), a memory row of the busiest rank's share (``MemoryShares``); ``_stage_cutoff_s``,
-    ``_try_first``: as ``PreparedStep.cutoff_s``, ``try_first``.
+    inputs replicated on every other axis (each rank receives exactly its data shard). ``context_axes``
+    pins context parallelism there: parameters replicated, every user input of the first input's (batch,
+    sequence) split along dim 1, attention on each rank's query rows (``rules.attention``).
+    ``zero``, ``checkpoint``, ``offload``, ``micro_batches`` pin memory choices (``MemoryOptions``; m: batch / m),
+    priced under ``solve_step``'s first scenario; ``PreparedStep.under`` re-prices (re-captures) for another.
+    ``_masters``: the model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not
+    a bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
+    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs neither
+    yet), a memory row of the busiest rank's share; ``_stage_cutoff_s``, ``_try_first``: ``PreparedStep``'s.
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
     ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
-    runs on a split sequence: "ring" or "allgather" (``solver.context_kind``)."""
+    runs on a split sequence: "ring" or "allgather" (``solver.context_kind``). ``state_placements`` (FQN ->
+    placements) pins parameters and buffers as another step's plan, to share them (``compile_serving``)."""
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
     if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
         layout = context_layout or ("contiguous" if context_attention == "ulysses" else None)  # no rows to balance
@@ -240,7 +239,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
         add_strided_strategies(graph, rules, ctx)
         node_pins, pinned = _apply_pins(graph, captured, mesh, constraints, constraint_axis,
                                         (data_axes, expert_axes), input_sharded, zero or {}, context_axes)
-        pin_context_attention(graph, context_attention, mesh.hardware)
+        _pin_state(graph, mesh, state_placements or {}, node_pins, pinned)
+        pin_context_attention(graph, context_attention, mesh, tuple(context_axes))
         memory_notes = _apply_zero_pins(graph, mesh, zero or {}, node_pins, pinned)
         folding = fold_repeated_blocks(graph, node_pins)
     prepared = PreparedStep(captured, graph, folding, ctx, _memory_limit(mesh, memory_limit, memory_headroom),
@@ -257,8 +257,10 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
 
 def _precision(model: nn.Module, mesh: Mesh, precision: str | None, masters: bool) -> Precision:
     """The named precision (default: the hardware's) for ``model``'s parameter dtype; ``masters``:
-    the model is the bf16 compute copy of fp32 masters (``prepare_step``)."""
-    return get_precision(precision or mesh.hardware.default_precision, None if masters else _parameter_dtype(model))
+    the model is the bf16 compute copy of fp32 masters (``prepare_step``). Captured from that copy
+    or from a bf16 model, the graph's dtypes are those that run, and floats are priced at them."""
+    policy = get_precision(precision or mesh.hardware.default_precision, None if masters else _parameter_dtype(model))
+    return replace(policy, captured_as_run=True) if masters or policy is BF16_PARAMETERS else policy
 
 
 def _stage_shares(graph: PlanGraph, pipeline_ranks: int | None) -> MemoryShares | None:
@@ -341,6 +343,17 @@ def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constrain
                              for n in captured.user_inputs if n in graph.nodes}, mesh, axis_name, node_pins)
     return node_pins, pinned
 
+
+
+def _pin_state(graph: PlanGraph, mesh: Mesh, placements: dict[str, tuple[Any, ...]], node_pins: dict[str, Any],
+               pinned: dict[str, str]) -> None:
+    """Pin the parameters and buffers ``placements`` names on every axis (``state_placements``)."""
+    if not placements:
+        return
+    for axis_name in mesh.names:
+        pins = placement_pins(graph, placements, mesh.names.index(axis_name), "placed as the step sharing it")
+        _pin(graph, pins, mesh, axis_name, node_pins)
+    pinned["parameters, buffers"] = "placed as the step sharing them"
 
 
 def _stored_as_zero_says(graph: PlanGraph, pins: dict[str, Pin], stage: int) -> dict[str, Pin]:

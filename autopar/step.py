@@ -24,7 +24,7 @@ from autopar.solver.ilp import Solution
 from autopar.solver.memory import MemoryOptions, MemoryPlan, repeated_blocks
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.pipeline import Pipeline
-from autopar.solver.notes import context_notes, unsplit_batch_notes
+from autopar.solver.notes import context_notes, expert_notes, unsplit_batch_notes
 from autopar.solver.plan import Plan, bucket_buffer_bytes, build_plan
 from autopar.solver.recompute import checkpointed
 from autopar.solver.regather import regathering
@@ -177,7 +177,7 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     captured = prepared.captured
     notes = unsplit_batch_notes(graph, chosen, prepared.ctx.mesh, dict(zip(captured.user_inputs,
                                                                            captured.signature.labels)))
-    notes += context_notes(graph, chosen, prepared.ctx.mesh)
+    notes += context_notes(graph, chosen, prepared.ctx.mesh) + expert_notes(graph, chosen, prepared.ctx.mesh)
     result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
                         memory_limit=prepared.memory_limit, notes=notes + prepared.memory_notes + solution.notes,
                         memory=_memory_plan(prepared))

@@ -111,6 +111,33 @@ def build_mixtral(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int 
     return _example(model, vocab, seq, batch, device)
 
 
+def build_qwen2_moe(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, seq: int = 32,
+                    batch: int = 4, device: str = "cpu", kv_heads: int = 2, intermediate: int = 128, experts: int = 4,
+                    top_k: int = 2, shared_intermediate: int = 64
+                    ) -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    """A ``Qwen2MoeForCausalLM``: softmax-then-top-k routing without renormalizing the chosen weights, the
+    routed experts in transformers' default (grouped_mm) implementation, and a shared SwiGLU expert of
+    ``shared_intermediate`` scaled by its own sigmoid gate; as :func:`build_mixtral` it returns its own loss."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                         moe_intermediate_size=intermediate, shared_expert_intermediate_size=shared_intermediate,
+                         vocab_size=vocab, max_position_embeddings=seq, num_experts=experts,
+                         num_experts_per_tok=top_k, decoder_sparse_step=1, bos_token_id=1, eos_token_id=2,
+                         use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2MoeForCausalLM(cfg)
+    return _example(model, vocab, seq, batch, device)
+
+
+def build_qwen2_moe_step(batch: int = 4, device: str = "cpu", **sizes: Any
+                         ) -> tuple[nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """(model, example_inputs, loss_fn, example_targets); ``sizes`` as :func:`build_qwen2_moe`."""
+    return _as_step(build_qwen2_moe(batch=batch, device=device, **sizes))
+
+
 def shift_labels(ids: torch.Tensor) -> torch.Tensor:
     """Next-token targets as HF makes them from ``labels``: ``ids`` moved left by one, ``-100`` last."""
     return F.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -343,3 +343,33 @@ def test_hf_sorted_expert_region_is_captured_as_one_op() -> None:
     _, other = _mixtral_graph(hidden_act="gelu")
     assert not any(n.target is MOE_EXPERTS for n in other.gm.graph.nodes)
     assert sum(str(n.target) == "transformers.grouped_mm_fallback.default" for n in other.gm.graph.nodes) == 4
+
+
+class _CacheHolder:
+    """Not a module: the way a Hugging Face ``Cache`` holds its tensors."""
+
+    def __init__(self) -> None:
+        self.keys = torch.zeros(4, 8)
+
+
+class _CacheThroughObject(nn.Module):
+    """Registers the holder's tensor as a buffer (as transformers' export wrapper registers its
+    ``StaticCache``) but writes and reads it through the holder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holder = _CacheHolder()
+        self.register_buffer("cache", self.holder.keys, persistent=False)
+
+    def forward(self, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        self.holder.keys.index_copy_(0, at, x)
+        return self.holder.keys.sum(0)
+
+
+def test_a_buffer_reached_through_another_object_is_read_as_the_buffer() -> None:
+    """Export lifts such a tensor again as a constant; capture reads the buffer instead, so the
+    write lands in the module's state (the program is handed the buffer), not in a copy."""
+    cg = capture(_CacheThroughObject(), (torch.ones(1, 8), torch.tensor([2])), train=False)
+    assert cg.constants == {}
+    writes = [n for n in cg.gm.graph.nodes if n.target is torch.ops.aten.index_copy_.default]
+    assert len(writes) == 1 and cg.buffers.get(writes[0].args[0].name) == "cache", cg.buffers

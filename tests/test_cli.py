@@ -292,3 +292,8 @@ def test_expert_parallelism_from_the_command_line(capsys: pytest.CaptureFixture[
     assert "ep: parameters, inputs: data parallel, 6 expert weights free" in out, out
     code, out, err = run([*args, "--mesh", "dp=2,ep=2", "--data-axes", "dp", "--expert-axes", "ep"], capsys)
     assert code == 2 and "expert_axes ('ep',) names 'ep', not in data_axes ('dp',)" in err, err
+    code, out, err = run([*args, "--mesh", "ep=2", "--data-axes", "ep", "--expert-axes", "ep",
+                          "--moe-imbalance", "1.2"], capsys)
+    assert (code, err) == (0, ""), err
+    code, out, err = run([*args, "--mesh", "ep=2", "--moe-imbalance", "0.9"], capsys)
+    assert code == 2 and "must be at least 1" in err, err

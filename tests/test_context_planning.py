@@ -170,6 +170,27 @@ def test_a_heads_split_on_a_sequence_axis_is_noted_as_ulysses() -> None:
     assert not any("context parallel" in n for n in tp.notes)
 
 
+@pytest.mark.parametrize("mesh,layout,heads,splits", [
+    ({"cp": 4}, None, (4, 2), False), ({"cp": 2}, "zigzag", (4, 2), False), ({"cp": 2}, "zigzag", (4, 4), True)],
+    ids=["cp4-kv2", "zigzag-cp2-kv2", "zigzag-cp2-kv4"])
+def test_ulysses_needs_heads_that_divide(mesh: dict[str, int], layout: str | None, heads: tuple[int, int],
+                                          splits: bool) -> None:
+    """Pinned Ulysses splits heads and key/value heads on cp (a zig-zag axis cuts every dim it
+    splits into 2n chunks, heads too), and the activations must stay split there: where they do
+    not divide it is refused by name, not left to the solver with no strategy to choose."""
+    cfg = llama.LlamaConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=heads[0], kv_heads=heads[1],
+                            ffn_hidden=64, layers=1)
+    model, inputs, loss_fn, targets = llama.build(cfg, batch=1)
+    options = {"loss_fn": loss_fn, "example_targets": targets, "context_axes": ("cp",),
+               "context_attention": "ulysses", "context_layout": layout}
+    if not splits:
+        with pytest.raises(autopar.InputError, match="no strategy splitting its heads"):
+            autopar.plan(model, autopar.Mesh(mesh, "cpu"), inputs, **options)
+        return
+    plan = autopar.plan(model, autopar.Mesh(mesh, "cpu"), inputs, **options)
+    assert [n.inputs for n in plan.nodes if n.op == SDPA] == [["S(1)"] * 3] and plan.mesh["zigzag"] == ["cp"]
+
+
 @pytest.mark.parametrize("options,message", [
     ({"context_axes": ("sp",)}, "context axis 'sp' is not an axis of the mesh"),
     ({"context_axes": "cp"}, "must be a tuple of axis names"),

@@ -129,6 +129,7 @@ def test_wide_hf_mixtral_plans_expert_parallel_with_variable_all_to_alls(imbalan
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",),
                         expert_axes=("ep",))
     assert {v for k, v in plan.parameters.items() if ".experts." in k} == {"S(0)"}
+    assert "expert parallel (2 layers on ep): priced at an expert load imbalance of 1.2" in " ".join(plan.notes)
     rows = int(imbalance * 2 * (8 * 512 // 4) * 1024 * 2)
     link, n = mesh.link(0), 4
     for layer in (0, 1):

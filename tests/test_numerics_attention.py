@@ -31,12 +31,14 @@ class TinyAttentionLM(nn.Module):
     """Embedding, a pre-norm attention block, a head. ``heads=None`` runs SDPA on the 3-D
     ``(batch, seq, dim)`` projections; otherwise on 4-D ``(batch, heads, seq, head_dim)``.
     With ``masked`` keys at padding tokens (id 0) are masked out on top of a causal mask
-    (an explicit boolean mask); without, the attention is ``is_causal=True``."""
+    (an explicit boolean mask); without, the attention is ``is_causal=True``. With ``causal=False``
+    the same without the causal part (bidirectional: the padding mask alone, or no mask)."""
 
-    def __init__(self, heads: int | None, masked: bool) -> None:
+    def __init__(self, heads: int | None, masked: bool, causal: bool = True) -> None:
         super().__init__()
         self.heads = heads
         self.masked = masked
+        self.causal = causal
         self.embed = nn.Embedding(VOCAB, DIM)
         self.norm = nn.LayerNorm(DIM)
         self.qkv = nn.Linear(DIM, 3 * DIM)
@@ -47,15 +49,16 @@ class TinyAttentionLM(nn.Module):
         x = self.embed(tokens)
         b, s, _ = x.shape
         q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
-        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril() if self.causal else True
         keep = tokens != 0
+        is_causal = self.causal and not self.masked
         if self.heads is None:
-            mask = keep[:, None, :] & causal if self.masked else None  # (b, s, s)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
+            mask = keep[:, None, :] & causal if self.masked else None  # (b, s, s), or (b, 1, s) non-causal
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         else:
             q, k, v = (t.view(b, s, self.heads, DIM // self.heads).transpose(1, 2) for t in (q, k, v))
-            mask = keep[:, None, None, :] & causal if self.masked else None  # (b, 1, s, s)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not self.masked)
+            mask = keep[:, None, None, :] & causal if self.masked else None  # (b, 1, s, s), or (b, 1, 1, s)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
             y = y.transpose(1, 2).reshape(b, s, DIM)
         return self.head(x + self.proj(y))
 

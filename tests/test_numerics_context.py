@@ -7,11 +7,22 @@ instead: the planner moves the split to the batch with one all-to-all of the tok
 is cheaper than gathering keys and values). The 3-D attention takes its queries split on
 the sequence and its keys and values whole; a causal one runs on each rank's query rows
 (``passes.localize_attention``). Pinned to ring attention (``context_attention="ring"``), queries,
-keys and values split, each call runs ``runtime.ring`` (its sends checked against the plan's).
+keys and values split, each call runs ``runtime.ring`` (its sends checked against the plan's);
+pinned to Ulysses, heads split behind all-to-alls.
+
+The matrix (issue 11): each kind (allgather, ring, Ulysses) on cp=2 and cp=4, causal, bidirectional
+and with a padding mask on the tiny attention LM; on the example Llama (causal, rotary, GQA) beside
+dp and tp; on HF Llama (its own boolean mask) on cp=2, cp=4 and dp x cp (a pinned ring or all-gather
+keeps no heads split on the context axis: HF repeats its kv heads, which would otherwise make Ulysses
+the cheaper plan on cp=4). Not here: Ulysses with kv heads that do not divide cp (refused:
+``test_context_planning``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics_harness import Reference, reference, run_checked, run_compiled
+from numerics_harness import Reference, planned_counts, reference, run_checked, run_compiled
 from test_numerics_attention import VOCAB, TinyAttentionLM
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,16 +41,17 @@ from autopar.rules.attention import held_chunks, query_positions
 from autopar.rules.strategy import parse_placements
 from autopar.runtime.attention import causal_on_rows
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.ops import CollectiveLog
 from examples import llama
 
 SEQ = 8
 SDPA = "aten.scaled_dot_product_attention.default"
 
 
-def build(heads: int | None, masked: bool, batch: int = 1
+def build(heads: int | None, masked: bool, batch: int = 1, causal: bool = True
           ) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
     torch.manual_seed(0)
-    model = TinyAttentionLM(heads, masked)
+    model = TinyAttentionLM(heads, masked, causal)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, VOCAB, (batch, SEQ), generator=gen)
     tokens[:, SEQ // 2] = 0  # a padding token: a key masked out for every query
@@ -61,21 +73,31 @@ class Case:
     attention: str | None = None
     """``context_attention`` pinned ("ring": keys and values passed around the ring; "ulysses": heads
     split behind all-to-alls); None: the solver's."""
+    causal: bool = True
+    """False: bidirectional (the padding mask alone where ``masked``, else no mask at all)."""
 
     @property
     def id(self) -> str:
-        return (f"{'mask' if self.masked else 'causal'}-{'x'.join(f'{n}{s}' for n, s in zip(self.names, self.mesh))}"
+        kind = ("mask" if self.masked else "causal") if self.causal else ("padding" if self.masked else "full")
+        return (f"{kind}-{'x'.join(f'{n}{s}' for n, s in zip(self.names, self.mesh))}"
                 + (f"-{self.attention}" if self.attention else ""))
+
+    def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+        return build(self.heads, self.masked, causal=self.causal)
 
 
 CASES = [Case(True), Case(False), Case(True, (4,)), Case(False, (4,)), Case(True, (4,), attention="ring"),
          Case(False, (2,), attention="ring"), Case(True, (4,), heads=4, attention="ulysses"),
-         Case(False, (2,), heads=2, attention="ulysses")]
+         Case(False, (2,), heads=2, attention="ulysses"),
+         # bidirectional: nothing to localize, every rank's rows against all keys
+         Case(False, (2,), causal=False), Case(True, (4,), heads=4, causal=False),
+         Case(True, (2,), causal=False, attention="ring"), Case(False, (4,), causal=False, attention="ring"),
+         Case(True, (2,), heads=2, causal=False, attention="ulysses")]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
-    model, inputs, loss_fn, targets = build(case.heads, case.masked)
+    model, inputs, loss_fn, targets = case.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
                          context_attention=case.attention)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
@@ -85,18 +107,20 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_context_parallel_attention_matches_single_device(case: Case) -> None:
-    ref = reference(lambda: build(case.heads, case.masked))
+    ref = reference(case.build)
     results = run_checked(train_on_rank, case.mesh, case, ref)
     (inputs,) = results[0]["sdpa_inputs"]
     code = results[0]["code"]
-    if case.attention == "ring":  # queries, keys and values split on the sequence, the mask on its rows
-        assert inputs == ["S(1)"] * len(inputs) and "self.ring_attention(" in code, inputs
+    seq = "S(1)" if case.heads is None else "S(2)"  # (B, L, E) or (B, H, L, E)
+    if case.attention == "ring":  # queries, keys and values split on the sequence, a causal mask on its rows
+        mask = [seq if case.causal else "R"] * (len(inputs) - 3)  # a bidirectional one broadcasts on the rows
+        assert inputs == [seq] * 3 + mask and "self.ring_attention(" in code, inputs
         return
     if case.attention == "ulysses":  # (B, H, L, E) split on heads behind all-to-alls: a plain SDPA per rank
         assert inputs[:3] == ["S(1)"] * 3 and "context_attention(" not in code and "ring_attention(" not in code
         return
-    assert inputs[:3] == ["S(1)", "R", "R"], inputs  # queries split on the sequence, keys and values whole
-    assert ("self.context_attention(" in code) == (not case.masked)
+    assert inputs[:3] == [seq, "R", "R"], inputs  # queries split on the sequence, keys and values whole
+    assert ("self.context_attention(" in code) == (case.causal and not case.masked)
 
 
 LLAMA = llama.LlamaConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, layers=2)
@@ -117,15 +141,19 @@ class LlamaCase:
     """``context_attention`` pinned ("ring"); None: the solver's (all-gathered K/V on these shapes)."""
     checkpoint: str | None = None
     """Activation checkpointing pinned: the blocks' forward (a ring's sends too) runs again in backward."""
+    heads: tuple[int, int] = (LLAMA.heads, LLAMA.kv_heads)
+    """(heads, kv_heads): Ulysses splits both on cp (times tp beside it), so they must divide by it."""
 
     @property
     def id(self) -> str:
         return ("x".join(f"{n}{s}" for n, s in zip(self.names, self.mesh)) + f"-b{self.batch}-s{self.seq}"
                 + (f"-zero{self.zero}" if self.zero else "") + (f"-{self.layout}" if self.layout else "")
-                + (f"-{self.attention}" if self.attention else "") + (f"-{self.checkpoint}" if self.checkpoint else ""))
+                + (f"-{self.attention}" if self.attention else "") + (f"-{self.checkpoint}" if self.checkpoint else "")
+                + (f"-h{self.heads[0]}kv{self.heads[1]}" if self.heads != (LLAMA.heads, LLAMA.kv_heads) else ""))
 
     def build(self) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
-        model, (tokens,), loss_fn, (targets,) = llama.build(LLAMA, batch=self.batch)
+        cfg = dataclasses.replace(LLAMA, heads=self.heads[0], kv_heads=self.heads[1])
+        model, (tokens,), loss_fn, (targets,) = llama.build(cfg, batch=self.batch)
         return model, (tokens[:, :self.seq],), loss_fn, (targets[:, :self.seq],)
 
 
@@ -138,7 +166,14 @@ LLAMA_CASES = [LlamaCase((2,), ("cp",), layout="zigzag"), LlamaCase((2,), ("cp",
                LlamaCase((4,), ("cp",), layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("dp", "cp"), batch=2, layout="zigzag", attention="ring"),
                LlamaCase((2, 2), ("cp", "tp"), layout="zigzag", attention="ring"),
-               LlamaCase((2,), ("cp",), attention="ulysses"), LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses")]
+               LlamaCase((2,), ("cp",), attention="ulysses"),
+               LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses"),
+               LlamaCase((4,), ("cp",), attention="ulysses", heads=(4, 4)),
+               LlamaCase((2,), ("cp",), layout="zigzag", attention="ulysses", heads=(4, 4)),
+               # tp outer, heads dividing tp x cp: TP's heads split further on cp (heads S(1) on both);
+               # cp outer, [S(1), S(1)] would be cp-major, not what an all-to-all after TP holds: heads gathered on tp
+               LlamaCase((2, 2), ("tp", "cp"), attention="ulysses", heads=(8, 4)),
+               LlamaCase((2, 2), ("cp", "tp"), attention="ulysses")]
 
 
 def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
@@ -172,29 +207,47 @@ def test_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
             assert placed == [Shard(2)] * 3, inputs
         elif case.attention == "ulysses":  # heads split behind all-to-alls
             assert placed == [Shard(1)] * 3, inputs
+            if case.names[0] == "tp":  # and on tp, as TP left them: composed, not gathered
+                assert [parse_placements(p)[0] for p in inputs] == [Shard(1)] * 3, inputs
         elif case.zero:  # weights gathered anyway: the planner may split attention by heads on cp instead
             assert placed in ([Shard(2), Replicate(), Replicate()], [Shard(1)] * 3), inputs
         else:
             assert placed == [Shard(2), Replicate(), Replicate()], inputs
 
 
+def small_vocab_llama() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+    """The case's Llama with far fewer tokens in the vocabulary (16) than hidden units (256): gathering the
+    logits is then cheaper than an all-to-all of the output layer's input to split it (logits Partial)."""
+    return llama.build(dataclasses.replace(LLAMA, vocab_size=16, hidden=256), batch=1)
+
+
 def eval_llama_on_rank(rank: int, world: int, expected: list[float]) -> tuple[list[str], float]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    model, inputs, _, _ = LlamaCase((world,), ("cp",)).build()
+    model, inputs, _, _ = small_vocab_llama()
     pm = autopar.compile(model, mesh, inputs, train=False, context_axes=("cp",), context_layout="zigzag")
+    log = CollectiveLog()
+    pm.attach_log(log)
     logits = pm(*inputs)
     gap = (logits.full_tensor() - torch.tensor(expected).reshape(logits.shape)).abs().max().item()
-    return [str(p) for p in pm._outputs[0]] + [str(p) for p in logits.placements], gap
+    names = mesh.mesh_dim_names
+    ran = sorted(Counter((p, k, names[d], b) for p, k, d, b in log.entries).items())
+    return [str(p) for p in pm._outputs[0]] + [str(p) for p in logits.placements], gap, ran, \
+        sorted(planned_counts(pm.plan).items()), (pm.plan.solver["objective_s"], pm.plan.predicted.step_time_s)
 
 
 def test_zigzag_outputs_come_back_in_order() -> None:
     """A forward step's logits, planned split on the sequence over a zig-zag axis, are
-    returned gathered there, in the sequence's order: the user never sees the zig-zag layout."""
-    model, inputs, _, _ = LlamaCase((2,), ("cp",)).build()
+    returned gathered there, in the sequence's order: the user never sees the zig-zag layout. The
+    plan lists (and prices) that gather with the step's other collectives: what ran is what it lists."""
+    model, inputs, _, _ = small_vocab_llama()
     with torch.no_grad():
         expected = model(*inputs).flatten().tolist()
-    placements, gap = run_ranks(eval_llama_on_rank, 2, expected)[0]
+    placements, gap, ran, planned, (objective, predicted) = run_ranks(eval_llama_on_rank, 2, expected)[0]
+    assert objective == pytest.approx(predicted, rel=1e-9)
     assert placements == ["S(1)", "R"] and gap < 1e-5, (placements, gap)
+    logits_bytes = math.prod((1, LLAMA.max_seq_len, 16)) * 4  # an all-gather's bytes: the gathered tensor's
+    assert (("forward", "all_gather", "cp", logits_bytes), 1) in planned, planned
+    assert ran == planned, (ran, planned)
 
 
 @pytest.mark.parametrize("op,mask", [("sdpa", None), ("sdpa", "bool"), ("sdpa", "rows"), ("cpu_flash", None),
@@ -230,24 +283,70 @@ def test_zigzag_rows_equal_the_whole_causal_call(op: str, mask: str | None) -> N
             torch.testing.assert_close(got, want.index_select(2, positions))  # out [.., L, E], logsumexp [.., L]
 
 
-def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+def _hf_llama(batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor],
+                                      tuple[torch.Tensor]]:
     from examples import hf_models
-    return hf_models.build_llama_step(batch=1, seq=16)
+    return hf_models.build_llama_step(batch=batch, seq=16)
+
+
+HF_CASES = [LlamaCase((2,), ("cp",), attention="ring"), LlamaCase((2,), ("cp",), attention="allgather"),
+            LlamaCase((2,), ("cp",), attention="ulysses"),
+            LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="ulysses"),
+            LlamaCase((2, 2), ("dp", "cp"), batch=2, attention="allgather"),
+            LlamaCase((4,), ("cp",), attention="allgather"), LlamaCase((4,), ("cp",), attention="ulysses"),
+            LlamaCase((4,), ("cp",), attention="ring")]
+"""Hugging Face's Llama: 4 heads, 2 key/value heads repeated to 4 before attention (``repeat_kv``), so
+Ulysses splits them on cp=4 too (a pinned ring or all-gather keeps no heads split on cp)."""
 
 
 def train_hf_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
-    model, inputs, loss_fn, targets = _hf_llama()
+    model, inputs, loss_fn, targets = _hf_llama(case.batch)
+    data_axes = tuple(n for n in case.names if n == "dp")
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         context_attention="ring")
+                         data_axes=data_axes, context_attention=case.attention)
     return {**run_compiled(pm, (*inputs, *targets), ref),
             "sdpa_inputs": [n.inputs for n in pm.plan.nodes if n.op == SDPA]}
 
 
-def test_hf_llama_ring_attention_matches_single_device() -> None:
+@pytest.mark.parametrize("case", HF_CASES, ids=[c.id for c in HF_CASES])
+def test_hf_llama_context_parallel_matches_single_device(case: LlamaCase) -> None:
     """Hugging Face's Llama (its own boolean causal mask, split on its rows and read by the
-    ring's blocks at their keys' columns; grouped-query attention) with ring attention on cp=2."""
+    ring's blocks at their keys' columns; grouped-query attention) under each kind of context
+    parallel attention, beside data parallelism too."""
     pytest.importorskip("transformers")
-    case = LlamaCase((2,), ("cp",), attention="ring")
-    results = run_checked(train_hf_llama_on_rank, case.mesh, case, reference(_hf_llama))
-    assert results[0]["sdpa_inputs"] and all(inputs == ["S(2)"] * 4 for inputs in results[0]["sdpa_inputs"])
+    results = run_checked(train_hf_llama_on_rank, case.mesh, case, reference(lambda: _hf_llama(case.batch)))
+    cp = case.names.index("cp")
+    want = {"ring": [Shard(2)] * 4, "allgather": [Shard(2), Replicate(), Replicate(), Shard(2)],
+            "ulysses": [Shard(1)] * 3 + [Replicate()]}[case.attention or ""]
+    assert results[0]["sdpa_inputs"]
+    for inputs in results[0]["sdpa_inputs"]:  # (q, k, v, mask (B, 1, L, L)) on cp
+        assert [parse_placements(p)[cp] for p in inputs] == want, inputs
+
+
+def _hf_gpt2_eager() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torch.Tensor], tuple[torch.Tensor]]:
+    """HF GPT-2 with its attention written out (``attn_implementation="eager"``: matmul, causal
+    ``where``, softmax, matmul), dropout off, one sequence (so cp can only split the sequence)."""
+    from examples import hf_models
+    model, inputs, loss_fn, targets = hf_models.build_gpt2_step(batch=1, seq=16, attn_implementation="eager")
+    model.eval()
+    return model, inputs, loss_fn, targets
+
+
+def train_gpt2_eager_on_rank(rank: int, world: int, case: None, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model, inputs, loss_fn, targets = _hf_gpt2_eager()
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",))
+    return {**run_compiled(pm, (*inputs, *targets), ref),
+            "scores": [(n.inputs, n.outputs) for n in pm.plan.nodes if n.op == "aten.matmul.default"
+                       and n.module.endswith(".attn")]}
+
+
+def test_attention_written_out_splits_its_sequence() -> None:
+    """Attention written as matmul-softmax-matmul has no attention op to replace: the per-op rules
+    split it on the sequence as the all-gather kind does (queries' rows split, keys and values
+    whole on each rank, the scores and softmax split by rows), equal to single device."""
+    pytest.importorskip("transformers")
+    results = run_checked(train_gpt2_eager_on_rank, (2,), None, reference(_hf_gpt2_eager))
+    assert results[0]["scores"] and all(inputs == ["S(2)", "R"] and outputs == ["S(2)"]
+                                        for inputs, outputs in results[0]["scores"]), results[0]["scores"]

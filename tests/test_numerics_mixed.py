@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from examples import gpt, llama
-from numerics_harness import TP_PLANS, Reference, mixed_reference, run_compiled, run_checked
+from numerics_harness import TP_PLANS, Reference, mixed_reference, reference, run_checked, run_compiled
 
 MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build}
 
@@ -76,3 +76,32 @@ def test_mixed_precision_matches_bf16_compute_on_fp32_masters(case: Case) -> Non
         if case.kwargs.get("zero") == {"dp": 3}:
             assert r["fp32_reduce"] > 0 and r["regathered"]  # gathered again in backward, from the master
 
+
+
+def _hf_llama(dtype: torch.dtype = torch.float32) -> Any:
+    from examples import hf_models
+    model, inputs, loss_fn, targets = hf_models.build_llama_step(batch=2, seq=16)
+    return model.to(dtype), inputs, loss_fn, targets
+
+
+def train_hf_on_rank(rank: int, world: int, dtype: torch.dtype, ref: Reference) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = _hf_llama(dtype)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, precision="bf16",
+                         data_axes=("dp",))
+    return run_compiled(pm, (*inputs, *targets), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["mixed", "bf16-model"])
+def test_hf_llama_bf16_prices_its_fp32_loss(dtype: torch.dtype) -> None:
+    """HF's causal-LM loss is computed from ``logits.float()``: an fp32 scalar in a bf16 program
+    (mixed precision, or a bf16 model), all-reduced at 4 bytes. The plan prices each float at
+    the dtype the captured graph gives it (``Precision.captured_as_run``), so its loss
+    all-reduce is the 4 bytes that run, not the 2 of the compute width."""
+    pytest.importorskip("transformers")
+    if dtype == torch.float32:
+        ref = mixed_reference(_hf_llama)
+    else:
+        ref = reference(lambda: _hf_llama(dtype))
+    results = run_checked(train_hf_on_rank, (2,), dtype, ref)
+    assert (("forward", "all_reduce", "dp", 4), 1) in results[0]["planned"], results[0]["planned"]

@@ -12,6 +12,8 @@ axis whose expert weights are left to the planner) the batch is split as on dp, 
 experts split by expert, and the slots travel to their expert's rank and back by all-to-all
 (expert parallelism); with "dp" beside it the experts are replicated on dp, as torchtitan's dp2ep;
 with "tp" beside it the planner splits the experts on tp too (tokens replicated there, gathered back).
+With ZeRO-3 on "dp" beside "ep" (FSDP of the dense part) every weight is stored split on dp, the experts
+by expert over both axes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Case:
     top_k: int
     capacity_factor: float | None = None
     shared_expert: bool = False
+    zero: int | None = None
+    """ZeRO stage on "dp" (FSDP of the dense part beside expert parallelism on "ep")."""
 
     @property
     def wide(self) -> bool:
@@ -55,7 +59,7 @@ class Case:
     @property
     def id(self) -> str:
         style = "dropless" if self.capacity_factor is None else f"capacity{self.capacity_factor}"
-        shared = "-shared" if self.shared_expert else ""
+        shared = ("-shared" if self.shared_expert else "") + (f"-zero{self.zero}" if self.zero else "")
         return f"{'x'.join(map(str, self.mesh))}-{'x'.join(self.names)}-top{self.top_k}-{style}{shared}"
 
     def build(self) -> Any:
@@ -73,7 +77,8 @@ CASES = [
     Case(*TP, 1), Case(*TP, 2), Case(*TP, 1, 1.0), Case(*TP, 2, 0.5),
     Case(*DP_TP, 2, shared_expert=True), Case(*DP_TP, 2, 1.0, shared_expert=True),
     Case(*EP, 1), Case(*EP, 2), Case(*EP, 1, 1.0), Case(*EP, 2, 0.5),
-    Case(*DP_EP, 2), Case(*DP_EP, 1, 1.0, shared_expert=True), Case(*EP_TP, 2), Case(*EP_TP, 2, 1.0),
+    Case(*DP_EP, 2), Case(*DP_EP, 1, 1.0, shared_expert=True), Case(*DP_EP, 2, zero=3),
+    Case(*EP_TP, 2), Case(*EP_TP, 2, 1.0),
 ]
 
 
@@ -82,10 +87,12 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     model, inputs, loss_fn, targets = case.build()
     data_axes = tuple(a for a in case.names if a in ("dp", "ep"))
     expert_axes = ("ep",) if "ep" in case.names else ()
+    zero = {"zero": {"dp": case.zero}} if case.zero else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
-                         expert_axes=expert_axes)
+                         expert_axes=expert_axes, **zero)
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
+            "stored": {k: v for k, v in pm.plan.parameters.items() if k.endswith(".weight") and "norm" not in k},
             "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if ".moe" in c.module})}
 
 
@@ -102,9 +109,13 @@ def test_compiled_moe_matches_single_device(case: Case) -> None:
     if case.wide:  # the case is meant to check experts split by expert across tp (or ep) ranks
         split = case.names.index("ep" if "ep" in case.names else "tp")
         assert all(p[split] == Shard(0) for p in experts.values()), results[0]["experts"]
-    if "ep" in case.names:  # expert parallelism: tokens to their experts and back by all-to-all, both ways
+    if case.zero:  # FSDP on dp: every weight stored split there (the experts by expert, on dp and ep: the
+        # planner then dispatches by all-gathers, cheaper here than all-to-alls behind ZeRO-3's gathers)
+        dp = case.names.index("dp")
+        assert all(parse_placements(p)[dp].is_shard() for p in results[0]["stored"].values()), results[0]["stored"]
+    elif "ep" in case.names:  # expert parallelism: tokens to their experts and back by all-to-all, both ways
         assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= set(results[0]["dispatch"])
-    if "dp" in case.names and "ep" in case.names:  # dp2ep: experts replicated on dp, gradients summed there
+    if "dp" in case.names and "ep" in case.names and not case.zero:  # dp2ep: experts replicated on dp, gradients summed there
         assert all(p[case.names.index("dp")] == Replicate() for p in experts.values()), results[0]["experts"]
 
 
@@ -181,18 +192,27 @@ class HfCase:
     aux_loss: bool = False
     checkpoint: str | None = None
     """Pinned activation checkpointing: the expert layer's all-to-alls run again in backward."""
+    family: str = "mixtral"
+    """"qwen2_moe": HF Qwen2-MoE (softmax-then-top-k routing, a gated shared expert beside the experts)."""
 
     @property
     def id(self) -> str:
         extra = ("-aux" if self.aux_loss else "") + (f"-{self.checkpoint}" if self.checkpoint else "")
-        return f"{'x'.join(self.mesh[1])}-top{self.top_k}{extra}"
+        return f"{self.family}-{'x'.join(self.mesh[1])}-top{self.top_k}{extra}"
 
     def build(self) -> Any:
+        if self.family == "qwen2_moe":
+            example = hf_models.build_qwen2_moe_step(batch=8, hidden=64, heads=4, kv_heads=2, intermediate=512,
+                                                     vocab=64, seq=16, experts=16, top_k=self.top_k)
+            example[0].eval()
+            return example
         return build_hf_mixtral_ep(self.top_k, 1024 if "tp" in self.mesh[1] else 512, self.aux_loss)
 
 
-HF_EP_CASES = [HfCase(EP, 2, aux_loss=True, checkpoint="selective"), HfCase(DP_EP, 1), HfCase(EP_TP, 2)]
-"""Top-2 and top-1, the load-balancing loss, checkpointing, dp2ep and TP inside the experts, in three
+HF_EP_CASES = [HfCase(EP, 2, aux_loss=True, checkpoint="selective"), HfCase(DP_EP, 1), HfCase(EP_TP, 2),
+               HfCase(EP, 2, family="qwen2_moe")]
+"""Top-2 and top-1, the load-balancing loss, checkpointing, dp2ep and TP inside the experts on HF Mixtral, and
+HF Qwen2-MoE (its softmax-then-top-k router, a sigmoid-gated shared expert beside the split experts), in four
 cases (CI time)."""
 
 

@@ -246,10 +246,13 @@ def _to_captured(program: ExportedProgram, train: bool, seconds: float, signatur
     buffers: dict[str, str] = {}
     user_inputs: list[str] = []
     constants: dict[str, torch.Tensor] = {}
+    alive = {node.name for node in gm.graph.nodes if node.op == "placeholder"}
     for spec in specs:
         name = spec.arg.name  # type: ignore[union-attr]
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and _strip_step_prefix(spec.target) in tied:
             continue
+        if spec.kind == InputKind.CONSTANT_TENSOR and name not in alive:
+            continue  # a buffer's tensor, read from the buffer (``_merge_constant``)
         if spec.kind == InputKind.PARAMETER:
             parameters[name] = _strip_step_prefix(spec.target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
@@ -318,18 +321,32 @@ def _merge_tied(graph: torch.fx.Graph, specs: list[InputSpec],
     first: dict[int, tuple[str, str]] = {}  # id(tensor) -> (placeholder, FQN) of its first name
     tied: dict[str, str] = {}
     for spec in specs:
-        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER):
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             continue
         tensor = tensor_of(spec.target)  # type: ignore[arg-type]
         if tensor is None:
             continue
         name, fqn = spec.arg.name, _strip_step_prefix(spec.target)  # type: ignore[union-attr]
+        if spec.kind == InputKind.CONSTANT_TENSOR:
+            _merge_constant(graph, placeholders, name, first.get(id(tensor)))
+            continue
         kept_name, kept_fqn = first.setdefault(id(tensor), (name, fqn))
         if kept_name != name:
             placeholders[name].replace_all_uses_with(placeholders[kept_name])
             graph.erase_node(placeholders[name])
             tied[fqn] = kept_fqn
     return tied
+
+
+def _merge_constant(graph: torch.fx.Graph, placeholders: dict[str, torch.fx.Node], name: str,
+                    buffer: tuple[str, str] | None) -> None:
+    """A lifted constant that is a registered buffer's very tensor (Hugging Face's export wrapper
+    registers its ``StaticCache`` tensors as buffers, but the attention reaches them through the
+    cache object, so export lifts them again as constants) is that buffer: read from its placeholder,
+    so the cache is the module's state, written in place where it lives, not a per-program copy."""
+    if buffer is not None:
+        placeholders[name].replace_all_uses_with(placeholders[buffer[0]])
+        graph.erase_node(placeholders[name])
 
 
 def _strip_step_prefix(fqn: str | None) -> str:

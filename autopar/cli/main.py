@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import InputError
-from autopar.hardware import PROFILES
+from autopar.hardware import PROFILES, get_profile
 from autopar.solver.pipeline import SCHEDULES
 
 EXIT_CODES = """exit status:
@@ -84,7 +85,10 @@ def plan_command(args: argparse.Namespace) -> int:
     from autopar.mesh import Mesh, parse_mesh_spec
     from autopar.solver.report import render
 
-    mesh = Mesh(parse_mesh_spec(args.mesh), args.hardware, args.devices_per_node)  # before running user code
+    hardware = get_profile(args.hardware)
+    if args.moe_imbalance is not None:
+        hardware = dataclasses.replace(hardware, moe_imbalance=args.moe_imbalance)
+    mesh = Mesh(parse_mesh_spec(args.mesh), hardware, args.devices_per_node)  # before running user code
     builder = load_builder(args.builder)
     model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
@@ -166,6 +170,16 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _at_least_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (the busiest rank holds at least the mean), got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization of PyTorch models",
                                   epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,6 +214,9 @@ def parser() -> argparse.ArgumentParser:
     data.add_argument("--expert-axes", type=_axis_names, default=(), metavar="AXIS,...",
                       help="of the data axes, those where stacked expert weights are left to the planner (expert "
                            "parallelism: tokens reach experts split by expert by all-to-all), e.g. ep")
+    data.add_argument("--moe-imbalance", type=_at_least_one, default=None, metavar="F",
+                      help="expert load imbalance expert parallelism is priced at: the busiest rank's (token, "
+                           "expert) pairs over the mean (default: the hardware profile's, 1.3)")
     memory = p.add_argument_group("memory choices (default: the planner picks them by the memory limit)")
     memory.add_argument("--zero", type=_zero_stages, default=None, metavar="AXIS=STAGE,...",
                         help="pin a ZeRO stage per data axis: 0 (DDP), 1 (optimizer state sharded), 2 (parameters "

@@ -35,6 +35,12 @@ class Precision:
     casts_parameters: bool = False
     """Whether the program reads each parameter through a cast copy at the compute width
     (mixed precision): a copy an op saves for backward is held until then."""
+    captured_as_run: bool = False
+    """Whether the captured graph's float dtypes are those the program runs (captured from the
+    bf16 compute copy of fp32 masters, or from a bf16 model): a float is then priced at its
+    own width, so what the model's code upcasts (a loss computed from ``logits.float()``, a
+    norm's fp32 statistics) at 4 bytes, as it runs. Otherwise (an fp32 model planned in bf16)
+    every float is priced at ``activation_bytes``, the width it would run at."""
 
     def for_gradients(self) -> "Precision":
         """This precision with floats at the gradient-reduction width (to price the
@@ -43,12 +49,14 @@ class Precision:
 
     @functools.cached_property
     def _for_gradients(self) -> "Precision":  # made once: every parameter edge asks for it
-        return replace(self, activation_bytes=self.reduce_bytes_per_param)
+        return replace(self, activation_bytes=self.reduce_bytes_per_param, captured_as_run=False)
 
     def tensor_bytes(self, meta: TensorMeta, numel: int | None = None) -> int:
-        """Bytes of an activation: floats at the compute width, others at their own."""
+        """Bytes of an activation: floats at the compute width (at their own where the graph
+        was captured as it runs, ``captured_as_run``), others at their own."""
         n = meta.numel if numel is None else numel
-        return n * (self.activation_bytes if meta.dtype.is_floating_point else meta.dtype.itemsize)
+        floats_at_compute_width = meta.dtype.is_floating_point and not self.captured_as_run
+        return n * (self.activation_bytes if floats_at_compute_width else meta.dtype.itemsize)
 
 
 PRECISIONS = {

@@ -3,5 +3,6 @@ synchronization, checkpoints. ``autopar.compile`` is the entry point."""
 
 from autopar.runtime.compile import CompileError, compile
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.serving import ServingModule, compile_serving
 
-__all__ = ["compile", "CompileError", "ParallelModule"]
+__all__ = ["compile", "compile_serving", "CompileError", "ParallelModule", "ServingModule"]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
 from torch.utils._pytree import tree_leaves
 
 from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_options, plan_pipeline, plan_step,
@@ -126,7 +127,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             solver_time_limit_s: float = 120.0, zero: dict[str, int] | None = None, checkpoint: str | None = None,
             offload: bool | None = None, micro_batches: int | None = None,
             checkpoint_blocks: int | None = None, regather_blocks: int | None = None,
-            pipeline: Pipeline | None = None) -> ParallelModule | PipelinedModule:
+            pipeline: Pipeline | None = None, state_placements: dict[str, tuple[Placement, ...]] | None = None,
+            _shared_state: dict[str, torch.Tensor] | None = None) -> ParallelModule | PipelinedModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's ParallelModule.
 
     The step is ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)`` (with
@@ -151,6 +153,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     the same step and built plans with the same hash. Errors (mesh size != world size, a
     failure on any rank, ranks planning differently or passing different seeds) are
     raised on every rank. A pipeline's open choices are rank 0's search (``pipeline_search``).
+    ``state_placements`` as in :func:`autopar.prepare_step`; ``_shared_state`` (FQN -> this rank's
+    shard, placed so) is another module's state the new one runs on (``compile_serving``).
     """
     if isinstance(pipeline, Pipeline) and pipeline.from_axis is not None:  # rank 0 chooses the depth first
         arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "pipeline")}
@@ -181,7 +185,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
                    memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
                    solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
-                   offload=offload, _masters=compute_dtype is not None)
+                   offload=offload, state_placements=state_placements, _masters=compute_dtype is not None)
     step, pipeline = _planned(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, micro_batches,
                               options)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
@@ -191,7 +195,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             model, mesh, stage_mesh, step, pipeline, init_fn, input_sharded, init_seed, seed, compute_dtype,
             batch_leaves))
     return _on_every_rank("building the rank's program", lambda: build_rank_module(
-        model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves))
+        model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves, _shared_state))
 
 
 def _planned(pipeline: Pipeline | None, model: nn.Module, planning_mesh: Mesh, full_mesh: Mesh,
@@ -261,7 +265,8 @@ def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, exampl
 
     def search() -> tuple[int, str, int, int] | None:
         precision, compute_dtype, planned_model = _planning_model(model, arguments["precision"], planning_mesh)
-        options = {k: v for k, v in arguments.items() if k not in ("init_fn", "init_seed", "seed", "hardware")}
+        options = {k: v for k, v in arguments.items() if k not in ("init_fn", "init_seed", "seed", "hardware",
+                                                                  "_shared_state")}
         chosen = plan_step(planned_model, planning_mesh, example_inputs, pipeline=pipeline,
                            **{**options, "precision": precision, "_masters": compute_dtype is not None}).plan.pipeline
         return None if chosen is None else (chosen.size, chosen.schedule, chosen.micro_batches, chosen.virtual_stages)
@@ -354,17 +359,18 @@ def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
 
 def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
                       input_sharded: bool = False, init_seed: int = 0, seed: int = 0,
-                      compute_dtype: torch.dtype | None = None, batch_leaves: frozenset[int] = frozenset()
-                      ) -> ParallelModule:
+                      compute_dtype: torch.dtype | None = None, batch_leaves: frozenset[int] = frozenset(),
+                      shared: dict[str, torch.Tensor] | None = None) -> ParallelModule:
     """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake
     process group to inspect the generated program). With ``compute_dtype`` (mixed
     precision; the step captured from ``mixed.compute_copy``) the parameters stay
     ``model``'s fp32 masters and the program reads them cast (``passes.cast_parameters``).
-    ``batch_leaves``: the step's input leaves cut into micro-batches (``whole_batch_leaves``)."""
+    ``batch_leaves``: the step's input leaves cut into micro-batches (``whole_batch_leaves``);
+    ``shared``: state taken from another module (``rank_state``)."""
     kind = step_loss_kind(step)  # refused before anything is built
     comm = Comm(mesh, step.ctx.mesh.zigzag_dims())
     program = rank_program(step, mesh, comm, seed, compute_dtype, input_sharded)
-    state = rank_state(model, mesh, step, init_fn, init_seed, compute_dtype)
+    state = rank_state(model, mesh, step, init_fn, init_seed, compute_dtype, shared=shared)
     outputs = []
     for out_name in step.graph.output_names:
         strategy = step.chosen.get(out_name)

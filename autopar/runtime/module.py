@@ -175,7 +175,8 @@ class ParallelModule(nn.Module):
     def _wrap(self, outputs: list[Any]) -> Any:
         """Local outputs as DTensors placed as planned (the loss: replicated); an output split
         on a zig-zag axis (``Mesh.zigzag``) is gathered there first, as a DTensor's shards are
-        contiguous chunks (a collective the plan does not list: outputs of ``train=False``)."""
+        contiguous chunks (the step's last forward collective, as the plan lists and prices it:
+        ``solver.graph.zigzag_output_gathers``)."""
         wrapped = []
         for o, placements in zip(outputs, self._outputs):
             if not isinstance(o, torch.Tensor):
@@ -185,7 +186,7 @@ class ParallelModule(nn.Module):
             whole = tuple(Replicate() if i in self._comm.zigzag and p.is_shard() else p
                           for i, p in enumerate(placements))
             if whole != tuple(placements):
-                o = self._comm.run(o, redistribute_steps(tuple(placements), whole), "output")
+                o = self._comm.run(o, redistribute_steps(tuple(placements), whole), "forward")
             wrapped.append(DTensor.from_local(o, self.device_mesh, whole, run_check=False))
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 

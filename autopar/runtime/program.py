@@ -81,9 +81,11 @@ class RankState:
 
 
 def rank_state(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None, init_seed: int,
-               compute_dtype: torch.dtype | None, keep: Callable[[str], bool] | None = None) -> RankState:
+               compute_dtype: torch.dtype | None, keep: Callable[[str], bool] | None = None,
+               shared: dict[str, torch.Tensor] | None = None) -> RankState:
     """Placeholders and shards; ``keep`` (placeholder name -> bool) limits which state this
-    rank materializes (a pipeline stage holds its own parameters only)."""
+    rank materializes (a pipeline stage holds its own parameters only); ``shared`` (FQN ->
+    local shard, placed as this plan places it) is another program's state, taken as it is."""
     captured, graph, chosen = step.captured, step.graph, step.chosen
     model_state = dict(model.named_parameters()) | dict(model.named_buffers())
     shards = ShardInitializer(model, mesh, init_fn, init_seed)
@@ -105,10 +107,13 @@ def rank_state(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: I
         elif plan_node is not None and plan_node.kind in (PARAM, BUFFER):
             fqn = plan_node.fqn or name
             placeholders.append((name, "param" if plan_node.kind == PARAM else "buffer", fqn))
-            if kept:
+            if kept and shared is not None and fqn in shared:
+                local[name] = shared[fqn]  # the very tensor: writes to a cache buffer reach both programs
+            elif kept:
                 local[name] = shards.local(fqn, model_state[fqn], strategy_out)
                 if plan_node.kind == BUFFER:
                     local[name] = compute_buffer(local[name], compute_dtype)
+            if kept:
                 placements[fqn] = strategy_out
         else:
             assert plan_node is None or plan_node.kind == INPUT

@@ -25,7 +25,7 @@ from autopar.errors import InputError
 from autopar.capture.graph import TensorMeta
 from autopar.cost.moe import is_moe
 from autopar.rules.strategy import OpCall, Strategy, is_strided
-from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.solver.nodes import BUFFER, PARAM, PlanGraph
 
 aten = torch.ops.aten
 
@@ -308,6 +308,20 @@ def _batch_size(graph: PlanGraph, user_inputs: list[str]) -> int | None:
     leading dim (a bias vector, a scalar) are not data to split; they stay free."""
     first = _first_input(graph, user_inputs)
     return None if first is None else first.shape[0]
+
+
+def placement_pins(graph: PlanGraph, placements: dict[str, tuple[Placement, ...]], axis: int, why: str
+                   ) -> dict[str, Pin]:
+    """Every parameter and buffer ``placements`` names (by FQN) pinned to its placement on mesh
+    dim ``axis``: another step's plan, so that two programs run on one copy of the state (a
+    serving deployment's prefill and decode steps, ``runtime.serving``). Exact placements, a
+    strided shard only where the other plan has one: both programs read the same local shard."""
+    pins: dict[str, Pin] = {}
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.kind in (PARAM, BUFFER) and (node.fqn or name) in placements:
+            pins[name] = Pin(output=placements[node.fqn or name][axis], reason=f"{why} ({node.fqn or name})")
+    return pins
 
 
 def zero_pins(graph: PlanGraph, axis: int, axis_name: str, stage: int, axis_size: int

@@ -6,15 +6,16 @@ sequence with keys and values all-gathered ("allgather"); queries, keys and valu
 on it, keys and values passed around the ring ("ring", ``runtime.ring``); or heads split on an
 axis the activations are split on by sequence (Ulysses: all-to-alls around attention).
 ``context_attention`` pins one: "ring" or "allgather" keeps, at every attention call whose
-queries may split on their sequence, only strategies of that kind; "ulysses" keeps only those
-that split no call's queries on their sequence (the sequence-split activations then reach
-attention through all-to-alls to a heads split, or gathered, whichever is cheaper).
+queries may split on their sequence, only strategies of that kind, and at every call none that
+splits heads on a context axis (that would be Ulysses); "ulysses" keeps only those that split no
+call's queries on their sequence (the sequence-split activations then reach attention through
+all-to-alls to a heads split, or gathered, whichever is cheaper).
 """
 
 from __future__ import annotations
 
 from autopar.errors import InputError
-from autopar.hardware import HardwareProfile
+from autopar.mesh import Mesh
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, shard_dim
 from autopar.solver.nodes import PlanGraph, PlanNode
@@ -30,9 +31,12 @@ def sequence_kind(strategy: Strategy, q_ndim: int, k_ndim: int, mesh_dim: int) -
     return "ring" if shard_dim(strategy.inputs[1][mesh_dim]) == k_ndim - 2 else "allgather"
 
 
-def pin_context_attention(graph: PlanGraph, kind: str | None, hardware: HardwareProfile) -> None:
+def pin_context_attention(graph: PlanGraph, kind: str | None, mesh: Mesh, context_axes: tuple[str, ...] = ()
+                          ) -> None:
     """Keep, at each attention call, only the strategies whose sequence splits are of ``kind``
-    (None: every strategy the runtime runs on ``hardware``). Refused where a call would keep none."""
+    (None: every strategy the runtime runs on the mesh's hardware), and for "ring" or "allgather"
+    none splitting heads on ``context_axes``. Refused where a call would keep none."""
+    hardware = mesh.hardware
     if kind not in (None, *KINDS):
         raise InputError(f"context_attention is 'ring', 'allgather', 'ulysses' or None (the solver's choice), "
                          f"got {kind!r}")
@@ -51,7 +55,19 @@ def pin_context_attention(graph: PlanGraph, kind: str | None, hardware: Hardware
         if kind in ("ring", "allgather") and any(kinds) and not any(kind in found for found in kinds):
             raise InputError(f"context_attention={kind!r}: attention call {name} has no strategy of that kind "
                              "(ring attention needs self-attention without dropout, rules.attention)")
-        _keep(node, [i for i, found in enumerate(kinds) if found <= allowed])
+        keep = [i for i, found in enumerate(kinds) if found <= allowed
+                and not (kind in ("ring", "allgather") and _heads_split(node.strategies[i], q, mesh, context_axes))]
+        if kind == "ulysses" and node.strategies and not keep:  # else the solver fails on an empty choice
+            raise InputError(f"context_attention='ulysses': attention call {name} has no strategy splitting its heads "
+                             "on the context axes, and its output must stay split there: its heads and key/value "
+                             "heads must divide by the ranks (into 2n chunks on a zig-zag axis)")
+        _keep(node, keep)
+
+
+def _heads_split(strategy: Strategy, q_ndim: int, mesh: Mesh, context_axes: tuple[str, ...]) -> bool:
+    """Whether ``strategy`` splits the queries' heads (4-D calls) on a context axis: Ulysses there."""
+    return q_ndim >= 4 and any(shard_dim(strategy.inputs[0][mesh.names.index(a)]) == q_ndim - 3
+                               for a in context_axes if mesh.axes[a] > 1)
 
 
 def _keep(node: PlanNode, keep: list[int]) -> None:

@@ -156,12 +156,13 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     settle_gradients(nodes, order, loss, ctx, leaf_costs, probes)
     for name, fx_node in blocks.items():  # priced by their subgraphs, with or without their backward
         nodes[name].costs = [block_cost(fx_node, ctx, backward=nodes[name].needs_grad)] * len(nodes[name].strategies)
+    gathered = set(output_names) if not ctx.train and ctx.mesh.zigzag_dims() else set()
     for name in order:  # a loss's own collectives (its count, the whole loss), an expert layer's all-to-alls
         node = nodes[name]
-        if name == loss or (node.call is not None and (node.call.target in MEAN_AS_PARTIAL
-                                                       or is_moe(node.call.target))):
-            node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(node, s, ctx, name == loss))
-                               * step_repeats(ctx) for s in node.strategies]
+        if name == loss or name in gathered or (node.call is not None and (node.call.target in MEAN_AS_PARTIAL
+                                                                           or is_moe(node.call.target))):
+            node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(
+                node, s, ctx, name == loss, name in gathered)) * step_repeats(ctx) for s in node.strategies]
         elif node.call is not None and node.call.target in ATTENTION_OPS:  # ring attention's sends, as waited for
             times = [ring_waited_time(node.call, s, ctx.mesh, ctx.precision, ctx.train) * step_repeats(ctx)
                      for s in node.strategies]
@@ -189,14 +190,29 @@ def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode]) ->
                 "torch.no_grad() (torch.export does not record torch.inference_mode() blocks)")
 
 
-def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool) -> list[CollectiveCall]:
+def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool,
+                    is_output: bool = False) -> list[CollectiveCall]:
     """Collectives a node's strategy runs by itself: a batch-split mean loss summing its count,
-    an expert-parallel layer's all-to-alls (``cost.moe``, forward and backward) and the step's
-    loss reduced so that every rank returns all of it."""
+    an expert-parallel layer's all-to-alls (``cost.moe``, forward and backward), the step's
+    loss reduced so that every rank returns all of it, and a forward step's output gathered on
+    its zig-zag axes."""
     calls = loss_count_reductions(node, strategy, ctx)
     if node.call is not None:
         calls += [c.call for c in moe_collectives(node.call, strategy, ctx.mesh, ctx.precision, ctx.train)]
+    if is_output:
+        calls += zigzag_output_gathers(node, strategy, ctx)
     return [*calls, *loss_replication(node, strategy, ctx)] if is_loss else calls
+
+
+def zigzag_output_gathers(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
+    """A forward step's output split on a zig-zag axis is gathered there before the user sees it
+    (``ParallelModule._wrap``: a DTensor's shards are contiguous chunks): the steps it runs."""
+    out, meta = strategy.outputs[0], node.outputs[0]
+    zigzag = ctx.mesh.zigzag_dims()
+    if ctx.train or out is None or meta is None or not zigzag:
+        return []
+    whole = tuple(R if d in zigzag and p.is_shard() else p for d, p in enumerate(out))
+    return reshard(meta, out, whole, ctx.mesh, ctx.precision) if whole != tuple(out) else []
 
 
 def count_source(node: PlanNode, ctx: CostContext) -> str:

@@ -1,10 +1,12 @@
 """Things a plan did that its user did not ask for and should know: batch splits it could not
-make, and how attention runs where its sequence is split (context parallelism)."""
+make, how attention runs where its sequence is split (context parallelism), and the expert load
+imbalance an expert-parallel plan is priced at."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+from autopar.cost.moe import expert_dims, is_moe
 from autopar.mesh import Mesh
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, placement_str, shard_dim
@@ -78,3 +80,19 @@ def context_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh) -> 
     return [f"context parallel attention on {axis}: " + "; ".join(f"{kind} in {n} of {calls} calls"
                                                                   for kind, n in sorted(counts.items()))
             + (ZIGZAG if axis in mesh.zigzag else "") for axis, counts in kinds.items()]
+
+
+def expert_notes(graph: PlanGraph, chosen: dict[str, Strategy], mesh: Mesh) -> list[str]:
+    """Where expert layers run expert parallel, the load imbalance they are priced at (the busiest
+    rank's (token, expert) pairs over the mean, ``HardwareProfile.moe_imbalance``): it scales their
+    all-to-all bytes and expert FLOPs (``cost.moe``), and real routing may be better or worse."""
+    axes: Counter[str] = Counter()
+    for name in graph.order:
+        node = graph.nodes[name]
+        if node.call is not None and is_moe(node.call.target):
+            axes.update(mesh.names[d] for d in expert_dims(chosen[name], mesh.shape))
+    if not axes:
+        return []
+    where = ", ".join(f"{n} layers on {axis}" for axis, n in sorted(axes.items()))
+    return [f"expert parallel ({where}): priced at an expert load imbalance of {mesh.hardware.moe_imbalance:g} "
+            "(busiest rank's pairs / mean; set by HardwareProfile.moe_imbalance, CLI --moe-imbalance)"]

@@ -19,7 +19,8 @@ from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.solver.blocks import Folding
 from autopar.solver.memory import MemoryPlan
 from autopar.solver.grad_terms import single_use_params
-from autopar.solver.graph import edge_flags, loss_count_reductions, loss_replication, price_edge
+from autopar.solver.graph import (edge_flags, loss_count_reductions, loss_replication, price_edge,
+                                  zigzag_output_gathers)
 from autopar.solver.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
 from autopar.solver.recompute import block_peak, freed_before_recompute, recompute_peak
@@ -433,6 +434,9 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         loss = graph.nodes[graph.loss]
         for call in loss_replication(loss, chosen[graph.loss], ctx):
             ledger.record(call, "forward", graph.loss, "output", loss.module, step_repeats(ctx))
+    for name in dict.fromkeys(graph.output_names):  # a forward step's outputs, gathered on zig-zag axes
+        for call in zigzag_output_gathers(graph.nodes[name], chosen[name], ctx):
+            ledger.record(call, "forward", name, "output", graph.nodes[name].module, step_repeats(ctx))
     total_comm = sum(c.time_s * c.count for c in ledger.collectives)
     # buckets and reduce-scatters behind the last backward; prefetched gathers behind their neighbouring blocks
     hidden = beside + windows.windowed_s - windows.exposed_s + ledger.hidden_s  # and ring sends under their blocks
