@@ -70,10 +70,10 @@ def test_interpolation_matches_a_held_out_planned_step(wide: Llama) -> None:
     times = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
                             transfer_intra_node=True)
     limit = H100.memory_limit()
-    decode = StepShape(batch=64, steps=1, max_len=1024)  # between the planned batches (32, 128) and contexts
+    decode = StepShape(batch=64, steps=1, max_len=1024)  # between the planned batches (32, 128) and contexts (512, 2048)
     prefill = StepShape(batch=1, steps=1024, max_len=1024)  # between the planned chunks (256, 2048)
-    direct_decode = plan_point(wide, H100, 8, 2, decode, limit).step_time_s
-    direct_prefill = plan_point(wide, H100, 8, 2, prefill, limit).step_time_s
+    direct_decode = plan_point(wide, H100, 8, 2, decode, limit, times.state).step_time_s  # the replica's layout
+    direct_prefill = plan_point(wide, H100, 8, 2, prefill, limit, times.state).step_time_s
     assert times.decode_s(decode.batch, decode.context_tokens) == pytest.approx(direct_decode, rel=0.05)
     assert times.prefill_s(prefill.tokens, prefill.pairs) == pytest.approx(direct_prefill, rel=0.05)
 
@@ -112,3 +112,15 @@ def test_not_servable_models_are_refused() -> None:
         with torch.device("meta"):
             short = Llama(LlamaConfig(max_seq_len=64))
         autopar.plan_serving(short, autopar.Cluster(devices=2), WORKLOAD, SLO)
+
+
+def test_a_replicas_steps_share_one_weight_layout(wide: Llama) -> None:
+    """A replica holds one copy of its weights: every planned step of a layout places them alike."""
+    for layout in ("decode", "prefill"):
+        times = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
+                                transfer_intra_node=True, layout=layout)
+        own = times.decode_points if layout == "decode" else times.prefill_points
+        assert all(p.state == times.state for p in own)
+    decode = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
+                             transfer_intra_node=True)
+    assert all(p.state == decode.state for p in decode.prefill_points)  # an aggregated replica's prefills too

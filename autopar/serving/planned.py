@@ -8,8 +8,8 @@ larger of FLOPs at peak and bytes at bandwidth, plus its collectives):
   request adds its activations, sampled logits and all-reduce bytes, and its attention reads its
   cache (writes, gathers and the masked product all scale with B x L). So
   ``t = w + beta B + gamma C`` with C = B x L the context tokens read. Planned at (B1, L1), (B2, L1),
-  (B1, L2) (``DECODE_BATCHES`` and two contexts: a short one and the workload's longest), the
-  three coefficients solved exactly.
+  (B2, L2) (``DECODE_BATCHES`` and two contexts: a quarter of the workload's longest request and the
+  longest), the three coefficients solved exactly.
 - Prefill, one chunk of T tokens over a cache of L positions: compute-bound past a few hundred
   tokens, its matmuls linear in T and its attention in the (query, key) pairs it computes, T x L.
   So ``t = a + b T + c P``; planned at (T1, T1), (T2, T2) and (T1, T2) (two whole prompts and a
@@ -25,7 +25,9 @@ larger of FLOPs at peak and bytes at bandwidth, plus its collectives):
   rooflines summed are convex, so the lines are chords between their points (pessimistic inside,
   optimistic beyond); ``tests/test_serving_plan.py`` checks a held-out planned point against the fit.
 
-Each step is planned leaving room for a full batch's caches (``Reserve``). KV capacity per replica: the
+All steps of a replica are planned with its parameters placed alike (``plan_step_times``'s layouts: a
+replica holds one copy of its weights, as ``compile_serving`` runs it), each leaving room for a full
+batch's caches (``Reserve``). KV capacity per replica: the
 device memory limit less the largest (weights + activations other than the cache) over the planned points
 its phases run, over the plan's KV bytes per token per device (the cache buffers' shares as the plan
 places them). Planned steps are cached per model, mesh, memory limit and shape, so a search over SLOs or
@@ -41,12 +43,14 @@ from typing import Any
 
 import numpy as np
 from torch import nn
+from torch.distributed.tensor import Placement
 
 from autopar.cost.collectives import point_to_point_time
 from autopar.errors import InputError
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
 from autopar.solver.ilp import MemoryLimitError
+from autopar.solver.nodes import PARAM
 from autopar.serving.servable import StepShape, cache_buffers, kv_bytes_per_token, step_inputs
 
 DECODE_BATCHES = (32, 128)
@@ -74,6 +78,12 @@ class PlannedPoint:
     """KV-cache bytes a token takes over the whole replica's cache (every layer, keys and values, unsplit)."""
     parameters: dict[str, str] = field(repr=False)
     """The plan's placement of every parameter (a serving plan reports them)."""
+    state: "State" = field(repr=False)
+    """The parameters' placements as ``prepare_step(state_placements=)`` takes them (to pin other steps)."""
+
+
+State = tuple[tuple[str, tuple[Placement, ...]], ...]
+"""Parameter FQN -> placement per mesh axis, as a sorted tuple (hashable: a key of the cache of planned steps)."""
 
 
 _PLANNED: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, PlannedPoint | InputError]]" = weakref.WeakKeyDictionary()
@@ -82,13 +92,14 @@ planned (no plan fits the memory) keeps its error, which is as costly to find as
 
 
 def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
-               memory_limit: float) -> PlannedPoint:
-    """The step ``shape`` planned forward-only on a ``{"tp": tp}`` mesh of ``profile`` (cached)."""
-    key = (profile.name, devices_per_node, tp, memory_limit, shape)
+               memory_limit: float, pinned: State = ()) -> PlannedPoint:
+    """The step ``shape`` planned forward-only on a ``{"tp": tp}`` mesh of ``profile`` (cached), its
+    parameters placed as ``pinned`` says (another step's ``state``: one replica holds one copy of its weights)."""
+    key = (profile.name, devices_per_node, tp, memory_limit, shape, pinned)
     cache = _PLANNED.setdefault(model, {})
     if key not in cache:
         try:
-            cache[key] = _planned(model, profile, devices_per_node, tp, shape, memory_limit)
+            cache[key] = _planned(model, profile, devices_per_node, tp, shape, memory_limit, pinned)
         except InputError as exc:
             cache[key] = exc
     found = cache[key]
@@ -98,14 +109,18 @@ def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int
 
 
 def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
-             memory_limit: float) -> PlannedPoint:
+             memory_limit: float, pinned: State) -> PlannedPoint:
     """``plan_point`` uncached."""
     from autopar.api import plan_step  # serving sits above the planner; imported late to keep import order free
 
     inputs = step_inputs(model, shape)
     buffers = cache_buffers(model, shape)
     mesh = Mesh({"tp": tp}, profile, devices_per_node)
-    plan = plan_step(model, mesh, inputs, train=False, memory_limit=memory_limit).plan
+    planned = plan_step(model, mesh, inputs, train=False, memory_limit=memory_limit,
+                        state_placements=dict(pinned) if pinned else None)
+    plan = planned.plan
+    state = tuple(sorted((node.fqn or name, tuple(planned.chosen[name].outputs[0]))
+                         for name, node in planned.graph.nodes.items() if node.kind == PARAM))
     kv_device = 0.0
     for node in plan.nodes:  # the cache buffers as the plan places them
         if node.op == "buffer" and node.shapes and node.shapes[0][:2] == [shape.batch, shape.max_len]:
@@ -119,7 +134,7 @@ def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, 
                         weight_bytes=parts.get("weights", plan.predicted.parameter_memory_bytes),
                         working_bytes=max(parts.get("activations", 0.0) - cache_bytes, 0.0),
                         kv_bytes_per_token_device=kv_device, kv_bytes_per_token=kv_bytes_per_token(buffers),
-                        parameters=dict(plan.parameters))
+                        parameters=dict(plan.parameters), state=state)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,15 +154,15 @@ class Reserve:
     limit: float
     """The device's memory limit."""
 
-    def plan(self, model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape
-             ) -> PlannedPoint:
+    def plan(self, model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
+             pinned: State = ()) -> PlannedPoint:
         spare = max(self.tokens - shape.batch * shape.max_len, 0) * self.bytes_per_token
         if spare and spare < self.limit:
             try:
-                return plan_point(model, profile, devices_per_node, tp, shape, self.limit - spare)
+                return plan_point(model, profile, devices_per_node, tp, shape, self.limit - spare, pinned)
             except MemoryLimitError:
                 pass
-        return plan_point(model, profile, devices_per_node, tp, shape, self.limit)
+        return plan_point(model, profile, devices_per_node, tp, shape, self.limit, pinned)
 
 
 def _solve(rows: list[tuple[float, float, float]], times: list[float]) -> tuple[float, float, float]:
@@ -172,6 +187,8 @@ class PlannedStepTimes:
     """KV bytes a token takes on one device of the replica."""
     transfer_mesh: Mesh = field(repr=False, compare=False)
     """Two devices whose link carries a KV transfer (intra- or inter-node)."""
+    state: State = field(repr=False, compare=False)
+    """The replica's parameter placements (its layout's anchor step's), every other planned step pinned to them."""
     prefill_points: tuple[PlannedPoint, ...] = field(repr=False, compare=False)
     """The planned prefill steps the line goes through."""
     decode_points: tuple[PlannedPoint, ...] = field(repr=False, compare=False)
@@ -220,32 +237,49 @@ def kv_capacity(points: tuple[PlannedPoint, ...], memory_limit: float, per_token
 
 def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, *,
                     max_context: int, token_budget: int, max_positions: int, transfer_intra_node: bool,
-                    kv_reserve_tokens: int = 0, step_overhead_s: float = 0.0) -> PlannedStepTimes:
+                    kv_reserve_tokens: int = 0, step_overhead_s: float = 0.0, layout: str = "decode"
+                    ) -> PlannedStepTimes:
     """A replica of ``tp`` devices: its prefill and decode steps planned (module docstring) and fitted.
     ``max_context``: the longest request (prompt + output) to serve; ``max_positions``: the model's limit;
-    ``kv_reserve_tokens``: KV-cache tokens the steps are planned to leave room for (``Reserve``)."""
+    ``kv_reserve_tokens``: KV-cache tokens the steps are planned to leave room for (``Reserve``).
+
+    One replica holds one copy of its weights, so every step is planned with the parameters placed as
+    one anchor step's plan (``compile_serving`` runs them so): ``layout="decode"`` (aggregated and decode
+    replicas) anchors at the largest decode step, planned freely; ``"prefill"`` (prefill replicas) at the
+    largest prefill step, its decode line borrowed from the decode layout (a prefill replica decodes
+    nothing: the line only floors its small chunks at a read of the weights)."""
+    if layout not in ("decode", "prefill"):
+        raise InputError(f"layout must be 'decode' or 'prefill', got {layout!r}")
     limit = profile.memory_limit()
-    step_inputs(model, StepShape(batch=1, steps=1, max_len=2))
-    reserve = Reserve(tokens=kv_reserve_tokens, bytes_per_token=kv_bytes_per_token(cache_buffers(
-        model, StepShape(batch=1, steps=1, max_len=2))) / tp, limit=limit)
+    probe = StepShape(batch=1, steps=1, max_len=2)
+    step_inputs(model, probe)
+    reserve = Reserve(tokens=kv_reserve_tokens, bytes_per_token=kv_bytes_per_token(cache_buffers(model, probe)) / tp,
+                      limit=limit)
     long = min(max_context, max_positions)
     short = max(long // 4, 1)
     if long <= short:
         raise InputError(f"requests of up to {max_context} tokens are too short to plan decode steps at two contexts")
     t1, t2 = min(PREFILL_TOKENS[0], max_positions // 2), min(max(token_budget, PREFILL_TOKENS[0] * 2), max_positions)
-    prefill = tuple(reserve.plan(model, profile, devices_per_node, tp, StepShape(batch=1, steps=t, max_len=n))
-                    for t, n in ((t1, t1), (t2, t2), (t1, t2)))
     b1, b2 = DECODE_BATCHES
-    decode = tuple(reserve.plan(model, profile, devices_per_node, tp, StepShape(batch=b, steps=1, max_len=n))
-                   for b, n in ((b1, short), (b2, short), (b1, long)))
+
+    def points(shapes: list[StepShape], anchor: int, pinned: State) -> tuple[PlannedPoint, ...]:
+        first = reserve.plan(model, profile, devices_per_node, tp, shapes[anchor], pinned)
+        pinned = pinned or first.state
+        return tuple(first if i == anchor else reserve.plan(model, profile, devices_per_node, tp, shape, pinned)
+                     for i, shape in enumerate(shapes))
+    decode_shapes = [StepShape(batch=b, steps=1, max_len=n) for b, n in ((b1, short), (b2, short), (b2, long))]
+    prefill_shapes = [StepShape(batch=1, steps=t, max_len=n) for t, n in ((t1, t1), (t2, t2), (t1, t2))]
+    decode = points(decode_shapes, 2, ())
+    prefill = points(prefill_shapes, 1, decode[2].state if layout == "decode" else ())
     decode_line = _solve([(1, p.shape.tokens, p.shape.context_tokens) for p in decode],
                          [p.step_time_s for p in decode])
     prefill_line = _solve([(1, p.shape.tokens, p.shape.pairs) for p in prefill], [p.step_time_s for p in prefill])
     pair = Mesh({"pd": 2}, profile, devices_per_node=2 if transfer_intra_node else 1)
     # Aggregated by default: both phases' steps, the caches as the decode plans keep them (decodes hold them longest).
     times = PlannedStepTimes(tp=tp, decode_line=decode_line, prefill_line=prefill_line, kv_capacity_tokens=0,
-                             kv_bytes_per_token_device=0.0, transfer_mesh=pair, prefill_points=prefill,
-                             decode_points=decode, step_overhead_s=step_overhead_s)
+                             kv_bytes_per_token_device=0.0, transfer_mesh=pair,
+                             state=decode[2].state if layout == "decode" else prefill[1].state,
+                             prefill_points=prefill, decode_points=decode, step_overhead_s=step_overhead_s)
     return times.for_phases(prefill + decode, decode, limit)
 
 

@@ -80,6 +80,8 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
     unit = min(cluster.devices, cluster.devices_per_node)
     times, skipped = _replica_times(model, cluster, unit, lengths, (max_batch, token_budget), tp_degrees,
                                     step_overhead_s)
+    prefill_times = {tp: _prefill_layout(model, cluster, t, lengths, (max_batch, token_budget), step_overhead_s)
+                     for tp, t in times.items()}
     steps_s = time.perf_counter() - started
     if not times:
         raise InputError("no replica of the model can be planned on this cluster: "
@@ -88,12 +90,12 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
     search = _Search(workload=workload, slo=slo, lengths=lengths, rel_tol=rel_tol)
     for size in _unit_sizes(cluster, unit, times, disaggregated):
         intra = size <= cluster.devices_per_node  # a two-node unit sends its caches over the network
-        role_times = {(tp, role): _for_role(t, role, limit, intra) for tp, t in times.items()
-                      for role in ("serve", "prefill", "decode")}
+        role_times = {(tp, role): _for_role(prefill_times[tp] if role == "prefill" else t, role, limit, intra)
+                      for tp, t in times.items() for role in ("serve", "prefill", "decode")}
         search.run(deployments(size, sorted(times), lambda tp, role: role_times[tp, role], max_batch=max_batch,
                                token_budget=token_budget, disaggregated=disaggregated,
                                aggregated=size == unit), cluster.devices // size)
-    return build_plan(results=search.ranked(), pruned=search.pruned, times=times, skipped=skipped, cluster=cluster,
+    return build_plan(results=search.ranked(), pruned=search.pruned, skipped=skipped, cluster=cluster,
                       workload=workload, slo=slo, lengths=(lengths.mean_prompt, lengths.mean_output),
                       planning_s=time.perf_counter() - started, steps_s=steps_s,
                       model_name=type(model).__name__)
@@ -138,6 +140,21 @@ def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengt
                            f"the longest request's {lengths.longest}")
             del times[tp]
     return times, skipped
+
+
+def _prefill_layout(model: nn.Module, cluster: Cluster, times: PlannedStepTimes, lengths: Lengths,
+                    batching: tuple[int, int], overhead: float) -> PlannedStepTimes:
+    """A prefill replica's step times, its weights placed as its largest prefill step's plan wants them; the
+    decode layout's (``times``) where that layout cannot be planned."""
+    max_batch, token_budget = batching
+    try:
+        return plan_step_times(model, cluster.profile, cluster.devices_per_node, times.tp,
+                               max_context=lengths.longest, token_budget=token_budget,
+                               max_positions=getattr(model, "max_positions", None) or 1 << 30,
+                               transfer_intra_node=True, step_overhead_s=overhead, layout="prefill",
+                               kv_reserve_tokens=round(max_batch * (lengths.mean_prompt + lengths.mean_output)))
+    except InputError:
+        return times
 
 
 def _for_role(times: PlannedStepTimes, role: str, limit: float, intra_node: bool) -> PlannedStepTimes:

@@ -127,8 +127,7 @@ class ServingPlan:
         return buffer.getvalue().rstrip()
 
 
-def _pool_plan(pool: Pool, role: str, units: int, times: PlannedStepTimes, lengths: tuple[float, float],
-               transfer: bool) -> PoolPlan:
+def _pool_plan(pool: Pool, role: str, units: int, lengths: tuple[float, float], transfer: bool) -> PoolPlan:
     st = pool.step_times
     assert isinstance(st, PlannedStepTimes)
     prompt, output = lengths
@@ -144,21 +143,19 @@ def _pool_plan(pool: Pool, role: str, units: int, times: PlannedStepTimes, lengt
                                                                              round(prompt * (prompt + 1) / 2)),
                     decode_step_s=0.0 if role == "prefill" else st.decode_s(batch, context),
                     kv_transfer_s=st.kv_transfer_s(round(prompt)) if transfer else 0.0,
-                    decode_line=st.decode_line, prefill_line=st.prefill_line, planned_steps=describe_points(times),
+                    decode_line=st.decode_line, prefill_line=st.prefill_line, planned_steps=describe_points(st),
                     parameters=dict(max(main, key=lambda p: p.shape.tokens * p.shape.max_len).parameters))
 
 
-def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, times: dict[int, PlannedStepTimes],
-               skipped: dict[int, str], cluster: Cluster, workload: Workload, slo: SLO,
-               lengths: tuple[float, float], planning_s: float, steps_s: float = 0.0,
+def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, skipped: dict[int, str], cluster: Cluster,
+               workload: Workload, slo: SLO, lengths: tuple[float, float], planning_s: float, steps_s: float = 0.0,
                model_name: str = "") -> ServingPlan:
     """The plan of the best result (``results``: a unit's result and the cluster's units, best first), with
     the search's figures."""
     best, units = results[0]
     d = best.deployment
     roles = (("serve", d.serve),) if d.serve is not None else (("prefill", d.prefill), ("decode", d.decode))
-    pools = [_pool_plan(p, role, units, times[p.step_times.tp], lengths, role == "decode")  # type: ignore[union-attr]
-             for role, p in roles if p is not None]
+    pools = [_pool_plan(p, role, units, lengths, role == "decode") for role, p in roles if p is not None]
     report = best.report
     q = round(slo.percentile * 100)
     unit_devices = d.devices
