@@ -147,6 +147,11 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @property
+    def max_positions(self) -> int:
+        """Positions a serving step may reach (the rotary table's length): ``plan_serving`` reads it."""
+        return self.cfg.max_seq_len
+
     def setup_cache(self, slots: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> None:
         """Give every attention a KV cache of ``slots`` sequences of up to ``max_len`` tokens (default:
         the rotary table's length) for serving steps: ``model(tokens, positions, slots)``."""
@@ -218,3 +223,35 @@ def build_7b(batch: int = 8) -> tuple[Llama, tuple[torch.Tensor], object, tuple[
         model = Llama(cfg)
     tokens = torch.zeros(batch, cfg.max_seq_len, dtype=torch.long, device="meta")
     return model, (tokens,), lm_loss, (tokens,)
+
+
+LLAMA3_8B = LlamaConfig(vocab_size=128256, max_seq_len=8192, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                        layers=32, rope_theta=500000.0)
+"""Llama-3-8B's shape (Meta's config.json)."""
+LLAMA3_70B = LlamaConfig(vocab_size=128256, max_seq_len=8192, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
+                         layers=80, rope_theta=500000.0)
+"""Llama-3-70B's shape."""
+
+
+def build_serving(cfg: LlamaConfig) -> Llama:
+    """A bf16 model of ``cfg`` on the meta device, for ``autopar serve-plan`` (planning only: no weights
+    are allocated; ``plan_serving`` gives it its KV cache through ``setup_cache``)."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return model.to(torch.bfloat16).eval()
+
+
+def build_8b_serving() -> Llama:
+    """Llama-3-8B's shape for ``autopar serve-plan examples/llama.py:build_8b_serving``."""
+    return build_serving(LLAMA3_8B)
+
+
+def build_70b_serving() -> Llama:
+    """Llama-3-70B's shape for ``autopar serve-plan examples/llama.py:build_70b_serving``."""
+    return build_serving(LLAMA3_70B)
+
+
+def build_small_serving() -> Llama:
+    """A 4-layer, 1024-wide Llama on the meta device: plans in seconds (tests, ``autopar serve-plan`` demos)."""
+    return build_serving(LlamaConfig(vocab_size=32000, max_seq_len=2048, hidden=1024, heads=16, kv_heads=8,
+                                     ffn_hidden=2816, layers=4))

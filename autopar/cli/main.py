@@ -1,4 +1,5 @@
-"""``autopar plan FILE.py:FUNC --mesh dp=2,tp=4 [--hardware h100] [--json plan.json] [--trace step.json]``."""
+"""``autopar plan FILE.py:FUNC --mesh dp=2,tp=4 [--hardware h100] [--json plan.json] [--trace step.json]``;
+``autopar serve-plan FILE.py:FUNC --devices N ...`` (``autopar.cli.serve``)."""
 
 from __future__ import annotations
 
@@ -247,12 +248,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--trace", metavar="FILE", help="also write the predicted step as a timeline (Chrome trace JSON)")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
+    from autopar.cli.serve import add_parser
+
+    add_parser(sub, EXIT_CODES)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line exits with 2 (argparse's usage error)
     try:
+        if args.command == "serve-plan":
+            from autopar.cli.serve import serve_command
+
+            return serve_command(args)
         return plan_command(args)
     except InputError as exc:  # what the user handed in (capture, memory and time limits included): one message
         print(f"autopar: error: {exc}", file=sys.stderr)

@@ -9,8 +9,10 @@ step times (a later slice).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from autopar.errors import InputError
-from autopar.serving.deployment import Deployment, Pool
+from autopar.serving.deployment import Deployment, Pool, StepTimes
 from autopar.serving.roofline import RooflineStepTimes, TransformerShape
 from autopar.serving.workload import Cluster
 
@@ -31,31 +33,40 @@ def candidate_deployments(cluster: Cluster, model: TransformerShape, *, max_batc
                           token_budget: int = 2048, disaggregated: bool = True,
                           step_overhead_s: float = 0.0) -> list[Deployment]:
     """Aggregated deployments for each TP degree, then (``disaggregated``) every prefill/decode split."""
-    def times(tp: int) -> RooflineStepTimes:
+    def times(tp: int, role: str) -> RooflineStepTimes:
         # One node holds the whole cluster: KV transfers stay on NVLink; otherwise price the network.
         return RooflineStepTimes(model=model, hardware=cluster.profile, tp=tp,
                                  devices_per_node=cluster.devices_per_node, activation_tokens=token_budget,
                                  transfer_intra_node=cluster.devices <= cluster.devices_per_node,
                                  step_overhead_s=step_overhead_s)
 
-    def pool(tp: int, replicas: int) -> Pool:
-        return Pool(step_times=times(tp), replicas=replicas, devices_per_replica=tp, max_batch=max_batch,
-                    token_budget=token_budget, label=f"tp={tp}")
-
     degrees = tp_degrees(cluster, model)
     if not degrees:
         raise InputError(f"no TP degree up to {cluster.devices_per_node} splits the model evenly")
-    out = [Deployment(name=f"agg tp={tp} x{cluster.devices // tp}", serve=pool(tp, cluster.devices // tp))
-           for tp in degrees if cluster.devices % tp == 0]
+    return deployments(cluster.devices, degrees, times, max_batch=max_batch, token_budget=token_budget,
+                       disaggregated=disaggregated)
+
+
+def deployments(devices: int, degrees: list[int], times: Callable[[int, str], StepTimes], *, max_batch: int = 256,
+                token_budget: int = 2048, disaggregated: bool = True, aggregated: bool = True) -> list[Deployment]:
+    """Every deployment of ``devices`` whose replicas have one of the TP ``degrees``: aggregated ones
+    filling the devices, then (``disaggregated``) every split into whole prefill and decode replicas.
+    ``times(tp, role)``: a replica's step times in its role ("serve", "prefill" or "decode")."""
+    def pool(tp: int, replicas: int, role: str) -> Pool:
+        return Pool(step_times=times(tp, role), replicas=replicas, devices_per_replica=tp, max_batch=max_batch,
+                    token_budget=token_budget, label=f"tp={tp}")
+
+    out = [Deployment(name=f"agg tp={tp} x{devices // tp}", serve=pool(tp, devices // tp, "serve"))
+           for tp in degrees if devices % tp == 0 and aggregated]
     if not disaggregated:
         return out
     for tp_p in degrees:
         for tp_d in degrees:
-            for n_p in range(1, cluster.devices // tp_p + 1):
-                decode_devices = cluster.devices - n_p * tp_p
+            for n_p in range(1, devices // tp_p + 1):
+                decode_devices = devices - n_p * tp_p
                 if decode_devices < tp_d or decode_devices % tp_d:
                     continue
                 n_d = decode_devices // tp_d
                 out.append(Deployment(name=f"disagg {n_p}P(tp={tp_p}) + {n_d}D(tp={tp_d})",
-                                      prefill=pool(tp_p, n_p), decode=pool(tp_d, n_d)))
+                                      prefill=pool(tp_p, n_p, "prefill"), decode=pool(tp_d, n_d, "decode")))
     return out

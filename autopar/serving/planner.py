@@ -1,0 +1,239 @@
+"""``plan_serving``: the serving deployment of a model on a cluster with the highest goodput under an SLO.
+
+1. Every TP degree a replica may have (divisors of the node up to the cluster) gets its step times
+   from ILP plans of its prefill and decode steps (``planned.plan_step_times``); a degree whose
+   steps cannot be planned (the weights do not fit, the heads do not split) is left out with its reason.
+2. The cluster is cut into identical units of one node (or the whole cluster when smaller); a unit's
+   candidates are every aggregated deployment and every prefill/decode split of its devices
+   (``candidates.deployments``), KV transfers on the node's links. Arrivals split evenly over the
+   units (a Poisson stream thinned at random is Poisson), so a unit serves rate/units and the
+   cluster's goodput is units x the unit's. Devices beyond whole units stay idle (said in the plan).
+3. Candidates are searched best bound first (``_throughput_bound``: what the pools could process
+   at full batches, ignoring the SLO, an upper bound of goodput under the fitted step times); one whose
+   bound does not beat the best goodput found is not simulated. The rest go through DistServe's
+   goodput search (``goodput.find_goodput``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from torch import nn
+
+from autopar.errors import InputError, InputTypeError
+from autopar.mesh import Mesh
+from autopar.serving.candidates import deployments
+from autopar.serving.deployment import Deployment, Pool
+from autopar.serving.goodput import GoodputResult, find_goodput
+from autopar.serving.planned import PlannedStepTimes, plan_step_times
+from autopar.serving.servable import check_servable
+from autopar.serving.serving_plan import ServingPlan, build_plan
+from autopar.serving.workload import SLO, Cluster, Workload
+
+_SAMPLE = 4096
+"""Requests drawn to read the workload's lengths (means, longest): enough for the tail, deterministic."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lengths:
+    """The workload's request lengths as the planning reads them."""
+
+    mean_prompt: float
+    """Mean prompt tokens."""
+    mean_output: float
+    """Mean output tokens."""
+    longest: int
+    """Longest request (prompt + output) of the sample: the decode steps are planned up to it."""
+    shortest_prompt: int
+    """Shortest prompt of the sample."""
+    single_token: float
+    """Fraction of requests with one output token (their TPOT is 0)."""
+
+    @classmethod
+    def of(cls, workload: Workload) -> "Lengths":
+        r = workload.sample(_SAMPLE)
+        return cls(mean_prompt=float(r.prompt_tokens.mean()), mean_output=float(r.output_tokens.mean()),
+                   longest=int((r.prompt_tokens + r.output_tokens).max()), shortest_prompt=int(r.prompt_tokens.min()),
+                   single_token=float(np.mean(r.output_tokens == 1)))
+
+
+def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SLO, *, max_batch: int = 256,
+                 token_budget: int = 2048, disaggregated: bool = True, tp_degrees: tuple[int, ...] | None = None,
+                 step_overhead_s: float = 0.0, rel_tol: float = 0.02) -> ServingPlan:
+    """The deployment of ``model`` on ``cluster`` serving ``workload`` with the highest goodput under ``slo``
+    (module docstring). ``model`` must be servable (``autopar.serving.servable``); a model built on the meta
+    device plans without allocating. ``max_batch`` and ``token_budget`` are every pool's batching limits
+    (vLLM's ``max_num_seqs``, ``max_num_batched_tokens``); ``tp_degrees`` restricts the replicas' TP degrees;
+    ``step_overhead_s`` adds fixed seconds per step; ``rel_tol`` is the goodput search's precision."""
+    started = time.perf_counter()
+    for value, kind in ((cluster, Cluster), (workload, Workload), (slo, SLO)):
+        if not isinstance(value, kind):
+            raise InputTypeError(f"plan_serving needs a {kind.__name__}, got {type(value).__name__}")
+    check_servable(model)
+    lengths = Lengths.of(workload)
+    positions = getattr(model, "max_positions", None) or 1 << 30
+    if lengths.longest > positions:
+        raise InputError(f"requests of up to {lengths.longest} tokens (prompt + output) exceed the model's "
+                         f"{positions} positions")
+    unit = min(cluster.devices, cluster.devices_per_node)
+    times, skipped = _replica_times(model, cluster, unit, lengths, (max_batch, token_budget), tp_degrees,
+                                    step_overhead_s)
+    prefill_times = {tp: _prefill_layout(model, cluster, t, lengths, (max_batch, token_budget), step_overhead_s)
+                     for tp, t in times.items()}
+    steps_s = time.perf_counter() - started
+    if not times:
+        raise InputError("no replica of the model can be planned on this cluster: "
+                         + "; ".join(f"tp={tp}: {why}" for tp, why in skipped.items()))
+    limit = cluster.profile.memory_limit()
+    search = _Search(workload=workload, slo=slo, lengths=lengths, rel_tol=rel_tol)
+    for size in _unit_sizes(cluster, unit, times, disaggregated):
+        intra = size <= cluster.devices_per_node  # a two-node unit sends its caches over the network
+        role_times = {(tp, role): _for_role(prefill_times[tp] if role == "prefill" else t, role, limit, intra)
+                      for tp, t in times.items() for role in ("serve", "prefill", "decode")}
+        search.run(deployments(size, sorted(times), lambda tp, role: role_times[tp, role], max_batch=max_batch,
+                               token_budget=token_budget, disaggregated=disaggregated,
+                               aggregated=size == unit), cluster.devices // size)
+    return build_plan(results=search.ranked(), pruned=search.pruned, skipped=skipped, cluster=cluster,
+                      workload=workload, slo=slo, lengths=(lengths.mean_prompt, lengths.mean_output),
+                      planning_s=time.perf_counter() - started, steps_s=steps_s,
+                      model_name=type(model).__name__)
+
+
+def _unit_sizes(cluster: Cluster, unit: int, times: dict[int, PlannedStepTimes], disaggregated: bool) -> list[int]:
+    """Devices per unit to search: one node; and two nodes (disaggregated only) when a node holds at most two
+    of the smallest replicas, so that one node allows only a 1:1 prefill/decode split (a 70B at tp >= 4)."""
+    sizes = [unit]
+    if disaggregated and cluster.devices >= 2 * unit and unit == cluster.devices_per_node and unit // min(times) <= 2:
+        sizes.append(2 * unit)
+    return sizes
+
+
+def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengths, batching: tuple[int, int],
+                   degrees: tuple[int, ...] | None, overhead: float
+                   ) -> tuple[dict[int, PlannedStepTimes], dict[int, str]]:
+    """Each TP degree's planned step times, and why the others were left out. ``batching``: the pools'
+    (max batch, token budget); the steps leave room for a full batch's caches at the mean length."""
+    max_batch, token_budget = batching
+    wanted = [tp for tp in range(1, unit + 1) if cluster.devices_per_node % tp == 0 and unit % tp == 0]
+    if degrees is not None:
+        bad = [tp for tp in degrees if tp not in wanted]
+        if bad:
+            raise InputError(f"tp_degrees {bad} do not divide a unit of {unit} devices (one node, or the cluster)")
+        wanted = sorted(degrees)
+    times: dict[int, PlannedStepTimes] = {}
+    skipped: dict[int, str] = {}
+    positions = getattr(model, "max_positions", None) or 1 << 30
+    for tp in wanted:
+        reserve = round(max_batch * (lengths.mean_prompt + lengths.mean_output))
+        try:
+            times[tp] = plan_step_times(model, cluster.profile, cluster.devices_per_node, tp,
+                                        max_context=lengths.longest, token_budget=token_budget,
+                                        max_positions=positions, transfer_intra_node=True, step_overhead_s=overhead,
+                                        kv_reserve_tokens=reserve)
+        except InputError as exc:  # MemoryLimitError included: this degree cannot hold the model's steps
+            skipped[tp] = str(exc).splitlines()[0]
+            continue
+        if times[tp].kv_capacity_tokens < lengths.longest:
+            skipped[tp] = (f"its KV cache holds {times[tp].kv_capacity_tokens} tokens beside the weights, less than "
+                           f"the longest request's {lengths.longest}")
+            del times[tp]
+    return times, skipped
+
+
+def _prefill_layout(model: nn.Module, cluster: Cluster, times: PlannedStepTimes, lengths: Lengths,
+                    batching: tuple[int, int], overhead: float) -> PlannedStepTimes:
+    """A prefill replica's step times, its weights placed as its largest prefill step's plan wants them; the
+    decode layout's (``times``) where that layout cannot be planned."""
+    max_batch, token_budget = batching
+    try:
+        return plan_step_times(model, cluster.profile, cluster.devices_per_node, times.tp,
+                               max_context=lengths.longest, token_budget=token_budget,
+                               max_positions=getattr(model, "max_positions", None) or 1 << 30,
+                               transfer_intra_node=True, step_overhead_s=overhead, layout="prefill",
+                               kv_reserve_tokens=round(max_batch * (lengths.mean_prompt + lengths.mean_output)))
+    except InputError:
+        return times
+
+
+def _for_role(times: PlannedStepTimes, role: str, limit: float, intra_node: bool) -> PlannedStepTimes:
+    """The replica's KV capacity in its role: a prefill replica runs prefill plans and keeps caches as they
+    place them, a decode replica its decode plans, an aggregated one both (caches as decode keeps them).
+    ``intra_node``: KV transfers stay on the node's links."""
+    if not intra_node:
+        times = replace(times, transfer_mesh=Mesh({"pd": 2}, times.transfer_mesh.hardware, devices_per_node=1))
+    if role == "prefill":
+        return times.for_phases(times.prefill_points, times.prefill_points, limit)
+    if role == "decode":
+        return times.for_phases(times.decode_points, times.decode_points, limit)
+    return times
+
+
+def _throughput_bound(d: Deployment, lengths: Lengths, slo: SLO) -> tuple[float, str]:
+    """Requests/s the deployment's pools could process at full batches, the SLO aside (an upper bound of its
+    goodput under these step times), or 0 and why when no request can meet the SLO at all."""
+    def prefill_rate(p: Pool) -> float:  # prompts packed into full-budget steps
+        per_step = max(p.token_budget / lengths.mean_prompt, 1.0)
+        pairs = per_step * lengths.mean_prompt * (lengths.mean_prompt + 1) / 2
+        return p.replicas * per_step / p.step_times.prefill_s(round(per_step * lengths.mean_prompt), round(pairs))
+
+    def decode_rate(p: Pool) -> float:  # full batches (as many requests as the cache holds at the mean)
+        context = lengths.mean_prompt + lengths.mean_output / 2
+        batch = max(min(p.max_batch, p.step_times.kv_capacity_tokens // (lengths.mean_prompt + lengths.mean_output)), 1)
+        return p.replicas * batch / (lengths.mean_output * p.step_times.decode_s(int(batch), round(batch * context)))
+
+    first, second = (d.serve, d.serve) if d.serve is not None else (d.prefill, d.decode)
+    assert first is not None and second is not None
+    fastest_first = first.step_times.prefill_s(lengths.shortest_prompt,
+                                               lengths.shortest_prompt * (lengths.shortest_prompt + 1) // 2)
+    if fastest_first > slo.ttft_s:
+        return 0.0, f"prefilling the shortest prompt alone takes {fastest_first:.3g} s > the TTFT target {slo.ttft_s} s"
+    fastest_token = second.step_times.decode_s(1, lengths.shortest_prompt + 1)
+    if fastest_token > slo.tpot_s and lengths.single_token < slo.percentile:
+        return 0.0, f"a decode step of one request takes {fastest_token:.3g} s > the TPOT target {slo.tpot_s} s"
+    return min(prefill_rate(first), decode_rate(second)), ""
+
+
+@dataclass(kw_only=True)
+class _Search:
+    """The goodput search over units' candidates, best bound first, pruning by bound (module docstring)."""
+
+    workload: Workload
+    """The requests (its rate only seeds the search)."""
+    slo: SLO
+    """The targets."""
+    lengths: Lengths
+    """The workload's lengths."""
+    rel_tol: float
+    """Precision of each goodput."""
+    results: list[tuple[GoodputResult, int]] = field(default_factory=list)
+    """Each candidate searched (a unit's goodput) with the units of the cluster."""
+    best: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
+    """The best cluster goodput found per kind (disaggregated or not): both bests are found exactly."""
+    pruned: int = 0
+    """Candidates not simulated: their bound could not beat the best of their kind."""
+
+    def run(self, candidates: list[Deployment], units: int) -> None:
+        bounds = [_throughput_bound(d, self.lengths, self.slo) for d in candidates]
+        for i in sorted(range(len(candidates)), key=lambda i: (-bounds[i][0], i)):
+            bound, reason = bounds[i]
+            kind = candidates[i].disaggregated
+            if not bound:
+                self.results.append((GoodputResult(deployment=candidates[i], goodput_rps=0.0, report=None,
+                                                   simulations=0, reason=reason), units))
+                continue
+            if bound * units <= self.best[kind]:
+                self.pruned += 1
+                continue
+            # The bracket starts at half the bound (the unit's SLO-free throughput): a few halvings from there,
+            # instead of doublings from the asked rate, which may be orders of magnitude lower.
+            start = replace(self.workload, arrival_rate=bound / 2)
+            result = find_goodput(candidates[i], start, self.slo, rel_tol=self.rel_tol)
+            self.best[kind] = max(self.best[kind], result.goodput_rps * units)
+            self.results.append((result, units))
+
+    def ranked(self) -> list[tuple[GoodputResult, int]]:
+        """Results by cluster goodput, best first (ties: the smaller unit, then the name)."""
+        return sorted(self.results, key=lambda r: (-r[0].goodput_rps * r[1], r[0].deployment.devices,
+                                                   r[0].deployment.name))

@@ -1,0 +1,126 @@
+"""plan_serving: step times fitted through ILP-planned serving steps, and the deployment chosen with them.
+
+Planning only (meta-device models, no weights): the example Llama's serving step (KV cache as buffers).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.cli.main import main
+from autopar.hardware import get_profile
+from autopar.serving import Uniform
+from autopar.serving.planned import plan_point, plan_step_times
+from autopar.serving.servable import StepShape
+from examples.llama import Llama, LlamaConfig, build_serving, build_small_serving
+
+H100 = get_profile("h100")
+WORKLOAD = autopar.Workload(prompt_tokens=Uniform(low=256, high=1024), output_tokens=Uniform(low=64, high=256),
+                            arrival_rate=10)
+SLO = autopar.SLO(ttft_s=0.1, tpot_s=0.01)
+FAST = {"max_batch": 16, "token_budget": 1024, "rel_tol": 0.05}
+"""Small batches keep the goodput (and so the simulated requests) low: the tests stay fast."""
+
+
+@pytest.fixture(scope="module")
+def small() -> Llama:
+    return build_small_serving()
+
+
+@pytest.fixture(scope="module")
+def wide() -> Llama:
+    """Two layers of Llama-3-8B's width: wide enough that the ILP splits decode steps by heads under TP."""
+    return build_serving(LlamaConfig(vocab_size=128256, max_seq_len=4096, hidden=4096, heads=32, kv_heads=8,
+                                     ffn_hidden=14336, layers=2))
+
+
+def test_plan_is_consistent(small: Llama) -> None:
+    plan = autopar.plan_serving(small, autopar.Cluster(devices=4), WORKLOAD, SLO, **FAST)
+    assert plan.kind in ("aggregated", "disaggregated") and plan.goodput_rps > 0 and not plan.reason
+    assert sum(p.replicas * p.tp for p in plan.pools) <= 4
+    assert plan.best_aggregated_rps > 0 and plan.best_disaggregated_rps > 0
+    assert plan.goodput_rps == max(plan.best_aggregated_rps, plan.best_disaggregated_rps)
+    assert plan.ttft_p_s is not None and plan.ttft_p_s <= SLO.ttft_s and plan.tpot_p_s <= SLO.tpot_s
+    for pool in plan.pools:
+        assert pool.kv_capacity_tokens > 0 and pool.slots > 0 and pool.parameters
+    assert json.loads(json.dumps(plan.to_json()))["goodput_rps"] == plan.goodput_rps
+    text = str(plan)
+    assert "goodput" in text and plan.deployment in text
+
+
+def test_impossible_slo_has_goodput_zero_and_a_reason(small: Llama) -> None:
+    plan = autopar.plan_serving(small, autopar.Cluster(devices=2), WORKLOAD,
+                                autopar.SLO(ttft_s=0.1, tpot_s=1e-5), **FAST)
+    assert plan.goodput_rps == 0 and plan.kind == "none"
+    assert "TPOT target" in plan.reason
+
+
+def test_more_devices_never_lower_goodput(small: Llama) -> None:
+    goodputs = [autopar.plan_serving(small, autopar.Cluster(devices=n, devices_per_node=4), WORKLOAD, SLO,
+                                     **FAST).goodput_rps for n in (2, 4, 8)]
+    assert goodputs[0] <= goodputs[1] <= goodputs[2]
+
+
+def test_interpolation_matches_a_held_out_planned_step(wide: Llama) -> None:
+    times = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
+                            transfer_intra_node=True)
+    limit = H100.memory_limit()
+    decode = StepShape(batch=64, steps=1, max_len=1024)  # between the planned batches (32, 128) and contexts (512, 2048)
+    prefill = StepShape(batch=1, steps=1024, max_len=1024)  # between the planned chunks (256, 2048)
+    direct_decode = plan_point(wide, H100, 8, 2, decode, limit, times.state).step_time_s  # the replica's layout
+    direct_prefill = plan_point(wide, H100, 8, 2, prefill, limit, times.state).step_time_s
+    assert times.decode_s(decode.batch, decode.context_tokens) == pytest.approx(direct_decode, rel=0.05)
+    assert times.prefill_s(prefill.tokens, prefill.pairs) == pytest.approx(direct_prefill, rel=0.05)
+
+
+def test_decode_step_grows_with_context_and_batch(wide: Llama) -> None:
+    times = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
+                            transfer_intra_node=True)
+    assert times.decode_s(32, 32 * 256) < times.decode_s(32, 32 * 2048)
+    assert times.decode_s(32, 32 * 512) < times.decode_s(128, 128 * 512)
+    assert times.kv_transfer_s(1024) > times.kv_transfer_s(128) > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_bytes_per_token_are_the_cache_heads_share(wide: Llama, tp: int) -> None:
+    times = plan_step_times(wide, H100, 8, tp, max_context=2048, token_budget=2048, max_positions=4096,
+                            transfer_intra_node=True)
+    layers, kv_heads, head_dim, nbytes = 2, 8, 128, 2
+    whole = 2 * layers * kv_heads * head_dim * nbytes  # keys and values of every layer
+    assert times.decode_points[0].kv_bytes_per_token == whole
+    assert times.kv_bytes_per_token_device == whole / tp  # split by KV heads (8 >= tp)
+
+
+def test_cli_serve_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["serve-plan", "examples/llama.py:build_small_serving", "--devices", "2", "--prompt", "256-1024",
+                 "--output", "64-256", "--rate", "10", "--ttft", "0.1", "--tpot", "0.01", "--max-batch", "16",
+                 "--token-budget", "1024", "--no-disaggregated", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["goodput_rps"] > 0 and out["kind"] == "aggregated" and out["pools"][0]["role"] == "serve"
+
+
+def test_not_servable_models_are_refused() -> None:
+    with pytest.raises(autopar.InputError, match="setup_cache"):
+        autopar.plan_serving(nn.Linear(4, 4), autopar.Cluster(devices=2), WORKLOAD, SLO)
+    with pytest.raises(autopar.InputError, match="positions"):
+        with torch.device("meta"):
+            short = Llama(LlamaConfig(max_seq_len=64))
+        autopar.plan_serving(short, autopar.Cluster(devices=2), WORKLOAD, SLO)
+
+
+def test_a_replicas_steps_share_one_weight_layout(wide: Llama) -> None:
+    """A replica holds one copy of its weights: every planned step of a layout places them alike."""
+    for layout in ("decode", "prefill"):
+        times = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
+                                transfer_intra_node=True, layout=layout)
+        own = times.decode_points if layout == "decode" else times.prefill_points
+        assert all(p.state == times.state for p in own)
+    decode = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
+                             transfer_intra_node=True)
+    assert all(p.state == decode.state for p in decode.prefill_points)  # an aggregated replica's prefills too
