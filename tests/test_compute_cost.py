@@ -87,6 +87,28 @@ def test_index_reads_only_the_gathered_elements() -> None:
         4 * 64 * 4 + 16 * 8 + 16 * 64 * 4
 
 
+def test_in_place_cache_writes_touch_only_the_written_rows() -> None:
+    """A KV cache's write (slots 16, 512 positions, 2 KV heads of 64) of 4 rows x 1 new position:
+    ``index_put_`` reads the values and indices and writes 4 x 1 x 2 x 64 elements, not the cache
+    (hand-counted); ``index_copy_`` of 3 positions likewise; on a rank holding one of the 2 heads,
+    half the rows (the touched positions split with the destination)."""
+    from autopar.cost.compute import op_bytes
+    from autopar.cost.precision import PRECISIONS
+
+    fp32 = PRECISIONS["fp32"]
+    cache, slots, positions, values = (_meta(16, 512, 2, 64), TensorMeta((4, 1), torch.int64),
+                                       TensorMeta((4, 1), torch.int64), _meta(4, 1, 2, 64))
+    rows = 4 * 1 * 2 * 64 * 4
+    assert op_bytes(aten.index_put_.default, [cache, slots, positions, values], (cache,), fp32) == \
+        rows + 2 * 4 * 8 + rows + rows
+    one_head = op_bytes(aten.index_put_.default, [cache, slots, positions, values], (cache,), fp32,
+                        lambda meta, k: meta.numel // 2 if k in (0, 3, 4) else meta.numel)
+    assert one_head == rows / 2 + 2 * 4 * 8 + rows / 2 + rows / 2
+    dest, index, source = _meta(2, 2, 512, 64), TensorMeta((3,), torch.int64), _meta(2, 2, 3, 64)
+    assert op_bytes(aten.index_copy_.default, [dest, index, source], (dest,), fp32) == \
+        3 * 2 * 2 * 64 * 4 * 3 + 3 * 8
+
+
 def test_in_place_ops_keep_no_new_memory() -> None:
     """masked_fill_ returns its input's memory; masked_fill keeps a new output for backward."""
     import autopar

@@ -154,6 +154,21 @@ def conv_flops(call: OpCall) -> float:
     return 2.0 * out.numel * weight.shape[1] * kernel  # weight [C_out, C_in / groups, *kernel]
 
 
+IN_PLACE_WRITES = {aten.index_put_.default, aten.index_copy_.default}
+"""Ops writing some positions of their destination in place (a KV cache's new rows): they touch
+those positions only, not the whole destination."""
+
+
+def _written_numel(target: object, inputs: list[TensorMeta]) -> int:
+    """Elements an in-place write (``IN_PLACE_WRITES``) stores: the indexed positions (the index
+    tensors broadcast together) times the dims no index reaches; ``index_copy_``'s source."""
+    if target is aten.index_copy_.default:
+        return inputs[2].numel
+    dest, indices = inputs[0], inputs[1:-1]
+    positions = math.prod(torch.broadcast_shapes(*(tuple(t.shape) for t in indices)))
+    return positions * math.prod(dest.shape[len(indices):])
+
+
 def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta | None, ...],
              precision: Precision, local_numel: Callable[[TensorMeta, int], int] | None = None) -> float:
     """Bytes the op reads and writes: whole tensors, or with ``local_numel(meta, k)`` the
@@ -175,7 +190,13 @@ def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta
         # table indexed by a few positions).
         picked = outputs[0].numel if local_numel is None else local_numel(outputs[0], len(inputs))
         read[0] = min(read[0], size(0, picked))
-    return float(sum(read) + sum(size(k) for k in range(len(inputs), len(tensors)) if tensors[k] is not None))
+    written = [size(k) for k in range(len(inputs), len(tensors)) if tensors[k] is not None]
+    if target in IN_PLACE_WRITES and written and inputs[0].numel:
+        # the destination's written positions, on a rank its share of them (split on dims no index reaches)
+        share = (local_numel(inputs[0], 0) if local_numel is not None else inputs[0].numel) / inputs[0].numel
+        touched = round(_written_numel(target, inputs) * share)
+        read[0], written[0] = size(0, touched), size(len(inputs), touched)
+    return float(sum(read) + sum(written))
 
 
 def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision) -> float:

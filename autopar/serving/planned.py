@@ -42,8 +42,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from autopar.cost.collectives import point_to_point_time
 from autopar.errors import InputError
@@ -51,7 +52,7 @@ from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
 from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.nodes import PARAM
-from autopar.serving.servable import StepShape, cache_buffers, kv_bytes_per_token, step_inputs
+from autopar.serving.servable import KV_HEADS_DIM, StepShape, cache_buffers, kv_bytes_per_token, step_inputs
 
 DECODE_BATCHES = (32, 128)
 """Decode batches planned: both large enough that the cache's ops are past their per-call latency floor
@@ -108,6 +109,14 @@ def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int
     return found
 
 
+def cache_placements(buffers: dict[str, torch.Tensor], tp: int) -> dict[str, tuple[Placement, ...]]:
+    """The cache buffers (slots, max_len, kv heads, ...) split by KV heads on tp where those divide by
+    it, replicated where they do not (as vLLM keeps them): pinned, since a step's time barely sees
+    the cache's layout (a write touches a few rows) while its memory is what a replica serves from."""
+    return {name: (Shard(KV_HEADS_DIM) if tp > 1 and b.shape[KV_HEADS_DIM] % tp == 0 else Replicate(),)
+            for name, b in buffers.items()}
+
+
 def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
              memory_limit: float, pinned: State) -> PlannedPoint:
     """``plan_point`` uncached."""
@@ -117,7 +126,7 @@ def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, 
     buffers = cache_buffers(model, shape)
     mesh = Mesh({"tp": tp}, profile, devices_per_node)
     planned = plan_step(model, mesh, inputs, train=False, memory_limit=memory_limit,
-                        state_placements=dict(pinned) if pinned else None)
+                        state_placements={**dict(pinned), **cache_placements(buffers, tp)})
     plan = planned.plan
     state = tuple(sorted((node.fqn or name, tuple(planned.chosen[name].outputs[0]))
                          for name, node in planned.graph.nodes.items() if node.kind == PARAM))

@@ -4,8 +4,8 @@ A servable model keeps its own KV cache and runs one program for both phases (th
 ``examples/llama.py``, is one):
 
 - ``setup_cache(slots, max_len)``: give the model a KV cache of ``slots`` sequences of up to
-  ``max_len`` tokens, as module buffers on the weights' device (the meta device plans without
-  allocating);
+  ``max_len`` tokens, as module buffers (slots, max_len, kv heads, ...) on the weights' device (the meta
+  device plans without allocating);
 - ``forward(tokens, positions, slots)``: ``tokens`` and ``positions`` (batch, steps) int64,
   ``slots`` (batch,) int64: row b continues cache slot ``slots[b]`` at ``positions[b]``.
 
@@ -30,6 +30,8 @@ from torch import nn
 from autopar.errors import InputError, InputTypeError
 
 _FORWARD_ARGS = ("tokens", "positions", "slots")
+KV_HEADS_DIM = 2
+"""The KV heads' dim of a cache buffer (slots, max_len, kv heads, ...): split under TP where they divide."""
 
 
 def check_servable(model: Any) -> None:
