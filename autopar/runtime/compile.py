@@ -290,7 +290,7 @@ def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, exampl
     def search() -> tuple[int, str, int, int] | None:
         precision, compute_dtype, planned_model = _planning_model(model, arguments["precision"], planning_mesh)
         options = {k: v for k, v in arguments.items() if k not in ("init_fn", "init_seed", "seed", "hardware",
-                                                                  "_shared_state")}
+                                                                  "_shared_state", "replica_axis")}
         chosen = plan_step(planned_model, planning_mesh, example_inputs, pipeline=pipeline,
                            **{**options, "precision": precision, "_masters": compute_dtype is not None}).plan.pipeline
         return None if chosen is None else (chosen.size, chosen.schedule, chosen.micro_batches, chosen.virtual_stages)
