@@ -304,6 +304,17 @@ def test_data_dependent_sizes_are_refused_by_name() -> None:
                 example_targets=(torch.randn(16, 8),))
 
 
+def test_hf_eager_experts_are_refused_with_what_to_use_instead() -> None:
+    """HF's "eager" experts loop over the experts a batch routes to (a trip count from data, which no
+    captured graph holds): the error says to build the model with the default experts instead."""
+    pytest.importorskip("transformers")
+    from examples import hf_models
+    model, inputs, loss_fn, targets = hf_models.build_mixtral_step(
+        batch=2, hidden=32, heads=4, kv_heads=2, intermediate=64, vocab=64, seq=8, experts_implementation="eager")
+    with pytest.raises(CaptureError, match="experts_implementation='eager'.*'grouped_mm'"):
+        capture(model, inputs, loss_fn=loss_fn, example_targets=targets)
+
+
 def _mixtral_graph(dtype: torch.dtype = torch.float32, **config: Any) -> tuple[Any, CapturedGraph]:
     """A tiny HF Mixtral (default experts) in ``dtype`` with ``config`` overrides, and its captured step."""
     from transformers import MixtralConfig, MixtralForCausalLM

@@ -98,7 +98,22 @@ def _export(step: TrainStep, flat: tuple[Any, ...]) -> ExportedProgram:
         where = _user_frame(exc)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         at = f"\n  at {where}" if where else ""
-        raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}") from exc
+        raise CaptureError(f"could not capture the model with torch.export: {type(exc).__name__}: {first}{at}"
+                           + _data_dependent_hint(exc, step)) from exc
+
+
+def _data_dependent_hint(exc: Exception, step: TrainStep) -> str:
+    """What to do where the model branches or loops on values (a guard on a size computed from data):
+    Hugging Face's "eager" experts loop over the experts a batch routes to, which no graph can hold."""
+    if "data-dependent" not in str(exc):
+        return ""
+    config = getattr(step.model, "config", None)
+    if getattr(config, "_experts_implementation", getattr(config, "experts_implementation", None)) == "eager":
+        return ("\n  the model's experts run as a Python loop over the experts the batch routes to "
+                "(experts_implementation='eager'): build it with transformers' default ('grouped_mm', captured "
+                "as one expert op) or 'batched_mm'")
+    return ("\n  the model branches or loops on values computed from its inputs (a trip count or an if on a "
+            "tensor's contents), which one captured graph cannot hold")
 
 
 def _refuse_data_dependent_sizes(program: ExportedProgram) -> None:
