@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from autopar.cli.main import _positive  # one parser of positive numbers for both commands
 from autopar.errors import InputError
 from autopar.hardware import PROFILES
 
@@ -31,18 +32,6 @@ def _tokens(text: str) -> Any:
     return Uniform(low=bounds[0], high=bounds[1])
 
 
-def _positive_number(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
-
-
 def add_parser(sub: Any, epilog: str) -> None:
     """The ``serve-plan`` subcommand."""
     p = sub.add_parser("serve-plan", help="plan a serving deployment (replicas, TP per phase, prefill/decode "
@@ -50,21 +39,21 @@ def add_parser(sub: Any, epilog: str) -> None:
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("builder", help="FILE.py:FUNCTION returning a servable model (setup_cache(slots, max_len) and "
                                    "forward(tokens, positions, slots); e.g. examples/llama.py:build_8b_serving)")
-    p.add_argument("--devices", type=_positive_number(int), required=True, help="devices in the cluster")
+    p.add_argument("--devices", type=_positive(int), required=True, help="devices in the cluster")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
-    p.add_argument("--devices-per-node", type=_positive_number(int), default=8,
+    p.add_argument("--devices-per-node", type=_positive(int), default=8,
                    help="devices sharing NVLink (default 8)")
     p.add_argument("--prompt", type=_tokens, required=True, metavar="N|LOW-HIGH", help="prompt tokens per request")
     p.add_argument("--output", type=_tokens, required=True, metavar="N|LOW-HIGH", help="output tokens per request")
-    p.add_argument("--rate", type=_positive_number(float), required=True,
+    p.add_argument("--rate", type=_positive(float), required=True,
                    help="arrival rate, requests/s (Poisson; the goodput search starts there)")
-    p.add_argument("--ttft", type=_positive_number(float), required=True, help="time-to-first-token target, seconds")
-    p.add_argument("--tpot", type=_positive_number(float), required=True, help="time-per-output-token target, seconds")
-    p.add_argument("--percentile", type=_positive_number(float), default=0.9,
+    p.add_argument("--ttft", type=_positive(float), required=True, help="time-to-first-token target, seconds")
+    p.add_argument("--tpot", type=_positive(float), required=True, help="time-per-output-token target, seconds")
+    p.add_argument("--percentile", type=_positive(float), default=0.9,
                    help="fraction of requests that must meet both targets (default 0.9)")
-    p.add_argument("--max-batch", type=_positive_number(int), default=256, help="requests in flight per replica "
+    p.add_argument("--max-batch", type=_positive(int), default=256, help="requests in flight per replica "
                                                                                 "at most (default 256)")
-    p.add_argument("--token-budget", type=_positive_number(int), default=2048,
+    p.add_argument("--token-budget", type=_positive(int), default=2048,
                    help="tokens per step at most: decodes plus prefill chunks (default 2048)")
     p.add_argument("--no-disaggregated", action="store_true", help="consider aggregated deployments only")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
