@@ -94,6 +94,15 @@ def index_add_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     return [*strategies, DimStrategy((P,), (P, R, P))]
 
 
+@TABLE.register(aten.where.default, aten.nonzero.default)
+def nonzero_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
+    """The positions of a mask's true elements (``token, slot = torch.where(chosen == e)``): they are
+    global positions and their count is data (an unbacked size, ``capture.unbacked``), so the mask is
+    read whole and the positions are replicated: no split of its rows gives a rank its share of them.
+    Replication is the whole answer here, not a fallback."""
+    return []
+
+
 @TABLE.register(aten.slice_scatter.default)
 def slice_scatter_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     """``self`` with ``src`` written over ``self[start:end:step]`` along ``dim`` (a cache write at a
