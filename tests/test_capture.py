@@ -316,6 +316,26 @@ def test_data_dependent_sizes_are_kept_symbolic_and_planned_at_their_example_siz
     assert any("data-dependent sizes planned at their size on the example inputs" in n for n in captured.notes)
 
 
+def test_blocks_making_data_dependent_sizes_are_traced_in_full() -> None:
+    """A stack of such blocks is not replicated from a short trace (each copy would need sizes of its own):
+    traced in full, every block's experts get their own symbols and hints."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(LoopMoE() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    x = torch.randn(16, 8)
+    captured = capture(Stack(), (x,), loss_fn=lambda y, t: (y - t).square().mean(), example_targets=(x,))
+    assert any("blocks not replicated: layers: the blocks make data-dependent sizes" in n for n in captured.notes)
+    assert len(captured.size_hints) == 16
+
+
 def test_data_dependent_sizes_on_the_meta_device_are_planned_at_their_expectation() -> None:
     """A meta-device model cannot route its example inputs: a top-k choice of one expert is planned at
     its expectation (tokens x k / experts); a data-dependent size of another kind is refused by name."""

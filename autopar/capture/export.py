@@ -134,6 +134,10 @@ def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, not
     except CaptureError as exc:  # the full trace says what is wrong, if anything is
         notes.append(f"blocks not replicated: {stack.label}: tracing {TRACED} blocks failed ({exc.__cause__!r:.200})")
         return None, None
+    if unbacked_nodes(program.graph_module):  # each block's copy would need its own data-dependent sizes
+        notes.append(f"blocks not replicated: {stack.label}: the blocks make data-dependent sizes (torch.export's "
+                     "unbacked sizes, e.g. tokens routed to an expert)")
+        return None, None
     if index_uses:
         names = ", ".join(".".join(filter(None, key)) for key in stack.indexed)
         notes.append(f"blocks not replicated: {stack.label}: the blocks' forward uses their index ({names}: "
