@@ -44,24 +44,44 @@ class LoopMoE(nn.Module):
         return out
 
 
+class MixtralBlockV4(LoopMoE):
+    """transformers 4's ``MixtralSparseMoeBlock.forward``: the choices one-hot encoded and permuted to
+    (experts, k, tokens), each expert's ``torch.where`` over its slice, rows flattened by ``reshape(-1, hidden)``
+    and added in place (``index_add_``) in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, hidden = x.shape
+        weights, chosen = torch.topk(self.router(x).softmax(-1, dtype=torch.float), self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros((tokens, hidden), dtype=x.dtype, device=x.device)
+        expert_mask = torch.nn.functional.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(expert_mask[e])
+            state = x[None, token].reshape(-1, hidden)
+            out.index_add_(0, token, (expert(state) * weights[token, slot, None]).to(x.dtype))
+        return out
+
+
 @dataclass(frozen=True)
 class Case:
     axis: str
     top_k: int
+    hf4: bool = False
+    """transformers 4's Mixtral block (``MixtralBlockV4``) rather than ``LoopMoE``."""
 
     @property
     def id(self) -> str:
-        return f"{self.axis}-top{self.top_k}"
+        return f"{self.axis}-top{self.top_k}" + ("-hf4" if self.hf4 else "")
 
     def build(self) -> Any:
         torch.manual_seed(0)
         hidden, ffn, tokens = (64, 1024, 512) if self.axis == "tp" else (8, 16, 32)
-        model = LoopMoE(hidden, ffn, experts=4, top_k=self.top_k)
+        model = (MixtralBlockV4 if self.hf4 else LoopMoE)(hidden, ffn, experts=4, top_k=self.top_k)
         x, target = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
         return model, (x,), lambda y, t: (y - t).square().mean(), (target,)
 
 
-CASES = [Case("dp", 1), Case("dp", 2), Case("tp", 1), Case("tp", 2)]
+CASES = [Case("dp", 1), Case("dp", 2), Case("tp", 1), Case("tp", 2), Case("dp", 2, hf4=True), Case("tp", 2, hf4=True)]
 
 
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
