@@ -80,7 +80,8 @@ def routing_cases() -> list[OpCase]:
 CASES: list[OpCase] = routing_cases()
 """Read by ``test_rules_bruteforce``'s coverage checks: this family's cases live here."""
 NO_BACKWARD = {aten.histc.default: "counts have no gradient", aten.one_hot.default: "integer output",
-               aten.where.default: "positions have no gradient", aten.nonzero.default: "positions have no gradient", aten.argsort.default: "indices have no gradient",
+               aten.where.default: "positions have no gradient", aten.nonzero.default: "positions have no gradient",
+               aten.argsort.default: "indices have no gradient",
                aten.argsort.stable: "indices have no gradient",
                aten._grouped_mm.default: "fp32 only on CPU: its backward is checked in fp64 through HF's op below"}
 BACKWARD_CASES = [c for c in CASES if c.op not in NO_BACKWARD and not getattr(c, "replicate_only", False)]
