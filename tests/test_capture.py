@@ -12,8 +12,10 @@ import pytest
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.capture import CaptureError, CapturedGraph, capture
+from autopar.capture.graph import TensorMeta
 from examples import gpt, llama
 
 EXAMPLES = {"gpt": gpt, "llama": llama}
@@ -297,11 +299,66 @@ class LoopMoE(nn.Module):
         return out
 
 
-def test_data_dependent_sizes_are_refused_by_name() -> None:
-    """torch.export captures the loop with unbacked sizes; autopar plans concrete shapes, and says so."""
-    with pytest.raises(CaptureError, match=r"aten.where.default makes a tensor of data-dependent size u\d+"):
-        capture(LoopMoE(), (torch.randn(16, 8),), loss_fn=lambda y, t: (y - t).square().mean(),
-                example_targets=(torch.randn(16, 8),))
+def test_data_dependent_sizes_are_kept_symbolic_and_planned_at_their_example_size() -> None:
+    """torch.export captures the loop with unbacked sizes: the graph keeps them symbolic, planning reads
+    each at its size on the example inputs (the tokens routed to that expert), those dims marked ragged."""
+    torch.manual_seed(0)
+    model, x = LoopMoE(), torch.randn(16, 8)
+    captured = capture(model, (x,), loss_fn=lambda y, t: (y - t).square().mean(), example_targets=(x,))
+    with torch.no_grad():
+        chosen = model.router(x).softmax(-1).topk(2, dim=-1)[1]
+    counts = sorted(int((chosen == e).sum()) for e in range(4))
+    assert sorted(captured.size_hints.values()) == counts and sum(counts) == 32
+    wheres = [n for n in captured.gm.graph.nodes if n.target is torch.ops.aten.where.default]
+    assert len(wheres) == 4 and all(free_unbacked_symbols(n.meta["val"][0].shape[0]) for n in wheres)
+    metas = [TensorMeta.of(n.meta["val"][0], captured.size_hints) for n in wheres]
+    assert sorted(m.shape[0] for m in metas) == counts and all(m.ragged == frozenset({0}) for m in metas)
+    assert any("data-dependent sizes planned at their size on the example inputs" in n for n in captured.notes)
+
+
+def test_blocks_making_data_dependent_sizes_are_traced_in_full() -> None:
+    """A stack of such blocks is not replicated from a short trace (each copy would need sizes of its own):
+    traced in full, every block's experts get their own symbols and hints."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(LoopMoE() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = x + layer(x)
+            return x
+
+    x = torch.randn(16, 8)
+    captured = capture(Stack(), (x,), loss_fn=lambda y, t: (y - t).square().mean(), example_targets=(x,))
+    assert any("blocks not replicated: layers: the blocks make data-dependent sizes" in n for n in captured.notes)
+    assert len(captured.size_hints) == 16
+
+
+def test_data_dependent_sizes_on_the_meta_device_are_planned_at_their_expectation() -> None:
+    """A meta-device model cannot route its example inputs: a top-k choice of one expert is planned at
+    its expectation (tokens x k / experts); a data-dependent size of another kind is refused by name."""
+    with torch.device("meta"):
+        model = LoopMoE()
+    captured = capture(model, (torch.randn(16, 8),), loss_fn=lambda y, t: (y - t).square().mean(),
+                       example_targets=(torch.randn(16, 8),))
+    assert sorted(captured.size_hints.values()) == [8] * 4  # 16 tokens x top-2 / 4 experts
+    assert any("planned at the expected tokens per expert" in n for n in captured.notes)
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x[x[:, 0] > 0]).sum(0)
+
+    with torch.device("meta"):
+        masked = Masked()
+    with pytest.raises(CaptureError, match=r"(?s)data-dependent size.*no size is known for u\d+ \(the model is on "
+                                           r"the meta device.*in module 'model'"):
+        capture(masked, (torch.randn(16, 8),), loss_fn=lambda y: y.sum())
 
 
 def test_hf_eager_experts_are_refused_with_what_to_use_instead() -> None:

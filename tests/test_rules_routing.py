@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sharding_sim import OpCase, check_strategy, strategy_str
-from test_rules_bruteforce import (case, expanded_strategies, f64, failures, ints, is_replicate_only,
+from test_rules_bruteforce import (bools, case, expanded_strategies, f64, failures, ints, is_replicate_only,
                                    rule_strategies)
 from test_rules_conv import MESHES, gradient_failure
 
@@ -58,6 +58,10 @@ def routing_cases() -> list[OpCase]:
         case(aten.index_copy.default, f64(4, 2, 8, 4), 2, _distinct_rows(1, 8, 3).view(3), f64(4, 2, 3, 4),
              tag="kv-cache-write"),
         case(aten.index_copy_.default, f64(8, 4), 0, _distinct_rows(1, 8, 6).view(6), f64(6, 4)),
+        case(aten.index_add_.default, f64(8, 4), 0, ints(8, 12), f64(12, 4), tag="hf4-experts-combine"),
+        case(aten.one_hot.default, ints(4, 8, 2), 4, tag="hf4-expert-mask"),
+        case(aten.where.default, bools(8, 2), tag="tokens-routed-to-an-expert", replicate_only=True),
+        case(aten.nonzero.default, bools(8, 2), replicate_only=True),
         case(aten.slice_scatter.default, f64(4, 2, 8, 4), f64(4, 2, 3, 4), 2, 5, 8, tag="kv-cache-range"),
         case(aten.slice_scatter.default, f64(8, 6), f64(8, 3), 1, 0, 6, 2, tag="strided"),
         case(aten.index_put.default, f64(8, 4), [_distinct_rows(1, 8, 6).view(6)], f64(6, 4)),
@@ -75,7 +79,9 @@ def routing_cases() -> list[OpCase]:
 
 CASES: list[OpCase] = routing_cases()
 """Read by ``test_rules_bruteforce``'s coverage checks: this family's cases live here."""
-NO_BACKWARD = {aten.histc.default: "counts have no gradient", aten.argsort.default: "indices have no gradient",
+NO_BACKWARD = {aten.histc.default: "counts have no gradient", aten.one_hot.default: "integer output",
+               aten.where.default: "positions have no gradient", aten.nonzero.default: "positions have no gradient",
+               aten.argsort.default: "indices have no gradient",
                aten.argsort.stable: "indices have no gradient",
                aten._grouped_mm.default: "fp32 only on CPU: its backward is checked in fp64 through HF's op below"}
 BACKWARD_CASES = [c for c in CASES if c.op not in NO_BACKWARD and not getattr(c, "replicate_only", False)]

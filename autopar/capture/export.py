@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 import torch.fx.config
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.capture.aliasing import returned_operand, written_args
 from autopar.capture.graph import CapturedGraph
@@ -25,6 +23,7 @@ from autopar.capture.moe_region import collapse_moe_regions
 from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
 from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
 from autopar.capture.subgraphs import is_higher_order, nested_graph_modules
+from autopar.capture.unbacked import hint_or_refuse, placeholder_values, unbacked_nodes
 
 # Frames from these packages are the tracer, not the user's model.
 _LIBRARY_DIRS = tuple(
@@ -81,6 +80,12 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     seconds = time.perf_counter() - start
     captured = _to_captured(program, train, seconds, signature, inputs)
     captured.notes.extend(notes)
+    if unbacked_nodes(captured.gm):
+        values = placeholder_values(captured.gm, model, captured.parameters, captured.buffers, captured.constants,
+                                    captured.user_inputs, flat)
+        captured.size_hints, source = hint_or_refuse(captured.gm, values)
+        captured.notes.append(f"data-dependent sizes planned at {source}: "
+                              + ", ".join(f"{k}={v}" for k, v in sorted(captured.size_hints.items(), key=str)))
     if key is not None and _REUSED is not None:
         _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
     return captured
@@ -90,7 +95,6 @@ def _export(step: TrainStep, flat: tuple[Any, ...]) -> ExportedProgram:
     try:
         with _lean_tracing():
             program = torch.export.export(step, flat, strict=False)
-        _refuse_data_dependent_sizes(program)
         return program
     except CaptureError:
         raise
@@ -116,23 +120,6 @@ def _data_dependent_hint(exc: Exception, step: TrainStep) -> str:
             "tensor's contents), which one captured graph cannot hold")
 
 
-def _refuse_data_dependent_sizes(program: ExportedProgram) -> None:
-    """torch.export carries a size computed from values (``torch.where(mask)``, ``x[counts[e]:]``,
-    ``split(counts.tolist())``) as an unbacked symbol; every later stage (rules, costs, the per-rank
-    program's view sizes) works on concrete sizes, so such a step is refused here, naming the op."""
-    for node in program.graph.nodes:
-        sizes = [s for leaf in pytree.tree_leaves(node.meta.get("val")) if isinstance(leaf, torch.Tensor)
-                 for s in leaf.shape if isinstance(s, torch.SymInt)]
-        unbacked = [s for s in sizes if free_unbacked_symbols(s)]
-        if unbacked:  # stack traces are off (``_lean_tracing``): the module names the place
-            modules = list((node.meta.get("nn_module_stack") or {}).values())
-            where = f"\n  in module {modules[-1][0]!r} ({modules[-1][1]})" if modules else ""
-            raise CaptureError(f"{node.target} makes a tensor of data-dependent size {unbacked[0]} (torch.export's "
-                               "unbacked size); autopar plans concrete shapes only: write the step with sizes "
-                               "fixed by the input shapes (as examples/moe.py dispatches tokens into experts x "
-                               f"seq slots){where}")
-
-
 _Inputs = tuple[list[InputSpec], dict[str, torch.Tensor]]
 """A replicated program's input specs, and the tensors of the inputs its trace did not have."""
 
@@ -146,6 +133,10 @@ def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, not
             program = _export(step, flat)
     except CaptureError as exc:  # the full trace says what is wrong, if anything is
         notes.append(f"blocks not replicated: {stack.label}: tracing {TRACED} blocks failed ({exc.__cause__!r:.200})")
+        return None, None
+    if unbacked_nodes(program.graph_module):  # each block's copy would need its own data-dependent sizes
+        notes.append(f"blocks not replicated: {stack.label}: the blocks make data-dependent sizes (torch.export's "
+                     "unbacked sizes, e.g. tokens routed to an expert)")
         return None, None
     if index_uses:
         names = ", ".join(".".join(filter(None, key)) for key in stack.indexed)

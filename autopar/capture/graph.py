@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autopar.capture.step import StepSignature
+from autopar.capture.step import CaptureError, StepSignature
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,9 @@ class TensorMeta:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    ragged: frozenset[int] = frozenset()
+    """Dims whose size the data decides (torch.export's unbacked sizes, planned at their hint in
+    ``shape``): never split, a rank's share of them is no contiguous shard (``capture.unbacked``)."""
 
     @functools.cached_property
     def numel(self) -> int:  # cached: pricing asks for it per placement pair
@@ -34,10 +39,29 @@ class TensorMeta:
         return self.dtype.itemsize
 
     @classmethod
-    def of(cls, value: object) -> "TensorMeta | None":
-        if isinstance(value, torch.Tensor):
+    def of(cls, value: object, hints: "dict[sympy.Symbol, int] | None" = None) -> "TensorMeta | None":
+        """``value``'s meta; a data-dependent size is its hint in ``hints`` (``CapturedGraph.size_hints``)."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        if not any(isinstance(s, torch.SymInt) for s in value.shape):
             return cls(tuple(int(s) for s in value.shape), value.dtype)
-        return None
+        shape: list[int] = []
+        ragged: set[int] = set()
+        for d, s in enumerate(value.shape):
+            if isinstance(s, torch.SymInt) and free_unbacked_symbols(s):
+                shape.append(_hinted(s, hints or {}))
+                ragged.add(d)
+            else:
+                shape.append(int(s))
+        return cls(tuple(shape), value.dtype, frozenset(ragged))
+
+
+def _hinted(size: torch.SymInt, hints: "dict[sympy.Symbol, int]") -> int:
+    expr = sympy.sympify(size.node.expr).xreplace({k: sympy.Integer(v) for k, v in hints.items()})
+    if not expr.is_number:
+        raise CaptureError(f"data-dependent size {size.node.expr} has no planning size (capture.unbacked hints "
+                           f"{sorted(map(str, hints))})")
+    return int(expr)
 
 
 @dataclass
@@ -69,6 +93,9 @@ class CapturedGraph:
     ``{"lm_head.weight": "transformer.wte.weight"}``; an alias has no placeholder of its own."""
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     """Placeholder name -> value of tensors the model creates inside forward (lifted by export)."""
+    size_hints: dict[sympy.Symbol, int] = field(default_factory=dict)
+    """Unbacked (data-dependent) size symbol -> the size planning prices it at: its size when the
+    graph ran on the example inputs (``capture.unbacked``). The graph itself keeps them symbolic."""
 
     def nodes(self) -> list[torch.fx.Node]:
         return list(self.gm.graph.nodes)

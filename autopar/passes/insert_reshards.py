@@ -77,7 +77,7 @@ def _replace_slot(node: torch.fx.Node, slot: tuple[str, Any], new: torch.fx.Node
 
 def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
-    rerouted: list[tuple[torch.fx.Node, tuple[Any, ...] | None]] = []  # applied after the edge pass
+    rerouted: list[tuple[torch.fx.Node, tuple[Any, ...] | None, dict[str, Any]]] = []  # applied after the edge pass
     shared: dict[tuple[Any, ...], torch.fx.Node] = {}  # one reshard serves every consumer needing it (per version)
     for node in list(graph.nodes):
         name = plan_name(node)
@@ -87,17 +87,18 @@ def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
         plan_node = pc.graph.nodes[name]
         if plan_node.kind == INPUT and not pc.input_sharded:
             whole = (Replicate(),) * len(pc.mesh_shape)
-            rerouted.append((node, _reshard_args(node, whole, strategy.outputs[0], None)))
+            rerouted.append((node, _reshard_args(node, whole, strategy.outputs[0], None), {}))
         elif node.op == "call_function" and node.target is operator.getitem:
             # a piece of a multi-output op: reshard the piece after picking it
             src, idx = plan_node.args[0]
             produced, required = pc.chosen[src].outputs[idx], strategy.inputs[0]
             rerouted.append((node, _reshard_args(node, produced, required,
-                                                 _grad_spec(pc, src, produced, required, name))))
+                                                 _grad_spec(pc, src, produced, required, name)),
+                             _sized_by_data(pc, src, idx)))
         elif node.op in ("call_function", "call_module"):
             _reshard_inputs(gm, node, name, pc, shared)
-    for node, args in rerouted:
-        _insert_after(gm, node, args)
+    for node, args, kwargs in rerouted:
+        _insert_after(gm, node, args, kwargs)
     if pc.graph.loss is not None:
         loss = next(n for n in graph.nodes if plan_name(n) == pc.graph.loss)
         _insert_after(gm, loss, _reshard_args(loss, pc.chosen[pc.graph.loss].outputs[0],
@@ -118,6 +119,7 @@ def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc
         args = _reshard_args(_slot_value(node, slot), produced, required, _grad_spec(pc, src, produced, required, name))
         if args is None:
             continue
+        kwargs = _sized_by_data(pc, src, idx)
         if k in plan_node.as_produced:  # the solver links only equal placements on these edges
             raise RuntimeError(f"{name} must take {src} as produced (it writes into it in place, or is a view "
                                f"of a tensor written in place), but the plan reshards it: {args[1:]} "
@@ -130,8 +132,15 @@ def _reshard_inputs(gm: torch.fx.GraphModule, node: torch.fx.Node, name: str, pc
         reshard = shared.get(key)
         if reshard is None:
             with gm.graph.inserting_before(node):
-                reshard = shared[key] = gm.graph.call_module(target, args)
+                reshard = shared[key] = gm.graph.call_module(target, args, kwargs)
         _replace_slot(node, slot, reshard)
+
+
+def _sized_by_data(pc: PassContext, src: str, idx: int) -> dict[str, Any]:
+    """``data_dependent=True`` for a tensor with a dim of data-dependent size (``TensorMeta.ragged``):
+    the runtime logs its collectives so, as the plan lists them (their bytes planned at the hint)."""
+    meta = pc.graph.nodes[src].outputs[idx]
+    return {"data_dependent": True} if meta is not None and meta.ragged else {}
 
 
 def _regather_call(pc: PassContext, src: str, produced: Placements, required: Placements, args: tuple[Any, ...]
@@ -157,12 +166,13 @@ def _slot_value(node: torch.fx.Node, slot: tuple[str, Any]) -> torch.fx.Node:
     return node.args[key]
 
 
-def _insert_after(gm: torch.fx.GraphModule, node: torch.fx.Node, args: tuple[Any, ...] | None) -> None:
-    """Route every use of ``node`` through ``self.reshard(*args)``."""
+def _insert_after(gm: torch.fx.GraphModule, node: torch.fx.Node, args: tuple[Any, ...] | None,
+                  kwargs: dict[str, Any] | None = None) -> None:
+    """Route every use of ``node`` through ``self.reshard(*args, **kwargs)``."""
     if args is None:
         return
     users = list(node.users)
     with gm.graph.inserting_after(node):
-        reshard = gm.graph.call_module("reshard", args)
+        reshard = gm.graph.call_module("reshard", args, kwargs or {})
     for user in users:
         user.replace_input_with(node, reshard)

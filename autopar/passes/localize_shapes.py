@@ -42,7 +42,8 @@ def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             continue
         out = node.meta["val"]
         if node.target in SHAPE_ARG_OPS:
-            node.args = (node.args[0], local_shape(tuple(out.shape), strategy.outputs[0], pc.mesh_shape))
+            local = local_shape(tuple(out.shape), strategy.outputs[0], pc.mesh_shape)
+            node.args = (node.args[0], _keep_symbolic(local, list(node.args[1]), tuple(out.shape)))
         elif node.target is aten.unflatten.int:
             dim = node.args[1]
             local = local_shape(tuple(out.shape), strategy.outputs[0], pc.mesh_shape)
@@ -56,7 +57,7 @@ def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             node.args = (node.args[0], sizes[0] if node.target is aten.split.Tensor else sizes, *node.args[2:])
         elif node.target in (aten.squeeze.default, aten.squeeze.dim):
             x = node.args[0].meta["val"]
-            dims = [d for d in range(x.ndim) if x.shape[d] == 1]
+            dims = [d for d in range(x.ndim) if type(x.shape[d]) is int and x.shape[d] == 1]  # noqa: E721
             if node.target is aten.squeeze.dim:
                 d = node.args[1] if node.args[1] >= 0 else node.args[1] + x.ndim
                 dims = [d] if d in dims else []
@@ -66,6 +67,14 @@ def localize_shapes(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             _localize_groups(node, strategy, pc.mesh_shape)
     gm.recompile()
     return gm
+
+
+def _keep_symbolic(local: list[int], written: list[object], shape: tuple[object, ...]) -> list[object]:
+    """``local`` with each data-dependent dim (a SymInt in the captured shape, never split) as the graph
+    wrote it (a size node computed at run time): the planning-time size would freeze one routing's count."""
+    if len(written) != len(shape):
+        return local
+    return [w if not isinstance(s, int) else n for n, w, s in zip(local, written, shape)]
 
 
 def _check_replicated(node: torch.fx.Node, strategy: Strategy) -> None:

@@ -82,7 +82,8 @@ def scatter_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     return strategies
 
 
-@TABLE.register(aten.index_add.default, aten.index_copy.default, aten.index_copy_.default)
+@TABLE.register(aten.index_add.default, aten.index_add_.default, aten.index_copy.default,
+                aten.index_copy_.default)
 def index_add_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     """``self`` plus ``alpha * source`` added at rows ``index`` (1-D) of ``dim``, or ``source``
     written there (``index_copy``: a KV cache's write at the step's positions, split by heads)."""
@@ -92,6 +93,23 @@ def index_add_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
     along = normalize_dim(call.get("dim"), x.ndim)
     strategies = [DimStrategy((S(d),), (S(d), R, S(d))) for d in _same_size_dims(along, x, source)]
     return [*strategies, DimStrategy((P,), (P, R, P))]
+
+
+@TABLE.register(aten.one_hot.default)
+def one_hot_rule(call: OpCall) -> list[DimStrategy]:
+    """Each index becomes a row of classes (transformers 4's expert mask): the index dims split alike;
+    the new class dim stays whole (a rank's classes would need the offset of its share)."""
+    x: TensorMeta = call.tensor_inputs[0]
+    return [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim)]
+
+
+@TABLE.register(aten.where.default, aten.nonzero.default)
+def nonzero_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
+    """The positions of a mask's true elements (``token, slot = torch.where(chosen == e)``): they are
+    global positions and their count is data (an unbacked size, ``capture.unbacked``), so the mask is
+    read whole and the positions are replicated: no split of its rows gives a rank its share of them.
+    Replication is the whole answer here, not a fallback."""
+    return []
 
 
 @TABLE.register(aten.slice_scatter.default)

@@ -199,7 +199,10 @@ def normalize_dim(dim: int, ndim: int) -> int:
 
 
 def divides(meta: TensorMeta, placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
-    """Every sharded tensor dim divides by the product of the mesh dims sharding it."""
+    """Every sharded tensor dim divides by the product of the mesh dims sharding it, and none is
+    ragged (a data-dependent size: a rank's share of it is no contiguous shard)."""
+    if meta.ragged and any(shard_dim(p) in meta.ragged for p, n in zip(placements, mesh_shape) if n > 1):
+        return False
     return _divides(tuple(meta.shape), tuple(placements), tuple(mesh_shape))
 
 

@@ -97,6 +97,8 @@ class Comm:
         self._gathering: torch.Tensor | None = None
         """The last all-gather issued without waiting (``launch``), on a CPU mesh only: the
         next all-gather waits for it first (module docstring)."""
+        self._sized_by_data = False
+        """Collectives run now move a tensor of data-dependent size (``sized_by_data``)."""
 
     def settle_gathers(self) -> None:
         """Wait for the all-gather left in flight, if any (before another one is issued, here
@@ -124,8 +126,19 @@ class Comm:
         finally:
             self._recomputing = previous
 
+    @contextlib.contextmanager
+    def sized_by_data(self, data_dependent: bool = True) -> Iterator[None]:
+        """Collectives run inside move a tensor whose size the data decides (the tokens routed to one
+        expert, ``capture.unbacked``): logged ``DATA_DEPENDENT``, as the plan lists them."""
+        previous, self._sized_by_data = self._sized_by_data, data_dependent or self._sized_by_data
+        try:
+            yield
+        finally:
+            self._sized_by_data = previous
+
     def _record(self, phase: str, kind: str, dim: int, tensor: torch.Tensor) -> None:
-        self.record_bytes(phase, kind, dim, tensor.numel() * tensor.element_size())
+        nbytes = DATA_DEPENDENT if self._sized_by_data else tensor.numel() * tensor.element_size()
+        self.record_bytes(phase, kind, dim, nbytes)
 
     def record_bytes(self, phase: str, kind: str, dim: int, nbytes: int) -> None:
         """Log one collective of ``nbytes`` (``DATA_DEPENDENT``: sized by the data) run on mesh dim ``dim``."""
@@ -241,8 +254,10 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, fwd: tuple[Step, ...],  # type: ignore[override]
                 bwd: tuple[Step, ...], own_storage: bool = False, dtype: torch.dtype | None = None,
-                grad_dtype: torch.dtype | None = None, pending: Pending | None = None) -> torch.Tensor:
+                grad_dtype: torch.dtype | None = None, pending: Pending | None = None,
+                data_dependent: bool = False) -> torch.Tensor:
         ctx.comm, ctx.bwd, ctx.input_dtype, ctx.grad_dtype = comm, bwd, x.dtype, grad_dtype
+        ctx.data_dependent = data_dependent
         ctx.parameter = x if x.is_leaf else None  # its gradient goes straight into .grad
         out = forward_value(comm, x, fwd, dtype, pending)
         if own_storage and (out._base is not None or not out.is_contiguous() or out.storage_offset() != 0):
@@ -253,9 +268,10 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         if ctx.grad_dtype is not None:
             grad = grad.to(ctx.grad_dtype)
-        rest = (None,) * 7
+        rest = (None,) * 8
         if ctx.parameter is None or grad.dtype != ctx.input_dtype:
-            return ctx.comm.run(grad, ctx.bwd, "backward").to(ctx.input_dtype), *rest
+            with ctx.comm.sized_by_data(ctx.data_dependent):
+                return ctx.comm.run(grad, ctx.bwd, "backward").to(ctx.input_dtype), *rest
         # A parameter's reduce-scatter runs while backward goes on: autograd stores the unwaited
         # result in .grad (or sums it, which waits); at the end of backward it is waited for.
         out = ctx.comm.run_unwaited(grad, ctx.bwd, "backward")
@@ -285,7 +301,8 @@ class Reshard(nn.Module):
     A parameter's reshard in mixed precision also names ``dtype=`` (what forward computes
     in: the fp32 master is cast before its collectives, so they move bf16) and
     ``grad_dtype=`` (what its gradient is reduced in, fp32); see ``passes.cast_parameters``.
-    ``pending=`` is the same redistribution launched ahead by ``self.prefetch`` (waited for here)."""
+    ``pending=`` is the same redistribution launched ahead by ``self.prefetch`` (waited for here).
+    ``data_dependent=True``: ``x`` has a dim whose size the data decides (its collectives logged so)."""
 
     def __init__(self, comm: Comm) -> None:
         super().__init__()
@@ -293,12 +310,13 @@ class Reshard(nn.Module):
 
     def forward(self, x: torch.Tensor, src: str, dst: str, grad_src: str = "", grad_dst: str = "", *,
                 dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
-                pending: Pending | None = None) -> torch.Tensor:
+                pending: Pending | None = None, data_dependent: bool = False) -> torch.Tensor:
         fwd = _steps(src, dst)
         bwd = _steps(grad_src, grad_dst) if grad_src else ()
-        if not x.requires_grad or not torch.is_grad_enabled():
-            return forward_value(self.comm, x, fwd, dtype, pending)
-        return _Redistribute.apply(x, self.comm, fwd, bwd, False, dtype, grad_dtype, pending)
+        with self.comm.sized_by_data(data_dependent):
+            if not x.requires_grad or not torch.is_grad_enabled():
+                return forward_value(self.comm, x, fwd, dtype, pending)
+            return _Redistribute.apply(x, self.comm, fwd, bwd, False, dtype, grad_dtype, pending, data_dependent)
 
 
 class Prefetch(nn.Module):

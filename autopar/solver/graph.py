@@ -42,10 +42,10 @@ SAME_ELEMENTS = frozenset({
 """Ops whose output holds exactly their input's elements (a count over them is the same)."""
 
 
-def _meta_tuple(value: Any) -> tuple[TensorMeta | None, ...]:
+def _meta_tuple(value: Any, hints: dict[Any, int]) -> tuple[TensorMeta | None, ...]:
     if isinstance(value, (list, tuple)):
-        return tuple(TensorMeta.of(v) for v in value)
-    return (TensorMeta.of(value),)
+        return tuple(TensorMeta.of(v, hints) for v in value)
+    return (TensorMeta.of(value, hints),)
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -130,7 +130,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             output_names = [a.name for a in flat if isinstance(a, torch.fx.Node)]
             loss = output_names[0] if captured.train and output_names else None
             continue
-        outputs = _meta_tuple(node.meta.get("val"))
+        outputs = _meta_tuple(node.meta.get("val"), captured.size_hints)
         if all(o is None for o in outputs) and not written_args(node):
             continue  # placed only for what it writes (a no_grad block updating buffers, returning nothing)
         if node.op == "placeholder":

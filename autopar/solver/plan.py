@@ -285,12 +285,13 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     unwaited: list[int] = []
     for name in graph.order:
         node = graph.nodes[name]
-        for arg, (src, _) in enumerate(node.args):
+        for arg, (src, out_index) in enumerate(node.args):
             key = _reshard_key(graph, chosen, ctx, name, arg)
             if key in recorded:  # shared with an earlier consumer
                 continue
             recorded.add(key)
             edge, kept, dearest = prices[key]
+            ragged = getattr(graph.nodes[src].outputs[out_index], "ragged", None)
             held += kept
             replays = graph.nodes[dearest].recompute
             if edge.recompute and not replays:
@@ -299,8 +300,9 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
             for phase, calls, window in (("forward", edge.forward, "forward"), ("backward", edge.backward, None),
                                          (again, edge.recompute, "backward")):
                 share = waited.get((src, window), 1.0) if window else 1.0  # one all-gather when windowed
-                for call in calls:
-                    ledger.record(call, phase, src, name, node.module, step_repeats(ctx), share)
+                for call in calls:  # a data-dependent size (``TensorMeta.ragged``) at its planning hint
+                    ledger.record(call, phase, src, name, node.module, step_repeats(ctx), share,
+                                  data_dependent=bool(ragged))
                 if phase == "backward" and window is None and edge.unwaited and src in single:
                     unwaited.append(len(ledger.collectives) - 1)  # the last backward call
         for call in loss_count_reductions(node, chosen[name], ctx):
