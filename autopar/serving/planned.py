@@ -293,8 +293,8 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
     limit = profile.memory_limit()
     probe = StepShape(batch=1, steps=1, max_len=2)
     step_inputs(model, probe)
-    reserve = Reserve(tokens=kv_reserve_tokens, bytes_per_token=kv_bytes_per_token(cache_buffers(model, probe)) / (tp * pp),
-                      limit=limit)
+    reserve = Reserve(tokens=kv_reserve_tokens, limit=limit,
+                      bytes_per_token=kv_bytes_per_token(cache_buffers(model, probe)) / (tp * pp))
     long = min(max_context, max_positions)
     short = max(long // 4, 1)
     if long <= short:

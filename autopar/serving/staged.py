@@ -3,11 +3,10 @@
 A replica of tp x pp devices runs each step as one micro-batch through its pp stages in order
 (``compile_serving``'s pipeline: GPipe, one micro-batch, one stage per rank), so a step's latency is
 the chain the plan predicts (``plan.predicted.step_time_s``: every stage's forward, the sends between
-them and the logits' broadcast). Each stage's ranks hold their layers' weights and KV caches only, so
-the memory a replica serves from is its busiest rank's: the largest stage's weights, and the cache of
-the stage holding the most cache bytes per token. The whole-step plan counts the model's buffers (the
-caches) on every rank (``solver.stage_memory``: an upper estimate for its memory check); the figures
-here share them out by stage instead, as the ranks hold them.
+them and the logits' broadcast). Each stage's ranks hold their layers' weights and KV caches only
+(``solver.stage_memory`` counts a buffer one stage reads on that stage's ranks), so the memory a replica
+serves from is its busiest rank's: the largest stage's weights, and the cache of the stage holding the
+most cache bytes per token.
 """
 
 from __future__ import annotations
@@ -58,14 +57,12 @@ def stage_figures(pipeline: PipelinePlan, buffers: list[tuple[str, list[int], st
     per_token = [0.0] * len(cut)
     for module, shape, placement in buffers:
         per_token[stage_of(module, cut)] += math.prod(shape[2:]) * element_size / (tp if "S" in placement else 1)
-    whole_cache = sum(per_token) * batch * max_len  # counted on every rank by the plan's memory
-    state = [0.0] * pipeline.size
+    held = [0.0] * pipeline.size  # each rank's weights and caches, the rest of its peak is working memory
     for s in pipeline.stages:
-        state[s.rank] += s.state_bytes
-    working = max((peak - state[r] for r, peak in enumerate(pipeline.rank_memory_bytes)), default=0.0)
+        held[s.rank] += s.state_bytes + per_token[s.index] * batch * max_len
+    working = max((peak - held[r] for r, peak in enumerate(pipeline.rank_memory_bytes)), default=0.0)
     return StageFigures(weight_bytes=max(s.parameter_bytes for s in pipeline.stages),
-                        working_bytes=max(working - whole_cache, 0.0), kv_bytes_per_token_device=max(per_token),
-                        cut=cut)
+                        working_bytes=max(working, 0.0), kv_bytes_per_token_device=max(per_token), cut=cut)
 
 
 def element_size(buffers: dict[str, torch.Tensor]) -> int:
