@@ -155,6 +155,14 @@ def test_a_model_too_big_for_one_device_gets_a_replica_that_fits(few_kv_heads: L
     assert "pp=2" in str(plan)
 
 
+def test_a_model_no_node_holds_is_pipelined_across_nodes(few_kv_heads: Llama) -> None:
+    """One device per node, too small for the model: the replica spans two nodes (tp=1 x pp=2), and so does the unit."""
+    plan = autopar.plan_serving(few_kv_heads, autopar.Cluster(devices=4, devices_per_node=1, hardware=TIGHT),
+                                WORKLOAD, SLO, **FAST)
+    assert plan.goodput_rps > 0 and plan.unit_devices == 2 and plan.units == 2
+    assert {(p.tp, p.pp) for p in plan.pools} == {(1, 2)}
+
+
 def test_a_pipelined_replicas_fit_matches_a_held_out_planned_step(small: Llama) -> None:
     """A tp=1 x pp=2 replica's decode line against its directly planned pipelined step (its weights and cut)."""
     times = plan_step_times(small, H100, 8, 1, max_context=1280, token_budget=1024, max_positions=2048,
