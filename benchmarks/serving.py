@@ -59,7 +59,8 @@ def run(quick: bool) -> list[dict]:
                 agg, dis = plan.best_aggregated_rps, plan.best_disaggregated_rps
                 rows.append({"model": name, "devices": devices, "slo": slo_name, "ttft_s": slo.ttft_s,
                              "tpot_s": slo.tpot_s, "chosen": plan.deployment if plan.goodput_rps else "none",
-                             "pools": [f"{p.role} {p.replicas}x tp={p.tp}" for p in plan.pools],
+                             "pools": [f"{p.role} {p.replicas}x tp={p.tp}" + (f" pp={p.pp}" if p.pp > 1 else "")
+                                       for p in plan.pools],
                              "goodput_rps": plan.goodput_rps, "per_device": plan.goodput_per_device,
                              "best_aggregated_rps": agg, "best_disaggregated_rps": dis,
                              "disagg_over_agg": dis / agg if agg else None, "plan_serving_s": seconds,

@@ -41,12 +41,13 @@ def test_stage_state_is_every_parameter_once() -> None:
 
 def test_in_flight_micro_batches_by_schedule() -> None:
     """GPipe keeps all m micro-batches' activations; 1F1B's rank r at most p - r (Narayanan et
-    al. 2021 §2.2.1); what the step adds besides (buffers, held reshards) is the same on both."""
+    al. 2021 §2.2.1); what the step adds besides (buffers several stages read, held reshards) is the same on
+    both, a stage's own buffers on its rank."""
     gpipe, one = _plan(_pinned("gpipe", 4)).pipeline, _plan(_pinned("1f1b", 4)).pipeline
     extras = []
     for pipe, in_flight in ((gpipe, [4, 4]), (one, [2, 1])):
         for s, k in zip(pipe.stages, in_flight):
-            extras.append(pipe.rank_memory_bytes[s.rank] - s.state_bytes - k * s.activation_bytes)
+            extras.append(pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - k * s.activation_bytes)
     assert extras == pytest.approx([extras[0]] * 4, rel=1e-9)
     assert one.rank_memory_bytes[0] < gpipe.rank_memory_bytes[0]
 
@@ -130,14 +131,15 @@ def test_a_stage_plan_searches_neither_zero1_nor_offload() -> None:
 def test_rank_memory_counts_every_activation_byte_of_the_step() -> None:
     """What GPipe's ranks hold besides their stages' state and m micro-batches of their
     activations, with every stage's activations of one micro-batch, is the whole step's
-    activation memory on the stage mesh: its buffers (Llama's rotary tables) included."""
+    activation memory on the stage mesh: its buffers (Llama's rotary tables) included, a buffer one
+    stage alone reads on that stage's ranks only."""
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
     stage = autopar.plan(model, autopar.Mesh({"stage": 1}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
                          micro_batches=4, memory_limit=math.inf)
     pipe = _plan(_pinned("gpipe", 4)).pipeline
     for s in pipe.stages:
-        extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - 4 * s.activation_bytes
-        total = extra + sum(t.activation_bytes for t in pipe.stages)
+        extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - 4 * s.activation_bytes
+        total = extra + sum(t.activation_bytes + t.buffer_bytes for t in pipe.stages)
         assert total == pytest.approx(stage.predicted.activation_memory_bytes, rel=1e-12)
 
 
@@ -155,8 +157,8 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
     assert buffers > 0
     pipe = with_pipeline(stage, _pinned("gpipe", 4), autopar.Mesh({"pp": 2, "dp": 2}, "cpu")).plan.pipeline
     for s in pipe.stages:
-        extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - 4 * s.activation_bytes
-        total = extra + sum(t.activation_bytes for t in pipe.stages)
+        extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - 4 * s.activation_bytes
+        total = extra + sum(t.activation_bytes + t.buffer_bytes for t in pipe.stages)
         assert total == pytest.approx(stage.plan.predicted.activation_memory_bytes - buffers, rel=1e-12)
 
 

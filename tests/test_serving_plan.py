@@ -5,6 +5,7 @@ Planning only (meta-device models, no weights): the example Llama's serving step
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -33,6 +34,17 @@ def small() -> Llama:
 
 
 @pytest.fixture(scope="module")
+def few_kv_heads() -> Llama:
+    """The small model with 2 KV heads: 2 KiB of cache a token, so that its weights (209 MiB) decide what fits."""
+    return build_serving(LlamaConfig(vocab_size=32000, max_seq_len=2048, hidden=1024, heads=16, kv_heads=2,
+                                     ffn_hidden=2816, layers=4))
+
+
+TIGHT = dataclasses.replace(H100, name="h100-400MB", memory_bytes=400e6, memory_headroom=0.0)
+"""A device too small for the model's decode steps at tp=1 (weights and a batch of 128's cache: 528 MiB)."""
+
+
+@pytest.fixture(scope="module")
 def wide() -> Llama:
     """Two layers of Llama-3-8B's width: wide enough that the ILP splits decode steps by heads under TP."""
     return build_serving(LlamaConfig(vocab_size=128256, max_seq_len=4096, hidden=4096, heads=32, kv_heads=8,
@@ -42,7 +54,7 @@ def wide() -> Llama:
 def test_plan_is_consistent(small: Llama) -> None:
     plan = autopar.plan_serving(small, autopar.Cluster(devices=4), WORKLOAD, SLO, **FAST)
     assert plan.kind in ("aggregated", "disaggregated") and plan.goodput_rps > 0 and not plan.reason
-    assert sum(p.replicas * p.tp for p in plan.pools) <= 4
+    assert sum(p.replicas * p.tp * p.pp for p in plan.pools) <= 4
     assert plan.best_aggregated_rps > 0 and plan.best_disaggregated_rps > 0
     assert plan.goodput_rps == max(plan.best_aggregated_rps, plan.best_disaggregated_rps)
     assert plan.ttft_p_s is not None and plan.ttft_p_s <= SLO.ttft_s and plan.tpot_p_s <= SLO.tpot_s
@@ -124,3 +136,53 @@ def test_a_replicas_steps_share_one_weight_layout(wide: Llama) -> None:
     decode = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
                              transfer_intra_node=True)
     assert all(p.state == decode.state for p in decode.prefill_points)  # an aggregated replica's prefills too
+
+
+def test_a_model_too_big_for_one_device_gets_a_replica_that_fits(few_kv_heads: Llama) -> None:
+    """tp=1 does not fit: with TP allowed the plan may pick tp=2 or tp=1 x pp=2; with tp=1 only, a pipeline."""
+    cluster = autopar.Cluster(devices=2, hardware=TIGHT)
+    for degrees in (None, (1,)):
+        plan = autopar.plan_serving(few_kv_heads, cluster, WORKLOAD, SLO, tp_degrees=degrees, **FAST)
+        assert "tp=1" in plan.skipped and "memory" in plan.skipped["tp=1"]
+        assert plan.goodput_rps > 0
+        for pool in plan.pools:
+            assert (pool.tp, pool.pp) != (1, 1)
+            held = pool.weight_bytes_device + pool.kv_capacity_tokens * pool.kv_bytes_per_token_device / pool.pp
+            assert held <= TIGHT.memory_limit()
+    assert [(p.tp, p.pp) for p in plan.pools] == [(1, 2)]  # tp=1 only: the pipeline
+    assert plan.pools[0].kv_bytes_per_token_device == 2 * 4 * 2 * 64 * 2 / 2  # each stage holds 2 of 4 layers' caches
+    assert plan.to_json()["pools"][0]["pp"] == 2
+    assert "pp=2" in str(plan)
+
+
+def test_a_model_no_node_holds_is_pipelined_across_nodes(few_kv_heads: Llama) -> None:
+    """One device per node, too small for the model: the replica spans two nodes (tp=1 x pp=2), and so does the unit."""
+    plan = autopar.plan_serving(few_kv_heads, autopar.Cluster(devices=4, devices_per_node=1, hardware=TIGHT),
+                                WORKLOAD, SLO, **FAST)
+    assert plan.goodput_rps > 0 and plan.unit_devices == 2 and plan.units == 2
+    assert {(p.tp, p.pp) for p in plan.pools} == {(1, 2)}
+
+
+def test_a_pipelined_replicas_fit_matches_a_held_out_planned_step(small: Llama) -> None:
+    """A tp=1 x pp=2 replica's decode line against its directly planned pipelined step (its weights and cut)."""
+    times = plan_step_times(small, H100, 8, 1, max_context=1280, token_budget=1024, max_positions=2048,
+                            transfer_intra_node=True, pp=2)
+    held_out = StepShape(batch=64, steps=1, max_len=640)  # between the planned batches (32, 128) and contexts
+    direct = plan_point(small, H100, 8, 1, held_out, H100.memory_limit(), times.state, pp=2,
+                        cut=times.decode_points[2].cut)
+    assert times.decode_s(held_out.batch, held_out.context_tokens) == pytest.approx(direct.step_time_s, rel=0.05)
+    assert all(p.cut == times.decode_points[2].cut for p in times.decode_points + times.prefill_points)
+    whole = plan_step_times(small, H100, 8, 1, max_context=1280, token_budget=1024, max_positions=2048,
+                            transfer_intra_node=True)
+    # Two stages hold half the layers' caches each; the simulator's virtual replicas hold half the replica's.
+    assert times.kv_bytes_per_token_device == whole.kv_bytes_per_token_device / 2
+    assert times.kv_capacity_tokens * 2 > whole.kv_capacity_tokens
+
+
+def test_cli_serve_plan_shows_the_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["serve-plan", "examples/llama.py:build_small_serving", "--devices", "2", "--prompt", "256-1024",
+                 "--output", "64-256", "--rate", "10", "--ttft", "0.1", "--tpot", "0.01", "--max-batch", "16",
+                 "--token-budget", "1024", "--no-disaggregated", "--tp", "1", "--pp", "2", "--width", "200"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "agg tp=1 pp=2 x1" in out and "pp=2 (2 batches in flight)" in out

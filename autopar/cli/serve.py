@@ -32,6 +32,17 @@ def _tokens(text: str) -> Any:
     return Uniform(low=bounds[0], high=bounds[1])
 
 
+def _degrees(text: str) -> tuple[int, ...]:
+    """``2`` or ``1,2,4``: positive whole numbers."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+        if not values or min(values) < 1:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}") from None
+    return values
+
+
 def add_parser(sub: Any, epilog: str) -> None:
     """The ``serve-plan`` subcommand."""
     p = sub.add_parser("serve-plan", help="plan a serving deployment (replicas, TP per phase, prefill/decode "
@@ -56,6 +67,11 @@ def add_parser(sub: Any, epilog: str) -> None:
     p.add_argument("--token-budget", type=_positive(int), default=2048,
                    help="tokens per step at most: decodes plus prefill chunks (default 2048)")
     p.add_argument("--no-disaggregated", action="store_true", help="consider aggregated deployments only")
+    p.add_argument("--tp", type=_degrees, default=None, metavar="N[,N...]",
+                   help="the replicas' TP degrees (default: every divisor of the node)")
+    p.add_argument("--pp", type=_degrees, default=None, metavar="N[,N...]",
+                   help="pipeline stages per replica, each tried at every TP degree (1: TP alone; default: 1, and 2 "
+                        "where a TP replica does not fit or fits badly, deeper across nodes when nothing fits one)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
 
@@ -75,7 +91,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if isinstance(model, tuple) and model:  # a training builder's (model, inputs, ...): the model
         model = model[0]
     plan = autopar.plan_serving(model, cluster, workload, slo, max_batch=args.max_batch,
-                                token_budget=args.token_budget, disaggregated=not args.no_disaggregated)
+                                token_budget=args.token_budget, disaggregated=not args.no_disaggregated,
+                                tp_degrees=args.tp,
+                                pp_degrees=args.pp)
     if args.json:
         json.dump(plan.to_json(), sys.stdout, indent=1)
         print()

@@ -3,13 +3,14 @@
 Aggregated: every TP degree that divides the node and the model, as many replicas as fill the
 cluster. Disaggregated: every split of the devices into a prefill pool and a decode pool, each
 with its own TP degree (DistServe's search over the two phases' parallelism, Sec. 4.1), whole
-replicas on both sides. Pipeline and expert parallelism per phase come with the ILP-priced
-step times (a later slice).
+replicas on both sides. ``deployments`` also takes replicas of tp x pp devices (``plan_serving``'s
+pipelined replicas), each run as pp virtual replicas of tp devices (``planned.PlannedStepTimes``).
+Expert parallelism per phase is a later slice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from autopar.errors import InputError
 from autopar.serving.deployment import Deployment, Pool, StepTimes
@@ -47,26 +48,42 @@ def candidate_deployments(cluster: Cluster, model: TransformerShape, *, max_batc
                        disaggregated=disaggregated)
 
 
-def deployments(devices: int, degrees: list[int], times: Callable[[int, str], StepTimes], *, max_batch: int = 256,
-                token_budget: int = 2048, disaggregated: bool = True, aggregated: bool = True) -> list[Deployment]:
-    """Every deployment of ``devices`` whose replicas have one of the TP ``degrees``: aggregated ones
-    filling the devices, then (``disaggregated``) every split into whole prefill and decode replicas.
-    ``times(tp, role)``: a replica's step times in its role ("serve", "prefill" or "decode")."""
-    def pool(tp: int, replicas: int, role: str) -> Pool:
-        return Pool(step_times=times(tp, role), replicas=replicas, devices_per_replica=tp, max_batch=max_batch,
-                    token_budget=token_budget, label=f"tp={tp}")
+Replica = int | tuple[int, int]
+"""A replica's parallelism: a TP degree, or (tp, pp) for tp x pp devices."""
 
-    out = [Deployment(name=f"agg tp={tp} x{devices // tp}", serve=pool(tp, devices // tp, "serve"))
-           for tp in degrees if devices % tp == 0 and aggregated]
+
+def replica_label(replica: Replica) -> str:
+    """'tp=4', or 'tp=4 pp=2' for a pipelined replica."""
+    tp, pp = (replica, 1) if isinstance(replica, int) else replica
+    return f"tp={tp}" + (f" pp={pp}" if pp > 1 else "")
+
+
+def deployments(devices: int, degrees: Sequence[Replica], times: Callable[[Replica, str], StepTimes], *,
+                max_batch: int = 256, token_budget: int = 2048, disaggregated: bool = True, aggregated: bool = True
+                ) -> list[Deployment]:
+    """Every deployment of ``devices`` whose replicas have one of the ``degrees`` (TP degrees, or (tp, pp)):
+    aggregated ones filling the devices, then (``disaggregated``) every split into whole prefill and decode
+    replicas. ``times(replica, role)``: a replica's step times in its role ("serve", "prefill" or "decode");
+    a pp replica's are one of its pp virtual replicas', so its pool holds replicas x pp of tp devices each."""
+    def size(replica: Replica) -> int:
+        return replica if isinstance(replica, int) else replica[0] * replica[1]
+
+    def pool(replica: Replica, replicas: int, role: str) -> Pool:
+        tp, pp = (replica, 1) if isinstance(replica, int) else replica
+        return Pool(step_times=times(replica, role), replicas=replicas * pp, devices_per_replica=tp,
+                    max_batch=max_batch, token_budget=token_budget, label=replica_label(replica))
+
+    out = [Deployment(name=f"agg {replica_label(r)} x{devices // size(r)}", serve=pool(r, devices // size(r), "serve"))
+           for r in degrees if devices % size(r) == 0 and aggregated]
     if not disaggregated:
         return out
-    for tp_p in degrees:
-        for tp_d in degrees:
-            for n_p in range(1, devices // tp_p + 1):
-                decode_devices = devices - n_p * tp_p
-                if decode_devices < tp_d or decode_devices % tp_d:
+    for r_p in degrees:
+        for r_d in degrees:
+            for n_p in range(1, devices // size(r_p) + 1):
+                decode_devices = devices - n_p * size(r_p)
+                if decode_devices < size(r_d) or decode_devices % size(r_d):
                     continue
-                n_d = decode_devices // tp_d
-                out.append(Deployment(name=f"disagg {n_p}P(tp={tp_p}) + {n_d}D(tp={tp_d})",
-                                      prefill=pool(tp_p, n_p, "prefill"), decode=pool(tp_d, n_d, "decode")))
+                n_d = decode_devices // size(r_d)
+                out.append(Deployment(name=f"disagg {n_p}P({replica_label(r_p)}) + {n_d}D({replica_label(r_d)})",
+                                      prefill=pool(r_p, n_p, "prefill"), decode=pool(r_d, n_d, "decode")))
     return out

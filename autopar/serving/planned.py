@@ -53,6 +53,7 @@ from autopar.mesh import Mesh
 from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.nodes import PARAM
 from autopar.serving.servable import KV_HEADS_DIM, StepShape, cache_buffers, kv_bytes_per_token, step_inputs
+from autopar.serving.staged import SERVING_PIPELINE, Cut, element_size, stage_figures
 
 DECODE_BATCHES = (32, 128)
 """Decode batches planned: both large enough that the cache's ops are past their per-call latency floor
@@ -81,6 +82,8 @@ class PlannedPoint:
     """The plan's placement of every parameter (a serving plan reports them)."""
     state: "State" = field(repr=False)
     """The parameters' placements as ``prepare_step(state_placements=)`` takes them (to pin other steps)."""
+    cut: Cut = ()
+    """A pipelined step's stages' units (``Pipeline.stage_blocks``, to pin other steps); () without pp."""
 
 
 State = tuple[tuple[str, tuple[Placement, ...]], ...]
@@ -88,19 +91,21 @@ State = tuple[tuple[str, tuple[Placement, ...]], ...]
 
 
 _PLANNED: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, PlannedPoint | InputError]]" = weakref.WeakKeyDictionary()
-"""Planned points per model object, by (hardware, devices per node, tp, limit, shape); a step that cannot be
-planned (no plan fits the memory) keeps its error, which is as costly to find as a plan."""
+"""Planned points per model object, by (hardware, devices per node, tp, pp, limit, shape, pins); a step that
+cannot be planned (no plan fits the memory) keeps its error, which is as costly to find as a plan."""
 
 
 def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
-               memory_limit: float, pinned: State = ()) -> PlannedPoint:
+               memory_limit: float, pinned: State = (), *, pp: int = 1, cut: Cut = ()) -> PlannedPoint:
     """The step ``shape`` planned forward-only on a ``{"tp": tp}`` mesh of ``profile`` (cached), its
-    parameters placed as ``pinned`` says (another step's ``state``: one replica holds one copy of its weights)."""
-    key = (profile.name, devices_per_node, tp, memory_limit, shape, pinned)
+    parameters placed as ``pinned`` says (another step's ``state``: one replica holds one copy of its weights).
+    ``pp`` > 1: on a ``{"pp": pp, "tp": tp}`` mesh, one micro-batch through pp stages (``staged``), cut as
+    ``cut`` says (another step's ``cut``; () lets the planner cut)."""
+    key = (profile.name, devices_per_node, tp, pp, memory_limit, shape, pinned, cut)
     cache = _PLANNED.setdefault(model, {})
     if key not in cache:
         try:
-            cache[key] = _planned(model, profile, devices_per_node, tp, shape, memory_limit, pinned)
+            cache[key] = _planned(model, profile, devices_per_node, (tp, pp), shape, memory_limit, pinned, cut)
         except InputError as exc:
             cache[key] = exc
     found = cache[key]
@@ -117,19 +122,36 @@ def cache_placements(buffers: dict[str, torch.Tensor], tp: int) -> dict[str, tup
             for name, b in buffers.items()}
 
 
-def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
-             memory_limit: float, pinned: State) -> PlannedPoint:
-    """``plan_point`` uncached."""
+def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, replica: tuple[int, int],
+             shape: StepShape, memory_limit: float, pinned: State, cut: Cut) -> PlannedPoint:
+    """``plan_point`` uncached; ``replica``: (tp, pp)."""
     from autopar.api import plan_step  # serving sits above the planner; imported late to keep import order free
+    from autopar.solver.pipeline import Pipeline
 
+    tp, pp = replica
     inputs = step_inputs(model, shape)
     buffers = cache_buffers(model, shape)
-    mesh = Mesh({"tp": tp}, profile, devices_per_node)
-    planned = plan_step(model, mesh, inputs, train=False, memory_limit=memory_limit,
-                        state_placements={**dict(pinned), **cache_placements(buffers, tp)})
+    placements = {**dict(pinned), **cache_placements(buffers, tp)}
+    if pp > 1:  # the stage mesh is {"tp": tp}: the placements (one entry per axis) are the stages' too
+        pipeline = Pipeline(axis="pp", stage_blocks=cut or None, **SERVING_PIPELINE)
+        planned = plan_step(model, Mesh({"pp": pp, "tp": tp}, profile, devices_per_node), inputs, train=False,
+                            memory_limit=memory_limit, state_placements=placements, pipeline=pipeline)
+    else:
+        planned = plan_step(model, Mesh({"tp": tp}, profile, devices_per_node), inputs, train=False,
+                            memory_limit=memory_limit, state_placements=placements)
     plan = planned.plan
     state = tuple(sorted((node.fqn or name, tuple(planned.chosen[name].outputs[0]))
                          for name, node in planned.graph.nodes.items() if node.kind == PARAM))
+    if plan.pipeline is not None:
+        staged = stage_figures(plan.pipeline, [(n.module, n.shapes[0], n.outputs[0]) for n in plan.nodes
+                                               if n.op == "buffer" and n.shapes and n.shapes[0][:2] ==
+                                               [shape.batch, shape.max_len]],
+                               shape.batch, shape.max_len, element_size(buffers), tp)
+        return PlannedPoint(shape=shape, step_time_s=plan.predicted.step_time_s, weight_bytes=staged.weight_bytes,
+                            working_bytes=staged.working_bytes,
+                            kv_bytes_per_token_device=staged.kv_bytes_per_token_device or kv_bytes_per_token(buffers),
+                            kv_bytes_per_token=kv_bytes_per_token(buffers), parameters=dict(plan.parameters),
+                            state=state, cut=staged.cut)
     kv_device = 0.0
     for node in plan.nodes:  # the cache buffers as the plan places them
         if node.op == "buffer" and node.shapes and node.shapes[0][:2] == [shape.batch, shape.max_len]:
@@ -159,19 +181,20 @@ class Reserve:
     tokens: int
     """KV tokens to leave room for: ``plan_serving`` asks for a full batch at the mean request length."""
     bytes_per_token: float
-    """KV bytes of a token per device, as reserved (the whole cache's over tp)."""
+    """KV bytes of a token per device, as reserved (the whole cache's over tp x pp)."""
     limit: float
     """The device's memory limit."""
 
     def plan(self, model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
-             pinned: State = ()) -> PlannedPoint:
+             pinned: State = (), *, pp: int = 1, cut: Cut = ()) -> PlannedPoint:
         spare = max(self.tokens - shape.batch * shape.max_len, 0) * self.bytes_per_token
         if spare and spare < self.limit:
             try:
-                return plan_point(model, profile, devices_per_node, tp, shape, self.limit - spare, pinned)
+                return plan_point(model, profile, devices_per_node, tp, shape, self.limit - spare, pinned,
+                                  pp=pp, cut=cut)
             except MemoryLimitError:
                 pass
-        return plan_point(model, profile, devices_per_node, tp, shape, self.limit, pinned)
+        return plan_point(model, profile, devices_per_node, tp, shape, self.limit, pinned, pp=pp, cut=cut)
 
 
 def _solve(rows: list[tuple[float, float, float]], times: list[float]) -> tuple[float, float, float]:
@@ -182,10 +205,13 @@ def _solve(rows: list[tuple[float, float, float]], times: list[float]) -> tuple[
 
 @dataclass(frozen=True, kw_only=True)
 class PlannedStepTimes:
-    """``StepTimes`` of one tensor-parallel replica fitted through ILP-planned steps (module docstring)."""
+    """``StepTimes`` of one replica fitted through ILP-planned steps (module docstring). A replica of pp > 1
+    stages serves as vLLM's pipeline parallelism does: pp batches in flight, each stage busy with a different
+    one, so it is pp virtual replicas, each with the whole chain's latency as its step time and 1/pp of the
+    replica's KV cache. These times are one virtual replica's (the simulator runs replicas x pp of them)."""
 
     tp: int
-    """Devices of the replica (its tensor-parallel degree)."""
+    """Tensor-parallel degree of the replica (devices per stage)."""
     decode_line: tuple[float, float, float]
     """(w, beta, gamma): seconds, per token in the step, per context token read."""
     prefill_line: tuple[float, float, float]
@@ -204,6 +230,8 @@ class PlannedStepTimes:
     """The planned decode steps the line goes through."""
     step_overhead_s: float = 0.0
     """Fixed seconds per step besides the planned program (scheduler, sampling)."""
+    pp: int = 1
+    """Pipeline stages of the replica (its devices: tp x pp); ``kv_capacity_tokens`` is a pp-th of its cache."""
 
     def mixed_s(self, prefill_tokens: int, prefill_context: int, decode_batch: int,
                 decode_context_tokens: int) -> float:
@@ -231,9 +259,10 @@ class PlannedStepTimes:
     def for_phases(self, points: tuple[PlannedPoint, ...], cache_points: tuple[PlannedPoint, ...],
                    memory_limit: float) -> "PlannedStepTimes":
         """This replica with the KV capacity left when it runs the steps of ``points`` and keeps its
-        caches as the plans of ``cache_points`` place them (a prefill pool: its prefill plans')."""
+        caches as the plans of ``cache_points`` place them (a prefill pool: its prefill plans'), shared by its
+        pp virtual replicas (class docstring)."""
         per_token = max(p.kv_bytes_per_token_device for p in cache_points)
-        return replace(self, kv_capacity_tokens=kv_capacity(points, memory_limit, per_token),
+        return replace(self, kv_capacity_tokens=kv_capacity(points, memory_limit, per_token) // self.pp,
                        kv_bytes_per_token_device=per_token)
 
 
@@ -246,9 +275,9 @@ def kv_capacity(points: tuple[PlannedPoint, ...], memory_limit: float, per_token
 
 def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, *,
                     max_context: int, token_budget: int, max_positions: int, transfer_intra_node: bool,
-                    kv_reserve_tokens: int = 0, step_overhead_s: float = 0.0, layout: str = "decode"
+                    kv_reserve_tokens: int = 0, step_overhead_s: float = 0.0, layout: str = "decode", pp: int = 1
                     ) -> PlannedStepTimes:
-    """A replica of ``tp`` devices: its prefill and decode steps planned (module docstring) and fitted.
+    """A replica of ``tp`` x ``pp`` devices: its prefill and decode steps planned (module docstring) and fitted.
     ``max_context``: the longest request (prompt + output) to serve; ``max_positions``: the model's limit;
     ``kv_reserve_tokens``: KV-cache tokens the steps are planned to leave room for (``Reserve``).
 
@@ -256,14 +285,16 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
     one anchor step's plan (``compile_serving`` runs them so): ``layout="decode"`` (aggregated and decode
     replicas) anchors at the largest decode step, planned freely; ``"prefill"`` (prefill replicas) at the
     largest prefill step, its decode line borrowed from the decode layout (a prefill replica decodes
-    nothing: the line only floors its small chunks at a read of the weights)."""
+    nothing: the line only floors its small chunks at a read of the weights). With ``pp`` > 1 the anchor's
+    stage cut is pinned too (``compile_serving`` cuts the prefill at the decode's): every step holds the same
+    layers, and caches, on each stage."""
     if layout not in ("decode", "prefill"):
         raise InputError(f"layout must be 'decode' or 'prefill', got {layout!r}")
     limit = profile.memory_limit()
     probe = StepShape(batch=1, steps=1, max_len=2)
     step_inputs(model, probe)
-    reserve = Reserve(tokens=kv_reserve_tokens, bytes_per_token=kv_bytes_per_token(cache_buffers(model, probe)) / tp,
-                      limit=limit)
+    reserve = Reserve(tokens=kv_reserve_tokens, limit=limit,
+                      bytes_per_token=kv_bytes_per_token(cache_buffers(model, probe)) / (tp * pp))
     long = min(max_context, max_positions)
     short = max(long // 4, 1)
     if long <= short:
@@ -271,15 +302,17 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
     t1, t2 = min(PREFILL_TOKENS[0], max_positions // 2), min(max(token_budget, PREFILL_TOKENS[0] * 2), max_positions)
     b1, b2 = DECODE_BATCHES
 
-    def points(shapes: list[StepShape], anchor: int, pinned: State) -> tuple[PlannedPoint, ...]:
-        first = reserve.plan(model, profile, devices_per_node, tp, shapes[anchor], pinned)
-        pinned = pinned or first.state
-        return tuple(first if i == anchor else reserve.plan(model, profile, devices_per_node, tp, shape, pinned)
+    def points(shapes: list[StepShape], anchor: int, pin: PlannedPoint | None) -> tuple[PlannedPoint, ...]:
+        first = reserve.plan(model, profile, devices_per_node, tp, shapes[anchor], pin.state if pin else (), pp=pp,
+                             cut=pin.cut if pin else ())
+        pin = pin or first
+        return tuple(first if i == anchor else reserve.plan(model, profile, devices_per_node, tp, shape, pin.state,
+                                                            pp=pp, cut=pin.cut)
                      for i, shape in enumerate(shapes))
     decode_shapes = [StepShape(batch=b, steps=1, max_len=n) for b, n in ((b1, short), (b2, short), (b2, long))]
     prefill_shapes = [StepShape(batch=1, steps=t, max_len=n) for t, n in ((t1, t1), (t2, t2), (t1, t2))]
-    decode = points(decode_shapes, 2, ())
-    prefill = points(prefill_shapes, 1, decode[2].state if layout == "decode" else ())
+    decode = points(decode_shapes, 2, None)
+    prefill = points(prefill_shapes, 1, decode[2] if layout == "decode" else None)
     decode_line = _solve([(1, p.shape.tokens, p.shape.context_tokens) for p in decode],
                          [p.step_time_s for p in decode])
     prefill_line = _solve([(1, p.shape.tokens, p.shape.pairs) for p in prefill], [p.step_time_s for p in prefill])
@@ -288,7 +321,7 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
     times = PlannedStepTimes(tp=tp, decode_line=decode_line, prefill_line=prefill_line, kv_capacity_tokens=0,
                              kv_bytes_per_token_device=0.0, transfer_mesh=pair,
                              state=decode[2].state if layout == "decode" else prefill[1].state,
-                             prefill_points=prefill, decode_points=decode, step_overhead_s=step_overhead_s)
+                             prefill_points=prefill, decode_points=decode, step_overhead_s=step_overhead_s, pp=pp)
     return times.for_phases(prefill + decode, decode, limit)
 
 

@@ -1,9 +1,11 @@
 """``plan_serving``: the serving deployment of a model on a cluster with the highest goodput under an SLO.
 
-1. Every TP degree a replica may have (divisors of the node up to the cluster) gets its step times
-   from ILP plans of its prefill and decode steps (``planned.plan_step_times``); a degree whose
-   steps cannot be planned (the weights do not fit, the heads do not split) is left out with its reason.
-2. The cluster is cut into identical units of one node (or the whole cluster when smaller); a unit's
+1. Every replica it may deploy (TP degrees dividing the node; tp x pp where pipelines can matter:
+   ``replicas``) gets its step times from ILP plans of its prefill and decode steps
+   (``planned.plan_step_times``); one whose steps cannot be planned (the weights do not fit, the heads
+   do not split) is left out with its reason.
+2. The cluster is cut into identical units of one node (or the whole cluster when smaller; the smallest
+   replica's devices when it spans nodes); a unit's
    candidates are every aggregated deployment and every prefill/decode split of its devices
    (``candidates.deployments``), KV transfers on the node's links. Arrivals split evenly over the
    units (a Poisson stream thinned at random is Poisson), so a unit serves rate/units and the
@@ -27,7 +29,8 @@ from autopar.mesh import Mesh
 from autopar.serving.candidates import deployments
 from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.goodput import GoodputResult, find_goodput
-from autopar.serving.planned import PlannedStepTimes, plan_step_times
+from autopar.serving.planned import PlannedStepTimes
+from autopar.serving.replicas import ReplicaKey, ReplicaOptions, prefill_layout, replica_times
 from autopar.serving.servable import check_servable
 from autopar.serving.serving_plan import ServingPlan, build_plan
 from autopar.serving.workload import SLO, Cluster, Workload
@@ -61,12 +64,15 @@ class Lengths:
 
 def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SLO, *, max_batch: int = 256,
                  token_budget: int = 2048, disaggregated: bool = True, tp_degrees: tuple[int, ...] | None = None,
-                 step_overhead_s: float = 0.0, rel_tol: float = 0.02) -> ServingPlan:
+                 pp_degrees: tuple[int, ...] | None = None, step_overhead_s: float = 0.0,
+                 rel_tol: float = 0.02) -> ServingPlan:
     """The deployment of ``model`` on ``cluster`` serving ``workload`` with the highest goodput under ``slo``
     (module docstring). ``model`` must be servable (``autopar.serving.servable``); a model built on the meta
     device plans without allocating. ``max_batch`` and ``token_budget`` are every pool's batching limits
     (vLLM's ``max_num_seqs``, ``max_num_batched_tokens``); ``tp_degrees`` restricts the replicas' TP degrees;
-    ``step_overhead_s`` adds fixed seconds per step; ``rel_tol`` is the goodput search's precision."""
+    ``pp_degrees`` sets their pipeline depths (each at every TP degree, 1 for TP alone; None: TP alone and
+    pipelines where they can matter, see ``serving.replicas``); ``step_overhead_s`` adds fixed seconds per step;
+    ``rel_tol`` is the goodput search's precision."""
     started = time.perf_counter()
     for value, kind in ((cluster, Cluster), (workload, Workload), (slo, SLO)):
         if not isinstance(value, kind):
@@ -78,21 +84,23 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
         raise InputError(f"requests of up to {lengths.longest} tokens (prompt + output) exceed the model's "
                          f"{positions} positions")
     unit = min(cluster.devices, cluster.devices_per_node)
-    times, skipped = _replica_times(model, cluster, unit, lengths, (max_batch, token_budget), tp_degrees,
-                                    step_overhead_s)
-    prefill_times = {tp: _prefill_layout(model, cluster, t, lengths, (max_batch, token_budget), step_overhead_s)
-                     for tp, t in times.items()}
+    options = ReplicaOptions(longest=lengths.longest, mean_tokens=lengths.mean_prompt + lengths.mean_output,
+                             max_batch=max_batch, token_budget=token_budget, step_overhead_s=step_overhead_s,
+                             max_positions=positions)
+    times, skipped = replica_times(model, cluster, unit, options, tp_degrees, pp_degrees)
+    prefill_times = {r: prefill_layout(model, cluster, t, options) for r, t in times.items()}
     steps_s = time.perf_counter() - started
     if not times:
         raise InputError("no replica of the model can be planned on this cluster: "
-                         + "; ".join(f"tp={tp}: {why}" for tp, why in skipped.items()))
+                         + "; ".join(f"{label}: {why}" for label, why in skipped.items()))
+    unit = max(unit, min(tp * pp for tp, pp in times))  # replicas spanning nodes (nothing fits one) make the unit
     limit = cluster.profile.memory_limit()
     search = _Search(workload=workload, slo=slo, lengths=lengths, rel_tol=rel_tol)
     for size in _unit_sizes(cluster, unit, times, disaggregated):
-        intra = size <= cluster.devices_per_node  # a two-node unit sends its caches over the network
-        role_times = {(tp, role): _for_role(prefill_times[tp] if role == "prefill" else t, role, limit, intra)
-                      for tp, t in times.items() for role in ("serve", "prefill", "decode")}
-        search.run(deployments(size, sorted(times), lambda tp, role: role_times[tp, role], max_batch=max_batch,
+        intra = size <= cluster.devices_per_node  # a unit of several nodes sends its caches over the network
+        role_times = {(r, role): _for_role(prefill_times[r] if role == "prefill" else t, role, limit, intra)
+                      for r, t in times.items() for role in ("serve", "prefill", "decode")}
+        search.run(deployments(size, sorted(times), lambda r, role: role_times[r, role], max_batch=max_batch,
                                token_budget=token_budget, disaggregated=disaggregated,
                                aggregated=size == unit), cluster.devices // size)
     return build_plan(results=search.ranked(), pruned=search.pruned, skipped=skipped, cluster=cluster,
@@ -101,60 +109,16 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
                       model_name=type(model).__name__)
 
 
-def _unit_sizes(cluster: Cluster, unit: int, times: dict[int, PlannedStepTimes], disaggregated: bool) -> list[int]:
-    """Devices per unit to search: one node; and two nodes (disaggregated only) when a node holds at most two
-    of the smallest replicas, so that one node allows only a 1:1 prefill/decode split (a 70B at tp >= 4)."""
+def _unit_sizes(cluster: Cluster, unit: int, times: dict[ReplicaKey, PlannedStepTimes], disaggregated: bool
+                ) -> list[int]:
+    """Devices per unit to search: one node (or the smallest replica's nodes); and twice that (disaggregated
+    only) when a unit holds at most two of the smallest replicas, so that one unit allows only a 1:1
+    prefill/decode split (a 70B at tp >= 4)."""
     sizes = [unit]
-    if disaggregated and cluster.devices >= 2 * unit and unit == cluster.devices_per_node and unit // min(times) <= 2:
+    smallest = min(tp * pp for tp, pp in times)
+    if disaggregated and cluster.devices >= 2 * unit and unit >= cluster.devices_per_node and unit // smallest <= 2:
         sizes.append(2 * unit)
     return sizes
-
-
-def _replica_times(model: nn.Module, cluster: Cluster, unit: int, lengths: Lengths, batching: tuple[int, int],
-                   degrees: tuple[int, ...] | None, overhead: float
-                   ) -> tuple[dict[int, PlannedStepTimes], dict[int, str]]:
-    """Each TP degree's planned step times, and why the others were left out. ``batching``: the pools'
-    (max batch, token budget); the steps leave room for a full batch's caches at the mean length."""
-    max_batch, token_budget = batching
-    wanted = [tp for tp in range(1, unit + 1) if cluster.devices_per_node % tp == 0 and unit % tp == 0]
-    if degrees is not None:
-        bad = [tp for tp in degrees if tp not in wanted]
-        if bad:
-            raise InputError(f"tp_degrees {bad} do not divide a unit of {unit} devices (one node, or the cluster)")
-        wanted = sorted(degrees)
-    times: dict[int, PlannedStepTimes] = {}
-    skipped: dict[int, str] = {}
-    positions = getattr(model, "max_positions", None) or 1 << 30
-    for tp in wanted:
-        reserve = round(max_batch * (lengths.mean_prompt + lengths.mean_output))
-        try:
-            times[tp] = plan_step_times(model, cluster.profile, cluster.devices_per_node, tp,
-                                        max_context=lengths.longest, token_budget=token_budget,
-                                        max_positions=positions, transfer_intra_node=True, step_overhead_s=overhead,
-                                        kv_reserve_tokens=reserve)
-        except InputError as exc:  # MemoryLimitError included: this degree cannot hold the model's steps
-            skipped[tp] = str(exc).splitlines()[0]
-            continue
-        if times[tp].kv_capacity_tokens < lengths.longest:
-            skipped[tp] = (f"its KV cache holds {times[tp].kv_capacity_tokens} tokens beside the weights, less than "
-                           f"the longest request's {lengths.longest}")
-            del times[tp]
-    return times, skipped
-
-
-def _prefill_layout(model: nn.Module, cluster: Cluster, times: PlannedStepTimes, lengths: Lengths,
-                    batching: tuple[int, int], overhead: float) -> PlannedStepTimes:
-    """A prefill replica's step times, its weights placed as its largest prefill step's plan wants them; the
-    decode layout's (``times``) where that layout cannot be planned."""
-    max_batch, token_budget = batching
-    try:
-        return plan_step_times(model, cluster.profile, cluster.devices_per_node, times.tp,
-                               max_context=lengths.longest, token_budget=token_budget,
-                               max_positions=getattr(model, "max_positions", None) or 1 << 30,
-                               transfer_intra_node=True, step_overhead_s=overhead, layout="prefill",
-                               kv_reserve_tokens=round(max_batch * (lengths.mean_prompt + lengths.mean_output)))
-    except InputError:
-        return times
 
 
 def _for_role(times: PlannedStepTimes, role: str, limit: float, intra_node: bool) -> PlannedStepTimes:

@@ -25,13 +25,17 @@ class PoolPlan:
     role: str
     """"serve" (aggregated: prefill and decode), "prefill" or "decode"."""
     tp: int
-    """Tensor-parallel degree of one replica (its devices; no pipeline yet)."""
+    """Tensor-parallel degree of one replica (devices per pipeline stage)."""
+    pp: int
+    """Pipeline stages of one replica (its devices: tp x pp). As vLLM's pipeline parallelism, pp batches are in
+    flight at once, each stage busy with a different one: the simulator ran the replica as pp virtual replicas,
+    each with the chain's latency as its step time and a pp-th of the KV capacity."""
     replicas: int
     """Replicas over the whole cluster."""
     max_batch: int
-    """Requests in flight per replica at most (the scheduler's limit)."""
+    """Requests per batch at most (the scheduler's limit; a pp replica has pp such batches in flight)."""
     slots: int
-    """Requests whose whole KV cache (mean prompt + mean output) fits one replica together."""
+    """Requests whose whole KV cache (mean prompt + mean output) fits one replica together (all its batches)."""
     token_budget: int
     """Tokens one step processes at most (decodes plus prefill chunks)."""
     kv_bytes_per_token: int
@@ -39,13 +43,15 @@ class PoolPlan:
     kv_bytes_per_token_device: float
     """Of those, the bytes on one device, as the planned steps split the cache (by KV heads)."""
     kv_capacity_tokens: int
-    """Tokens of KV cache one replica holds: the memory limit less the plans' weights and working memory."""
+    """Tokens of KV cache one replica holds: the memory limit less the plans' weights and working memory (a pp
+    replica: its busiest stage's, each stage holding its layers' caches)."""
     weight_bytes_device: float
     """Weights per device, the largest over the planned steps of the pool's phases."""
     prefill_mean_s: float
     """A step prefilling one mean-length prompt alone (0 for a decode pool)."""
     decode_step_s: float
-    """A decode step of ``slots`` (at most ``max_batch``) requests at the mean context (0 for a prefill pool)."""
+    """A decode step of ``slots`` / pp (at most ``max_batch``) requests at the mean context, through every stage
+    (0 for a prefill pool)."""
     kv_transfer_s: float
     """A mean prompt's KV cache from a prefill replica to this one (decode pools of a disaggregated plan)."""
     decode_line: tuple[float, float, float]
@@ -56,7 +62,7 @@ class PoolPlan:
     """The planned steps the lines go through (shape, predicted time, memory)."""
     parameters: dict[str, str] = field(repr=False)
     """Placements of the parameters in the replica's largest planned step of its main phase (decode, or
-    prefill for a prefill pool), as the intra-op ILP chose them over the ``tp`` axis."""
+    prefill for a prefill pool), as the intra-op ILP chose them over the ``tp`` axis (each stage's, for pp > 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +106,8 @@ class ServingPlan:
     """Every candidate searched: name, cluster goodput, simulations, reason for 0."""
     pruned: int
     """Candidates not simulated: their throughput bound could not beat the best of their kind."""
-    skipped_tp: dict[int, str]
-    """TP degrees left out, and why."""
+    skipped: dict[str, str]
+    """Replicas left out ('tp=2', 'tp=2 pp=2'), and why."""
     planning_s: float
     """Seconds plan_serving took (planning the steps and the goodput search)."""
     steps_s: float = 0.0
@@ -117,7 +123,6 @@ class ServingPlan:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out["skipped_tp"] = {str(k): v for k, v in self.skipped_tp.items()}
         out["goodput_per_device"] = self.goodput_per_device
         return out
 
@@ -131,13 +136,15 @@ def _pool_plan(pool: Pool, role: str, units: int, lengths: tuple[float, float], 
     st = pool.step_times
     assert isinstance(st, PlannedStepTimes)
     prompt, output = lengths
-    slots = int(st.kv_capacity_tokens // (prompt + output))
-    batch = max(min(slots, pool.max_batch), 1)
+    # The pool holds replicas x pp virtual replicas, each with a pp-th of a replica's cache (PlannedStepTimes).
+    slots = int(st.kv_capacity_tokens * st.pp // (prompt + output))
+    batch = max(min(int(st.kv_capacity_tokens // (prompt + output)), pool.max_batch), 1)
     context = round(batch * (prompt + output / 2))  # a batch midway through its outputs
     main = st.prefill_points if role == "prefill" else st.decode_points
-    return PoolPlan(role=role, tp=st.tp, replicas=pool.replicas * units, max_batch=pool.max_batch, slots=slots,
-                    token_budget=pool.token_budget, kv_bytes_per_token=main[0].kv_bytes_per_token,
-                    kv_bytes_per_token_device=st.kv_bytes_per_token_device, kv_capacity_tokens=st.kv_capacity_tokens,
+    return PoolPlan(role=role, tp=st.tp, pp=st.pp, replicas=pool.replicas * units // st.pp, max_batch=pool.max_batch,
+                    slots=slots, token_budget=pool.token_budget, kv_bytes_per_token=main[0].kv_bytes_per_token,
+                    kv_bytes_per_token_device=st.kv_bytes_per_token_device,
+                    kv_capacity_tokens=st.kv_capacity_tokens * st.pp,
                     weight_bytes_device=max(p.weight_bytes for p in main),
                     prefill_mean_s=0.0 if role == "decode" else st.prefill_s(round(prompt),
                                                                              round(prompt * (prompt + 1) / 2)),
@@ -147,7 +154,7 @@ def _pool_plan(pool: Pool, role: str, units: int, lengths: tuple[float, float], 
                     parameters=dict(max(main, key=lambda p: p.shape.tokens * p.shape.max_len).parameters))
 
 
-def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, skipped: dict[int, str], cluster: Cluster,
+def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, skipped: dict[str, str], cluster: Cluster,
                workload: Workload, slo: SLO, lengths: tuple[float, float], planning_s: float, steps_s: float = 0.0,
                model_name: str = "") -> ServingPlan:
     """The plan of the best result (``results``: a unit's result and the cluster's units, best first), with
@@ -175,7 +182,7 @@ def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, skipped
         best_aggregated_rps=kind_best(False), best_disaggregated_rps=kind_best(True),
         candidates=[{"name": r.deployment.name, "unit_devices": r.deployment.devices, "goodput_rps": r.goodput_rps * n,
                      "simulations": r.simulations, "reason": r.reason} for r, n in results],
-        pruned=pruned, skipped_tp=skipped, planning_s=planning_s, steps_s=steps_s)
+        pruned=pruned, skipped=skipped, planning_s=planning_s, steps_s=steps_s)
 
 
 def _at(percentiles: dict[int, float], q: int) -> float:
@@ -202,6 +209,11 @@ def placement_rows(pools: list[PoolPlan]) -> list[tuple[str, ...]]:
             for name in names]
 
 
+def _shape(pool: PoolPlan) -> str:
+    """'tp=4', or 'tp=4 pp=2 (2 batches in flight)'."""
+    return f"tp={pool.tp}" + (f" pp={pool.pp} ({pool.pp} batches in flight)" if pool.pp > 1 else "")
+
+
 def render(plan: ServingPlan) -> Group:
     """The plan as rich renderables: a summary table and one row per pool."""
     head = Table.grid(padding=(0, 2))
@@ -223,16 +235,16 @@ def render(plan: ServingPlan) -> Group:
     head.add_row("compared", f"best aggregated {plan.best_aggregated_rps:.4g} req/s, best disaggregated "
                              f"{plan.best_disaggregated_rps:.4g} req/s; {len(plan.candidates)} candidates searched, "
                              f"{plan.pruned} pruned by bound")
-    for tp, why in plan.skipped_tp.items():
-        head.add_row("", f"tp={tp} left out: {why}")
+    for label, why in plan.skipped.items():
+        head.add_row("", f"{label} left out: {why}")
     head.add_row("planning", f"{plan.planning_s:.1f} s ({plan.steps_s:.1f} s planning serving steps with the ILP, the "
                              "rest the goodput search)")
     table = Table(title="pools (per replica; step times from ILP-planned prefill and decode steps)")
-    for col in ("role", "replicas x tp", "batch (max / slots)", "KV per token (device)", "KV capacity",
+    for col in ("role", "replicas x (tp x pp)", "batch (max / slots)", "KV per token (device)", "KV capacity",
                 "weights/device", "prefill mean", "decode step", "KV transfer"):
         table.add_column(col)
     for p in plan.pools:
-        table.add_row(p.role, f"{p.replicas} x tp={p.tp}", f"{p.max_batch} / {p.slots}",
+        table.add_row(p.role, f"{p.replicas} x {_shape(p)}", f"{p.max_batch} / {p.slots}",
                       f"{fmt_bytes(p.kv_bytes_per_token)} ({fmt_bytes(p.kv_bytes_per_token_device)})",
                       f"{p.kv_capacity_tokens:,} tok", fmt_bytes(p.weight_bytes_device),
                       fmt_time(p.prefill_mean_s) if p.prefill_mean_s else "-",
@@ -244,7 +256,7 @@ def render(plan: ServingPlan) -> Group:
                              "planned step: R replicate, S(d) shard dim d)")
     placements.add_column("parameter")
     for p in plan.pools:
-        placements.add_column(f"{p.role} (tp={p.tp})")
+        placements.add_column(f"{p.role} ({_shape(p)})")
     for row in placement_rows(plan.pools):
         placements.add_row(*row)
     return Group(head, table, placements)

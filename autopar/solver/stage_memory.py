@@ -12,11 +12,13 @@ not the input-gradient step (I), since W still reads the saved inputs (Qi et al.
 2401.10241 §3: ZB-H1/ZB-V keep W's inputs alive until W runs; counting all of a micro-batch's
 activations until W is the upper estimate).
 
-What the whole-step plan prices once besides the ops' activations and the user inputs (the
-model's buffers, a reshard held until backward, a checkpointed block's recompute peak, a
-prefetched gather, the gradient buckets' buffers: ``activation_memory_bytes`` less what
-``stage_bytes`` shares out) is added to every rank: an upper estimate, since each rank holds
-only its stages' share of it.
+A model buffer read by one stage only (a layer's KV cache in a serving step) is held by that
+stage's ranks for the whole step (``buffer_stages``), like its parameters. What the whole-step plan
+prices once besides the ops' activations, the user inputs and those buffers (a buffer read by
+several stages, a reshard held until backward, a checkpointed block's recompute peak, a prefetched
+gather, the gradient buckets' buffers: ``activation_memory_bytes`` less what ``stage_bytes`` and
+``held_bytes`` share out) is added to every rank: an upper estimate, since each rank holds only its
+stages' share of it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from autopar.cost.model import NodeCost
 from autopar.solver.memory import block_of
-from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph, PlanNode
+from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 from autopar.solver.schedule_sim import torch_order
 
 
@@ -57,17 +59,39 @@ def stage_bytes(graph: PlanGraph, costs: dict[str, NodeCost], stage_of: dict[str
     return state, act
 
 
-def whole_step_extra(graph: PlanGraph, costs: dict[str, NodeCost], activation_memory_bytes: float) -> float:
+def buffer_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, int]:
+    """Buffer node -> the one stage whose ops read it; a buffer read by several stages (rotary
+    tables shared by every layer) or by none is left out: every rank counts it (``whole_step_extra``)."""
+    readers: dict[str, set[int]] = {}
+    for name, s in stage_of.items():
+        for src, _ in graph.nodes[name].args:
+            if graph.nodes[src].kind == BUFFER:
+                readers.setdefault(src, set()).add(s)
+    return {name: next(iter(found)) for name, found in readers.items() if len(found) == 1}
+
+
+def held_bytes(costs: dict[str, NodeCost], buffers: dict[str, int], count: int) -> list[float]:
+    """Bytes per device of the buffers each stage alone reads (``buffer_stages``), held the whole step."""
+    held = [0.0] * count
+    for name, s in buffers.items():
+        held[s] += costs[name].memory
+    return held
+
+
+def whole_step_extra(graph: PlanGraph, costs: dict[str, NodeCost], activation_memory_bytes: float,
+                     buffers: dict[str, int] | None = None) -> float:
     """What the whole-step plan's activation bytes hold besides what ``stage_bytes`` shares out
-    among the stages, its ops' and user inputs' bytes (module docstring)."""
+    among the stages, its ops' and user inputs' bytes, and the ``buffers`` one stage holds (module
+    docstring)."""
     shared = sum(c.memory for n, c in costs.items() if graph.nodes[n].kind in (OP, INPUT))
+    shared += sum(costs[n].memory for n in buffers or {})
     return max(0.0, activation_memory_bytes - shared)
 
 
 def rank_peaks(schedule: str, p: int, v: int, m: int, rank_of: Sequence[int], state: Sequence[float],
                act: Sequence[float], extra: float) -> list[float]:
-    """Each pp rank's peak bytes: its stages' state, the most activations its schedule keeps
-    alive at once (walked in torch's order), and ``extra``."""
+    """Each pp rank's peak bytes: its stages' state (and buffers held the whole step), the most
+    activations its schedule keeps alive at once (walked in torch's order), and ``extra``."""
     peaks = []
     for r, ops in enumerate(torch_order(schedule, p, v, m)):
         has_w = {(s, i) for kind, s, i in ops if kind == "W"}

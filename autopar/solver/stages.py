@@ -33,7 +33,8 @@ from autopar.solver.memory import block_of
 from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
 from autopar.solver.pipeline import Pipeline, pipeline_compute_s, simulate_pipeline
 from autopar.solver.schedule_sim import Simulation
-from autopar.solver.stage_memory import node_costs, rank_peaks, stage_bytes, whole_step_extra
+from autopar.solver.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, stage_bytes,
+                                         whole_step_extra)
 from autopar.units import fmt_bytes
 
 HEAD, TAIL = "(head)", "(tail)"
@@ -67,6 +68,9 @@ class StagePlan:
     """Bytes per device of its model state: parameters, gradients, optimizer state."""
     activation_bytes: float = 0.0
     """Bytes per device of the activations one micro-batch's forward saves for its backward."""
+    buffer_bytes: float = 0.0
+    """Bytes per device of the model buffers only it reads (a serving step's KV caches of its layers), held
+    by its ranks the whole step (``stage_memory.buffer_stages``)."""
 
 
 class RankEnd(NamedTuple):
@@ -239,10 +243,14 @@ def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, St
     count = len(pipelined.stages)
     params = parameter_stages(graph, pipelined.stage_of)
     state, act = stage_bytes(graph, costs, pipelined.stage_of, params, count)
+    buffers = buffer_stages(graph, pipelined.stage_of)
+    own = held_bytes(costs, buffers, count)
     rank_of = [s.rank for s in pipelined.stages]
     peaks = rank_peaks(pipelined.schedule, pipelined.size, pipelined.virtual_stages, pipelined.micro_batches,
-                       rank_of, state, act, whole_step_extra(graph, costs, activation_bytes))
-    stages = [replace(s, state_bytes=state[s.index], activation_bytes=act[s.index]) for s in pipelined.stages]
+                       rank_of, [s + b for s, b in zip(state, own)], act,  # a stage's own buffers: the whole step
+                       whole_step_extra(graph, costs, activation_bytes, buffers))
+    stages = [replace(s, state_bytes=state[s.index], activation_bytes=act[s.index], buffer_bytes=own[s.index])
+              for s in pipelined.stages]
     return replace(pipelined, stages=stages, rank_memory_bytes=peaks)
 
 
