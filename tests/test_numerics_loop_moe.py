@@ -94,7 +94,9 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     pm = autopar.compile(model, mesh, other, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes)
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if k.startswith("experts.")},
-            "sized_by_data": sum(c.data_dependent for c in pm.plan.collectives)}
+            "sized_by_data": sum(c.data_dependent for c in pm.plan.collectives),
+            "indices_reduced": [c.tensor for c in pm.plan.collectives if c.kind == "all_reduce" and c.phase == "forward"
+                                and c.consumer.startswith("index")]}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -106,6 +108,8 @@ def test_loop_moe_matches_single_device(case: Case) -> None:
     assert results[0]["fallbacks"] == [], results[0]["fallbacks"]
     if case.axis == "dp":  # rows routed to an expert move between ranks: planned at the hint, logged as data dependent
         assert results[0]["sized_by_data"] > 0
+        # a where over the gathered mask gives whole indices: never pinned Partial and all-reduced again
+        assert results[0]["indices_reduced"] == [], results[0]["indices_reduced"]
     if case.axis == "tp":  # the experts' MLPs split Megatron-style: the first linear's weight by rows, the second's
         # by columns
         experts = results[0]["experts"]

@@ -227,7 +227,9 @@ def _split_input_pins(graph: PlanGraph, user_inputs: list[str], axis: int, dim: 
                       gathers: bool, free_params: frozenset[str] = frozenset()) -> dict[str, Pin]:
     """Parameters replicated (but ``free_params``); user inputs whose leading dims are ``leading`` (a batch size,
     or (batch, sequence)) split on ``dim``; ops computed from them kept split where they can
-    (their outputs; with ``gathers`` False their split inputs too)."""
+    (their outputs; with ``gathers`` False their split inputs too); an op that cannot keep them split
+    gathers them, and what it computes is not pinned on (indices a ``where`` makes from a gathered mask
+    would otherwise be pinned Partial and all-reduced again before every reader)."""
     pins: dict[str, Pin] = {}
     from_data: set[str] = set()
     want = (leading,) if isinstance(leading, int) or leading is None else tuple(leading)
@@ -247,6 +249,8 @@ def _split_input_pins(graph: PlanGraph, user_inputs: list[str], axis: int, dim: 
             pin = Pin(split=True, split_inputs=data_args, reason=f"{why} (computed from the {what.split()[0]})")
             if any(pin.admits(s, axis) for s in node.strategies):
                 pins[name] = pin
+            else:  # it gathers its input: what it makes is whole (a where's indices), and its readers are free
+                from_data.discard(name)
     return pins
 
 
