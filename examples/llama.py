@@ -155,14 +155,8 @@ class Llama(nn.Module):
     def setup_cache(self, slots: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> None:
         """Give every attention a KV cache of ``slots`` sequences of up to ``max_len`` tokens (default:
         the rotary table's length) for serving steps: ``model(tokens, positions, slots)``."""
-        max_len = max_len or self.cfg.max_seq_len
-        if max_len > self.cfg.max_seq_len:
-            raise ValueError(f"max_len {max_len} exceeds the rotary table's {self.cfg.max_seq_len} positions")
-        head_dim = self.cfg.hidden // self.cfg.heads
-        dtype = dtype or self.output.weight.dtype
-        for layer in self.layers:
-            with torch.device(self.output.weight.device):
-                layer.attention.cache = KVCache(slots, max_len, self.cfg.kv_heads, head_dim, dtype)
+        setup_caches(self.cfg, [layer.attention for layer in self.layers], slots, max_len,
+                     dtype or self.output.weight.dtype, self.output.weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,20 +164,36 @@ class Llama(nn.Module):
         (after ``setup_cache``): row b continues cache slot ``slots[b]`` at ``positions[b]`` (batch,
         steps), its keys written there and its queries attending to the slot's positions up to
         their own: a prefill (chunk) of one request or a decode step of many, the same program."""
-        if positions is None:
-            s = tokens.shape[1]
-            cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-            cached = None
-        else:
-            assert slots is not None, "a serving step names each row's cache slot"
-            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
-            max_len = self.layers[0].attention.cache.k.shape[1]
-            mask = torch.arange(max_len, device=tokens.device) <= positions[..., None]
-            cached = (slots, positions, mask[:, None])
+        cos, sin, cached = step_tables(self.rope_cos, self.rope_sin, tokens, positions, slots,
+                                       self.layers[0].attention)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, cached)
         return self.output(self.norm(x))
+
+
+def setup_caches(cfg: LlamaConfig, attentions: list[Attention], slots: int, max_len: int | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """A ``KVCache`` of ``slots`` x ``max_len`` (default: the rotary table's length) for each attention."""
+    max_len = max_len or cfg.max_seq_len
+    if max_len > cfg.max_seq_len:
+        raise ValueError(f"max_len {max_len} exceeds the rotary table's {cfg.max_seq_len} positions")
+    for attention in attentions:
+        with torch.device(device):
+            attention.cache = KVCache(slots, max_len, cfg.kv_heads, cfg.hidden // cfg.heads, dtype)
+
+
+def step_tables(rope_cos: torch.Tensor, rope_sin: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None,
+                slots: torch.Tensor | None, attention: Attention
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """The rotary tables of a step's positions, and for a serving step (``positions`` given) what each
+    attention needs of its cache: (slots, positions, mask of the cache positions each query sees)."""
+    if positions is None:
+        s = tokens.shape[1]
+        return rope_cos[:s], rope_sin[:s], None
+    assert slots is not None and attention.cache is not None, "a serving step names each row's slot of the cache"
+    mask = torch.arange(attention.cache.k.shape[1], device=tokens.device) <= positions[..., None]
+    return rope_cos[positions][:, None], rope_sin[positions][:, None], (slots, positions, mask[:, None])
 
 
 # Hand tensor-parallel plans for pinning with ``constraints=`` on the "tp" axis.

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.llama import Attention, FeedForward, LlamaConfig, RMSNorm, rotary_tables
+from examples.llama import Attention, FeedForward, LlamaConfig, RMSNorm, rotary_tables, setup_caches, step_tables
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,8 +191,10 @@ class MoEBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.moe = MoE(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cached)
         y, aux = self.moe(self.ffn_norm(x))
         return x + y, aux
 
@@ -211,13 +213,26 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = tokens.shape[1]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+    @property
+    def max_positions(self) -> int:
+        """Positions a serving step may reach (``plan_serving`` reads it)."""
+        return self.cfg.max_seq_len
+
+    def setup_cache(self, slots: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> None:
+        """KV caches for serving steps ``model(tokens, positions, slots)``, as ``examples.llama.Llama``'s."""
+        setup_caches(self.cfg.attention_config(), [layer.attention for layer in self.layers], slots, max_len,
+                     dtype or self.output.weight.dtype, self.output.weight.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training: ``(logits, aux)`` over whole sequences; a serving step (``positions`` and ``slots``, after
+        ``setup_cache``, as ``examples.llama.Llama.forward``) continues each row's cache slot."""
+        cos, sin, cached = step_tables(self.rope_cos, self.rope_sin, tokens, positions, slots,
+                                       self.layers[0].attention)
         x = self.tok_embeddings(tokens)
         aux = x.new_zeros(())
         for layer in self.layers:
-            x, layer_aux = layer(x, cos, sin)
+            x, layer_aux = layer(x, cos, sin, cached)
             aux = aux + layer_aux
         return self.output(self.norm(x)), self.cfg.aux_loss_coef * aux
 

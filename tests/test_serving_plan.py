@@ -18,6 +18,7 @@ from autopar.hardware import get_profile
 from autopar.serving import Uniform
 from autopar.serving.planned import plan_point, plan_step_times
 from autopar.serving.servable import StepShape
+from examples import moe
 from examples.llama import Llama, LlamaConfig, build_serving, build_small_serving
 
 H100 = get_profile("h100")
@@ -186,3 +187,22 @@ def test_cli_serve_plan_shows_the_pipeline(capsys: pytest.CaptureFixture[str]) -
     assert code == 0
     out = capsys.readouterr().out
     assert "agg tp=1 pp=2 x1" in out and "pp=2 (2 batches in flight)" in out
+
+
+def test_a_servable_mixture_of_experts_splits_its_experts_within_a_replica() -> None:
+    """``examples/moe.py``'s model served (its own KV cache, as the Llama's): on devices too small for it
+    whole (812 MiB at tp=1, 406 at tp=2, 572 MB usable), a tp=2 replica, the ILP splitting the stacked expert weights over tp (by expert, as expert
+    parallelism with the all-gather dispatcher, or inside the experts: here w1 and w3 by their hidden dim)."""
+    cfg = moe.MoEConfig(vocab_size=32000, max_seq_len=2048, hidden=1024, heads=16, kv_heads=2, ffn_hidden=1024,
+                        layers=2, experts=16, top_k=2)
+    with torch.device("meta"):
+        model = moe.MoETransformer(cfg)
+    small_device = dataclasses.replace(H100, name="h100-600MB", memory_bytes=600e6, memory_headroom=0.0)
+    plan = autopar.plan_serving(model, autopar.Cluster(devices=2, hardware=small_device), WORKLOAD, SLO,
+                                tp_degrees=(1, 2),
+                                pp_degrees=(1,), disaggregated=False, **FAST)
+    assert "tp=1" in plan.skipped and plan.goodput_rps > 0
+    (pool,) = plan.pools
+    assert (pool.tp, pool.pp) == (2, 1)
+    experts = {k: v for k, v in pool.parameters.items() if ".moe.experts." in k}
+    assert experts and any(v.startswith("S(") for v in experts.values()), experts  # not every rank holds them whole

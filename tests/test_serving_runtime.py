@@ -19,7 +19,7 @@ from autopar.runtime.forked import run_ranks
 from autopar.runtime.generate import generate
 from autopar.runtime.ops import CollectiveLog
 from autopar.solver.nodes import BUFFER, PARAM
-from examples import llama
+from examples import llama, moe
 from tests.numerics_harness import planned_counts
 
 PROMPTS = [[5, 7, 9, 11, 13, 2, 3, 4, 8, 100, 200], [42, 17, 3], [1, 2, 3, 4, 5, 6, 7, 8]]
@@ -144,6 +144,51 @@ def test_tensor_parallel_serving_generates_the_single_device_tokens(tp: int) -> 
     assert (shape, placements) == (((SLOTS, MAX_LEN, 1, 32), (Shard(2),)) if tp == 2 else
                                    ((SLOTS, MAX_LEN, 2, 32), (Replicate(),)))
     assert results[0]["prefill_collectives"] and results[0]["decode_collectives"]  # really tensor parallel
+
+
+def _serving_moe() -> Any:
+    """``examples/moe.py``'s model with experts wide enough that tp=2 splits them (as its training tests do)."""
+    cfg = moe.MoEConfig(vocab_size=64, max_seq_len=MAX_LEN, hidden=64, heads=4, kv_heads=2, ffn_hidden=512,
+                        layers=2, experts=16, top_k=2)
+    model, *_ = moe.build(cfg, batch=1)
+    model.eval()
+    model.setup_cache(slots=SLOTS, max_len=MAX_LEN)
+    return model
+
+
+def _moe_logits(model: Any) -> Any:
+    return lambda *step: model(*step)[0]  # (logits, aux): generate picks the logits
+
+
+def serve_moe_on_rank(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    attention_tp = {k: v for k, v in llama.TP_PLAN.items() if ".attention." in k}
+    serving = autopar.compile_serving(_serving_moe(), mesh, _step(1, CHUNK), _step(SLOTS, 1), constraints=attention_tp)
+    got = generate(serving.prefill, serving.decode, MOE_PROMPTS, NEW, chunk=CHUNK, slots=SLOTS, max_len=MAX_LEN)
+    return {"tokens": got.tokens, "cache": serving.placements["layers.0.attention.cache.k"]}
+
+
+MOE_PROMPTS = [[p % 64 for p in prompt] for prompt in PROMPTS]
+
+
+def test_a_mixture_of_experts_serves_the_single_device_tokens() -> None:
+    """``examples/moe.py``'s model keeps its KV cache as the Llama does (``setup_cache``): cached greedy
+    tokens equal recomputing the sequence on one device, and on tp=2 (attention split by heads, the
+    cache by KV heads; the experts as the planner places them: whole, for so small a decode step)."""
+    model = _serving_moe()
+    want = []
+    with torch.no_grad():
+        for prompt in MOE_PROMPTS:
+            seq = torch.tensor([prompt])
+            for _ in range(NEW):
+                seq = torch.cat([seq, model(seq)[0][:, -1].argmax(-1, keepdim=True)], 1)
+            want.append(seq[0, len(prompt):].tolist())
+        cached = generate(_moe_logits(model), _moe_logits(model), MOE_PROMPTS, NEW, chunk=CHUNK, slots=SLOTS,
+                          max_len=MAX_LEN)
+    assert cached.tokens == want
+    results = run_ranks(serve_moe_on_rank, 2)
+    assert all(r["tokens"] == want for r in results), [r["tokens"] for r in results]
+    assert results[0]["cache"] == (Shard(2),)
 
 
 def refuse_on_rank(rank: int, world: int) -> list[str]:
