@@ -192,8 +192,9 @@ def step_tables(rope_cos: torch.Tensor, rope_sin: torch.Tensor, tokens: torch.Te
         s = tokens.shape[1]
         return rope_cos[:s], rope_sin[:s], None
     assert slots is not None and attention.cache is not None, "a serving step names each row's slot of the cache"
+    cos, sin = rope_cos[positions][:, None], rope_sin[positions][:, None]
     mask = torch.arange(attention.cache.k.shape[1], device=tokens.device) <= positions[..., None]
-    return rope_cos[positions][:, None], rope_sin[positions][:, None], (slots, positions, mask[:, None])
+    return cos, sin, (slots, positions, mask[:, None])
 
 
 # Hand tensor-parallel plans for pinning with ``constraints=`` on the "tp" axis.

@@ -24,10 +24,8 @@ from autopar.runtime.generate import generate
 from autopar.runtime.ops import CollectiveLog
 from examples import llama
 from tests.numerics_harness import planned_counts
+from tests.test_serving_runtime import CHUNK, MAX_LEN, NEW, PROMPTS, SLOTS, _step
 
-PROMPTS = [[5, 7, 9, 11, 13, 2, 3, 4, 8, 100, 200], [42, 17, 3], [1, 2, 3, 4, 5, 6, 7, 8]]
-"""Three requests: over two chunks with padding, under one chunk, exactly two chunks."""
-SLOTS, CHUNK, MAX_LEN, NEW = 4, 4, 32, 5
 STAGE_LAYERS = [["layers.0", "layers.1"], ["layers.2", "layers.3"]]
 """The layers the balanced cut gives each stage of the 4-layer model."""
 
@@ -37,12 +35,6 @@ def _serving_llama() -> llama.Llama:
     model.eval()
     model.setup_cache(slots=SLOTS, max_len=MAX_LEN)
     return model
-
-
-def _step(batch: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Example (tokens, positions, slots) of a serving step."""
-    zeros = torch.zeros(batch, steps, dtype=torch.long)
-    return zeros, zeros.clone(), torch.arange(batch)
 
 
 def _ran(module: Any, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
