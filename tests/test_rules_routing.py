@@ -60,6 +60,7 @@ def routing_cases() -> list[OpCase]:
         case(aten.index_copy_.default, f64(8, 4), 0, _distinct_rows(1, 8, 6).view(6), f64(6, 4)),
         case(aten.index_add_.default, f64(8, 4), 0, ints(8, 12), f64(12, 4), tag="hf4-experts-combine"),
         case(aten.one_hot.default, ints(4, 8, 2), 4, tag="hf4-expert-mask"),
+        case(aten.one_hot.default, ints(4, 8), tag="classes-from-the-data", replicate_only=True),
         case(aten.where.default, bools(8, 2), tag="tokens-routed-to-an-expert", replicate_only=True),
         case(aten.nonzero.default, bools(8, 2), replicate_only=True),
         case(aten.slice_scatter.default, f64(4, 2, 8, 4), f64(4, 2, 3, 4), 2, 5, 8, tag="kv-cache-range"),

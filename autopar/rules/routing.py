@@ -98,8 +98,12 @@ def index_add_rule(call: OpCall) -> list[DimStrategy] | Unhandled:
 @TABLE.register(aten.one_hot.default)
 def one_hot_rule(call: OpCall) -> list[DimStrategy]:
     """Each index becomes a row of classes (transformers 4's expert mask): the index dims split alike;
-    the new class dim stays whole (a rank's classes would need the offset of its share)."""
+    the new class dim stays whole (a rank's classes would need the offset of its share). Without
+    ``num_classes`` the class count is the data's largest index plus one, which a rank's share of the
+    indices need not reach: then it runs replicated (the whole answer, not a fallback)."""
     x: TensorMeta = call.tensor_inputs[0]
+    if call.get("num_classes", -1) < 0:
+        return []
     return [DimStrategy((S(d),), (S(d),)) for d in range(x.ndim)]
 
 
