@@ -106,21 +106,54 @@ def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> 
 def _reshard_per_stage(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int]) -> None:
     """A reshard that readers of several stages share (``insert_reshards`` shares one among
     consumers wanting the same placement) is copied into each later stage reading it, so that
-    the value it reshards crosses the cut (once) rather than the value and its reshard both."""
+    the value it reshards crosses the cut (once) rather than the value and its reshard both; a
+    chain of reshards (one resharding another's result) is copied whole, each stage's copy reading
+    that stage's copy of the one before, so only the chain's first input crosses."""
+    copies: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
-        if node.op != "call_module" or node.target not in _RESHARDS or node not in assigned:
+        if not _is_reshard(node, assigned):
             continue
         later: dict[int, list[torch.fx.Node]] = {}
         for user in node.users:
             if assigned.get(user, -1) > assigned[node]:
                 later.setdefault(assigned[user], []).append(user)
         for stage, users in later.items():
-            first = min(users, key=lambda u: list(gm.graph.nodes).index(u))
-            with gm.graph.inserting_before(first):
-                copy = gm.graph.node_copy(node)
-            assigned[copy] = stage
+            if any(u not in order for u in users):  # a copy made for an earlier reshard reads this one
+                order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            copy = _copy_chain(gm, node, stage, min(users, key=order.__getitem__), assigned, copies)
             for user in users:
                 user.replace_input_with(node, copy)
+
+
+def _is_reshard(node: torch.fx.Node, assigned: dict[torch.fx.Node, int]) -> bool:
+    return node.op == "call_module" and node.target in _RESHARDS and node in assigned
+
+
+def _copy_chain(gm: torch.fx.GraphModule, node: torch.fx.Node, stage: int, before: torch.fx.Node,
+                assigned: dict[torch.fx.Node, int], copies: dict[tuple[torch.fx.Node, int], torch.fx.Node]
+                ) -> torch.fx.Node:
+    """``node`` (a reshard of an earlier stage) computed in ``stage`` before ``before``: its input too
+    where that is a reshard of an earlier stage, recursively (one copy per node and stage)."""
+    inputs = {a: _copy_chain(gm, a, stage, before, assigned, copies) for a in node.all_input_nodes
+              if _is_reshard(a, assigned) and assigned[a] < stage}
+    copy = copies.get((node, stage))
+    if copy is None:
+        with gm.graph.inserting_before(before):
+            copy = copies[(node, stage)] = gm.graph.node_copy(node, lambda a: inputs.get(a, a))
+        assigned[copy] = stage
+    elif _after(gm, copy, before):  # made for later readers: it must now come before this one's
+        before.prepend(copy)
+    return copy
+
+
+def _after(gm: torch.fx.GraphModule, node: torch.fx.Node, other: torch.fx.Node) -> bool:
+    for n in gm.graph.nodes:
+        if n is other:
+            return True
+        if n is node:
+            return False
+    raise AssertionError(f"{other.name} is not in the graph")
 
 
 def _check_order(node: torch.fx.Node, assigned: dict[torch.fx.Node, int]) -> None:

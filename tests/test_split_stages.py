@@ -1,0 +1,49 @@
+"""``passes.split_stages`` cuts a rank's program into pipeline stages so that what crosses a cut is
+what the plan prices (``solver.stages.crossing_bytes``: each value once, as its producer placed it)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch import nn
+
+from autopar.passes.context import PLAN_NAME
+from autopar.passes.split_stages import split_stages
+
+
+def _chain_of_reshards() -> tuple[torch.fx.GraphModule, dict[str, int]]:
+    """x -> reshard r1 (read by stage 0's op a and by stage 1's op c) -> reshard r2 of r1 (read by
+    stage 0's op a2 and stage 1's op b): as ``insert_reshards`` shares a reshard among readers of
+    several stages, and reshards a reshard's result again for another placement."""
+    root = nn.Module()
+    root.reshard = nn.Identity()
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    r1 = graph.call_module("reshard", (x,))
+    a = graph.call_function(torch.add, (r1, 1.0))
+    r2 = graph.call_module("reshard", (r1,))
+    a2 = graph.call_function(torch.sub, (r2, 1.0))
+    b = graph.call_function(torch.mul, (r2, 2.0))
+    c = graph.call_function(torch.mul, (r1, 3.0))
+    d = graph.call_function(torch.add, (b, c))
+    e = graph.call_function(torch.add, (d, a))
+    f = graph.call_function(torch.add, (e, a2))
+    graph.output(f)
+    stage_of = {}
+    for node, stage in ((a, 0), (a2, 0), (b, 1), (c, 1), (d, 1), (e, 1), (f, 1)):
+        node.meta[PLAN_NAME] = node.name
+        stage_of[node.name] = stage
+    return torch.fx.GraphModule(root, graph), stage_of
+
+
+def test_a_chain_of_reshards_is_computed_in_each_stage_reading_it() -> None:
+    """Stage 1 reads r1 (by c) and r2 (a reshard of r1, by b): both are computed again in stage 1
+    from the input x, which crosses the cut once, as the plan counts it; no reshard crosses it
+    (before, stage 1 received x for its copy of r1 and r1 itself for its copy of r2)."""
+    gm, stage_of = _chain_of_reshards()
+    first, second = split_stages(gm, stage_of, 2, ["x"])
+    assert sorted(second.inputs) == ["add", "sub", "x"], second.inputs
+    x = torch.randn(3)
+    sent = dict(zip(first.outputs, first.gm(x)))
+    out = second.gm(*[x if name == "x" else sent[name] for name in second.inputs])
+    torch.testing.assert_close(out, (x * 2 + x * 3) + (x + 1) + (x - 1))
