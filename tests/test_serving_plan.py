@@ -83,7 +83,8 @@ def test_interpolation_matches_a_held_out_planned_step(wide: Llama) -> None:
     times = plan_step_times(wide, H100, 8, 2, max_context=2048, token_budget=2048, max_positions=4096,
                             transfer_intra_node=True)
     limit = H100.memory_limit()
-    decode = StepShape(batch=64, steps=1, max_len=1024)  # between the planned batches (32, 128) and contexts (512, 2048)
+    # between the planned batches (32, 128) and contexts (512, 2048)
+    decode = StepShape(batch=64, steps=1, max_len=1024)
     prefill = StepShape(batch=1, steps=1024, max_len=1024)  # between the planned chunks (256, 2048)
     direct_decode = plan_point(wide, H100, 8, 2, decode, limit, times.state).step_time_s  # the replica's layout
     direct_prefill = plan_point(wide, H100, 8, 2, prefill, limit, times.state).step_time_s
@@ -191,8 +192,9 @@ def test_cli_serve_plan_shows_the_pipeline(capsys: pytest.CaptureFixture[str]) -
 
 def test_a_servable_mixture_of_experts_splits_its_experts_within_a_replica() -> None:
     """``examples/moe.py``'s model served (its own KV cache, as the Llama's): on devices too small for it
-    whole (812 MiB at tp=1, 406 at tp=2, 572 MB usable), a tp=2 replica, the ILP splitting the stacked expert weights over tp (by expert, as expert
-    parallelism with the all-gather dispatcher, or inside the experts: here w1 and w3 by their hidden dim)."""
+    whole (812 MiB at tp=1, 406 at tp=2, 572 MB usable), a tp=2 replica, the ILP splitting the stacked
+    expert weights over tp (by expert, as expert parallelism with the all-gather dispatcher, or inside
+    the experts: here w1 and w3 by their hidden dim)."""
     cfg = moe.MoEConfig(vocab_size=32000, max_seq_len=2048, hidden=1024, heads=16, kv_heads=2, ffn_hidden=1024,
                         layers=2, experts=16, top_k=2)
     with torch.device("meta"):
