@@ -36,7 +36,7 @@ from autopar.solver.strided import add_strided_strategies
 from autopar.solver.zigzag import state_pins
 from autopar.solver.pipeline import Pipeline, as_pipeline
 from autopar.solver.context_kind import pin_context_attention
-from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc, prepare_layouts
+from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc, prepare_layouts, repriced
 from autopar.units import fmt_bytes
 
 __all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
@@ -122,19 +122,22 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
                 return plan_depths(pipeline, mesh, lambda at, chosen, cutoff_s: plan_step(
                     model, at, example_inputs, progress=progress, pipeline=chosen, _cutoff_s=cutoff_s, **kwargs))
         return plan_pipeline(pipeline, mesh, example_inputs, kwargs, lambda options: plan_step(
-            model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options), _cutoff_s)
+            model, pipeline.stage_mesh(mesh), example_inputs, progress=progress, **options), _cutoff_s,
+            lambda options: prepare_step(model, pipeline.stage_mesh(mesh), example_inputs, **options))
     with paused_gc():
         prepared = prepare_step(model, mesh, example_inputs, progress=progress, **kwargs)
         return finish_step(prepared, solve_step(prepared, progress=progress))
 
 
 def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...], options: dict[str, Any],
-                  plan_stage_mesh: Callable[[dict[str, Any]], PlannedStep], cutoff_s: float = math.inf
-                  ) -> PlannedStep:
+                  plan_stage_mesh: Callable[[dict[str, Any]], PlannedStep], cutoff_s: float = math.inf,
+                  prepare_stage_mesh: Callable[[dict[str, Any]], PreparedStep] | None = None) -> PlannedStep:
     """The step planned on the stage mesh for one micro-batch and cut into stages, the choices
     ``pipeline`` leaves open searched (``pipeline_search``). ``plan_stage_mesh``: ``plan_step``'s
     options -> the step planned on the stage mesh (``plan_step`` itself; in ``compile`` every
-    rank prepares and rank 0 solves), so that ``plan`` and ``compile`` plan a pipeline alike."""
+    rank prepares and rank 0 solves), so that ``plan`` and ``compile`` plan a pipeline alike;
+    ``prepare_stage_mesh``: ``prepare_step``'s (every rank's alike), for pricing a stage plan at other
+    micro-batch counts on one symbolic capture (None: each count solved)."""
     options = pipeline_options(pipeline, mesh, options)
     limit = _memory_limit(mesh, options.pop("memory_limit", None), options.pop("memory_headroom", None))
     batch = example_batch((example_inputs, options.get("example_kwargs"), options.get("example_targets", ())))
@@ -145,7 +148,13 @@ def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...
         return plan_stage_mesh({**options, "micro_batches": m, "memory_limit": memory_limit,
                                 "_pipeline_ranks": mesh.axes[pipeline.axis], "_stage_cutoff_s": cutoff_s,
                                 "_try_first": try_first})
-    return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways, cutoff_s)
+    def reprice(step: PlannedStep, m: int) -> PlannedStep:
+        assert prepare_stage_mesh is not None
+        return repriced(prepare_stage_mesh({**options, "micro_batches": m, "_pipeline_ranks": mesh.axes[pipeline.axis],
+                                            "_symbolic_batch": True}), step)
+    with reuse_captures():  # one symbolic capture prices every count
+        return plan_pipelined(plan_stage, pipeline, mesh, batch, limit, ways, cutoff_s,
+                              reprice if prepare_stage_mesh is not None else None)
 
 
 def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +197,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  regather_blocks: int | None = None, state_placements: dict[str, tuple[Any, ...]] | None = None,
                  _capture_micro_batches: int | None = None, _masters: bool = False,
                  _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
-                 _try_first: Scenario | None = None, _zigzag: tuple[str, ...] | None = None) -> PreparedStep:
+                 _try_first: Scenario | None = None, _zigzag: tuple[str, ...] | None = None,
+                 _symbolic_batch: bool = False) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
     ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
@@ -204,7 +214,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     ``_masters``: the model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not
     a bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
     stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs neither
-    yet), a memory row of the busiest rank's share; ``_stage_cutoff_s``, ``_try_first``: ``PreparedStep``'s.
+    yet), a memory row of the busiest rank's share; ``_stage_cutoff_s``, ``_try_first``: ``PreparedStep``'s;
+    ``_symbolic_batch``: captured with a symbolic micro-batch, for pricing only (``capture.symbolic``).
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
     ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
@@ -233,7 +244,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
         captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,
-                           example_targets=example_targets, train=train)
+                           example_targets=example_targets, train=train, symbolic_batch=_symbolic_batch)
     with _stage("strategies", timings, progress):
         graph = build_plan_graph(captured, rules, ctx)
         add_strided_strategies(graph, rules, ctx)

@@ -1,8 +1,16 @@
 """Choosing a pipeline: the schedule, stages per rank and micro-batch count a ``Pipeline``
 leaves open, the cuts always (the inter-op search).
 
-Each micro-batch count m is captured and planned once on the stage mesh (the intra-op ILP
-of one micro-batch, cached by m); every schedule and stages-per-rank choice at that m is then
+The intra-op ILP of one micro-batch is solved on the stage mesh at the first micro-batch count;
+its stage plan is then priced at every other count without solving again, on one capture of the
+step whose micro-batch size is a sympy symbol in every shape (``capture.symbolic``; ``step.repriced``
+maps the plan's strategies onto that graph at the count's size, so the same cost functions price
+each node's compute, collectives and memory there). The ILP is solved again only at the count whose
+priced pipeline was fastest (the strategies the ILP picks may change with the size: Megatron-LM's
+micro-batch size 1 favours other splits than 8) and at counts where some strategy of the first plan
+does not apply (a split that no longer divides); a step export cannot keep symbolic (a guard on the
+batch size, data-dependent sizes, higher-order subgraphs) has every count solved, as the plan's note
+says. Every schedule and stages-per-rank choice at each solved m is then
 cut (``solver.stages``: an exact linear-partition DP over the repeated blocks, the head and
 tail joining the first and last stage) and priced by the same functions a pinned pipeline
 is: the schedule's step with its bubble (``solver.pipeline``), point-to-point transfers,
@@ -14,8 +22,9 @@ again under the limit after), so every rank and run choose alike. A choice whose
 rank's own work (``solver.stages.work_floor_s``) is already slower than a pipeline that fits
 is not played out: it cannot win (80 layers on 1024 devices: 12 of 23 left out).
 
-The ILP of each m is solved without a memory limit first. Only when none of those pipelines
-fits are stage plans solved again under the limit (the m whose free pipelines were fastest
+The ILP is solved without a memory limit first. Only when none of those pipelines fits is every
+count's free ILP solved (each bounds its count's plans under the limit), and stage plans solved again
+under the limit (the m whose free pipelines were fastest
 first, the next while its free pipelines beat the best that fits: ``_limited``), on the
 busiest rank's share of its memory row (``MemoryShares``: 1F1B's first rank), so that its
 memory search picks ZeRO-2/3 and activation checkpointing for what a stage holds rather than
@@ -31,16 +40,22 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import Protocol
 
+from autopar.capture.symbolic import SymbolicRefused
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.scenarios import Scenario
 from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.pipeline import Pipeline
 from autopar.solver.stages import Outrun
-from autopar.step import PlannedStep, with_pipeline
+from autopar.step import NotOffered, PlannedStep, with_pipeline
 from autopar.units import fmt_bytes, fmt_time as fmt_s
+
+Reprice = Callable[[PlannedStep, int], PlannedStep]
+"""(a stage plan, micro-batch count m) -> its strategies priced for batch / m rows (``step.repriced``)."""
+
 
 class StagePlanner(Protocol):
     """(micro-batch count, memory limit) -> the step planned on the stage mesh for one micro-batch;
@@ -92,7 +107,8 @@ class Outpaced(MemoryLimitError):
 
 
 def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: int | None,
-                   memory_limit: float, batch_ways: int = 1, cutoff_s: float = math.inf) -> PlannedStep:
+                   memory_limit: float, batch_ways: int = 1, cutoff_s: float = math.inf,
+                   reprice: Reprice | None = None) -> PlannedStep:
     """The fastest pipeline ``spec`` allows that fits ``memory_limit`` (module docstring);
     ``batch_ways``: how many ways the data axes split each micro-batch. ``cutoff_s``: when
     nothing planned without the limit fits and nothing so planned is faster than this, raise
@@ -111,11 +127,18 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
     refused: list[str] = []
     unfit: list[str] = []  # why a micro-batch count planned under the limit gave no pipeline
     counts = list(dict.fromkeys(c.micro_batches for c in choices))
+    by_count = {m: [c for c in choices if c.micro_batches == m] for m in counts}
     race = _Race(limit=memory_limit)
-    free = {m: _price(plan_stage(m, math.inf), [c for c in choices if c.micro_batches == m], mesh, spec.pinned,
-                      refused, race) for m in counts}
-    priced = [f for m in counts for f in free[m]]
+
+    def price(step: PlannedStep, m: int) -> list[_Priced]:
+        return _price(step, by_count[m], mesh, spec.pinned, refused, race)
+    free, how = _free_plans(plan_stage, price, reprice, by_count, mesh, memory_limit)
+    priced = [f for m in counts if m in free for f in free[m]]
     if not any(f.peak_bytes <= memory_limit for f in priced) and math.isfinite(memory_limit):
+        # every count's free pipelines bound its plans under the limit (``_limited``): each is solved
+        free.update({m: price(plan_stage(m, math.inf), m) for m in counts if m not in free})
+        priced = [f for m in counts for f in free[m]]
+        how = "every micro-batch count solved (no pipeline fits without the limit)" if how else ""
         bound = min((f.step_time_s for f in priced), default=math.inf)
         if priced and bound >= cutoff_s:
             raise Outpaced(f"its pipelines planned without the memory limit do not fit and are no faster "
@@ -126,7 +149,61 @@ def plan_pipelined(plan_stage: StagePlanner, spec: Pipeline, mesh: Mesh, batch: 
     if not fitting:
         raise _no_fit(priced, refused, unfit, memory_limit, spec)
     best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
-    return _annotated(best, fitting, len(priced), race, time.perf_counter() - began)
+    return _annotated(best, fitting, len(priced), race, time.perf_counter() - began, how)
+
+
+def _free_plans(plan_stage: StagePlanner, price: Callable[[PlannedStep, int], list[_Priced]],
+                reprice: Reprice | None, by_count: dict[int, list[Pipeline]], mesh: Mesh, limit: float
+                ) -> tuple[dict[int, list[_Priced]], str]:
+    """Pipelines of stage plans solved without the memory limit, by micro-batch count, and how they were
+    found. With ``reprice``, the ILP is solved at the first count; every other count's pipelines are
+    priced with that stage plan's strategies at its micro-batch size (``_guesses``: no ILP), and the ILP
+    solved again at the count whose priced pipeline was fastest (fitting ``limit`` first), since the ILP
+    may pick other strategies at that size, and at each count the first plan cannot be priced at. Without
+    ``reprice`` every count is solved, each its own ILP."""
+    counts = list(by_count)
+    if reprice is None or len(counts) == 1:
+        return {m: price(plan_stage(m, math.inf), m) for m in counts}, ""
+    first = plan_stage(counts[0], math.inf)
+    free = {counts[0]: price(first, counts[0])}
+    guesses, unpriced, why = _guesses(reprice, first, by_count, mesh, limit)
+    fits = [g for g in guesses if g.peak_bytes <= limit] or guesses
+    target = min(fits, key=lambda g: g.step_time_s).choice.micro_batches if fits else counts[0]
+    for m in dict.fromkeys([target, *unpriced]):
+        if m not in free:
+            free[m] = price(plan_stage(m, math.inf), m)
+    if why:
+        return free, f"every micro-batch count solved (no symbolic capture: {why})"
+    others = ", ".join(str(m) for m in counts[1:] if m not in unpriced)
+    solved = f"the ILP solved at m={counts[0]}" + (f" and m={target} (its priced pipeline fastest)"
+                                                   if target != counts[0] else "")
+    apart = f", m={', '.join(map(str, unpriced))} (the strategies do not apply there)" if unpriced else ""
+    return free, (f"m={others} priced with the m={counts[0]} stage plan's strategies on one capture with a symbolic "
+                  f"micro-batch; {solved}{apart}")
+
+
+def _guesses(reprice: Reprice, first: PlannedStep, by_count: dict[int, list[Pipeline]], mesh: Mesh, limit: float
+             ) -> tuple[list[_Priced], list[int], str]:
+    """``first``'s pipelines at its count and, repriced, at every other count; the counts it could not be
+    priced at; and why none could, where the step cannot be captured symbolic. They race among themselves
+    (they choose a count to solve, not the plan)."""
+    counts = list(by_count)
+    own = _Race(limit=limit)
+    out = _price(first, by_count[counts[0]], mesh, False, [], own)
+    unpriced: list[int] = []
+    why = ""
+    for m in counts[1:]:
+        if why:
+            unpriced.append(m)
+            continue
+        try:
+            out += _price(reprice(first, m), by_count[m], mesh, False, [], own)
+        except SymbolicRefused as exc:
+            why = str(exc)
+            unpriced.append(m)
+        except NotOffered:
+            unpriced.append(m)
+    return out, unpriced, why
 
 
 def _limited(plan_stage: StagePlanner, free: dict[int, list[_Priced]], choices: list[Pipeline], mesh: Mesh,
@@ -205,7 +282,8 @@ def _no_fit(priced: list[_Priced], refused: list[str], unfit: list[str], limit: 
                             f"({parts}){why}")
 
 
-def _annotated(best: _Priced, fitting: list[_Priced], priced: int, race: _Race, seconds: float) -> PlannedStep:
+def _annotated(best: _Priced, fitting: list[_Priced], priced: int, race: _Race, seconds: float, how: str
+               ) -> PlannedStep:
     """The chosen step, its plan saying what was searched and the runners-up."""
     plan = best.step.plan
     others = sorted((f for f in fitting if f is not best), key=lambda f: f.step_time_s)[:3]
@@ -214,7 +292,7 @@ def _annotated(best: _Priced, fitting: list[_Priced], priced: int, race: _Race, 
               "that fits)") if race.outrun else ""
     note = (f"pipeline search: {priced} pipelines priced (schedules x stages per rank x micro-batches){outrun}, "
             f"{len(fitting)} fit; chosen {_label(best.choice)} {fmt_s(best.step_time_s)}"
-            + (f"; next: {runners}" if runners else ""))
+            + (f"; next: {runners}" if runners else "") + (f"; {how}" if how else ""))
     notes = [*plan.notes, note] if priced + race.outrun > 1 else plan.notes  # a pinned pipeline: nothing searched
     plan = replace(plan, notes=notes, memory_limit_bytes=race.limit,
                    timings={**plan.timings, "pipeline search": seconds})

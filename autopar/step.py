@@ -181,9 +181,42 @@ def finish_step(prepared: PreparedStep, solution: Solution) -> PlannedStep:
     result = build_plan(graph, folding, solution, prepared.ctx, prepared.timings, prepared.pinned,
                         memory_limit=prepared.memory_limit, notes=notes + prepared.memory_notes + solution.notes,
                         memory=_memory_plan(prepared))
-    if solution.status != "optimal":
+    if solution.status not in ("optimal", "repriced"):  # repriced: no solve, nothing to warn of
         warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=4)  # the caller of plan()
     return PlannedStep(result, prepared.captured, graph, chosen, prepared.ctx, prepared.scenario)
+
+
+class NotOffered(Exception):
+    """A stage plan's strategy is not among a node's strategies at another micro-batch size (a split
+    that no longer divides it): that size must be solved for."""
+
+
+def repriced(prepared: PreparedStep, step: PlannedStep) -> PlannedStep:
+    """``step``'s strategies priced on ``prepared`` (the same step at another micro-batch size, under
+    ``step``'s memory scenario), solving nothing: the pipeline search prices each micro-batch count
+    so (``pipeline_search``). Raises ``NotOffered`` where a node cannot keep its strategy."""
+    if step.ctx.mesh != prepared.ctx.mesh:  # solved on the zig-zag layout
+        if prepared.zigzag is None or prepared.zigzag.ctx.mesh != step.ctx.mesh:
+            raise NotOffered("the stage plan's context layout is not prepared at this size")
+        prepared = prepared.zigzag
+    if step.scenario is not None and replace(step.scenario, micro_batches=prepared.scenario.micro_batches) \
+            != prepared.scenario:
+        prepared = prepared.under(replace(step.scenario, micro_batches=prepared.scenario.micro_batches))
+    graph, folding = prepared.graph, prepared.folding
+    choice: dict[str, int] = {}
+    for name in graph.order:
+        rep = folding.representative[name]
+        if rep in choice:
+            continue
+        mine = step.chosen.get(rep)
+        try:
+            choice[rep] = graph.nodes[rep].strategies.index(mine)  # type: ignore[arg-type]
+        except ValueError:
+            raise NotOffered(f"{rep} has no strategy {mine} at this size") from None
+    solution = Solution(choice=choice, objective_s=math.nan, memory_bytes=math.nan, num_variables=0,
+                        num_constraints=0, build_seconds=0.0, solve_seconds=0.0, status="repriced",
+                        scenario=prepared.scenario)
+    return finish_step(prepared, solution)
 
 
 def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: float = math.inf) -> PlannedStep:

@@ -87,17 +87,21 @@ def test_nothing_fitting_says_why_for_each_depth() -> None:
 
 
 def test_depths_share_their_captures(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A micro-batch size is captured once for all depths: the mesh does not change the graph."""
+    """A micro-batch size is captured once for all depths: the mesh does not change the graph; and
+    the capture with a symbolic micro-batch (pricing every count, ``capture.symbolic``) once for all
+    sizes and depths."""
     calls: list[int] = []
+    symbolic: list[int] = []
     real = torch.export.export
 
     def counted(step: nn.Module, args: tuple[Any, ...], **kwargs: Any) -> Any:
-        calls.append(args[0].shape[0])
+        (symbolic if kwargs.get("dynamic_shapes") else calls).append(args[0].shape[0])
         return real(step, args, **kwargs)
     monkeypatch.setattr(torch.export, "export", counted)
     _plan({"dp": 4})
     assert sorted(calls) == sorted(set(calls))
     assert 8 in calls and len(calls) > 1  # the whole batch (no pipeline) and some micro-batch sizes
+    assert len(symbolic) == 1
 
 
 def test_a_depth_outpaced_is_not_planned_under_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:

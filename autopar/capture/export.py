@@ -8,6 +8,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from autopar.capture.moe_region import collapse_moe_regions
 from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
 from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
 from autopar.capture.subgraphs import is_higher_order, nested_graph_modules
+from autopar.capture.symbolic import SymbolicRefused, batch_shapes, batch_symbol
 from autopar.capture.unbacked import hint_or_refuse, placeholder_values, unbacked_nodes
 
 # Frames from these packages are the tracer, not the user's model.
@@ -49,7 +51,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
             loss_fn: Callable[..., torch.Tensor] | None = None,
             example_kwargs: dict[str, Any] | None = None,
             example_targets: tuple[Any, ...] = (), train: bool = True,
-            replicate_blocks: bool = True) -> CapturedGraph:
+            replicate_blocks: bool = True, symbolic_batch: bool = False) -> CapturedGraph:
     """Export ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)``.
 
     Works on meta-device models: export fakifies parameters, so no weight memory is
@@ -58,28 +60,41 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     identical blocks is traced ``replicate.TRACED`` blocks deep and the rest copied in the
     graph (the same graph as a full trace, in a fraction of the time); ``replicate_blocks=False``
     (or ``AUTOPAR_REPLICATE_BLOCKS=0``) traces every block. ``notes`` say which happened.
+    ``symbolic_batch``: the leading dim of the inputs with as many rows as the first is one symbol
+    (``capture.symbolic``; for pricing only, raising ``SymbolicRefused`` where it cannot be); inside
+    ``reuse_captures`` one such capture serves every batch size.
     """
     check_step_arguments(model, example_inputs, loss_fn, {} if example_kwargs is None else example_kwargs,
                          example_targets)
     kwargs = dict(example_kwargs or {})
-    key = None if _REUSED is None else _reuse_key(model, example_inputs, kwargs, example_targets, loss_fn, train)
+    flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
+    rows = _rows(flat) if symbolic_batch else None
+    key = None if _REUSED is None else _reuse_key(model, example_inputs, kwargs, example_targets, loss_fn, train, rows)
     if key is not None and key in _REUSED:  # type: ignore[operator]
-        return _REUSED[key][1]  # type: ignore[index]
+        return _at_rows(_REUSED[key][1], rows)  # type: ignore[index]
     signature = StepSignature.of(example_inputs, kwargs, example_targets)
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
-    flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         # A meta-device model is planned on shapes alone: inputs follow it onto meta.
         flat = tuple(v.to("meta") if isinstance(v, torch.Tensor) else v for v in flat)
+    dynamic = None if rows is None else batch_shapes(flat, rows)
     start = time.perf_counter()
     stack, note = find_stack(model) if enabled(replicate_blocks) else (None, None)
     notes = [note] if note else []
-    program, inputs = _export_replicated(step, flat, stack, notes) if stack is not None else (None, None)
-    if program is None:
-        program = _export(step, flat)
+    try:
+        program, inputs = _export_replicated(step, flat, stack, notes, dynamic) if stack is not None else (None, None)
+        if program is None:
+            program = _export(step, flat, dynamic)
+    except CaptureError as exc:
+        if dynamic is None:
+            raise
+        raise SymbolicRefused(f"export could not keep the micro-batch symbolic: {exc}") from exc
     seconds = time.perf_counter() - start
     captured = _to_captured(program, train, seconds, signature, inputs)
     captured.notes.extend(notes)
+    if dynamic is not None:
+        captured.batch_symbol = batch_symbol(captured.gm, captured.user_inputs, dynamic)
+        captured.size_hints[captured.batch_symbol] = rows  # type: ignore[assignment]
     if unbacked_nodes(captured.gm):
         values = placeholder_values(captured.gm, model, captured.parameters, captured.buffers, captured.constants,
                                     captured.user_inputs, flat)
@@ -91,10 +106,27 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     return captured
 
 
-def _export(step: TrainStep, flat: tuple[Any, ...]) -> ExportedProgram:
+def _rows(flat: tuple[Any, ...]) -> int:
+    """The micro-batch size of a symbolic capture: the first input's leading dim."""
+    first = next((v for v in flat if isinstance(v, torch.Tensor) and v.ndim), None)
+    if first is None:
+        raise SymbolicRefused("the step has no tensor input with a batch dim")
+    return int(first.shape[0])
+
+
+def _at_rows(captured: CapturedGraph, rows: int | None) -> CapturedGraph:
+    """A reused capture; a symbolic one priced at ``rows`` (its graph shared, never changed by planning)."""
+    if rows is None or captured.batch_symbol is None:
+        return captured
+    return replace(captured, size_hints={**captured.size_hints, captured.batch_symbol: rows},
+                   notes=list(captured.notes))
+
+
+def _export(step: TrainStep, flat: tuple[Any, ...], dynamic: tuple[Any, ...] | None = None) -> ExportedProgram:
     try:
         with _lean_tracing():
-            program = torch.export.export(step, flat, strict=False)
+            program = torch.export.export(step, flat, strict=False,
+                                          dynamic_shapes=None if dynamic is None else {"flat": dynamic})
         return program
     except CaptureError:
         raise
@@ -124,13 +156,13 @@ _Inputs = tuple[list[InputSpec], dict[str, torch.Tensor]]
 """A replicated program's input specs, and the tensors of the inputs its trace did not have."""
 
 
-def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, notes: list[str]
-                       ) -> tuple[ExportedProgram | None, _Inputs | None]:
+def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, notes: list[str],
+                       dynamic: tuple[Any, ...] | None = None) -> tuple[ExportedProgram | None, _Inputs | None]:
     """The step traced with ``stack`` cut short and its graph replicated to full depth, or
     (None, None) with a note saying why not (the caller then traces it in full)."""
     try:
         with shortened(stack) as index_uses:
-            program = _export(step, flat)
+            program = _export(step, flat, dynamic)
     except CaptureError as exc:  # the full trace says what is wrong, if anything is
         notes.append(f"blocks not replicated: {stack.label}: tracing {TRACED} blocks failed ({exc.__cause__!r:.200})")
         return None, None
@@ -173,15 +205,20 @@ def reuse_captures() -> Iterator[None]:
 
 
 def _reuse_key(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...],
-               loss_fn: Callable[..., torch.Tensor] | None, train: bool) -> tuple[Any, ...] | None:
+               loss_fn: Callable[..., torch.Tensor] | None, train: bool, rows: int | None = None
+               ) -> tuple[Any, ...] | None:
     """What a capture depends on: the model and loss function objects, the step's arguments' shapes,
     dtypes, devices and which of them are one tensor (``_distinct``); None when an argument is neither
-    a tensor nor a plain scalar."""
+    a tensor nor a plain scalar. ``rows``: a symbolic capture's micro-batch size, left out of the
+    shapes (a leading dim of that many rows is the symbol)."""
     first: dict[int, int] = {}
-    parts: list[object] = []
+    parts: list[object] = [rows is not None]
     for value in (*inputs, *kwargs.values(), *targets):
         if isinstance(value, torch.Tensor):
-            parts.append((tuple(value.shape), value.dtype, value.device, first.setdefault(id(value), len(first))))
+            shape = tuple(value.shape)
+            if rows is not None and shape and shape[0] == rows:
+                shape = (None, *shape[1:])
+            parts.append((shape, value.dtype, value.device, first.setdefault(id(value), len(first))))
         elif value is None or isinstance(value, (bool, int, float, str)):
             parts.append((type(value), value))
         else:

@@ -40,7 +40,7 @@ class TensorMeta:
 
     @classmethod
     def of(cls, value: object, hints: "dict[sympy.Symbol, int] | None" = None) -> "TensorMeta | None":
-        """``value``'s meta; a data-dependent size is its hint in ``hints`` (``CapturedGraph.size_hints``)."""
+        """``value``'s meta; a symbolic size is its value at ``hints`` (``CapturedGraph.size_hints``)."""
         if not isinstance(value, torch.Tensor):
             return None
         if not any(isinstance(s, torch.SymInt) for s in value.shape):
@@ -49,18 +49,23 @@ class TensorMeta:
         ragged: set[int] = set()
         for d, s in enumerate(value.shape):
             if isinstance(s, torch.SymInt) and free_unbacked_symbols(s):
-                shape.append(_hinted(s, hints or {}))
+                shape.append(hinted(s, hints or {}))
                 ragged.add(d)
             else:
-                shape.append(int(s))
+                shape.append(hinted(s, hints or {}) if isinstance(s, torch.SymInt) else int(s))
         return cls(tuple(shape), value.dtype, frozenset(ragged))
 
 
-def _hinted(size: torch.SymInt, hints: "dict[sympy.Symbol, int]") -> int:
+def hinted(size: torch.SymInt, hints: "dict[sympy.Symbol, int]") -> int:
+    """``size`` at the sizes ``hints`` give its symbols: an unbacked one's planning size, or the
+    micro-batch size a symbolic capture is priced at (``capture.symbolic``). A backed size whose
+    symbols have no hint is its size on the example inputs (torch's own hint)."""
+    free = size.node.expr.free_symbols
+    if not free_unbacked_symbols(size) and not free & hints.keys():
+        return int(size)
     expr = sympy.sympify(size.node.expr).xreplace({k: sympy.Integer(v) for k, v in hints.items()})
     if not expr.is_number:
-        raise CaptureError(f"data-dependent size {size.node.expr} has no planning size (capture.unbacked hints "
-                           f"{sorted(map(str, hints))})")
+        raise CaptureError(f"size {size.node.expr} has no planning size (hints for {sorted(map(str, hints))})")
     return int(expr)
 
 
@@ -95,7 +100,11 @@ class CapturedGraph:
     """Placeholder name -> value of tensors the model creates inside forward (lifted by export)."""
     size_hints: dict[sympy.Symbol, int] = field(default_factory=dict)
     """Unbacked (data-dependent) size symbol -> the size planning prices it at: its size when the
-    graph ran on the example inputs (``capture.unbacked``). The graph itself keeps them symbolic."""
+    graph ran on the example inputs (``capture.unbacked``). The graph itself keeps them symbolic.
+    A symbolic capture's micro-batch symbol -> the micro-batch size it is priced at."""
+    batch_symbol: sympy.Symbol | None = None
+    """The micro-batch size's symbol in a step captured symbolic (``capture.symbolic``): its graph is
+    priced, never run; None for a concrete capture."""
 
     def nodes(self) -> list[torch.fx.Node]:
         return list(self.gm.graph.nodes)

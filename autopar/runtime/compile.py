@@ -329,7 +329,8 @@ def _pipelined_everywhere(pipeline: Pipeline, model: nn.Module, stage_mesh: Mesh
         return _solved_everywhere(_on_every_rank("planning", lambda: prepare_step(
             model, stage_mesh, example_inputs, **stage_options)), keep_memory_errors=True)
     step = _on_every_rank("planning the pipeline", lambda: plan_pipeline(
-        pipeline, full_mesh, example_inputs, options, plan_stage_mesh))
+        pipeline, full_mesh, example_inputs, options, plan_stage_mesh,
+        prepare_stage_mesh=lambda o: prepare_step(model, stage_mesh, example_inputs, **o)))
     _agree("the pipelined plans built from rank 0's solutions differ", step.plan.plan_hash())
     return step
 

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.tensor import Placement
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, writes_first_arg, written_args
-from autopar.capture.graph import CapturedGraph, TensorMeta
+from autopar.capture.graph import CapturedGraph, TensorMeta, hinted
 from autopar.capture.step import CaptureError
 from autopar.capture.subgraphs import runs_without_grad, subgraph_call
 from autopar.cost.blocks import block_cost
@@ -143,7 +144,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             pn.strategies = placeholder_strategies(outputs[0], mesh_shape)
             pn.costs = leaf_costs(pn, ctx)
         else:
-            pn = _op_node(node, nodes, rules, ctx, outputs, memo)
+            pn = _op_node(node, nodes, rules, ctx, outputs, memo, captured.size_hints)
             pn.as_produced = frozenset(k for k, (src, _) in enumerate(pn.args) if src in pinned.get(pn.name, ()))
             if any((pn.name, src) in versions for src, _ in pn.args):
                 pn.read_versions = tuple(versions.get((pn.name, src), 0) for src, _ in pn.args)
@@ -249,14 +250,15 @@ new ones)."""
 
 
 def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,
-             outputs: tuple[TensorMeta | None, ...], memo: StrategyMemo) -> PlanNode:
+             outputs: tuple[TensorMeta | None, ...], memo: StrategyMemo, hints: dict[Any, int]) -> PlanNode:
     producers: list[tuple[str, int]] = []
 
     def to_meta(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
             src = nodes.get(a.name)
-            if src is None:
-                return a.meta.get("val")  # non-tensor value (symbolic size)
+            if src is None:  # non-tensor value: a symbolic size, priced at its hint where it has one
+                val = a.meta.get("val")
+                return hinted(val, hints) if isinstance(val, torch.SymInt) and not free_unbacked_symbols(val) else val
             producers.append((a.name, 0))
             return src.outputs[0]
         if isinstance(a, (list, tuple)):

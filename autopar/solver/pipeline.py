@@ -62,7 +62,7 @@ ranks p: at m = p the 1F1B bubble is (p - 1) / (2p - 1), near half; at 8p it is 
 (GPipe §2.3: m >= 4p makes it negligible). Besides these, the finest count: one row per rank of
 the data split (Megatron-LM's micro-batch size 1, which needs no checkpointing where coarser
 counts do: Llama-3-70B on 512 H100s, pp=8, m=16p; ``benchmarks/hand_plan_grid.py``). Each
-count is captured and planned once."""
+count is priced, and solved where ``pipeline_search`` says."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,139 @@
+"""A step captured once with its micro-batch size symbolic (``capture.symbolic``) and priced at
+every size, and the pipeline search pricing micro-batch counts from one stage plan so
+(``step.repriced``, ``pipeline_search._free_plans``); planning only, no ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+import autopar.api
+import autopar.capture.export
+from autopar.capture import capture, reuse_captures
+from autopar.capture.symbolic import SymbolicRefused
+from autopar.cost.model import CostContext
+from autopar.cost.precision import get_precision
+from autopar.rules import DEFAULT_RULES
+from autopar.solver.graph import build_plan_graph
+from autopar.solver.nodes import PlanGraph
+from autopar.step import repriced
+from examples import llama
+
+CFG = llama.LlamaConfig(layers=4)
+MESH = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
+
+
+def _examples(rows: int) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor]]:
+    tokens = torch.randint(0, CFG.vocab_size, (rows, CFG.max_seq_len))
+    return (tokens,), (torch.roll(tokens, -1, dims=1),)
+
+
+def _graph(model: nn.Module, rows: int, symbolic: bool) -> PlanGraph:
+    inputs, targets = _examples(rows)
+    captured = capture(model, inputs, loss_fn=llama.lm_loss, example_targets=targets, symbolic_batch=symbolic)
+    ctx = CostContext(mesh=MESH, precision=get_precision("fp32", None), train=True)
+    return build_plan_graph(captured, DEFAULT_RULES, ctx)
+
+
+def test_a_symbolic_capture_at_each_size_is_that_size_captured() -> None:
+    """One capture with the micro-batch symbolic, priced at 2, 4, 6 and 8 rows, gives each node the
+    shapes, strategies and costs of the step captured at that size; the first projection's output is
+    rows x seq x hidden fp32 values (counted by hand)."""
+    with torch.device("meta"):
+        model = llama.Llama(CFG)
+    exports: list[bool] = []
+    real = torch.export.export
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        exports.append(bool(kwargs.get("dynamic_shapes")))
+        return real(*args, **kwargs)
+    with reuse_captures(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.export, "export", counted)
+        for rows in (8, 4, 2, 6):
+            symbolic, concrete = _graph(model, rows, True), _graph(model, rows, False)
+            assert symbolic.order == concrete.order
+            for name in concrete.order:
+                a, b = symbolic.nodes[name], concrete.nodes[name]
+                assert (a.outputs, a.strategies, a.costs) == (b.outputs, b.strategies, b.costs), name
+            assert concrete.nodes["linear"].costs[0].output_bytes == rows * CFG.max_seq_len * CFG.hidden * 4
+    assert exports.count(True) == 1 and exports.count(False) == 4  # one symbolic capture served every size
+
+
+class _NoGradBlock(nn.Module):
+    """A running mean updated under no_grad: export keeps the block as a higher-order op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(y.mean(0) * 0.1)
+        return y
+
+
+class _Guarded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2 if x.shape[0] > 4 else self.lin(x)
+
+
+@pytest.mark.parametrize("model, rows, why", [
+    (_NoGradBlock(), 4, "higher-order subgraphs"),
+    (_Guarded(), 8, "export could not keep the micro-batch symbolic"),
+    (nn.Linear(8, 8), 1, "export specializes 1"),
+], ids=["no-grad-block", "guard", "one-row"])
+def test_what_cannot_be_captured_symbolic_says_why(model: nn.Module, rows: int, why: str) -> None:
+    with pytest.raises(SymbolicRefused, match=why):
+        capture(model, (torch.randn(rows, 8),), loss_fn=lambda y: y.sum(), symbolic_batch=True)
+
+
+def test_a_plan_repriced_at_its_own_size_is_the_plan() -> None:
+    """The ILP's plan at 2 micro-batches priced again on the symbolic capture at that size predicts
+    what the plan predicts (the same cost functions on the same shapes)."""
+    model, inputs, loss_fn, targets = llama.build(CFG)
+    options: dict[str, Any] = {"loss_fn": loss_fn, "example_targets": targets, "micro_batches": 2}
+    step = autopar.api.plan_step(model, MESH, inputs, **options)
+    again = repriced(autopar.api.prepare_step(model, MESH, inputs, _symbolic_batch=True, **options), step)
+    assert again.chosen == step.chosen
+    assert again.plan.predicted.step_time_s == pytest.approx(step.plan.predicted.step_time_s, rel=1e-12)
+    assert again.plan.predicted.peak_memory_bytes == pytest.approx(step.plan.predicted.peak_memory_bytes, rel=1e-12)
+
+
+def _search(monkeypatch: pytest.MonkeyPatch, symbolic: bool) -> tuple[autopar.Plan, int]:
+    solves = []
+    real = autopar.api.solve_step
+    monkeypatch.setattr(autopar.api, "solve_step", lambda *a, **k: solves.append(1) or real(*a, **k))
+    if not symbolic:
+        def refuse(*_: Any) -> Any:
+            raise SymbolicRefused("refused by the test")
+        monkeypatch.setattr(autopar.capture.export, "batch_shapes", refuse)
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4), batch=16)
+    plan = autopar.plan(model, autopar.Mesh({"pp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        pipeline=autopar.Pipeline(axis="pp"))
+    return plan, len(solves)
+
+
+def test_the_pipeline_search_prices_micro_batch_counts_without_solving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counts 2, 4, 8 and 16 of a 16-row batch on pp=2: the ILP solved at the first count and at the one
+    its repriced pipelines favour (4), m=8 priced; at m=16 (micro-batches of one row) the m=2 plan's
+    strategies are not all offered, so it is solved too. The same plan as solving every count."""
+    plan, solves = _search(monkeypatch, symbolic=True)
+    note = next(n for n in plan.notes if n.startswith("pipeline search"))
+    assert ("m=4, 8 priced with the m=2 stage plan's strategies on one capture with a symbolic micro-batch; the "
+            "ILP solved at m=2 and m=4 (its priced pipeline fastest), m=16 (the strategies do not apply there)") in note
+    assert solves == 3
+    with pytest.MonkeyPatch.context() as patch:
+        every, all_solves = _search(patch, symbolic=False)
+    assert all_solves == 4 and "every micro-batch count solved (no symbolic capture: refused by the test)" in \
+        next(n for n in every.notes if n.startswith("pipeline search"))
+    assert plan.plan_hash() == every.plan_hash()
