@@ -4,6 +4,7 @@ rank's weights and cache, generating exactly the single-device greedy tokens (fp
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.api import plan_step
 from autopar.errors import InputError
+from autopar.hardware import get_profile
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.generate import generate
 from autopar.runtime.ops import CollectiveLog
@@ -189,6 +191,47 @@ def test_a_mixture_of_experts_serves_the_single_device_tokens() -> None:
     results = run_ranks(serve_moe_on_rank, 2)
     assert all(r["tokens"] == want for r in results), [r["tokens"] for r in results]
     assert results[0]["cache"] == (Shard(2),)
+
+
+SLOW_MEMORY = dataclasses.replace(get_profile("h100"), name="h100-slow-memory",
+                                  memory_bandwidth=get_profile("h100").memory_bandwidth / 1000)
+"""An H100 whose memory is 1000x slower: reading every expert's weights per decode step then outweighs
+the all-to-alls of a few tokens, so the planner splits the experts by expert (on these tiny shapes an
+H100 keeps them whole)."""
+
+
+def serve_moe_expert_parallel_on_rank(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    serving = autopar.compile_serving(_serving_moe(), mesh, _step(1, CHUNK), _step(SLOTS, 1), hardware=SLOW_MEMORY,
+                                      decode_options={"data_axes": ("ep",), "expert_axes": ("ep",)})
+    got = generate(serving.prefill, serving.decode, MOE_PROMPTS, NEW, chunk=CHUNK, slots=SLOTS, max_len=MAX_LEN)
+    names = ("ep",)
+    logged = {"prefill": _log_step(serving.prefill_module, lambda: serving.prefill(*_step(1, CHUNK)), names),
+              "decode": _log_step(serving.decode_module, lambda: serving.decode(*_step(SLOTS, 1)), names)}
+    kinds = {phase: {(c.kind, c.module.rsplit(".", 1)[-1]) for c in module.plan.collectives}
+             for phase, module in (("prefill", serving.prefill_module), ("decode", serving.decode_module))}
+    return {"tokens": got.tokens, "experts": {k: v for k, v in serving.placements.items() if ".experts." in k},
+            "logged": logged, "kinds": kinds}
+
+
+def test_expert_parallel_serving_dispatches_by_all_to_all_in_decode() -> None:
+    """Expert parallelism per phase on ep=2: the decode step's batch of slots split on ep (attention data
+    parallel, its new keys and values gathered into the whole cache) with the experts split by expert, tokens
+    to their experts and back by all-to-all; the prefill chunk of one request (no batch to split) runs on the
+    same expert shards, its tokens whole on every rank (the all-gather dispatcher). The single-device greedy
+    tokens; each step runs exactly the collectives its plan lists."""
+    model = _serving_moe()
+    with torch.no_grad():
+        want = generate(_moe_logits(model), _moe_logits(model), MOE_PROMPTS, NEW, chunk=CHUNK, slots=SLOTS,
+                        max_len=MAX_LEN).tokens
+    results = run_ranks(serve_moe_expert_parallel_on_rank, 2)
+    assert all(r["tokens"] == want for r in results), [r["tokens"] for r in results]
+    assert set(results[0]["experts"].values()) == {(Shard(0),)}
+    assert ("all_to_all", "moe") in results[0]["kinds"]["decode"]
+    assert not any(kind == "all_to_all" for kind, _ in results[0]["kinds"]["prefill"])
+    for rank, result in enumerate(results):
+        for step, logged in result["logged"].items():
+            assert logged["ran"] == logged["planned"], f"rank {rank} {step}: executed collectives differ"
 
 
 def refuse_on_rank(rank: int, world: int) -> list[str]:

@@ -93,7 +93,8 @@ class ServingModule(nn.Module):
 
 def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[Any, ...],
                     decode_inputs: tuple[Any, ...], *, prefill_kwargs: dict[str, Any] | None = None,
-                    decode_kwargs: dict[str, Any] | None = None, **options: Any) -> ServingModule:
+                    decode_kwargs: dict[str, Any] | None = None, prefill_options: dict[str, Any] | None = None,
+                    decode_options: dict[str, Any] | None = None, **options: Any) -> ServingModule:
     """Plan and build this rank's serving programs for ``model`` on ``mesh`` (call on every rank
     with the same arguments, as :func:`autopar.compile`).
 
@@ -102,25 +103,32 @@ def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[An
     (e.g. the example Llama after ``setup_cache``: ``(tokens, positions, slots)`` of shapes
     ``(1, chunk), (1, chunk), (1,)`` and ``(slots, 1), (slots, 1), (slots,)``). ``options`` go to
     ``autopar.compile`` for both steps (``constraints``, ``hardware``, ``precision``, ...), each
-    compiled ``train=False``. The decode step is planned first and freely; the prefill step's
+    compiled ``train=False``; ``prefill_options`` and ``decode_options`` add to them for one step (e.g. the
+    decode's batch of slots split on a data axis whose experts are split by expert, ``data_axes=("ep",),
+    expert_axes=("ep",)``, where a prefill chunk of one request has no batch to split). The decode step is
+    planned first and freely; the prefill step's
     parameters and buffers are pinned to the decode plan's placements, and its program runs on
     the decode module's shards (see the module docstring). ``pipeline=autopar.Pipeline(axis=...)``
     cuts both into stages (one micro-batch, GPipe, one stage per rank; other choices are refused),
     the prefill at the decode's cuts. Errors (an option serving does not take, a prefill step that
     cannot take the decode plan's placements or cuts) are raised on every rank.
     """
-    refused = next((f"{k}=: {why}" for k, why in _REFUSED.items() if k in options), "")
+    both = [options, prefill_options or {}, decode_options or {}]
+    refused = next((f"{k}=: {why}" for k, why in _REFUSED.items() if any(k in o for o in both)), "")
     pipeline = options.pop("pipeline", None)
+    if refused == "" and any("pipeline" in o for o in both[1:]):
+        refused = "pipeline=: both steps run one pipeline (pass it once, beside the other options)"
     _gather_errors("checking the serving options", refused or _pipeline_error(pipeline), InputError)
     if pipeline is not None:  # one micro-batch (a prefill chunk, a decode step) through the stages in order
         pipeline = replace(pipeline, schedule="gpipe", micro_batches=1, virtual_stages=1)
     decode = compile(model, mesh, decode_inputs, example_kwargs=decode_kwargs, train=False, pipeline=pipeline,
-                     **options)
+                     **{**options, **(decode_options or {})})
     if isinstance(decode, PipelinedModule):  # the prefill's stages hold the decode's layers (and KV caches)
         assert decode.plan.pipeline is not None and pipeline is not None
         pipeline = replace(pipeline, stage_blocks=tuple(tuple(s.blocks) for s in decode.plan.pipeline.stages))
     prefill = compile(model, mesh, prefill_inputs, example_kwargs=prefill_kwargs, train=False, pipeline=pipeline,
-                      state_placements=_all_placements(decode), _shared_state=_state(decode), **options)
+                      state_placements=_all_placements(decode), _shared_state=_state(decode),
+                      **{**options, **(prefill_options or {})})
     _gather_errors("sharing the state of the prefill and decode steps", _disagreement(decode, prefill))
     return ServingModule(prefill=prefill, decode=decode)
 
