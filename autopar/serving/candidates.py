@@ -4,12 +4,13 @@ Aggregated: every TP degree that divides the node and the model, as many replica
 cluster. Disaggregated: every split of the devices into a prefill pool and a decode pool, each
 with its own TP degree (DistServe's search over the two phases' parallelism, Sec. 4.1), whole
 replicas on both sides. ``deployments`` also takes replicas of tp x pp devices (``plan_serving``'s
-pipelined replicas), each run as pp virtual replicas of tp devices (``planned.PlannedStepTimes``).
-Expert parallelism per phase is a later slice.
+pipelined replicas), each run as pp virtual replicas of tp devices (``planned.PlannedStepTimes``), and
+expert-parallel replicas of ep devices (``planned.EXPERT_PARALLEL``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from autopar.errors import InputError
@@ -48,13 +49,23 @@ def candidate_deployments(cluster: Cluster, model: TransformerShape, *, max_batc
                        disaggregated=disaggregated)
 
 
-Replica = int | tuple[int, int]
-"""A replica's parallelism: a TP degree, or (tp, pp) for tp x pp devices."""
+Replica = int | tuple[int, int] | tuple[int, int, int]
+"""A replica's parallelism: a TP degree, (tp, pp) for tp x pp devices, or (tp, pp, ep) with ep the expert-parallel
+devices of an expert-parallel replica (``serving.planned.EXPERT_PARALLEL``; then tp = pp = 1)."""
+
+
+def replica_parts(replica: Replica) -> tuple[int, int, int]:
+    """(tp, pp, ep) of a replica."""
+    if isinstance(replica, int):
+        return replica, 1, 1
+    return (*replica, 1) if len(replica) == 2 else replica  # type: ignore[return-value]
 
 
 def replica_label(replica: Replica) -> str:
-    """'tp=4', or 'tp=4 pp=2' for a pipelined replica."""
-    tp, pp = (replica, 1) if isinstance(replica, int) else replica
+    """'tp=4', 'tp=4 pp=2' for a pipelined replica, 'ep=4' for an expert-parallel one."""
+    tp, pp, ep = replica_parts(replica)
+    if ep > 1:
+        return f"ep={ep}"
     return f"tp={tp}" + (f" pp={pp}" if pp > 1 else "")
 
 
@@ -66,11 +77,11 @@ def deployments(devices: int, degrees: Sequence[Replica], times: Callable[[Repli
     replicas. ``times(replica, role)``: a replica's step times in its role ("serve", "prefill" or "decode");
     a pp replica's are one of its pp virtual replicas', so its pool holds replicas x pp of tp devices each."""
     def size(replica: Replica) -> int:
-        return replica if isinstance(replica, int) else replica[0] * replica[1]
+        return math.prod(replica_parts(replica))
 
     def pool(replica: Replica, replicas: int, role: str) -> Pool:
-        tp, pp = (replica, 1) if isinstance(replica, int) else replica
-        return Pool(step_times=times(replica, role), replicas=replicas * pp, devices_per_replica=tp,
+        tp, pp, ep = replica_parts(replica)
+        return Pool(step_times=times(replica, role), replicas=replicas * pp, devices_per_replica=tp * ep,
                     max_batch=max_batch, token_budget=token_budget, label=replica_label(replica))
 
     out = [Deployment(name=f"agg {replica_label(r)} x{devices // size(r)}", serve=pool(r, devices // size(r), "serve"))

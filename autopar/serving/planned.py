@@ -86,6 +86,11 @@ class PlannedPoint:
     """A pipelined step's stages' units (``Pipeline.stage_blocks``, to pin other steps); () without pp."""
 
 
+EXPERT_PARALLEL: dict[str, Any] = {"data_axes": ("ep",), "expert_axes": ("ep",)}
+"""A decode step on an expert-parallel replica (``compile_serving(decode_options=...)`` runs it so): the batch
+of slots split on ep (attention data parallel), the stacked expert weights free to split by expert there,
+tokens reaching their experts by all-to-all (DeepSeek-V3's serving: data-parallel attention, experts on ep)."""
+
 State = tuple[tuple[str, tuple[Placement, ...]], ...]
 """Parameter FQN -> placement per mesh axis, as a sorted tuple (hashable: a key of the cache of planned steps)."""
 
@@ -96,16 +101,18 @@ cannot be planned (no plan fits the memory) keeps its error, which is as costly 
 
 
 def plan_point(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
-               memory_limit: float, pinned: State = (), *, pp: int = 1, cut: Cut = ()) -> PlannedPoint:
+               memory_limit: float, pinned: State = (), *, pp: int = 1, cut: Cut = (), ep: int = 1) -> PlannedPoint:
     """The step ``shape`` planned forward-only on a ``{"tp": tp}`` mesh of ``profile`` (cached), its
     parameters placed as ``pinned`` says (another step's ``state``: one replica holds one copy of its weights).
     ``pp`` > 1: on a ``{"pp": pp, "tp": tp}`` mesh, one micro-batch through pp stages (``staged``), cut as
-    ``cut`` says (another step's ``cut``; () lets the planner cut)."""
-    key = (profile.name, devices_per_node, tp, pp, memory_limit, shape, pinned, cut)
+    ``cut`` says (another step's ``cut``; () lets the planner cut). ``ep`` > 1 (with tp = pp = 1): on an
+    ``{"ep": ep}`` mesh, a decode step's batch of slots split there with the experts free to split by expert
+    (``EXPERT_PARALLEL``), a prefill chunk (one request: no batch to split) planned freely around them."""
+    key = (profile.name, devices_per_node, tp, pp, ep, memory_limit, shape, pinned, cut)
     cache = _PLANNED.setdefault(model, {})
     if key not in cache:
         try:
-            cache[key] = _planned(model, profile, devices_per_node, (tp, pp), shape, memory_limit, pinned, cut)
+            cache[key] = _planned(model, profile, devices_per_node, (tp, pp, ep), shape, memory_limit, pinned, cut)
         except InputError as exc:
             cache[key] = exc
     found = cache[key]
@@ -122,13 +129,13 @@ def cache_placements(buffers: dict[str, torch.Tensor], tp: int) -> dict[str, tup
             for name, b in buffers.items()}
 
 
-def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, replica: tuple[int, int],
+def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, replica: tuple[int, int, int],
              shape: StepShape, memory_limit: float, pinned: State, cut: Cut) -> PlannedPoint:
-    """``plan_point`` uncached; ``replica``: (tp, pp)."""
+    """``plan_point`` uncached; ``replica``: (tp, pp, ep)."""
     from autopar.api import plan_step  # serving sits above the planner; imported late to keep import order free
     from autopar.solver.pipeline import Pipeline
 
-    tp, pp = replica
+    tp, pp, ep = replica
     inputs = step_inputs(model, shape)
     buffers = cache_buffers(model, shape)
     placements = {**dict(pinned), **cache_placements(buffers, tp)}
@@ -136,6 +143,10 @@ def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, 
         pipeline = Pipeline(axis="pp", stage_blocks=cut or None, **SERVING_PIPELINE)
         planned = plan_step(model, Mesh({"pp": pp, "tp": tp}, profile, devices_per_node), inputs, train=False,
                             memory_limit=memory_limit, state_placements=placements, pipeline=pipeline)
+    elif ep > 1:  # the cache stays whole on ep (each rank reads its own slots' rows of it)
+        batch_split = EXPERT_PARALLEL if shape.steps == 1 and shape.batch % ep == 0 else {}
+        planned = plan_step(model, Mesh({"ep": ep}, profile, devices_per_node), inputs, train=False,
+                            memory_limit=memory_limit, state_placements=placements, **batch_split)
     else:
         planned = plan_step(model, Mesh({"tp": tp}, profile, devices_per_node), inputs, train=False,
                             memory_limit=memory_limit, state_placements=placements)
@@ -186,15 +197,15 @@ class Reserve:
     """The device's memory limit."""
 
     def plan(self, model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, shape: StepShape,
-             pinned: State = (), *, pp: int = 1, cut: Cut = ()) -> PlannedPoint:
+             pinned: State = (), *, pp: int = 1, cut: Cut = (), ep: int = 1) -> PlannedPoint:
         spare = max(self.tokens - shape.batch * shape.max_len, 0) * self.bytes_per_token
         if spare and spare < self.limit:
             try:
                 return plan_point(model, profile, devices_per_node, tp, shape, self.limit - spare, pinned,
-                                  pp=pp, cut=cut)
+                                  pp=pp, cut=cut, ep=ep)
             except MemoryLimitError:
                 pass
-        return plan_point(model, profile, devices_per_node, tp, shape, self.limit, pinned, pp=pp, cut=cut)
+        return plan_point(model, profile, devices_per_node, tp, shape, self.limit, pinned, pp=pp, cut=cut, ep=ep)
 
 
 def _solve(rows: list[tuple[float, float, float]], times: list[float]) -> tuple[float, float, float]:
@@ -232,6 +243,13 @@ class PlannedStepTimes:
     """Fixed seconds per step besides the planned program (scheduler, sampling)."""
     pp: int = 1
     """Pipeline stages of the replica (its devices: tp x pp); ``kv_capacity_tokens`` is a pp-th of its cache."""
+    ep: int = 1
+    """Expert-parallel devices of the replica (``plan_point``; then tp = pp = 1): its cache is whole on each."""
+
+    @property
+    def devices(self) -> int:
+        """Devices of one replica."""
+        return self.tp * self.pp * self.ep
 
     def mixed_s(self, prefill_tokens: int, prefill_context: int, decode_batch: int,
                 decode_context_tokens: int) -> float:
@@ -275,8 +293,8 @@ def kv_capacity(points: tuple[PlannedPoint, ...], memory_limit: float, per_token
 
 def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node: int, tp: int, *,
                     max_context: int, token_budget: int, max_positions: int, transfer_intra_node: bool,
-                    kv_reserve_tokens: int = 0, step_overhead_s: float = 0.0, layout: str = "decode", pp: int = 1
-                    ) -> PlannedStepTimes:
+                    kv_reserve_tokens: int = 0, step_overhead_s: float = 0.0, layout: str = "decode", pp: int = 1,
+                    ep: int = 1) -> PlannedStepTimes:
     """A replica of ``tp`` x ``pp`` devices: its prefill and decode steps planned (module docstring) and fitted.
     ``max_context``: the longest request (prompt + output) to serve; ``max_positions``: the model's limit;
     ``kv_reserve_tokens``: KV-cache tokens the steps are planned to leave room for (``Reserve``).
@@ -287,9 +305,13 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
     largest prefill step, its decode line borrowed from the decode layout (a prefill replica decodes
     nothing: the line only floors its small chunks at a read of the weights). With ``pp`` > 1 the anchor's
     stage cut is pinned too (``compile_serving`` cuts the prefill at the decode's): every step holds the same
-    layers, and caches, on each stage."""
+    layers, and caches, on each stage. ``ep`` > 1: an expert-parallel replica of ``ep`` devices (``plan_point``),
+    decode layout only (a prefill chunk has no batch to split: its own layout would be a TP replica's)."""
     if layout not in ("decode", "prefill"):
         raise InputError(f"layout must be 'decode' or 'prefill', got {layout!r}")
+    if ep > 1 and (tp, pp, layout) != (1, 1, "decode"):
+        raise InputError(f"an expert-parallel replica (ep={ep}) runs alone on its devices (tp = pp = 1), in the "
+                         "decode layout")
     limit = profile.memory_limit()
     probe = StepShape(batch=1, steps=1, max_len=2)
     step_inputs(model, probe)
@@ -304,10 +326,10 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
 
     def points(shapes: list[StepShape], anchor: int, pin: PlannedPoint | None) -> tuple[PlannedPoint, ...]:
         first = reserve.plan(model, profile, devices_per_node, tp, shapes[anchor], pin.state if pin else (), pp=pp,
-                             cut=pin.cut if pin else ())
+                             cut=pin.cut if pin else (), ep=ep)
         pin = pin or first
         return tuple(first if i == anchor else reserve.plan(model, profile, devices_per_node, tp, shape, pin.state,
-                                                            pp=pp, cut=pin.cut)
+                                                            pp=pp, cut=pin.cut, ep=ep)
                      for i, shape in enumerate(shapes))
     decode_shapes = [StepShape(batch=b, steps=1, max_len=n) for b, n in ((b1, short), (b2, short), (b2, long))]
     prefill_shapes = [StepShape(batch=1, steps=t, max_len=n) for t, n in ((t1, t1), (t2, t2), (t1, t2))]
@@ -321,7 +343,8 @@ def plan_step_times(model: nn.Module, profile: HardwareProfile, devices_per_node
     times = PlannedStepTimes(tp=tp, decode_line=decode_line, prefill_line=prefill_line, kv_capacity_tokens=0,
                              kv_bytes_per_token_device=0.0, transfer_mesh=pair,
                              state=decode[2].state if layout == "decode" else prefill[1].state,
-                             prefill_points=prefill, decode_points=decode, step_overhead_s=step_overhead_s, pp=pp)
+                             prefill_points=prefill, decode_points=decode, step_overhead_s=step_overhead_s, pp=pp,
+                             ep=ep)
     return times.for_phases(prefill + decode, decode, limit)
 
 

@@ -64,14 +64,16 @@ class Lengths:
 
 def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SLO, *, max_batch: int = 256,
                  token_budget: int = 2048, disaggregated: bool = True, tp_degrees: tuple[int, ...] | None = None,
-                 pp_degrees: tuple[int, ...] | None = None, step_overhead_s: float = 0.0,
-                 rel_tol: float = 0.02) -> ServingPlan:
+                 pp_degrees: tuple[int, ...] | None = None, ep_degrees: tuple[int, ...] | None = None,
+                 step_overhead_s: float = 0.0, rel_tol: float = 0.02) -> ServingPlan:
     """The deployment of ``model`` on ``cluster`` serving ``workload`` with the highest goodput under ``slo``
     (module docstring). ``model`` must be servable (``autopar.serving.servable``); a model built on the meta
     device plans without allocating. ``max_batch`` and ``token_budget`` are every pool's batching limits
     (vLLM's ``max_num_seqs``, ``max_num_batched_tokens``); ``tp_degrees`` restricts the replicas' TP degrees;
     ``pp_degrees`` sets their pipeline depths (each at every TP degree, 1 for TP alone; None: TP alone and
-    pipelines where they can matter, see ``serving.replicas``); ``step_overhead_s`` adds fixed seconds per step;
+    pipelines where they can matter, see ``serving.replicas``); ``ep_degrees`` sets the expert-parallel replicas
+    (None: a mixture of experts tries each size, unless TP or pp degrees are given; () none);
+    ``step_overhead_s`` adds fixed seconds per step;
     ``rel_tol`` is the goodput search's precision."""
     started = time.perf_counter()
     for value, kind in ((cluster, Cluster), (workload, Workload), (slo, SLO)):
@@ -87,13 +89,13 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
     options = ReplicaOptions(longest=lengths.longest, mean_tokens=lengths.mean_prompt + lengths.mean_output,
                              max_batch=max_batch, token_budget=token_budget, step_overhead_s=step_overhead_s,
                              max_positions=positions)
-    times, skipped = replica_times(model, cluster, unit, options, tp_degrees, pp_degrees)
+    times, skipped = replica_times(model, cluster, unit, options, tp_degrees, pp_degrees, ep_degrees)
     prefill_times = {r: prefill_layout(model, cluster, t, options) for r, t in times.items()}
     steps_s = time.perf_counter() - started
     if not times:
         raise InputError("no replica of the model can be planned on this cluster: "
                          + "; ".join(f"{label}: {why}" for label, why in skipped.items()))
-    unit = max(unit, min(tp * pp for tp, pp in times))  # replicas spanning nodes (nothing fits one) make the unit
+    unit = max(unit, min(t.devices for t in times.values()))  # replicas spanning nodes (nothing fits one)
     limit = cluster.profile.memory_limit()
     search = _Search(workload=workload, slo=slo, lengths=lengths, rel_tol=rel_tol)
     for size in _unit_sizes(cluster, unit, times, disaggregated):
@@ -115,7 +117,7 @@ def _unit_sizes(cluster: Cluster, unit: int, times: dict[ReplicaKey, PlannedStep
     only) when a unit holds at most two of the smallest replicas, so that one unit allows only a 1:1
     prefill/decode split (a 70B at tp >= 4)."""
     sizes = [unit]
-    smallest = min(tp * pp for tp, pp in times)
+    smallest = min(t.devices for t in times.values())
     if disaggregated and cluster.devices >= 2 * unit and unit >= cluster.devices_per_node and unit // smallest <= 2:
         sizes.append(2 * unit)
     return sizes

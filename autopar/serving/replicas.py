@@ -9,7 +9,11 @@ Which are tried (each costs nine ILP-planned steps, so pipelines only where they
 - when no TP-only replica fits a node at all: the node's TP degree x pp = 2, 4, ... across nodes, up to the
   cluster, the first that fits (a model too big for one node);
 - ``pp_degrees`` replaces these rules: exactly those depths at every TP degree (1: TP alone), where the
-  cluster's devices divide by the replica's.
+  cluster's devices divide by the replica's;
+- for a mixture of experts (a model with stacked expert weights, 3-D parameters), expert-parallel replicas of
+  ep devices at each TP degree above 1 (``planned.EXPERT_PARALLEL``: the decode batch split on ep, the experts
+  split by expert there, tokens dispatched by all-to-all; its cache whole on every device); ``ep_degrees``
+  names them instead (() for none).
 
 A pp replica runs as pp virtual replicas (``planned.PlannedStepTimes``), its pool counts replicas x pp.
 """
@@ -25,8 +29,8 @@ from autopar.serving.candidates import replica_label
 from autopar.serving.planned import PlannedStepTimes, plan_step_times
 from autopar.serving.workload import Cluster
 
-ReplicaKey = tuple[int, int]
-"""(tp, pp) of a replica."""
+ReplicaKey = tuple[int, int, int]
+"""(tp, pp, ep) of a replica."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,10 +52,12 @@ class ReplicaOptions:
 
 
 def replica_times(model: nn.Module, cluster: Cluster, unit: int, options: ReplicaOptions,
-                  tp_degrees: tuple[int, ...] | None, pp_degrees: tuple[int, ...] | None
+                  tp_degrees: tuple[int, ...] | None, pp_degrees: tuple[int, ...] | None,
+                  ep_degrees: tuple[int, ...] | None = None
                   ) -> tuple[dict[ReplicaKey, PlannedStepTimes], dict[str, str]]:
     """Each replica's planned step times (module docstring for which), and why the others were left out."""
     wanted = [tp for tp in range(1, unit + 1) if cluster.devices_per_node % tp == 0 and unit % tp == 0]
+    experts = _expert_degrees(model, wanted, ep_degrees, pinned=tp_degrees is not None or pp_degrees is not None)
     if tp_degrees is not None:
         bad = [tp for tp in tp_degrees if tp not in wanted]
         if bad:
@@ -63,14 +69,16 @@ def replica_times(model: nn.Module, cluster: Cluster, unit: int, options: Replic
     times: dict[ReplicaKey, PlannedStepTimes] = {}
     skipped: dict[str, str] = {}
 
-    def attempt(tp: int, pp: int) -> bool:
-        found = _planned(model, cluster, (tp, pp), options)
+    def attempt(tp: int, pp: int, ep: int = 1) -> bool:
+        found = _planned(model, cluster, (tp, pp, ep), options)
         if isinstance(found, str):
-            skipped[replica_label((tp, pp))] = found
+            skipped[replica_label((tp, pp, ep))] = found
             return False
-        times[tp, pp] = found
+        times[tp, pp, ep] = found
         return True
 
+    for ep in experts:
+        attempt(1, 1, ep)
     if pp_degrees is not None:
         for pp in sorted(set(pp_degrees)):
             for tp in wanted:
@@ -80,15 +88,29 @@ def replica_times(model: nn.Module, cluster: Cluster, unit: int, options: Replic
     for tp in wanted:
         attempt(tp, 1)
     for tp in wanted:
-        badly = (tp, 1) not in times or _slots(times[tp, 1], options.mean_tokens) < options.max_batch
-        wider_fits = (2 * tp, 1) in times or 2 * tp not in wanted
+        badly = (tp, 1, 1) not in times or _slots(times[tp, 1, 1], options.mean_tokens) < options.max_batch
+        wider_fits = (2 * tp, 1, 1) in times or 2 * tp not in wanted
         if badly and wider_fits and 2 * tp <= unit and unit % (2 * tp) == 0:
             attempt(tp, 2)
-    if not times and wanted:  # nothing fits a node: pipeline the widest TP replica across nodes
+    if not any(ep == 1 for _, _, ep in times) and wanted:  # nothing fits a node: pipeline the widest TP replica
         tp, pp = max(wanted), 2
         while tp * pp <= cluster.devices and not attempt(tp, pp):
             pp *= 2
     return times, skipped
+
+
+def _expert_degrees(model: nn.Module, sizes: list[int], ep_degrees: tuple[int, ...] | None, pinned: bool
+                    ) -> list[int]:
+    """The expert-parallel degrees to try (module docstring): ``sizes`` (those dividing the node and the unit)
+    above 1 for a model with stacked expert weights, unless TP or pp degrees are ``pinned``; or ``ep_degrees``."""
+    if ep_degrees is not None:
+        bad = [ep for ep in ep_degrees if isinstance(ep, bool) or not isinstance(ep, int) or ep not in sizes[1:]]
+        if bad:
+            raise InputError(f"ep_degrees {bad} are not expert-parallel replica sizes: each must be >= 2 and divide "
+                             f"a unit of {sizes[-1]} devices (one node, or the cluster)")
+        return sorted(set(ep_degrees))
+    experts = any(p.ndim == 3 for p in model.parameters())  # stacked (experts, in, out) weights
+    return [ep for ep in sizes if ep > 1] if experts and not pinned else []
 
 
 def _slots(times: PlannedStepTimes, mean_tokens: float) -> float:
@@ -99,12 +121,12 @@ def _slots(times: PlannedStepTimes, mean_tokens: float) -> float:
 def _planned(model: nn.Module, cluster: Cluster, replica: ReplicaKey, options: ReplicaOptions
              ) -> PlannedStepTimes | str:
     """One replica's step times (decode layout), or why it cannot serve."""
-    tp, pp = replica
+    tp, pp, ep = replica
     try:
         times = plan_step_times(model, cluster.profile, cluster.devices_per_node, tp, max_context=options.longest,
                                 token_budget=options.token_budget, max_positions=options.max_positions,
                                 transfer_intra_node=True, step_overhead_s=options.step_overhead_s,
-                                kv_reserve_tokens=round(options.max_batch * options.mean_tokens), pp=pp)
+                                kv_reserve_tokens=round(options.max_batch * options.mean_tokens), pp=pp, ep=ep)
     except InputError as exc:  # MemoryLimitError included: this replica cannot hold the model's steps
         return str(exc).splitlines()[0]
     # A virtual replica of a pp replica admits a request only if its pp-th of the cache holds it whole.
@@ -118,7 +140,10 @@ def _planned(model: nn.Module, cluster: Cluster, replica: ReplicaKey, options: R
 def prefill_layout(model: nn.Module, cluster: Cluster, times: PlannedStepTimes, options: ReplicaOptions
                    ) -> PlannedStepTimes:
     """A prefill replica's step times, its weights placed as its largest prefill step's plan wants them; the
-    decode layout's (``times``) where that layout cannot be planned."""
+    decode layout's (``times``) where that layout cannot be planned, and for an expert-parallel replica (a
+    prefill chunk has no batch to split on ep: planned freely, it is a TP replica, already searched)."""
+    if times.ep > 1:
+        return times
     try:
         return plan_step_times(model, cluster.profile, cluster.devices_per_node, times.tp, max_context=options.longest,
                                token_budget=options.token_budget, max_positions=options.max_positions,

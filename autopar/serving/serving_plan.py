@@ -30,6 +30,9 @@ class PoolPlan:
     """Pipeline stages of one replica (its devices: tp x pp). As vLLM's pipeline parallelism, pp batches are in
     flight at once, each stage busy with a different one: the simulator ran the replica as pp virtual replicas,
     each with the chain's latency as its step time and a pp-th of the KV capacity."""
+    ep: int
+    """Expert-parallel devices of one replica (1: none): its decode batch split there (attention data parallel,
+    the KV cache whole on each device), the experts split by expert, tokens dispatched by all-to-all."""
     replicas: int
     """Replicas over the whole cluster."""
     max_batch: int
@@ -107,7 +110,7 @@ class ServingPlan:
     pruned: int
     """Candidates not simulated: their throughput bound could not beat the best of their kind."""
     skipped: dict[str, str]
-    """Replicas left out ('tp=2', 'tp=2 pp=2'), and why."""
+    """Replicas left out ('tp=2', 'tp=2 pp=2', 'ep=2'), and why."""
     planning_s: float
     """Seconds plan_serving took (planning the steps and the goodput search)."""
     steps_s: float = 0.0
@@ -141,7 +144,7 @@ def _pool_plan(pool: Pool, role: str, units: int, lengths: tuple[float, float], 
     batch = max(min(int(st.kv_capacity_tokens // (prompt + output)), pool.max_batch), 1)
     context = round(batch * (prompt + output / 2))  # a batch midway through its outputs
     main = st.prefill_points if role == "prefill" else st.decode_points
-    return PoolPlan(role=role, tp=st.tp, pp=st.pp, replicas=pool.replicas * units // st.pp, max_batch=pool.max_batch,
+    return PoolPlan(role=role, tp=st.tp, pp=st.pp, ep=st.ep, replicas=pool.replicas * units // st.pp, max_batch=pool.max_batch,
                     slots=slots, token_budget=pool.token_budget, kv_bytes_per_token=main[0].kv_bytes_per_token,
                     kv_bytes_per_token_device=st.kv_bytes_per_token_device,
                     kv_capacity_tokens=st.kv_capacity_tokens * st.pp,
@@ -210,7 +213,9 @@ def placement_rows(pools: list[PoolPlan]) -> list[tuple[str, ...]]:
 
 
 def _shape(pool: PoolPlan) -> str:
-    """'tp=4', or 'tp=4 pp=2 (2 batches in flight)'."""
+    """'tp=4', 'tp=4 pp=2 (2 batches in flight)', or 'ep=4 (experts by expert, attention data parallel)'."""
+    if pool.ep > 1:
+        return f"ep={pool.ep} (experts by expert, attention data parallel)"
     return f"tp={pool.tp}" + (f" pp={pool.pp} ({pool.pp} batches in flight)" if pool.pp > 1 else "")
 
 
