@@ -62,10 +62,12 @@ def add_parser(sub: Any, epilog: str) -> None:
     p.add_argument("--tpot", type=_positive(float), required=True, help="time-per-output-token target, seconds")
     p.add_argument("--percentile", type=_positive(float), default=0.9,
                    help="fraction of requests that must meet both targets (default 0.9)")
-    p.add_argument("--max-batch", type=_positive(int), default=256, help="requests in flight per replica "
-                                                                                "at most (default 256)")
-    p.add_argument("--token-budget", type=_positive(int), default=2048,
-                   help="tokens per step at most: decodes plus prefill chunks (default 2048)")
+    p.add_argument("--max-batch", type=_positive(int), default=None,
+                   help="pin every pool's requests in flight per replica (vLLM's max_num_seqs; default: chosen per "
+                        "pool by goodput, from 8 to 256)")
+    p.add_argument("--token-budget", type=_positive(int), default=None,
+                   help="pin every pool's tokens per step: decodes plus prefill chunks (vLLM's max_num_batched_tokens; "
+                        "default: chosen per pool by goodput, from 256 to 2048)")
     p.add_argument("--no-disaggregated", action="store_true", help="consider aggregated deployments only")
     p.add_argument("--tp", type=_degrees, default=None, metavar="N[,N...]",
                    help="the replicas' TP degrees (default: every divisor of the node)")
