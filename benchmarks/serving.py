@@ -1,8 +1,9 @@
 """Serving plans of Llama-3-8B and 70B on 8-64 H100s at a loose and a tight SLO (``autopar.plan_serving``).
 
-For each (model, cluster, SLO): the deployment chosen, its goodput (requests/s meeting the SLO at
-p90), the best aggregated and the best disaggregated goodput and their ratio, and the seconds
-``plan_serving`` took on this machine (planning the serving steps with the ILP, then the goodput search).
+For each (model, cluster, SLO): the deployment chosen, its pools' batching limits (max batch / token budget,
+chosen per pool by the planner), its goodput (requests/s meeting the SLO at p90), the best aggregated and the
+best disaggregated goodput and their ratio, and the seconds ``plan_serving`` took on this machine (planning the
+serving steps with the ILP, then the goodput search).
 The models are built on the meta device (``examples/llama.py:build_8b_serving``/``build_70b_serving``):
 nothing is allocated. Workload: prompts uniform in [512, 2048], outputs in [64, 256], Poisson arrivals.
 
@@ -61,6 +62,7 @@ def run(quick: bool) -> list[dict]:
                              "tpot_s": slo.tpot_s, "chosen": plan.deployment if plan.goodput_rps else "none",
                              "pools": [f"{p.role} {p.replicas}x tp={p.tp}" + (f" pp={p.pp}" if p.pp > 1 else "")
                                        for p in plan.pools],
+                             "limits": "+".join(f"{p.max_batch}/{p.token_budget}" for p in plan.pools) or "-",
                              "goodput_rps": plan.goodput_rps, "per_device": plan.goodput_per_device,
                              "best_aggregated_rps": agg, "best_disaggregated_rps": dis,
                              "disagg_over_agg": dis / agg if agg else None, "plan_serving_s": seconds,
@@ -70,13 +72,13 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'model':11} {'dev':>3} {'slo':5} {'chosen (per unit)':32} {'goodput':>8} {'/dev':>6} "
+HEADER = (f"{'model':11} {'dev':>3} {'slo':5} {'chosen (per unit)':32} {'batch/budget':17} {'goodput':>8} {'/dev':>6} "
           f"{'agg':>7} {'disagg':>7} {'D/A':>5} {'plan s':>6} {'steps s':>7}")
 
 
 def _line(r: dict) -> str:
     ratio = f"{r['disagg_over_agg']:.2f}" if r["disagg_over_agg"] else "-"
-    return (f"{r['model']:11} {r['devices']:3} {r['slo']:5} {r['chosen']:32} {r['goodput_rps']:8.1f} "
+    return (f"{r['model']:11} {r['devices']:3} {r['slo']:5} {r['chosen']:32} {r['limits']:17} {r['goodput_rps']:8.1f} "
             f"{r['per_device']:6.2f} {r['best_aggregated_rps']:7.1f} {r['best_disaggregated_rps']:7.1f} {ratio:>5} "
             f"{r['plan_serving_s']:6.1f} {r['steps_s']:7.1f}")
 

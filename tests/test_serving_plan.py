@@ -15,8 +15,11 @@ from torch import nn
 import autopar
 from autopar.cli.main import main
 from autopar.hardware import get_profile
+from autopar.mesh import Mesh
 from autopar.serving import Uniform
-from autopar.serving.planned import plan_point, plan_step_times
+from autopar.serving.deployment import Pool
+from autopar.serving.limits import Means, Pins, budget_within, decode_batch_within, pool_moves
+from autopar.serving.planned import PlannedStepTimes, plan_point, plan_step_times
 from autopar.serving.servable import StepShape
 from examples import moe
 from examples.llama import Llama, LlamaConfig, build_serving, build_small_serving
@@ -183,11 +186,12 @@ def test_a_pipelined_replicas_fit_matches_a_held_out_planned_step(small: Llama) 
 
 def test_cli_serve_plan_shows_the_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["serve-plan", "examples/llama.py:build_small_serving", "--devices", "2", "--prompt", "256-1024",
-                 "--output", "64-256", "--rate", "10", "--ttft", "0.1", "--tpot", "0.01", "--max-batch", "16",
-                 "--token-budget", "1024", "--no-disaggregated", "--tp", "1", "--pp", "2", "--width", "200"])
+                 "--output", "64-256", "--rate", "10", "--ttft", "0.1", "--tpot", "0.01", "--no-disaggregated",
+                 "--tp", "1", "--pp", "2", "--width", "200"])
     assert code == 0
     out = capsys.readouterr().out
     assert "agg tp=1 pp=2 x1" in out and "pp=2 (2 batches in flight)" in out
+    assert "token budget" in out and "chosen per pool by goodput" in out  # --max-batch, --token-budget left open
 
 
 def test_a_servable_mixture_of_experts_splits_its_experts_within_a_replica() -> None:
@@ -208,3 +212,69 @@ def test_a_servable_mixture_of_experts_splits_its_experts_within_a_replica() -> 
     assert (pool.tp, pool.pp) == (2, 1)
     experts = {k: v for k, v in pool.parameters.items() if ".moe.experts." in k}
     assert experts and any(v.startswith("S(") for v in experts.values()), experts  # not every rank holds them whole
+
+
+TIGHT_TPOT = autopar.SLO(ttft_s=0.15, tpot_s=0.002)
+"""The small model's decode step at its full batch (256) takes ~2.8 ms at the mean context: 2 ms binds the batch,
+and 150 ms of TTFT leaves room to queue for admission (and keeps the simulated runs short)."""
+
+
+def test_open_limits_pick_a_smaller_decode_batch_under_a_tight_tpot(small: Llama) -> None:
+    """Searched limits beat vLLM's 256 pinned, with a smaller batch; and never do worse than the defaults, which
+    they include (here also at a loose SLO, where the defaults stay). The gain is ~4%: a limit is kept when it
+    beats the search's precision, so it runs at 2%."""
+    cluster = autopar.Cluster(devices=2)
+    pinned = autopar.plan_serving(small, cluster, WORKLOAD, TIGHT_TPOT, tp_degrees=(1,), rel_tol=0.02,
+                                  max_batch=256, token_budget=2048)
+    open_ = autopar.plan_serving(small, cluster, WORKLOAD, TIGHT_TPOT, tp_degrees=(1,), rel_tol=0.02)
+    assert open_.goodput_rps > pinned.goodput_rps > 0
+    assert open_.best_disaggregated_rps > pinned.best_disaggregated_rps > 0
+    assert all(p.max_batch < 256 for p in open_.pools if p.role != "prefill")
+    decode_limits = [c["limits"][1] for c in open_.candidates if c["name"].startswith("disagg")]
+    assert decode_limits[0][0] < 256 and [256, 2048] in decode_limits  # the best's batch; the default was tried
+    assert all(c["limits"] == [[256, 2048]] * len(c["limits"]) for c in pinned.candidates)
+    assert open_.pinned == {"max_batch": None, "token_budget": None} and "chosen per pool" in str(open_)
+    assert open_.to_json()["pools"][0]["max_batch"] == open_.pools[0].max_batch
+    one = autopar.Cluster(devices=1)
+    default = autopar.plan_serving(small, one, WORKLOAD, SLO, rel_tol=0.05, max_batch=256, token_budget=2048)
+    assert autopar.plan_serving(small, one, WORKLOAD, SLO, rel_tol=0.05).goodput_rps >= default.goodput_rps
+
+
+def test_pinned_limits_hold_for_every_pool(small: Llama) -> None:
+    cluster = autopar.Cluster(devices=2)
+    for pins in ({"max_batch": 32}, {"token_budget": 512}):
+        plan = autopar.plan_serving(small, cluster, WORKLOAD, TIGHT_TPOT, tp_degrees=(1,), rel_tol=0.05, **pins)
+        key, value = next(iter(pins.items()))
+        index = 0 if key == "max_batch" else 1
+        assert all(getattr(p, key) == value for p in plan.pools) and plan.pinned[key] == value
+        assert all(limits[index] == value for c in plan.candidates for limits in c["limits"])
+        assert f"{key}={value} pinned" in str(plan)
+    for bad in (0, 2.5, True):
+        with pytest.raises(autopar.InputError, match="max_batch"):
+            autopar.plan_serving(small, cluster, WORKLOAD, SLO, max_batch=bad)
+
+
+def test_limits_derived_from_the_step_lines_by_hand() -> None:
+    """Decode step = w + beta B + gamma B L: at w 1 ms, beta 2 us, gamma 10 ns and L = 600 + 400 / 2 = 800 cached
+    tokens, a request adds 2 + 8 = 10 us, so under a 2.055 ms TPOT B <= 1.055 / 0.010 = 105.5: 105. A prefill step
+    of T tokens is max(w, a + b T + c T (600 + 1) / 2) = max(1 ms, 0.1 ms + 1.3005 us T): within half a 2.4 ms TTFT,
+    T <= 1.1 / 1.3005e-3 = 845.8: 845. The ladders' rungs around them: batches 64 and 128 (up to the cache's
+    slots), budgets 512 and 1024."""
+    times = PlannedStepTimes(tp=1, decode_line=(1e-3, 2e-6, 1e-8), prefill_line=(1e-4, 1e-6, 1e-9),
+                             kv_capacity_tokens=1_000_000, kv_bytes_per_token_device=1.0,
+                             transfer_mesh=Mesh({"pd": 2}, H100, devices_per_node=2), state=(), prefill_points=(),
+                             decode_points=())
+    means, slo = Means(prompt=600, output=400), autopar.SLO(ttft_s=2.4e-3, tpot_s=2.055e-3)
+    assert decode_batch_within(times, slo.tpot_s, means.context, 256) == 105
+    assert decode_batch_within(times, slo.tpot_s, means.context, 100) == 100
+    assert decode_batch_within(times, 0.9e-3, means.context, 256) == 0  # not even one request's step fits
+    assert budget_within(times, slo.ttft_s / 2, means, 0, 2048) == 845
+    open_ = Pins(max_batch=None, token_budget=None)
+    assert pool_moves(Pool(step_times=times, replicas=1), "decode", means, slo, open_) == [("max_batch", 64),
+                                                                                            ("max_batch", 128)]
+    few_slots = dataclasses.replace(times, kv_capacity_tokens=100_000)  # 100 requests of 1000 tokens
+    assert pool_moves(Pool(step_times=few_slots, replicas=1), "decode", means, slo, open_) == [("max_batch", 64)]
+    assert pool_moves(Pool(step_times=times, replicas=1), "prefill", means, slo, open_) == [("token_budget", 512),
+                                                                                             ("token_budget", 1024)]
+    assert pool_moves(Pool(step_times=times, replicas=1), "decode", means, slo,
+                      Pins(max_batch=32, token_budget=None)) == []

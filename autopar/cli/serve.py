@@ -62,16 +62,21 @@ def add_parser(sub: Any, epilog: str) -> None:
     p.add_argument("--tpot", type=_positive(float), required=True, help="time-per-output-token target, seconds")
     p.add_argument("--percentile", type=_positive(float), default=0.9,
                    help="fraction of requests that must meet both targets (default 0.9)")
-    p.add_argument("--max-batch", type=_positive(int), default=256, help="requests in flight per replica "
-                                                                                "at most (default 256)")
-    p.add_argument("--token-budget", type=_positive(int), default=2048,
-                   help="tokens per step at most: decodes plus prefill chunks (default 2048)")
+    p.add_argument("--max-batch", type=_positive(int), default=None,
+                   help="pin every pool's requests in flight per replica (vLLM's max_num_seqs; default: chosen per "
+                        "pool by goodput, from 8 to 256)")
+    p.add_argument("--token-budget", type=_positive(int), default=None,
+                   help="pin every pool's tokens per step: decodes plus prefill chunks (vLLM's max_num_batched_tokens; "
+                        "default: chosen per pool by goodput, from 256 to 2048)")
     p.add_argument("--no-disaggregated", action="store_true", help="consider aggregated deployments only")
     p.add_argument("--tp", type=_degrees, default=None, metavar="N[,N...]",
                    help="the replicas' TP degrees (default: every divisor of the node)")
     p.add_argument("--pp", type=_degrees, default=None, metavar="N[,N...]",
                    help="pipeline stages per replica, each tried at every TP degree (1: TP alone; default: 1, and 2 "
                         "where a TP replica does not fit or fits badly, deeper across nodes when nothing fits one)")
+    p.add_argument("--ep", type=_degrees, default=None, metavar="N[,N...]",
+                   help="expert-parallel replica sizes (decode batch split there, experts split by expert; default: "
+                        "each divisor of the node for a mixture of experts, unless --tp or --pp is given)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
 
@@ -92,8 +97,7 @@ def serve_command(args: argparse.Namespace) -> int:
         model = model[0]
     plan = autopar.plan_serving(model, cluster, workload, slo, max_batch=args.max_batch,
                                 token_budget=args.token_budget, disaggregated=not args.no_disaggregated,
-                                tp_degrees=args.tp,
-                                pp_degrees=args.pp)
+                                tp_degrees=args.tp, pp_degrees=args.pp, ep_degrees=args.ep)
     if args.json:
         json.dump(plan.to_json(), sys.stdout, indent=1)
         print()

@@ -82,11 +82,7 @@ def find_goodput(deployment: Deployment, workload: Workload | Requests, slo: SLO
     replays all of them, the time axis scaled to the rate (``requests`` and ``duration_s`` unused)."""
     if not 0 < rel_tol < 1:
         raise InputError(f"rel_tol must be in (0, 1), got {rel_tol}")
-    minimum = requests_needed(slo) if requests is None else requests
-    duration = 30 * slo.ttft_s if duration_s is None else duration_s
-    if minimum < 1 or not duration >= 0:
-        raise InputError(f"requests must be >= 1 and duration_s >= 0, got {minimum} and {duration}")
-    sample, start = _sampler(workload, minimum, duration)
+    sample, start = _sampler(workload, slo, requests, duration_s)
     runs: dict[float, ServingReport] = {}
 
     def meets(rate: float) -> bool:
@@ -108,9 +104,25 @@ def find_goodput(deployment: Deployment, workload: Workload | Requests, slo: SLO
     return GoodputResult(deployment=deployment, goodput_rps=lo, report=runs[lo], simulations=len(runs))
 
 
-def _sampler(workload: Workload | Requests, minimum: int, duration: float
+def meets_slo(deployment: Deployment, workload: Workload | Requests, slo: SLO, rate: float, *,
+              requests: int | None = None, duration_s: float | None = None, warmup: float = 0.1) -> bool:
+    """Whether ``deployment`` serves ``workload`` at ``rate`` within ``slo``: one run of ``find_goodput``'s
+    search (the same requests and arguments), a cheap test of whether its goodput reaches ``rate``."""
+    sample, _ = _sampler(workload, slo, requests, duration_s)
+    try:
+        return simulate(deployment, sample(rate)).report(slo, warmup).attainment >= slo.percentile
+    except KVCapacityError:
+        return False
+
+
+def _sampler(workload: Workload | Requests, slo: SLO, requests: int | None, duration_s: float | None
              ) -> tuple[Callable[[float], Requests], float]:
-    """The requests of a run at a given rate, and the rate the search starts at."""
+    """The requests of a run at a given rate (``find_goodput``'s defaults for ``requests`` and ``duration_s``),
+    and the rate the search starts at."""
+    minimum = requests_needed(slo) if requests is None else requests
+    duration = 30 * slo.ttft_s if duration_s is None else duration_s
+    if minimum < 1 or not duration >= 0:
+        raise InputError(f"requests must be >= 1 and duration_s >= 0, got {minimum} and {duration}")
     if isinstance(workload, Requests):
         trace = workload
         return trace.at_rate, trace.rate

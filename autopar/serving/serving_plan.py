@@ -36,11 +36,13 @@ class PoolPlan:
     replicas: int
     """Replicas over the whole cluster."""
     max_batch: int
-    """Requests per batch at most (the scheduler's limit; a pp replica has pp such batches in flight)."""
+    """Requests per batch at most (the scheduler's limit, vLLM's ``max_num_seqs``; a pp replica has pp such batches
+    in flight): the caller's pin, or the one the planner chose for this pool (``serving.limits``)."""
     slots: int
     """Requests whose whole KV cache (mean prompt + mean output) fits one replica together (all its batches)."""
     token_budget: int
-    """Tokens one step processes at most (decodes plus prefill chunks)."""
+    """Tokens one step processes at most (decodes plus prefill chunks; vLLM's ``max_num_batched_tokens``): the
+    caller's pin, or the one the planner chose for this pool."""
     kv_bytes_per_token: int
     """KV-cache bytes of one token over the replica (every layer, keys and values)."""
     kv_bytes_per_token_device: float
@@ -106,15 +108,22 @@ class ServingPlan:
     best_disaggregated_rps: float
     """The best disaggregated candidate's goodput over the cluster."""
     candidates: list[dict[str, Any]]
-    """Every candidate searched: name, cluster goodput, simulations, reason for 0."""
+    """Every candidate searched: name, each pool's [max_batch, token_budget] (a deployment is searched at several
+    limits when they are left open), cluster goodput, simulations, reason for 0."""
     pruned: int
     """Candidates not simulated: their throughput bound could not beat the best of their kind."""
+    dropped: int
+    """Limits of a searched candidate not searched in turn (``plan_serving`` step 4): their bound could not beat the
+    best goodput, or one run found them missing the SLO just above the candidate's goodput at other limits."""
     skipped: dict[str, str]
     """Replicas left out ('tp=2', 'tp=2 pp=2', 'ep=2'), and why."""
     planning_s: float
     """Seconds plan_serving took (planning the steps and the goodput search)."""
     steps_s: float = 0.0
     """Of those, the seconds planning the serving steps with the ILP (0 when all were planned before)."""
+    pinned: dict[str, int | None] = field(default_factory=dict)
+    """The batching limits the caller pinned for every pool ({"max_batch": .., "token_budget": ..}; None: searched
+    per pool)."""
 
     @property
     def goodput_per_device(self) -> float:
@@ -144,7 +153,8 @@ def _pool_plan(pool: Pool, role: str, units: int, lengths: tuple[float, float], 
     batch = max(min(int(st.kv_capacity_tokens // (prompt + output)), pool.max_batch), 1)
     context = round(batch * (prompt + output / 2))  # a batch midway through its outputs
     main = st.prefill_points if role == "prefill" else st.decode_points
-    return PoolPlan(role=role, tp=st.tp, pp=st.pp, ep=st.ep, replicas=pool.replicas * units // st.pp, max_batch=pool.max_batch,
+    return PoolPlan(role=role, tp=st.tp, pp=st.pp, ep=st.ep, replicas=pool.replicas * units // st.pp,
+                    max_batch=pool.max_batch,
                     slots=slots, token_budget=pool.token_budget, kv_bytes_per_token=main[0].kv_bytes_per_token,
                     kv_bytes_per_token_device=st.kv_bytes_per_token_device,
                     kv_capacity_tokens=st.kv_capacity_tokens * st.pp,
@@ -157,9 +167,10 @@ def _pool_plan(pool: Pool, role: str, units: int, lengths: tuple[float, float], 
                     parameters=dict(max(main, key=lambda p: p.shape.tokens * p.shape.max_len).parameters))
 
 
-def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, skipped: dict[str, str], cluster: Cluster,
+def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, dropped: int, skipped: dict[str, str],
+               cluster: Cluster,
                workload: Workload, slo: SLO, lengths: tuple[float, float], planning_s: float, steps_s: float = 0.0,
-               model_name: str = "") -> ServingPlan:
+               model_name: str = "", pinned: dict[str, int | None] | None = None) -> ServingPlan:
     """The plan of the best result (``results``: a unit's result and the cluster's units, best first), with
     the search's figures."""
     best, units = results[0]
@@ -183,9 +194,12 @@ def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, skipped
         pools=pools, goodput_rps=best.goodput_rps * units, reason=best.reason,
         ttft_p_s=_at(report.ttft_s, q) if report else None, tpot_p_s=_at(report.tpot_s, q) if report else None,
         best_aggregated_rps=kind_best(False), best_disaggregated_rps=kind_best(True),
-        candidates=[{"name": r.deployment.name, "unit_devices": r.deployment.devices, "goodput_rps": r.goodput_rps * n,
-                     "simulations": r.simulations, "reason": r.reason} for r, n in results],
-        pruned=pruned, skipped=skipped, planning_s=planning_s, steps_s=steps_s)
+        candidates=[{"name": r.deployment.name, "unit_devices": r.deployment.devices,
+                     "limits": [[p.max_batch, p.token_budget] for p in r.deployment.pools],
+                     "goodput_rps": r.goodput_rps * n, "simulations": r.simulations, "reason": r.reason}
+                    for r, n in results],
+        pruned=pruned, dropped=dropped, skipped=skipped, planning_s=planning_s, steps_s=steps_s,
+        pinned=dict(pinned or {}))
 
 
 def _at(percentiles: dict[int, float], q: int) -> float:
@@ -239,17 +253,23 @@ def render(plan: ServingPlan) -> Group:
         head.add_row("chosen", f"none meets the SLO: {plan.reason}")
     head.add_row("compared", f"best aggregated {plan.best_aggregated_rps:.4g} req/s, best disaggregated "
                              f"{plan.best_disaggregated_rps:.4g} req/s; {len(plan.candidates)} candidates searched, "
-                             f"{plan.pruned} pruned by bound")
+                             f"{plan.pruned} pruned by bound"
+                             + (f", {plan.dropped} of their other limits dropped" if plan.dropped else ""))
     for label, why in plan.skipped.items():
         head.add_row("", f"{label} left out: {why}")
+    pins = {k: v for k, v in plan.pinned.items() if v is not None}
+    head.add_row("limits", "batch and token budget " + ("chosen per pool by goodput" if not pins else
+                                                        ", ".join(f"{k}={v}" for k, v in pins.items()) + " pinned"
+                                                        + (", the other chosen per pool" if len(pins) < 2 else "")))
     head.add_row("planning", f"{plan.planning_s:.1f} s ({plan.steps_s:.1f} s planning serving steps with the ILP, the "
                              "rest the goodput search)")
     table = Table(title="pools (per replica; step times from ILP-planned prefill and decode steps)")
-    for col in ("role", "replicas x (tp x pp)", "batch (max / slots)", "KV per token (device)", "KV capacity",
+    for col in ("role", "replicas x (tp x pp)", "batch (max / slots)", "token budget", "KV per token (device)",
+                "KV capacity",
                 "weights/device", "prefill mean", "decode step", "KV transfer"):
         table.add_column(col)
     for p in plan.pools:
-        table.add_row(p.role, f"{p.replicas} x {_shape(p)}", f"{p.max_batch} / {p.slots}",
+        table.add_row(p.role, f"{p.replicas} x {_shape(p)}", f"{p.max_batch} / {p.slots}", f"{p.token_budget}",
                       f"{fmt_bytes(p.kv_bytes_per_token)} ({fmt_bytes(p.kv_bytes_per_token_device)})",
                       f"{p.kv_capacity_tokens:,} tok", fmt_bytes(p.weight_bytes_device),
                       fmt_time(p.prefill_mean_s) if p.prefill_mean_s else "-",
