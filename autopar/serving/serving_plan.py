@@ -164,7 +164,14 @@ def _pool_plan(pool: Pool, role: str, units: int, lengths: tuple[float, float], 
                     decode_step_s=0.0 if role == "prefill" else st.decode_s(batch, context),
                     kv_transfer_s=st.kv_transfer_s(round(prompt)) if transfer else 0.0,
                     decode_line=st.decode_line, prefill_line=st.prefill_line, planned_steps=describe_points(st),
-                    parameters=dict(max(main, key=lambda p: p.shape.tokens * p.shape.max_len).parameters))
+                    parameters=_placed(max(main, key=lambda p: p.shape.tokens * p.shape.max_len).parameters,
+                                       st.tp * st.ep))
+
+
+def _placed(parameters: dict[str, str], devices: int) -> dict[str, str]:
+    """The parameters' placements on a replica's axis; on an axis of one device every placement holds the whole
+    tensor (the ILP prices a split of one way as no split, and may pick either), so all are shown whole."""
+    return dict(parameters) if devices > 1 else {name: "R" for name in parameters}
 
 
 def build_plan(*, results: list[tuple[GoodputResult, int]], pruned: int, dropped: int, skipped: dict[str, str],
