@@ -44,9 +44,11 @@ from autopar.cost.collectives import grad_placement_at_consumer, grad_placement_
 from autopar.rules import loss as loss_rules
 from autopar.rules.attention import ring_dim, splits_causal_rows
 from autopar.rules.dropout import draws_random
+from autopar.rules.embedding import splits_rows
 from autopar.rules.strategy import OpCall, Strategy, placement_str
 from autopar.runtime.attention import ContextAttention
 from autopar.runtime.random import RandomOps
+from autopar.runtime.vocab import VocabEmbedding
 from autopar.runtime.ring import ring_call
 from ring_threads import ThreadRing, run_threads
 
@@ -306,13 +308,14 @@ def _local_conv_groups(case: OpCase, args: list[Any], out_shape: list[int]) -> l
 def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tuple[int, ...]
                   ) -> Callable[[list[Any], dict[str, Any], Coord], Any]:
     """How one rank computes: the op itself, except for batch-split 'mean' losses, random
-    ops and causal attention split on its queries.
+    ops, causal attention split on its queries and lookups in a row-split table.
 
     A Partial 'mean' loss is run as the local sum divided by the *global* count
     (``loss.local_mean_loss``), which is what the runtime does for these ops. A random
     op draws its slice of the global draw (``RandomOps``), as the runtime does. A causal
     attention whose queries are split on L runs on its rows' global positions
-    (``ContextAttention``), as the runtime does.
+    (``ContextAttention``), as the runtime does. A lookup in a table split by rows gives zero
+    rows for the indices other ranks hold (``VocabEmbedding``), as the runtime does.
     """
     out_pl = strategy.outputs[0] if strategy.outputs else None  # unbind of a size-0 dim has no outputs
     if (case.op in loss_rules.MEAN_AS_PARTIAL and out_pl is not None
@@ -328,6 +331,9 @@ def _local_runner(case: OpCase, call: OpCall, strategy: Strategy, mesh_shape: tu
             ops = RandomOps(mesh_shape, coord, torch.Generator().manual_seed(RANDOM_SEED))
             return ops(*where, *args, **kwargs)  # each rank has its own copies: in-place draws write them
         return draw
+    if strategy.inputs and splits_rows(case.op, strategy.inputs[0]):  # a vocabulary-parallel lookup
+        table = placement_str(strategy.inputs[0])
+        return lambda args, kwargs, coord: VocabEmbedding(mesh_shape, coord)(table, *args, **kwargs)
     q_placements = strategy.inputs[0] if strategy.inputs else ()
     ring = _ring_of(case, call, strategy)
     if ring is not None:  # ring attention: each ring of ranks (the other coordinates alike) on threads

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import autopar
 from examples import gpt, hf_models, llama
@@ -105,13 +106,20 @@ TP_PLANS = {"gpt": (gpt.TP_PLAN, gpt.TP_SP_PLAN), "llama": (llama.TP_PLAN, llama
             "hf_llama": (HF_LLAMA_TP, HF_LLAMA_TP)}
 
 
+VOCAB = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate())}
+VOCAB_SP = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
+"""torchtitan's Llama plan for the token table: split by vocabulary (each rank looks up the ids its rows
+hold, zero rows for the others, summed by an all-reduce, or reduce-scattered onto the sequence with SP)."""
+
+
 @dataclass(frozen=True)
 class Case:
     model: str
     mesh: tuple[int, ...]
     names: tuple[str, ...]
     plan: str
-    """'free', 'dp', 'tp', 'tp_sp' or 'dp_tp'."""
+    """'free', 'dp', 'tp', 'tp_sp' or 'dp_tp'; 'tp_vocab' and 'tp_sp_vocab': with the token table split by
+    vocabulary (``VOCAB``, ``VOCAB_SP``)."""
     kwargs: dict = field(default_factory=dict, hash=False)
 
     @property
@@ -121,9 +129,11 @@ class Case:
 
     def compile_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {}
-        if self.plan in ("tp", "tp_sp", "dp_tp"):
+        if self.plan in ("tp", "tp_sp", "dp_tp", "tp_vocab", "tp_sp_vocab"):
             tp, tp_sp = TP_PLANS[self.model]
-            kw["constraints"] = tp_sp if self.plan == "tp_sp" else tp
+            kw["constraints"] = tp_sp if self.plan.startswith("tp_sp") else tp
+            if self.plan.endswith("_vocab"):
+                kw["constraints"] = {**kw["constraints"], **(VOCAB_SP if self.plan == "tp_sp_vocab" else VOCAB)}
         if self.plan in ("dp", "dp_tp"):
             kw["data_axes"] = ("dp",)
         return {**kw, **self.kwargs}
@@ -138,6 +148,7 @@ CASES = [
     Case("llama", (2,), ("dp",), "dp"), Case("llama", (4,), ("tp",), "tp"), Case("llama", (4,), ("tp",), "free"),
     Case("llama", (2, 2), ("dp", "tp"), "tp_sp"), Case("llama", (2, 2), ("dp", "tp"), "free"),
     Case("llama", (2, 4), ("dp", "tp"), "dp_tp"),
+    Case("llama", (2,), ("tp",), "tp_vocab"), Case("llama", (2, 2), ("dp", "tp"), "tp_sp_vocab"),
     Case("hf_gpt2", (2,), ("dp",), "dp"), Case("hf_gpt2", (2, 2), ("dp", "tp"), "free"),
     Case("hf_llama", (2,), ("dp",), "free"), Case("hf_llama", (2, 2), ("dp", "tp"), "free"),
     Case("hf_llama", (2, 2), ("dp", "tp"), "dp_tp"),
@@ -157,7 +168,8 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     model, inputs, loss_fn, targets = MODELS[case.model]()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
     return {**run_compiled(pm, (*inputs, *targets), ref),
-            "strided": sorted(k for k, v in pm.plan.parameters.items() if "/" in v)}
+            "strided": sorted(k for k, v in pm.plan.parameters.items() if "/" in v),
+            "table": pm.plan.parameters.get("tok_embeddings.weight")}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -170,3 +182,5 @@ def test_compiled_step_matches_single_device(case: Case) -> None:
     if case.model.startswith("gpt") and case.plan != "free" and "tp" in case.names:
         # ColwiseParallel on the fused qkv runs as interleaved qkv (strided shards).
         assert "blocks.0.attn.qkv.weight" in results[0]["strided"], results[0]["strided"]
+    if case.plan.endswith("_vocab"):  # the token table split by vocabulary on tp, whole on dp
+        assert results[0]["table"] == ("R" if "dp" in case.names else "") + "S(0)", results[0]["table"]

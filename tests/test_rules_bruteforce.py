@@ -194,6 +194,8 @@ def embedding_cases() -> list[OpCase]:
     return [
         case(aten.embedding.default, f64(16, 8), ints(16, 4, 8)),
         case(aten.embedding.default, f64(16, 8), ints(16, 8), tag="1d-indices"),
+        case(aten.embedding.default, f64(16, 8), ints(16, 4, 8), 3, tag="padding-idx"),
+        case(aten.embedding.default, f64(16, 8), ints(16, 4, 8), -1, True, tag="scale-grad-by-freq"),
     ]
 
 

@@ -9,6 +9,8 @@ in this order:
    cast before its reshards, its gradient reduced in fp32 (after the reshards it fuses with);
 5. localize_losses: batch-split 'mean' losses become local sum / global count (after
    the reshards, so a count can still read the whole targets input);
+   localize_embedding: a lookup in a table split by its rows (the vocabulary) becomes a
+   ``self.vocab_embedding`` call (zero rows for the indices other ranks hold);
 6. localize_attention: a causal attention split on its queries' sequence becomes a
    ``self.context_attention`` call (the causal mask of this rank's query positions), one
    planned as ring attention (keys split on the sequence too) a ``self.ring_attention`` call;
@@ -25,10 +27,10 @@ in this order:
 A higher-order op (a ``torch.no_grad()`` block) runs replicated, so its subgraph keeps
 its global shapes and reshards nothing; only retarget_devices and localize_random, which
 rewrite an op whatever its placement, rewrite inside subgraphs too.
-The ``reshard``, ``regather``, ``prefetch``, ``backward_starts``, ``partial_mean_loss``,
+The ``reshard``, ``regather``, ``prefetch``, ``backward_starts``, ``partial_mean_loss``, ``vocab_embedding``,
 ``context_attention``, ``ring_attention``, ``moe_dispatch_combine``, ``random`` and ``recompute`` modules they
 call are runtime code (``autopar.runtime.ops``, ``autopar.runtime.regather``, ``autopar.runtime.attention``,
-``autopar.runtime.ring``, ``autopar.runtime.moe``,
+``autopar.runtime.ring``, ``autopar.runtime.moe``, ``autopar.runtime.vocab``,
 ``autopar.runtime.random``, ``autopar.runtime.recompute``), handed in by the caller: passes
 only write the calls.
 """
@@ -46,6 +48,7 @@ from autopar.passes.context import PassContext
 from autopar.passes.expert_parallel import expert_parallel
 from autopar.passes.insert_reshards import insert_reshards
 from autopar.passes.localize_attention import localize_attention
+from autopar.passes.localize_embedding import localize_embedding
 from autopar.passes.localize_losses import localize_losses
 from autopar.passes.localize_random import localize_random
 from autopar.passes.localize_shapes import localize_shapes
@@ -53,7 +56,7 @@ from autopar.passes.prefetch_gathers import prefetch_gathers
 from autopar.passes.retarget_devices import retarget_devices
 
 PASSES = (annotate_placements, localize_shapes, insert_reshards, cast_parameters, localize_losses,
-          localize_attention, expert_parallel, retarget_devices, localize_random, prefetch_gathers, checkpoint_blocks)
+          localize_embedding, localize_attention, expert_parallel, retarget_devices, localize_random, prefetch_gathers, checkpoint_blocks)
 
 
 def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[str, nn.Module]
@@ -61,7 +64,8 @@ def parallelize_graph(gm: torch.fx.GraphModule, pc: PassContext, modules: dict[s
     """A per-rank copy of ``gm`` with the plan applied (``gm`` itself is left as it was).
 
     ``modules`` are the ops the passes call (``reshard``, ``regather``, ``prefetch``,
-    ``backward_starts``, ``partial_mean_loss``, ``context_attention``, ``random``, ``recompute``).
+    ``backward_starts``, ``partial_mean_loss``, ``vocab_embedding``, ``context_attention``, ``random``,
+    ``recompute``).
     """
     gm = _copy(gm)
     for name, module in modules.items():

@@ -28,6 +28,7 @@ from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.runtime.random import RandomOps, make_generator
 from autopar.runtime.recompute import Recompute
 from autopar.runtime.regather import BackwardStarts, Regather
+from autopar.runtime.vocab import VocabEmbedding
 from autopar.solver.nodes import BUFFER, INPUT, PARAM
 from autopar.solver.plan import param_sync_dims
 from autopar.step import PlannedStep
@@ -56,6 +57,7 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
     return parallelize_graph(step.captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                     "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
                                                     "partial_mean_loss": PartialMeanLoss(comm),
+                                                    "vocab_embedding": VocabEmbedding(shape, coordinate),
                                                     "context_attention": ContextAttention(shape, coordinate, zigzag),
                                                     "ring_attention": RingAttention(comm, zigzag),
                                                     "moe_dispatch_combine": ExpertDispatch(comm),

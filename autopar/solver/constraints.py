@@ -104,8 +104,9 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
                     continue
                 pins[name] = pin
                 if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                    x = node.call.tensor_inputs[0]
-                    src, idx = node.args[0]
+                    given = 1 if embedding else 0  # the module's input: an embedding's indices, not its table
+                    x = node.call.tensor_inputs[given]
+                    src, idx = node.args[given]
                     if idx == 0:
                         weak[src] = Pin(output=_norm(style.input_layouts[0], x.ndim), reason=where)
                     out_layout = _norm(style.output_layouts[0], node.outputs[0].ndim)
@@ -123,14 +124,16 @@ def pins_from_tp_plan(graph: PlanGraph, tp_plan: dict[str, object], axis: int) -
 
 def _param_placement(style: object, fqn: str, where: str, embedding: bool) -> Placement:
     """The placement torch's style gives a parameter: an nn.Linear weight is [out, in], so
-    colwise splits dim 0; an nn.Embedding table is [vocab, dim] and colwise splits the
-    embedding dim, dim 1 (rowwise, the vocabulary, is refused in ``_op_pin``)."""
+    colwise splits dim 0 and rowwise dim 1; an nn.Embedding table is [vocab, dim], so colwise
+    splits the embedding dim (1) and rowwise the vocabulary (0)."""
     leaf = fqn.rsplit(".", 1)[-1]
     if isinstance(style, ColwiseParallel):
         if embedding:
             return Shard(1) if leaf == "weight" else Replicate()
         return Shard(0) if leaf in ("weight", "bias") else Replicate()
     if isinstance(style, RowwiseParallel):
+        if embedding:
+            return Shard(0) if leaf == "weight" else Replicate()
         return Shard(1) if leaf == "weight" else Replicate()
     if isinstance(style, SequenceParallel):
         return Replicate()
@@ -152,9 +155,8 @@ def _op_pin(style: object, call: OpCall, where: str) -> Pin | None:
             inputs = {0: Shard(x.ndim - 1), 1: Shard(1), **({2: Partial()} if has_bias else {})}
             return Pin(output=Partial(), inputs=inputs, reason=where)
         if call.target is aten.embedding.default:
-            if isinstance(style, RowwiseParallel):
-                raise InputError(f"{where}: vocabulary-parallel embedding (RowwiseParallel) is not supported yet; "
-                                 "use ColwiseParallel (split the embedding dim)")
+            if isinstance(style, RowwiseParallel):  # the vocabulary split: each rank's rows, a Partial lookup
+                return Pin(output=Partial(), inputs={0: Shard(0), 1: Replicate()}, reason=where)
             return Pin(output=Shard(out.ndim - 1), inputs={0: Shard(1), 1: Replicate()}, reason=where)
         return None  # ops inside the module other than its matmul follow freely
     if isinstance(style, SequenceParallel):
