@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from autopar.capture.symbolic import SymbolicRefused
@@ -174,36 +174,43 @@ def _free_plans(plan_stage: StagePlanner, price: Callable[[PlannedStep, int], li
             free[m] = price(plan_stage(m, math.inf), m)
     if why:
         return free, f"every micro-batch count solved (no symbolic capture: {why})"
-    others = ", ".join(str(m) for m in counts[1:] if m not in unpriced)
+    others = [m for m in counts[1:] if m not in unpriced]
     solved = f"the ILP solved at m={counts[0]}" + (f" and m={target} (its priced pipeline fastest)"
                                                    if target != counts[0] else "")
-    apart = f", m={', '.join(map(str, unpriced))} (the strategies do not apply there)" if unpriced else ""
-    return free, (f"m={others} priced with the m={counts[0]} stage plan's strategies on one capture with a symbolic "
-                  f"micro-batch; {solved}{apart}")
+    apart = (f", m={', '.join(map(str, unpriced))} (the strategies do not all apply there: "
+             f"{next(iter(unpriced.values()))})" if unpriced else "")
+    if not others:
+        return free, f"every micro-batch count solved (the m={counts[0]} stage plan priced at none{apart})"
+    return free, (f"m={', '.join(map(str, others))} priced with the m={counts[0]} stage plan's strategies on one "
+                  f"capture with a symbolic micro-batch; {solved}{apart}")
 
 
 def _guesses(reprice: Reprice, first: PlannedStep, by_count: dict[int, list[Pipeline]], mesh: Mesh, limit: float
-             ) -> tuple[list[_Priced], list[int], str]:
+             ) -> tuple[list[_Priced], dict[int, str], str]:
     """``first``'s pipelines at its count and, repriced, at every other count; the counts it could not be
-    priced at; and why none could, where the step cannot be captured symbolic. They race among themselves
-    (they choose a count to solve, not the plan)."""
+    priced at, and why; and why none could, where the step cannot be priced symbolic. They race among
+    themselves (they choose a count to solve, not the plan). First ``first`` is priced again at its own
+    count, on the symbolic capture (made there: the largest micro-batch, past export's 0/1 sizes): it must
+    predict what ``first`` predicts, or nothing is priced from it."""
     counts = list(by_count)
     own = _Race(limit=limit)
     out = _price(first, by_count[counts[0]], mesh, False, [], own)
-    unpriced: list[int] = []
-    why = ""
+    unpriced: dict[int, str] = {}
+    try:
+        again = reprice(first, counts[0]).plan.predicted.step_time_s
+        if not math.isclose(again, first.plan.predicted.step_time_s, rel_tol=1e-9):
+            raise SymbolicRefused(f"priced at its own count, the stage plan predicts {again:.6g} s, not "
+                                  f"{first.plan.predicted.step_time_s:.6g} s")
+    except (SymbolicRefused, InputError) as exc:  # InputError: the symbolic graph failed where the plan did not
+        return out, dict.fromkeys(counts[1:], ""), str(exc)
     for m in counts[1:]:
-        if why:
-            unpriced.append(m)
-            continue
         try:
             out += _price(reprice(first, m), by_count[m], mesh, False, [], own)
-        except SymbolicRefused as exc:
-            why = str(exc)
-            unpriced.append(m)
-        except NotOffered:
-            unpriced.append(m)
-    return out, unpriced, why
+        except NotOffered as exc:
+            unpriced[m] = str(exc)
+        except (SymbolicRefused, InputError) as exc:
+            return out, dict.fromkeys(counts[1:], ""), str(exc)
+    return out, unpriced, ""
 
 
 def _limited(plan_stage: StagePlanner, free: dict[int, list[_Priced]], choices: list[Pipeline], mesh: Mesh,

@@ -12,11 +12,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from autopar.capture import CapturedGraph, reuse_captures
+from autopar.capture import CapturedGraph, TensorMeta, reuse_captures
+from autopar.capture.symbolic import SymbolicRefused
 from autopar.cost.model import CostContext
 from autopar.errors import InputError
 from autopar.mesh import Mesh
-from autopar.rules.strategy import Strategy
+from autopar.rules.strategy import Strategy, placement_str
 from autopar.scenarios import Scenario, candidates
 from autopar.solver.blocks import Folding, split_folding
 from autopar.solver.graph import priced_parameter
@@ -194,7 +195,8 @@ class NotOffered(Exception):
 def repriced(prepared: PreparedStep, step: PlannedStep) -> PlannedStep:
     """``step``'s strategies priced on ``prepared`` (the same step at another micro-batch size, under
     ``step``'s memory scenario), solving nothing: the pipeline search prices each micro-batch count
-    so (``pipeline_search``). Raises ``NotOffered`` where a node cannot keep its strategy."""
+    so (``pipeline_search``). Nodes are matched by their place in graph order (``_same_nodes``). Raises
+    ``NotOffered`` where a node cannot keep its strategy, ``SymbolicRefused`` where the graphs differ."""
     if step.ctx.mesh != prepared.ctx.mesh:  # solved on the zig-zag layout
         if prepared.zigzag is None or prepared.zigzag.ctx.mesh != step.ctx.mesh:
             raise NotOffered("the stage plan's context layout is not prepared at this size")
@@ -203,20 +205,45 @@ def repriced(prepared: PreparedStep, step: PlannedStep) -> PlannedStep:
             != prepared.scenario:
         prepared = prepared.under(replace(step.scenario, micro_batches=prepared.scenario.micro_batches))
     graph, folding = prepared.graph, prepared.folding
+    same = _same_nodes(graph, step.graph)
     choice: dict[str, int] = {}
     for name in graph.order:
         rep = folding.representative[name]
         if rep in choice:
             continue
-        mine = step.chosen.get(rep)
+        mine = step.chosen[same[rep]]
         try:
-            choice[rep] = graph.nodes[rep].strategies.index(mine)  # type: ignore[arg-type]
+            choice[rep] = graph.nodes[rep].strategies.index(mine)
         except ValueError:
-            raise NotOffered(f"{rep} has no strategy {mine} at this size") from None
+            raise NotOffered(f"{same[rep]} ({graph.nodes[rep].op}) has no strategy "
+                             f"{placement_str(mine.outputs[0])} <- {' '.join(map(placement_str, mine.inputs))} at "
+                             f"this size") from None
     solution = Solution(choice=choice, objective_s=math.nan, memory_bytes=math.nan, num_variables=0,
                         num_constraints=0, build_seconds=0.0, solve_seconds=0.0, status="repriced",
                         scenario=prepared.scenario)
     return finish_step(prepared, solution)
+
+
+def _same_nodes(graph: PlanGraph, planned: PlanGraph) -> dict[str, str]:
+    """Each node of ``graph`` -> the node of ``planned`` at its place in graph order, checked to be the same op
+    with outputs of the same ranks and dtypes: a symbolic capture holds the concrete one's ops in its order, but
+    export may name them apart (a symbolic size's own arithmetic, ``operator.mul`` of the batch, takes a name
+    that later nodes then shift past). ``SymbolicRefused`` where the graphs differ."""
+    if len(graph.order) != len(planned.order):
+        raise SymbolicRefused(f"the symbolic capture's graph has {len(graph.order)} nodes, the stage plan's "
+                              f"{len(planned.order)}")
+    out = {}
+    for mine, theirs in zip(graph.order, planned.order):
+        a, b = graph.nodes[mine], planned.nodes[theirs]
+        if (a.kind, a.op, _ranks(a.outputs)) != (b.kind, b.op, _ranks(b.outputs)):
+            raise SymbolicRefused(f"the symbolic capture's graph differs from the stage plan's at {mine} ({a.op}) / "
+                                  f"{theirs} ({b.op})")
+        out[mine] = theirs
+    return out
+
+
+def _ranks(outputs: tuple[TensorMeta | None, ...]) -> tuple[tuple[int, object] | None, ...]:
+    return tuple(None if o is None else (o.ndim, o.dtype) for o in outputs)
 
 
 def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: float = math.inf) -> PlannedStep:

@@ -55,7 +55,11 @@ def test_expert_parallel_replicas_are_searched_beside_tensor_parallel_ones() -> 
         dense = Llama(LlamaConfig(vocab_size=512, max_seq_len=2048, hidden=256, heads=4, kv_heads=2, ffn_hidden=512))
     assert _expert_degrees(dense, [1, 2], None, pinned=False) == []
     assert _expert_degrees(_model(), [1, 2], None, pinned=True) == []
-    assert _expert_degrees(dense, [1, 2, 4], (4,), pinned=True) == [4]
+    assert _expert_degrees(_model(), [1, 2, 4], (4,), pinned=True) == [4]
+    with pytest.raises(InputError, match="no stacked expert weights"):
+        _expert_degrees(dense, [1, 2, 4], (4,), pinned=False)
+    with pytest.raises(InputError, match="planned decode batches"):
+        _expert_degrees(_model(), [1, 2, 3, 6], (3,), pinned=False)
     with pytest.raises(InputError, match="ep_degrees"):
         autopar.plan_serving(_model(), cluster, WORKLOAD, SLO, ep_degrees=(3,))
 

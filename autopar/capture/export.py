@@ -8,7 +8,6 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from autopar.capture.moe_region import collapse_moe_regions
 from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
 from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
 from autopar.capture.subgraphs import is_higher_order, nested_graph_modules
-from autopar.capture.symbolic import SymbolicRefused, batch_shapes, batch_symbol
+from autopar.capture.symbolic import SymbolicRefused, at_rows, batch_rows, batch_shapes, batch_symbol
 from autopar.capture.unbacked import hint_or_refuse, placeholder_values, unbacked_nodes
 
 # Frames from these packages are the tracer, not the user's model.
@@ -68,15 +67,33 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
                          example_targets)
     kwargs = dict(example_kwargs or {})
     flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
-    rows = _rows(flat) if symbolic_batch else None
+    rows = batch_rows(flat) if symbolic_batch else None
     key = None if _REUSED is None else _reuse_key(model, example_inputs, kwargs, example_targets, loss_fn, train, rows)
     if key is not None and key in _REUSED:  # type: ignore[operator]
-        return _at_rows(_REUSED[key][1], rows)  # type: ignore[index]
-    signature = StepSignature.of(example_inputs, kwargs, example_targets)
+        found = _REUSED[key][1]  # type: ignore[index]
+        if isinstance(found, SymbolicRefused):  # refused once, refused for every size: not exported again
+            raise found
+        return at_rows(found, rows)
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         # A meta-device model is planned on shapes alone: inputs follow it onto meta.
         flat = tuple(v.to("meta") if isinstance(v, torch.Tensor) else v for v in flat)
+    try:
+        captured = _captured(model, step, flat, StepSignature.of(example_inputs, kwargs, example_targets), train,
+                             replicate_blocks, rows)
+    except SymbolicRefused as exc:
+        if key is not None and _REUSED is not None:
+            _REUSED[key] = (model, exc)
+        raise
+    if key is not None and _REUSED is not None:
+        _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
+    return captured
+
+
+def _captured(model: nn.Module, step: TrainStep, flat: tuple[Any, ...], signature: StepSignature, train: bool,
+              replicate_blocks: bool, rows: int | None) -> CapturedGraph:
+    """``capture`` uncached; ``rows``: a symbolic capture's micro-batch size, every failure past the
+    plain capture's then a ``SymbolicRefused`` (a capture for pricing only: the search solves instead)."""
     dynamic = None if rows is None else batch_shapes(flat, rows)
     start = time.perf_counter()
     stack, note = find_stack(model) if enabled(replicate_blocks) else (None, None)
@@ -85,12 +102,11 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         program, inputs = _export_replicated(step, flat, stack, notes, dynamic) if stack is not None else (None, None)
         if program is None:
             program = _export(step, flat, dynamic)
+        captured = _to_captured(program, train, time.perf_counter() - start, signature, inputs)
     except CaptureError as exc:
         if dynamic is None:
             raise
         raise SymbolicRefused(f"export could not keep the micro-batch symbolic: {exc}") from exc
-    seconds = time.perf_counter() - start
-    captured = _to_captured(program, train, seconds, signature, inputs)
     captured.notes.extend(notes)
     if dynamic is not None:
         captured.batch_symbol = batch_symbol(captured.gm, captured.user_inputs, dynamic)
@@ -101,25 +117,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         captured.size_hints, source = hint_or_refuse(captured.gm, values)
         captured.notes.append(f"data-dependent sizes planned at {source}: "
                               + ", ".join(f"{k}={v}" for k, v in sorted(captured.size_hints.items(), key=str)))
-    if key is not None and _REUSED is not None:
-        _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
     return captured
-
-
-def _rows(flat: tuple[Any, ...]) -> int:
-    """The micro-batch size of a symbolic capture: the first input's leading dim."""
-    first = next((v for v in flat if isinstance(v, torch.Tensor) and v.ndim), None)
-    if first is None:
-        raise SymbolicRefused("the step has no tensor input with a batch dim")
-    return int(first.shape[0])
-
-
-def _at_rows(captured: CapturedGraph, rows: int | None) -> CapturedGraph:
-    """A reused capture; a symbolic one priced at ``rows`` (its graph shared, never changed by planning)."""
-    if rows is None or captured.batch_symbol is None:
-        return captured
-    return replace(captured, size_hints={**captured.size_hints, captured.batch_symbol: rows},
-                   notes=list(captured.notes))
 
 
 def _export(step: TrainStep, flat: tuple[Any, ...], dynamic: tuple[Any, ...] | None = None) -> ExportedProgram:
@@ -183,8 +181,8 @@ def _export_replicated(step: TrainStep, flat: tuple[Any, ...], stack: Stack, not
     return program, result
 
 
-_REUSED: dict[tuple[Any, ...], tuple[nn.Module, CapturedGraph]] | None = None
-"""Captures ``reuse_captures`` keeps (None: outside it, every call traces)."""
+_REUSED: dict[tuple[Any, ...], tuple[nn.Module, CapturedGraph | SymbolicRefused]] | None = None
+"""Captures ``reuse_captures`` keeps, and symbolic captures refused (None: outside it, every call traces)."""
 
 
 @contextlib.contextmanager

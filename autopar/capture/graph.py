@@ -65,7 +65,9 @@ def hinted(size: torch.SymInt, hints: "dict[sympy.Symbol, int]") -> int:
         return int(size)
     expr = sympy.sympify(size.node.expr).xreplace({k: sympy.Integer(v) for k, v in hints.items()})
     if not expr.is_number:
-        raise CaptureError(f"size {size.node.expr} has no planning size (hints for {sorted(map(str, hints))})")
+        kind = "data-dependent size" if free_unbacked_symbols(size) else "size"
+        raise CaptureError(f"{kind} {size.node.expr} has no planning size (capture.unbacked and capture.symbolic "
+                           f"hints for {sorted(map(str, hints))})")
     return int(expr)
 
 

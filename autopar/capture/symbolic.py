@@ -10,14 +10,17 @@ shape), gives the graph at any micro-batch size without tracing again, so the co
 price a stage plan at every count from the same expressions.
 
 Only for pricing: the per-rank program is built from a concrete capture (the step at the chosen
-count), never from this one. Refused (a ``SymbolicRefused`` naming why: the search then captures
-each count) where the graph's sizes do not follow from the symbol alone: export specialized the
-batch (a guard on its value), sizes the data decides (``capture.unbacked``), or higher-order
-subgraphs (priced from their own shapes, ``cost.blocks``, which read no hints).
+count), never from this one (``runtime.program`` refuses it). Export may name its nodes apart from a
+concrete capture's (the symbol's own arithmetic takes names), so a plan is mapped onto it by place in
+graph order (``step.repriced``). Refused (a ``SymbolicRefused`` naming why: the search then solves each
+count) where the graph's sizes do not follow from the symbol alone: export specialized the batch (a
+guard on its value), sizes the data decides (``capture.unbacked``), floats or conditions computed from
+the size, or higher-order subgraphs (priced from their own shapes, ``cost.blocks``, which read no hints).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import sympy
@@ -26,6 +29,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import Dim
 
+from autopar.capture.graph import CapturedGraph
 from autopar.capture.subgraphs import nested_graph_modules
 from autopar.capture.unbacked import unbacked_nodes
 
@@ -35,6 +39,22 @@ BATCH_DIM = "micro_batch"
 
 class SymbolicRefused(Exception):
     """The step cannot be priced from one symbolic capture (the message says why)."""
+
+
+def batch_rows(flat: tuple[Any, ...]) -> int:
+    """The micro-batch size of a symbolic capture: the first input's leading dim."""
+    first = next((v for v in flat if isinstance(v, torch.Tensor) and v.ndim), None)
+    if first is None:
+        raise SymbolicRefused("the step has no tensor input with a batch dim")
+    return int(first.shape[0])
+
+
+def at_rows(captured: CapturedGraph, rows: int | None) -> CapturedGraph:
+    """A reused capture; a symbolic one priced at ``rows`` (its graph shared, never changed by planning)."""
+    if rows is None or captured.batch_symbol is None:
+        return captured
+    return replace(captured, size_hints={**captured.size_hints, captured.batch_symbol: rows},
+                   notes=list(captured.notes))
 
 
 def batch_shapes(flat: tuple[Any, ...], rows: int) -> tuple[dict[int, Dim] | None, ...]:
@@ -62,8 +82,11 @@ def batch_symbol(gm: torch.fx.GraphModule, user_inputs: list[str], shapes: tuple
     if next(iter(nested_graph_modules(gm)), None) is not None:
         raise SymbolicRefused("the step has higher-order subgraphs, priced from their own shapes")
     (symbol,) = exprs
-    others = {sym for node in gm.graph.nodes for leaf in pytree.tree_leaves(node.meta.get("val"))
-              if isinstance(leaf, (torch.Tensor, torch.SymInt)) for sym in _symbols(leaf)} - {symbol}
+    leaves = [leaf for node in gm.graph.nodes for leaf in pytree.tree_leaves(node.meta.get("val"))]
+    if any(isinstance(leaf, (torch.SymFloat, torch.SymBool)) for leaf in leaves):
+        raise SymbolicRefused("the step computes floats or conditions from the micro-batch size")
+    others = {sym for leaf in leaves if isinstance(leaf, (torch.Tensor, torch.SymInt)) for sym in _symbols(leaf)} \
+        - {symbol}
     if others:
         raise SymbolicRefused(f"sizes depend on more than the micro-batch ({sorted(map(str, others))[0]})")
     return symbol

@@ -21,7 +21,8 @@ from autopar.rules.strategy import placement_str, positional_args
 def localize_embedding(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
     for node in list(gm.graph.nodes):
         strategy = strategy_of(node)
-        if node.op != "call_function" or strategy is None or not splits_rows(node.target, strategy.inputs[0]):
+        if node.op != "call_function" or strategy is None or not strategy.inputs \
+                or not splits_rows(node.target, strategy.inputs[0]):
             continue
         with gm.graph.inserting_before(node):
             local = gm.graph.call_module("vocab_embedding", (placement_str(strategy.inputs[0]),

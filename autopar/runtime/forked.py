@@ -70,12 +70,15 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     # The ranks' garbage collections skip what they inherit (gc's docs, gc.freeze: before fork): a
     # parent that ran thousands of tests hands each rank a heap whose every full collection costs
     # seconds and copies its pages.
-    gc.freeze()
+    ours = gc.get_freeze_count() == 0  # a caller's own freeze is left as it was
+    if ours:
+        gc.freeze()
     try:
         for p in procs:
             p.start()
     finally:
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:

@@ -46,6 +46,8 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
     """This rank's program: the captured step with the plan applied (``parallelize_graph``).
     ``recompute_replays``: backward runs through a checkpointed block twice (``Recompute``)."""
     graph, chosen = step.graph, step.chosen
+    if step.captured.batch_symbol is not None:  # a pricing-only capture (``capture.symbolic``): never run
+        raise ValueError("a step priced on a symbolic capture cannot be built into a rank's program")
     pc = PassContext(graph=graph, chosen=chosen, ctx=step.ctx, sync_dims=param_sync_dims(graph, chosen, step.ctx),
                      input_sharded=input_sharded, device_type=mesh.device_type,
                      regather=frozenset(step.plan.memory.regather), memory=step.plan.memory,

@@ -144,7 +144,9 @@ def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, 
         planned = plan_step(model, Mesh({"pp": pp, "tp": tp}, profile, devices_per_node), inputs, train=False,
                             memory_limit=memory_limit, state_placements=placements, pipeline=pipeline)
     elif ep > 1:  # the cache stays whole on ep (each rank reads its own slots' rows of it)
-        batch_split = EXPERT_PARALLEL if shape.steps == 1 and shape.batch % ep == 0 else {}
+        if shape.steps == 1 and shape.batch % ep:
+            raise InputError(f"a decode step of {shape.batch} requests does not split over ep={ep}")
+        batch_split = EXPERT_PARALLEL if shape.steps == 1 else {}
         planned = plan_step(model, Mesh({"ep": ep}, profile, devices_per_node), inputs, train=False,
                             memory_limit=memory_limit, state_placements=placements, **batch_split)
     else:

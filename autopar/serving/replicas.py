@@ -26,7 +26,7 @@ from torch import nn
 
 from autopar.errors import InputError
 from autopar.serving.candidates import replica_label
-from autopar.serving.planned import PlannedStepTimes, plan_step_times
+from autopar.serving.planned import DECODE_BATCHES, PlannedStepTimes, plan_step_times
 from autopar.serving.workload import Cluster
 
 ReplicaKey = tuple[int, int, int]
@@ -103,14 +103,19 @@ def _expert_degrees(model: nn.Module, sizes: list[int], ep_degrees: tuple[int, .
                     ) -> list[int]:
     """The expert-parallel degrees to try (module docstring): ``sizes`` (those dividing the node and the unit)
     above 1 for a model with stacked expert weights, unless TP or pp degrees are ``pinned``; or ``ep_degrees``."""
-    if ep_degrees is not None:
-        bad = [ep for ep in ep_degrees if isinstance(ep, bool) or not isinstance(ep, int) or ep not in sizes[1:]]
-        if bad:
-            raise InputError(f"ep_degrees {bad} are not expert-parallel replica sizes: each must be >= 2 and divide "
-                             f"a unit of {sizes[-1]} devices (one node, or the cluster)")
-        return sorted(set(ep_degrees))
+    usable = [ep for ep in sizes if ep > 1 and all(b % ep == 0 for b in DECODE_BATCHES)]  # the batch splits on ep
     experts = any(p.ndim == 3 for p in model.parameters())  # stacked (experts, in, out) weights
-    return [ep for ep in sizes if ep > 1] if experts and not pinned else []
+    if ep_degrees is not None:
+        bad = [ep for ep in ep_degrees if isinstance(ep, bool) or not isinstance(ep, int) or ep not in usable]
+        if bad:
+            raise InputError(f"ep_degrees {bad} are not expert-parallel replica sizes: each must be >= 2, divide a "
+                             f"unit of {sizes[-1]} devices (one node, or the cluster) and the planned decode batches "
+                             f"{DECODE_BATCHES}")
+        if ep_degrees and not experts:
+            raise InputError(f"ep_degrees {tuple(ep_degrees)}: the model has no stacked expert weights (3-D "
+                             "parameters) to split by expert")
+        return sorted(set(ep_degrees))
+    return usable if experts and not pinned else []
 
 
 def _slots(times: PlannedStepTimes, mean_tokens: float) -> float:

@@ -235,8 +235,9 @@ def placement_rows(pools: list[PoolPlan]) -> list[tuple[str, ...]]:
 
 def _shape(pool: PoolPlan) -> str:
     """'tp=4', 'tp=4 pp=2 (2 batches in flight)', or 'ep=4 (experts by expert, attention data parallel)'."""
-    if pool.ep > 1:
-        return f"ep={pool.ep} (experts by expert, attention data parallel)"
+    if pool.ep > 1:  # the ILP may keep the experts whole there (small experts): said as planned
+        split = any(".experts." in k and v.startswith("S(0)") for k, v in pool.parameters.items())
+        return f"ep={pool.ep} ({'experts by expert' if split else 'experts whole'}, attention data parallel)"
     return f"tp={pool.tp}" + (f" pp={pool.pp} ({pool.pp} batches in flight)" if pool.pp > 1 else "")
 
 
