@@ -191,31 +191,29 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
                  context_axes: tuple[str, ...] = (), context_layout: str | None = None,
                  context_attention: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 solver_time_limit_s: float = 120.0,
-                 zero: dict[str, int] | None = None, checkpoint: str | None = None, offload: bool | None = None,
-                 micro_batches: int | None = None, checkpoint_blocks: int | None = None,
-                 regather_blocks: int | None = None, state_placements: dict[str, tuple[Any, ...]] | None = None,
-                 _capture_micro_batches: int | None = None, _masters: bool = False,
-                 _pipeline_ranks: int | None = None, _stage_cutoff_s: float = math.inf,
-                 _try_first: Scenario | None = None, _zigzag: tuple[str, ...] | None = None,
-                 _symbolic_batch: bool = False) -> PreparedStep:
+                 solver_time_limit_s: float = 120.0, zero: dict[str, int] | None = None,
+                 checkpoint: str | None = None, offload: bool | None = None, micro_batches: int | None = None,
+                 checkpoint_blocks: int | None = None, regather_blocks: int | None = None,
+                 state_placements: dict[str, tuple[Any, ...]] | None = None,
+                 _capture_micro_batches: int | None = None, _masters: bool = False, _pipeline_ranks: int | None = None,
+                 _stage_cutoff_s: float = math.inf, _try_first: Scenario | None = None,
+                 _zigzag: tuple[str, ...] | None = None, _symbolic_batch: bool = False) -> PreparedStep:
     """Capture, strategies, pins and block folding: the ILP's input.
 
-    ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated,
-    every user input split along its first (batch) dim. ``expert_axes`` (data axes too) leave
-    stacked expert weights free there (``expert_parameters``): the planner may split them by
-    expert, tokens reaching their experts by all-to-all (expert parallelism as torchtitan's
-    dp2ep: the batch split over the axis, dense weights replicated). ``input_sharded`` also pins the
+    ``data_axes`` pins plain data parallelism on those mesh axes: parameters replicated, every user input
+    split along its first (batch) dim. ``expert_axes`` (data axes too) leave stacked expert weights free there
+    (``expert_parameters``): the planner may split them by expert, tokens reaching their experts by all-to-all
+    (torchtitan's dp2ep: the batch split over the axis, dense weights replicated). ``input_sharded`` also pins the
     inputs replicated on every other axis (each rank receives exactly its data shard). ``context_axes``
     pins context parallelism there: parameters replicated, every user input of the first input's (batch,
     sequence) split along dim 1, attention on each rank's query rows (``rules.attention``).
     ``zero``, ``checkpoint``, ``offload``, ``micro_batches`` pin memory choices (``MemoryOptions``; m: batch / m),
     priced under ``solve_step``'s first scenario; ``PreparedStep.under`` re-prices (re-captures) for another.
     ``_masters``: the model is the bf16 compute copy of fp32 masters (``compile``'s mixed precision), not
-    a bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one
-    stage mesh of a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs neither
-    yet), a memory row of the busiest rank's share; ``_stage_cutoff_s``, ``_try_first``: ``PreparedStep``'s;
-    ``_symbolic_batch``: captured with a symbolic micro-batch, for pricing only (``capture.symbolic``).
+    a bf16 model, which keeps no masters (``get_precision``). ``_pipeline_ranks``: the step is one stage mesh of
+    a pipeline of that many pp ranks: no ZeRO-1 or offload (the pipelined runtime runs neither yet), a memory row
+    of the busiest rank's share; ``_stage_cutoff_s``, ``_try_first``: ``PreparedStep``'s; ``_symbolic_batch``:
+    captured with a symbolic micro-batch, for pricing only (``capture.symbolic``).
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
     ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
