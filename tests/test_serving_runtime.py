@@ -85,12 +85,14 @@ def _state_placements(step: Any) -> dict[str, tuple[Any, ...]]:
 
 
 def test_prefill_planned_with_the_decode_steps_state_placements() -> None:
-    """Planned alone, a batch-1 prefill places some weight otherwise than the decode step (the tiny
-    model's LM head); pinned with ``state_placements`` every parameter and cache buffer matches, and
-    a placement no strategy takes is refused by name."""
+    """Pinned with ``state_placements`` (the decode step's, its LM head split otherwise than a batch-1 prefill
+    planned alone places it), every parameter and cache buffer of the prefill matches, and a placement no
+    strategy takes is refused by name."""
     model = _serving_llama()
     decode = _state_placements(plan_step(model, {"tp": 2}, _step(SLOTS, 1), train=False))
     alone = _state_placements(plan_step(model, {"tp": 2}, _step(1, CHUNK), train=False))
+    head = (Shard(0),) if alone["output.weight"] == (Replicate(),) else (Replicate(),)  # not what alone chose
+    decode = {**decode, "output.weight": head}
     pinned = plan_step(model, {"tp": 2}, _step(1, CHUNK), train=False, state_placements=decode)
     assert alone != decode and _state_placements(pinned) == decode
     assert pinned.plan.pinned["parameters, buffers"] == "placed as the step sharing them"
