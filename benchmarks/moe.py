@@ -235,12 +235,14 @@ def price_grid(shape: Shape, built: tuple[Any, ...], eps: tuple[int, ...], tps: 
 
 
 def autopar_plan(shape: Shape, built: tuple[Any, ...], eps: tuple[int, ...]) -> AutoparResult:
-    """autopar's plan on each ``{"dp", "ep", "tp": 8}`` mesh (module docstring), the fastest kept."""
+    """autopar's plan on each ``{"dp", "ep", "tp": 8}`` mesh (module docstring; tp the devices beside ep on a
+    cluster smaller than ep nodes), the fastest kept."""
     model, inputs, loss_fn, targets = built
     result = AutoparResult()
     began = time.perf_counter()
     for ep in eps:
-        axes = mesh_axes(shape.devices // (ep * NODE), ep, NODE)
+        tp = min(NODE, shape.devices // ep)  # a node's worth of tp, or what is left beside ep on a smaller cluster
+        axes = mesh_axes(shape.devices // (ep * tp), ep, tp)
         mesh = autopar.Mesh(axes, hardware=shape.hardware)
         started = time.perf_counter()
         try:

@@ -1,5 +1,7 @@
-"""benchmarks/moe.py on a reduced MoE and an 8-device grid: each grid point keeps its pinned expert
-placements, and autopar's plan is no slower than any grid point priced. Planning only, no ranks."""
+"""benchmarks/moe.py on a reduced MoE and a 4-device grid (ep, tp in {1, 2}; 2-D meshes: a 3-D one prices
+~575k placement pairs, 20 s, which the benchmark itself pays): each grid point keeps its pinned expert
+placements, and autopar's plan (on the same 4 devices) is no slower than any grid point priced. Planning
+only, no ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 from benchmarks import moe as bench
 from examples import moe
 
-TINY = bench.Shape(name="tiny MoE", devices=8, batch=8, eps=(1, 2), tps=(1, 2), config=moe.MoEConfig(
+TINY = bench.Shape(name="tiny MoE", devices=4, batch=8, eps=(1, 2), tps=(1, 2), config=moe.MoEConfig(
     vocab_size=512, max_seq_len=128, hidden=512, heads=4, kv_heads=2, ffn_hidden=1024, layers=2, experts=8,
     top_k=2, capacity_factor=1.25, shared_expert=True))
 
