@@ -4,19 +4,25 @@ every request the single-device greedy tokens, with measured latencies that make
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
+import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.errors import InputError
+from autopar.hardware import get_profile
 from autopar.runtime import engine
 from autopar.runtime.engine import ServeRequest, serve
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.generate import generate
 from autopar.runtime.scheduler import Scheduler
 from autopar.serving import fit_step_times
-from examples import serve as example
+from autopar.serving.planned import EXPERT_PARALLEL
+from examples import moe, serve as example
 
 
 def test_scheduler_batches_routes_and_hands_off_as_the_simulator() -> None:
@@ -131,3 +137,46 @@ def test_engine_on_replicas_gives_the_single_device_tokens() -> None:
         assert "replica_axis 'dp'" in result["errors"][0] and "does not fit a cache slot" in result["errors"][1]
         assert "scheduler failed on rank 0: ValueError: no plan for replica 0" in result["errors"][2]
 
+
+
+MOE = moe.MoEConfig(vocab_size=256, max_seq_len=example.MAX_LEN, hidden=64, heads=4, kv_heads=2, ffn_hidden=256,
+                    layers=2, experts=4, top_k=2)
+MOE_CONFIG = dataclasses.replace(example.CONFIG, cache_buffers=tuple(
+    f"layers.{i}.attention.cache.{kv}" for i in range(MOE.layers) for kv in "kv"))
+SLOW_MEMORY = dataclasses.replace(get_profile("h100"), name="h100-slow-memory",
+                                  memory_bandwidth=get_profile("h100").memory_bandwidth / 1000)
+"""Memory 1000x slower than an H100's: reading every expert per decode step costs more than the all-to-alls of
+a few tokens, so the planner splits these tiny experts by expert (an H100 keeps them whole)."""
+
+
+def _serving_moe() -> moe.MoETransformer:
+    model, *_ = moe.build(MOE, batch=1)
+    model.eval()
+    model.setup_cache(slots=example.SLOTS, max_len=example.MAX_LEN)
+    return model
+
+
+def expert_parallel_engine_on_rank(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "ep"))
+    serving = autopar.compile_serving(_serving_moe(), mesh, example._step(1, example.CHUNK),
+                                      example._step(example.SLOTS, 1), hardware=SLOW_MEMORY, replica_axis="replica",
+                                      decode_options=EXPERT_PARALLEL)
+    records = {mode: dataclasses.asdict(serve(serving, REQUESTS, mesh.mesh.tolist(), roles, MOE_CONFIG))
+               for mode, roles in example.MODES.items()}
+    experts = {v for k, v in serving.placements.items() if ".moe.experts." in k}
+    return {**records, "experts": experts}
+
+
+def test_engine_serves_expert_parallel_replicas() -> None:
+    """The layout ``plan_serving``'s ep pools run (``serving.planned.EXPERT_PARALLEL``), on 2 replicas of ep=2:
+    the decode step's slots split on ep with the experts split by expert, aggregated and disaggregated (the
+    whole cache sent between replicas), every request the single-device greedy tokens."""
+    model = _serving_moe()
+    with torch.no_grad():
+        want = [generate(model, model, [r.prompt], r.max_new_tokens, chunk=example.CHUNK, slots=example.SLOTS,
+                         max_len=example.MAX_LEN).tokens[0] for r in REQUESTS]
+    results = run_ranks(expert_parallel_engine_on_rank, 4, timeout_s=120)
+    assert results[0]["experts"] == {(Shard(0),)}
+    for mode in example.MODES:
+        tokens, _ = example.delivered([result[mode] for result in results], mode)
+        assert [tokens[i] for i in range(len(REQUESTS))] == want, mode
