@@ -293,7 +293,7 @@ def _annotated(best: _Priced, fitting: list[_Priced], priced: int, race: _Race, 
     note = (f"pipeline search: {priced} pipelines priced (schedules x stages per rank x micro-batches){outrun}, "
             f"{len(fitting)} fit; chosen {_label(best.choice)} {fmt_s(best.step_time_s)}"
             + (f"; next: {runners}" if runners else "") + (f"; {how}" if how else ""))
-    notes = [*plan.notes, note] if priced + race.outrun > 1 else plan.notes  # a pinned pipeline: nothing searched
+    notes = [*plan.notes, note] if priced + race.outrun > 1 or how else plan.notes  # pinned: nothing searched
     plan = replace(plan, notes=notes, memory_limit_bytes=race.limit,
                    timings={**plan.timings, "pipeline search": seconds})
     return replace(best.step, plan=plan)
