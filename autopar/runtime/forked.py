@@ -12,7 +12,6 @@ computes on one intra-op thread (the ranks share the cores anyway); call
 from __future__ import annotations
 
 import datetime
-import gc
 import multiprocessing as mp
 import socket
 import time
@@ -67,18 +66,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue, args, timeout_s))
              for r in range(world)]
-    # The ranks' garbage collections skip what they inherit (gc's docs, gc.freeze: before fork): a
-    # parent that ran thousands of tests hands each rank a heap whose every full collection costs
-    # seconds and copies its pages.
-    ours = gc.get_freeze_count() == 0  # a caller's own freeze is left as it was
-    if ours:
-        gc.freeze()
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if ours:
-            gc.unfreeze()
+    for p in procs:
+        p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
