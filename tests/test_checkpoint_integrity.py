@@ -161,7 +161,7 @@ def test_checkpoint_keys_must_match_the_model(tmp_path: Path) -> None:
     large_path, small_path = str(tmp_path / "large"), str(tmp_path / "small")
     for r in run_ranks(_smaller_and_larger_rank, 4, large_path, small_path):
         assert "not in the model" in r["into_small"] and "blocks.1.attn.qkv.weight" in r["into_small"], r
-        assert "optimizer.state.blocks.1.attn.qkv.weight.exp_avg" in r["into_small"], r["into_small"]
+        assert "optimizer.state.blocks.1." in r["into_small"], r["into_small"]
         assert "not in the checkpoint" in r["into_large"] and "blocks.1.mlp.fc.weight" in r["into_large"], r
         assert r["small_loaded"] and r["large_loaded"]
 
