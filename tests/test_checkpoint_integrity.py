@@ -62,17 +62,42 @@ def _whole(pm: autopar.ParallelModule) -> dict[str, Packed]:
     return {k: pack(v.full_tensor()) for k, v in pm.state_dict().items()}
 
 
-def _disk_full(fail: bool) -> contextlib.AbstractContextManager[Any]:
-    """On a failing rank, DCP's file writer finds the disk full when it opens its shard file."""
+class _FillsUp:
+    """A file stream on a disk with ``room`` bytes left: the write that overflows it writes what fits, then fails."""
+
+    def __init__(self, stream: Any, room: int) -> None:
+        self.stream, self.room = stream, room
+
+    def write(self, data: Any) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) > self.room:
+            self.stream.write(data[:self.room])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.stream.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _disk_full(fail: bool, room: int | None) -> contextlib.AbstractContextManager[Any]:
+    """On a failing rank, DCP's file writer finds the disk full: when it opens its shard file
+    (``room`` None), or once it has written ``room`` bytes of it."""
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
     def create_stream(self: FileSystem, path: Any, mode: str) -> Any:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        if room is None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        with real(self, path, mode) as stream:
+            yield _FillsUp(stream, room)
 
     return mock.patch.object(FileSystem, "create_stream", create_stream) if fail else contextlib.nullcontext()
 
 
-def _failed_save(pm: autopar.ParallelModule, path: str, opt: torch.optim.Optimizer) -> str:
+def _failed_save(pm: autopar.ParallelModule, path: str, opt: torch.optim.Optimizer, room: int | None = None) -> str:
     """``checkpoint.save`` with one rank's disk full: the error this rank got ("" if none)."""
-    with _disk_full(dist.get_rank() == FAILING_RANK):
+    with _disk_full(dist.get_rank() == FAILING_RANK, room):
         try:
             checkpoint.save(pm, path, opt)
         except checkpoint.CheckpointError as exc:
@@ -96,11 +121,12 @@ def _overwrite_fails_rank(rank: int, world: int, path: str, fresh: str) -> dict[
     saved, whole = _snapshot(pm, opt), _whole(pm)
     _train(pm, opt, tokens, targets, 3)
     error = _failed_save(pm, path, opt)  # the step-5 save, over the step-2 one
+    cut_short = _failed_save(pm, path, opt, room=4096)  # again, its shard file written in part
     checkpoint.load(pm, path, opt)
     loaded = _snapshot(pm, opt)
     steps = sorted({float(s["step"]) for s in opt.state.values()})
     fresh_error = _failed_save(pm, fresh, opt)  # no save completed there
-    return {"error": error, "differ": _differ(saved, loaded), "steps": steps, "whole": whole,
+    return {"error": error, "cut_short": cut_short, "differ": _differ(saved, loaded), "steps": steps, "whole": whole,
             "fresh_error": fresh_error, "refused": _refusal(checkpoint.load, pm, fresh, opt)}
 
 
@@ -115,7 +141,8 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     path, fresh = tmp_path / "ckpt", tmp_path / "fresh"
     results = run_ranks(_overwrite_fails_rank, 4, str(path), str(fresh))
     for r in results:
-        assert f"rank {FAILING_RANK}" in r["error"] and "No space left on device" in r["error"], r["error"]
+        for error in (r["error"], r["cut_short"]):
+            assert f"rank {FAILING_RANK}" in error and "No space left on device" in error, error
         assert r["differ"] == [], f"loaded as a mixture of two saves: {r['differ']}"
         assert r["steps"] == [2.0]
         assert "rank 1" in r["fresh_error"] and "no complete checkpoint" in r["refused"], r["refused"]

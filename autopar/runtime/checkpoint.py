@@ -18,6 +18,10 @@ shard (the interleaved qkv of a fused projection) is several chunks per rank, so
 tensors go through DCP as the plain shard of the same dim: one all-gather per strided
 tensor on save and on load, a transient of that one tensor, and a checkpoint identical
 to the one a plain layout writes (loadable on any mesh and plan).
+
+How the files are written and checked is ``checkpoint_files``'s: a save commits once every
+rank has written, and a load refuses a checkpoint no save completed and (``strict``) keys
+that differ from the model's.
 """
 
 from __future__ import annotations
