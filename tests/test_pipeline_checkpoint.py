@@ -117,7 +117,7 @@ def _check_resumed(resumed: list[dict[str, Any]], saved: list[dict[str, Any]]) -
 
 
 def _written_by_rank(path: str) -> dict[int, set[str]]:
-    """Checkpoint file of each rank (DCP's ``__{rank}_0.distcp``) -> the model keys it holds."""
+    """Checkpoint file of each rank (``__{rank}_{save_id}_0.distcp``) -> the model keys it holds."""
     out: dict[int, set[str]] = {}
     for index, info in FileSystemReader(path).read_metadata().storage_data.items():
         rank = int(info.relative_path.split("_")[2])

@@ -18,6 +18,10 @@ shard (the interleaved qkv of a fused projection) is several chunks per rank, so
 tensors go through DCP as the plain shard of the same dim: one all-gather per strided
 tensor on save and on load, a transient of that one tensor, and a checkpoint identical
 to the one a plain layout writes (loadable on any mesh and plan).
+
+How the files are written and checked is ``checkpoint_files``'s: a save commits once every
+rank has written, and a load refuses a checkpoint no save completed and (``strict``) keys
+that differ from the model's.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,6 +41,8 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from autopar.errors import InputError
 from autopar.rules.strategy import is_strided
 
+from autopar.runtime import checkpoint_files as files
+from autopar.runtime.checkpoint_files import CheckpointError
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelinedModule
 
@@ -55,46 +60,65 @@ def save(pm: Compiled, path: str | Path, optimizer: torch.optim.Optimizer | None
     tensors of the parameter's local shape are saved as shards of the parameter's global
     shape, 0-d ones (Adam's ``step``) as they are. An optimizer that has not stepped yet is
     given zero state by a step with lr 0 (torch's ``get_optimizer_state_dict`` does that).
+
+    The save commits once every rank has written (``checkpoint_files``): a failure on any
+    rank raises ``CheckpointError`` on every rank and leaves a checkpoint already at ``path``
+    as it was.
     """
     state: dict[str, Any] = dict(pm.state_dict())
     if optimizer is not None:
         osd = _map_state(_optimizer_state(pm, optimizer), _sharded(pm))
         state[OPTIMIZER] = {**osd, "param_groups": _shared_param_groups(osd["param_groups"])}
-    dcp.save(_contiguous_chunks(state), checkpoint_id=str(path))
+    files.save(_map_leaves(state, _plain_chunks), Path(path))
 
 
-def load(pm: Compiled, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load(pm: Compiled, path: str | Path, optimizer: torch.optim.Optimizer | None = None, strict: bool = True) -> None:
     """Load a checkpoint saved from any mesh into ``pm``'s shards (and ``optimizer``), in place.
 
     The optimizer's state and param groups (lr, betas, ...) are the checkpoint's, matched
     to parameters by FQN, so the plan and the order of parameters may differ from the saving run.
+    A checkpoint no save completed is refused, and so (``strict``) are keys of the checkpoint
+    the model lacks or the reverse (the optimizer's keys when one is passed), by name, on every
+    rank; ``strict=False`` loads the keys both hold and leaves the others as they are.
     """
-    state: dict[str, Any] = {k: _template(v) for k, v in pm.state_dict().items()}
+    path = Path(path)
+    files.refuse_incomplete(path, agree=True)
+    original: dict[str, Any] = dict(pm.state_dict())
     if optimizer is not None:
-        sharded = _sharded(pm)
-        state[OPTIMIZER] = _map_state(_optimizer_state(pm, optimizer), lambda fqn, t: _template(sharded(fqn, t)))
-    dcp.load(state, checkpoint_id=str(path))
-    pm.load_state_dict(state)  # redistributes back to the module's own (strided) placements
+        original[OPTIMIZER] = _map_state(_optimizer_state(pm, optimizer), _sharded(pm))
+    state = _map_leaves(original, _template)
+    files.put_back(state, original, files.load(state, path, strict, _skipped(optimizer)))
+    own = {k: v for k, v in state.items() if k != OPTIMIZER}
+    pm.load_state_dict(own)  # redistributes back to the module's own (strided) placements
     if optimizer is not None:
         layout = _layout(pm)
         own = _map_state(state[OPTIMIZER], lambda fqn, t: _to_local(layout[fqn], t))
         set_optimizer_state_dict(pm, optimizer, own)
 
 
-def load_single_device(model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_single_device(model: nn.Module, path: str | Path, optimizer: torch.optim.Optimizer | None = None,
+                       strict: bool = True) -> None:
     """Load a checkpoint into a plain module (and an optimizer over ``model.parameters()``)
     in one process, without autopar's plan or a process group: DCP reads every shard of
     each tensor into the module's whole tensors. Continue training on one device from there.
+    Incomplete checkpoints and (``strict``) keys that differ are refused as by ``load``.
     """
+    path = Path(path)
+    files.refuse_incomplete(path, agree=False)
     state: dict[str, Any] = dict(model.state_dict())
     if optimizer is not None:
         state[OPTIMIZER] = _optimizer_state(model, optimizer)
     with warnings.catch_warnings():  # DCP warns that it assumes one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
-        dcp.load(state, checkpoint_id=str(path))
+        files.load(state, path, strict, _skipped(optimizer))  # into the model's own tensors: the rest stays
     model.load_state_dict({k: v for k, v in state.items() if k != OPTIMIZER})
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state[OPTIMIZER])
+
+
+def _skipped(optimizer: torch.optim.Optimizer | None) -> tuple[str, ...]:
+    """Checkpoint keys a load leaves out of its strictness: the optimizer's, when none is loaded."""
+    return () if optimizer is not None else (f"{OPTIMIZER}.",)
 
 
 def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -187,16 +211,16 @@ def _plain(value: DTensor) -> tuple[Any, ...]:
     return tuple(Shard(p.dim) if is_strided(p) else p for p in value.placements)
 
 
-def _contiguous_chunks(state: dict[str, Any]) -> dict[str, Any]:
-    """The (nested) state dict with strided shards redistributed to plain shards of the same dim."""
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            value = _contiguous_chunks(value)
-        elif isinstance(value, DTensor) and any(is_strided(p) for p in value.placements):
-            value = value.redistribute(value.device_mesh, _plain(value))
-        out[key] = value
-    return out
+def _map_leaves(state: dict[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """The nested state dict (fresh dicts) with every value that is not a dict replaced by ``fn(value)``."""
+    return {key: _map_leaves(value, fn) if isinstance(value, dict) else fn(value) for key, value in state.items()}
+
+
+def _plain_chunks(value: Any) -> Any:
+    """A strided shard redistributed to the plain shard of the same dim (anything else as it is)."""
+    if isinstance(value, DTensor) and any(is_strided(p) for p in value.placements):
+        return value.redistribute(value.device_mesh, _plain(value))
+    return value
 
 
 def _template(value: Any) -> Any:
@@ -233,3 +257,6 @@ def full_state_dict(pm: ParallelModule, rank0_only: bool = True) -> dict[str, to
         if keep:
             out[key] = full.detach().clone()
     return out
+
+
+__all__ = ["OPTIMIZER", "CheckpointError", "Compiled", "full_state_dict", "load", "load_single_device", "save"]
