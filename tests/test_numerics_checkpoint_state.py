@@ -15,7 +15,7 @@ second forward runs before the first backward)."""
 
 from __future__ import annotations
 
-import math
+import contextlib
 from typing import Any
 
 import pytest
@@ -49,8 +49,7 @@ class _Counting(nn.Module):
 class _NoLog:
     """A ``Comm`` stand-in for a region without collectives."""
 
-    def recomputing(self) -> Any:
-        import contextlib
+    def recomputing(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
 
