@@ -16,6 +16,13 @@ if they read nothing the block computes, after it if the block reads nothing the
 compute. What still splits the block (a node both reading from and feeding the block)
 leaves it as several regions, each checkpointed on its own (``checkpoint_blocks_0``,
 ``checkpoint_blocks_0_1``): still exact, it only keeps the values crossing the split.
+
+An input whose values may change between the region's forward and its recompute (batch
+norm's running statistics and ``num_batches_tracked``, which the block itself updates in
+place; a tensor written after the block; a program input written anywhere, which the next
+micro-batch's forward writes) is named in the call's ``mutated=`` (input positions): the
+runtime keeps a copy of it as the region found it for the recompute and updates the real
+one once, in the forward.
 Runs last, on the finished per-rank program.
 """
 
@@ -25,6 +32,7 @@ import operator
 
 import torch.fx
 
+from autopar.capture.aliasing import storage_root, written_args
 from autopar.passes.context import PassContext, block_owners
 from autopar.solver.memory import in_block
 
@@ -40,10 +48,13 @@ def checkpoint_blocks(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Gra
     for block in memory.checkpoint_blocks:
         _make_contiguous(gm.graph, owner, block)
     seen: dict[str, int] = {}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # before any region is outlined
+    writes = _write_positions(gm.graph, order)
     for block, nodes in _regions(gm.graph, owner):
         name = REGION_PREFIX + block.replace(".", "_")
         seen[block] = seen.get(block, -1) + 1
-        _outline(gm, name + (f"_{seen[block]}" if seen[block] else ""), nodes, memory.checkpoint)
+        mutated = _mutated(nodes, order, writes)
+        _outline(gm, name + (f"_{seen[block]}" if seen[block] else ""), nodes, memory.checkpoint, mutated)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -97,10 +108,38 @@ def _regions(graph: torch.fx.Graph, owner: dict[torch.fx.Node, str]) -> list[tup
     return runs
 
 
-def _outline(gm: torch.fx.GraphModule, name: str, nodes: list[torch.fx.Node], policy: str) -> None:
-    """Replace ``nodes`` by one ``self.recompute`` call of a submodule running them."""
+def _write_positions(graph: torch.fx.Graph, order: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, int]:
+    """Storage root -> graph position of the last node writing into it in place."""
+    writes: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        for target in written_args(node):
+            writes[storage_root(target)] = order[node]
+    return writes
+
+
+def _region_inputs(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
     inside = set(nodes)
-    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    return list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+
+
+def _mutated(nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int], writes: dict[torch.fx.Node, int]
+             ) -> tuple[int, ...]:
+    """Positions of the region's inputs whose values may change before its recompute: written
+    in place by the region or after it, or program inputs written anywhere (state that a
+    later micro-batch's forward updates before this one's backward)."""
+    start = order[nodes[0]]
+
+    def changes(root: torch.fx.Node) -> bool:
+        return root in writes and (root.op == "placeholder" or writes[root] >= start)
+    return tuple(i for i, a in enumerate(_region_inputs(nodes)) if changes(storage_root(a)))
+
+
+def _outline(gm: torch.fx.GraphModule, name: str, nodes: list[torch.fx.Node], policy: str,
+             mutated: tuple[int, ...] = ()) -> None:
+    """Replace ``nodes`` by one ``self.recompute`` call of a submodule running them;
+    ``mutated``: positions of its inputs that may change before the recompute (``_mutated``)."""
+    inside = set(nodes)
+    inputs = _region_inputs(nodes)
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     sub = torch.fx.Graph()
     env = {a: sub.placeholder(a.name) for a in inputs}
@@ -111,7 +150,7 @@ def _outline(gm: torch.fx.GraphModule, name: str, nodes: list[torch.fx.Node], po
     graph = gm.graph
     with graph.inserting_before(nodes[0]):
         region = graph.get_attr(name)
-        call = graph.call_module("recompute", (region, policy, *inputs))
+        call = graph.call_module("recompute", (region, policy, *inputs), {"mutated": mutated} if mutated else {})
         for i, node in enumerate(outputs):
             got = graph.call_function(operator.getitem, (call, i))
             got.meta["val"] = node.meta.get("val")

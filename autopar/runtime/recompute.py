@@ -10,7 +10,11 @@ and attention) and recomputes the rest. The recompute must reproduce the forward
   entry and leaves it where it found it;
 - early stop is off, so a recompute runs the whole region, every forward collective in it
   included, on every rank alike (a rank stopping early would skip collectives its peers run);
-- those collectives are logged as phase "recompute" (``Comm.recomputing``).
+- those collectives are logged as phase "recompute" (``Comm.recomputing``);
+- inputs the call names ``mutated`` (state the region writes in place, as batch norm's running
+  statistics and ``num_batches_tracked``, or that changes before backward) are not checkpoint's
+  inputs, whose versions it checks: the forward updates the real tensors, once, and each
+  recompute runs on a fresh copy of the values the forward found, which it may write freely.
 
 A zero-bubble pipeline schedule (``replays``) runs a stage's backward as two calls, input
 gradients then weight gradients (``torch.distributed.pipelining._backward``), and torch's
@@ -69,31 +73,48 @@ class _Replayable:
 
 
 class _RegionRun:
-    """The function checkpoint calls: first the forward, then each recompute, which starts
-    from the generator state the forward started from."""
+    """The function checkpoint calls, with the region's inputs but the mutated ones: first
+    the forward, on the real mutated tensors, then each recompute, on copies of them as the
+    forward found them, from the generator state the forward started from."""
 
-    def __init__(self, region: nn.Module, comm: Comm, generator: torch.Generator) -> None:
+    def __init__(self, region: nn.Module, comm: Comm, generator: torch.Generator,
+                 mutated: dict[int, torch.Tensor]) -> None:
         self.region, self.comm, self.generator = region, comm, generator
         self.entry = generator.get_state()
+        self.mutated = mutated
+        self.found: dict[int, tuple[torch.Tensor, bool]] = {}
         self.ran = False
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *kept: Any) -> Any:
         if not self.ran:
             self.ran = True
-            return self.region(*inputs)
+            # copied here, not before: the forward runs one clone per mutated input as each
+            # recompute does, so selective checkpointing sees the same ops in both
+            self.found = {i: (t.detach().clone(), t.requires_grad) for i, t in self.mutated.items()}
+            return self.region(*_merged(kept, self.mutated))
+        # a copy per recompute (a split backward recomputes twice), needing grad where the
+        # forward's did, so that autograd saves what it saved in the forward
+        copies = {i: value.clone().requires_grad_(grad) for i, (value, grad) in self.found.items()}
         after = self.generator.get_state()  # where later draws (forward or backward) left it
         self.generator.set_state(self.entry)
         try:
             with self.comm.recomputing():
-                return self.region(*inputs)
+                return self.region(*_merged(kept, copies))
         finally:
             self.generator.set_state(after)
+
+
+def _merged(kept: tuple[Any, ...], mutated: dict[int, torch.Tensor]) -> list[Any]:
+    """The region's inputs in order: ``mutated`` at their positions, ``kept`` around them."""
+    rest = iter(kept)
+    return [mutated[i] if i in mutated else next(rest) for i in range(len(kept) + len(mutated))]
 
 
 class Recompute(nn.Module):
     """Runs a region under activation checkpointing with policy 'full' or 'selective'
     ('none', or grad disabled: just runs it). ``replays``: backward may recompute a region
-    more than once (module docstring)."""
+    more than once; ``mutated``: positions of inputs that change before the recompute
+    (module docstring)."""
 
     def __init__(self, comm: Comm, generator: torch.Generator, replays: bool = False) -> None:
         super().__init__()
@@ -101,7 +122,7 @@ class Recompute(nn.Module):
         self.generator = generator
         self.replays = replays
 
-    def forward(self, region: nn.Module, policy: str, *inputs: Any) -> Any:
+    def forward(self, region: nn.Module, policy: str, *inputs: Any, mutated: tuple[int, ...] = ()) -> Any:
         if policy == "none" or not torch.is_grad_enabled():
             return region(*inputs)
         if policy not in ("full", "selective"):
@@ -109,6 +130,7 @@ class Recompute(nn.Module):
         context_fn = noop_context_fn
         if policy == "selective":
             context_fn = _replayable_selective_contexts if self.replays else _selective_contexts
+        run = _RegionRun(region, self.comm, self.generator, {i: inputs[i] for i in mutated})
+        kept = [x for i, x in enumerate(inputs) if i not in run.mutated]
         with set_checkpoint_early_stop(False):
-            return checkpoint(_RegionRun(region, self.comm, self.generator), *inputs, use_reentrant=False,
-                              context_fn=context_fn)
+            return checkpoint(run, *kept, use_reentrant=False, context_fn=context_fn)
