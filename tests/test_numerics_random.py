@@ -1,13 +1,15 @@
 """Training-mode dropout (p = 0.1, on the residual stream and the attention probabilities)
-trains to the single-device numbers when the single device draws from a generator seeded
-as the compiled module's: loss, every gradient, every parameter after 3 AdamW steps, on
-dp, pinned tp, tp with sequence parallelism and free dp x tp plans; replicas stay
-bit-identical and the collectives run are those planned. The runtime's random op is also
-checked on its own: the ranks' slices of every supported op, put together, are the
-single-device op's output bit for bit."""
+trains to the single-device numbers when the single device draws from the stream the
+compiled module draws from (the counter stream by default: ``autopar.random.stream(seed)``;
+with ``random_stream='torch'`` the default generator seeded alike): loss, every gradient,
+every parameter after 3 AdamW steps, on dp, pinned tp, tp with sequence parallelism and free
+dp x tp plans; replicas stay bit-identical and the collectives run are those planned. The
+runtime's random op is also checked on its own, for both streams: the ranks' slices of every
+supported op, put together, are the single-device op's output bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from autopar.rules.redistribute import redistribute_steps
 from autopar.rules.strategy import R, OpCall, Strategy, parse_placements
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.random import RandomOps
+from autopar.runtime.stream import CounterStream
 from examples import gpt, hf_models
 from sharding_sim import assemble, distribute
 from test_redistribute import run_steps
@@ -62,15 +65,19 @@ class Case:
     generators differently, so this is the case that failed before the RNG discipline)."""
     sharded: tuple[str, ...] = ()
     """Random ops (op, placements) the plan must run split, so slicing is exercised."""
+    stream: str = "counter"
+    """compile's random_stream=."""
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}" + ("-default-seed" if self.seed is None else "")
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}" + ("-default-seed" if self.seed is None else "") \
+            + ("" if self.stream == "counter" else f"-{self.stream}")
 
     def compile_kwargs(self) -> dict[str, Any]:
+        stream = {"random_stream": self.stream}
         if self.plan in ("tp", "tp_sp"):
-            return {"constraints": gpt.TP_SP_PLAN if self.plan == "tp_sp" else gpt.TP_PLAN}
-        return {"data_axes": ("dp",)} if self.plan == "dp" else {}
+            return {"constraints": gpt.TP_SP_PLAN if self.plan == "tp_sp" else gpt.TP_PLAN, **stream}
+        return {"data_axes": ("dp",), **stream} if self.plan == "dp" else stream
 
 
 DROPOUT, SDPA = "aten.dropout.default", "aten.scaled_dot_product_attention.default"
@@ -82,6 +89,7 @@ CASES = [
     Case("gpt", (2, 2), ("dp", "tp"), "free"),
     Case("hf_gpt2", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)", f"{SDPA} S(0)")),
     Case("hf_gpt2", (2, 2), ("dp", "tp"), "free"),
+    Case("gpt", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)",), stream="torch"),
 ]
 
 
@@ -99,7 +107,8 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 def test_dropout_step_matches_single_device(case: Case) -> None:
     # With seed=None the module takes rank 0's initial seed: 1000 (see train_on_rank); the
     # single device draws from the state the compiled module starts in.
-    ref = reference(MODELS[case.model], seed=SEED if case.seed is not None else 1000)
+    ref = reference(MODELS[case.model], seed=SEED if case.seed is not None else 1000,
+                    torch_generator=case.stream == "torch")
     results = run_ranks(train_on_rank, len(list(itertools.product(*map(range, case.mesh)))), case, ref)
     check(results, ref)
     assert all(r["losses"] == results[0]["losses"] for r in results), "ranks return different losses"
@@ -134,11 +143,26 @@ OPS: list[tuple[str, Any, tuple[Any, ...], tuple[str, ...]]] = [
 ]
 
 
-@pytest.mark.parametrize("name,op,args,layouts", OPS, ids=[o[0] for o in OPS])
-def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, ...], layouts: tuple[str, ...]) -> None:
+def _single_device(stream: str, op: Any, args: tuple[Any, ...]) -> torch.Tensor:
+    """``op`` on one device drawing from ``stream`` seeded SEED (its first output)."""
     torch.manual_seed(SEED)
-    ref = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    ref = ref[0] if isinstance(ref, tuple) else ref
+    with autopar.random.stream(SEED) if stream == "counter" else contextlib.nullcontext():
+        ref = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    return ref[0] if isinstance(ref, tuple) else ref
+
+
+def _stream(stream: str) -> CounterStream | torch.Generator:
+    return CounterStream(SEED) if stream == "counter" else torch.Generator().manual_seed(SEED)
+
+
+STREAMS = ("counter", "torch")
+
+
+@pytest.mark.parametrize("stream", STREAMS)
+@pytest.mark.parametrize("name,op,args,layouts", OPS, ids=[o[0] for o in OPS])
+def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, ...], layouts: tuple[str, ...],
+                                          stream: str) -> None:
+    ref = _single_device(stream, op, args)
     gen = torch.Generator()
     for placements in layouts:
         pl = parse_placements(placements)
@@ -149,7 +173,7 @@ def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, .
                 pieces[i] = distribute(a, pl, mesh, gen)
         outs = {}
         for coord in itertools.product(*map(range, mesh)):
-            ops = RandomOps(mesh, coord, torch.Generator().manual_seed(SEED))
+            ops = RandomOps(mesh, coord, _stream(stream))
             out = ops(str(op), placements, tuple(ref.shape),
                       *[pieces[i][coord].clone() if i in pieces else a for i, a in enumerate(args)])
             outs[coord] = out[0] if isinstance(out, tuple) else out
@@ -159,12 +183,11 @@ def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, .
 @pytest.mark.parametrize("op,args", [(aten.native_dropout.default, (X, 0.3, True)),
                                      (aten.bernoulli.default, (X.sigmoid(),))], ids=["dropout", "bernoulli_probs"])
 @pytest.mark.parametrize("placements", ["S(2)", "S(0)S(2)", "S(2)S(2)", "S(2/2)"])
-def test_random_op_slices_a_zigzag_piece(op: Any, args: tuple[Any, ...], placements: str) -> None:
+@pytest.mark.parametrize("stream", STREAMS)
+def test_random_op_slices_a_zigzag_piece(op: Any, args: tuple[Any, ...], placements: str, stream: str) -> None:
     """On a zig-zag mesh dim (the last) each rank keeps the zig-zag piece of the global draw
     that a reshard from Replicate hands it (``run_steps`` as in test_redistribute)."""
-    torch.manual_seed(SEED)
-    ref = op(*args)
-    ref = ref[0] if isinstance(ref, tuple) else ref
+    ref = _single_device(stream, op, args)
     pl = parse_placements(placements)
     mesh, zigzag = (2,) * len(pl), frozenset({len(pl) - 1})
     coords = list(itertools.product(*map(range, mesh)))
@@ -172,17 +195,18 @@ def test_random_op_slices_a_zigzag_piece(op: Any, args: tuple[Any, ...], placeme
     expected = run_steps({c: ref for c in coords}, steps, mesh, zigzag)
     given = run_steps({c: args[0] for c in coords}, steps, mesh, zigzag)
     for coord in coords:
-        ops = RandomOps(mesh, coord, torch.Generator().manual_seed(SEED), zigzag)
+        ops = RandomOps(mesh, coord, _stream(stream), zigzag)
         out = ops(str(op), placements, tuple(ref.shape), given[coord].clone(), *args[1:])
         out = out[0] if isinstance(out, tuple) else out
         assert torch.equal(out, expected[coord]), f"{placements} at {coord}"
 
 
-def test_replicated_draw_keeps_generators_in_lockstep() -> None:
+@pytest.mark.parametrize("stream", STREAMS)
+def test_replicated_draw_keeps_generators_in_lockstep(stream: str) -> None:
     """Ranks holding different pieces advance their generators alike: the next draw agrees."""
     states = []
     for coord in ((0,), (1,)):
-        ops = RandomOps((2,), coord, torch.Generator().manual_seed(SEED))
+        ops = RandomOps((2,), coord, _stream(stream))
         ops("aten.dropout.default", "S(0)", tuple(X.shape), X.chunk(2)[coord[0]].clone(), 0.5, True)
         states.append(ops.generator.get_state())
     assert torch.equal(states[0], states[1])
