@@ -64,10 +64,10 @@ class stream:  # noqa: N801 - used as a context manager, like torch.no_grad
         self.counter = CounterStream(seed)
         self._modes: list[Any] = []
 
-    def get_state(self) -> torch.Tensor:
+    def get_state(self) -> tuple[int, int]:
         return self.counter.get_state()
 
-    def set_state(self, state: torch.Tensor) -> None:
+    def set_state(self, state: tuple[int, int]) -> None:
         self.counter.set_state(state)
 
     def __enter__(self) -> stream:

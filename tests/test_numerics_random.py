@@ -21,13 +21,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.capture.graph import TensorMeta
-from autopar.cost.compute import roofline_time
+from autopar.cost.draws import SAMPLER_OPS
 from autopar.cost.model import CostContext, op_cost
 from autopar.cost.precision import PRECISIONS
 from autopar.mesh import Mesh
 from autopar.rules.redistribute import redistribute_steps
 from autopar.rules.strategy import R, OpCall, Strategy, parse_placements
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.philox import OPS_PER_ROUND, ROUNDS
 from autopar.runtime.random import RandomOps
 from autopar.runtime.stream import CounterStream
 from examples import gpt, hf_models
@@ -212,21 +213,42 @@ def test_replicated_draw_keeps_generators_in_lockstep(stream: str) -> None:
     assert torch.equal(states[0], states[1])
 
 
-def test_draw_is_priced_at_global_elements() -> None:
-    """Every rank draws all of dropout's elements: the draw's price does not shrink with the split."""
-    mesh = Mesh({"tp": 4}, hardware="h100")
-    precision = PRECISIONS["fp32"]
-    ctx = CostContext(mesh=mesh, precision=precision, train=True)
-    x = TensorMeta((8, 64, 128), torch.float32)
-    split = Strategy(((parse_placements("S(0)")),), (parse_placements("S(0)"),))
+def _dropout_price(ways: int, global_draws: bool, shape: tuple[int, ...] = (8, 64, 128), dim: int = 0) -> float:
+    """Seconds dropout's draw adds on one rank of a ``ways``-way split along ``dim``."""
+    mesh = Mesh({"tp": ways}, hardware="h100")
+    ctx = CostContext(mesh=mesh, precision=PRECISIONS["fp32"], train=True, global_draws=global_draws)
+    x = TensorMeta(shape, torch.float32)
+    split = Strategy(((parse_placements(f"S({dim})")),), (parse_placements(f"S({dim})"),))
     drawing = op_cost(OpCall(aten.dropout.default, (x, 0.1, True), {}, (x,)), split, ctx).time
-    plain = op_cost(OpCall(aten.dropout.default, (x, 0.0, True), {}, (x,)), split, ctx).time
+    return drawing - op_cost(OpCall(aten.dropout.default, (x, 0.0, True), {}, (x,)), split, ctx).time
+
+
+def test_torch_stream_draw_is_priced_at_global_elements() -> None:
+    """random_stream='torch': every rank draws all of dropout's elements, however it is split."""
+    mesh = Mesh({"tp": 4}, hardware="h100")
     hw = mesh.hardware
     n = 8 * 64 * 128
     by_hand = max(n / (hw.peak_flops_fp32 * hw.compute_efficiency),  # one op per global element
                   2 * 4 * n / (hw.memory_bandwidth * hw.memory_efficiency))  # written, read back: fp32
-    assert drawing - plain == pytest.approx(by_hand, rel=1e-9)
-    assert by_hand == pytest.approx(roofline_time(n, 8.0 * n, mesh, precision))
+    assert _dropout_price(4, True) == pytest.approx(by_hand, rel=1e-9)
+    assert _dropout_price(1, True) == pytest.approx(_dropout_price(4, True), rel=1e-9)
+
+
+def test_counter_stream_draw_is_priced_at_local_elements() -> None:
+    """The counter stream: a rank's draw is its own elements' Philox rounds and passes, so the
+    work shrinks with the split (down to the launches of its eager ops), and it costs 4x the
+    rounds where the split cuts the last dim (one counter per element, not per 4)."""
+    big = (64, 512, 1024)
+    launches = ROUNDS * OPS_PER_ROUND + 2 * 3 + SAMPLER_OPS + 2
+    hw = Mesh({"tp": 1}, hardware="h100").hardware
+    one, four = _dropout_price(1, False, big), _dropout_price(4, False, big)
+    assert four == pytest.approx(one / 4, rel=1e-6)
+    assert one > launches * hw.op_overhead  # bound by its passes at this size, not its launches
+    counters = 64 * 512 * 1024 / 4
+    passes = counters * (ROUNDS * OPS_PER_ROUND + 3) * 16
+    assert one > passes / (hw.memory_bandwidth * hw.memory_efficiency)
+    assert _dropout_price(4, False, big, dim=2) > 3 * four
+    assert _dropout_price(8, False) == pytest.approx(launches * hw.op_overhead)  # tiny: the launches
 
 
 def _compile_with_rank_seed(rank: int, world: int) -> str:

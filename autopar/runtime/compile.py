@@ -193,7 +193,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
                    memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
                    solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
-                   offload=offload, state_placements=state_placements, _masters=compute_dtype is not None)
+                   offload=offload, state_placements=state_placements, random_stream=random_stream,
+                   _masters=compute_dtype is not None)
     step, pipeline = _planned(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, micro_batches,
                               options)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
@@ -295,8 +296,8 @@ def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, exampl
 
     def search() -> tuple[int, str, int, int] | None:
         precision, compute_dtype, planned_model = _planning_model(model, arguments["precision"], planning_mesh)
-        options = {k: v for k, v in arguments.items() if k not in ("init_fn", "init_seed", "seed", "random_stream",
-                                                                  "hardware", "_shared_state", "replica_axis")}
+        options = {k: v for k, v in arguments.items() if k not in ("init_fn", "init_seed", "seed", "hardware",
+                                                                  "_shared_state", "replica_axis")}
         chosen = plan_step(planned_model, planning_mesh, example_inputs, pipeline=pipeline,
                            **{**options, "precision": precision, "_masters": compute_dtype is not None}).plan.pipeline
         return None if chosen is None else (chosen.size, chosen.schedule, chosen.micro_batches, chosen.virtual_stages)

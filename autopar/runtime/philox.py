@@ -24,7 +24,7 @@ LANES = 4
 """Words one counter gives: elements that share a counter (``i // LANES``) are drawn together."""
 OPS_PER_ROUND = 12
 """Elementwise torch ops in one round (two multiplies, two shifts, six xors/ands, two masks):
-what a counter costs, ``ROUNDS`` times, in ``autopar.cost.compute.random_draw_time``."""
+what a counter costs, ``ROUNDS`` times, in ``autopar.cost.draws``."""
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

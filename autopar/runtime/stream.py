@@ -67,13 +67,14 @@ class CounterStream:
         self.draws = 0
         self.device = torch.device(device)
 
-    def get_state(self) -> torch.Tensor:
-        """(seed, draws) as an int64 tensor: ``set_state`` it to replay from here."""
-        return torch.tensor([self.seed - (1 << 64) if self.seed >= 1 << 63 else self.seed, self.draws])
+    def get_state(self) -> tuple[int, int]:
+        """(seed, draws): ``set_state`` it to replay from here. Plain ints, no tensor: taken
+        inside checkpointed regions, where a tensor made would be an op of the region."""
+        return self.seed, self.draws
 
-    def set_state(self, state: torch.Tensor) -> None:
-        seed, draws = (int(v) for v in state.tolist())
-        self.seed, self.draws = seed & 0xFFFFFFFFFFFFFFFF, draws
+    def set_state(self, state: tuple[int, int]) -> None:
+        seed, draws = state
+        self.seed, self.draws = int(seed) & 0xFFFFFFFFFFFFFFFF, int(draws)
 
     def take(self, layout: Layout, device: torch.device) -> Words:
         """The next draw's words for ``layout``'s elements (``samplers.Words``)."""
