@@ -68,14 +68,18 @@ class Case:
     """Random ops (op, placements) the plan must run split, so slicing is exercised."""
     stream: str = "counter"
     """compile's random_stream=."""
+    zero: int | None = None
+    """ZeRO stage pinned on dp."""
 
     @property
     def id(self) -> str:
         return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}" + ("-default-seed" if self.seed is None else "") \
-            + ("" if self.stream == "counter" else f"-{self.stream}")
+            + ("" if self.stream == "counter" else f"-{self.stream}") + ("" if self.zero is None else f"-zero{self.zero}")
 
     def compile_kwargs(self) -> dict[str, Any]:
-        stream = {"random_stream": self.stream}
+        stream: dict[str, Any] = {"random_stream": self.stream}
+        if self.zero is not None:
+            stream["zero"] = {"dp": self.zero}
         if self.plan in ("tp", "tp_sp"):
             return {"constraints": gpt.TP_SP_PLAN if self.plan == "tp_sp" else gpt.TP_PLAN, **stream}
         return {"data_axes": ("dp",), **stream} if self.plan == "dp" else stream
@@ -91,6 +95,7 @@ CASES = [
     Case("hf_gpt2", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)", f"{SDPA} S(0)")),
     Case("hf_gpt2", (2, 2), ("dp", "tp"), "free"),
     Case("gpt", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)",), stream="torch"),
+    Case("gpt", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)", f"{SDPA} S(0)"), zero=3),
 ]
 
 
@@ -117,6 +122,28 @@ def test_dropout_step_matches_single_device(case: Case) -> None:
     assert randoms, "the step draws nothing: dropout was not captured in training mode"
     for wanted in case.sharded:
         assert wanted in randoms, (wanted, randoms)
+
+
+def _loss_on_two_meshes(rank: int, world: int) -> list[float]:
+    losses = []
+    for shape, names, kwargs in (((4,), ("dp",), {"data_axes": ("dp",)}),
+                                 ((2, 2), ("dp", "tp"), {"constraints": gpt.TP_SP_PLAN})):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model, inputs, loss_fn, targets = _gpt()
+        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, seed=SEED, **kwargs)
+        losses.append(pm(*inputs, *targets).full_tensor().item())
+    return losses
+
+
+def test_same_step_on_two_meshes_draws_the_same_masks() -> None:
+    """dp=4 and dp=2 x tp=2 with sequence parallelism split dropout differently; the counter
+    stream draws the same masks, so the loss is the one-device loss under the stream on both."""
+    model, inputs, loss_fn, targets = _gpt()
+    with autopar.random.stream(SEED):
+        want = loss_fn(model(*inputs), *targets).item()
+    results = run_ranks(_loss_on_two_meshes, 4)
+    for dp4, dp2tp2 in results:
+        assert dp4 == pytest.approx(want, rel=1e-5) and dp2tp2 == pytest.approx(want, rel=1e-5), (dp4, dp2tp2, want)
 
 
 # The runtime op alone: every rank's slice, put together (by DTensor's own split, in
