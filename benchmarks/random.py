@@ -15,7 +15,7 @@ sequences, compiled data-parallel on 4 forked gloo ranks, median seconds of a tr
 (forward, backward, AdamW) over ``--steps`` steps after one warm-up, for each stream and
 without dropout. On a shared machine the medians are noisy: run it idle.
 
-Results (``benchmarks/results/random.json``, a loaded 2-core machine): predicted, GPT-2 8 / 64
+Results (a loaded 2-core machine, 22:00 UTC 2026-12-04): predicted, GPT-2 8 / 64
 devices: no dropout 211.8 / 211.7 ms, counter 482.8 / 482.7 ms, torch 244.4 / 472.6 ms; BERT
 78.9 / 78.7, counter 171.4 / 171.2, torch 88.0 / 151.4 ms. The counter stream's draw is the
 same per device at any device count (its own elements), the torch stream's grows with the
