@@ -5,6 +5,7 @@ cheapest placement of one training step on that mesh. ``Cluster``, ``Workload`` 
 describe a serving deployment's inputs; ``autopar.plan_serving`` plans one (``autopar.serving``).
 """
 
+from autopar import random
 from autopar.api import plan
 from autopar.capture import CaptureError
 from autopar.errors import InputError, InputTypeError
@@ -19,4 +20,4 @@ from autopar.solver.plan import Plan
 
 __all__ = ["plan", "compile", "compile_serving", "ServingModule", "Mesh", "Pipeline", "Plan", "ParallelModule",
            "InputError", "InputTypeError", "CaptureError", "CompileError", "MemoryLimitError", "SolverTimeLimitError",
-           "Cluster", "Workload", "SLO", "plan_serving", "ServingPlan"]
+           "Cluster", "Workload", "SLO", "plan_serving", "ServingPlan", "random"]

@@ -194,7 +194,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
                  solver_time_limit_s: float = 120.0, zero: dict[str, int] | None = None,
                  checkpoint: str | None = None, offload: bool | None = None, micro_batches: int | None = None,
                  checkpoint_blocks: int | None = None, regather_blocks: int | None = None,
-                 state_placements: dict[str, tuple[Any, ...]] | None = None,
+                 state_placements: dict[str, tuple[Any, ...]] | None = None, random_stream: str = "counter",
                  _capture_micro_batches: int | None = None, _masters: bool = False, _pipeline_ranks: int | None = None,
                  _stage_cutoff_s: float = math.inf, _try_first: Scenario | None = None,
                  _zigzag: tuple[str, ...] | None = None, _symbolic_batch: bool = False) -> PreparedStep:
@@ -218,7 +218,10 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
     ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
     runs on a split sequence: "ring" or "allgather" (``solver.context_kind``). ``state_placements`` (FQN ->
-    placements) pins parameters and buffers as another step's plan, to share them (``compile_serving``)."""
+    placements) pins parameters and buffers as another step's plan, to share them (``compile_serving``).
+    ``random_stream``: how random ops draw, priced so (``compile``'s: 'counter' or 'torch', ``cost.draws``)."""
+    if random_stream not in ("counter", "torch"):
+        raise InputError(f"random_stream={random_stream!r}: pass 'counter' or 'torch'")
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
     if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
         layout = context_layout or ("contiguous" if context_attention == "ulysses" else None)  # no rows to balance
@@ -238,7 +241,8 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     example_inputs, example_kwargs, example_targets = _micro_batch_examples(
         (example_inputs, example_kwargs, example_targets), whole_batch, m, train)
     ctx = CostContext(mesh=mesh, precision=_precision(model, mesh, precision, _masters), train=train,
-                      inputs_whole=not input_sharded, bucket_bytes=bucket_bytes, micro_batches=m)
+                      inputs_whole=not input_sharded, bucket_bytes=bucket_bytes, micro_batches=m,
+                      global_draws=random_stream == "torch")
     timings: dict[str, float] = {}
     with _stage("capture", timings, progress):
         captured = capture(model, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs,

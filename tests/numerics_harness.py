@@ -7,6 +7,7 @@ fp32 to rtol 1e-4 / atol 1e-5 (bf16 looser, see ``TOLERANCE``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections import Counter
@@ -59,15 +60,18 @@ class Reference:
         return TOLERANCE[floats[0].dtype] if floats else TOLERANCE[torch.float32]
 
 
-def reference(build: Callable[[], Any], steps: int = STEPS, seed: int | None = None) -> Reference:
+def reference(build: Callable[[], Any], steps: int = STEPS, seed: int | None = None,
+              torch_generator: bool = False) -> Reference:
     """``build() -> (model, inputs, loss_fn, targets[, kwargs])`` run ``steps`` AdamW steps on one
-    device (random ops drawing from the default generator seeded ``seed``, when given); with
+    device (random ops drawing from the stream compiled modules draw from by default,
+    ``autopar.random.stream(seed)``, when ``seed`` is given; with ``torch_generator``, from
+    the default generator seeded ``seed``: ``compile(random_stream='torch')``'s); with
     ``loss_fn=None`` the model's output is the loss, or has it as ``.loss`` (a HF model given labels)."""
-    return reference_accumulated(build, 1, steps, seed)
+    return reference_accumulated(build, 1, steps, seed, torch_generator)
 
 
 def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: int = STEPS,
-                          seed: int | None = None) -> Reference:
+                          seed: int | None = None, torch_generator: bool = False) -> Reference:
     """``reference`` as single-device gradient accumulation: each step runs the batch as
     ``micro_batches`` consecutive blocks of rows, each loss weighted 1/m (a mean over a fixed
     number of elements per micro-batch), random ops drawing micro-batch after micro-batch."""
@@ -77,14 +81,16 @@ def reference_accumulated(build: Callable[[], Any], micro_batches: int, steps: i
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     if seed is not None:
         torch.manual_seed(seed)
+    draws = autopar.random.stream(seed) if seed is not None and not torch_generator else contextlib.nullcontext()
     pieces = [(inputs, targets)] if micro_batches == 1 else list(zip(
         zip(*(i.chunk(micro_batches) for i in inputs)), zip(*(t.chunk(micro_batches) for t in targets))))
     losses, grads = [], {}
     for step in range(steps):
         total = 0.0
         for x, t in pieces:
-            out = model(*x, **kwargs)
-            loss = loss_fn(out, *t) if loss_fn is not None else getattr(out, "loss", out)  # HF: its own loss
+            with draws:
+                out = model(*x, **kwargs)
+                loss = loss_fn(out, *t) if loss_fn is not None else getattr(out, "loss", out)  # HF: its own loss
             loss = loss / micro_batches if micro_batches > 1 else loss
             loss.backward()
             total += loss.item()

@@ -1,13 +1,15 @@
 """Training-mode dropout (p = 0.1, on the residual stream and the attention probabilities)
-trains to the single-device numbers when the single device draws from a generator seeded
-as the compiled module's: loss, every gradient, every parameter after 3 AdamW steps, on
-dp, pinned tp, tp with sequence parallelism and free dp x tp plans; replicas stay
-bit-identical and the collectives run are those planned. The runtime's random op is also
-checked on its own: the ranks' slices of every supported op, put together, are the
-single-device op's output bit for bit."""
+trains to the single-device numbers when the single device draws from the stream the
+compiled module draws from (the counter stream by default: ``autopar.random.stream(seed)``;
+with ``random_stream='torch'`` the default generator seeded alike): loss, every gradient,
+every parameter after 3 AdamW steps, on dp, pinned tp, tp with sequence parallelism and free
+dp x tp plans; replicas stay bit-identical and the collectives run are those planned. The
+runtime's random op is also checked on its own, for both streams: the ranks' slices of every
+supported op, put together, are the single-device op's output bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,14 +21,16 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.capture.graph import TensorMeta
-from autopar.cost.compute import roofline_time
+from autopar.cost.draws import SAMPLER_OPS
 from autopar.cost.model import CostContext, op_cost
 from autopar.cost.precision import PRECISIONS
 from autopar.mesh import Mesh
 from autopar.rules.redistribute import redistribute_steps
 from autopar.rules.strategy import R, OpCall, Strategy, parse_placements
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.philox import OPS_PER_ROUND, ROUNDS
 from autopar.runtime.random import RandomOps
+from autopar.runtime.stream import CounterStream
 from examples import gpt, hf_models
 from sharding_sim import assemble, distribute
 from test_redistribute import run_steps
@@ -62,15 +66,23 @@ class Case:
     generators differently, so this is the case that failed before the RNG discipline)."""
     sharded: tuple[str, ...] = ()
     """Random ops (op, placements) the plan must run split, so slicing is exercised."""
+    stream: str = "counter"
+    """compile's random_stream=."""
+    zero: int | None = None
+    """ZeRO stage pinned on dp."""
 
     @property
     def id(self) -> str:
-        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}" + ("-default-seed" if self.seed is None else "")
+        return f"{self.model}-{'x'.join(map(str, self.mesh))}-{self.plan}" + ("-default-seed" if self.seed is None else "") \
+            + ("" if self.stream == "counter" else f"-{self.stream}") + ("" if self.zero is None else f"-zero{self.zero}")
 
     def compile_kwargs(self) -> dict[str, Any]:
+        stream: dict[str, Any] = {"random_stream": self.stream}
+        if self.zero is not None:
+            stream["zero"] = {"dp": self.zero}
         if self.plan in ("tp", "tp_sp"):
-            return {"constraints": gpt.TP_SP_PLAN if self.plan == "tp_sp" else gpt.TP_PLAN}
-        return {"data_axes": ("dp",)} if self.plan == "dp" else {}
+            return {"constraints": gpt.TP_SP_PLAN if self.plan == "tp_sp" else gpt.TP_PLAN, **stream}
+        return {"data_axes": ("dp",), **stream} if self.plan == "dp" else stream
 
 
 DROPOUT, SDPA = "aten.dropout.default", "aten.scaled_dot_product_attention.default"
@@ -82,6 +94,8 @@ CASES = [
     Case("gpt", (2, 2), ("dp", "tp"), "free"),
     Case("hf_gpt2", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)", f"{SDPA} S(0)")),
     Case("hf_gpt2", (2, 2), ("dp", "tp"), "free"),
+    Case("gpt", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)",), stream="torch"),
+    Case("gpt", (2,), ("dp",), "dp", sharded=(f"{DROPOUT} S(0)", f"{SDPA} S(0)"), zero=3),
 ]
 
 
@@ -99,7 +113,8 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
 def test_dropout_step_matches_single_device(case: Case) -> None:
     # With seed=None the module takes rank 0's initial seed: 1000 (see train_on_rank); the
     # single device draws from the state the compiled module starts in.
-    ref = reference(MODELS[case.model], seed=SEED if case.seed is not None else 1000)
+    ref = reference(MODELS[case.model], seed=SEED if case.seed is not None else 1000,
+                    torch_generator=case.stream == "torch")
     results = run_ranks(train_on_rank, len(list(itertools.product(*map(range, case.mesh)))), case, ref)
     check(results, ref)
     assert all(r["losses"] == results[0]["losses"] for r in results), "ranks return different losses"
@@ -107,6 +122,28 @@ def test_dropout_step_matches_single_device(case: Case) -> None:
     assert randoms, "the step draws nothing: dropout was not captured in training mode"
     for wanted in case.sharded:
         assert wanted in randoms, (wanted, randoms)
+
+
+def _loss_on_two_meshes(rank: int, world: int) -> list[float]:
+    losses = []
+    for shape, names, kwargs in (((4,), ("dp",), {"data_axes": ("dp",)}),
+                                 ((2, 2), ("dp", "tp"), {"constraints": gpt.TP_SP_PLAN})):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model, inputs, loss_fn, targets = _gpt()
+        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, seed=SEED, **kwargs)
+        losses.append(pm(*inputs, *targets).full_tensor().item())
+    return losses
+
+
+def test_same_step_on_two_meshes_draws_the_same_masks() -> None:
+    """dp=4 and dp=2 x tp=2 with sequence parallelism split dropout differently; the counter
+    stream draws the same masks, so the loss is the one-device loss under the stream on both."""
+    model, inputs, loss_fn, targets = _gpt()
+    with autopar.random.stream(SEED):
+        want = loss_fn(model(*inputs), *targets).item()
+    results = run_ranks(_loss_on_two_meshes, 4)
+    for dp4, dp2tp2 in results:
+        assert dp4 == pytest.approx(want, rel=1e-5) and dp2tp2 == pytest.approx(want, rel=1e-5), (dp4, dp2tp2, want)
 
 
 # The runtime op alone: every rank's slice, put together (by DTensor's own split, in
@@ -134,11 +171,26 @@ OPS: list[tuple[str, Any, tuple[Any, ...], tuple[str, ...]]] = [
 ]
 
 
-@pytest.mark.parametrize("name,op,args,layouts", OPS, ids=[o[0] for o in OPS])
-def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, ...], layouts: tuple[str, ...]) -> None:
+def _single_device(stream: str, op: Any, args: tuple[Any, ...]) -> torch.Tensor:
+    """``op`` on one device drawing from ``stream`` seeded SEED (its first output)."""
     torch.manual_seed(SEED)
-    ref = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    ref = ref[0] if isinstance(ref, tuple) else ref
+    with autopar.random.stream(SEED) if stream == "counter" else contextlib.nullcontext():
+        ref = op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    return ref[0] if isinstance(ref, tuple) else ref
+
+
+def _stream(stream: str) -> CounterStream | torch.Generator:
+    return CounterStream(SEED) if stream == "counter" else torch.Generator().manual_seed(SEED)
+
+
+STREAMS = ("counter", "torch")
+
+
+@pytest.mark.parametrize("stream", STREAMS)
+@pytest.mark.parametrize("name,op,args,layouts", OPS, ids=[o[0] for o in OPS])
+def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, ...], layouts: tuple[str, ...],
+                                          stream: str) -> None:
+    ref = _single_device(stream, op, args)
     gen = torch.Generator()
     for placements in layouts:
         pl = parse_placements(placements)
@@ -149,7 +201,7 @@ def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, .
                 pieces[i] = distribute(a, pl, mesh, gen)
         outs = {}
         for coord in itertools.product(*map(range, mesh)):
-            ops = RandomOps(mesh, coord, torch.Generator().manual_seed(SEED))
+            ops = RandomOps(mesh, coord, _stream(stream))
             out = ops(str(op), placements, tuple(ref.shape),
                       *[pieces[i][coord].clone() if i in pieces else a for i, a in enumerate(args)])
             outs[coord] = out[0] if isinstance(out, tuple) else out
@@ -159,12 +211,11 @@ def test_random_op_slices_one_global_draw(name: str, op: Any, args: tuple[Any, .
 @pytest.mark.parametrize("op,args", [(aten.native_dropout.default, (X, 0.3, True)),
                                      (aten.bernoulli.default, (X.sigmoid(),))], ids=["dropout", "bernoulli_probs"])
 @pytest.mark.parametrize("placements", ["S(2)", "S(0)S(2)", "S(2)S(2)", "S(2/2)"])
-def test_random_op_slices_a_zigzag_piece(op: Any, args: tuple[Any, ...], placements: str) -> None:
+@pytest.mark.parametrize("stream", STREAMS)
+def test_random_op_slices_a_zigzag_piece(op: Any, args: tuple[Any, ...], placements: str, stream: str) -> None:
     """On a zig-zag mesh dim (the last) each rank keeps the zig-zag piece of the global draw
     that a reshard from Replicate hands it (``run_steps`` as in test_redistribute)."""
-    torch.manual_seed(SEED)
-    ref = op(*args)
-    ref = ref[0] if isinstance(ref, tuple) else ref
+    ref = _single_device(stream, op, args)
     pl = parse_placements(placements)
     mesh, zigzag = (2,) * len(pl), frozenset({len(pl) - 1})
     coords = list(itertools.product(*map(range, mesh)))
@@ -172,37 +223,60 @@ def test_random_op_slices_a_zigzag_piece(op: Any, args: tuple[Any, ...], placeme
     expected = run_steps({c: ref for c in coords}, steps, mesh, zigzag)
     given = run_steps({c: args[0] for c in coords}, steps, mesh, zigzag)
     for coord in coords:
-        ops = RandomOps(mesh, coord, torch.Generator().manual_seed(SEED), zigzag)
+        ops = RandomOps(mesh, coord, _stream(stream), zigzag)
         out = ops(str(op), placements, tuple(ref.shape), given[coord].clone(), *args[1:])
         out = out[0] if isinstance(out, tuple) else out
         assert torch.equal(out, expected[coord]), f"{placements} at {coord}"
 
 
-def test_replicated_draw_keeps_generators_in_lockstep() -> None:
+@pytest.mark.parametrize("stream", STREAMS)
+def test_replicated_draw_keeps_generators_in_lockstep(stream: str) -> None:
     """Ranks holding different pieces advance their generators alike: the next draw agrees."""
     states = []
     for coord in ((0,), (1,)):
-        ops = RandomOps((2,), coord, torch.Generator().manual_seed(SEED))
+        ops = RandomOps((2,), coord, _stream(stream))
         ops("aten.dropout.default", "S(0)", tuple(X.shape), X.chunk(2)[coord[0]].clone(), 0.5, True)
         states.append(ops.generator.get_state())
-    assert torch.equal(states[0], states[1])
+    same = states[0] == states[1] if isinstance(states[0], tuple) else torch.equal(states[0], states[1])
+    assert same, states
 
 
-def test_draw_is_priced_at_global_elements() -> None:
-    """Every rank draws all of dropout's elements: the draw's price does not shrink with the split."""
-    mesh = Mesh({"tp": 4}, hardware="h100")
-    precision = PRECISIONS["fp32"]
-    ctx = CostContext(mesh=mesh, precision=precision, train=True)
-    x = TensorMeta((8, 64, 128), torch.float32)
-    split = Strategy(((parse_placements("S(0)")),), (parse_placements("S(0)"),))
+def _dropout_price(ways: int, global_draws: bool, shape: tuple[int, ...] = (8, 64, 128), dim: int = 0) -> float:
+    """Seconds dropout's draw adds on one rank of a ``ways``-way split along ``dim``."""
+    mesh = Mesh({"tp": ways}, hardware="h100")
+    ctx = CostContext(mesh=mesh, precision=PRECISIONS["fp32"], train=True, global_draws=global_draws)
+    x = TensorMeta(shape, torch.float32)
+    split = Strategy(((parse_placements(f"S({dim})")),), (parse_placements(f"S({dim})"),))
     drawing = op_cost(OpCall(aten.dropout.default, (x, 0.1, True), {}, (x,)), split, ctx).time
-    plain = op_cost(OpCall(aten.dropout.default, (x, 0.0, True), {}, (x,)), split, ctx).time
+    return drawing - op_cost(OpCall(aten.dropout.default, (x, 0.0, True), {}, (x,)), split, ctx).time
+
+
+def test_torch_stream_draw_is_priced_at_global_elements() -> None:
+    """random_stream='torch': every rank draws all of dropout's elements, however it is split."""
+    mesh = Mesh({"tp": 4}, hardware="h100")
     hw = mesh.hardware
     n = 8 * 64 * 128
     by_hand = max(n / (hw.peak_flops_fp32 * hw.compute_efficiency),  # one op per global element
                   2 * 4 * n / (hw.memory_bandwidth * hw.memory_efficiency))  # written, read back: fp32
-    assert drawing - plain == pytest.approx(by_hand, rel=1e-9)
-    assert by_hand == pytest.approx(roofline_time(n, 8.0 * n, mesh, precision))
+    assert _dropout_price(4, True) == pytest.approx(by_hand, rel=1e-9)
+    assert _dropout_price(1, True) == pytest.approx(_dropout_price(4, True), rel=1e-9)
+
+
+def test_counter_stream_draw_is_priced_at_local_elements() -> None:
+    """The counter stream: a rank's draw is its own elements' Philox rounds and passes, so the
+    work shrinks with the split (down to the launches of its eager ops), and it costs 4x the
+    rounds where the split cuts the last dim (one counter per element, not per 4)."""
+    big = (64, 512, 1024)
+    launches = ROUNDS * OPS_PER_ROUND + 2 * 3 + SAMPLER_OPS + 2
+    hw = Mesh({"tp": 1}, hardware="h100").hardware
+    one, four = _dropout_price(1, False, big), _dropout_price(4, False, big)
+    assert four == pytest.approx(one / 4, rel=1e-6)
+    assert one > launches * hw.op_overhead  # bound by its passes at this size, not its launches
+    counters = 64 * 512 * 1024 / 4
+    passes = counters * (ROUNDS * OPS_PER_ROUND + 3) * 16
+    assert one > passes / (hw.memory_bandwidth * hw.memory_efficiency)
+    assert _dropout_price(4, False, big, dim=2) > 3 * four
+    assert _dropout_price(8, False) == pytest.approx(launches * hw.op_overhead)  # tiny: the launches
 
 
 def _compile_with_rank_seed(rank: int, world: int) -> str:

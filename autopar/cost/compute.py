@@ -15,7 +15,6 @@ from autopar.mesh import Mesh
 from autopar.cost.moe import is_moe, moe_flops
 from autopar.rules.attention import ATTENTION_OPS, busiest_pairs, ring_dim, splits_causal_rows
 from autopar.rules.conv import CONV_OPS, is_transposed
-from autopar.rules.dropout import drawn_numel
 from autopar.rules.ring import busiest_steps
 from autopar.rules.routing import HF_GROUPED_MM
 from autopar.rules.strategy import OpCall, Strategy, shard_dim
@@ -205,20 +204,6 @@ def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision)
     compute = flops / (hw.peak_flops(precision.name) * hw.compute_efficiency)
     memory = nbytes / (hw.memory_bandwidth * hw.memory_efficiency)
     return max(compute, memory)
-
-
-def random_draw_time(call: OpCall, mesh: Mesh, precision: Precision) -> float:
-    """Seconds every rank spends drawing the op's random numbers, however the op is split:
-    the runtime draws the global tensor on each rank and keeps its slice
-    (``autopar.runtime.random``). Priced as one op per global element and two passes over
-    it (written by the draw, read back for the slice or by a fused dropout kernel);
-    forward only (backward reuses the mask)."""
-    n = drawn_numel(call)
-    if n == 0:
-        return 0.0
-    out = call.outputs[0] if call.outputs and call.outputs[0] is not None else None
-    width = precision.tensor_bytes(out, 1) if out is not None else precision.activation_bytes
-    return roofline_time(float(n), 2.0 * n * width, mesh, precision)
 
 
 def with_fixed_cost(work: float, fixed: float, hw: HardwareProfile) -> float:

@@ -13,8 +13,9 @@ from torch.distributed.tensor import Partial
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, random_draw_time, rank_flops, ring_launches,
-                                  ring_of, roofline_time, with_fixed_cost)
+from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, rank_flops, ring_launches, ring_of,
+                                  roofline_time, with_fixed_cost)
+from autopar.cost.draws import draw_time
 from autopar.cost.moe import compute_factor, is_moe, pair_share
 from autopar.cost.offload import offloaded_parameter
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements
@@ -56,6 +57,9 @@ class CostContext:
     zero1_pinned: bool = False
     """ZeRO stage 1 is pinned on ``zero1``'s dims: every trainable parameter replicated on one
     is ZeRO-1 (only the twins are offered); else the ILP chooses per parameter."""
+    global_draws: bool = False
+    """Random ops draw the global tensor on every rank (``compile(random_stream='torch')``),
+    else each rank its own elements from the counter stream (``cost.draws``)."""
 
 
 @dataclass(frozen=True)
@@ -126,10 +130,10 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     work = roofline_time(flops, nbytes, mesh, ctx.precision)
     hw = mesh.hardware
     kernel = call.target not in VIEW_OPS  # a view runs no kernel: priced free
-    # the global draw of a random op is not split
     ring = ring_of(call, strategy) is not None  # ring attention launches ops per block (``ring_launches``)
     launches = ring_launches(call, strategy, mesh) if ring else int(kernel)
-    forward = with_fixed_cost(work, hw.op_overhead * launches, hw) + random_draw_time(call, mesh, ctx.precision)
+    forward = with_fixed_cost(work, hw.op_overhead * launches, hw) + draw_time(call, strategy, mesh, ctx.precision,
+                                                                              ctx.global_draws)
     time = forward
     memory = 0.0
     if backward and any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op

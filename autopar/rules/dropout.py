@@ -2,12 +2,12 @@
 bernoulli, uniform_/normal_, ...).
 
 Their placements mean what any op's do, because the runtime keeps one random stream for
-the whole mesh (``autopar.runtime.random``): every rank draws the *global* tensor from a
-generator the ranks keep in lockstep and keeps its own slice, so a replicated output is
-the same mask on every rank and a sharded one is disjoint slices of one global mask, the
-mask one device would draw from that generator state. The price of that is honest here
-and in ``cost``: the draw is over the global elements on every rank (``drawn_numel``),
-however the op is split; only the arithmetic on the drawn values is split.
+the whole mesh (``autopar.runtime.random``): each element's value is a function of the
+seed, the draw and its global index (or, with ``random_stream='torch'``, every rank draws
+the global tensor and keeps its slice), so a replicated output is the same mask on every
+rank and a sharded one is disjoint slices of one global mask, the mask one device would
+draw from that stream. ``drawn_numel`` counts the global elements a call draws;
+``cost.draws`` prices a rank's share of them.
 
 Dropout and the samplers are elementwise in their tensor arguments (any dim splits).
 Feature dropout draws one value per (batch, channel): only those two dims split.
@@ -100,8 +100,7 @@ def _positive(p: Any) -> bool:
 
 
 def drawn_numel(call: OpCall) -> int:
-    """Elements of the global tensor this call draws (0 if it draws nothing): every rank
-    draws all of them, however the op is split."""
+    """Elements of the global tensor this call draws (0 if it draws nothing)."""
     if not draws_random(call.target, call.args, call.kwargs):
         return 0
     if call.target in FEATURE_DROPOUTS:

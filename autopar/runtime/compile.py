@@ -28,7 +28,7 @@ from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import (PipelinedModule, build_pipelined_module, carved_device_mesh,
                                       stage_device_mesh)
 from autopar.runtime.program import rank_program, rank_signature, rank_state, step_loss_kind
-from autopar.runtime.random import agree_seed
+from autopar.runtime.random import RandomSource, agree_seed
 from autopar.runtime.parameters import InitFn
 from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.pipeline import Pipeline, as_pipeline
@@ -121,7 +121,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
             data_axes: tuple[str, ...] = (), expert_axes: tuple[str, ...] = (), input_sharded: bool = False,
             context_axes: tuple[str, ...] = (), context_layout: str | None = None,
             context_attention: str | None = None, init_fn: InitFn | None = None,
-            init_seed: int = 0, seed: int | None = None,
+            init_seed: int = 0, seed: int | None = None, random_stream: str = "counter",
             hardware: str | None = None, memory_limit: float | None = None, memory_headroom: float | None = None,
             precision: str | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             solver_time_limit_s: float = 120.0, zero: dict[str, int] | None = None, checkpoint: str | None = None,
@@ -143,10 +143,14 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     ``regather_blocks``, ``offload``, ``micro_batches``) and ``pipeline`` as in :func:`autopar.plan`.
     A model on the meta device is initialized module by module (``reset_parameters`` or
     ``init_fn``, seeded by ``init_seed`` and the module path) and only shards are kept.
-    Random ops (dropout, ``rand_like``, ...) draw from one generator the module owns
+    Random ops (dropout, ``rand_like``, ...) draw from one stream the module owns
     (``pm.generator``), seeded ``seed`` on every rank (None: rank 0's
-    ``torch.initial_seed()``): each rank draws the global tensor and keeps its slice, so a
-    step equals the single-device step drawing from a generator in that state.
+    ``torch.initial_seed()``). ``random_stream='counter'`` (the default): a counter-based
+    stream, each rank computing only its own elements, the same values on any mesh, so a
+    step equals the single-device step run under ``autopar.random.stream(seed)``;
+    ``'torch'``: a torch generator from which every rank draws the global tensor, keeping its
+    slice, so a step equals the single-device step drawing from the default generator seeded
+    ``seed``, at the price of every rank drawing every element (``autopar.runtime.random``).
 
     The plan is solved once: every rank captures the step and lists its strategies (its
     program is generated from them), rank 0 alone solves the ILP and broadcasts the
@@ -172,7 +176,9 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     data_axes = data_axes or (("dp",) if input_sharded and "dp" in planning_mesh.names else ())
     _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
                                                          constraint_axis if constraints else None))
-    seed = _agreed_seed(seed)
+    if random_stream not in ("counter", "torch"):
+        raise CompileError(f"random_stream={random_stream!r}: pass 'counter' or 'torch'")
+    seed = RandomSource(_agreed_seed(seed), exact_torch=random_stream == "torch")
     full_mesh, stage_mesh = planning_mesh, None
     if pipeline is not None:
         planning_mesh, stage_mesh, pipeline = _stage_meshes(pipeline, mesh, full_mesh, data_axes, zero, offload,
@@ -187,7 +193,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
                    memory_headroom=memory_headroom, precision=precision, bucket_bytes=bucket_bytes,
                    solver_time_limit_s=solver_time_limit_s, zero=zero,
                    checkpoint=checkpoint, checkpoint_blocks=checkpoint_blocks, regather_blocks=regather_blocks,
-                   offload=offload, state_placements=state_placements, _masters=compute_dtype is not None)
+                   offload=offload, state_placements=state_placements, random_stream=random_stream,
+                   _masters=compute_dtype is not None)
     step, pipeline = _planned(pipeline, planned_model, planning_mesh, full_mesh, example_inputs, micro_batches,
                               options)
     batch_leaves = whole_batch_leaves(example_inputs, example_kwargs or {}, example_targets)
@@ -196,7 +203,7 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
 
 
 def _built(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh | None, step: PlannedStep,
-           pipeline: Pipeline | None, init: tuple[InitFn | None, int, int], input_sharded: bool,
+           pipeline: Pipeline | None, init: tuple[InitFn | None, int, RandomSource], input_sharded: bool,
            compute_dtype: torch.dtype | None, batch_leaves: frozenset[int],
            shared: dict[str, torch.Tensor] | None) -> ParallelModule | PipelinedModule:
     """This rank's module for the agreed plan (``init``: init_fn, init_seed, seed), built on every rank."""
@@ -383,7 +390,7 @@ def _global_batch(values: tuple[Any, ...], ways: int) -> tuple[Any, ...]:
 
 
 def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init_fn: InitFn | None = None,
-                      input_sharded: bool = False, init_seed: int = 0, seed: int = 0,
+                      input_sharded: bool = False, init_seed: int = 0, seed: RandomSource = RandomSource(0),
                       compute_dtype: torch.dtype | None = None, batch_leaves: frozenset[int] = frozenset(),
                       shared: dict[str, torch.Tensor] | None = None) -> ParallelModule:
     """This rank's ParallelModule for an agreed plan (no collectives: usable under a fake

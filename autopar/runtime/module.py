@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from autopar.runtime.random import Stream
 from autopar.capture.step import StepSignature
 from autopar.errors import InputError
 from autopar.runtime.microbatch import run_micro_batches
@@ -93,8 +94,9 @@ class ParallelModule(nn.Module):
         self._zero1_stepper = False  # pm.optimizer made a ZeRO-1 optimizer: the only one that syncs those gradients
 
     @property
-    def generator(self) -> torch.Generator:
-        """The generator the step's random ops draw from, in the same state on every rank
+    def generator(self) -> Stream:
+        """The stream the step's random ops draw from (``runtime.random``: a ``CounterStream``,
+        or with ``random_stream='torch'`` a torch generator), in the same state on every rank
         (``get_state``/``set_state`` it to save or restore the random stream)."""
         return self.program.get_submodule("random").generator
 

@@ -277,7 +277,7 @@ def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], m
 
 
 def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh, step: PlannedStep,
-                           pipeline: Pipeline, init_fn: InitFn | None, input_sharded: bool, init_seed: int, seed: int,
+                           pipeline: Pipeline, init_fn: InitFn | None, input_sharded: bool, init_seed: int, seed: RandomSource,
                            compute_dtype: torch.dtype | None, batch_leaves: frozenset[int],
                            shared: dict[str, torch.Tensor] | None = None) -> PipelinedModule:
     """This rank's stages of an agreed pipelined plan (module docstring); ``stage_mesh``:
@@ -337,7 +337,7 @@ def _parameter(tensor: torch.Tensor, trains: bool) -> nn.Parameter:
 
 
 def _metas(step: PlannedStep, mesh: DeviceMesh, programs: list[StageProgram], state: RankState,
-           signature: StepSignature, seed: int, compute_dtype: torch.dtype | None, input_sharded: bool,
+           signature: StepSignature, seed: RandomSource, compute_dtype: torch.dtype | None, input_sharded: bool,
            user_inputs: list[str]) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
     """Every stage's received and sent values (``runtime.stages.stage_metas``), found on a
     copy of the program built for the purpose (its modules' state is left behind)."""

@@ -25,7 +25,7 @@ from autopar.cost.compute import ring_of
 from autopar.runtime.ring import RingAttention, check_ring_device
 from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
-from autopar.runtime.random import RandomOps, make_generator
+from autopar.runtime.random import RandomOps, RandomSource
 from autopar.runtime.recompute import Recompute
 from autopar.runtime.regather import BackwardStarts, Regather
 from autopar.runtime.vocab import VocabEmbedding
@@ -41,10 +41,11 @@ def step_loss_kind(step: PlannedStep) -> str | None:
     return (loss_kind(step.captured.gm, m) if m > 1 else SUM) if step.ctx.train else None  # m = 1: any kind
 
 
-def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, compute_dtype: torch.dtype | None,
+def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: RandomSource, compute_dtype: torch.dtype | None,
                  input_sharded: bool, recompute_replays: bool = False) -> torch.fx.GraphModule:
     """This rank's program: the captured step with the plan applied (``parallelize_graph``).
-    ``recompute_replays``: backward runs through a checkpointed block twice (``Recompute``)."""
+    ``seed``: the random stream its random ops draw from; ``recompute_replays``: backward runs
+    through a checkpointed block twice (``Recompute``)."""
     graph, chosen = step.graph, step.chosen
     if step.captured.batch_symbol is not None:  # a pricing-only capture (``capture.symbolic``): never run
         raise ValueError("a step priced on a symbolic capture cannot be built into a rank's program")
@@ -55,7 +56,7 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: int, com
     check_ring_device(mesh.device_type, sum(graph.nodes[n].call is not None and ring_of(graph.nodes[n].call, chosen[n])
                                             is not None for n in graph.order))
     shape, coordinate, zigzag = tuple(mesh.shape), tuple(mesh.get_coordinate()), step.ctx.mesh.zigzag_dims()
-    random_ops = RandomOps(shape, coordinate, make_generator(mesh.device_type, seed), zigzag)
+    random_ops = RandomOps(shape, coordinate, seed.stream(mesh.device_type), zigzag)
     return parallelize_graph(step.captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
                                                     "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
                                                     "partial_mean_loss": PartialMeanLoss(comm),

@@ -1,27 +1,31 @@
 """One random stream for the whole mesh: what ``self.random(...)`` calls in per-rank programs run.
 
-``self.random('aten.dropout.default', 'S(0)R', (8, 64, 128), x, 0.1, True)`` runs the op
-on this rank's pieces as it is, but every value it draws comes from the global tensor:
-each draw (``bernoulli_``, ``native_dropout``, ``rand_like``, ... as the op reaches the
-dispatcher) is made at the global shape from the module's generator, and this rank keeps
-its slice by the op's output placements (``S(0)R``; the slice a reshard from Replicate
-would hand it). Tensor arguments of a draw (dropout's input, bernoulli's probabilities)
-take this rank's place in a global tensor of ones first. The op's own arithmetic runs
-on the local pieces unchanged, so values equal the single-device op bit for bit where
-the single device draws from the same generator state.
+``self.random('aten.dropout.default', 'S(0)R', (8, 64, 128), x, 0.1, True)`` runs the op on
+this rank's pieces as it is; each draw it makes (``bernoulli_``, ``native_dropout``,
+``rand_like``, ... as the op reaches the dispatcher) is answered for this rank's elements of
+the global tensor, which the op's output placements (``S(0)R``) name: the slice a reshard
+from Replicate would hand it. Two streams:
 
-Every rank keeps the generator in lockstep: it is seeded the same everywhere
-(``agree_seed``), every rank's program runs the same draws in graph order, and each
-draw advances it by the global tensor's draw. DTensor's ``OffsetBasedRNGTracker`` is
-not used: in torch 2.13 it refuses CPU meshes, and on CUDA a shard draws at a philox
-offset of ``shard index * local numel``, which is not the slice of the single-device
-draw (kernels map offsets to elements by thread, and a Shard(1) slice is not one
-contiguous run of elements).
+- counter (the default, ``autopar.runtime.stream``): the draw's values for this rank's
+  elements alone, computed from (seed, draw number, global element index), so a draw costs
+  the rank's local elements, and the values are the same on any mesh and on one device
+  under ``autopar.random.stream(seed)``;
+- torch (``compile(random_stream='torch')``): the global tensor drawn from a torch generator
+  on every rank, this rank keeping its slice: the values of the single-device op drawing
+  from the default generator in that state, at the price of the global draw on every rank.
+  Tensor arguments of such a draw take this rank's place in a global tensor of ones first.
+
+Either way the op's own arithmetic runs on the local pieces unchanged, every rank runs the
+same draws in graph order, and ranks agree on the seed (``agree_seed``), so the stream
+stays in lockstep. DTensor's ``OffsetBasedRNGTracker`` is not used: in torch 2.13 it
+refuses CPU meshes, and on CUDA a shard draws at a philox offset of ``shard index * local
+numel``, which is not the slice of the single-device draw.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +39,8 @@ from autopar.errors import InputError
 from autopar.rules import dropout as random_rules
 from autopar.rules.redistribute import SLICE, redistribute_steps, strided_view, zigzag_view
 from autopar.rules.strategy import Placements, R, parse_placements, shard_dim
+from autopar.runtime.samplers import SAMPLERS, sample
+from autopar.runtime.stream import CounterStream
 
 aten = torch.ops.aten
 SLICEABLE = random_rules.ELEMENTWISE_SAMPLERS | {aten.native_dropout.default, aten._fused_dropout.default}
@@ -61,15 +67,34 @@ def _generator_arg(func: torch._ops.OpOverload) -> bool:
     return any(a.name == "generator" for a in func._schema.arguments)
 
 
+Stream = CounterStream | torch.Generator
+"""What a rank's random ops draw from (module docstring); both get_state/set_state."""
+
+
+@dataclass(frozen=True)
+class RandomSource:
+    """The stream compile builds on every rank: its seed, and ``exact_torch`` for a torch
+    generator drawing the global tensor (module docstring)."""
+
+    seed: int
+    exact_torch: bool = False
+
+    def stream(self, device_type: str) -> Stream:
+        if self.exact_torch:
+            return make_generator(device_type, self.seed)
+        return CounterStream(self.seed, _device(device_type))
+
+
 class RandomOps(nn.Module):
     """``self.random(op, placements, global_shape, *args, **kwargs)``: ``op`` on this rank's
-    pieces, drawing from ``generator`` at the global shape and keeping this rank's slice.
+    pieces, each draw answered for this rank's elements of the global tensor from
+    ``generator`` (a ``CounterStream``, or a torch generator drawing the global tensor).
 
     ``placements`` are the op's (first) output placements as printed in plans,
     ``global_shape`` the shape of that output on one device.
     """
 
-    def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], generator: torch.Generator,
+    def __init__(self, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], generator: Stream,
                  zigzag: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.mesh_shape = tuple(mesh_shape)
@@ -80,13 +105,29 @@ class RandomOps(nn.Module):
 
     def forward(self, op: str, placements: str, global_shape: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
         target = _resolve(op)
-        with _GlobalDraws(self, op, parse_placements(placements), tuple(global_shape)):
+        mode = _LocalDraws if isinstance(self.generator, CounterStream) else _GlobalDraws
+        with mode(self, op, parse_placements(placements), tuple(global_shape)):
             if target in random_rules.ATTENTION_DROPOUT:
                 # The math backend draws through dropout (the one CPU picks for dropout
                 # anyway); fused kernels draw inside, where no slice can be taken.
                 with sdpa_kernel([SDPBackend.MATH]):
                     return target(*args, **kwargs)
             return target(*args, **kwargs)
+
+    def indices(self, shape: tuple[int, ...], placements: Placements, device: torch.device) -> torch.Tensor:
+        """The row-major indices in a global tensor of ``shape`` of this rank's elements, in its
+        local order (``region``'s), computed for those elements only: each dim's index
+        vector, broadcast without a copy, viewed as this rank's region and summed."""
+        total: torch.Tensor | None = None
+        stride = 1
+        for d in reversed(range(len(shape))):
+            at = [1] * len(shape)
+            at[d] = shape[d]
+            dim = (torch.arange(shape[d], device=device) * stride).view(at).expand(shape)
+            mine = self.region(dim, placements)
+            total = mine if total is None else total + mine
+            stride *= shape[d]
+        return torch.zeros((), dtype=torch.int64, device=device) if total is None else total
 
     def draw(self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``func`` with this module's generator (its own argument, or the device's
@@ -123,6 +164,70 @@ class RandomOps(nn.Module):
                 size = view.shape[d] // n
                 view = view.narrow(d, i * size, size)
         return view
+
+
+class _LocalDraws(TorchDispatchMode):
+    """Answers each draw ``op`` makes from the counter stream, for this rank's elements only."""
+
+    def __init__(self, owner: RandomOps, op: str, placements: Placements, out_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.owner, self.op, self.placements, self.out_shape = owner, op, placements, out_shape
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not random_rules.draws_random(func, args, kwargs):
+            return func(*args, **kwargs)
+        split = any(shard_dim(p) is not None for p in self.placements)
+        if func not in SAMPLERS or (split and func not in SLICEABLE):
+            raise RandomDrawError(f"{self.op} draws with {func}, which the counter stream cannot draw as "
+                                  f"{''.join(map(str, self.placements))}: only elementwise draws split "
+                                  f"(random_stream='torch' draws any op replicated)")
+        stream = self.owner.generator
+        assert isinstance(stream, CounterStream)
+        layout = _RankLayout(self, func)
+        return sample(func, args, kwargs, stream.take(layout, _out_device(args, kwargs, stream.device)))
+
+
+class _RankLayout:
+    """``stream.Layout`` of this rank's piece of one draw (placements of the op's output)."""
+
+    def __init__(self, draws: _LocalDraws, func: Any) -> None:
+        self.draws, self.func = draws, func
+
+    def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return _global_shape(self.draws.owner, self.draws.op, self.draws.placements, self.draws.out_shape,
+                             self.func, local_shape)
+
+    def indices(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return self.draws.owner.indices(shape, self.draws.placements, device)
+
+    def keeps_last_dim(self, ndim: int) -> bool:
+        return all(shard_dim(p) != ndim - 1 for p in self.draws.placements)
+
+
+def _out_device(args: tuple[Any, ...], kwargs: dict[str, Any], default: torch.device) -> torch.device:
+    tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    if tensor is not None:
+        return tensor.device
+    return torch.device(kwargs["device"]) if kwargs.get("device") is not None else default
+
+
+def _global_shape(owner: RandomOps, op: str, placements: Placements, out_shape: tuple[int, ...], func: Any,
+                  local_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The single-device shape of a draw of ``local_shape`` on this rank: each split dim times its ways."""
+    shape = list(local_shape)
+    for p, n in zip(placements, owner.mesh_shape):
+        d = shard_dim(p)
+        if d is not None:
+            if d >= len(shape):
+                raise RandomDrawError(f"{op} draws {func} of shape {local_shape}, which has no dim {d} to split")
+            shape[d] *= n
+    for p in placements:
+        d = shard_dim(p)
+        if d is not None and (len(out_shape) <= d or shape[d] != out_shape[d]):
+            raise RandomDrawError(f"{op} draws {func} of local shape {local_shape}, not indexed like its "
+                                  f"output {out_shape} on the split dim {d}")
+    return tuple(shape)
 
 
 class _GlobalDraws(TorchDispatchMode):
@@ -175,19 +280,7 @@ class _GlobalDraws(TorchDispatchMode):
         return tree_map(take, self.owner.draw(func, tree_map(embed, args), tree_map(embed, kwargs)))
 
     def _global_shape(self, func: Any, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-        shape = list(local_shape)
-        for p, n in zip(self.placements, self.owner.mesh_shape):
-            d = shard_dim(p)
-            if d is not None:
-                if d >= len(shape):
-                    raise RandomDrawError(f"{self.op} draws {func} of shape {local_shape}, which has no dim {d} to split")
-                shape[d] *= n
-        for p in self.placements:
-            d = shard_dim(p)
-            if d is not None and (len(self.out_shape) <= d or shape[d] != self.out_shape[d]):
-                raise RandomDrawError(f"{self.op} draws {func} of local shape {local_shape}, not indexed like its "
-                                      f"output {self.out_shape} on the split dim {d}")
-        return tuple(shape)
+        return _global_shape(self.owner, self.op, self.placements, self.out_shape, func, local_shape)
 
 
 def agree_seed(seed: int | None) -> int:
@@ -203,10 +296,13 @@ def agree_seed(seed: int | None) -> int:
     return seed if seed is not None else pairs[0][1]
 
 
-def make_generator(device_type: str, seed: int) -> torch.Generator:
-    """A generator on this rank's device (the current one of its type), seeded ``seed``."""
+def _device(device_type: str) -> torch.device:
+    """This rank's device: the current one of its type."""
     if device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device(device_type, torch.get_device_module(device_type).current_device())
-    return torch.Generator(device=device).manual_seed(seed)
+        return torch.device("cpu")
+    return torch.device(device_type, torch.get_device_module(device_type).current_device())
+
+
+def make_generator(device_type: str, seed: int) -> torch.Generator:
+    """A torch generator on this rank's device, seeded ``seed``."""
+    return torch.Generator(device=_device(device_type)).manual_seed(seed)
