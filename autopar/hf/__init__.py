@@ -1,0 +1,6 @@
+"""Hugging Face models as they are: planned from a ``config.json`` (``from_config``) and served
+(``servable``: a slot-indexed KV cache around an HF causal LM's own attention)."""
+
+from autopar.hf.config import HFStep, from_config, load_config
+
+__all__ = ["HFStep", "from_config", "load_config"]
