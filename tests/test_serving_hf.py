@@ -1,0 +1,75 @@
+"""HF causal LMs served as they are (``autopar.hf.servable``, taken by ``compile_serving`` and ``plan_serving``):
+tiny random-weight configs of Llama, Qwen2, Qwen3, Mistral, Gemma, Mixtral and Qwen2-MoE generate exactly the
+tokens ``model.generate(do_sample=False)`` generates on one device, for prompts of different lengths (chunked
+prefill with padding into slots, then decode steps of every slot), on one device and on tp=2 (fp32, gloo)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar.errors import InputError
+from autopar.hf import servable
+from autopar.runtime.forked import run_ranks
+from autopar.runtime.generate import generate
+from tests import hf_serving_models as hf
+
+pytest.importorskip("transformers")
+
+FAMILIES = sorted(hf.FAMILIES)
+CACHE_K = "model.model.layers.0.self_attn.slot_kv.k"
+
+
+def test_the_adapter_generates_hf_greedy_tokens_on_one_device() -> None:
+    """Every family: the slot-indexed cache (chunked prefill into slots, decode of all slots) gives
+    ``generate``'s tokens; the cache is (slots, max_len, kv heads, head dim) buffers."""
+    for family in FAMILIES:
+        model = hf.build(family)
+        want = hf.hf_greedy(model, hf.PROMPTS, hf.NEW)
+        served = servable(model)
+        served.setup_cache(hf.SLOTS, hf.MAX_LEN)
+        with torch.no_grad():
+            got = generate(served, served, hf.PROMPTS, hf.NEW, chunk=hf.CHUNK, slots=hf.SLOTS, max_len=hf.MAX_LEN)
+        assert got.tokens == want, family
+        assert served.get_buffer(CACHE_K).shape == (hf.SLOTS, hf.MAX_LEN, 2, 16)
+
+
+def test_the_adapter_refuses_what_it_cannot_serve() -> None:
+    model = hf.build("llama")
+    served = servable(model)
+    with pytest.raises(InputError, match="setup_cache"):
+        served(*hf.step(1, 1))
+    with pytest.raises(InputError, match="exceeds the model's 64 positions"):
+        served.setup_cache(1, 65)
+
+
+def serve_on_rank(rank: int, world: int, family: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    serving = autopar.compile_serving(hf.build(family), mesh, hf.step(1, hf.CHUNK), hf.step(hf.SLOTS, 1),
+                                      constraints=hf.tp_plan(family), cache_len=hf.MAX_LEN)
+    got = generate(serving.prefill, serving.decode, hf.PROMPTS, hf.NEW, chunk=hf.CHUNK, slots=hf.SLOTS,
+                   max_len=hf.MAX_LEN)
+    cache = serving.decode_module.get_buffer(CACHE_K)
+    return {"tokens": got.tokens, "cache": (tuple(cache.shape), serving.placements[CACHE_K]),
+            "collectives": len(serving.decode_module.plan.collectives)}
+
+
+def _serve_family(rank: int, world: int) -> list[dict[str, Any]]:
+    return [serve_on_rank(rank, world, family) for family in FAMILIES]
+
+
+def test_tensor_parallel_hf_serving_generates_the_hf_tokens() -> None:
+    """tp=2, attention (and dense MLPs) Megatron TP pinned: each family's tokens are ``generate``'s, the
+    cache split by KV heads (2 kv heads on tp=2), the decode step really tensor parallel."""
+    want = {family: hf.hf_greedy(hf.build(family), hf.PROMPTS, hf.NEW) for family in FAMILIES}
+    results = run_ranks(_serve_family, 2, timeout_s=600)
+    for rank, per_family in enumerate(results):
+        for family, result in zip(FAMILIES, per_family):
+            assert result["tokens"] == want[family], (rank, family)
+            assert result["cache"] == ((hf.SLOTS, hf.MAX_LEN, 1, 16), (Shard(2),)), (family, result["cache"])
+            assert result["collectives"], family
