@@ -81,3 +81,27 @@ def test_plan_from_a_config_on_the_command_line(tmp_path: Path, capsys: pytest.C
     assert code == 2 and "one of the two" in err
     code, _, err = run(["plan", "--mesh", "dp=2"], capsys)
     assert code == 2 and "one of the two" in err
+
+
+def test_serving_plan_of_an_hf_model_as_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan_serving`` takes an HF causal LM itself (its slot-indexed cache adapter inside autopar), and
+    ``autopar serve-plan --hf-config`` the config of one, built on the meta device in the config's dtype."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autopar
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}))
+    workload = autopar.Workload(prompt_tokens=32, output_tokens=16, arrival_rate=10.0)
+    slo = autopar.SLO(ttft_s=0.5, tpot_s=0.05)
+    plan = autopar.plan_serving(model.to(torch.bfloat16), autopar.Cluster(devices=2), workload, slo, max_batch=8,
+                                token_budget=64, disaggregated=False, tp_degrees=(2,), pp_degrees=(1,))
+    assert plan.goodput_rps > 0
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY, "torch_dtype": "bfloat16"}))
+    code, out, err = run(["serve-plan", "--hf-config", str(config), "--devices", "2", "--prompt", "32", "--output",
+                          "16", "--rate", "10", "--ttft", "0.5", "--tpot", "0.05", "--max-batch", "8",
+                          "--token-budget", "64", "--no-disaggregated", "--tp", "2", "--pp", "1", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["goodput_rps"] == pytest.approx(plan.goodput_rps)
