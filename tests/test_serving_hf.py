@@ -73,3 +73,66 @@ def test_tensor_parallel_hf_serving_generates_the_hf_tokens() -> None:
             assert result["tokens"] == want[family], (rank, family)
             assert result["cache"] == ((hf.SLOTS, hf.MAX_LEN, 1, 16), (Shard(2),)), (family, result["cache"])
             assert result["collectives"], family
+
+
+def pipelined_on_rank(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    serving = autopar.compile_serving(hf.build("llama"), mesh, hf.step(1, hf.CHUNK), hf.step(hf.SLOTS, 1),
+                                      pipeline=autopar.Pipeline(axis="pp"), cache_len=hf.MAX_LEN)
+    got = generate(serving.prefill, serving.decode, hf.PROMPTS, hf.NEW, chunk=hf.CHUNK, slots=hf.SLOTS,
+                   max_len=hf.MAX_LEN)
+    caches = sorted(f for f, _ in serving.decode_module.named_buffers() if f.endswith("slot_kv.k"))
+    return {"tokens": got.tokens, "caches": caches,
+            "blocks": [s.blocks for s in serving.decode_module.plan.pipeline.stages]}
+
+
+def test_pipelined_hf_serving_generates_the_hf_tokens() -> None:
+    """pp=2: the HF Llama's decoder layers cut one a stage, each stage holding its layer's cache only;
+    every rank gets ``generate``'s tokens."""
+    want = hf.hf_greedy(hf.build("llama"), hf.PROMPTS, hf.NEW)
+    results = run_ranks(pipelined_on_rank, 2, timeout_s=300)
+    for rank, result in enumerate(results):
+        assert result["tokens"] == want, rank
+        assert result["caches"] == [f"model.model.layers.{rank}.self_attn.slot_kv.k"], result["caches"]
+    assert len(results[0]["blocks"]) == 2
+
+
+ENGINE_SLOTS, ENGINE_CHUNK, ENGINE_LEN = 4, 8, 64
+REQUESTS_ARGS = [([5, 7, 9, 11, 13, 2, 3, 4, 8, 100, 200], 5, 0.0), ([42, 17, 3], 1, 0.0),
+                 (list(range(1, 20)), 4, 0.01), ([8, 6, 4], 6, 0.3)]
+"""(prompt, new tokens, arrival s): two chunks with padding, one token only, over the token budget, a late one."""
+MODES = {"aggregated": ["serve", "serve"], "disaggregated": ["prefill", "decode"]}
+
+
+def engine_on_rank(rank: int, world: int) -> dict[str, Any]:
+    from autopar.runtime.engine import EngineConfig, ServeRequest, serve
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "tp"))
+    serving = autopar.compile_serving(hf.build("llama"), mesh, hf.step(1, ENGINE_CHUNK), hf.step(ENGINE_SLOTS, 1),
+                                      constraints=hf.tp_plan("llama"), replica_axis="replica", cache_len=ENGINE_LEN)
+    cache = tuple(f"model.model.layers.{i}.self_attn.slot_kv.{kv}" for i in range(2) for kv in "kv")
+    config = EngineConfig(slots=ENGINE_SLOTS, chunk=ENGINE_CHUNK, max_len=ENGINE_LEN, token_budget=16,
+                          cache_buffers=cache)
+    requests = [ServeRequest(prompt=p, max_new_tokens=n, arrival_s=a) for p, n, a in REQUESTS_ARGS]
+    out = {}
+    for mode, roles in MODES.items():
+        record = serve(serving, requests, mesh.mesh.tolist(), roles, config)
+        out[mode] = {"replica": record.replica, "tokens": record.tokens, "sent": len(record.transfers)}
+    return out
+
+
+def test_hf_replicas_serve_the_hf_tokens_aggregated_and_disaggregated() -> None:
+    """2 replicas of tp=2 of the HF Llama on the continuous-batching engine: aggregated, and disaggregated
+    (each request's cache sent point to point from the prefill replica to the decode replica), every
+    request gets ``generate``'s tokens."""
+    model = hf.build("llama")
+    want = [hf.hf_greedy(model, [p], n)[0] for p, n, _ in REQUESTS_ARGS]
+    results = run_ranks(engine_on_rank, 4, timeout_s=300)
+    for mode, roles in MODES.items():
+        delivered: dict[int, list[int]] = {}
+        for result in results:
+            record = result[mode]
+            if roles[record["replica"]] != "prefill":
+                delivered.update(record["tokens"])
+        assert [delivered[i] for i in range(len(REQUESTS_ARGS))] == want, mode
+    assert sum(r["disaggregated"]["sent"] for r in results) > 0
