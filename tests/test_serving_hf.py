@@ -136,3 +136,17 @@ def test_hf_replicas_serve_the_hf_tokens_aggregated_and_disaggregated() -> None:
                 delivered.update(record["tokens"])
         assert [delivered[i] for i in range(len(REQUESTS_ARGS))] == want, mode
     assert sum(r["disaggregated"]["sent"] for r in results) > 0
+
+
+@pytest.mark.parametrize("tp,placement", [(2, Shard(2)), (4, Replicate())])
+def test_the_cache_is_split_by_kv_heads_where_they_divide(tp: int, placement: Any) -> None:
+    """As vLLM keeps it: 2 KV heads split on tp=2, replicated on tp=4 (a head cut in two would be gathered)."""
+    from autopar.api import plan_step
+    from autopar.solver.nodes import BUFFER
+
+    model = servable(hf.build("llama"))
+    model.setup_cache(hf.SLOTS, hf.MAX_LEN)
+    step = plan_step(model, {"tp": tp}, hf.step(hf.SLOTS, 1), train=False, constraints=hf.tp_plan("llama"))
+    caches = {step.graph.nodes[n].fqn: step.chosen[n].outputs[0] for n in step.graph.order
+              if step.graph.nodes[n].kind == BUFFER and ".slot_kv." in step.graph.nodes[n].fqn}
+    assert len(caches) == 4 and set(caches.values()) == {(placement,)}, caches
