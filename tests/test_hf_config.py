@@ -105,3 +105,14 @@ def test_serving_plan_of_an_hf_model_as_it_is(tmp_path: Path, capsys: pytest.Cap
                           "--token-budget", "64", "--no-disaggregated", "--tp", "2", "--pp", "1", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["goodput_rps"] == pytest.approx(plan.goodput_rps)
+
+
+def test_the_examples_published_shapes_are_the_shipped_configs() -> None:
+    """The example Llama and MoE at a published shape read it from ``examples/configs/`` (no copied dims)."""
+    from examples import llama, moe
+
+    assert llama.LLAMA3_8B == llama.LlamaConfig(vocab_size=128256, max_seq_len=8192, hidden=4096, heads=32,
+                                                kv_heads=8, ffn_hidden=14336, layers=32, rope_theta=500000.0)
+    assert llama.LLAMA3_70B.hidden == 8192 and llama.LLAMA3_70B.layers == 80 and llama.LLAMA3_70B.ffn_hidden == 28672
+    mixtral = moe.from_hf_config("mixtral-8x7b", layers=4)
+    assert (mixtral.experts, mixtral.top_k, mixtral.ffn_hidden, mixtral.rope_theta) == (8, 2, 14336, 1e6)
