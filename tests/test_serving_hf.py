@@ -46,6 +46,13 @@ def test_the_adapter_refuses_what_it_cannot_serve() -> None:
         served(*hf.step(1, 1))
     with pytest.raises(InputError, match="exceeds the model's 64 positions"):
         served.setup_cache(1, 65)
+    from examples import hf_models
+
+    gpt2, *_ = hf_models.build_gpt2(device="meta")
+    with pytest.raises(InputError, match="no self-attention with k_proj/v_proj"):
+        servable(gpt2)
+    with pytest.raises(InputError, match="cache_len= sizes the cache of an HF causal LM"):
+        autopar.compile_serving(torch.nn.Linear(2, 2), None, (), (), cache_len=8)  # type: ignore[arg-type]
 
 
 def serve_on_rank(rank: int, world: int, family: str) -> dict[str, Any]:

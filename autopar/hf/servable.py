@@ -12,6 +12,7 @@ sliding window on sliding layers) as the 4-D mask transformers passes through as
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,7 @@ class ServableCausalLM(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        config = getattr(model, "config", None)
-        if config is None or not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        if not is_hf_causal_lm(model):
             raise InputTypeError(f"{type(model).__name__} is not a Hugging Face causal LM (no config or LM head)")
         self.model = model
         self._attentions = attentions(model)
@@ -143,9 +143,13 @@ class ServableCausalLM(nn.Module):
         return sliding if sliding is not None and getattr(cfg, "use_sliding_window", True) else full
 
 
-def _is_hf_causal_lm(model: Any) -> bool:
-    return isinstance(model, nn.Module) and hasattr(model, "config") and hasattr(model, "get_output_embeddings") \
-        and type(model).__module__.startswith("transformers.")
+def is_hf_causal_lm(model: Any) -> bool:
+    """Whether ``model`` is a transformers model that generates (a ``PreTrainedModel`` and ``GenerationMixin``
+    with an LM head). transformers is looked up, not imported: an HF model has imported it already."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return False
+    return isinstance(model, transformers.GenerationMixin) and model.get_output_embeddings() is not None
 
 
 def servable(source: nn.Module | str | Path | dict[str, Any], dtype: torch.dtype | None = None) -> ServableCausalLM:
@@ -166,4 +170,4 @@ def servable(source: nn.Module | str | Path | dict[str, Any], dtype: torch.dtype
 
 def as_servable(model: Any) -> Any:
     """``model`` itself, or an HF causal LM wrapped by :func:`servable` (what planning and compiling serve)."""
-    return servable(model) if _is_hf_causal_lm(model) and not hasattr(model, "setup_cache") else model
+    return servable(model) if is_hf_causal_lm(model) else model
