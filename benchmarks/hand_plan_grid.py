@@ -88,8 +88,7 @@ GPT3_175B = Shape(
              "calibrated speed); the prediction prices one step of the example GPT from autopar's "
              "calibrated op and collective times")
 LLAMA3_70B = Shape(
-    name="Llama-3-70B", config=llama.LlamaConfig(vocab_size=128256, max_seq_len=4096, hidden=8192, heads=64,
-                                                  kv_heads=8, ffn_hidden=28672, layers=80, rope_theta=500000.0),
+    name="Llama-3-70B", config=llama.from_hf_config("llama-3-70b", max_seq_len=4096),
     devices=512, hardware="h100", batch=1024)
 
 

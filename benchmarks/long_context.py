@@ -65,7 +65,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` importable when run as a script
 
 import autopar  # noqa: E402
-from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+from examples.llama import Llama, LlamaConfig, from_hf_config, lm_loss  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "long_context.json"
 GiB = 2**30
@@ -79,8 +79,8 @@ SPLIT_KIND = {0: "batch", 1: "heads", 2: "seq"}
 
 
 def llama_8b(seq: int, layers: int = 32) -> LlamaConfig:
-    return LlamaConfig(vocab_size=128256, max_seq_len=seq, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
-                       layers=layers, rope_theta=500000.0)
+    """Llama-3-8B's published config (``examples/configs/llama-3-8b.json``) at sequence ``seq``."""
+    return from_hf_config("llama-3-8b", max_seq_len=seq, layers=layers)
 
 
 def global_batch(seq: int, devices: int) -> int:

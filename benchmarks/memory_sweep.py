@@ -48,14 +48,13 @@ import autopar  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from examples.gpt import TP_PLAN as GPT_TP_PLAN  # noqa: E402
 from examples.gpt import lm_loss as gpt_loss  # noqa: E402
-from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+from examples.llama import Llama, from_hf_config, lm_loss  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "memory_sweep.json"
 GiB = 2**30
-LLAMA_8B = LlamaConfig(vocab_size=128256, max_seq_len=4096, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
-                       layers=32, rope_theta=500000.0)
-LLAMA_70B = LlamaConfig(vocab_size=128256, max_seq_len=4096, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
-                        layers=80, rope_theta=500000.0)
+LLAMA_8B = from_hf_config("llama-3-8b", max_seq_len=4096)
+"""Llama-3-8B's published config (``examples/configs/llama-3-8b.json``) at sequence 4096."""
+LLAMA_70B = from_hf_config("llama-3-70b", max_seq_len=4096)
 
 
 @dataclass(frozen=True)

@@ -109,9 +109,8 @@ class Shape:
         return self.memory_limit or get_profile(self.hardware).memory_limit()
 
 
-MIXTRAL = Shape(name="Mixtral-8x7B-like (4 layers)", devices=64, batch=64, eps=(1, 2, 4, 8), config=moe.MoEConfig(
-    vocab_size=32000, max_seq_len=4096, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, layers=4, experts=8,
-    top_k=2, capacity_factor=1.25, rope_theta=1e6))
+MIXTRAL = Shape(name="Mixtral-8x7B-like (4 layers)", devices=64, batch=64, eps=(1, 2, 4, 8), config=moe.from_hf_config(
+    "mixtral-8x7b", max_seq_len=4096, layers=4, capacity_factor=1.25))
 DEEPSEEK = Shape(name="DeepSeek-V3-like (2 layers, seq 1024)", devices=256, batch=256, eps=(1, 2, 4, 8, 16, 32),
                  config=moe.MoEConfig(vocab_size=129280, max_seq_len=1024, hidden=7168, heads=56, kv_heads=8,
                                       ffn_hidden=2048, layers=2, experts=256, top_k=8, capacity_factor=1.25,

@@ -4,8 +4,19 @@ For each (model, cluster, SLO): the deployment chosen, its pools' batching limit
 chosen per pool by the planner), its goodput (requests/s meeting the SLO at p90), the best aggregated and the
 best disaggregated goodput and their ratio, and the seconds ``plan_serving`` took on this machine (planning the
 serving steps with the ILP, then the goodput search).
-The models are built on the meta device (``examples/llama.py:build_8b_serving``/``build_70b_serving``):
+The models are built on the meta device (``examples/llama.py:build_8b_serving``/``build_70b_serving``) at the
+shapes of the published ``config.json`` files in ``examples/configs/`` (``llama-3-8b.json``, ``llama-3-70b.json``):
 nothing is allocated. Workload: prompts uniform in [512, 2048], outputs in [64, 256], Poisson arrivals.
+
+Public measured figures of vLLM or SGLang for the same model, hardware and workload: none found, and the
+table says so per row (``PUBLIC``). The nearest public measurements differ in what they measure: the vLLM
+v0.6.0 release blog (blog.vllm.ai, 2024-09-05: Llama 3 8B on 1 H100, 70B on 4 H100, ShareGPT and fixed-length
+datasets) reports throughput at an unbounded request rate and its gains as ratios ("2.7x higher throughput and
+5x faster TPOT" on 8B, "1.8x" and "2x" on 70B), not goodput under TTFT/TPOT targets; Lambda's vllm-benchmark
+(github.com/LambdaLabsML/vllm-benchmark, Llama 3.1 on 1-8 H100) sweeps concurrency without SLOs; DistServe
+(OSDI'24), the goodput measure used here, evaluates OPT-13B/66B/175B, not Llama 3. A comparison needs vLLM or
+SGLang run on this workload (``vllm bench serve --dataset-name random`` with these length ranges and
+``--request-rate``), scored by the same SLO attainment.
 
 The anchors this compares with, DistServe (Zhong et al., OSDI 2024): disaggregating prefill and decode
 (with per-phase parallelism and placement) serves "up to 7.4x more requests or 12.6x tighter SLO" than
@@ -42,6 +53,9 @@ SLOS = {"llama3-8b": {"loose": autopar.SLO(ttft_s=1.0, tpot_s=0.1), "tight": aut
         "llama3-70b": {"loose": autopar.SLO(ttft_s=1.0, tpot_s=0.1), "tight": autopar.SLO(ttft_s=0.4, tpot_s=0.04)}}
 """Per model (a 70B decode step is ~3x an 8B one): loose leaves room to batch; tight binds TPOT."""
 DEVICES = (8, 16, 64)
+PUBLIC: dict[tuple[str, int], str] = {}
+"""(model, devices) -> a public vLLM/SGLang goodput at this workload and SLOs, with its source: none known
+(module docstring)."""
 
 
 def run(quick: bool) -> list[dict]:
@@ -68,19 +82,20 @@ def run(quick: bool) -> list[dict]:
                              "disagg_over_agg": dis / agg if agg else None, "plan_serving_s": seconds,
                              "steps_s": plan.steps_s,
                              "candidates": len(plan.candidates), "pruned": plan.pruned, "plan": plan.to_json()})
+                rows[-1]["public"] = PUBLIC.get((name, devices), "none published for this workload")
                 print(_line(rows[-1]), flush=True)
     return rows
 
 
 HEADER = (f"{'model':11} {'dev':>3} {'slo':5} {'chosen (per unit)':32} {'batch/budget':17} {'goodput':>8} {'/dev':>6} "
-          f"{'agg':>7} {'disagg':>7} {'D/A':>5} {'plan s':>6} {'steps s':>7}")
+          f"{'agg':>7} {'disagg':>7} {'D/A':>5} {'plan s':>6} {'steps s':>7}  vLLM/SGLang measured")
 
 
 def _line(r: dict) -> str:
     ratio = f"{r['disagg_over_agg']:.2f}" if r["disagg_over_agg"] else "-"
     return (f"{r['model']:11} {r['devices']:3} {r['slo']:5} {r['chosen']:32} {r['limits']:17} {r['goodput_rps']:8.1f} "
             f"{r['per_device']:6.2f} {r['best_aggregated_rps']:7.1f} {r['best_disaggregated_rps']:7.1f} {ratio:>5} "
-            f"{r['plan_serving_s']:6.1f} {r['steps_s']:7.1f}")
+            f"{r['plan_serving_s']:6.1f} {r['steps_s']:7.1f}  {r['public']}")
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import autopar  # noqa: E402
 from examples import hf_models  # noqa: E402  (imports transformers only when an HF model is built)
-from examples.llama import Llama, LlamaConfig, lm_loss  # noqa: E402
+from examples.llama import Llama, LlamaConfig, hf_config, lm_loss  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "solve_time.json"
 HARDWARE = "h100"
@@ -68,8 +68,11 @@ EXAMPLE = "llama"
 """examples/llama.py's Llama."""
 HF = "hf-llama"
 """transformers' LlamaForCausalLM, at the Llama-3-8B shape but for its depth."""
-HF_8B_SIZES: dict[str, int] = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
-                               "vocab": 128256, "seq": 4096}
+_HF_8B = hf_config("llama-3-8b")
+HF_8B_SIZES: dict[str, int] = {"hidden": _HF_8B["hidden_size"], "heads": _HF_8B["num_attention_heads"],
+                               "kv_heads": _HF_8B["num_key_value_heads"], "intermediate": _HF_8B["intermediate_size"],
+                               "vocab": _HF_8B["vocab_size"], "seq": 4096}
+"""Llama-3-8B's published config (``examples/configs/llama-3-8b.json``) at sequence 4096."""
 HF_BATCH = 8
 
 WIDTHS: dict[int, dict[str, int]] = {

@@ -5,7 +5,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -236,12 +240,29 @@ def build_7b(batch: int = 8) -> tuple[Llama, tuple[torch.Tensor], object, tuple[
     return model, (tokens,), lm_loss, (tokens,)
 
 
-LLAMA3_8B = LlamaConfig(vocab_size=128256, max_seq_len=8192, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
-                        layers=32, rope_theta=500000.0)
-"""Llama-3-8B's shape (Meta's config.json)."""
-LLAMA3_70B = LlamaConfig(vocab_size=128256, max_seq_len=8192, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672,
-                         layers=80, rope_theta=500000.0)
-"""Llama-3-70B's shape."""
+CONFIGS = Path(__file__).resolve().parent / "configs"
+"""Published Hugging Face ``config.json`` files (``configs/README.md`` names their sources)."""
+
+
+def hf_config(name: str | Path) -> dict[str, Any]:
+    """The fields of ``configs/NAME.json`` (or of a config.json path)."""
+    path = Path(name) if str(name).endswith(".json") else CONFIGS / f"{name}.json"
+    return json.loads(path.read_text())
+
+
+def from_hf_config(name: str | Path, **overrides: Any) -> LlamaConfig:
+    """This Llama at the shape of a published HF Llama config (``overrides``: e.g. a shorter ``max_seq_len``)."""
+    c = hf_config(name)
+    return dataclasses.replace(LlamaConfig(
+        vocab_size=c["vocab_size"], max_seq_len=c["max_position_embeddings"], hidden=c["hidden_size"],
+        heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], ffn_hidden=c["intermediate_size"],
+        layers=c["num_hidden_layers"], rope_theta=float(c["rope_theta"]), norm_eps=c["rms_norm_eps"]), **overrides)
+
+
+LLAMA3_8B = from_hf_config("llama-3-8b")
+"""Llama-3-8B's shape (``configs/llama-3-8b.json``, Meta's config.json)."""
+LLAMA3_70B = from_hf_config("llama-3-70b")
+"""Llama-3-70B's shape (``configs/llama-3-70b.json``)."""
 
 
 def build_serving(cfg: LlamaConfig) -> Llama:

@@ -25,13 +25,17 @@ sequence (GShard's groups), so the batch dim stays free to split across data-par
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from examples.llama import Attention, FeedForward, LlamaConfig, RMSNorm, rotary_tables, setup_caches, step_tables
+from examples.llama import (Attention, FeedForward, LlamaConfig, RMSNorm, hf_config, rotary_tables, setup_caches,
+                            step_tables)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,3 +269,15 @@ def build_wide(batch: int = 8, device: str = "meta"
                ) -> tuple[MoETransformer, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
     """``build(WIDE)`` on the meta device: for planning (``autopar.plan``), no weights allocated."""
     return build(WIDE, batch=batch, device=device)
+
+
+def from_hf_config(name: str | Path, **overrides: Any) -> MoEConfig:
+    """This model at the shape of a published HF Mixtral config (``examples/configs/``; ``overrides``: e.g.
+    fewer ``layers`` or a ``capacity_factor``)."""
+    c = hf_config(name)
+    return dataclasses.replace(MoEConfig(
+        vocab_size=c["vocab_size"], max_seq_len=c["max_position_embeddings"], hidden=c["hidden_size"],
+        heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], ffn_hidden=c["intermediate_size"],
+        layers=c["num_hidden_layers"], experts=c["num_local_experts"], top_k=c["num_experts_per_tok"],
+        aux_loss_coef=c["router_aux_loss_coef"], rope_theta=float(c["rope_theta"]), norm_eps=c["rms_norm_eps"]),
+        **overrides)

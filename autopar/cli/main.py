@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from autopar.cli import hf
 from autopar.errors import InputError
 from autopar.hardware import PROFILES, get_profile
 from autopar.solver.pipeline import SCHEDULES
@@ -89,8 +90,13 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.moe_imbalance is not None:
         hardware = dataclasses.replace(hardware, moe_imbalance=args.moe_imbalance)
     mesh = Mesh(parse_mesh_spec(args.mesh), hardware, args.devices_per_node)  # before running user code
-    builder = load_builder(args.builder)
-    model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
+    hf.check(args, training=True)
+    kwargs = None
+    if args.hf_config is not None:
+        model, inputs, loss_fn, targets, kwargs = hf.training_step(args)
+    else:
+        builder = load_builder(args.builder)
+        model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     pipeline = None
     if args.pipeline is None and (args.schedule is not None or args.virtual_stages is not None
@@ -100,7 +106,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.pipeline is not None:  # --micro-batches is then the pipeline's
         pipeline = autopar.Pipeline(axis=args.pipeline, schedule=args.schedule, micro_batches=args.micro_batches,
                                     virtual_stages=args.virtual_stages, from_axis=args.pipeline_from)
-    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
                         zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
@@ -186,7 +192,9 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="find and print the best DP/TP/SP plan for a model on a mesh",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("builder", help="FILE.py:FUNCTION returning (model, example_inputs[, loss_fn[, example_targets]])")
+    p.add_argument("builder", nargs="?", default=None,
+                   help="FILE.py:FUNCTION returning (model, example_inputs[, loss_fn[, example_targets]])")
+    hf.add_options(p, training=True, positive=_positive)
     p.add_argument("--mesh", required=True, help="axes outermost first, each named once, e.g. dp=2,tp=4")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
     p.add_argument("--devices-per-node", type=_positive(int), default=8, help="devices sharing NVLink (default 8)")

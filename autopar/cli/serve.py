@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from autopar.cli import hf
 from autopar.cli.main import _positive  # one parser of positive numbers for both commands
 from autopar.errors import InputError
 from autopar.hardware import PROFILES
@@ -48,8 +49,9 @@ def add_parser(sub: Any, epilog: str) -> None:
     p = sub.add_parser("serve-plan", help="plan a serving deployment (replicas, TP per phase, prefill/decode "
                                           "disaggregation) with the highest goodput under latency SLOs",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("builder", help="FILE.py:FUNCTION returning a servable model (setup_cache(slots, max_len) and "
+    p.add_argument("builder", nargs="?", default=None, help="FILE.py:FUNCTION returning a servable model (setup_cache(slots, max_len) and "
                                    "forward(tokens, positions, slots); e.g. examples/llama.py:build_8b_serving)")
+    hf.add_options(p, training=False, positive=_positive)
     p.add_argument("--devices", type=_positive(int), required=True, help="devices in the cluster")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
     p.add_argument("--devices-per-node", type=_positive(int), default=8,
@@ -91,10 +93,14 @@ def serve_command(args: argparse.Namespace) -> int:
     cluster = autopar.Cluster(devices=args.devices, hardware=args.hardware, devices_per_node=args.devices_per_node)
     workload = autopar.Workload(prompt_tokens=args.prompt, output_tokens=args.output, arrival_rate=args.rate)
     slo = autopar.SLO(ttft_s=args.ttft, tpot_s=args.tpot, percentile=args.percentile)
-    builder = load_builder(args.builder)
-    model = _run_user_code(args.builder, lambda: builder())
-    if isinstance(model, tuple) and model:  # a training builder's (model, inputs, ...): the model
-        model = model[0]
+    hf.check(args, training=False)
+    if args.hf_config is not None:
+        model = hf.serving_model(args)
+    else:
+        builder = load_builder(args.builder)
+        model = _run_user_code(args.builder, lambda: builder())
+        if isinstance(model, tuple) and model:  # a training builder's (model, inputs, ...): the model
+            model = model[0]
     plan = autopar.plan_serving(model, cluster, workload, slo, max_batch=args.max_batch,
                                 token_budget=args.token_budget, disaggregated=not args.no_disaggregated,
                                 tp_degrees=args.tp, pp_degrees=args.pp, ep_degrees=args.ep)

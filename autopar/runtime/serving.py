@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
 from autopar.errors import InputError
+from autopar.hf.servable import as_servable
 from autopar.runtime.compile import _gather_errors, compile
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelinedModule
@@ -94,7 +95,8 @@ class ServingModule(nn.Module):
 def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[Any, ...],
                     decode_inputs: tuple[Any, ...], *, prefill_kwargs: dict[str, Any] | None = None,
                     decode_kwargs: dict[str, Any] | None = None, prefill_options: dict[str, Any] | None = None,
-                    decode_options: dict[str, Any] | None = None, **options: Any) -> ServingModule:
+                    decode_options: dict[str, Any] | None = None, cache_len: int | None = None,
+                    **options: Any) -> ServingModule:
     """Plan and build this rank's serving programs for ``model`` on ``mesh`` (call on every rank
     with the same arguments, as :func:`autopar.compile`).
 
@@ -111,8 +113,11 @@ def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[An
     the decode module's shards (see the module docstring). ``pipeline=autopar.Pipeline(axis=...)``
     cuts both into stages (one micro-batch, GPipe, one stage per rank; other choices are refused),
     the prefill at the decode's cuts. Errors (an option serving does not take, a prefill step that
-    cannot take the decode plan's placements or cuts) are raised on every rank.
+    cannot take the decode plan's placements or cuts) are raised on every rank. An HF causal LM is served
+    as it is (``autopar.hf.servable``): its cache gets the decode step's slots and ``cache_len`` positions
+    (default: the model's), module FQNs gaining the adapter's ``model.`` prefix.
     """
+    model = _servable(model, decode_inputs, cache_len)
     both = [options, prefill_options or {}, decode_options or {}]
     refused = next((f"{k}=: {why}" for k, why in _REFUSED.items() if any(k in o for o in both)), "")
     pipeline = options.pop("pipeline", None)
@@ -131,6 +136,16 @@ def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[An
                       **{**options, **(prefill_options or {})})
     _gather_errors("sharing the state of the prefill and decode steps", _disagreement(decode, prefill))
     return ServingModule(prefill=prefill, decode=decode)
+
+
+def _servable(model: nn.Module, decode_inputs: tuple[Any, ...], cache_len: int | None) -> nn.Module:
+    """``model``, or an HF causal LM in its slot-indexed cache adapter, its cache set up for the decode step."""
+    served = as_servable(model)
+    if served is not model:
+        served.setup_cache(int(decode_inputs[0].shape[0]), cache_len)  # type: ignore[operator]
+    elif cache_len is not None:
+        raise InputError("cache_len= sizes the cache of an HF causal LM; this model sets up its own (setup_cache)")
+    return served
 
 
 def _pipeline_error(pipeline: object) -> str:

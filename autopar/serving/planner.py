@@ -38,6 +38,7 @@ from autopar.serving.goodput import GoodputResult, find_goodput, meets_slo
 from autopar.serving.limits import Means, Pins, pool_moves
 from autopar.serving.planned import PlannedStepTimes
 from autopar.serving.replicas import ReplicaKey, ReplicaOptions, prefill_layout, replica_times
+from autopar.hf.servable import as_servable
 from autopar.serving.servable import check_servable
 from autopar.serving.serving_plan import ServingPlan, build_plan
 from autopar.serving.workload import SLO, Cluster, Workload
@@ -93,6 +94,7 @@ def plan_serving(model: nn.Module, cluster: Cluster, workload: Workload, slo: SL
     for value, kind in ((cluster, Cluster), (workload, Workload), (slo, SLO)):
         if not isinstance(value, kind):
             raise InputTypeError(f"plan_serving needs a {kind.__name__}, got {type(value).__name__}")
+    model = as_servable(model)  # an HF causal LM: its slot-indexed cache adapter
     check_servable(model)
     for value, name in ((max_batch, "max_batch"), (token_budget, "token_budget")):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

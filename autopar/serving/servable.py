@@ -13,8 +13,8 @@ A prefill chunk is batch 1 x ``chunk`` steps; a decode step is batch = requests 
 ``setup_cache`` for every step it plans (up to 128 slots of the longest request): a model with real weights
 then allocates those caches, so build large models on the meta device; the model is left with the last
 planned step's cache (call ``setup_cache`` again before serving). Hugging
-Face models keep their cache outside the module (``past_key_values``); a thin wrapper holding a
-static cache as buffers and exposing these two methods adapts one (not written yet).
+Face causal LMs keep their cache outside the module; ``plan_serving`` and ``compile_serving`` take one
+as it is, through ``autopar.hf.servable`` (slot-indexed cache buffers behind a transformers ``Cache``).
 """
 
 from __future__ import annotations
