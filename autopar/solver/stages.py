@@ -339,8 +339,8 @@ def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of
                  update_s: list[float]) -> float:
     """Seconds no pipelined step of these stages beats: a rank runs its actions one after another
     (every micro-batch's forward and backward of each of its stages), then its gradient buckets
-    and its optimizer step (``PipelinePlan.rank_ends``), so the step lasts at least the longest
-    such sum, whatever the schedule's bubble and transfers add."""
+    and tied weights' all-reduces (``sync_s``) and its optimizer step (``PipelinePlan.rank_ends``),
+    so the step lasts at least the longest such sum, whatever the bubble, transfers and waits add."""
     work = [0.0] * len(sync_s)
     for (f, b), r in zip(stage_s, rank_of):
         work[r] += micro_batches * (f + b)
