@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time
 from autopar.errors import InputError
 from autopar.runtime.forked import TIMEOUT_S, run_ranks
+from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.pipeline import PipelinedModule
 from autopar.solver.stages import balanced_cuts
 from examples import gpt, hf_models, llama
@@ -79,8 +82,27 @@ def _wide_vocab() -> Any:
     return llama.build(llama.LlamaConfig(layers=2, hidden=32, heads=2, kv_heads=1, ffn_hidden=64, vocab_size=4096))
 
 
+def _tied_gpt() -> Any:
+    """The example GPT, small, its output head the embedding table itself (``lm_head.weight`` is
+    ``wte.weight``): the first stage reads it to embed, the last to compute the logits."""
+    model, inputs, loss_fn, targets = gpt.build(gpt.GPTConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=2))
+    model.lm_head.weight = model.wte.weight
+    return model, inputs, loss_fn, targets
+
+
+def _hf_gpt2() -> Any:
+    """HF's ``GPT2LMHeadModel`` (``tie_word_embeddings`` as it defaults: ``lm_head`` tied to
+    ``transformer.wte``) computing its own loss; dropout off (the reference draws no masks)."""
+    model, inputs, loss_fn, targets, kwargs = hf_models.build_gpt2(layers=2, hidden=32, heads=2, vocab=64, seq=16)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model, inputs, loss_fn, targets, kwargs
+
+
 MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack, "hf_llama": _hf_llama,
-                                        "wide_vocab": _wide_vocab}
+                                        "wide_vocab": _wide_vocab, "tied_gpt": _tied_gpt, "hf_gpt2": _hf_gpt2}
 
 
 @dataclass(frozen=True)
@@ -133,6 +155,14 @@ CASES = [
     # the head and the tail as stages of their own (test_head_and_tail_take_stages_alone)
     Case("wide_vocab", (2,), ("pp",), "1f1b", 2),
     Case("wide_vocab", (2,), ("pp",), "interleaved_1f1b", 4, 2),
+    # a tied embedding read by the first and the last stage: held by both ranks, its gradients summed between
+    # them (pp=4: by a group of the first and last rank; ZB-V: both stages on rank 0, no all-reduce)
+    Case("tied_gpt", (2,), ("pp",), "1f1b", 2),
+    Case("tied_gpt", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
+    Case("tied_gpt", (2,), ("pp",), "interleaved_1f1b", 4, 2),
+    Case("tied_gpt", (2,), ("pp",), "zbv", 4, 2),
+    Case("tied_gpt", (4,), ("pp",), "1f1b", 4),
+    Case("hf_gpt2", (2,), ("pp",), "1f1b", 2),
 ]
 _REFERENCES: dict[str, Reference] = {}
 
@@ -157,12 +187,15 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
                          pipeline=pipeline, **case.options)
     assert isinstance(pm, PipelinedModule)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
-    losses, grads = [], {}
+    log = CollectiveLog()
+    pm.attach_log(log)
+    losses, grads, ran = [], {}, Counter()
     for i in range(STEPS):
         loss = pm.step(*inputs, *targets, **kwargs)
         assert isinstance(loss, DTensor) and not loss.requires_grad and loss.device_mesh is mesh
         losses.append(loss.to_local().item())
         if i == 0:
+            ran = Counter(log.transfers)
             state = pm.state_dict()
             grads = {k: DTensor.from_local(p.grad, pm.stage_mesh, state[k].placements, run_check=False).full_tensor()
                      for k, p in pm.named_parameters() if p.grad is not None}
@@ -170,7 +203,9 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
         opt.zero_grad()
     params = {k: v.full_tensor() for k, v in pm.state_dict().items() if k in ref.state}
     local = {k: _digest(v.to_local()) + str(tuple(v.placements)) for k, v in pm.state_dict().items()}
-    return {"losses": losses, "held": sorted(params), "with_grad": sorted(grads), "misplaced": _misplaced(pm, mesh),
+    return {"losses": losses, "held": sorted(k for k, _ in pm.named_parameters()), "with_grad": sorted(grads),
+            "state_keys": sorted(pm.state_dict()), "misplaced": _misplaced(pm, mesh),
+            "ran": ran, "planned": pm.plan.pipeline.step_transfers(),
             "grad_mismatches": mismatches({k: ref.grads[k] for k in grads}, grads),
             "state_mismatches": mismatches({k: ref.state[k] for k in params}, params),
             "local": local, "coordinate": mesh.get_coordinate(), "plan": pm.plan.plan_hash(),
@@ -230,8 +265,23 @@ def _check_training(case: Case, timeout_s: float = TIMEOUT_S) -> list[dict[str, 
             assert result["checkpoint"] == (case.options["checkpoint"], case.options.get("checkpoint_blocks", 4))
     params = {k for k in ref.state if k in ref.grads}
     assert held == params, f"parameters no stage holds: {sorted(params - held)}"
+    saved = {k for r in results for k in r["state_keys"]}
+    assert saved >= set(ref.state), f"state no rank's state_dict() has: {sorted(set(ref.state) - saved)}"
     _check_replicas(results)
+    _check_transfers(results)
     return results
+
+
+def _check_transfers(results: list[dict[str, Any]]) -> None:
+    """Per pp column (the ranks at one place on the stage mesh), what a training step ran on the
+    pipeline axis besides the schedule's sends (a tied weight's gradient all-reduce, logged by each
+    rank holding it) is what the plan lists."""
+    columns: dict[tuple[int, ...], Counter] = {}
+    for result in results:
+        column = tuple(result["coordinate"][1:])
+        columns[column] = columns.get(column, Counter()) + result["ran"]
+    for column, ran in columns.items():
+        assert ran == results[0]["planned"], f"column {column}: ran {ran}, planned {results[0]['planned']}"
 
 
 def _check_replicas(results: list[dict[str, Any]]) -> None:
@@ -348,13 +398,57 @@ def test_checkpointing_inside_stages_is_planned() -> None:
             assert ours.backward_s > theirs.backward_s  # the replay
 
 
-def test_tied_weight_across_stages_is_refused() -> None:
-    def tied() -> Any:
-        model, inputs, loss_fn, targets = gpt.build()
-        model.lm_head.weight = model.wte.weight
-        return model, inputs, loss_fn, targets
-    with pytest.raises(InputError, match="wte.weight|lm_head.weight"):
-        _plan(autopar.Pipeline(axis="pp", schedule="gpipe", micro_batches=2), {"pp": 2}, tied)
+def _untied_gpt() -> Any:
+    """``_tied_gpt`` with an output head of its own (the same shapes)."""
+    return gpt.build(gpt.GPTConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=2))
+
+
+@pytest.mark.parametrize("schedule, v, p, holders", [("1f1b", 1, 2, [(0, 0), (1, 1)]),
+                                                     ("interleaved_1f1b", 2, 2, [(0, 0), (3, 1)]),
+                                                     ("1f1b", 1, 4, [(0, 0), (3, 3)]),
+                                                     ("zbv", 2, 2, [(0, 0)])])
+def test_tied_weight_is_priced_on_both_stages(schedule: str, v: int, p: int, holders: list[tuple[int, int]]) -> None:
+    """A weight the first and the last stage read is held by both stages' ranks: its state counts on
+    both (each stage holds what the untied model's embedding and head hold apart), and after the
+    drain its gradient is all-reduced between them on the pipeline axis, which the plan lists
+    (stages, ranks, bytes of the fp32 gradient, seconds) and prices in the step: both ranks wait
+    for the later one's buckets, then run it, then update. Where both stages are on one rank
+    (ZB-V's rank 0) the copies are one tensor: no all-reduce."""
+    pipeline = autopar.Pipeline(axis="pp", schedule=schedule, micro_batches=4, virtual_stages=v)
+    tied = _plan(pipeline, {"pp": p}, _tied_gpt)
+    untied = _plan(pipeline, {"pp": p}, _untied_gpt)
+    pipe, apart = tied.pipeline, untied.pipeline
+    assert [s.blocks for s in pipe.stages] == [s.blocks for s in apart.stages]
+    nbytes = 64 * 32 * 4
+    for ours, theirs in zip(pipe.stages, apart.stages):
+        # the last stage on the first's rank (ZB-V) reads the copy that rank holds for stage 0
+        shared = ours.index == len(pipe.stages) - 1 and ours.rank == pipe.stages[0].rank
+        assert (ours.parameters + shared, ours.parameter_bytes + shared * nbytes, ours.state_bytes + shared * 4 * nbytes
+                ) == (theirs.parameters, theirs.parameter_bytes, theirs.state_bytes), ours.index
+    assert list(tied.parameters) == [s for s in untied.parameters if s != "lm_head.weight"]
+    if len(holders) == 1:  # one rank holds both stages: nothing to sum between ranks
+        assert pipe.tied == [] and pipe.step_transfers() == Counter()
+        return
+    (weight,) = pipe.tied
+    assert (weight.parameter, weight.stages, weight.ranks, weight.bytes) == \
+        ("wte.weight", [s for s, _ in holders], [r for _, r in holders], nbytes)
+    mesh = autopar.Mesh({"pp": p}, "cpu")
+    n, link = len(holders), mesh.link(0)
+    ring = mesh.hardware.collective_overhead + 2 * (n - 1) * (link.latency + nbytes / n / link.bandwidth)
+    assert weight.time_s == pytest.approx(ring, rel=1e-12) and weight.time_s > 0
+    if p == 2:  # the whole pp axis: the all-reduce the cost model prices on it
+        assert weight.time_s == pytest.approx(collective_time(CollectiveCall(ALL_REDUCE, 0, nbytes), mesh), rel=1e-12)
+    assert pipe.step_transfers() == Counter({("all_reduce", s, nbytes): 1 for s, _ in holders})
+    ends = pipe.rank_ends(pipe.simulate())
+    start = max(ends[r].synced_s for _, r in holders)
+    for r, end in enumerate(ends):
+        held = any(r == h for _, h in holders)
+        assert (end.tied_start_s, end.tied_end_s) == pytest.approx((start, start + weight.time_s) if held
+                                                          else (end.synced_s, end.synced_s), rel=1e-12)
+    assert tied.predicted.step_time_s == pytest.approx(max(e.end_s for e in ends), rel=1e-12)
+    assert tied.predicted.step_time_s > start + weight.time_s
+    assert tied.to_json()["pipeline"]["tied"][0]["parameter"] == "wte.weight"
+    assert f"wte.weight tied on stages {holders[0][0]} and {holders[-1][0]}" in pipe.describe()
 
 
 def _compile_bad(rank: int, world: int) -> str:

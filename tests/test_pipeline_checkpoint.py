@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.runtime import checkpoint
 from autopar.runtime.forked import run_ranks
-from examples import llama
+from examples import gpt, llama
 from numerics_harness import EPS, LR, Packed, mismatches, pack, reference, unpack
 
 SAVED_STEPS = 2
@@ -188,3 +188,39 @@ def test_checkpoint_resumes_pipelined(tmp_path: Path) -> None:
                   if not k.startswith(checkpoint.OPTIMIZER)}
     assert model_keys == set(_llama()[0].state_dict())  # the rotary tables are not (non-persistent buffers)
     _check_resumed(run_ranks(_resume_rank, 4, "pp2xtp2", path), saved)
+
+
+def _tied_gpt() -> Any:
+    """A small GPT whose output head is its embedding table (``lm_head.weight`` is ``wte.weight``)."""
+    model, inputs, loss_fn, targets = gpt.build(gpt.GPTConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=2))
+    model.lm_head.weight = model.wte.weight
+    return model, inputs, loss_fn, targets
+
+
+def _save_tied_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+    model, inputs, loss_fn, targets = _tied_gpt()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=PIPELINE)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    _train(pm, opt, (*inputs, *targets), SAVED_STEPS)
+    checkpoint.save(pm, path, opt)
+    return {"held": sorted(pm.state_dict())}
+
+
+def test_pipelined_tied_weight_checkpoint(tmp_path: Path) -> None:
+    """A weight tied between the first and the last stage (both pp ranks hold it) is saved under
+    both of its names, as the model's ``state_dict()`` has them, so one process loads it into the
+    tied model and resumes on the single-device numbers."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save_tied_rank, 2, path)
+    assert all({"wte.weight", "lm_head.weight"} <= set(r["held"]) for r in saved), saved
+    assert not dist.is_initialized()
+    model, inputs, loss_fn, targets = _tied_gpt()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    checkpoint.load_single_device(model, path, opt)
+    assert model.lm_head.weight is model.wte.weight
+    _train_single(model, opt, inputs, loss_fn, targets)
+    assert mismatches(reference(_tied_gpt, steps=SAVED_STEPS + 1).state, model.state_dict()) == []

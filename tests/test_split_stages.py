@@ -47,3 +47,25 @@ def test_a_chain_of_reshards_is_computed_in_each_stage_reading_it() -> None:
     sent = dict(zip(first.outputs, first.gm(x)))
     out = second.gm(*[x if name == "x" else sent[name] for name in second.inputs])
     torch.testing.assert_close(out, (x * 2 + x * 3) + (x + 1) + (x - 1))
+
+
+def test_a_cast_of_a_tied_weight_is_computed_in_each_stage_reading_it() -> None:
+    """A parameter read by stages 0 and 1 through one cast (mixed precision reads a tied weight's
+    bf16 copy, ``passes.cast_parameters``): each stage casts the parameter it holds, so the cast
+    does not cross the cut (the plan prices no such send) and each stage's reads reach its own
+    copy of the weight, whose gradient the pipeline sums between the stages (``runtime.tied``)."""
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    cast = graph.call_function(torch.ops.aten._to_copy.default, (w,), {"dtype": torch.float64})
+    a = graph.call_function(torch.mul, (x, cast))
+    b = graph.call_function(torch.add, (a, cast))
+    graph.output(b)
+    for node in (a, b):
+        node.meta[PLAN_NAME] = node.name
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    first, second = split_stages(gm, {"mul": 0, "add": 1}, 2, ["x"])
+    assert (first.inputs, first.state, first.outputs) == (["x"], ["w"], ["mul"])
+    assert (second.inputs, second.state) == (["mul"], ["w"])
+    x_, w_ = torch.randn(3), torch.randn(3)
+    (sent,) = first.gm(x_, w_)
+    torch.testing.assert_close(second.gm(sent, w_), x_.double() * w_.double() + w_.double())

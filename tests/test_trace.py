@@ -176,3 +176,27 @@ def test_pipelined_trace_sends_and_kinds() -> None:
     assert {s.name.split(" ")[0] for s in spans[0] if s.track == COMPUTE} == {"F", "B", "bubble", "optimizer"}
     assert len([s for s in spans[0] if s.track == "point-to-point to pp rank 1"]) == one.pipeline.micro_batches
     assert len([s for s in spans[1] if s.track == "point-to-point to pp rank 0"]) == one.pipeline.micro_batches
+
+
+def test_pipelined_trace_tied_weight() -> None:
+    """A weight tied between the first and the last stage: after its buckets each pp rank waits
+    for the other (on ``compute``), then all-reduces its gradient with it (on the waited track, the
+    plan's seconds), then updates; no gap is left unexplained and the step ends at the prediction."""
+    model, inputs, loss_fn, targets = gpt.build(gpt.GPTConfig(vocab_size=64, max_seq_len=16, hidden=32, heads=2))
+    model.lm_head.weight = model.wte.weight
+    plan = autopar.plan(model, autopar.Mesh({"pp": 2, "dp": 2}, "cpu"), inputs, loss_fn=loss_fn,
+                        example_targets=targets, data_axes=("dp",),
+                        pipeline=autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2))
+    (weight,) = plan.pipeline.tied
+    ends = []
+    for r, spans in enumerate(pipeline_timeline(plan)):
+        tied = [s for s in spans if s.name.startswith("tied weights")]
+        assert [(s.track, s.args["weights"]) for s in tied] == [(WAITED, ["wte.weight"])]
+        assert tied[0].seconds == pytest.approx(weight.time_s, rel=1e-9)
+        clock = sorted((s for s in spans if s.track in (COMPUTE, WAITED)), key=lambda s: s.start_s)
+        for a, b in zip(clock, clock[1:]):
+            assert b.start_s == pytest.approx(a.start_s + a.seconds, rel=1e-9, abs=1e-12), (a.name, b.name)
+        ends.append(clock[-1].start_s + clock[-1].seconds)
+    waits = [s for spans in pipeline_timeline(plan) for s in spans if s.name.startswith("waiting for the pp ranks")]
+    assert len(waits) == 1  # the rank whose pipeline drained first waits for the other
+    assert max(ends) == pytest.approx(plan.predicted.step_time_s, rel=1e-9)

@@ -8,7 +8,8 @@ is_causal=True)``: the runtime (``autopar.runtime.attention``) knows the rank's 
 and which axes are zig-zag, so it knows which query positions the rank holds, and runs the call with the causal mask
 of those positions instead of ``is_causal`` (which would align the rank's first row with
 the first key). Every other attention call is left as captured: split on batch or heads,
-or non-causal, a rank's rows need nothing of their positions. Runs after insert_reshards,
+or non-causal, or split on mesh dims of size 1 (a stage mesh of one device), a rank's rows need
+nothing of their positions. Runs after insert_reshards,
 so the arguments it moves are the resharded ones (keys and values gathered).
 
 An attention call planned as ring attention (its keys split on the sequence too,
@@ -23,7 +24,7 @@ import torch.fx
 
 from autopar.passes.context import PassContext, plan_name, strategy_of
 from autopar.rules.attention import ring_dim, splits_causal_rows
-from autopar.rules.strategy import placement_str
+from autopar.rules.strategy import Placements, placement_str, shard_dim
 
 
 def localize_attention(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:
@@ -38,7 +39,8 @@ def localize_attention(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Gr
         ring = ring_dim(node.target, strategy.inputs[1], call.tensor_inputs[1].ndim)
         if ring is not None:
             module, extra = "ring_attention", (placement_str(strategy.inputs[1]), ring)
-        elif splits_causal_rows(node.target, node.args, node.kwargs, strategy.inputs[0], call.tensor_inputs[0].ndim):
+        elif splits_causal_rows(node.target, node.args, node.kwargs, strategy.inputs[0], call.tensor_inputs[0].ndim) \
+                and _ways(strategy.inputs[0], call.tensor_inputs[0].ndim - 2, pc.mesh_shape) > 1:
             module, extra = "context_attention", ()
         else:
             continue
@@ -50,3 +52,13 @@ def localize_attention(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Gr
         graph.erase_node(node)
     gm.recompile()
     return gm
+
+
+def _ways(placements: Placements, dim: int, mesh_shape: tuple[int, ...]) -> int:
+    """Into how many pieces ``placements`` split ``dim``: a split on mesh dims of size 1 leaves
+    every rank all rows, which run as captured."""
+    ways = 1
+    for p, n in zip(placements, mesh_shape):
+        if shard_dim(p) == dim:
+            ways *= n
+    return ways

@@ -10,7 +10,10 @@ so that a value crossing a cut is sent once, placed as its producer placed it, a
 by each later stage reading it, as the plan prices the sends (``solver.stages.crossing_bytes``);
 a node computed only from placeholders (a parameter's cast or gather, its prefetch, the
 slicing of a user input) joins the earliest stage reading it, so a parameter's gathers run
-in the stage that holds the parameter.
+in the stage that holds the parameter; a function of state placeholders alone read by several
+stages (the one cast mixed precision reads a tied weight through) is computed again in each
+later stage reading it, as a shared reshard is, so each stage reads the copy of the state it
+holds and nothing derived from the state crosses a cut.
 
 Each stage's module takes, in order, the values it receives (``inputs``: the user's
 inputs for the first stage; for a later one, every value an earlier stage computed, or a
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from autopar.capture.aliasing import written_args
+from autopar.capture.subgraphs import is_higher_order
 from autopar.passes.context import plan_name
 
 
@@ -53,7 +58,7 @@ def split_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int
     """``gm`` (a rank's program) as ``stages`` stage programs; ``stage_of``: plan node name ->
     stage; ``user_inputs``: the placeholders the caller feeds (the others are state)."""
     assigned = _assign(gm, stage_of, stages)
-    _reshard_per_stage(gm, assigned)
+    _reshard_per_stage(gm, assigned, set(user_inputs))
     users_after = _carried(gm, assigned, set(user_inputs), stages)
     out = []
     for s in range(stages):
@@ -103,16 +108,17 @@ def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> 
     return assigned
 
 
-def _reshard_per_stage(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int]) -> None:
+def _reshard_per_stage(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], user_inputs: set[str]) -> None:
     """A reshard that readers of several stages share (``insert_reshards`` shares one among
     consumers wanting the same placement) is copied into each later stage reading it, so that
     the value it reshards crosses the cut (once) rather than the value and its reshard both; a
     chain of reshards (one resharding another's result) is copied whole, each stage's copy reading
-    that stage's copy of the one before, so only the chain's first input crosses."""
+    that stage's copy of the one before, so only the chain's first input crosses. A function of
+    state alone (``_of_state``) is copied likewise: the state is bound in every stage reading it."""
     copies: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
-        if not _is_reshard(node, assigned):
+        if not (_is_reshard(node, assigned) or _of_state(node, assigned, user_inputs)):
             continue
         later: dict[int, list[torch.fx.Node]] = {}
         for user in node.users:
@@ -128,6 +134,14 @@ def _reshard_per_stage(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, i
 
 def _is_reshard(node: torch.fx.Node, assigned: dict[torch.fx.Node, int]) -> bool:
     return node.op == "call_module" and node.target in _RESHARDS and node in assigned
+
+
+def _of_state(node: torch.fx.Node, assigned: dict[torch.fx.Node, int], user_inputs: set[str]) -> bool:
+    """A function (no module: nothing kept between calls) of state placeholders alone, writing
+    into none of them (a buffer's in-place update runs once): a parameter's cast."""
+    inputs = node.all_input_nodes
+    return node.op == "call_function" and node in assigned and bool(inputs) and not written_args(node) and \
+        not is_higher_order(node) and all(a.op == "placeholder" and a.name not in user_inputs for a in inputs)
 
 
 def _copy_chain(gm: torch.fx.GraphModule, node: torch.fx.Node, stage: int, before: torch.fx.Node,

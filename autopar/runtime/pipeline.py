@@ -15,8 +15,9 @@ stage, and the last stage's loss of each micro-batch is weighted exactly as
 cross entropy dividing by counted targets, the accumulated gradients then divided by the
 step's total count). After the schedule, the gradients of this rank's parameters are
 all-reduced over the stage mesh's data axes once, bucket by bucket as the plan lists them
-(the pieces of each bucket this rank holds), and the step's loss is broadcast from the
-last stage to every rank.
+(the pieces of each bucket this rank holds), those of weights tied across pp ranks (an
+embedding the last stage's output head reuses) are summed with their other copies'
+(``runtime.tied``), and the step's loss is broadcast from the last stage to every rank.
 
 A forward-only step (``train=False``: a serving step, ``compile_serving``) is ``pm(*inputs)``:
 one micro-batch through the stages in order on ``ScheduleGPipe`` built without a loss, which
@@ -48,6 +49,7 @@ from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.stages import StageModule, ValueMeta, fake_shard, stage_metas
+from autopar.runtime.tied import TiedGradients
 from autopar.solver.pipeline import STAGE_AXIS, Pipeline
 from autopar.solver.plan import Plan
 from autopar.solver.schedule_sim import WEIGHT_GRAD, torch_order
@@ -80,14 +82,16 @@ class PipelinedModule(nn.Module):
     (compiled ``train=False``: outputs of a forward-only step with ``pm(*inputs)``).
 
     Parameters are this rank's stages' own (their shards on the stage mesh), registered under
-    the model's FQNs; ``state_dict()`` gives them as DTensors on the stage mesh."""
+    the model's FQNs; ``state_dict()`` gives them as DTensors on the stage mesh (a tied weight
+    under each of its names, as the model's ``state_dict()`` has it)."""
 
     def __init__(self, *, plan: Plan, pipeline: Pipeline, device_mesh: DeviceMesh, stage_mesh: DeviceMesh,
                  comm: Comm, modules: list[StageModule], metas: list[tuple[list[ValueMeta], list[ValueMeta]]],
                  params: dict[str, nn.Parameter], fqns: dict[str, str], buffers: dict[str, torch.Tensor],
                  placements: dict[str, tuple[Placement, ...]], signature: StepSignature, batch: frozenset[int],
                  loss_kind: str | None, loss_dtype: torch.dtype | None, loss_out: torch.dtype,
-                 transient: frozenset[str] = frozenset(), outputs: list[ValueMeta] | None = None,
+                 tied: TiedGradients, aliases: dict[str, str], transient: frozenset[str] = frozenset(),
+                 outputs: list[ValueMeta] | None = None,
                  output_placements: list[tuple[Placement, ...] | None] | None = None) -> None:
         super().__init__()
         self.plan = plan
@@ -104,6 +108,8 @@ class PipelinedModule(nn.Module):
         self._outputs = outputs or []  # a forward-only step's outputs (the last stage's), broadcast to every pp rank
         self._output_placements = output_placements or []
         self._params_by_node = params
+        self._tied = tied
+        self._aliases = aliases  # another FQN of a tied tensor -> the one it is registered under
         for name, param in params.items():
             set_by_path(self, fqns[name], param, buffer=False)
         for fqn, tensor in buffers.items():
@@ -214,6 +220,7 @@ class PipelinedModule(nn.Module):
         self._schedule.step(*args, target=torch.arange(self.pipeline.micro_batches), losses=losses,
                             return_outputs=False)
         reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
+        self._tied.reduce(self.log)
         total = torch.stack(self._counts).sum() if self._counts else torch.ones((), dtype=torch.float32)
         summed = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
         shared = torch.stack([summed.float(), total.float()])
@@ -238,6 +245,9 @@ class PipelinedModule(nn.Module):
         out: dict[str, Any] = {}
         for fqn, tensor in nn.Module.state_dict(self, keep_vars=True).items():
             out[fqn] = DTensor.from_local(tensor.detach(), self.stage_mesh, self._placements[fqn], run_check=False)
+        for alias, fqn in self._aliases.items():
+            if fqn in out:
+                out[alias] = out[fqn]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,  # type: ignore[override]
@@ -325,6 +335,7 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
         metas=[own[s] for s in mine], params=params, fqns={n: kinds[n][1] for n in params},
         buffers={kinds[n][1]: state.local[n] for n in keep if kinds[n][0] == "buffer"},
         placements=state.placements, transient=state.transient, signature=signature, batch=batch, loss_kind=kind,
+        tied=TiedGradients(pp.tied, mesh, pipeline.axis, params), aliases=step.captured.tied,
         loss_dtype=torch.float32 if compute_dtype is not None else None,
         loss_out=torch.float32 if compute_dtype is not None or loss_meta is None else loss_meta.dtype,
         outputs=metas[-1][1], output_placements=[step.chosen[n].outputs[0] if n in step.chosen else None

@@ -43,13 +43,15 @@ def node_costs(graph: PlanGraph, chosen: dict) -> dict[str, NodeCost]:
     return out
 
 
-def stage_bytes(graph: PlanGraph, costs: dict[str, NodeCost], stage_of: dict[str, int], params: dict[str, int],
-                count: int) -> tuple[list[float], list[float]]:
+def stage_bytes(graph: PlanGraph, costs: dict[str, NodeCost], stage_of: dict[str, int],
+                params: dict[str, tuple[int, ...]], count: int) -> tuple[list[float], list[float]]:
     """(model state bytes per stage, saved activation bytes of one micro-batch per stage);
-    the user inputs a micro-batch brings are the first stage's."""
+    ``params``: the stages holding each parameter (a tied weight's copies each count where they
+    are held); the user inputs a micro-batch brings are the first stage's."""
     state, act = [0.0] * count, [0.0] * count
-    for name, s in params.items():
-        state[s] += costs[name].memory
+    for name, held in params.items():
+        for s in held:
+            state[s] += costs[name].memory
     for name in graph.order:
         kind = graph.nodes[name].kind
         if kind == OP and name in stage_of:

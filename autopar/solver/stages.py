@@ -12,7 +12,8 @@ the one plan of the whole step on the stage sub-mesh; its nodes' seconds price t
 
 The pipelined step plays torch's schedule order out with those seconds and the transfers
 across cuts between ranks (``solver.schedule_sim``); after its last action each rank reduces
-its gradient buckets, takes the step's loss from the last stage's rank and updates its
+its gradient buckets, sums the gradients of weights tied across ranks with their other
+copies' (``solver.tied``), takes the step's loss from the last stage's rank and updates its
 parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
 """
 
@@ -30,11 +31,12 @@ from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
 from autopar.solver.cuts import balanced_cuts, pinned_cuts
 from autopar.solver.memory import block_of
-from autopar.solver.nodes import INPUT, OP, PARAM, PlanGraph
+from autopar.solver.nodes import INPUT, OP, PlanGraph
 from autopar.solver.pipeline import Pipeline, pipeline_compute_s, simulate_pipeline
 from autopar.solver.schedule_sim import Simulation
 from autopar.solver.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, stage_bytes,
                                          whole_step_extra)
+from autopar.solver.tied import TiedWeight, parameter_stages, shared_ends, tied_parameters, tied_seconds
 from autopar.units import fmt_bytes
 
 HEAD, TAIL = "(head)", "(tail)"
@@ -80,8 +82,14 @@ class RankEnd(NamedTuple):
     """Its last pipeline action's end."""
     synced_s: float
     """Its gradient buckets' end."""
+    tied_start_s: float
+    """When its first tied weight's all-reduce starts, once every rank holding that weight is ready
+    (``synced_s`` where it holds none)."""
+    tied_end_s: float
+    """When its last tied weight's all-reduce ends (``synced_s`` where it holds none)."""
     update_start_s: float
-    """When it has the step's loss (broadcast from the last stage's rank after that rank's buckets)."""
+    """When it has the step's loss (broadcast from the last stage's rank after that rank's buckets
+    and tied weights)."""
     end_s: float
     """Its optimizer step's end."""
 
@@ -124,6 +132,9 @@ class PipelinePlan:
     a training step (its loss's broadcast, a few bytes, is not priced)."""
     output_s: float = 0.0
     """Predicted seconds of that broadcast: p - 1 point-to-point sends from the last stage's rank."""
+    tied: list[TiedWeight] = field(default_factory=list)
+    """Weights held by several pp ranks (read by stages on each), whose gradients a training step
+    all-reduces between them after the buckets (``solver.tied``), in the order it runs them."""
     estimate: str = ("the pipelined step time is an estimate (torch's schedule order played out with each stage's "
                      "predicted seconds, backward halved into input and weight gradients where the schedule splits "
                      "them, transfers delaying only their receivers); the ILP placed each stage for one micro-batch "
@@ -139,13 +150,21 @@ class PipelinePlan:
 
     def rank_ends(self, sim: Simulation) -> list[RankEnd]:
         """Each rank after its pipeline drains, as ``runtime.pipeline.PipelinedModule.step`` runs
-        it: its gradient buckets, then the loss broadcast from the last stage's rank (which
-        sends it after its own buckets), then its optimizer step. The step ends at the latest."""
+        it: its gradient buckets, its tied weights' all-reduces (each once all its ranks are
+        ready), then the loss broadcast from the last stage's rank (which sends it after its own
+        buckets and tied weights), then its optimizer step. The step ends at the latest."""
         drained = [acts[-1][4] if acts else 0.0 for acts in sim.placed]
         synced = [d + g for d, g in zip(drained, self.grad_sync_per_rank_s)]
-        loss_at = synced[self.stages[-1].rank]
-        return [RankEnd(d, s, max(s, loss_at), max(s, loss_at) + u)
-                for d, s, u in zip(drained, synced, self.update_per_rank_s)]
+        tied = shared_ends(self.tied, synced)
+        loss_at = tied[self.stages[-1].rank][1]
+        return [RankEnd(d, s, a, b, max(b, loss_at), max(b, loss_at) + u)
+                for d, s, (a, b), u in zip(drained, synced, tied, self.update_per_rank_s)]
+
+    def step_transfers(self) -> Counter[tuple[str, int, int]]:
+        """What a training step runs on the pipeline axis besides the schedule's sends, as
+        ``runtime.tied`` logs it: ("all_reduce", stage, bytes) of each tied weight, once per
+        stage holding it (each rank logs its own)."""
+        return Counter(("all_reduce", s, w.bytes) for w in self.tied for s in w.stages)
 
     def forward_transfers(self) -> Counter[tuple[str, int, float]]:
         """What a forward-only step sends on the pipeline axis, as ``runtime.pipeline`` logs it:
@@ -162,8 +181,10 @@ class PipelinePlan:
     def describe(self) -> str:
         cuts = " | ".join(f"{s.index}@{self.axis}{s.rank}: {_span(s.blocks)}" for s in self.stages)
         memory = ", ".join(fmt_bytes(b) for b in self.rank_memory_bytes)
+        tied = "".join(f"; {w.parameter} tied on stages {' and '.join(map(str, w.stages))} (gradient all-reduced on "
+                       f"{self.axis} ranks {', '.join(map(str, w.ranks))}, {fmt_bytes(w.bytes)})" for w in self.tied)
         return (f"{self.schedule}, {self.size} x {self.virtual_stages} stages, {self.micro_batches} micro-batches, "
-                f"bubble {self.bubble_fraction:.1%}; {cuts}; peak memory per pp rank {memory}")
+                f"bubble {self.bubble_fraction:.1%}; {cuts}{tied}; peak memory per pp rank {memory}")
 
 
 def _span(blocks: list[str]) -> str:
@@ -241,11 +262,11 @@ def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, St
     """The stages' state and activation bytes, and each pp rank's peak under the schedule."""
     costs = node_costs(graph, chosen)
     count = len(pipelined.stages)
-    params = parameter_stages(graph, pipelined.stage_of)
+    rank_of = [s.rank for s in pipelined.stages]
+    params = parameter_stages(graph, pipelined.stage_of, rank_of)
     state, act = stage_bytes(graph, costs, pipelined.stage_of, params, count)
     buffers = buffer_stages(graph, pipelined.stage_of)
     own = held_bytes(costs, buffers, count)
-    rank_of = [s.rank for s in pipelined.stages]
     peaks = rank_peaks(pipelined.schedule, pipelined.size, pipelined.virtual_stages, pipelined.micro_batches,
                        rank_of, [s + b for s, b in zip(state, own)], act,  # a stage's own buffers: the whole step
                        whole_step_extra(graph, costs, activation_bytes, buffers))
@@ -269,17 +290,21 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
         if c.consumer and c.phase in ("forward", "recompute", "backward"):
             s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
             times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
-    params = parameter_stages(graph, stage_of)
+    params = parameter_stages(graph, stage_of, rank_of)
     sends = crossing_bytes(graph, chosen, ctx, stage_of, count)
     send_s = _send_seconds(pipeline, mesh, sends, rank_of)
     sync = _sync_seconds(collectives, graph, params, rank_of, p)
-    update = [sum(update_s.get(n, 0.0) for n, s in params.items() if rank_of[s] == r) for r in range(p)]
-    floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in times], rank_of, sync, update)
+    update = [sum(update_s.get(n, 0.0) for n, held in params.items() for s in held if rank_of[s] == r)
+              for r in range(p)]
+    tied = tied_parameters(graph, chosen, ctx, params, rank_of, mesh.names.index(pipeline.axis), mesh) \
+        if ctx.train else []
+    floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in times], rank_of,
+                         [s + t for s, t in zip(sync, tied_seconds(tied, p))], update)
     if floor > beat_s:
         raise Outrun(f"its busiest rank's own work, {floor:.6g} s, is over {beat_s:.6g} s")
     stages = []
     for s in range(count):
-        mine = [n for n, t in params.items() if t == s]
+        mine = [n for n, held in params.items() if s in held]
         names = [b for b, u in zip(blocks, stage_of_unit) if u == s]
         stages.append(StagePlan(index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
                                 parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine),
@@ -291,7 +316,7 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
                         stage_mesh=dict(ctx.mesh.axes), stages=stages,
                         bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=0.0,
                         grad_sync_s=max(sync), update_s=max(update), stage_plan_step_time_s=stage_plan_step_s,
-                        grad_sync_per_rank_s=sync, update_per_rank_s=update, stage_of=stage_of)
+                        grad_sync_per_rank_s=sync, update_per_rank_s=update, stage_of=stage_of, tied=tied)
     if not ctx.train:
         plan.output_bytes = _output_bytes(graph, chosen, ctx)
         plan.output_s = (p - 1) * point_to_point_time(plan.output_bytes, mesh.names.index(pipeline.axis), mesh)
@@ -314,29 +339,12 @@ def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of
                  update_s: list[float]) -> float:
     """Seconds no pipelined step of these stages beats: a rank runs its actions one after another
     (every micro-batch's forward and backward of each of its stages), then its gradient buckets
-    and its optimizer step (``PipelinePlan.rank_ends``), so the step lasts at least the longest
-    such sum, whatever the schedule's bubble and transfers add."""
+    and tied weights' all-reduces (``sync_s``) and its optimizer step (``PipelinePlan.rank_ends``),
+    so the step lasts at least the longest such sum, whatever the bubble, transfers and waits add."""
     work = [0.0] * len(sync_s)
     for (f, b), r in zip(stage_s, rank_of):
         work[r] += micro_batches * (f + b)
     return max(w + g + u for w, g, u in zip(work, sync_s, update_s))
-
-
-def parameter_stages(graph: PlanGraph, stage_of: dict[str, int]) -> dict[str, int]:
-    """Parameter node -> the stage whose ops read it; refuses one read in two stages (a tied
-    weight, such as GPT-2's embedding and output head)."""
-    out: dict[str, int] = {}
-    for name, s in stage_of.items():
-        for src, _ in graph.nodes[name].args:
-            node = graph.nodes[src]
-            if node.kind != PARAM:
-                continue
-            if out.setdefault(src, s) != s:
-                first, second = sorted((out[src], s))
-                raise InputError(f"parameter {node.fqn or src} is read by pipeline stages {first} and {second} (a tied "
-                                 "weight): pipelining does not yet sum a parameter's gradient across stages; untie it "
-                                 "or cut the model so that one stage reads it")
-    return out
 
 
 def _local_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, name: str) -> float:
@@ -382,8 +390,8 @@ def _send_seconds(pipeline: Pipeline, mesh: Mesh, sends: list[float], rank_of: l
     return out
 
 
-def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, int], rank_of: list[int], p: int
-                  ) -> list[float]:
+def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, tuple[int, ...]], rank_of: list[int],
+                  p: int) -> list[float]:
     """Each rank's gradient buckets, each bucket's time shared out by its parameters held on
     the rank (a rank reduces only its stages' gradients), waited for in full."""
     per_rank = [0.0] * p
@@ -392,6 +400,6 @@ def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, int], r
             continue
         names = c.tensor.split(",")
         for name in names:
-            if name in params:
-                per_rank[rank_of[params[name]]] += c.time_s / len(names)
+            for s in params.get(name, ()):
+                per_rank[rank_of[s]] += c.time_s / len(names)
     return per_rank

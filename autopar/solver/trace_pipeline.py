@@ -6,7 +6,9 @@ the slowest rank's last span ends at ``predicted.step_time_s``. Tracks of a pp r
   forward; ``B``: whole backward; ``I``/``W``: input / weight gradients only), a ``bubble``
   for every idle gap before its pipeline drains, the wait for the step's loss (broadcast from
   the last stage's rank) and its optimizer step;
-- ``communication (waited for)``: its gradient buckets, once its pipeline has drained;
+- ``communication (waited for)``: its gradient buckets, once its pipeline has drained, then
+  the all-reduces of its tied weights' gradients with the other pp ranks holding them (after a
+  wait on ``compute`` for the latest of those ranks);
 - ``point-to-point to pp rank k``: the activations and gradients it sends to rank k, one at
   a time (its receiver waits for each, its compute goes on).
 
@@ -44,9 +46,16 @@ def pipeline_timeline(plan: Any) -> list[list[Span]]:
         if end.synced_s > end.drained_s:
             spans.append(Span(name="gradient buckets (all-reduce on the stage mesh)", track=WAITED,
                               start_s=end.drained_s, seconds=end.synced_s - end.drained_s, phase="backward"))
-        if end.update_start_s > end.synced_s:
+        if end.tied_start_s > end.synced_s:
+            spans.append(Span(name="waiting for the pp ranks holding its tied weights", track=COMPUTE,
+                              start_s=end.synced_s, seconds=end.tied_start_s - end.synced_s, phase="bubble"))
+        if end.tied_end_s > end.tied_start_s:
+            spans.append(Span(name=f"tied weights' gradients (all-reduce on {pipe.axis})", track=WAITED,
+                              start_s=end.tied_start_s, seconds=end.tied_end_s - end.tied_start_s, phase="backward",
+                              args={"weights": [w.parameter for w in pipe.tied if r in w.ranks]}))
+        if end.update_start_s > end.tied_end_s:
             spans.append(Span(name=f"waiting for the loss from pp rank {loss_rank}", track=COMPUTE,
-                              start_s=end.synced_s, seconds=end.update_start_s - end.synced_s, phase="bubble"))
+                              start_s=end.tied_end_s, seconds=end.update_start_s - end.tied_end_s, phase="bubble"))
         if end.end_s > end.update_start_s:
             spans.append(Span(name="optimizer step", track=COMPUTE, start_s=end.update_start_s,
                               seconds=end.end_s - end.update_start_s, phase="optimizer",
