@@ -134,19 +134,12 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
-def _axis_names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(","))
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"expected axis names separated by commas, got {text!r}")
-    return names
-
-
 def _zero_stages(text: str) -> dict[str, int]:
     """``dp=3,fsdp=2`` -> {"dp": 3, "fsdp": 2} (stages are checked against the mesh later)."""
     out: dict[str, int] = {}
     for item in text.split(","):
         axis, _, stage = item.partition("=")
-        if not axis or not stage.isdigit() or axis in out:
+        if not axis or not stage.isdecimal() or axis in out:
             raise argparse.ArgumentTypeError(f"expected AXIS=STAGE[,AXIS=STAGE...] with each axis once, got {text!r}")
         out[axis] = int(stage)
     return out
