@@ -261,8 +261,23 @@ def test_pipeline_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_gathering_again_per_block_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--regather-blocks`` reaches the memory pins: with ``--zero dp=3`` it plans, without
-    ZeRO-3 it is refused (what it does: ``test_overlap``, ``test_numerics_zero``)."""
-    args = ["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200",
+    ZeRO-3 it is refused (what it does: ``test_overlap``, ``test_numerics_zero``); the model has
+    repeated blocks, as the option needs."""
+    body = """
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def stack():
+        return Stack(), (torch.randn(4, 8),), loss
+    """
+    args = ["plan", f"{builder(tmp_path, body)}:stack", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200",
             "--regather-blocks", "1"]
     code, out, err = run([*args, "--zero", "dp=3"], capsys)
     assert (code, err) == (0, ""), err
