@@ -28,7 +28,7 @@ from autopar.solver.blocks import fold_repeated_blocks
 from autopar.solver.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, expert_parameters,
                                         pins_from_tp_plan, placement_pins, zero_pins)
 from autopar.solver.graph import build_plan_graph
-from autopar.solver.memory import MemoryOptions, example_batch, repeated_blocks, slice_batch
+from autopar.solver.memory import MemoryOptions, check_zero, example_batch, repeated_blocks, slice_batch
 from autopar.solver.nodes import PARAM, PlanGraph
 from autopar.solver.plan import Plan
 from autopar.solver.stage_memory import MemoryShares
@@ -160,6 +160,8 @@ def plan_pipeline(pipeline: Pipeline, mesh: Mesh, example_inputs: tuple[Any, ...
 def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) -> dict[str, Any]:
     """``options`` for planning a pipeline's stages, checked against ``mesh`` (the whole mesh);
     the step is captured at one micro-batch (``micro_batches`` is the pipeline's)."""
+    check_axis_options(options)
+    check_zero(options.get("zero"))
     pipeline.check(mesh.axes)
     if options.get("micro_batches") is not None:
         raise InputError(f"micro_batches={options['micro_batches']} with a pipeline: a pipelined step runs the "
@@ -171,6 +173,20 @@ def pipeline_options(pipeline: Pipeline, mesh: Mesh, options: dict[str, Any]) ->
         raise InputError("a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)")
     # the memory search may offload optimizer state unless told not to; build_pipelined_module refuses it
     return {**{k: v for k, v in options.items() if k != "micro_batches"}, "offload": False}
+
+
+AXIS_OPTIONS = ("data_axes", "expert_axes", "context_axes")
+"""Options naming mesh axes: tuples of names, never a string (read as its letters)."""
+
+
+def check_axis_options(options: dict[str, Any]) -> None:
+    """The options naming mesh axes are tuples (or lists) of axis names, before anything reads them."""
+    for option in AXIS_OPTIONS:
+        value = options.get(option) or ()
+        if isinstance(value, str):
+            raise InputTypeError(f"{option} must be a tuple of axis names (write ({value!r},)), got {value!r}")
+        if not isinstance(value, (tuple, list)) or not all(isinstance(a, str) for a in value):
+            raise InputTypeError(f"{option} must be a tuple of axis names, got {value!r}")
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype | None:
@@ -223,6 +239,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     if random_stream not in ("counter", "torch"):
         raise InputError(f"random_stream={random_stream!r}: pass 'counter' or 'torch'")
     arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs")}
+    check_axis_options(arguments)
     if _zigzag is None:  # the layouts of the context axes, each prepared with its axes
         layout = context_layout or ("contiguous" if context_attention == "ulysses" else None)  # no rows to balance
         return prepare_layouts(lambda axes: prepare_step(model, mesh, example_inputs, **{**arguments, "_zigzag": axes}),
@@ -378,9 +395,6 @@ def _checked_context_axes(mesh: Mesh, context_axes: tuple[str, ...], data_axes: 
                           input_sharded: bool) -> tuple[str, ...]:
     """``context_axes``, refused where they cannot be: not axes of the mesh, named twice or
     also as data axes, or with inputs arriving split (only along data axes, for now)."""
-    if isinstance(context_axes, str):
-        raise InputError(f"context_axes must be a tuple of axis names (write ({context_axes!r},)), "
-                         f"got {context_axes!r}")
     for axis_name in context_axes:
         if axis_name not in mesh.names:
             raise InputError(f"context axis {axis_name!r} is not an axis of the mesh ({mesh.describe()})")
@@ -398,8 +412,6 @@ def _checked_context_axes(mesh: Mesh, context_axes: tuple[str, ...], data_axes: 
 def _check_expert_axes(data_axes: tuple[str, ...], expert_axes: tuple[str, ...]) -> None:
     """An expert axis splits the batch too (tokens leave for their experts' ranks and come back),
     so it must be a data axis."""
-    if isinstance(expert_axes, str):
-        raise InputError(f"expert_axes must be a tuple of axis names (write ({expert_axes!r},)), got {expert_axes!r}")
     stray = [a for a in expert_axes if a not in data_axes]
     if stray:
         raise InputError(f"expert_axes {tuple(expert_axes)} names {', '.join(map(repr, stray))}, not in data_axes "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from autopar.errors import InputError
+from autopar.errors import InputError, InputTypeError
 from autopar.hardware import HardwareProfile, get_profile
 
 if TYPE_CHECKING:
@@ -50,13 +51,18 @@ class Mesh:
 
     def __init__(self, axes: dict[str, int], hardware: str | HardwareProfile = "h100",
                  devices_per_node: int = 8, zigzag: frozenset[str] | tuple[str, ...] = ()) -> None:
+        if not isinstance(axes, dict):
+            raise InputTypeError(f"a mesh's axes are a dict of axis name -> size, such as {{'dp': 2, 'tp': 4}}, "
+                                 f"got {type(axes).__name__} {axes!r}")
         if not axes:
             raise InputError("a mesh needs at least one axis")
         for name, size in axes.items():
-            if not isinstance(size, int) or size < 1:
+            if not isinstance(name, str) or not name:
+                raise InputError(f"mesh axis names must be non-empty strings, got {name!r}")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise InputError(f"mesh axis {name!r} has size {size!r}; sizes must be positive ints")
-        if devices_per_node < 1:
-            raise InputError("devices_per_node must be >= 1")
+        if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+            raise InputError(f"devices_per_node must be a positive int, got {devices_per_node!r}")
         object.__setattr__(self, "axes", dict(axes))
         object.__setattr__(self, "hardware", get_profile(hardware))
         object.__setattr__(self, "devices_per_node", devices_per_node)
@@ -133,7 +139,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     for part in spec.split(","):
         name, sep, size = part.strip().partition("=")
         name = name.strip()
-        if not sep or not name or not size.strip().isdigit():
+        if not sep or not name or not re.fullmatch(r"[0-9]+", size.strip()):  # not isdigit: '²' is a digit
             raise InputError(f"bad mesh spec {spec!r}: expected name=size[,name=size...]")
         if name in axes:
             raise InputError(f"bad mesh spec {spec!r}: axis {name!r} is named twice")

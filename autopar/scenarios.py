@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from autopar.errors import InputError
 from autopar.solver.memory import CHECKPOINT_POLICIES, MemoryOptions
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
@@ -122,6 +123,10 @@ def candidates(options: MemoryOptions, batch: int | None, blocks: int, train: bo
     """The scenarios to search, cheapest-looking first (the first is today's default).
     ``blocks``: how many repeated blocks the step has; ``axes``: the mesh axes of more than
     one rank (where ZeRO-1 may shard optimizer state)."""
+    for name, k in (("checkpoint_blocks", options.checkpoint_blocks), ("regather_blocks", options.regather_blocks)):
+        if k is not None and k > blocks:
+            raise InputError(f"{name}={k} pins the first {k} repeated blocks, but the model has {blocks}"
+                             + (f": pass at most {blocks}" if blocks else f": leave {name} out"))
     pinned_zero1 = _pinned_zero1(options)
     pinned = Scenario(micro_batches=options.micro_batches or 1, checkpoint=options.checkpoint or "none",
                       checkpoint_blocks=_first_blocks(options.checkpoint_blocks, blocks),
@@ -186,7 +191,7 @@ def _regathering(options: MemoryOptions, blocks: int, checkpoint: str, checkpoin
 
 
 def _first_blocks(k: int | None, blocks: int) -> int | None:
-    """A pinned count of the first blocks, None for all (a pin of all or more is all)."""
+    """A pinned count of the first blocks, None for all (a pin of all is all)."""
     return None if k is None or k >= blocks else k
 
 

@@ -372,6 +372,24 @@ def test_hf_eager_experts_are_refused_with_what_to_use_instead() -> None:
         capture(model, inputs, loss_fn=loss_fn, example_targets=targets)
 
 
+def test_a_dense_hf_model_branching_on_data_gets_no_experts_hint() -> None:
+    """Transformers sets ``config._experts_implementation = "eager"`` on every model, experts or not:
+    a dense Llama whose step branches on a value is told about the branch, not about experts."""
+    pytest.importorskip("transformers")
+    from examples import hf_models
+    model, inputs, loss_fn, targets = hf_models.build_llama_step(batch=2, layers=1, hidden=16, heads=2, kv_heads=2,
+                                                                 intermediate=32, vocab=32, seq=8)
+    assert model.config._experts_implementation == "eager"
+
+    def branching_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(out, labels)
+        return loss if loss > 1 else 2 * loss
+
+    with pytest.raises(CaptureError, match="branches or loops on values") as info:
+        capture(model, inputs, loss_fn=branching_loss, example_targets=targets)
+    assert "experts" not in str(info.value)
+
+
 def _mixtral_graph(dtype: torch.dtype = torch.float32, **config: Any) -> tuple[Any, CapturedGraph]:
     """A tiny HF Mixtral (default experts) in ``dtype`` with ``config`` overrides, and its captured step."""
     from transformers import MixtralConfig, MixtralForCausalLM

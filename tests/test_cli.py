@@ -261,8 +261,23 @@ def test_pipeline_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_gathering_again_per_block_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--regather-blocks`` reaches the memory pins: with ``--zero dp=3`` it plans, without
-    ZeRO-3 it is refused (what it does: ``test_overlap``, ``test_numerics_zero``)."""
-    args = ["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200",
+    ZeRO-3 it is refused (what it does: ``test_overlap``, ``test_numerics_zero``); the model has
+    repeated blocks, as the option needs."""
+    body = """
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    def stack():
+        return Stack(), (torch.randn(4, 8),), loss
+    """
+    args = ["plan", f"{builder(tmp_path, body)}:stack", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200",
             "--regather-blocks", "1"]
     code, out, err = run([*args, "--zero", "dp=3"], capsys)
     assert (code, err) == (0, ""), err
@@ -297,3 +312,53 @@ def test_expert_parallelism_from_the_command_line(capsys: pytest.CaptureFixture[
     assert (code, err) == (0, ""), err
     code, out, err = run([*args, "--mesh", "ep=2", "--moe-imbalance", "0.9"], capsys)
     assert code == 2 and "must be at least 1" in err, err
+
+
+def test_a_builder_may_return_a_dict_with_example_kwargs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dict names what a tuple cannot pass (``example_kwargs``); an unknown key is refused by name."""
+    body = """
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, *, scale):
+            return self.lin(x) * scale
+
+    def as_dict():
+        return {"model": Scaled(), "example_inputs": (torch.randn(4, 8),), "example_kwargs": {"scale": 2.0},
+                "loss_fn": loss}
+
+    def typo():
+        return {"model": Scaled(), "example_inputs": (torch.randn(4, 8),), "example_kwarg": {"scale": 2.0}}
+    """
+    path = builder(tmp_path, body)
+    code, out, err = run(["plan", f"{path}:as_dict", "--mesh", "dp=2", "--hardware", "cpu", "--width", "200"], capsys)
+    assert (code, err) == (0, ""), err
+    code, out, err = run(["plan", f"{path}:typo", "--mesh", "dp=2", "--hardware", "cpu"], capsys)
+    assert code == 2 and "returned a dict with unknown keys ['example_kwarg']" in err, err
+
+
+@pytest.mark.parametrize("name", ["rich", "copy"])
+def test_a_builder_file_named_as_a_library_module_does_not_shadow_it(tmp_path: Path, name: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["plan", f"{builder(tmp_path, '', name=name)}:build", "--mesh", "dp=2", "--hardware", "cpu",
+                          "--width", "200"], capsys)
+    assert (code, err) == (0, ""), err
+    assert "limit" in out
+
+
+def test_exit_codes_follow_the_convention(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each was 0 or 1: a superscript digit (int() refused it after isdigit() took it), an unwritable
+    --json (after printing the plan), a builder calling sys.exit(0), --width 0 (printed nothing)."""
+    path = builder(tmp_path, "def leaves():\n    import sys\n    sys.exit(0)\n")
+    args = ["--hardware", "cpu", "--width", "200"]
+    code, out, err = run(["plan", f"{path}:build", "--mesh", "dp=\u00b2", *args], capsys)
+    assert code == 2 and "bad mesh spec" in err, err
+    code, out, err = run(["plan", f"{path}:build", "--mesh", "dp=2", *args, "--json", str(tmp_path / "no" / "p.json")],
+                         capsys)
+    assert (code, out) == (2, "") and "--json" in err and "cannot write there" in err, err
+    code, out, err = run(["plan", f"{path}:leaves", "--mesh", "dp=2", *args], capsys)
+    assert (code, out) == (2, "") and "exited (sys.exit(0)) instead of returning" in err, err
+    code, out, err = run(["plan", f"{path}:build", "--mesh", "dp=2", "--hardware", "cpu", "--width", "0"], capsys)
+    assert (code, out) == (2, "") and "must be positive" in err, err

@@ -97,7 +97,7 @@ def test_compile_solves_the_plan_on_rank_zero_only() -> None:
 def _rank_zero_solve_fails(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
-    with pytest.raises(autopar.CompileError, match="solving the plan failed on rank 0: MemoryLimitError") as info:
+    with pytest.raises(autopar.MemoryLimitError, match="solving the plan failed on rank 0: MemoryLimitError") as info:
         autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=1024)
     return str(info.value)
 
@@ -110,11 +110,29 @@ def _ranks_pass_other_limits(rank: int, world: int) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("scenario", [_rank_zero_solve_fails, _ranks_pass_other_limits],
-                         ids=["solver-error-on-rank-0", "ranks-disagree-before-solving"])
+def _rank_passes_bad_input(rank: int, world: int) -> str:
+    """What the user handed in, refused while planning on every rank: an InputError of its own type."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.InputTypeError, match="planning failed on rank 0 .*zero must be a dict") as info:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero=3)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+@pytest.mark.parametrize("scenario", [_rank_zero_solve_fails, _ranks_pass_other_limits, _rank_passes_bad_input],
+                         ids=["solver-error-on-rank-0", "ranks-disagree-before-solving", "bad-input"])
 def test_planning_errors_reach_every_rank(scenario: Any) -> None:
     messages = run_ranks(scenario, 2)
     assert len(set(messages)) == 1  # every rank raised, the same error
+
+
+def test_compile_refuses_a_planning_mesh() -> None:
+    """``autopar.Mesh`` plans; compile runs on a DeviceMesh (it was "'int' object is not callable")."""
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.InputTypeError, match="compile runs on a torch DeviceMesh .*got Mesh: an "
+                                                     "autopar.Mesh describes a mesh for planning only"):
+        autopar.compile(model, autopar.Mesh({"dp": 2}), inputs, loss_fn=loss_fn,  # type: ignore[arg-type]
+                        example_targets=targets)
 
 
 def test_a_call_binds_to_the_captured_leaves_and_keeps_non_tensor_inputs_fixed() -> None:
@@ -144,7 +162,7 @@ def _precision_rank(rank: int, world: int, precision: str | None, dtype: torch.d
     try:
         pm = autopar.compile(model.to(dtype), mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                              precision=precision, hardware=hardware)
-    except autopar.CompileError as exc:
+    except autopar.InputError as exc:
         return str(exc)
     return f"{pm.plan.precision} {next(pm.parameters()).dtype}"
 
@@ -228,7 +246,7 @@ def _bad_axes_rank(rank: int, world: int) -> dict[str, str]:
              "constraint-axis": (named, dict(constraints={"": ColwiseParallel()}))}
     errors = {}
     for what, (mesh, kwargs) in cases.items():
-        with pytest.raises(autopar.CompileError) as info:
+        with pytest.raises(autopar.InputError) as info:
             autopar.compile(torch.nn.Linear(8, 4), mesh, (x,), **step, **kwargs)  # type: ignore[arg-type]
         errors[what] = str(info.value)
     return errors

@@ -47,3 +47,21 @@ def test_zigzag_axes_cut_twice_as_many_chunks() -> None:
     assert mesh != Mesh({"dp": 2, "cp": 4}, "h100") and mesh.with_zigzag(()) == Mesh({"dp": 2, "cp": 4}, "h100")
     with pytest.raises(InputError, match="zig-zag axes \\['sp'\\] are not axes of the mesh"):
         Mesh({"cp": 2}, zigzag=("sp",))
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: Mesh({"dp": True, "tp": 2}), "mesh axis 'dp' has size True; sizes must be positive ints"),
+    (lambda: Mesh({"dp": 2.0}), "mesh axis 'dp' has size 2.0"),
+    (lambda: Mesh({"": 2}), "mesh axis names must be non-empty strings, got ''"),
+    (lambda: Mesh({3: 2}), "mesh axis names must be non-empty strings, got 3"),
+    (lambda: Mesh({"dp": 2}, devices_per_node=float("nan")), "devices_per_node must be a positive int, got nan"),
+    (lambda: Mesh({"dp": 2}, devices_per_node=True), "devices_per_node must be a positive int, got True"),
+    (lambda: Mesh([("dp", 2)]), r"a mesh's axes are a dict of axis name -> size.*got list \[\('dp', 2\)\]"),
+    (lambda: parse_mesh_spec("dp=\u00b2"), "bad mesh spec"),
+], ids=["bool-size", "float-size", "empty-name", "int-name", "nan-devices-per-node", "bool-devices-per-node",
+        "list-of-pairs", "superscript-digit"])
+def test_meshes_refuse_what_is_not_axis_names_and_sizes(make: object, message: str) -> None:
+    """Each was accepted as given (a bool size is an int, nan compares false) or failed as an
+    AttributeError or a bare int() ValueError."""
+    with pytest.raises(InputError, match=message):
+        make()  # type: ignore[operator]

@@ -201,13 +201,13 @@ def _errors_on_rank(rank: int, world: int) -> dict[str, str]:
     out: dict[str, str] = {}
     try:
         autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, micro_batches=3)
-    except autopar.CompileError as exc:
+    except autopar.InputError as exc:
         out["indivisible"] = str(exc)
     x, t = torch.randn(8, 8), torch.randint(0, 4, (8,))
     mixed = lambda out, t: torch.nn.functional.cross_entropy(out, t) + out.pow(2).mean()  # noqa: E731
     try:
         autopar.compile(_TwoLosses(), mesh, (x,), loss_fn=mixed, example_targets=(t,), micro_batches=2)
-    except autopar.CompileError as exc:
+    except autopar.InputError as exc:
         out["inexact"] = str(exc)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, micro_batches=2,
                          data_axes=("dp",))

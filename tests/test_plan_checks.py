@@ -141,3 +141,40 @@ def test_what_the_user_hands_in_is_refused_with_an_input_error(call: Any, error:
     with pytest.raises(autopar.InputError, match=message) as info:
         call()
     assert isinstance(info.value, error)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("model,inputs,kwargs,error,message", [
+    (nn.Linear(8, 8), (torch.randn(4, 8),), {"zero": 3}, autopar.InputTypeError,
+     r"zero must be a dict of data axis -> ZeRO stage, such as \{'dp': 3\}, got 3"),
+    (nn.Linear(8, 8), (torch.randn(4, 8),), {"data_axes": "dp"}, autopar.InputTypeError,
+     r"data_axes must be a tuple of axis names \(write \('dp',\)\), got 'dp'"),
+    (nn.Linear(8, 8), (torch.randn(4, 8),), {"data_axes": ("dp",), "expert_axes": "dp"}, autopar.InputTypeError,
+     r"expert_axes must be a tuple of axis names \(write \('dp',\)\)"),
+    (nn.Linear(8, 8), (torch.randn(4, 8, dtype=torch.float64),), {}, autopar.InputError,
+     r"example_inputs\[0\] is a torch.float64 tensor of shape \(4, 8\), but the model's parameters are "
+     r"torch.float32"),
+    (_TwoBlocks(), (torch.randn(4, 8),), {"checkpoint": "full", "checkpoint_blocks": 100}, autopar.InputError,
+     "checkpoint_blocks=100 pins the first 100 repeated blocks, but the model has 2: pass at most 2"),
+    (nn.Linear(8, 8), (torch.randn(4, 8),), {"zero": {"dp": 3}, "regather_blocks": 1}, autopar.InputError,
+     "regather_blocks=1 pins the first 1 repeated blocks, but the model has 0: leave regather_blocks out"),
+    (_TwoBlocks(), (torch.randn(4, 8),), {"zero": 3, "pipeline": autopar.Pipeline(axis="dp")},
+     autopar.InputTypeError, "zero must be a dict"),
+], ids=["zero-int", "data-axes-string", "expert-axes-string", "float64-input", "checkpoint-blocks-beyond",
+        "regather-blocks-beyond", "pipeline-zero-int"])
+def test_options_of_the_wrong_kind_are_refused_by_name(model: nn.Module, inputs: tuple, kwargs: dict,
+                                                       error: type, message: str) -> None:
+    """Each was accepted silently (a string of axis names read as its letters, a float64 input traced
+    into float32 matmuls, more blocks than the model has read as all) or raised an AttributeError."""
+    with pytest.raises(error, match=message):
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=lambda out: out.sum(), **kwargs)

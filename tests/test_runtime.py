@@ -202,7 +202,7 @@ def _rank_fails(rank: int, world: int) -> str:
             raise RuntimeError("this rank's loss is broken")
         return loss_fn(logits, t)
 
-    with pytest.raises(autopar.CompileError, match="rank 1.*loss is broken") as info:
+    with pytest.raises(autopar.CaptureError, match="rank 1.*loss is broken") as info:  # the user's: its own type
         autopar.compile(model, mesh, inputs, loss_fn=broken_loss, example_targets=targets)
     return str(info.value)
 

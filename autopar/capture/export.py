@@ -141,13 +141,23 @@ def _data_dependent_hint(exc: Exception, step: TrainStep) -> str:
     Hugging Face's "eager" experts loop over the experts a batch routes to, which no graph can hold."""
     if "data-dependent" not in str(exc):
         return ""
-    config = getattr(step.model, "config", None)
-    if getattr(config, "_experts_implementation", getattr(config, "experts_implementation", None)) == "eager":
+    if any(_eager_experts(module) for module in step.model.modules()):
         return ("\n  the model's experts run as a Python loop over the experts the batch routes to "
                 "(experts_implementation='eager'): build it with transformers' default ('grouped_mm', captured "
                 "as one expert op) or 'batched_mm'")
     return ("\n  the model branches or loops on values computed from its inputs (a trip count or an if on a "
             "tensor's contents), which one captured graph cannot hold")
+
+
+def _eager_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face experts module (a class under transformers'
+    ``use_experts_implementation``, which gives its instances ``has_gate`` and ``is_transposed``)
+    run in the "eager" loop. Transformers sets ``config._experts_implementation`` on every model,
+    experts or not, so the config alone does not say."""
+    if not (hasattr(module, "has_gate") and hasattr(module, "is_transposed")):
+        return False
+    config = getattr(module, "config", None)
+    return getattr(config, "_experts_implementation", None) == "eager"
 
 
 _Inputs = tuple[list[InputSpec], dict[str, torch.Tensor]]

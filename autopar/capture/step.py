@@ -47,6 +47,7 @@ def check_step_arguments(model: Any, example_inputs: Any, loss_fn: Any, example_
     for what, values in (("example_inputs", example_inputs), ("example_targets", example_targets)):
         if not isinstance(values, tuple):
             raise InputTypeError(f"{what} must be a tuple (write (x,) for one tensor), got {describe(values)}")
+    own = {p.dtype for p in model.parameters() if p.is_floating_point()}
     for what, values in (("example_inputs", example_inputs), ("example_kwargs", example_kwargs),
                          ("example_targets", example_targets)):
         leaves, _ = tree_flatten_with_path(values)
@@ -54,6 +55,12 @@ def check_step_arguments(model: Any, example_inputs: Any, loss_fn: Any, example_
             if not isinstance(leaf, (torch.Tensor, *_CONSTANT_TYPES)):
                 raise InputTypeError(f"{what}{keystr(path)} is {describe(leaf)}; inputs must be tensors (or tuples, "
                                      "lists or dicts of tensors, numbers, bools and None)")
+            # export traces float64 values into the model's float32 matmuls, which eager refuses
+            if what != "example_targets" and isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float64 \
+                    and own and torch.float64 not in own:
+                dtype = sorted(map(str, own))[0]
+                raise InputError(f"{what}{keystr(path)} is {describe(leaf)}, but the model's parameters are "
+                                 f"{', '.join(sorted(map(str, own)))}: pass it as the model computes (.to({dtype}))")
 
 
 def loss_from_output(output: Any) -> torch.Tensor:

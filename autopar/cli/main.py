@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -41,6 +42,9 @@ def _run_user_code(what: str, fn: Callable[[], Any]) -> Any:
     lambda's (``skip=2``), so the user's own function is the first frame shown."""
     try:
         return fn()
+    except SystemExit as exc:  # the builder ended the process: no plan, which is not a success
+        raise InputError(f"{what} exited (sys.exit({exc.code!r})) instead of returning\n"
+                         f"{_user_traceback(exc, skip=2)}") from exc
     except Exception as exc:  # noqa: BLE001 - reported with the user's own traceback
         raise InputError(f"{what} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, skip=2)}") from exc
 
@@ -54,12 +58,17 @@ def load_builder(spec: str) -> Any:
         path = Path(target).resolve()
         if not path.exists():
             raise InputError(f"no such file {target}")
-        sys.path.insert(0, str(path.parent.parent))  # lets 'examples/x.py' import 'examples.y'
-        sys.path.insert(0, str(path.parent))
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        # appended, not put first: a builder named rich.py or copy.py must not shadow a library module,
+        # and loaded under its own name only (not in sys.modules as 'copy'); its folder's parent lets
+        # 'examples/x.py' import 'examples.y'
+        for folder in (str(path.parent), str(path.parent.parent)):
+            if folder not in sys.path:
+                sys.path.append(folder)
+        name = f"autopar_builder_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[path.stem] = module  # dataclasses look their module up while defining
+        sys.modules[name] = module  # dataclasses look their module up while defining
         _run_user_code(f"importing {target}", lambda: module_spec.loader.exec_module(module))  # type: ignore[union-attr]
     else:
         module = _run_user_code(f"importing {target}", lambda: importlib.import_module(target))
@@ -68,17 +77,33 @@ def load_builder(spec: str) -> Any:
     return getattr(module, func)
 
 
-def _unpack(built: Any, spec: str) -> tuple[Any, tuple, Any, tuple]:
-    """build() returns (model, inputs[, loss_fn[, targets]]); one tensor stands for a 1-tuple."""
-    if not isinstance(built, tuple) or not 2 <= len(built) <= 4:
+BUILT_KEYS = ("model", "example_inputs", "example_kwargs", "loss_fn", "example_targets")
+"""What a builder returning a dict may name (``model`` and ``example_inputs`` required)."""
+
+
+def _unpack(built: Any, spec: str) -> tuple[Any, tuple, dict | None, Any, tuple]:
+    """build() returns (model, inputs[, loss_fn[, targets]]) or a dict of ``BUILT_KEYS``; one
+    tensor stands for a 1-tuple."""
+    if isinstance(built, dict):
+        unknown = sorted(map(str, set(built) - set(BUILT_KEYS)))
+        missing = [k for k in BUILT_KEYS[:2] if k not in built]
+        if unknown or missing:
+            raise InputError(f"{spec} returned a dict " + (f"with unknown keys {unknown}" if unknown else
+                             f"without {missing}") + f"; its keys are {', '.join(BUILT_KEYS)} (model and "
+                             "example_inputs required)")
+        model, inputs, kwargs = built["model"], built["example_inputs"], built.get("example_kwargs")
+        loss_fn, targets = built.get("loss_fn"), built.get("example_targets", ())
+    elif isinstance(built, tuple) and 2 <= len(built) <= 4:
+        model, inputs, kwargs = built[0], built[1], None
+        loss_fn = built[2] if len(built) > 2 else None
+        targets = built[3] if len(built) > 3 else ()
+    else:
         kind = f"a tuple of {len(built)}" if isinstance(built, tuple) else type(built).__name__
-        raise InputError(f"{spec} must return (model, example_inputs[, loss_fn[, example_targets]]), got {kind}")
-    model, inputs = built[0], built[1]
-    loss_fn = built[2] if len(built) > 2 else None
-    targets = built[3] if len(built) > 3 else ()
+        raise InputError(f"{spec} must return (model, example_inputs[, loss_fn[, example_targets]]) or a dict of "
+                         f"{', '.join(BUILT_KEYS)}, got {kind}")
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     targets = targets if isinstance(targets, tuple) else (targets,)
-    return model, inputs, loss_fn, targets
+    return model, inputs, kwargs, loss_fn, targets
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -90,13 +115,15 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.moe_imbalance is not None:
         hardware = dataclasses.replace(hardware, moe_imbalance=args.moe_imbalance)
     mesh = Mesh(parse_mesh_spec(args.mesh), hardware, args.devices_per_node)  # before running user code
+    for option, where in (("--json", args.json), ("--trace", args.trace)):
+        _check_writable(option, where)  # before planning, not after the plan is printed
     hf.check(args, training=True)
-    kwargs = None
     if args.hf_config is not None:
         model, inputs, loss_fn, targets, kwargs = hf.training_step(args)
     else:
         builder = load_builder(args.builder)
-        model, inputs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()), args.builder)
+        model, inputs, kwargs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()),
+                                                          args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     pipeline = None
     if args.pipeline is None and (args.schedule is not None or args.virtual_stages is not None
@@ -106,7 +133,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.pipeline is not None:  # --micro-batches is then the pipeline's
         pipeline = autopar.Pipeline(axis=args.pipeline, schedule=args.schedule, micro_batches=args.micro_batches,
                                     virtual_stages=args.virtual_stages, from_axis=args.pipeline_from)
-    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
+    plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_kwargs=kwargs, example_targets=targets,
                         train=not args.forward_only, memory_limit=memory_limit, memory_headroom=args.memory_headroom,
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
                         zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
@@ -128,6 +155,17 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(option: str, where: str | None) -> None:
+    """``where`` (a file ``option`` writes) can be written: its folder exists and it is not a folder."""
+    if where is None:
+        return
+    path = Path(where)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) \
+            or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"{option} {where}: cannot write there (its folder must exist and be writable)")
+
+
 def _positive(kind: type) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
@@ -140,19 +178,12 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
-def _axis_names(text: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(","))
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"expected axis names separated by commas, got {text!r}")
-    return names
-
-
 def _zero_stages(text: str) -> dict[str, int]:
     """``dp=3,fsdp=2`` -> {"dp": 3, "fsdp": 2} (stages are checked against the mesh later)."""
     out: dict[str, int] = {}
     for item in text.split(","):
         axis, _, stage = item.partition("=")
-        if not axis or not stage.isdigit() or axis in out:
+        if not axis or not stage.isdecimal() or axis in out:
             raise argparse.ArgumentTypeError(f"expected AXIS=STAGE[,AXIS=STAGE...] with each axis once, got {text!r}")
         out[axis] = int(stage)
     return out
@@ -193,7 +224,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="find and print the best DP/TP/SP plan for a model on a mesh",
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("builder", nargs="?", default=None,
-                   help="FILE.py:FUNCTION returning (model, example_inputs[, loss_fn[, example_targets]])")
+                   help="FILE.py:FUNCTION returning (model, example_inputs[, loss_fn[, example_targets]]) "
+                        "or a dict of model, example_inputs, example_kwargs, loss_fn, example_targets")
     hf.add_options(p, training=True, positive=_positive)
     p.add_argument("--mesh", required=True, help="axes outermost first, each named once, e.g. dp=2,tp=4")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
@@ -255,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
                       help="pin the stages per pp rank (interleaved_1f1b >= 2; zbv and dualpipev 2)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--trace", metavar="FILE", help="also write the predicted step as a timeline (Chrome trace JSON)")
-    p.add_argument("--width", type=int, default=None, help="table width (default: terminal)")
+    p.add_argument("--width", type=_positive(int), default=None, help="table width (default: terminal)")
     from autopar.cli.serve import add_parser
 
     add_parser(sub, EXIT_CODES)

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import replace
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_option
                          prepare_step, solve_step)
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
-from autopar.errors import InputError
+from autopar.errors import InputError, InputTypeError
 from autopar.runtime.mixed import compute_copy, running_precision
 from autopar.runtime.ops import Comm
 from autopar.solver.memory import example_batch
@@ -29,71 +29,10 @@ from autopar.runtime.pipeline import (PipelinedModule, build_pipelined_module, c
                                       stage_device_mesh)
 from autopar.runtime.program import rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.random import RandomSource, agree_seed
+from autopar.runtime.rank_errors import CompileError, agree, describe_error, gather_errors, on_every_rank, on_rank_zero
 from autopar.runtime.parameters import InitFn
 from autopar.solver.ilp import MemoryLimitError
 from autopar.solver.pipeline import Pipeline, as_pipeline
-
-T = TypeVar("T")
-
-
-class CompileError(RuntimeError):
-    """Raised on every rank when any rank failed to compile, or ranks disagree."""
-
-
-def _gather_errors(what: str, error: str, error_type: type[Exception] = CompileError) -> None:
-    """Raise ``error_type`` on every rank if ``error`` is set on any (a collective: every rank must call it)."""
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e]
-    if failed:
-        rank, message = failed[0]
-        raise error_type(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}")
-
-
-def _describe_error(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _on_every_rank(what: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it fails anywhere, raise on every rank (no rank hangs)."""
-    result: Any = None
-    error = ""
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = _describe_error(exc)
-    _gather_errors(what, error)
-    return result
-
-
-def _on_rank_zero(what: str, fn: Callable[[], T], keep_memory_errors: bool = False) -> T:
-    """Run ``fn`` on rank 0 only and hand its result (or its error) to every rank. With
-    ``keep_memory_errors`` a ``MemoryLimitError`` stays one on every rank: the pipeline search
-    leaves out a stage plan that does not fit (``pipeline_search._under_limit``), as ``plan`` does."""
-    box: list[Any] = [None, "", False]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = fn()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            box[1], box[2] = _describe_error(exc), keep_memory_errors and isinstance(exc, MemoryLimitError)
-            if box[2]:
-                box[1] = str(exc)
-    dist.broadcast_object_list(box, src=0)
-    if box[2]:
-        raise MemoryLimitError(box[1])
-    if box[1]:
-        raise CompileError(f"{what} failed on rank 0: {box[1]}")
-    return box[0]
-
-
-def _agree(what: str, fingerprint: str) -> None:
-    """Raise on every rank unless every rank computed the same ``fingerprint``."""
-    hashes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, fingerprint)
-    if len(set(hashes)) != 1:
-        raise CompileError(f"ranks planned differently ({what}; hashes {dict(enumerate(hashes))}): pass the "
-                           "same model, inputs, mesh and options on every rank")
-
 
 def _step_fingerprint(prepared: PreparedStep) -> str:
     """What rank 0's solution is applied to: every node with its shapes and number of
@@ -162,6 +101,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     ``replica_axis``: an axis of identical, independent replicas (serving): each rank's module is planned
     and built on its replica's sub-mesh (``mesh`` still covers the world).
     """
+    if not isinstance(mesh, DeviceMesh):  # every rank passes the same kind: each refuses it alike
+        raise InputTypeError(f"compile runs on a torch DeviceMesh (torch.distributed.device_mesh.init_device_mesh"
+                             f"), got {type(mesh).__name__}" + (": an autopar.Mesh describes a mesh for planning "
+                                                               "only (autopar.plan)" if isinstance(mesh, Mesh) else ""))
     if isinstance(pipeline, Pipeline) and pipeline.from_axis is not None:  # rank 0 chooses the depth first
         arguments = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "pipeline")}
         mesh, pipeline = _chosen_depth(pipeline, model, mesh, example_inputs, arguments)
@@ -169,15 +112,13 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     _check_world(mesh)
     mesh = _replica_mesh(mesh, replica_axis, pipeline)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
-    try:
-        precision, compute_dtype, planned_model = _planning_model(model, precision, planning_mesh)
-    except InputError as exc:
-        raise CompileError(str(exc)) from None
+    precision, compute_dtype, planned_model = on_every_rank("checking the model's precision", lambda: _planning_model(
+        model, precision, planning_mesh))
     data_axes = data_axes or (("dp",) if input_sharded and "dp" in planning_mesh.names else ())
-    _gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
-                                                         constraint_axis if constraints else None))
+    gather_errors("checking the mesh axes", _axes_error(planning_mesh, data_axes, input_sharded,
+                                                        constraint_axis if constraints else None), InputError)
     if random_stream not in ("counter", "torch"):
-        raise CompileError(f"random_stream={random_stream!r}: pass 'counter' or 'torch'")
+        raise InputError(f"random_stream={random_stream!r}: pass 'counter' or 'torch'")
     seed = RandomSource(_agreed_seed(seed), exact_torch=random_stream == "torch")
     full_mesh, stage_mesh = planning_mesh, None
     if pipeline is not None:
@@ -210,10 +151,10 @@ def _built(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh | None, st
     init_fn, init_seed, seed = init
     if pipeline is not None:
         assert stage_mesh is not None
-        return _on_every_rank("building the rank's stages", lambda: build_pipelined_module(
+        return on_every_rank("building the rank's stages", lambda: build_pipelined_module(
             model, mesh, stage_mesh, step, pipeline, init_fn, input_sharded, init_seed, seed, compute_dtype,
             batch_leaves, shared))
-    return _on_every_rank("building the rank's program", lambda: build_rank_module(
+    return on_every_rank("building the rank's program", lambda: build_rank_module(
         model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves, shared))
 
 
@@ -225,7 +166,7 @@ def _planned(pipeline: Pipeline | None, model: nn.Module, planning_mesh: Mesh, f
     if pipeline is not None:
         pipeline = _chosen_pipeline(pipeline, model, full_mesh, example_inputs, options)
         return _pipelined_everywhere(pipeline, model, planning_mesh, full_mesh, example_inputs, options), pipeline
-    prepared: PreparedStep = _on_every_rank("planning", lambda: prepare_step(
+    prepared: PreparedStep = on_every_rank("planning", lambda: prepare_step(
         model, planning_mesh, example_inputs, micro_batches=micro_batches, **options))
     return _solved_everywhere(prepared), None
 
@@ -246,7 +187,7 @@ def _replica_mesh(mesh: DeviceMesh, axis: str | None, pipeline: Pipeline | None)
     names = tuple(mesh.mesh_dim_names or ())
     error = f"replica_axis {axis!r} is not an axis of the mesh {dict(zip(names, mesh.shape))}" \
         if axis not in names else "replica_axis with pipeline= is not supported yet" if pipeline is not None else ""
-    _gather_errors("checking replica_axis", error, InputError)
+    gather_errors("checking replica_axis", error, InputError)
     return stage_device_mesh(mesh, axis)
 
 
@@ -256,7 +197,7 @@ def _stage_meshes(pipeline: Pipeline, mesh: DeviceMesh, full_mesh: Mesh, data_ax
     """The pipeline checked on every rank, then the mesh its stages are planned on and the
     stage DeviceMesh (a collective: made before anything may fail on one rank), and the pipeline
     (``as_pipeline``: its one number of stages per rank filled in)."""
-    _gather_errors("checking the pipeline", _pipeline_error(pipeline, full_mesh, data_axes, zero, offload,
+    gather_errors("checking the pipeline", _pipeline_error(pipeline, full_mesh, data_axes, zero, offload,
                                                             micro_batches), InputError)
     return pipeline.stage_mesh(full_mesh), stage_device_mesh(mesh, pipeline.axis), as_pipeline(pipeline)
 
@@ -278,7 +219,7 @@ def _chosen_pipeline(pipeline: Pipeline, model: nn.Module, mesh: Mesh, example_i
         chosen = plan_step(model, mesh, example_inputs, pipeline=pipeline, **options).plan.pipeline
         assert chosen is not None
         return chosen.schedule, chosen.micro_batches, chosen.virtual_stages
-    schedule, m, v = _on_rank_zero("choosing the pipeline", search)
+    schedule, m, v = on_rank_zero("choosing the pipeline", search)
     return replace(pipeline, schedule=schedule, micro_batches=m, virtual_stages=v)
 
 
@@ -292,7 +233,7 @@ def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, exampl
     error = "input_sharded=True with Pipeline(from_axis=...): each rank's shard of the batch depends on the " \
             "depth chosen; pass the whole batch or name the pipeline axis in the mesh" if arguments["input_sharded"] \
         else _depth_error(pipeline, planning_mesh)
-    _gather_errors("checking the pipeline", error, InputError)
+    gather_errors("checking the pipeline", error, InputError)
 
     def search() -> tuple[int, str, int, int] | None:
         precision, compute_dtype, planned_model = _planning_model(model, arguments["precision"], planning_mesh)
@@ -301,11 +242,11 @@ def _chosen_depth(pipeline: Pipeline, model: nn.Module, mesh: DeviceMesh, exampl
         chosen = plan_step(planned_model, planning_mesh, example_inputs, pipeline=pipeline,
                            **{**options, "precision": precision, "_masters": compute_dtype is not None}).plan.pipeline
         return None if chosen is None else (chosen.size, chosen.schedule, chosen.micro_batches, chosen.virtual_stages)
-    chosen = _on_rank_zero("choosing the pipeline depth", search)
+    chosen = on_rank_zero("choosing the pipeline depth", search)
     if chosen is None:
         return mesh, None
     depth, schedule, m, v = chosen
-    carved = _on_every_rank("laying the mesh out for the pipeline", lambda: carved_device_mesh(
+    carved = on_every_rank("laying the mesh out for the pipeline", lambda: carved_device_mesh(
         mesh, pipeline.carved(planning_mesh.axes, depth)))
     return carved, replace(pipeline, from_axis=None, schedule=schedule, micro_batches=m, virtual_stages=v)
 
@@ -322,7 +263,7 @@ def _depth_error(pipeline: Pipeline, mesh: Mesh) -> str:
     try:
         pipeline.check(mesh.axes)
     except InputError as exc:
-        return _describe_error(exc)
+        return describe_error(exc)
     return ""
 
 
@@ -333,24 +274,25 @@ def _pipelined_everywhere(pipeline: Pipeline, model: nn.Module, stage_mesh: Mesh
     when the pipeline does not fit), each ILP solved by rank 0: the plan that runs is the one
     ``plan``, and rank 0's search, priced."""
     def plan_stage_mesh(stage_options: dict[str, Any]) -> PlannedStep:
-        return _solved_everywhere(_on_every_rank("planning", lambda: prepare_step(
+        return _solved_everywhere(on_every_rank("planning", lambda: prepare_step(
             model, stage_mesh, example_inputs, **stage_options)), keep_memory_errors=True)
-    step = _on_every_rank("planning the pipeline", lambda: plan_pipeline(
+    step = on_every_rank("planning the pipeline", lambda: plan_pipeline(
         pipeline, full_mesh, example_inputs, options, plan_stage_mesh,
         prepare_stage_mesh=lambda o: prepare_step(model, stage_mesh, example_inputs, **o)))
-    _agree("the pipelined plans built from rank 0's solutions differ", step.plan.plan_hash())
+    agree("the pipelined plans built from rank 0's solutions differ", step.plan.plan_hash())
     return step
 
 
 def _solved_everywhere(prepared: PreparedStep, keep_memory_errors: bool = False) -> PlannedStep:
     """Rank 0 solves the step every rank prepared; every rank builds the plan from its solution,
     and the ranks check they agree at each end."""
-    _agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
+    agree("their captured steps differ", _step_fingerprint(prepared))  # before rank 0 spends time solving
     start = time.perf_counter()
-    solution = _on_rank_zero("solving the plan", lambda: solve_step(prepared), keep_memory_errors)
+    solution = on_rank_zero("solving the plan", lambda: solve_step(prepared),
+                            MemoryLimitError if keep_memory_errors else None)
     prepared.timings["solve"] = time.perf_counter() - start  # this rank's wall time: solving or waiting
-    step: PlannedStep = _on_every_rank("building the plan", lambda: finish_step(prepared, solution))
-    _agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
+    step: PlannedStep = on_every_rank("building the plan", lambda: finish_step(prepared, solution))
+    agree("the plans built from rank 0's solution differ", step.plan.plan_hash())
     return step
 
 
@@ -379,7 +321,7 @@ def _pipeline_error(pipeline: Pipeline, mesh: Mesh, data_axes: tuple[str, ...], 
         pipeline_options(as_pipeline(pipeline), mesh, {"data_axes": data_axes, "zero": zero, "offload": offload,
                                                        "micro_batches": micro_batches})
     except InputError as exc:
-        return _describe_error(exc)
+        return describe_error(exc)
     return ""
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import InputError
-from autopar.runtime.compile import _gather_errors
+from autopar.runtime.rank_errors import gather_errors
 from autopar.runtime.generate import whole
 from autopar.runtime.scheduler import ReplicaStep, Scheduler, Transfer
 from autopar.runtime.serving import ServingModule
@@ -117,7 +117,7 @@ def serve(serving: ServingModule, requests: list[ServeRequest], replicas: list[l
                                   slots=config.slots, max_len=config.max_len, token_budget=config.token_budget)
         except InputError as exc:
             error = str(exc)
-    _gather_errors("starting the serving engine", error, InputError)
+    gather_errors("starting the serving engine", error, InputError)
     assert scheduler is not None
     store, prefix = dist.distributed_c10d._get_default_store(), f"autopar/engine/{next(_RUNS)}"
     runner = _Runner(serving, requests, replicas, replica, config)

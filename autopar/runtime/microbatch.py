@@ -101,11 +101,13 @@ def loss_kind(gm: torch.fx.GraphModule, micro_batches: int) -> str:
 
 def run_micro_batches(run: Callable[[list[Any]], torch.Tensor], micro: list[list[Any]], kind: str,
                       grad_sync: GradSync, params: list[nn.Parameter],
-                      counter: Callable[[], torch.Tensor | None]) -> torch.Tensor:
+                      counter: Callable[[], torch.Tensor | None],
+                      backward: Callable[[torch.Tensor, torch.Tensor], None] = torch.Tensor.backward) -> torch.Tensor:
     """Forward and backward of each micro-batch in turn (one micro-batch's activations alive
     at a time), gradients synchronized once, in the last one's backward; the step's loss
     (this rank's replicated value, detached). ``run`` returns a micro-batch's loss (this
-    rank's copy of the replicated value); ``counter`` the count its loss divided by."""
+    rank's copy of the replicated value); ``counter`` the count its loss divided by;
+    ``backward(loss, seed)`` runs a micro-batch's backward."""
     m = len(micro)
     stashed = stash_grads(params) if kind == COUNT and m > 1 else None
     weighted: torch.Tensor | None = None
@@ -122,7 +124,7 @@ def run_micro_batches(run: Callable[[list[Any]], torch.Tensor], micro: list[list
                 total = seed if total is None else total + seed
             else:
                 seed = torch.tensor(1.0 / m if kind == MEAN else 1.0)
-            loss.backward(seed.to(loss.dtype).expand_as(loss))
+            backward(loss, seed.to(loss.dtype).expand_as(loss))
             share = weighed(loss.detach().float(), seed)
             weighted = share if weighted is None else weighted + share
     assert weighted is not None

@@ -17,6 +17,7 @@ from autopar.errors import InputError
 from autopar.runtime.microbatch import run_micro_batches
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.located import ProgramLocator
 from autopar.runtime.parameters import local_shard
 from autopar.runtime.regather import regather_hooks
 from autopar.runtime.zero1 import ZeroOneShards
@@ -87,6 +88,7 @@ class ParallelModule(nn.Module):
             elif kind == "constant":
                 self._constants[name] = local[name]
         self._params_by_node = params_by_node
+        self._locator = ProgramLocator(gm)  # errors of the program told with the node they arose at
         # ZeRO-3: saved gathered parameters are swapped for handles and gathered again in backward
         self._regathers = any(n.op == "call_module" and n.target == "regather" for n in gm.graph.nodes)
         self.grad_sync = GradSync(plan.grad_buckets, params_by_node, device_mesh)
@@ -149,7 +151,8 @@ class ParallelModule(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         counter = self.program.get_submodule("partial_mean_loss")
         loss = run_micro_batches(lambda leaves: self._run(leaves)[0], self.signature.split(inputs, kwargs),
-                                 self._loss_kind, self.grad_sync, params, lambda: counter.last_count)
+                                 self._loss_kind, self.grad_sync, params, lambda: counter.last_count,
+                                 self._locator.backward)
         return self._wrap([loss])
 
     def _run(self, user: list[Any]) -> list[Any]:
@@ -169,7 +172,7 @@ class ParallelModule(nn.Module):
             else:
                 values.append(self.get_parameter(fqn) if kind == "param" else self.get_buffer(fqn))
         with regather_hooks() if self._regathers else contextlib.nullcontext():
-            outputs = list(self.program(*values))
+            outputs = list(self._locator.forward(self.program, values))
         if self._loss_dtype is not None:
             outputs = [outputs[0].to(self._loss_dtype), *outputs[1:]]
         return outputs

@@ -32,7 +32,8 @@ from torch.distributed.tensor import Placement
 
 from autopar.errors import InputError
 from autopar.hf.servable import as_servable
-from autopar.runtime.compile import _gather_errors, compile
+from autopar.runtime.compile import compile
+from autopar.runtime.rank_errors import gather_errors
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelinedModule
 from autopar.solver.pipeline import Pipeline
@@ -123,7 +124,7 @@ def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[An
     pipeline = options.pop("pipeline", None)
     if refused == "" and any("pipeline" in o for o in both[1:]):
         refused = "pipeline=: both steps run one pipeline (pass it once, beside the other options)"
-    _gather_errors("checking the serving options", refused or _pipeline_error(pipeline), InputError)
+    gather_errors("checking the serving options", refused or _pipeline_error(pipeline), InputError)
     if pipeline is not None:  # one micro-batch (a prefill chunk, a decode step) through the stages in order
         pipeline = replace(pipeline, schedule="gpipe", micro_batches=1, virtual_stages=1)
     decode = compile(model, mesh, decode_inputs, example_kwargs=decode_kwargs, train=False, pipeline=pipeline,
@@ -134,7 +135,7 @@ def compile_serving(model: nn.Module, mesh: DeviceMesh, prefill_inputs: tuple[An
     prefill = compile(model, mesh, prefill_inputs, example_kwargs=prefill_kwargs, train=False, pipeline=pipeline,
                       state_placements=_all_placements(decode), _shared_state=_state(decode),
                       **{**options, **(prefill_options or {})})
-    _gather_errors("sharing the state of the prefill and decode steps", _disagreement(decode, prefill))
+    gather_errors("sharing the state of the prefill and decode steps", _disagreement(decode, prefill))
     return ServingModule(prefill=prefill, decode=decode)
 
 

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.errors import InputError
+from autopar.errors import InputError, InputTypeError
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages a data axis can be pinned to (see the module docstring)."""
@@ -71,6 +71,7 @@ class MemoryOptions:
 
     def check(self, mesh_names: tuple[str, ...] | list[str]) -> None:
         """Refuse values the planner could only trip over later."""
+        check_zero(self.zero)
         for axis, stage in (self.zero or {}).items():
             if axis not in mesh_names:
                 raise InputError(f"zero= names axis {axis!r}, which is not an axis of the mesh {tuple(mesh_names)}")
@@ -97,6 +98,12 @@ class MemoryOptions:
         m = self.micro_batches
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise InputError(f"micro_batches must be a positive whole number, got {m!r}")
+
+
+def check_zero(zero: object) -> None:
+    """``zero=`` is a dict of data axis -> stage (or None), before anything reads it."""
+    if zero is not None and not isinstance(zero, dict):
+        raise InputTypeError(f"zero must be a dict of data axis -> ZeRO stage, such as {{'dp': 3}}, got {zero!r}")
 
 
 @dataclass(kw_only=True)
