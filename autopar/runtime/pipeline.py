@@ -213,6 +213,7 @@ class PipelinedModule(nn.Module):
         losses: list[torch.Tensor] = []
         self._schedule.step(*args, target=torch.arange(self.pipeline.micro_batches), losses=losses,
                             return_outputs=False)
+        self._comm.settle()  # gloo: nothing of the stages' left running beside the buckets (``runtime.ops``)
         reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
         total = torch.stack(self._counts).sum() if self._counts else torch.ones((), dtype=torch.float32)
         summed = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
