@@ -21,6 +21,7 @@ from autopar.cost.model import op_cost
 from autopar.hardware import get_profile
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.ops import Comm
 from examples import gpt, llama
 
 
@@ -141,7 +142,7 @@ def _incomplete_bucket_rank(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
     bucket = GradBucket(0, (BucketSlice("a", 0, 3), BucketSlice("b", 0, 2)), 20)
-    GradSync([bucket], {"a": a, "b": b}, mesh)
+    GradSync([bucket], {"a": a, "b": b}, mesh, Comm(mesh))
     try:
         (a * (rank + 1)).sum().backward()  # b gets no gradient: its bucket cannot complete
     except RuntimeError as exc:

@@ -21,6 +21,7 @@ from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_option
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.errors import InputError, InputTypeError
+from autopar.runtime.groups import inherit_world_timeout
 from autopar.runtime.mixed import compute_copy, running_precision
 from autopar.runtime.ops import Comm
 from autopar.solver.memory import example_batch
@@ -149,6 +150,8 @@ def _built(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh | None, st
            shared: dict[str, torch.Tensor] | None) -> ParallelModule | PipelinedModule:
     """This rank's module for the agreed plan (``init``: init_fn, init_seed, seed), built on every rank."""
     init_fn, init_seed, seed = init
+    for device_mesh in (mesh, stage_mesh) if stage_mesh is not None else (mesh,):
+        inherit_world_timeout(device_mesh)
     if pipeline is not None:
         assert stage_mesh is not None
         return on_every_rank("building the rank's stages", lambda: build_pipelined_module(

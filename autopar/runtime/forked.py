@@ -12,11 +12,16 @@ computes on one intra-op thread (the ranks share the cores anyway); call
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import math
 import multiprocessing as mp
+import os
+import signal
 import socket
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from queue import Empty
 from typing import Any
 
@@ -26,9 +31,22 @@ import torch.distributed as dist
 TIMEOUT_S = 60
 """Default process-group timeout: a deadlock fails fast instead of hanging."""
 
+GRACE_S = 30
+"""After a rank failed, how long past ``timeout_s`` the others have to report before the
+parent dumps their stacks and kills them."""
+
 
 class RankFailure(AssertionError):
     """A forked rank raised; the message holds its traceback."""
+
+
+@dataclass(frozen=True)
+class _Report:
+    rank: int
+    result: Any
+    error: str | None
+    raised_at: float
+    """``time.time()`` when the rank caught its error (before it closed its connections)."""
 
 
 def _free_port() -> int:
@@ -39,27 +57,37 @@ def _free_port() -> int:
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,
                timeout_s: float) -> None:
-    import faulthandler
-
     faulthandler.enable()  # a rank killed by a signal (a crash in C++) prints where it was
-    faulthandler.dump_traceback_later(timeout_s + 30, exit=True)  # last resort if gloo never times out
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a rank that never reports
     torch.set_num_threads(1)  # never the parent's OpenMP pool, which hangs after the fork (module docstring)
+    queue.put(_run(fn, rank, world, port, args, timeout_s))
+
+
+def _run(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, timeout_s: float) -> _Report:
+    """``fn`` on this rank, its error stamped when it is caught: before ``destroy_process_group``
+    closes the connections its peers then fail on ("Connection closed by peer")."""
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            queue.put((rank, fn(rank, world, *args), None))
-        finally:
-            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-        queue.put((rank, None, traceback.format_exc()))
+        return _Report(rank, None, traceback.format_exc(), time.time())
+    try:
+        return _Report(rank, fn(rank, world, *args), None, 0.0)
+    except BaseException:  # noqa: BLE001
+        return _Report(rank, None, traceback.format_exc(), time.time())
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = TIMEOUT_S) -> list[Any]:
     """``fn(rank, world, *args)`` on each rank; returns the results in rank order.
 
-    Results must pickle without tensors (send floats or lists). Raises with the first
-    failing rank's traceback.
+    ``timeout_s`` is every collective's timeout (the world group's, which the groups of a
+    compiled module's mesh take too: ``runtime.groups``). Ranks work as long as they need;
+    once one has failed, its peers fail within about ``timeout_s`` (their collectives with
+    it time out), and any rank still silent ``GRACE_S`` after that has its stacks dumped
+    and is killed. Results must pickle without tensors (send floats or lists). Raises with
+    the traceback of the rank that raised first (its peers' errors are its echoes).
     """
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -68,47 +96,64 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
              for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    reports: dict[int, _Report] = {}
     try:
-        _collect(queue, procs, results, errors, time.monotonic() + timeout_s + 60)
+        _collect(queue, procs, reports, timeout_s + GRACE_S)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    errors = sorted((r for r in reports.values() if r.error), key=lambda r: (r.raised_at, r.rank))
     if errors:
-        rank = min(errors)
-        raise RankFailure(f"rank {rank} failed:\n{errors[rank]}")
-    return [results[r] for r in range(world)]
+        first = errors[0]
+        others = f" (then ranks {[r.rank for r in errors[1:]]})" if errors[1:] else ""
+        raise RankFailure(f"rank {first.rank} failed first{others}:\n{first.error}")
+    return [reports[r].result for r in range(world)]
 
 
-def _collect(queue: Any, procs: list[Any], results: dict[int, Any], errors: dict[int, str], deadline: float) -> None:
-    """Read every rank's report into ``results``/``errors``; a rank that died without one
-    (killed by a signal: its traceback is on stderr) fails at once, not at the deadline."""
-    while len(results) < len(procs):
+def _collect(queue: Any, procs: list[Any], reports: dict[int, _Report], patience_s: float) -> None:
+    """Read every rank's report; a rank that died without one (killed by a signal: its
+    traceback is on stderr) fails at once, and ranks silent ``patience_s`` after the first
+    error have their stacks dumped (stderr) and fail."""
+    deadline = math.inf
+    while len(reports) < len(procs):
         try:
-            rank, result, error = queue.get(timeout=1.0)
+            report = queue.get(timeout=1.0)
         except Empty:
-            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-            if dead and not _drained(queue, results, errors):
-                raise RankFailure(f"rank {dead[0]} died without a report (exit code {procs[dead[0]].exitcode})")
+            dead = [r for r, p in enumerate(procs) if r not in reports and p.exitcode not in (None, 0)]
+            if dead and not _drained(queue, reports):
+                raise RankFailure(f"rank {dead[0]} died without a report (exit code {procs[dead[0]].exitcode})"
+                                  + _first_error(reports))
             if time.monotonic() > deadline:
-                missing = sorted(set(range(len(procs))) - set(results))
-                raise RankFailure(f"ranks {missing} did not report in time") from None
+                missing = sorted(set(range(len(procs))) - set(reports))
+                _dump_stacks([procs[r] for r in missing])
+                raise RankFailure(f"ranks {missing} did not report {patience_s:.0f} s after a failure (stacks on "
+                                  f"stderr)" + _first_error(reports)) from None
             continue
-        if error:
-            errors[rank] = error
-        results[rank] = result
+        reports[report.rank] = report
+        if report.error and deadline == math.inf:
+            deadline = time.monotonic() + patience_s
 
 
-def _drained(queue: Any, results: dict[int, Any], errors: dict[int, str]) -> bool:
+def _first_error(reports: dict[int, _Report]) -> str:
+    errors = sorted((r for r in reports.values() if r.error), key=lambda r: (r.raised_at, r.rank))
+    return f"; rank {errors[0].rank} failed first:\n{errors[0].error}" if errors else ""
+
+
+def _dump_stacks(procs: list[Any]) -> None:
+    """Ask live ranks to print every thread's stack (``faulthandler`` on SIGUSR1), and give them a moment."""
+    for p in procs:
+        if p.is_alive() and p.pid is not None:
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+
+
+def _drained(queue: Any, reports: dict[int, _Report]) -> bool:
     """Read a report still in the pipe (a rank may die after sending it); whether there was one."""
     try:
-        rank, result, error = queue.get(timeout=1.0)
+        report = queue.get(timeout=1.0)
     except Empty:
         return False
-    if error:
-        errors[rank] = error
-    results[rank] = result
+    reports[report.rank] = report
     return True

@@ -24,6 +24,11 @@ A synchronized parameter whose gradient never arrives in a backward that reached
 would leave its buckets incomplete: that is an error (after every launched all-reduce has
 finished, so no rank hangs), never a silent skip. The plan leaves parameters that get no
 gradient (frozen, unused, or reached only through ``detach``) out of the buckets.
+
+The buckets run on the mesh's groups as the program's own collectives do, so on a CPU mesh
+(gloo) they follow ``Comm``'s rule: a bucket is issued once what is in flight on the mesh
+has finished (``Comm.settle``), and the program's next collective waits for it
+(``Comm.left_running``); see ``runtime.ops``.
 """
 
 from __future__ import annotations
@@ -40,14 +45,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.cost.buckets import GradBucket
-from autopar.runtime.ops import CollectiveLog
+from autopar.runtime.ops import CollectiveLog, Comm
 
 
 class GradSync:
-    def __init__(self, buckets: list[GradBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh) -> None:
+    def __init__(self, buckets: list[GradBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
+                 comm: Comm) -> None:
         self.buckets = buckets
         self.params = params
         self.mesh = mesh
+        self.comm = comm  # the program's collectives on ``mesh``: the buckets take turns with them on gloo
         self.log: CollectiveLog | None = None
         self.deferred = False  # inside no_sync(): accumulate, reduce nothing
         self.dims = sorted({b.mesh_dim for b in buckets})
@@ -143,7 +150,9 @@ class GradSync:
         start, stop = self.span[i]
         chunk = self._flat[self.buckets[i].mesh_dim][start:stop]
         self._record(self.buckets[i].mesh_dim, chunk)
+        self.comm.settle()
         self._work[i] = dist.all_reduce(chunk, group=self.mesh.get_group(self.buckets[i].mesh_dim), async_op=True)
+        self.comm.left_running(self._work[i])
 
     def _record(self, dim: int, chunk: torch.Tensor) -> None:
         if self.log is not None:
@@ -151,6 +160,7 @@ class GradSync:
 
     def _finish(self) -> None:
         try:
+            self.comm.settle()
             for work in self._work.values():
                 work.wait()
             missing = sorted({n for b in self.buckets for n in b.params} - self._received)
@@ -180,6 +190,7 @@ class GradSync:
                     start, stop = self.span[i]
                     chunk = self._flat[dim][start:stop]
                     self._record(dim, chunk)
+                    self.comm.settle()
                     dist.all_reduce(chunk, group=self.mesh.get_group(dim))
 
     def _reduced(self, name: str, before: int | None = None) -> torch.Tensor:

@@ -91,8 +91,8 @@ class ParallelModule(nn.Module):
         self._locator = ProgramLocator(gm)  # errors of the program told with the node they arose at
         # ZeRO-3: saved gathered parameters are swapped for handles and gathered again in backward
         self._regathers = any(n.op == "call_module" and n.target == "regather" for n in gm.graph.nodes)
-        self.grad_sync = GradSync(plan.grad_buckets, params_by_node, device_mesh)
-        self.zero1 = ZeroOneShards(plan.shard_buckets, params_by_node, device_mesh, comm.settle_gathers)
+        self.grad_sync = GradSync(plan.grad_buckets, params_by_node, device_mesh, comm)
+        self.zero1 = ZeroOneShards(plan.shard_buckets, params_by_node, device_mesh, comm.settle)
         self._zero1_stepper = False  # pm.optimizer made a ZeRO-1 optimizer: the only one that syncs those gradients
 
     @property

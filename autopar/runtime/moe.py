@@ -79,6 +79,7 @@ class ExpertDispatch(nn.Module):
             counts = torch.bincount(sorted_ids, minlength=experts) if valid else \
                 torch.full((experts,), -1, dtype=torch.int64, device=sorted_ids.device)
             self.comm.record_bytes("forward", ALL_TO_ALL, mesh_dim, counts.numel() * counts.element_size())
+            self.comm.settle()
             received = fc.wait_tensor(fc.all_to_all_single(counts, None, None, (self.comm.mesh, mesh_dim)))
         if not valid or bool((received < 0).any()):
             raise ValueError(f"an expert id outside [0, {experts}) on some rank of mesh dim {mesh_dim}: the router "
@@ -90,8 +91,14 @@ class ExpertDispatch(nn.Module):
         """Rows to the ranks along ``mesh_dim`` (``input_splits[j]`` to rank j, ``output_splits[i]``
         from rank i), differentiable: the gradient goes back the same way, logged when it does."""
         self.comm.record_bytes("forward", ALL_TO_ALL, mesh_dim, DATA_DEPENDENT)
+        self.comm.settle()
         out = fc.wait_tensor(fc.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits,
                                                            (self.comm.mesh, mesh_dim)))
         if out.requires_grad:
-            out.register_hook(lambda grad: self.comm.record_bytes("backward", ALL_TO_ALL, mesh_dim, DATA_DEPENDENT))
+            out.register_hook(lambda grad: self._backward_all_to_all(mesh_dim))
         return out
+
+    def _backward_all_to_all(self, mesh_dim: int) -> None:
+        """Runs just before the rows' all-to-all in backward: logs it, and lets what is in flight finish first."""
+        self.comm.record_bytes("backward", ALL_TO_ALL, mesh_dim, DATA_DEPENDENT)
+        self.comm.settle()

@@ -15,12 +15,14 @@ parameter's gradient reduce-scatter is issued and not waited for (``Comm.run_unw
 autograd goes on with the next ops' backward while it runs, and it is waited for when the
 next one is issued, or when an op reads the gradient, at the latest at the end of backward.
 
-On gloo (a CPU mesh) at most one all-gather runs at a time: an all-gather is issued only
-after the one before it finished. gloo (torch 2.13) corrupts the heap when two all-gathers
-of a process group run at once ("malloc(): unaligned tcache chunk detected" or a
-segfault, a few runs in a hundred of two ranks each issuing a block's gathers ahead);
-all-reduces and reduce-scatters (an all-reduce in gloo) run concurrently without harm.
-Issue order, and so what every rank runs, is unchanged; only the overlap is less on CPU.
+On gloo (a CPU mesh) at most one collective runs at a time on this rank: before any
+collective is issued, the one left running (a gather launched ahead, a gradient's
+reduce-scatter, a gradient bucket's all-reduce: ``Comm.left_running``) is waited for
+(``Comm.settle``). gloo (torch 2.13) corrupts the heap when two collectives of a process
+group overlap ("malloc(): unaligned tcache chunk detected" or a segfault, in a wait; one
+repeat in a few thousand of ``benchmarks/gloo_overlap.py``): an all-gather beside another
+all-gather, beside an all-reduce or beside a reduce-scatter alike. Issue order, and so
+what every rank runs and what the plan lists, is unchanged; only the overlap is less on CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -92,28 +95,45 @@ class Comm:
         self.coordinate = mesh.get_coordinate()
         self.log: CollectiveLog | None = None
         self._recomputing = False
+        self.serial = mesh.device_type == "cpu"
+        """gloo: a collective is issued only once the one left running has finished (module docstring)."""
         self._scattering: fc.AsyncCollectiveTensor | None = None
         """The last reduce-scatter left running (``run_unwaited``)."""
         self._gathering: torch.Tensor | None = None
-        """The last all-gather issued without waiting (``launch``), on a CPU mesh only: the
-        next all-gather waits for it first (module docstring)."""
+        """The last all-gather issued without waiting (``launch``), on a CPU mesh only."""
+        self._works: list[dist.Work] = []
+        """Collectives issued outside, left running on this mesh (``left_running``), on a CPU mesh only."""
         self._sized_by_data = False
         """Collectives run now move a tensor of data-dependent size (``sized_by_data``)."""
 
-    def settle_gathers(self) -> None:
-        """Wait for the all-gather left in flight, if any (before another one is issued, here
-        or elsewhere on this mesh: ZeRO-1's buckets at the optimizer step)."""
+    def settle(self) -> None:
+        """On a CPU mesh, wait for every collective left running on this mesh: called before
+        any collective is issued, here or elsewhere on this mesh (gradient buckets, ZeRO-1's
+        buckets at the optimizer step, the ring's sends, the experts' all-to-alls)."""
+        if not self.serial:
+            return
         if self._gathering is not None:
             fc.wait_tensor(self._gathering)
             self._gathering = None
+        if self._scattering is not None:
+            self._scattering.trigger_wait()
+            self._scattering = None
+        while self._works:
+            self._works.pop(0).wait()
+
+    def left_running(self, work: dist.Work) -> None:
+        """``work``, an asynchronous collective issued on this mesh outside ``Comm`` (a gradient
+        bucket's all-reduce), is waited for before the next collective on a CPU mesh."""
+        if self.serial:
+            self._works.append(work)
 
     def _gather(self, x: torch.Tensor, mesh_dim: int, dim: int, waited: bool) -> torch.Tensor:
-        """An all-gather, issued after the one in flight on a CPU mesh; ``waited``: waited for now."""
-        self.settle_gathers()
+        """An all-gather, issued after the collectives in flight on a CPU mesh; ``waited``: waited for now."""
+        self.settle()
         out = fc.all_gather_single(x, dim, (self.mesh, mesh_dim))
         if waited:
             return fc.wait_tensor(out)
-        if self.mesh.device_type == "cpu":
+        if self.serial:
             self._gathering = out  # dropped at finish: held here, the gathered copy would outlive its use
         return out
 
@@ -180,6 +200,7 @@ class Comm:
         x = self._scatter_order(self.run(x, steps[:-1], phase), last).contiguous()
         if self._scattering is not None:
             self._scattering.trigger_wait()
+        self.settle()
         self._record(phase, REDUCE_SCATTER, last.mesh_dim, x)
         out = fc.reduce_scatter_single(x, "sum", last.dst_dim, (self.mesh, last.mesh_dim))
         self._scattering = out if isinstance(out, fc.AsyncCollectiveTensor) else None
@@ -224,6 +245,7 @@ class Comm:
         if step.kind == ZERO:
             return x if self.coordinate[i] == 0 else torch.zeros_like(x)
         x = x.contiguous()
+        self.settle()
         if step.kind == ALL_REDUCE:
             self._record(phase, ALL_REDUCE, i, x)
             return fc.wait_tensor(fc.all_reduce(x, "sum", group))
@@ -359,6 +381,7 @@ class PartialMeanLoss(nn.Module):
             count = torch.as_tensor(count, dtype=torch.float32).reshape(1)
             for dim in (d for d in mesh_dims if self.comm.mesh.size(d) > 1):
                 self.comm._record("forward", ALL_REDUCE, dim, count)
+                self.comm.settle()
                 count = fc.wait_tensor(fc.all_reduce(count, "sum", (self.comm.mesh, dim)))
         self.last_count = count.reshape(())
         return loss_rules.local_mean_loss(target, args, count.reshape(()))

@@ -219,6 +219,7 @@ class PipelinedModule(nn.Module):
         losses: list[torch.Tensor] = []
         self._schedule.step(*args, target=torch.arange(self.pipeline.micro_batches), losses=losses,
                             return_outputs=False)
+        self._comm.settle()  # gloo: nothing of the stages' left running beside the buckets (``runtime.ops``)
         reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
         self._tied.reduce(self.log)
         total = torch.stack(self._counts).sum() if self._counts else torch.ones((), dtype=torch.float32)

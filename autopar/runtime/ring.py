@@ -75,6 +75,7 @@ class P2PLink:
     def start(self, tensors: list[torch.Tensor], phase: str, tag: int) -> Wait:
         self.comm.record_bytes(phase, SEND_RECV, self.mesh_dim, sum(t.numel() * t.element_size() for t in tensors))
         received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        self.comm.settle()
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
         works = dist.batch_isend_irecv(ops)

@@ -72,11 +72,11 @@ class ZeroOneShards:
     """The ZeRO-1 parameters of one rank and the plan's buckets for them."""
 
     def __init__(self, buckets: list[ShardBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
-                 settle_gathers: Callable[[], None] = lambda: None) -> None:
+                 settle: Callable[[], None] = lambda: None) -> None:
         self.buckets = buckets
-        self.settle_gathers = settle_gathers
-        """Waits for an all-gather the program left in flight (``Comm.settle_gathers``): on a CPU
-        mesh two all-gathers must not run at once."""
+        self.settle = settle
+        """Waits for the collectives the program left in flight (``Comm.settle``): on a CPU
+        mesh no two collectives may run at once."""
         self.mesh = mesh
         self.log: CollectiveLog | None = None
         self.chunks: dict[str, Chunk] = {}  # parameter node -> its chunk (every one is in an all-gather bucket)
@@ -118,6 +118,7 @@ class ZeroOneShards:
                 rows[:, offset: offset + s.stop - s.start] = chunk.padded(chunk.param.grad, self.dtype)[:, s.start:s.stop]
                 offset += s.stop - s.start
             self._record(REDUCE_SCATTER, bucket, rows)
+            self.settle()
             mine = fc.wait_tensor(fc.reduce_scatter_single(rows.view(-1), "sum", 0, self.mesh.get_group(bucket.mesh_dim)))
             self._scatter(bucket, mine, grads)
         return grads
@@ -135,7 +136,7 @@ class ZeroOneShards:
 
     def all_gather(self) -> None:
         """Every rank's updated chunks into the whole parameters, bucket by bucket."""
-        self.settle_gathers()
+        self.settle()
         for bucket in self.buckets:
             if bucket.kind != ALL_GATHER:
                 continue
@@ -175,7 +176,7 @@ class ZeroOneShards:
         from every rank's chunk (one all-gather on the chunk's dim; not one of the step's)."""
         padded = torch.zeros(chunk.size, dtype=value.dtype, device=value.device)
         padded[: value.numel()] = value
-        self.settle_gathers()
+        self.settle()
         whole = fc.wait_tensor(fc.all_gather_single(padded, 0, self.mesh.get_group(chunk.mesh_dim)))
         return whole[: chunk.param.numel()].view(chunk.param.shape).clone()
 
