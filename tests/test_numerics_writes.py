@@ -22,7 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.api import plan_step
+from autopar.capture import capture
 from autopar.runtime.forked import run_ranks
+from autopar.runtime.gradient_check import GradientPlanError, autograd_trained, check_trained_parameters
 from autopar.solver.nodes import PARAM
 from numerics_harness import Reference, check, reference, run_compiled
 
@@ -145,3 +147,39 @@ def test_plan_trains_every_parameter_autograd_reaches(name: str) -> None:
                      data_axes=("dp",))
     trainable = {n.fqn for n in step.graph.nodes.values() if n.kind == PARAM and n.needs_grad}
     assert trainable == {k for k, _ in model.named_parameters()}
+
+
+class Detached(nn.Module):
+    """Parameters that autograd gives no gradient: one reached through ``detach`` only, one frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(DIM, DIM)
+        self.b = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, CLASSES)
+        self.b.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.a(x).detach() + self.b(x)).mean(1)
+
+
+def test_autograd_trained_follows_writes_and_skips_detached() -> None:
+    model, inputs, loss_fn, targets = build("scan")
+    assert autograd_trained(capture(model, inputs, loss_fn=loss_fn, example_targets=targets)) == \
+        {k for k, _ in model.named_parameters()}
+    model = Detached()
+    assert autograd_trained(capture(model, inputs, loss_fn=loss_fn, example_targets=targets)) == \
+        {"head.weight", "head.bias"}
+
+
+def test_a_parameter_the_plan_does_not_sync_is_an_error() -> None:
+    """Where the gradient analysis misses a path autograd takes, compile refuses the plan
+    instead of leaving that parameter's replicas to drift apart."""
+    model, inputs, loss_fn, targets = build("scan")
+    step = plan_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                     data_axes=("dp",))
+    check_trained_parameters(step.captured, step.graph)
+    decay = next(n for n in step.graph.nodes.values() if n.fqn == "decay")
+    decay.needs_grad = False  # as main's analysis had it
+    with pytest.raises(GradientPlanError, match="plan does not sync: decay"):
+        check_trained_parameters(step.captured, step.graph)

@@ -21,6 +21,7 @@ from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_option
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.errors import InputError
+from autopar.runtime.gradient_check import check_trained_parameters
 from autopar.runtime.mixed import compute_copy, running_precision
 from autopar.runtime.ops import Comm
 from autopar.solver.memory import example_batch
@@ -201,6 +202,9 @@ def _built(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh | None, st
            shared: dict[str, torch.Tensor] | None) -> ParallelModule | PipelinedModule:
     """This rank's module for the agreed plan (``init``: init_fn, init_seed, seed), built on every rank."""
     init_fn, init_seed, seed = init
+    # rank 0 alone: every rank planned the same step (agreed by hash)
+    _on_rank_zero("checking the plan's gradients against autograd",
+                  lambda: check_trained_parameters(step.captured, step.graph))
     if pipeline is not None:
         assert stage_mesh is not None
         return _on_every_rank("building the rank's stages", lambda: build_pipelined_module(
