@@ -147,6 +147,8 @@ def test_plan_trains_every_parameter_autograd_reaches(name: str) -> None:
                      data_axes=("dp",))
     trainable = {n.fqn for n in step.graph.nodes.values() if n.kind == PARAM and n.needs_grad}
     assert trainable == {k for k, _ in model.named_parameters()}
+    complex_ops = ("view_as_complex", "view_as_real", "polar")
+    assert not [f.op for f in step.plan.fallbacks if any(op in f.op for op in complex_ops)], "complex ops have rules"
 
 
 class Detached(nn.Module):
