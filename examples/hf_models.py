@@ -171,3 +171,60 @@ def build_mixtral_step(batch: int = 4, device: str = "cpu", **sizes: Any
                        ) -> tuple[nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
     """(model, example_inputs, loss_fn, example_targets) for ``autopar plan``; ``sizes`` as :func:`build_mixtral`."""
     return _as_step(build_mixtral(batch=batch, device=device, **sizes))
+
+
+def build_deepseek_v3(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, seq: int = 32,
+                      batch: int = 4, device: str = "cpu", intermediate: int = 128, experts: int = 4, top_k: int = 2,
+                      moe_intermediate: int = 64) -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    """A ``DeepseekV3ForCausalLM``: multi-head latent attention (low-rank queries and keys/values,
+    the rotary part of each key expanded into a ``new_empty`` buffer by slice copies), a dense first
+    layer, then ``experts`` routed experts (sigmoid scores, ``top_k`` per token) beside a shared one;
+    as :func:`build_mixtral` it returns its own loss."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                           num_key_value_heads=heads, intermediate_size=intermediate,
+                           moe_intermediate_size=moe_intermediate, vocab_size=vocab, max_position_embeddings=seq,
+                           n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1, n_group=1,
+                           topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, bos_token_id=1, eos_token_id=2,
+                           use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV3ForCausalLM(cfg)
+    return _example(model, vocab, seq, batch, device)
+
+
+def build_llama4(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, seq: int = 32,
+                 batch: int = 4, device: str = "cpu", kv_heads: int = 2, intermediate: int = 64, experts: int = 4
+                 ) -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    """A text-only ``Llama4ForCausalLM``: complex rotary embeddings (``torch.polar``,
+    ``view_as_complex``), every layer a top-1 mixture of ``experts`` beside a shared expert; as
+    :func:`build_mixtral` it returns its own loss."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    cfg = Llama4TextConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                           num_key_value_heads=kv_heads, head_dim=hidden // heads, intermediate_size=intermediate,
+                           intermediate_size_mlp=2 * intermediate, vocab_size=vocab, max_position_embeddings=seq,
+                           num_local_experts=experts, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0, use_cache=False,
+                           attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama4ForCausalLM(cfg)
+    return _example(model, vocab, seq, batch, device)
+
+
+def build_rwkv(layers: int = 2, hidden: int = 32, vocab: int = 256, seq: int = 32, batch: int = 4,
+               device: str = "cpu") -> tuple[nn.Module, tuple[torch.Tensor], None, tuple[()], dict[str, Any]]:
+    """A ``RwkvForCausalLM``: its time mixing a recurrent scan over the sequence, each step's
+    output written into a ``zeros_like`` buffer; as :func:`build_mixtral` it returns its own loss."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    cfg = RwkvConfig(num_hidden_layers=layers, hidden_size=hidden, attention_hidden_size=hidden,
+                     intermediate_size=2 * hidden, vocab_size=vocab, context_length=seq, bos_token_id=1,
+                     eos_token_id=2, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = RwkvForCausalLM(cfg)
+    return _example(model, vocab, seq, batch, device)

@@ -157,9 +157,11 @@ def ranks(mesh_shape: tuple[int, ...]) -> list[Coord]:
 
 def _partial_parts(x: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
     """n random tensors summing to x (exactly for ints, to rounding for floats)."""
-    if x.dtype == torch.bool or x.is_complex():
+    if x.dtype == torch.bool:
         raise ValueError(f"Partial placement on a {x.dtype} tensor has no meaning")
-    if x.is_floating_point():
+    if x.is_complex():
+        parts = [torch.randn(x.shape, generator=gen, dtype=torch.complex128).to(x.dtype) for _ in range(n - 1)]
+    elif x.is_floating_point():
         parts = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype) for _ in range(n - 1)]
     else:
         parts = [torch.randint(-5, 6, x.shape, generator=gen).to(x.dtype) for _ in range(n - 1)]

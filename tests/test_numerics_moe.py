@@ -262,3 +262,54 @@ def test_hf_mixtral_expert_parallel_matches_single_device(case: HfCase) -> None:
     if "tp" in names:  # tensor parallel inside the experts: gate and up each split on F (strided), down on F
         placed = {k.rsplit(".", 1)[1]: v for k, v in results[0]["experts"].items()}
         assert placed == {"gate_up_proj": "S(0)S(1/2)", "down_proj": "S(0)S(2)"}, results[0]["experts"]
+
+
+@dataclass(frozen=True)
+class HfMoeCase:
+    """DeepSeek-V3 (latent attention whose keys are filled into a ``new_empty`` buffer by slice copies) or
+    Llama-4 (complex rotary embeddings) on dp, dp x tp, or ep with the experts pinned split by expert."""
+
+    family: str
+    mesh: tuple[tuple[int, ...], tuple[str, ...]]
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}-{'x'.join(self.mesh[1])}"
+
+    def build(self) -> Any:
+        """On ep, 16 experts of 512 (8 sequences of 16): splitting them by expert then pays on the cpu profile."""
+        sizes: dict[str, Any] = dict(batch=4, seq=8, vocab=64)
+        if "ep" in self.mesh[1]:
+            sizes = dict(batch=8, seq=16, vocab=64, experts=16,
+                         **{"moe_intermediate" if self.family == "deepseek_v3" else "intermediate": 512})
+        example = getattr(hf_models, f"build_{self.family}")(**sizes)
+        example[0].eval()
+        return example
+
+
+HF_WRITES_CASES = [HfMoeCase(family, mesh) for family in ("deepseek_v3", "llama4") for mesh in (DP, DP_TP, EP)]
+
+
+def train_hf_writes_on_rank(rank: int, world: int, case: HfMoeCase, ref: Reference) -> dict[str, Any]:
+    shape, names = case.mesh
+    model, inputs, loss_fn, targets, kwargs = case.build()
+    experts = {k: tuple(Shard(0) if a == "ep" else Replicate() for a in names)
+               for k, _ in model.named_parameters() if ".experts." in k} if "ep" in names else None
+    pm = autopar.compile(model, init_device_mesh("cpu", shape, mesh_dim_names=names), inputs, loss_fn=loss_fn,
+                         example_targets=targets, example_kwargs=kwargs, data_axes=(names[0],),
+                         expert_axes=("ep",) if "ep" in names else (), state_placements=experts)
+    return {**run_compiled(pm, (*inputs, *targets), ref, kwargs=kwargs),
+            "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if c.data_dependent})}
+
+
+@pytest.mark.parametrize("case", HF_WRITES_CASES, ids=[c.id for c in HF_WRITES_CASES])
+def test_hf_deepseek_v3_and_llama4_match_single_device(case: HfMoeCase) -> None:
+    """Both backward through what autograd differentiates and the plan once took as gradient-free
+    (DeepSeek-V3's key buffer, Llama-4's complex rotation): loss, every gradient, parameters after
+    3 AdamW steps are one device's on every mesh, experts split by expert on ep."""
+    ref = reference(case.build)
+    results = run_checked(train_hf_writes_on_rank, case.mesh[0], case, ref)
+    if "ep" in case.mesh[1] and case.family == "deepseek_v3":  # its routed experts dispatch by all-to-all
+        assert {("all_to_all", "ep", "forward"), ("all_to_all", "ep", "backward")} <= set(results[0]["dispatch"])
+    # Llama-4's HF experts run every expert on every token (its router masks the outputs): no dispatch, the
+    # experts' split weights gathered for their batched matmul

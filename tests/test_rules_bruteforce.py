@@ -724,10 +724,11 @@ def test_simulator_partial_inputs_are_really_split() -> None:
 def _all_cases() -> list[OpCase]:
     """These cases and those brute-forced in their own files (imported here, not at the top:
     those files import this one's helpers)."""
+    from test_rules_complex import CASES as COMPLEX_CASES
     from test_rules_conv import CASES as CONV_CASES
     from test_rules_routing import CASES as ROUTING_CASES
 
-    return [*CASES, *CONV_CASES, *ROUTING_CASES]
+    return [*CASES, *CONV_CASES, *ROUTING_CASES, *COMPLEX_CASES]
 
 
 def test_in_place_ops_keep_their_first_input_placement() -> None:

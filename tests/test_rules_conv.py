@@ -126,14 +126,15 @@ def gradient_failure(c: OpCase, strategy: Strategy, mesh_shape: tuple[int, ...])
     names = [a.name for a, v in zip(c.op._schema.arguments, c.args)  # a tensor list (index_put's) names each
              for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
     written = written_arg_names(c.op, c.args, c.kwargs)
-    wanted = [i for i, t in enumerate(inputs) if t.is_floating_point() and names[i] not in written
+    wanted = [i for i, t in enumerate(inputs) if (t.is_floating_point() or t.is_complex()) and names[i] not in written
               and names[i] not in NOT_DIFFERENTIABLE]
     full = [t.clone().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
     replaced = iter(full)
     args = [[next(replaced) if isinstance(t, torch.Tensor) else t for t in a] if isinstance(a, (list, tuple))
             else next(replaced) if isinstance(a, torch.Tensor) else a for a in c.args]
     outputs = flatten_outputs(c.op(*args, **c.kwargs))
-    output_grads = [torch.randn(o.shape, generator=_GEN, dtype=o.dtype) if o is not None and o.is_floating_point()
+    output_grads = [torch.randn(o.shape, generator=_GEN, dtype=o.dtype)
+                    if o is not None and (o.is_floating_point() or o.is_complex())
                     else None for o in outputs]
     used = [i for i, g in enumerate(output_grads) if g is not None]
     expected = torch.autograd.grad([outputs[i] for i in used], [full[i] for i in wanted],

@@ -171,21 +171,28 @@ def as_produced_args(graph: torch.fx.Graph) -> dict[torch.fx.Node, set[torch.fx.
     return out
 
 
+def prior_writes(graph: torch.fx.Graph) -> dict[tuple[torch.fx.Node, torch.fx.Node], tuple[torch.fx.Node, ...]]:
+    """(reader, input) -> the in-place writes into that input's storage that came before the
+    read, in order; only reads after some write are listed. Autograd routes the reader's
+    gradient into the values those writes wrote (``out[:, t] = f(w)`` into a ``zeros_like``)."""
+    writes: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
+    out: dict[tuple[torch.fx.Node, torch.fx.Node], tuple[torch.fx.Node, ...]] = {}
+    for node in graph.nodes:
+        for arg in _inputs(node):
+            before = writes.get(storage_root(arg), ())
+            if before:
+                out[(node, arg)] = before
+        for target in written_args(node):
+            root = storage_root(target)
+            writes[root] = (*writes.get(root, ()), node)
+    return out
+
+
 def read_versions(graph: torch.fx.Graph) -> dict[tuple[torch.fx.Node, torch.fx.Node], int]:
     """(reader, input) -> how many in-place writes into that input's storage came before the
     read; only nonzero versions are listed. Reads of different versions of one tensor must
     not share a reshard: one made before a write holds the old values."""
-    writes: dict[torch.fx.Node, int] = {}
-    out: dict[tuple[torch.fx.Node, torch.fx.Node], int] = {}
-    for node in graph.nodes:
-        for arg in _inputs(node):
-            version = writes.get(storage_root(arg), 0)
-            if version:
-                out[(node, arg)] = version
-        for target in written_args(node):
-            root = storage_root(target)
-            writes[root] = writes.get(root, 0) + 1
-    return out
+    return {key: len(writes) for key, writes in prior_writes(graph).items()}
 
 
 def _inputs(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
@@ -197,4 +204,5 @@ def _inputs(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
 
 
 __all__ = ["writes_first_arg", "written_arg_names", "written_args", "written_placeholders", "viewed_arg",
-           "storage_root", "same_tensor", "returned_operand", "as_produced_args", "read_versions"]
+           "storage_root", "same_tensor", "returned_operand", "as_produced_args", "prior_writes",
+           "read_versions"]

@@ -21,6 +21,7 @@ from autopar.api import (PlannedStep, PreparedStep, finish_step, pipeline_option
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.mesh import Mesh
 from autopar.errors import InputError, InputTypeError
+from autopar.runtime.gradient_check import check_trained_parameters
 from autopar.runtime.groups import inherit_world_timeout
 from autopar.runtime.mixed import compute_copy, running_precision
 from autopar.runtime.ops import Comm
@@ -152,6 +153,9 @@ def _built(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh | None, st
     init_fn, init_seed, seed = init
     for device_mesh in (mesh, stage_mesh) if stage_mesh is not None else (mesh,):
         inherit_world_timeout(device_mesh)
+    # rank 0 alone: every rank planned the same step (agreed by hash)
+    on_rank_zero("checking the plan's gradients against autograd",
+                 lambda: check_trained_parameters(step.captured, step.graph))
     if pipeline is not None:
         assert stage_mesh is not None
         return on_every_rank("building the rank's stages", lambda: build_pipelined_module(

@@ -260,7 +260,10 @@ class Comm:
         if step.kind == ALL_TO_ALL:
             self._record(phase, ALL_TO_ALL, i, x)
             chunks = torch.stack(self._scatter_order(x, step).chunk(n, dim=step.dst_dim))  # chunk j goes to rank j
-            received = fc.wait_tensor(fc.all_to_all_single(chunks.contiguous(), None, None, group))
+            # gloo's all-to-all carries no complex dtype: the (real, imaginary) pairs travel instead
+            moved = torch.view_as_real(chunks.contiguous()) if chunks.is_complex() else chunks.contiguous()
+            received = fc.wait_tensor(fc.all_to_all_single(moved, None, None, group))
+            received = torch.view_as_complex(received) if chunks.is_complex() else received
             return self._joined(torch.cat(received.unbind(0), dim=step.src_dim), step, n)
         raise ValueError(step.kind)
 

@@ -1,7 +1,9 @@
 """Which nodes of a training step get a gradient, as autograd will run it.
 
 Forward, a node may need a gradient when some input does and the op is differentiable
-(``may_need_grad``). Backward decides what actually runs: a node gets a gradient only on a
+(``may_need_grad``), and a tensor needs one once a write into its storage does
+(``mark_written_storage``: ``out[:, t] = f(w, x)`` into a ``zeros_like``, as autograd rebases
+the buffer's history onto the write). Backward decides what actually runs: a node gets a gradient only on a
 differentiable path to the loss, so a parameter that reaches the loss only through a
 comparison (``(gate(x) > 0).float()``), ``detach`` or a factory gets none: no gradient
 reduction waits for it, no optimizer state is priced for it, and no backward op or saved
@@ -34,14 +36,37 @@ VIEW_OF_EACH_INPUT = frozenset({aten.broadcast_tensors.default})
 that input does (F.mse_loss broadcasts its target, which needs none, with its input)."""
 
 
+def carries_gradient(dtype: torch.dtype) -> bool:
+    """Autograd differentiates floating and complex tensors (a complex rotary embedding's)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def differentiable(target: Any, family: str | None) -> bool:
+    """Whether backward sends a gradient through the op to its inputs: not a factory, which
+    builds a new tensor from its input's shape alone, nor ``detach`` or a random draw."""
+    return target not in NO_GRADIENT and family != "factory"
+
+
+def mark_written_storage(nodes: dict[str, PlanNode], writer: PlanNode, members: list[str]) -> None:
+    """After an in-place write that needs a gradient, the storage it writes into needs one:
+    ``members``, its root and the views of it planned so far (later reads find them so).
+    Reads before the write keep what they had, as in autograd."""
+    if not writer.needs_grad:
+        return
+    for name in members:
+        node = nodes[name]
+        if any(o is not None and carries_gradient(o.dtype) for o in node.outputs):
+            node.needs_grad = True
+
+
 def may_need_grad(target: Any, family: str | None, producers: list[tuple[str, int]],
                   nodes: dict[str, PlanNode], outputs: tuple[TensorMeta | None, ...], train: bool,
                   source: PlanNode | None = None, index: int = 0) -> bool:
     """Forward: a floating output of a differentiable op with an input that needs a gradient.
     For ``operator.getitem`` of ``source``'s output ``index``, per output where it differs."""
-    if not train or target in NO_GRADIENT or family == "factory":
+    if not differentiable(target, family):
         return False
-    if not any(o is not None and o.dtype.is_floating_point for o in outputs):
+    if not train or not any(o is not None and carries_gradient(o.dtype) for o in outputs):
         return False
     if target is operator.getitem and source is not None and source.call is not None \
             and source.call.target in VIEW_OF_EACH_INPUT:
@@ -58,8 +83,11 @@ def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | N
         return
     receives: set[str] = {loss} if loss is not None and nodes[loss].needs_grad else set()
     for name in reversed(order):
-        if name in receives:
-            receives.update(src for src, _ in nodes[name].args if nodes[src].needs_grad)
+        node = nodes[name]
+        if name in receives and node.differentiable:
+            for k, (src, _) in enumerate(node.args):
+                writes = node.written_before[k] if node.written_before else ()
+                receives.update(s for s in (src, *writes) if nodes[s].needs_grad)
     for name in order:
         node = nodes[name]
         if node.needs_grad and name not in receives:

@@ -13,7 +13,7 @@ import torch.fx
 from torch.distributed.tensor import Placement
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, writes_first_arg, written_args
+from autopar.capture.aliasing import as_produced_args, prior_writes, storage_root, writes_first_arg, written_args
 from autopar.capture.graph import CapturedGraph, TensorMeta, hinted
 from autopar.capture.step import CaptureError
 from autopar.capture.subgraphs import runs_without_grad, subgraph_call
@@ -29,7 +29,7 @@ from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, call_key, divides
-from autopar.solver.gradients import may_need_grad, settle_gradients
+from autopar.solver.gradients import differentiable, mark_written_storage, may_need_grad, settle_gradients
 from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 from autopar.solver.saved_activations import ProbeMemo, cached_probe
 
@@ -124,7 +124,9 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
     blocks: dict[str, torch.fx.Node] = {}  # higher-order ops priced by their subgraphs
     memo: StrategyMemo = {}
     pinned = {n.name: {a.name for a in args} for n, args in as_produced_args(captured.gm.graph).items()}
-    versions = {(reader.name, arg.name): v for (reader, arg), v in read_versions(captured.gm.graph).items()}
+    writes = {(reader.name, arg.name): tuple(w.name for w in ws)
+              for (reader, arg), ws in prior_writes(captured.gm.graph).items()}
+    trees: dict[str, list[str]] = {}  # storage root -> the planned nodes sharing its storage
     for node in captured.gm.graph.nodes:
         if node.op == "output":
             flat = torch.utils._pytree.tree_leaves(node.args[0])
@@ -146,12 +148,16 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
         else:
             pn = _op_node(node, nodes, rules, ctx, outputs, memo, captured.size_hints)
             pn.as_produced = frozenset(k for k, (src, _) in enumerate(pn.args) if src in pinned.get(pn.name, ()))
-            if any((pn.name, src) in versions for src, _ in pn.args):
-                pn.read_versions = tuple(versions.get((pn.name, src), 0) for src, _ in pn.args)
+            if any((pn.name, src) in writes for src, _ in pn.args):
+                pn.written_before = tuple(writes.get((pn.name, src), ()) for src, _ in pn.args)
+                pn.read_versions = tuple(len(w) for w in pn.written_before)
         if subgraph_call(node) is not None:
             blocks[pn.name] = node
         nodes[pn.name] = pn
         order.append(pn.name)
+        trees.setdefault(storage_root(node).name, []).append(pn.name)
+        if node.op == "call_function" and writes_first_arg(node.target) and isinstance(node.args[0], torch.fx.Node):
+            mark_written_storage(nodes, pn, trees.get(storage_root(node.args[0]).name, []))
     _check_buffer_writes(captured, nodes)  # before settling: autograd records what may need a gradient
     probes: ProbeMemo = {}  # shared with the PlanGraph: edge pricing asks the same probes again
     settle_gradients(nodes, order, loss, ctx, leaf_costs, probes)
@@ -279,6 +285,7 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         and not runs_without_grad(node)
     pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
     pn.family = rules.family_of(node.target)
+    pn.differentiable = differentiable(node.target, pn.family)
     pn.follower = pn.family in FOLLOWER_FAMILIES and len(producers) == 1
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
         pn.targets_input = _view_root(producers[1][0], nodes)

@@ -61,6 +61,12 @@ class PlanNode:
     read_versions: tuple[int, ...] = ()
     """Per tensor input, how many in-place writes into its storage came before this read
     (empty: none). Reads of different versions cannot share one reshard."""
+    written_before: tuple[tuple[str, ...], ...] = ()
+    """Per tensor input, the in-place writes into its storage before this read (empty: none):
+    a gradient this op sends that input reaches the values they wrote."""
+    differentiable: bool = True
+    """Backward sends gradients to its inputs (not a factory, ``detach`` or random draw, whose
+    output, written in place, may still need a gradient of its own)."""
 
     block: str | None = None
     """The checkpointed block (module path) this op recomputes in, if any."""
@@ -96,7 +102,8 @@ class PlanGraph:
     def sends_gradient(self, producer: str, consumer: str) -> bool:
         """True when backward sends a gradient from ``consumer`` to ``producer``: both need one
         (not into a ``torch.no_grad()`` block, a ``detach`` or a comparison)."""
-        return self.nodes[producer].needs_grad and self.nodes[consumer].needs_grad
+        into = self.nodes[consumer]
+        return self.nodes[producer].needs_grad and into.needs_grad and into.differentiable
 
     def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
         """node -> [(consumer, consumer arg index, producer output index)]."""
