@@ -289,3 +289,23 @@ def test_list_is_restored_when_tracing_fails() -> None:
     with pytest.raises(CaptureError):
         capture(model, inputs, loss_fn=lambda out, t: out.nonexistent(), example_targets=kwargs["example_targets"])
     assert list(model.blocks) == blocks
+
+
+class _Helper(nn.Module):
+    """A stateless module a block keeps in a plain dict (as Hugging Face keeps kernel functions)."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+
+def test_per_block_helper_modules_compare_by_class_and_attributes() -> None:
+    from autopar.capture.replicate import find_stack
+    model = Residual()
+    for block in model.blocks:
+        block.__dict__["_helpers"] = {"rope": _Helper(1.0)}
+    stack, why = find_stack(model)
+    assert stack is not None and stack.count == 5, why
+    model.blocks[3].__dict__["_helpers"] = {"rope": _Helper(2.0)}
+    stack, why = find_stack(model)
+    assert stack is None and "block 3 differs from block 0 in _helpers" in str(why)

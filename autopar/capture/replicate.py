@@ -101,7 +101,7 @@ def _differences(blocks: list[nn.Module]) -> str | list[tuple[str, str]]:
             indexed.append(key)
             continue
         index = next(i for i, v in enumerate(values) if v != values[0])
-        return f"block {index} differs from block 0 in {'.'.join(key) if isinstance(key, tuple) else key}"
+        return f"block {index} differs from block 0 in {'.'.join(filter(None, key)) if isinstance(key, tuple) else key}"
     return indexed
 
 
@@ -144,14 +144,31 @@ class _Opaque:
         return id(self.value)
 
 
-def _plain(value: object) -> object:
+def _plain(value: object, depth: int = 0) -> object:
+    """``value`` as something blocks can compare; containers and helper modules are looked into
+    two levels deep (a deeper one, or a cycle, compares by identity)."""
     if isinstance(value, torch.Tensor):
         return _tensor(value)
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
         return (type(value), value)
     if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str, type(None))) for v in value):
         return (type(value), tuple(value))
+    if depth >= 2:
+        return _Opaque(value)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return (dict, tuple((k, _plain(v, depth + 1)) for k, v in sorted(value.items())))
+    if isinstance(value, nn.Module) and _stateless(value):
+        # A per-block helper module kept outside the module tree (Hugging Face's kernel
+        # functions): alike when its class and plain attributes agree.
+        return (type(value), tuple((k, _plain(v, depth + 1)) for k, v in sorted(value.__dict__.items())
+                                   if k not in _MODULE_STATE and "hook" not in k))
     return _Opaque(value)  # configs, functions, shared objects: the same object in every block
+
+
+def _stateless(module: nn.Module) -> bool:
+    """No tensors, submodules or hooks: nothing of it reaches the graph but its code."""
+    return not (module._parameters or module._buffers or module._modules or module._forward_hooks
+                or module._forward_pre_hooks)
 
 
 def _shares_tensors(model: nn.Module, container: nn.Module) -> str | None:
