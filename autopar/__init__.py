@@ -7,17 +7,17 @@ describe a serving deployment's inputs; ``autopar.plan_serving`` plans one (``au
 
 from autopar import random
 from autopar.api import plan
-from autopar.capture import CaptureError
-from autopar.errors import InputError, InputTypeError
+from autopar.errors import (CaptureError, CheckpointError, CompileError, InputError, InputTypeError, KVCapacityError,
+                            MemoryLimitError, SolverTimeLimitError)
 from autopar.mesh import Mesh
-from autopar.runtime import CompileError, ParallelModule, ServingModule, compile, compile_serving
+from autopar.pipeline.spec import Pipeline
+from autopar.result.plan import Plan
+from autopar.runtime import ParallelModule, ServingModule, compile, compile_serving
 from autopar.serving.planner import plan_serving
 from autopar.serving.serving_plan import ServingPlan
 from autopar.serving.workload import SLO, Cluster, Workload
-from autopar.solver.ilp import MemoryLimitError, SolverTimeLimitError
-from autopar.solver.pipeline import Pipeline
-from autopar.solver.plan import Plan
 
 __all__ = ["plan", "compile", "compile_serving", "ServingModule", "Mesh", "Pipeline", "Plan", "ParallelModule",
            "InputError", "InputTypeError", "CaptureError", "CompileError", "MemoryLimitError", "SolverTimeLimitError",
+           "CheckpointError", "KVCapacityError",
            "Cluster", "Workload", "SLO", "plan_serving", "ServingPlan", "random"]

@@ -20,22 +20,24 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.rules import DEFAULT_RULES, RuleSet
-from autopar.scenarios import Scenario
+from autopar.memory.scenarios import Scenario
 from autopar.pipeline_depth import plan_depths
 from autopar.pipeline_search import plan_pipelined
 from autopar.search import solve_step
-from autopar.solver.blocks import fold_repeated_blocks
-from autopar.solver.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, expert_parameters,
-                                        pins_from_tp_plan, placement_pins, zero_pins)
-from autopar.solver.graph import build_plan_graph
-from autopar.solver.memory import MemoryOptions, check_zero, example_batch, repeated_blocks, slice_batch
-from autopar.solver.nodes import PARAM, PlanGraph
-from autopar.solver.plan import Plan
-from autopar.solver.stage_memory import MemoryShares
-from autopar.solver.strided import add_strided_strategies
-from autopar.solver.zigzag import state_pins
-from autopar.solver.pipeline import Pipeline, as_pipeline
-from autopar.solver.context_kind import pin_context_attention
+from autopar.problem.folding import fold_repeated_blocks
+from autopar.problem.constraints import (Pin, apply_pins, context_parallel_pins, data_parallel_pins, expert_parameters,
+                                         pins_from_tp_plan, placement_pins, zero_pins)
+from autopar.problem.graph import build_plan_graph
+from autopar.memory.options import MemoryOptions, check_zero
+from autopar.problem.batch import example_batch, slice_batch
+from autopar.problem.block_paths import repeated_blocks
+from autopar.problem.nodes import PARAM, PlanGraph
+from autopar.result.plan import Plan
+from autopar.pipeline.stage_memory import MemoryShares
+from autopar.problem.strided import add_strided_strategies
+from autopar.problem.zigzag import state_pins
+from autopar.pipeline.spec import Pipeline, as_pipeline
+from autopar.problem.context_kind import pin_context_attention
 from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc, prepare_layouts, repriced
 from autopar.units import fmt_bytes
 
@@ -92,7 +94,7 @@ def plan(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (
     fraction; None: the hardware profile's, 10%). ``constraints`` is a
     ``torch.distributed.tensor.parallel`` plan dict pinned on mesh axis ``constraint_axis``.
     When the cheapest plan does not fit, the memory limit decides ZeRO sharding,
-    checkpointing, micro-batches, re-gathering and offload (``autopar.scenarios``);
+    checkpointing, micro-batches, re-gathering and offload (``autopar.memory.scenarios``);
     ``zero=``, ``checkpoint=`` (with ``checkpoint_blocks=``: how many blocks, the first
     ones), ``regather_blocks=`` (with ZeRO-3: whose parameters are gathered again in
     backward, the first blocks'), ``micro_batches=`` and ``offload=`` pin them
@@ -233,7 +235,7 @@ def prepare_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, 
     Context axes are prepared contiguous and, where they may cut the sequence zig-zag, so too
     (``step.prepare_layouts``; ``_zigzag``: those axes, () for none); ``solve_step`` keeps the faster.
     ``context_layout`` pins one: "contiguous", or "zigzag". ``context_attention`` pins how attention
-    runs on a split sequence: "ring" or "allgather" (``solver.context_kind``). ``state_placements`` (FQN ->
+    runs on a split sequence: "ring" or "allgather" (``problem.context_kind``). ``state_placements`` (FQN ->
     placements) pins parameters and buffers as another step's plan, to share them (``compile_serving``).
     ``random_stream``: how random ops draw, priced so (``compile``'s: 'counter' or 'torch', ``cost.draws``)."""
     if random_stream not in ("counter", "torch"):

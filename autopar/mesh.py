@@ -44,7 +44,7 @@ class Mesh:
     zigzag: frozenset[str]
     """Axes whose shards are zig-zag: a dim split n ways on one is cut into 2n chunks and rank
     i holds chunks i and 2n-1-i, so a causal attention split on its query rows there gives
-    every rank the same work (``solver.zigzag`` says which may be, the planner keeps the faster
+    every rank the same work (``problem.zigzag`` says which may be, the planner keeps the faster
     layout; ``rules.redistribute.zigzag_take`` cuts them)."""
     _shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _links: tuple[AxisLink, ...] = field(init=False, repr=False, compare=False)

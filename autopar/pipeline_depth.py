@@ -26,9 +26,9 @@ from dataclasses import replace
 
 from autopar.errors import InputError
 from autopar.mesh import Mesh
-from autopar.solver.ilp import MemoryLimitError
-from autopar.solver.pipeline import Pipeline
-from autopar.solver.stages import block_units
+from autopar.errors import MemoryLimitError
+from autopar.pipeline.spec import Pipeline
+from autopar.pipeline.stages import block_units
 from autopar.step import PlannedStep
 from autopar.units import fmt_bytes, fmt_time
 

@@ -11,15 +11,15 @@ micro-batch size 1 favours other splits than 8) and at counts where some strateg
 does not apply (a split that no longer divides); a step export cannot keep symbolic (a guard on the
 batch size, data-dependent sizes, higher-order subgraphs) has every count solved, as the plan's note
 says. Every schedule and stages-per-rank choice at each solved m is then
-cut (``solver.stages``: an exact linear-partition DP over the repeated blocks, the head and
+cut (``pipeline.stages``: an exact linear-partition DP over the repeated blocks, the head and
 tail joining the first and last stage) and priced by the same functions a pinned pipeline
-is: the schedule's step with its bubble (``solver.pipeline``), point-to-point transfers,
+is: the schedule's step with its bubble (``pipeline.spec``), point-to-point transfers,
 gradient sync and optimizer step, and each pp rank's peak memory walked through torch's
-order of actions (``solver.stage_memory``). The fastest pipeline whose busiest rank fits the
+order of actions (``pipeline.stage_memory``). The fastest pipeline whose busiest rank fits the
 memory limit wins; ties go to the first priced (micro-batch counts in the order
 ``Pipeline.choices`` first names them, each count's choices in that order, those planned
 again under the limit after), so every rank and run choose alike. A choice whose busiest
-rank's own work (``solver.stages.work_floor_s``) is already slower than a pipeline that fits
+rank's own work (``pipeline.stages.work_floor_s``) is already slower than a pipeline that fits
 is not played out: it cannot win (80 layers on 1024 devices: 12 of 23 left out).
 
 The ILP is solved without a memory limit first. Only when none of those pipelines fits is every
@@ -46,10 +46,10 @@ from typing import Protocol
 from autopar.capture.symbolic import SymbolicRefused
 from autopar.errors import InputError
 from autopar.mesh import Mesh
-from autopar.scenarios import Scenario
-from autopar.solver.ilp import MemoryLimitError
-from autopar.solver.pipeline import Pipeline
-from autopar.solver.stages import Outrun
+from autopar.memory.scenarios import Scenario
+from autopar.errors import MemoryLimitError
+from autopar.pipeline.spec import Pipeline
+from autopar.pipeline.stages import Outrun
 from autopar.step import NotOffered, PlannedStep, with_pipeline
 from autopar.units import fmt_bytes, fmt_time as fmt_s
 
@@ -82,7 +82,7 @@ class _Priced:
 @dataclass(kw_only=True)
 class _Race:
     """The fastest fitting pipeline's seconds so far: a pipeline whose busiest rank's own work
-    is slower cannot win, and is not played out (``solver.stages.Outrun``). Strictly slower
+    is slower cannot win, and is not played out (``pipeline.stages.Outrun``). Strictly slower
     only, so ties still go to the first priced."""
 
     limit: float
@@ -239,7 +239,7 @@ def _under_limit(plan_stage: StagePlanner, m: int, limit: float, unfit: list[str
     predicting less than ``cutoff_s`` (p x the fastest pipeline that fits) is sought: a pipeline's
     busiest rank works at least the average of its p ranks' work, whose sum is the stage plan's
     step (every micro-batch's forward and backward of every stage, every gradient bucket and
-    update: ``solver.stages.work_floor_s``), so a slower stage plan gives no faster pipeline.
+    update: ``pipeline.stages.work_floor_s``), so a slower stage plan gives no faster pipeline.
     ``try_first``: the memory scenario of that fastest pipeline, solved first."""
     try:
         return plan_stage(m, limit, cutoff_s=cutoff_s, try_first=try_first)

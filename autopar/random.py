@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.rules.dropout import ATTENTION_DROPOUT, draws_random
-from autopar.runtime.random import RandomDrawError
+from autopar.errors import RandomDrawError
 from autopar.runtime.samplers import SAMPLERS, sample
 from autopar.runtime.stream import CounterStream, WholeLayout
 

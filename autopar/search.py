@@ -1,5 +1,5 @@
 """``solve_step``: the fastest plan within the memory limit over the memory scenarios
-(``autopar.scenarios``), a branch and bound: the scenario with the least lower bound is
+(``autopar.memory.scenarios``), a branch and bound: the scenario with the least lower bound is
 solved next (``_Bounds``: a free solve of its relaxation, then its own LP relaxation under the
 limit), the search ends when none is below the best plan found, and a scenario whose leanest
 plan does not fit is not solved for time (``_may_fit``)."""
@@ -12,9 +12,10 @@ from dataclasses import replace
 from typing import Any
 
 from autopar.cost.model import step_repeats
-from autopar.scenarios import Scenario, leanest, zero1_note
-from autopar.solver.ilp import MemoryLimitError, Solution, SolverTimeLimitError, solve
-from autopar.solver.nodes import PlanGraph
+from autopar.memory.scenarios import Scenario, leanest, zero1_note
+from autopar.errors import MemoryLimitError, SolverTimeLimitError
+from autopar.solver.ilp import Solution, solve
+from autopar.problem.nodes import PlanGraph
 from autopar.step import PreparedStep, _stage, finish_step, paused_gc
 from autopar.units import fmt_bytes
 
@@ -31,7 +32,7 @@ LP_TIME_LIMIT_S = 10.0
 
 
 def solve_step(prepared: PreparedStep, progress: bool = False) -> Solution:
-    """The cheapest plan within the memory limit over the memory scenarios (``scenarios``),
+    """The cheapest plan within the memory limit over the memory scenarios (``memory.scenarios``),
     and over both layouts of the context axes when the step has a zig-zag one
     (``PreparedStep.zigzag``: the faster plan is kept, the contiguous one on a tie)."""
     with _stage("solve", prepared.timings, progress), paused_gc():
@@ -129,7 +130,7 @@ def _search(prepared: PreparedStep) -> Solution:
 
 
 def _tried_first(hint: Scenario | None, scenarios: list[Scenario]) -> Scenario | None:
-    """The scenario among ``scenarios`` that is ``hint`` but for its micro-batch count, if any."""
+    """The scenario among ``memory.scenarios`` that is ``hint`` but for its micro-batch count, if any."""
     if hint is None:
         return None
     return next((s for s in scenarios if replace(s, micro_batches=hint.micro_batches) == hint), None)

@@ -18,21 +18,22 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, placement_str
-from autopar.scenarios import Scenario, candidates
-from autopar.solver.blocks import Folding, split_folding
-from autopar.solver.graph import priced_parameter
+from autopar.memory.scenarios import Scenario, candidates
+from autopar.problem.folding import Folding, split_folding
+from autopar.problem.graph import priced_parameter
 from autopar.solver.ilp import Solution
-from autopar.solver.memory import MemoryOptions, MemoryPlan, repeated_blocks
-from autopar.solver.nodes import PARAM, PlanGraph
-from autopar.solver.pipeline import Pipeline
-from autopar.solver.notes import context_notes, expert_notes, unsplit_batch_notes
-from autopar.solver.plan import Plan, bucket_buffer_bytes, build_plan
-from autopar.solver.recompute import checkpointed
-from autopar.solver.regather import regathering
-from autopar.solver.report import solver_note
-from autopar.solver.stage_memory import MemoryShares
-from autopar.solver.stages import plan_stages
-from autopar.solver.zigzag import zigzag_axes
+from autopar.memory.options import MemoryOptions, MemoryPlan
+from autopar.problem.block_paths import repeated_blocks
+from autopar.problem.nodes import PARAM, PlanGraph
+from autopar.pipeline.spec import Pipeline
+from autopar.result.notes import context_notes, expert_notes, unsplit_batch_notes
+from autopar.result.plan import Plan, bucket_buffer_bytes, build_plan
+from autopar.memory.recompute import checkpointed
+from autopar.memory.regather import regathering
+from autopar.result.table import solver_note
+from autopar.pipeline.stage_memory import MemoryShares
+from autopar.pipeline.stages import plan_stages
+from autopar.problem.zigzag import zigzag_axes
 
 
 @contextlib.contextmanager
@@ -118,7 +119,7 @@ class PreparedStep:
     choice, a likely good incumbent whose time cuts off the other scenarios' solves sooner."""
     zigzag: PreparedStep | None = None
     """The same step with zig-zag shards on the context axes that may cut the sequence so
-    (``solver.zigzag``); ``solve_step`` solves both and keeps the faster. None: no such axis."""
+    (``problem.zigzag``); ``solve_step`` solves both and keeps the faster. None: no such axis."""
 
     def scenarios(self) -> list[Scenario]:
         """The scenarios ``solve_step`` searches, today's default first."""
@@ -248,9 +249,9 @@ def _ranks(outputs: tuple[TensorMeta | None, ...]) -> tuple[tuple[int, object] |
 
 def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: float = math.inf) -> PlannedStep:
     """``step`` (planned on ``pipeline``'s stage mesh for one micro-batch) cut into the
-    pipeline's stages, its predicted step time the pipelined one (``solver.stages``) and its
-    peak memory the busiest pp rank's under the schedule (``solver.stage_memory``). Raises
-    ``solver.stages.Outrun`` when no such step can take ``beat_s`` seconds or less."""
+    pipeline's stages, its predicted step time the pipelined one (``pipeline.stages``) and its
+    peak memory the busiest pp rank's under the schedule (``pipeline.stage_memory``). Raises
+    ``pipeline.stages.Outrun`` when no such step can take ``beat_s`` seconds or less."""
     plan = step.plan
     update_s = {n.name: n.update_s for n in plan.nodes}
     # The stage plan's activations include its gradient-bucket buffers, held for a micro-batched
@@ -274,7 +275,7 @@ def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: flo
 def prepare_layouts(prepare: Callable[[tuple[str, ...]], PreparedStep], context_axes: tuple[str, ...],
                     layout: str | None, zero: dict[str, int]) -> PreparedStep:
     """The step prepared by ``prepare(zigzag axes)`` with contiguous context axes and, where
-    some may cut the sequence zig-zag (``solver.zigzag``), with them so as its ``zigzag``
+    some may cut the sequence zig-zag (``problem.zigzag``), with them so as its ``zigzag``
     (``solve_step`` keeps the faster). ``layout`` pins one: "contiguous", or "zigzag" (refused
     with the reason where no context axis may be)."""
     if layout not in (None, "contiguous", "zigzag"):

@@ -15,7 +15,7 @@ from torch import nn
 import autopar
 from autopar.api import plan_pipeline, plan_step
 from autopar.hardware import get_profile
-from autopar.solver.pipeline import Pipeline
+from autopar.pipeline.spec import Pipeline
 from autopar.step import PlannedStep, with_pipeline
 from examples import gpt, llama
 

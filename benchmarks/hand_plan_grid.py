@@ -75,7 +75,7 @@ if str(REPO_ROOT) not in sys.path:
 import autopar  # noqa: E402
 from autopar.capture import reuse_captures  # noqa: E402
 from autopar.errors import InputError  # noqa: E402
-from autopar.solver.pipeline import Pipeline  # noqa: E402
+from autopar.pipeline.spec import Pipeline
 from benchmarks.grid_pricing import (GiB, NODE, Grid, GridResult, Point, Priced, Shape, build,  # noqa: E402
                                      mesh_axes, parameters, price_grid, price_point)
 from examples import gpt, llama  # noqa: E402

@@ -26,7 +26,7 @@ Per (sequence, devices), three plans:
   against 377.4 ms). At 128k on 8 GPUs no ``CP`` plan fits, ring or not: the leanest one is
   fully checkpointed, so what ring attention saves (no gathered K/V) is not what binds. The sequence
   is planned cut both contiguous and zig-zag (2n chunks, rank i holding chunks i and 2n-1-i,
-  which balances causal rows: ``solver.zigzag``) and the faster plan kept; ``zigzag`` in the
+  which balances causal rows: ``problem.zigzag``) and the faster plan kept; ``zigzag`` in the
   JSON rows says which. On this shape zig-zag is never kept: a zig-zag axis cuts every split
   dim in 2n chunks, so the 8 kv heads no longer split on cp=8, and the heads split it loses is
   the faster one (128k, 2 layers: 377 ms a step against 392 ms for zig-zag rows; contiguous

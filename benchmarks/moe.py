@@ -79,7 +79,7 @@ from autopar.errors import InputError  # noqa: E402
 from autopar.hardware import get_profile  # noqa: E402
 from autopar.rules.strategy import parse_placements  # noqa: E402
 from autopar.search import solve_step  # noqa: E402
-from autopar.solver.constraints import Pin, apply_pins, expert_parameters  # noqa: E402
+from autopar.problem.constraints import Pin, apply_pins, expert_parameters
 from autopar.step import finish_step  # noqa: E402
 from examples import moe  # noqa: E402
 

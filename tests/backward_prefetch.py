@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar.runtime import regather as regather_module
-from autopar.solver.memory import block_of
+from autopar.problem.block_paths import block_of
 
 Event = tuple[str, str, int]
 """(what, block, regather collectives logged so far): what is 'pack' (forward saved a

@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autopar.capture import CaptureError, CapturedGraph, capture
+from autopar.errors import CaptureError
+from autopar.capture import CapturedGraph, capture
 from autopar.capture.graph import TensorMeta
 from examples import gpt, llama
 

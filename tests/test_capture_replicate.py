@@ -14,7 +14,8 @@ from torch import nn
 from torch.fx.node import map_arg
 
 import autopar
-from autopar.capture import CaptureError, CapturedGraph, capture
+from autopar.errors import CaptureError
+from autopar.capture import CapturedGraph, capture
 from autopar.capture.replicate import ENV_SWITCH
 from examples import hf_models
 from examples.gpt import GPT, GPTConfig

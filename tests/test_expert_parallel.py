@@ -15,8 +15,8 @@ from autopar.api import prepare_step
 from autopar.errors import InputError
 from autopar.hardware import get_profile
 from autopar.rules.strategy import parse_placements
-from autopar.solver.constraints import expert_parameters
-from autopar.solver.nodes import PARAM
+from autopar.problem.constraints import expert_parameters
+from autopar.problem.nodes import PARAM
 from examples import hf_models, llama, moe
 
 EP4 = autopar.Mesh({"ep": 4}, "h100")

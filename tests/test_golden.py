@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar.solver.plan import Plan
-from autopar.solver.report import render_text
+from autopar.result.plan import Plan
+from autopar.result.table import render_text
 from examples import gpt, llama
 
 GOLDEN = Path(__file__).parent / "golden"

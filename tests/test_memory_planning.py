@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.runtime.forked import run_ranks
-from autopar.scenarios import Scenario, candidates
-from autopar.solver.memory import MemoryOptions
+from autopar.memory.scenarios import Scenario, candidates
+from autopar.memory.options import MemoryOptions
 from examples import gpt
 from numerics_harness import check, reference, run_compiled
 from tiny_models import BigTable

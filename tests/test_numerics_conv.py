@@ -21,11 +21,12 @@ import torch
 from conv_models import build_cnn, build_patch_embed
 from numerics_harness import ATOL, RTOL, Reference, check, reference, run_compiled
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.api import plan_step
-from autopar.capture import CaptureError, capture
+from autopar.errors import CaptureError
+from autopar.capture import capture
 from autopar.capture.export import _to_captured
 from autopar.capture.step import StepSignature, TrainStep
 from autopar.cost import get_precision
@@ -33,9 +34,9 @@ from autopar.cost.model import CostContext
 from autopar.hardware import PROFILES
 from autopar.rules import DEFAULT_RULES
 from autopar.runtime.forked import run_ranks
-from autopar.solver.blocks import fold_repeated_blocks
-from autopar.solver.constraints import Pin, apply_pins
-from autopar.solver.graph import build_plan_graph
+from autopar.problem.folding import fold_repeated_blocks
+from autopar.problem.constraints import Pin, apply_pins
+from autopar.problem.graph import build_plan_graph
 from autopar.solver.ilp import solve
 
 

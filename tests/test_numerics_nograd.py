@@ -26,13 +26,14 @@ from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.api import plan_step
-from autopar.capture import CaptureError, CapturedGraph, capture
+from autopar.errors import CaptureError
+from autopar.capture import CapturedGraph, capture
 from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, viewed_arg, written_args
 from autopar.passes import PassContext, parallelize_graph
 from autopar.rules import NO_RULE
 from autopar.rules.strategy import Strategy
 from autopar.runtime.forked import run_ranks
-from autopar.solver.plan import param_sync_dims
+from autopar.result.plan import param_sync_dims
 from numerics_harness import STEPS, Reference, check, reference, run_compiled
 
 DIM, HIDDEN, BATCH, SEED = 8, 16, 8, 1234

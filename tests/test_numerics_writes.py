@@ -24,8 +24,9 @@ import autopar
 from autopar.api import plan_step
 from autopar.capture import capture
 from autopar.runtime.forked import run_ranks
-from autopar.runtime.gradient_check import GradientPlanError, autograd_trained, check_trained_parameters
-from autopar.solver.nodes import PARAM
+from autopar.errors import GradientPlanError
+from autopar.runtime.gradient_check import autograd_trained, check_trained_parameters
+from autopar.problem.nodes import PARAM
 from numerics_harness import Reference, check, reference, run_compiled
 
 DIM, SEQ, BATCH, CLASSES = 8, 4, 4, 4

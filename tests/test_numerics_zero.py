@@ -22,7 +22,7 @@ import autopar
 from autopar.cost.saved import saved_inputs, saved_inputs_of_node
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
-from autopar.solver.memory import block_of
+from autopar.problem.block_paths import block_of
 from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
 import backward_prefetch

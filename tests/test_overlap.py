@@ -24,7 +24,7 @@ import autopar
 from autopar.api import finish_step, plan_step, prepare_step, solve_step
 from autopar.hardware import PROFILES
 from autopar.passes.prefetch_gathers import _first_compute
-from autopar.solver.memory import block_of
+from autopar.problem.block_paths import block_of
 from autopar.solver.overlap import plan_windows
 from examples import gpt
 import backward_prefetch

@@ -1,5 +1,5 @@
 """The pipeline search (``autopar.pipeline_search``) and each pp rank's memory under its
-schedule (``solver.stage_memory``); planning only, no ranks."""
+schedule (``pipeline.stage_memory``); planning only, no ranks."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 import autopar
-from autopar.solver.ilp import MemoryLimitError
+from autopar.errors import MemoryLimitError
 from autopar.api import prepare_step
-from autopar.solver.pipeline import as_pipeline
-from autopar.solver.stage_memory import MemoryShares, rank_peaks
+from autopar.pipeline.spec import as_pipeline
+from autopar.pipeline.stage_memory import MemoryShares, rank_peaks
 from examples import llama
 
 BYTES_PER_PARAM = 16
@@ -147,7 +147,7 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
     """A micro-batched stage plan holds its gradient-bucket buffers for the step (``bucket_buffer_bytes``);
     the pipelined runtime accumulates in ``.grad`` and keeps none, so on pp=2 x dp=2 the ranks hold
     the stage plan's activation bytes less those buffers, not the whole model's buffers each."""
-    from autopar.solver.plan import bucket_buffer_bytes
+    from autopar.result.plan import bucket_buffer_bytes
     from autopar.step import with_pipeline
 
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
@@ -223,8 +223,8 @@ def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int)
     played-out step: each rank's actions run one after another, then its buckets and update."""
     import random
 
-    from autopar.solver.pipeline import Pipeline, simulate_pipeline
-    from autopar.solver.stages import work_floor_s
+    from autopar.pipeline.spec import Pipeline, simulate_pipeline
+    from autopar.pipeline.stages import work_floor_s
     rng = random.Random(0)
     p, m = 4, 8
     rank_of = [Pipeline(schedule=schedule, virtual_stages=v).stage_rank(s, p) for s in range(p * v)]

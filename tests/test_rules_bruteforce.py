@@ -19,7 +19,7 @@ from sharding_sim import OpCase, check_strategy, simulate, strategy_str
 
 from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, Unhandled, expand
 from autopar.rules.strategy import P, R, S, Strategy, strided
-from autopar.solver.strided import EQUIVARIANT_FAMILIES, _twins
+from autopar.problem.strided import EQUIVARIANT_FAMILIES, _twins
 
 aten = torch.ops.aten
 _GEN = torch.Generator().manual_seed(20240611)

@@ -1,7 +1,7 @@
-"""The schedule simulator (``autopar.solver.schedule_sim``): its orders are torch's own, its
+"""The schedule simulator (``autopar.pipeline.schedule_sim``): its orders are torch's own, its
 timelines respect every dependency and leave no unexplained idle time, a small case with
 transfers is checked by hand, and the closed forms the planner used to price pipelines are
-checked against it (``autopar.solver.pipeline``'s docstring quotes these results)."""
+checked against it (``autopar.pipeline.spec``'s docstring quotes these results)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed.pipelining.schedules as ts
 
-from autopar.solver.pipeline import Pipeline, pipeline_compute_s
-from autopar.solver.schedule_sim import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Simulation, simulate, torch_order
+from autopar.pipeline.spec import Pipeline, pipeline_compute_s
+from autopar.pipeline.schedule_sim import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Simulation, simulate, torch_order
 
 MULTI = {"interleaved_1f1b": ts.ScheduleInterleaved1F1B, "zbv": ts.ScheduleZBVZeroBubble,
          "dualpipev": ts.ScheduleDualPipeV}

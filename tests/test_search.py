@@ -11,7 +11,8 @@ import pytest
 import autopar
 from autopar import search
 from autopar.api import prepare_step
-from autopar.solver.ilp import MemoryLimitError, Solution, solve
+from autopar.errors import MemoryLimitError
+from autopar.solver.ilp import Solution, solve
 from autopar.step import PreparedStep
 from examples import gpt
 
@@ -90,7 +91,7 @@ def test_a_scenario_tried_first_or_a_cutoff_above_the_best_never_changes_the_pla
 
 
 def test_a_scenario_saves_at_least_what_it_checkpoints_and_regathers_beyond_another() -> None:
-    from autopar.scenarios import Scenario
+    from autopar.memory.scenarios import Scenario
 
     plain, some = Scenario(micro_batches=4), Scenario(micro_batches=4, checkpoint="full", checkpoint_blocks=20)
     every = replace(some, checkpoint_blocks=None, regather=True, regather_blocks=79)

@@ -149,7 +149,7 @@ def test_hf_replicas_serve_the_hf_tokens_aggregated_and_disaggregated() -> None:
 def test_the_cache_is_split_by_kv_heads_where_they_divide(tp: int, placement: Any) -> None:
     """As vLLM keeps it: 2 KV heads split on tp=2, replicated on tp=4 (a head cut in two would be gathered)."""
     from autopar.api import plan_step
-    from autopar.solver.nodes import BUFFER
+    from autopar.problem.nodes import BUFFER
 
     model = servable(hf.build("llama"))
     model.setup_cache(hf.SLOTS, hf.MAX_LEN)

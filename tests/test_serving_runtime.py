@@ -20,7 +20,7 @@ from autopar.hardware import get_profile
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.generate import generate
 from autopar.runtime.ops import CollectiveLog
-from autopar.solver.nodes import BUFFER, PARAM
+from autopar.problem.nodes import BUFFER, PARAM
 from examples import llama, moe
 from tests.numerics_harness import planned_counts
 

@@ -12,7 +12,8 @@ from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.goodput import best_deployment, find_goodput, requests_needed
 from autopar.serving.candidates import candidate_deployments
 from autopar.serving.roofline import LLAMA3_8B, RooflineStepTimes, TransformerShape
-from autopar.serving.simulator import KVCapacityError, simulate
+from autopar.errors import KVCapacityError
+from autopar.serving.simulator import simulate
 from autopar.serving.workload import SLO, Cluster, Fixed, Requests, Uniform, Workload
 
 

@@ -20,11 +20,12 @@ from autopar.cost import get_precision
 from autopar.cost.collectives import collective_time, grad_placement_at_consumer, reshard
 from autopar.cost.model import CostContext, held_reshard_bytes
 from autopar.rules import DEFAULT_RULES, NO_RULE
-from autopar.solver.blocks import fold_repeated_blocks
+from autopar.problem.folding import fold_repeated_blocks
 from autopar.rules.strategy import local_numel, shard_dim
-from autopar.solver.graph import build_plan_graph, edge_flags
-from autopar.solver.ilp import MemoryLimitError, solve
-from autopar.solver.plan import Fallback
+from autopar.problem.graph import build_plan_graph, edge_flags
+from autopar.errors import MemoryLimitError
+from autopar.solver.ilp import solve
+from autopar.result.plan import Fallback
 from examples import gpt, llama
 
 

@@ -1,5 +1,5 @@
 """``passes.split_stages`` cuts a rank's program into pipeline stages so that what crosses a cut is
-what the plan prices (``solver.stages.crossing_bytes``: each value once, as its producer placed it)."""
+what the plan prices (``pipeline.stages.crossing_bytes``: each value once, as its producer placed it)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from autopar.capture.symbolic import SymbolicRefused
 from autopar.cost.model import CostContext
 from autopar.cost.precision import get_precision
 from autopar.rules import DEFAULT_RULES
-from autopar.solver.graph import build_plan_graph
-from autopar.solver.nodes import PlanGraph
+from autopar.problem.graph import build_plan_graph
+from autopar.problem.nodes import PlanGraph
 from autopar.step import repriced
 from examples import llama, moe
 

@@ -1,4 +1,4 @@
-"""The predicted step as a timeline (``autopar.solver.trace``, ``plan.to_chrome_trace``,
+"""The predicted step as a timeline (``autopar.result.trace``, ``plan.to_chrome_trace``,
 ``autopar plan --trace``): laid out from the plan's own figures, it ends at the predicted
 step time, its waited collectives add up to the exposed communication and the rest to the
 hidden; a tiny plan's spans are checked by hand. A pipelined plan is drawn per pp rank, from
@@ -18,8 +18,8 @@ from torch import nn
 
 import autopar
 from autopar.hardware import PROFILES
-from autopar.solver.trace import BESIDE, COMPUTE, WAITED, timeline
-from autopar.solver.trace_pipeline import pipeline_timeline
+from autopar.result.trace import BESIDE, COMPUTE, WAITED, timeline
+from autopar.result.trace_pipeline import pipeline_timeline
 from examples import gpt, llama
 from tiny_models import Stack
 

@@ -2,6 +2,5 @@
 
 from autopar.capture.export import capture, reuse_captures
 from autopar.capture.graph import CapturedGraph, TensorMeta
-from autopar.capture.step import CaptureError
 
-__all__ = ["capture", "reuse_captures", "CapturedGraph", "TensorMeta", "CaptureError"]
+__all__ = ["capture", "reuse_captures", "CapturedGraph", "TensorMeta"]

@@ -21,7 +21,8 @@ from autopar.capture.aliasing import returned_operand, written_args
 from autopar.capture.graph import CapturedGraph
 from autopar.capture.moe_region import collapse_moe_regions
 from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
-from autopar.capture.step import CaptureError, StepSignature, TrainStep, check_step_arguments
+from autopar.errors import CaptureError
+from autopar.capture.step import StepSignature, TrainStep, check_step_arguments
 from autopar.capture.subgraphs import is_higher_order, nested_graph_modules
 from autopar.capture.symbolic import SymbolicRefused, at_rows, batch_rows, batch_shapes, batch_symbol
 from autopar.capture.unbacked import hint_or_refuse, placeholder_values, unbacked_nodes

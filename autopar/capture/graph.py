@@ -10,7 +10,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autopar.capture.step import CaptureError, StepSignature
+from autopar.errors import CaptureError
+from autopar.capture.step import StepSignature
 
 
 @dataclass(frozen=True)

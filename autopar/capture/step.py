@@ -11,11 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path
 
-from autopar.errors import InputError, InputTypeError
-
-
-class CaptureError(InputError, RuntimeError):
-    """The model (or its loss) cannot be turned into a graph; the message names why and where."""
+from autopar.errors import CaptureError, InputError, InputTypeError
 
 
 _CONSTANT_TYPES = (bool, int, float, type(None))

@@ -59,7 +59,7 @@ def at_rows(captured: CapturedGraph, rows: int | None) -> CapturedGraph:
 
 def batch_shapes(flat: tuple[Any, ...], rows: int) -> tuple[dict[int, Dim] | None, ...]:
     """``dynamic_shapes`` for the step's flat inputs: dim 0 of each tensor of ``rows`` rows (the
-    leaves ``solver.memory.slice_batch`` cuts into micro-batches) is one symbolic dim."""
+    leaves ``memory.options.slice_batch`` cuts into micro-batches) is one symbolic dim."""
     if rows < 2:  # export specializes sizes 0 and 1: a symbol needs an example of 2 rows or more
         raise SymbolicRefused(f"a micro-batch of {rows} row cannot be captured symbolic (export specializes 1)")
     dim = Dim(BATCH_DIM, min=1, max=1 << 30)

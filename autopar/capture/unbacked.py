@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autopar.capture.step import CaptureError
+from autopar.errors import CaptureError
 
 SizeHints = dict[sympy.Symbol, int]
 """Unbacked symbol -> its size on the example inputs."""

@@ -17,7 +17,7 @@ from typing import Any
 from autopar.cli import hf
 from autopar.errors import InputError
 from autopar.hardware import PROFILES, get_profile
-from autopar.solver.pipeline import SCHEDULES
+from autopar.pipeline.spec import SCHEDULES
 
 EXIT_CODES = """exit status:
   0  the plan was found (and printed)
@@ -109,7 +109,7 @@ def _unpack(built: Any, spec: str) -> tuple[Any, tuple, dict | None, Any, tuple]
 def plan_command(args: argparse.Namespace) -> int:
     import autopar
     from autopar.mesh import Mesh, parse_mesh_spec
-    from autopar.solver.report import render
+    from autopar.result.table import render
 
     hardware = get_profile(args.hardware)
     if args.moe_imbalance is not None:

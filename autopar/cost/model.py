@@ -45,7 +45,7 @@ class CostContext:
     offload: bool = False
     """Trainable parameters may keep their optimizer state and fp32 master weights in host
     memory and update there (``cost.offload``): each of their strategies gets an offloaded
-    twin (``Strategy.offload``; ``solver.graph.state_twins``)."""
+    twin (``Strategy.offload``; ``problem.graph.state_twins``)."""
     offload_pinned: bool = False
     """Offload is pinned: every trainable parameter's state is on the host (only the twins
     are offered); else the ILP chooses per parameter."""
@@ -53,7 +53,7 @@ class CostContext:
     """Mesh dims where trainable parameters stored replicated may keep a 1/n shard of their
     optimizer state (ZeRO-1, ``cost.zero1``): gradients reduce-scattered and updated shards
     all-gathered at the optimizer step, instead of all-reduced. Each such placement gets a
-    ZeRO-1 twin strategy (``Strategy.zero1``; ``solver.graph.priced_parameter``)."""
+    ZeRO-1 twin strategy (``Strategy.zero1``; ``problem.graph.priced_parameter``)."""
     zero1_pinned: bool = False
     """ZeRO stage 1 is pinned on ``zero1``'s dims: every trainable parameter replicated on one
     is ZeRO-1 (only the twins are offered); else the ILP chooses per parameter."""
@@ -117,7 +117,7 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     fixed cost), and the bytes it keeps for backward. ``backward`` (default: a training
     step) says the op's backward runs; ``saved`` (default: likewise) that backward keeps
     anything of it (a frozen prefix runs neither); ``kept`` which outputs autograd keeps and
-    what it keeps inside (``solver.saved_activations``; default: every output)."""
+    what it keeps inside (``problem.saved_activations``; default: every output)."""
     backward = ctx.train if backward is None else backward
     saved = ctx.train if saved is None else saved
     mesh = ctx.mesh

@@ -1,9 +1,9 @@
 """What a dropless expert layer (``autopar::moe_experts``, ``capture.moe``) costs beyond its
 roofline: under expert parallelism its all-to-alls, and the load imbalance of its experts.
 
-The one place these are priced: the ILP (a strategy's own communication, ``solver.graph``, and
-a checkpointed block's replay of it, ``solver.recompute``), the plan's collectives and prediction
-(``solver.plan``) and the op's compute and kept rows (``cost.model``) all call here.
+The one place these are priced: the ILP (a strategy's own communication, ``problem.graph``, and
+a checkpointed block's replay of it, ``memory.recompute``), the plan's collectives and prediction
+(``result.plan``) and the op's compute and kept rows (``cost.model``) all call here.
 
 Expert parallelism on mesh dim ``d`` of ``n`` ranks (``runtime.moe``), per rank and layer, with
 ``T_l`` local tokens, ``k`` choices, hidden size ``H`` and ``f`` = ``HardwareProfile.moe_imbalance``:

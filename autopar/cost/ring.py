@@ -1,8 +1,8 @@
 """What ring attention's transfers cost (``runtime.ring``), and how much of them the step waits for.
 
-The one place they are priced: the ILP (a strategy's own communication, ``solver.graph``, and
-a checkpointed block's replay, ``solver.recompute``) and the plan's collectives and prediction
-(``solver.plan``) call here; its compute is ``cost.compute.ring_step_flops``.
+The one place they are priced: the ILP (a strategy's own communication, ``problem.graph``, and
+a checkpointed block's replay, ``memory.recompute``) and the plan's collectives and prediction
+(``result.plan``) call here; its compute is ``cost.compute.ring_step_flops``.
 
 On a ring of n ranks, with B the bytes of the rank's K and V blocks and c_j the busiest rank's
 compute at step j (forward; backward ``BACKWARD_FACTOR`` times it):

@@ -18,7 +18,7 @@ outputs (``gelu`` keeps its input, ``silu``'s consumer ``mul`` its factors, but
 ``log_softmax``, ``exp`` and SDPA keep their outputs) and tensors it makes inside and keeps
 (a composite ``cross_entropy_loss`` keeps its ``log_softmax``, ``rms_norm`` its normalized
 input, SDPA its log-sum-exp). That is the activation memory a training step holds from
-forward to backward (``autopar.solver.saved_activations``).
+forward to backward (``autopar.problem.saved_activations``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch.fx
 
 from autopar.capture.aliasing import written_placeholders
 from autopar.passes.context import PassContext, plan_name
-from autopar.solver.nodes import PARAM
+from autopar.problem.nodes import PARAM
 
 aten = torch.ops.aten
 RESHARDS = ("reshard", "regather")

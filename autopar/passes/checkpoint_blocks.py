@@ -34,7 +34,7 @@ import torch.fx
 
 from autopar.capture.aliasing import storage_root, written_args
 from autopar.passes.context import PassContext, block_owners
-from autopar.solver.memory import in_block
+from autopar.problem.block_paths import in_block
 
 REGION_PREFIX = "checkpoint_"
 """Name of a region's submodule: this prefix and the block's path, dots as underscores."""

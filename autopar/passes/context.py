@@ -10,9 +10,9 @@ import torch.fx
 
 from autopar.cost.model import CostContext
 from autopar.rules.strategy import Strategy
-from autopar.solver.graph import _module_path
-from autopar.solver.memory import MemoryPlan
-from autopar.solver.nodes import PlanGraph
+from autopar.problem.graph import _module_path
+from autopar.memory.options import MemoryPlan
+from autopar.problem.nodes import PlanGraph
 
 STRATEGY = "autopar.strategy"
 """node.meta key: the Strategy the plan chose for this node."""

@@ -21,7 +21,7 @@ from autopar.cost.model import grad_placements, param_grad_target
 from autopar.passes.context import PassContext, plan_name, strategy_of
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import Placements, placement_str
-from autopar.solver.nodes import INPUT, PARAM
+from autopar.problem.nodes import INPUT, PARAM
 
 
 def _grad_spec(pc: PassContext, src: str, produced: Placements, required: Placements, consumer_name: str

@@ -20,7 +20,7 @@ import torch.fx
 from autopar.passes.context import PassContext, plan_name, strategy_of
 from autopar.rules.loss import counted_mean, is_partial_mean_loss, static_count
 from autopar.rules.strategy import positional_args
-from autopar.solver.graph import count_source
+from autopar.problem.graph import count_source
 
 
 def localize_losses(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.GraphModule:

@@ -10,7 +10,7 @@ first block, whose gathers nothing can hide), and the original call, given
 records (its backward, the gradient's reduce-scatter, is unchanged).
 
 Prefetched: a parameter read by that one call, whose consumers all lie in one block
-instance (``solver.memory.block_of``) that is not checkpointed (a recompute replays its
+instance (``memory.options.block_of``) that is not checkpointed (a recompute replays its
 region's gathers in backward; a handle waited for once cannot serve it). Blocks follow one
 another within their container (``layers.0``, ``layers.1``, ...), the windows
 ``solver.overlap`` prices.
@@ -37,9 +37,9 @@ import torch.fx
 from autopar.passes.context import PassContext, block_owners, plan_name
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
-from autopar.solver.graph import _module_path
-from autopar.solver.memory import block_of
-from autopar.solver.nodes import PARAM
+from autopar.problem.graph import _module_path
+from autopar.problem.block_paths import block_of
+from autopar.problem.nodes import PARAM
 
 GATHERS = ("reshard", "regather")
 

@@ -7,7 +7,7 @@ stage among its inputs (or, for a checkpointed block's call, the stage of the op
 holds: the latest stage among its inputs would be the stage before when the block starts a
 stage); a reshard between two ops joins its earliest reader's stage (not before its input's),
 so that a value crossing a cut is sent once, placed as its producer placed it, and resharded
-by each later stage reading it, as the plan prices the sends (``solver.stages.crossing_bytes``);
+by each later stage reading it, as the plan prices the sends (``pipeline.stages.crossing_bytes``);
 a node computed only from placeholders (a parameter's cast or gather, its prefetch, the
 slicing of a user input) joins the earliest stage reading it, so a parameter's gathers run
 in the stage that holds the parameter; a function of state placeholders alone read by several

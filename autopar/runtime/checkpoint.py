@@ -42,7 +42,7 @@ from autopar.errors import InputError
 from autopar.rules.strategy import is_strided
 
 from autopar.runtime import checkpoint_files as files
-from autopar.runtime.checkpoint_files import CheckpointError
+from autopar.errors import CheckpointError
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelinedModule
 

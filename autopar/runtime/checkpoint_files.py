@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 
-from autopar.errors import InputError
+from autopar.errors import CheckpointError, InputError
 
 METADATA = ".metadata"
 """DCP's file naming every tensor's bytes; written last by a save."""
@@ -46,11 +46,6 @@ LISTED = 24
 
 StatePath = tuple[str | int, ...]
 """Where a value sits in a nested state dict (dict keys and list indices)."""
-
-
-class CheckpointError(RuntimeError):
-    """A save or load failed on some rank (every rank raises it); the message names each
-    failing rank's error, and the DCP exception it comes from (with tracebacks) is its cause."""
 
 
 class _OwnFilesWriter(FileSystemWriter):

@@ -25,16 +25,17 @@ from autopar.runtime.gradient_check import check_trained_parameters
 from autopar.runtime.groups import inherit_world_timeout
 from autopar.runtime.mixed import compute_copy, running_precision
 from autopar.runtime.ops import Comm
-from autopar.solver.memory import example_batch
+from autopar.problem.batch import example_batch
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import (PipelinedModule, build_pipelined_module, carved_device_mesh,
                                       stage_device_mesh)
 from autopar.runtime.program import rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.random import RandomSource, agree_seed
-from autopar.runtime.rank_errors import CompileError, agree, describe_error, gather_errors, on_every_rank, on_rank_zero
+from autopar.errors import CompileError
+from autopar.runtime.rank_errors import agree, describe_error, gather_errors, on_every_rank, on_rank_zero
 from autopar.runtime.parameters import InitFn
-from autopar.solver.ilp import MemoryLimitError
-from autopar.solver.pipeline import Pipeline, as_pipeline
+from autopar.errors import MemoryLimitError
+from autopar.pipeline.spec import Pipeline, as_pipeline
 
 def _step_fingerprint(prepared: PreparedStep) -> str:
     """What rank 0's solution is applied to: every node with its shapes and number of
@@ -366,7 +367,7 @@ def build_rank_module(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, ini
 
 def whole_batch_leaves(inputs: tuple[Any, ...], kwargs: dict[str, Any], targets: tuple[Any, ...]) -> frozenset[int]:
     """The step's leaves (in ``StepSignature`` order) whose leading dim is the batch: those
-    ``micro_batches`` cuts (as ``solver.memory.slice_batch`` cut the examples)."""
+    ``micro_batches`` cuts (as ``memory.options.slice_batch`` cut the examples)."""
     batch = example_batch((inputs, kwargs, targets))
     leaves = tree_leaves((*inputs, *kwargs.values(), *targets))
     return frozenset(i for i, leaf in enumerate(leaves)

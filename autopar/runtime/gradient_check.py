@@ -1,7 +1,7 @@
 """Check a plan's trainable parameters against the gradients autograd gives.
 
 The plan syncs, steps and prices the parameters its gradient analysis says get a gradient
-(``solver.gradients``). A parameter that autograd gives a gradient while the plan does not
+(``problem.gradients``). A parameter that autograd gives a gradient while the plan does not
 sync it would train apart on each replica, silently. So before a rank's program is built,
 the captured step runs once on fake tensors (shapes only, no compute) with autograd on, and
 any parameter autograd reaches that the plan leaves out is an error.
@@ -16,12 +16,9 @@ import torch.fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves
 
+from autopar.errors import GradientPlanError
 from autopar.capture.graph import CapturedGraph
-from autopar.solver.nodes import PARAM, PlanGraph
-
-
-class GradientPlanError(RuntimeError):
-    """The plan and autograd disagree about which parameters get a gradient (an autopar bug)."""
+from autopar.problem.nodes import PARAM, PlanGraph
 
 
 def autograd_trained(captured: CapturedGraph) -> set[str]:
@@ -59,7 +56,7 @@ def check_trained_parameters(captured: CapturedGraph, graph: PlanGraph) -> None:
         raise GradientPlanError(
             f"autograd gives {len(missed)} parameter(s) a gradient that the plan does not sync: "
             f"{', '.join(missed[:8])}{' ...' if len(missed) > 8 else ''}; the gradient analysis "
-            "(autopar.solver.gradients) missed the path their gradient takes")
+            "(autopar.problem.gradients) missed the path their gradient takes")
 
 
 __all__ = ["GradientPlanError", "autograd_trained", "check_trained_parameters"]

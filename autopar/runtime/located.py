@@ -25,7 +25,7 @@ from torch import nn
 
 from autopar.passes.context import STRATEGY
 from autopar.rules.strategy import placement_str
-from autopar.solver.graph import _module_path
+from autopar.problem.graph import _module_path
 
 _SPECIAL_CONSTRUCTORS = (UnicodeError, *(getattr(builtins, "BaseExceptionGroup", ()),))  # more than a message
 

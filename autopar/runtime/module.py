@@ -22,7 +22,7 @@ from autopar.runtime.parameters import local_shard
 from autopar.runtime.regather import regather_hooks
 from autopar.runtime.zero1 import ZeroOneShards
 from autopar.rules.redistribute import redistribute_steps
-from autopar.solver.plan import Plan
+from autopar.result.plan import Plan
 
 
 def set_by_path(root: nn.Module, fqn: str, value: nn.Parameter | torch.Tensor, *, buffer: bool,
@@ -181,7 +181,7 @@ class ParallelModule(nn.Module):
         """Local outputs as DTensors placed as planned (the loss: replicated); an output split
         on a zig-zag axis (``Mesh.zigzag``) is gathered there first, as a DTensor's shards are
         contiguous chunks (the step's last forward collective, as the plan lists and prices it:
-        ``solver.graph.zigzag_output_gathers``)."""
+        ``problem.graph.zigzag_output_gathers``)."""
         wrapped = []
         for o, placements in zip(outputs, self._outputs):
             if not isinstance(o, torch.Tensor):

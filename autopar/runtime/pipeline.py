@@ -50,14 +50,14 @@ from autopar.runtime.parameters import InitFn
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.stages import StageModule, ValueMeta, fake_shard, stage_metas
 from autopar.runtime.tied import TiedGradients
-from autopar.solver.pipeline import STAGE_AXIS, Pipeline
-from autopar.solver.plan import Plan
-from autopar.solver.schedule_sim import WEIGHT_GRAD, torch_order
+from autopar.pipeline.spec import STAGE_AXIS, Pipeline
+from autopar.result.plan import Plan
+from autopar.pipeline.schedule_sim import WEIGHT_GRAD, torch_order
 from autopar.step import PlannedStep
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
                     "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-"""The torch schedule running each of ``solver.pipeline.SCHEDULES``."""
+"""The torch schedule running each of ``pipeline.spec.SCHEDULES``."""
 
 
 def stage_device_mesh(mesh: DeviceMesh, axis: str) -> DeviceMesh:

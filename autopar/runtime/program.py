@@ -29,8 +29,8 @@ from autopar.runtime.random import RandomOps, RandomSource
 from autopar.runtime.recompute import Recompute
 from autopar.runtime.regather import BackwardStarts, Regather
 from autopar.runtime.vocab import VocabEmbedding
-from autopar.solver.nodes import BUFFER, INPUT, PARAM
-from autopar.solver.plan import param_sync_dims
+from autopar.problem.nodes import BUFFER, INPUT, PARAM
+from autopar.result.plan import param_sync_dims
 from autopar.step import PlannedStep
 
 

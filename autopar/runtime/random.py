@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from autopar.errors import InputError
+from autopar.errors import InputError, RandomDrawError
 from autopar.rules import dropout as random_rules
 from autopar.rules.redistribute import SLICE, redistribute_steps, strided_view, zigzag_view
 from autopar.rules.strategy import Placements, R, parse_placements, shard_dim
@@ -51,10 +51,6 @@ READS_VALUES = frozenset({
 })
 """Draws that read their tensor arguments' values (probabilities, means, dropout's input);
 the others read only their shape (``rand_like(x)``, ``bernoulli_(p=0.9)``)."""
-
-
-class RandomDrawError(RuntimeError):
-    """A random op cannot be drawn as this rank's slice of one global draw."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,14 +10,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from autopar.errors import InputError
+from autopar.errors import CompileError, InputError
 
 T = TypeVar("T")
-
-
-class CompileError(RuntimeError):
-    """Raised on every rank when any rank failed to compile (not for what the user handed in: that
-    is an ``InputError``, of its own type), or ranks disagree."""
 
 
 Failure = tuple[type[Exception], str]

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from autopar.rules.redistribute import Step
-from autopar.solver.memory import block_of
+from autopar.problem.block_paths import block_of
 from autopar.runtime.ops import Comm, Pending, _Redistribute, _steps, forward_value
 
 _TAG = "_autopar_regather"

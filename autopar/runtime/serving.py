@@ -36,7 +36,7 @@ from autopar.runtime.compile import compile
 from autopar.runtime.rank_errors import gather_errors
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelinedModule
-from autopar.solver.pipeline import Pipeline
+from autopar.pipeline.spec import Pipeline
 
 _REFUSED = {"train": "serving steps are forward-only (train=False)",
             "loss_fn": "serving steps return the model's outputs, not a loss",

@@ -1,4 +1,4 @@
-"""A pipelined step's tied weights (``solver.tied``): the gradient of a weight several pp ranks
+"""A pipelined step's tied weights (``pipeline.tied``): the gradient of a weight several pp ranks
 hold, summed between them once the pipeline has drained and the buckets are reduced, so that
 every copy takes the same optimizer step and the copies stay equal.
 
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.runtime.ops import CollectiveLog
-from autopar.solver.tied import TiedWeight
+from autopar.pipeline.tied import TiedWeight
 
 
 class TiedGradients:

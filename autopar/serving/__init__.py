@@ -15,7 +15,8 @@ from autopar.serving.serving_plan import PoolPlan, ServingPlan
 from autopar.serving.goodput import GoodputResult, best_deployment, find_goodput, requests_needed
 from autopar.serving.measured import MeasuredStepTimes, fit_step_times
 from autopar.serving.roofline import LLAMA3_8B, RooflineStepTimes, TransformerShape
-from autopar.serving.simulator import KVCapacityError, ServingReport, SimResult, simulate
+from autopar.errors import KVCapacityError
+from autopar.serving.simulator import ServingReport, SimResult, simulate
 from autopar.serving.workload import (SLO, Cluster, Empirical, Fixed, LogNormal, Requests, TokenDistribution, Uniform,
                                       Workload, read_trace)
 

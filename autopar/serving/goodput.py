@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from autopar.errors import InputError
 from autopar.serving.deployment import Deployment
-from autopar.serving.simulator import KVCapacityError, ServingReport, simulate
+from autopar.errors import KVCapacityError
+from autopar.serving.simulator import ServingReport, simulate
 from autopar.serving.workload import SLO, Requests, Workload
 
 _MAX_STEPS = 40

@@ -50,8 +50,8 @@ from autopar.cost.collectives import point_to_point_time
 from autopar.errors import InputError
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
-from autopar.solver.ilp import MemoryLimitError
-from autopar.solver.nodes import PARAM
+from autopar.errors import MemoryLimitError
+from autopar.problem.nodes import PARAM
 from autopar.serving.servable import KV_HEADS_DIM, StepShape, cache_buffers, kv_bytes_per_token, step_inputs
 from autopar.serving.staged import SERVING_PIPELINE, Cut, element_size, stage_figures
 
@@ -133,7 +133,7 @@ def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, 
              shape: StepShape, memory_limit: float, pinned: State, cut: Cut) -> PlannedPoint:
     """``plan_point`` uncached; ``replica``: (tp, pp, ep)."""
     from autopar.api import plan_step  # serving sits above the planner; imported late to keep import order free
-    from autopar.solver.pipeline import Pipeline
+    from autopar.pipeline.spec import Pipeline
 
     tp, pp, ep = replica
     inputs = step_inputs(model, shape)

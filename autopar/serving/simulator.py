@@ -37,15 +37,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.errors import InputError
+from autopar.errors import InputError, KVCapacityError
 from autopar.serving.deployment import Deployment, Pool
 from autopar.serving.workload import SLO, Requests
 
 _STEP_END, _TRANSFER_END = 1, 2
-
-
-class KVCapacityError(InputError):
-    """A request needs more KV cache than a replica of its pool holds: it could never run."""
 
 
 @dataclass(kw_only=True, slots=True, eq=False)

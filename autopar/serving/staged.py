@@ -4,7 +4,7 @@ A replica of tp x pp devices runs each step as one micro-batch through its pp st
 (``compile_serving``'s pipeline: GPipe, one micro-batch, one stage per rank), so a step's latency is
 the chain the plan predicts (``plan.predicted.step_time_s``: every stage's forward, the sends between
 them and the logits' broadcast). Each stage's ranks hold their layers' weights and KV caches only
-(``solver.stage_memory`` counts a buffer one stage reads on that stage's ranks), so the memory a replica
+(``pipeline.stage_memory`` counts a buffer one stage reads on that stage's ranks), so the memory a replica
 serves from is its busiest rank's: the largest stage's weights, and the cache of the stage holding the
 most cache bytes per token.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.solver.stages import PipelinePlan
+from autopar.pipeline.stages import PipelinePlan
 
 SERVING_PIPELINE = {"schedule": "gpipe", "micro_batches": 1, "virtual_stages": 1}
 """A serving step's pipeline (``compile_serving`` pins the same): one micro-batch through the stages in order."""

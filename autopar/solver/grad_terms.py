@@ -9,7 +9,7 @@ from autopar.cost.buckets import bucket_count
 from autopar.cost.collectives import ALL_GATHER, ALL_REDUCE, call_time, grad_placement_at_consumer, transfer_time
 from autopar.cost.model import CostContext, EdgeCost, grad_sync_dims, param_sync_calls, zero1_gather_call
 from autopar.cost.zero1 import shard_bucket_cap
-from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.problem.nodes import PARAM, PlanGraph
 from autopar.solver.milp import INF, SCALE, Model
 
 

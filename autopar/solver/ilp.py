@@ -23,14 +23,14 @@ import numpy as np
 
 from autopar.cost.collectives import grad_placement_at_consumer
 from autopar.cost.model import CostContext, EdgeCost, backward_time
-from autopar.errors import InputError
-from autopar.solver.blocks import Folding
+from autopar.errors import InputError, MemoryLimitError, SolverTimeLimitError
+from autopar.problem.folding import Folding
 from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
-from autopar.solver.graph import edge_flags
-from autopar.solver.nodes import OP, PARAM, PlanGraph
-from autopar.solver.recompute import add_recompute_peak
-from autopar.solver.stage_memory import MemoryShares
+from autopar.problem.graph import edge_flags
+from autopar.problem.nodes import OP, PARAM, PlanGraph
+from autopar.solver.recompute_rows import add_recompute_peak
+from autopar.pipeline.stage_memory import MemoryShares
 from autopar.solver.milp import INF, SCALE, Model, run
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
@@ -41,14 +41,6 @@ from autopar.units import fmt_bytes
 MEMORY_UNIT = 2**20
 """The memory row counts MiB: coefficients far from 1 (2.4e10 bytes of a big model's state)
 break HiGHS's numerics, and coarser units fall under its smallest matrix value (1e-9)."""
-
-
-class MemoryLimitError(InputError):
-    """No plan fits the memory limit; the message says what the leanest plan needs."""
-
-
-class SolverTimeLimitError(InputError, RuntimeError):
-    """The ILP solver reached its time limit before finding any plan."""
 
 
 @dataclass
@@ -67,7 +59,7 @@ class Solution:
     """Relative gap to the best bound HiGHS proved (0 when optimal)."""
     time_limit_s: float = 0.0
     scenario: Any = None
-    """The memory scenario (``autopar.scenarios.Scenario``) the plan was solved under; None: the
+    """The memory scenario (``autopar.memory.scenarios.Scenario``) the plan was solved under; None: the
     step's own."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about how this plan was found (scenarios HiGHS failed on)."""

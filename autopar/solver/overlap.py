@@ -2,7 +2,7 @@
 of the neighbouring block, priced per window as the runtime runs them
 (``autopar.passes.prefetch_gathers``, ``autopar.runtime.regather``).
 
-A container's blocks ``layers.0 .. layers.L-1`` (``solver.memory.block_of``, in graph
+A container's blocks ``layers.0 .. layers.L-1`` (``memory.options.block_of``, in graph
 order) give, with eff = ``HardwareProfile.grad_sync_overlap``:
 - forward: block 0's gathers G_0 wait in full (nothing runs before them to hide under);
   for k >= 1, window k exposes max(0, G_k - eff x F_{k-1}): block k's gathers are issued
@@ -10,7 +10,7 @@ order) give, with eff = ``HardwareProfile.grad_sync_overlap``:
 - backward (ZeRO-3): block k's regathers R_k are issued as block k+1's backward (B_{k+1}
   seconds) starts, so window k exposes max(0, R_k - eff x B_{k+1}), whatever block k+1
   does with its own parameters (gathers them again, holds them from forward as when only
-  the first blocks gather again, ``autopar.solver.regather``, or keeps them replicated):
+  the first blocks gather again, ``autopar.memory.regather``, or keeps them replicated):
   the runtime's trigger is a hook on the gradients of the values block k+1 computes for
   later code, which needs none of its parameters. The last block's regathers wait in full.
 Windowed are a parameter's gathers whose parameter has a single use, by an op of a block
@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from autopar.cost.collectives import ALL_GATHER, CollectiveCall, collective_time
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, step_repeats
 from autopar.rules.strategy import Strategy
-from autopar.solver.blocks import Folding
-from autopar.solver.graph import price_edge
-from autopar.solver.memory import block_of
+from autopar.problem.folding import Folding
+from autopar.problem.graph import price_edge
+from autopar.problem.block_paths import block_of
 from autopar.solver.milp import INF, SCALE, Model
-from autopar.solver.nodes import OP, PARAM, PlanGraph
-from autopar.solver.regather import regathering_blocks
+from autopar.problem.nodes import OP, PARAM, PlanGraph
+from autopar.memory.regather import regathering_blocks
 from autopar.solver.sharing import EdgeKey
 
 WindowUse = tuple[str, int]
@@ -128,7 +128,7 @@ class WindowPrices:
     waited: dict[tuple[str, str], float] = field(default_factory=dict)
     """(parameter node, 'forward' for its gather or 'backward' for its regather) -> the share
     of that windowed collective the step waits for: its window's exposed seconds over all of
-    the window's seconds, one share for each collective of the window (``solver.trace``)."""
+    the window's seconds, one share for each collective of the window (``result.trace``)."""
 
 
 def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str, NodeCost], ctx: CostContext

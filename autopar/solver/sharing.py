@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from autopar.solver.blocks import Folding
-from autopar.solver.nodes import PlanGraph
+from autopar.problem.folding import Folding
+from autopar.problem.nodes import PlanGraph
 
 EdgeKey = tuple[str, int, str, int]
 """(representative producer, output index, representative consumer, consumer arg)."""

@@ -18,7 +18,7 @@ from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, shard_dim
-from autopar.solver.nodes import PlanGraph, PlanNode
+from autopar.problem.nodes import PlanGraph, PlanNode
 
 KINDS = ("ring", "allgather", "ulysses")
 

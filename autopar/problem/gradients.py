@@ -21,8 +21,8 @@ import torch
 from autopar.capture.graph import TensorMeta
 from autopar.cost.model import CostContext, NodeCost, op_cost
 from autopar.cost.saved import SavedTensors
-from autopar.solver.nodes import OP, PARAM, PlanNode
-from autopar.solver.saved_activations import ProbeMemo, saved_activations
+from autopar.problem.nodes import OP, PARAM, PlanNode
+from autopar.problem.saved_activations import ProbeMemo, saved_activations
 
 aten = torch.ops.aten
 

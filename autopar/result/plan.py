@@ -16,19 +16,18 @@ from autopar.cost.zero1 import chunk_elements
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, exposed_sync_time, grad_placements,
                                 grad_sync_dims, held_reshard_bytes, step_repeats)
 from autopar.rules.strategy import Strategy, local_numel, placement_str
-from autopar.solver.blocks import Folding
-from autopar.solver.memory import MemoryPlan
+from autopar.problem.folding import Folding
+from autopar.memory.options import MemoryPlan
 from autopar.solver.grad_terms import single_use_params
-from autopar.solver.graph import (edge_flags, loss_count_reductions, loss_replication, price_edge,
-                                  zigzag_output_gathers)
-from autopar.solver.nodes import OP, PARAM, PlanGraph
+from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, price_edge, zigzag_output_gathers
+from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
-from autopar.solver.recompute import block_peak, freed_before_recompute, recompute_peak
+from autopar.memory.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
-from autopar.solver.report import render_text
-from autopar.solver.stages import PipelinePlan
-from autopar.solver.trace import write_chrome_trace
-from autopar.solver.zero1 import plan_shard_buckets, zero1_dims
+from autopar.result.table import render_text
+from autopar.pipeline.stages import PipelinePlan
+from autopar.result.trace import write_chrome_trace
+from autopar.memory.zero1 import plan_shard_buckets, zero1_dims
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,9 +171,9 @@ class Plan:
 
     def to_chrome_trace(self, path: str | Path) -> None:
         """Write the predicted step as a timeline (Chrome trace format: open it in Perfetto or
-        chrome://tracing): compute, collectives waited for and beside compute (``solver.trace``);
+        chrome://tracing): compute, collectives waited for and beside compute (``result.trace``);
         a pipelined plan's per pp rank: its stages' actions, bubbles, sends, gradient buckets and
-        update (``solver.trace_pipeline``)."""
+        update (``result.trace_pipeline``)."""
         write_chrome_trace(self, path)
 
 

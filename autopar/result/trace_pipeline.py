@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from autopar.solver.schedule_sim import BACKWARD, FORWARD, INPUT_GRAD, Simulation
-from autopar.solver.trace import COMPUTE, WAITED, Span
+from autopar.pipeline.schedule_sim import BACKWARD, FORWARD, INPUT_GRAD, Simulation
+from autopar.result.trace import COMPUTE, WAITED, Span
 
 P2P = "point-to-point"
 KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward (input and weight gradients)",

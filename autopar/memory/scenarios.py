@@ -17,7 +17,7 @@ rather than which strategy it runs, so they are searched around it, each combina
   ZeRO-Offload++ offloads a share of the state), or, pinned, every trainable parameter's;
 - ZeRO-1: the axes (every axis of more than one rank) where the ILP may
   shard a parameter's optimizer state, decided per parameter (each placement replicated
-  there has a ZeRO-1 twin strategy: ``solver.graph.state_twins``). One family of scenarios
+  there has a ZeRO-1 twin strategy: ``problem.graph.state_twins``). One family of scenarios
   with the axes holds every plan of the same scenario without them, so only the first
   scenario (today's default, solved with memory to spare) is also searched without ZeRO-1.
   Pinned (``zero={axis: 1}``), every trainable parameter replicated on the axis is ZeRO-1.
@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, replace
 
 from autopar.errors import InputError
-from autopar.solver.memory import CHECKPOINT_POLICIES, MemoryOptions
+from autopar.memory.options import CHECKPOINT_POLICIES, MemoryOptions
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch counts the planner tries (those dividing the batch)."""

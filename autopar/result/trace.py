@@ -14,7 +14,7 @@ tracks per group of ranks:
   bucket runs beside the last micro-batch's backward.
 
 Every rank of a plan without pipeline stages runs the same timeline, so it is one group. A
-pipelined plan is drawn per pp rank instead (``solver.trace_pipeline``).
+pipelined plan is drawn per pp rank instead (``result.trace_pipeline``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ TRACKS = (COMPUTE, WAITED, BESIDE)
 
 
 class Plan(Protocol):
-    """What the timeline reads of ``autopar.solver.plan.Plan`` (which imports this module)."""
+    """What the timeline reads of ``autopar.result.plan.Plan`` (which imports this module)."""
 
     mesh: dict[str, Any]
     nodes: list[Any]
@@ -149,7 +149,7 @@ def _op_name(node: Any) -> str:
 def chrome_trace(plan: Plan) -> dict[str, Any]:
     """The timeline as a Chrome trace object (microseconds; one process per group of ranks)."""
     if plan.pipeline is not None:
-        from autopar.solver.trace_pipeline import pipeline_chrome_trace  # it draws with this module's spans
+        from autopar.result.trace_pipeline import pipeline_chrome_trace
         return pipeline_chrome_trace(plan)
     ranks = math.prod(plan.mesh["axes"].values())
     pid = 0

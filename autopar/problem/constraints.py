@@ -25,7 +25,7 @@ from autopar.errors import InputError
 from autopar.capture.graph import TensorMeta
 from autopar.cost.moe import is_moe
 from autopar.rules.strategy import OpCall, Strategy, is_strided
-from autopar.solver.nodes import BUFFER, PARAM, PlanGraph
+from autopar.problem.nodes import BUFFER, PARAM, PlanGraph
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.capture.aliasing import as_produced_args, prior_writes, storage_root, writes_first_arg, written_args
 from autopar.capture.graph import CapturedGraph, TensorMeta, hinted
-from autopar.capture.step import CaptureError
+from autopar.errors import CaptureError
 from autopar.capture.subgraphs import runs_without_grad, subgraph_call
 from autopar.cost.blocks import block_cost
 from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, collective_time, reshard
@@ -29,9 +29,9 @@ from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, call_key, divides
-from autopar.solver.gradients import differentiable, mark_written_storage, may_need_grad, settle_gradients
-from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
-from autopar.solver.saved_activations import ProbeMemo, cached_probe
+from autopar.problem.gradients import differentiable, mark_written_storage, may_need_grad, settle_gradients
+from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
+from autopar.problem.saved_activations import ProbeMemo, cached_probe
 
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
 _aten = torch.ops.aten

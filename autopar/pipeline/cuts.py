@@ -1,4 +1,4 @@
-"""Where a pipeline's stages start among the model's units (``solver.stages.block_units``):
+"""Where a pipeline's stages start among the model's units (``pipeline.stages.block_units``):
 balanced by predicted seconds, or as pinned (``Pipeline.stage_blocks``)."""
 
 from __future__ import annotations

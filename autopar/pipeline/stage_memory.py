@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.cost.model import NodeCost
-from autopar.solver.memory import block_of
-from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
-from autopar.solver.schedule_sim import torch_order
+from autopar.problem.block_paths import block_of
+from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
+from autopar.pipeline.schedule_sim import torch_order
 
 
 def node_costs(graph: PlanGraph, chosen: dict) -> dict[str, NodeCost]:

@@ -20,7 +20,6 @@ replay gathers it again (that is one of the recomputed reshards).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import replace
 
 from autopar.cost.collectives import collective_time
@@ -29,14 +28,9 @@ from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.ring import ring_waited_time
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.cost.recompute import kept_by_policy
-from autopar.solver.memory import block_of
-from autopar.solver.milp import INF, Model
+from autopar.problem.block_paths import block_of
 from autopar.rules.strategy import Strategy
-from autopar.solver.nodes import OP, PlanGraph, PlanNode
-
-RECOMPUTE_UNIT = 2.0**20
-"""Bytes per unit of the recompute-peak variables and rows (MiB, as the memory limit's row)."""
-
+from autopar.problem.nodes import OP, PlanGraph, PlanNode
 
 def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostContext | None = None) -> PlanGraph:
     """A copy of ``graph`` priced with ``blocks`` checkpointed under ``policy`` (the
@@ -112,37 +106,3 @@ def block_peak(graph: PlanGraph, memory_of: dict[str, float]) -> float:
         if node.block is not None:
             per_block[node.block] = per_block.get(node.block, 0.0) + memory_of.get(name, 0.0)
     return max(per_block.values(), default=0.0)
-
-
-def add_recompute_peak(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]],
-                       mult: dict[str, int], memory_row: dict[int, float], minimize_memory: bool) -> None:
-    """t >= the bytes each checkpointed block brings back while it recomputes; the memory
-    row holds t once (one block recomputes at a time). Folded blocks share their first
-    instance's variables, so its row stands for all of them. With only the first blocks
-    checkpointed, the row holds s >= t - (bytes of the ops backward freed before, all
-    instances), s >= 0 instead (``recompute_peak``)."""
-    per_block: dict[str, dict[int, float]] = defaultdict(dict)
-    for v in reps:
-        node = graph.nodes[v]
-        if node.block is not None and any(node.recompute_memory):
-            for j, dropped in zip(x[v], node.recompute_memory):
-                per_block[node.block][j] = dropped
-    if not per_block:
-        return
-    freed = freed_before_recompute(graph)
-    # t and s count MiB, their rows' bytes likewise: rows of raw bytes (10^9-10^10 at 128k tokens) beside the
-    # strategies' 0/1 columns made HiGHS's presolve call feasible scenarios infeasible
-    t = model.var(RECOMPUTE_UNIT if minimize_memory and not freed else 0.0, integer=False, upper=INF)
-    for row in per_block.values():
-        model.rows.append(({t: 1.0, **{j: -b / RECOMPUTE_UNIT for j, b in row.items()}}, 0.0, INF))
-    if not freed:
-        memory_row[t] = RECOMPUTE_UNIT
-        return
-    s = model.var(RECOMPUTE_UNIT if minimize_memory else 0.0, integer=False, upper=INF)
-    memory_row[s] = RECOMPUTE_UNIT
-    row = {s: 1.0, t: -1.0}
-    for v in reps:
-        if v in freed:
-            for j, cost in zip(x[v], graph.nodes[v].costs):
-                row[j] = row.get(j, 0.0) + mult[v] * cost.memory / RECOMPUTE_UNIT
-    model.rows.append((row, 0.0, INF))

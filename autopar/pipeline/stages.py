@@ -1,7 +1,7 @@
 """Stage cuts of a pinned pipeline and what they are predicted to cost.
 
 The layer stack is cut into p x v contiguous stages between units: the head (what runs
-before the first block: embeddings), each repeated block (``solver.memory.block_of``; code
+before the first block: embeddings), each repeated block (``memory.options.block_of``; code
 between two blocks goes with the block before it), the tail (final norm, output head, loss).
 The head and the tail are units of their own, so a large vocabulary's output head may take
 a stage alone when the stages outnumber what the blocks balance (hand plans give the first
@@ -11,9 +11,9 @@ program; ties go to the earliest cuts, so every rank cuts alike). The intra-stag
 the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
 
 The pipelined step plays torch's schedule order out with those seconds and the transfers
-across cuts between ranks (``solver.schedule_sim``); after its last action each rank reduces
+across cuts between ranks (``pipeline.schedule_sim``); after its last action each rank reduces
 its gradient buckets, sums the gradients of weights tied across ranks with their other
-copies' (``solver.tied``), takes the step's loss from the last stage's rank and updates its
+copies' (``pipeline.tied``), takes the step's loss from the last stage's rank and updates its
 parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
 """
 
@@ -29,14 +29,14 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
-from autopar.solver.cuts import balanced_cuts, pinned_cuts
-from autopar.solver.memory import block_of
-from autopar.solver.nodes import INPUT, OP, PlanGraph
-from autopar.solver.pipeline import Pipeline, pipeline_compute_s, simulate_pipeline
-from autopar.solver.schedule_sim import Simulation
-from autopar.solver.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, stage_bytes,
-                                         whole_step_extra)
-from autopar.solver.tied import TiedWeight, parameter_stages, shared_ends, tied_parameters, tied_seconds
+from autopar.pipeline.cuts import balanced_cuts, pinned_cuts
+from autopar.problem.block_paths import block_of
+from autopar.problem.nodes import INPUT, OP, PlanGraph
+from autopar.pipeline.spec import Pipeline, pipeline_compute_s, simulate_pipeline
+from autopar.pipeline.schedule_sim import Simulation
+from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, stage_bytes,
+                                           whole_step_extra)
+from autopar.pipeline.tied import TiedWeight, parameter_stages, shared_ends, tied_parameters, tied_seconds
 from autopar.units import fmt_bytes
 
 HEAD, TAIL = "(head)", "(tail)"
@@ -109,7 +109,7 @@ class PipelinePlan:
     """Each stage's sub-mesh (the mesh without the pipeline axis), which the placements refer to."""
     stages: list[StagePlan]
     bubble_fraction: float
-    """Predicted share of the pipeline's compute span the busiest rank idles (``solver.pipeline``)."""
+    """Predicted share of the pipeline's compute span the busiest rank idles (``pipeline.spec``)."""
     bubble_s: float
     """The span, transfers aside, less the busiest rank's compute seconds."""
     p2p_s: float
@@ -125,7 +125,7 @@ class PipelinePlan:
     update_per_rank_s: list[float] = field(default_factory=list)
     """Each pp rank's optimizer step's seconds."""
     rank_memory_bytes: list[float] = field(default_factory=list)
-    """Predicted peak bytes per device of each pp rank under the schedule (``solver.stage_memory``)."""
+    """Predicted peak bytes per device of each pp rank under the schedule (``pipeline.stage_memory``)."""
     output_bytes: float = 0.0
     """Bytes per device of a forward-only step's outputs (a serving step's logits), broadcast from the
     last stage's ranks to the other pp ranks after the step, so that every rank returns them; 0 for
@@ -134,7 +134,7 @@ class PipelinePlan:
     """Predicted seconds of that broadcast: p - 1 point-to-point sends from the last stage's rank."""
     tied: list[TiedWeight] = field(default_factory=list)
     """Weights held by several pp ranks (read by stages on each), whose gradients a training step
-    all-reduces between them after the buckets (``solver.tied``), in the order it runs them."""
+    all-reduces between them after the buckets (``pipeline.tied``), in the order it runs them."""
     estimate: str = ("the pipelined step time is an estimate (torch's schedule order played out with each stage's "
                      "predicted seconds, backward halved into input and weight gradients where the schedule splits "
                      "them, transfers delaying only their receivers); the ILP placed each stage for one micro-batch "
@@ -143,7 +143,7 @@ class PipelinePlan:
     """Captured op node -> stage (derived from ``stages``; what the split pass cuts by)."""
 
     def simulate(self, transfers: bool = True) -> Simulation:
-        """The schedule played out with the stages' predicted seconds (``solver.schedule_sim``)."""
+        """The schedule played out with the stages' predicted seconds (``pipeline.schedule_sim``)."""
         return simulate_pipeline(self.schedule, self.size, self.virtual_stages, self.micro_batches,
                                  [(s.forward_s, s.backward_s) for s in self.stages],
                                  [s.send_s for s in self.stages] if transfers else ())

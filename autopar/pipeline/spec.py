@@ -2,7 +2,7 @@
 ``torch.distributed.pipelining`` schedule sets on them, where its stages live, and the time
 each schedule's order takes.
 
-The pipeline is priced by playing torch's own order out (``solver.schedule_sim``: the orders
+The pipeline is priced by playing torch's own order out (``pipeline.schedule_sim``: the orders
 of ``torch/distributed/pipelining/schedules.py``, ``_get_pipeline_order`` of ScheduleGPipe and
 Schedule1F1B, ``_calculate_single_rank_operations`` of ScheduleInterleaved1F1B,
 ScheduleZBVZeroBubble and ScheduleDualPipeV), with each stage's predicted forward and
@@ -31,7 +31,7 @@ stages alike and no transfers (tests/test_schedule_sim.py):
 
 Uneven stages and transfers between ranks (each a delay before the receiving action, the
 transfers from one rank to another one after another) are played out the same way
-(``solver.stages``).
+(``pipeline.stages``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
-from autopar.solver.schedule_sim import Simulation, simulate, split_backward
+from autopar.pipeline.schedule_sim import Simulation, simulate, split_backward
 
 STAGE_AXIS = "stage"
 """The one axis, of size 1, of a stage mesh when the whole mesh is the pipeline axis."""
@@ -88,7 +88,7 @@ class Pipeline:
     mesh {"dp": 128, "tp": 8} may become {"pp": 16, "dp": 8, "tp": 8}). None: ``axis`` is an
     axis of the mesh, its size the pp ranks."""
     stage_blocks: tuple[tuple[str, ...], ...] | None = None
-    """The units each stage runs, in order (``solver.stages.block_units``: '(head)', the repeated
+    """The units each stage runs, in order (``pipeline.stages.block_units``: '(head)', the repeated
     blocks such as 'layers.0', '(tail)'), pinned: every unit once, in program order. None: the
     planner's balanced cuts. ``compile_serving`` pins a prefill step's cuts to its decode step's
     so that both programs hold the same layers (and KV caches) on each stage."""

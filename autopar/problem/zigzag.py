@@ -34,8 +34,8 @@ from autopar.capture.graph import CapturedGraph
 from autopar.mesh import Mesh
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import schema_arg
-from autopar.solver.constraints import Pin
-from autopar.solver.nodes import BUFFER, PlanGraph
+from autopar.problem.constraints import Pin
+from autopar.problem.nodes import BUFFER, PlanGraph
 
 
 def _attention_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

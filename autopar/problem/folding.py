@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from autopar.solver.nodes import PlanGraph
+from autopar.problem.nodes import PlanGraph
 
 _INSTANCE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from autopar.cost.model import CostContext
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
-from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.problem.nodes import PARAM, PlanGraph
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.compute import VIEW_OPS
 from autopar.cost.saved import SavedTensors, saved_tensors
 from autopar.rules.strategy import call_key
-from autopar.solver.nodes import OP, PlanNode
+from autopar.problem.nodes import OP, PlanNode
 
 ProbeMemo = dict[Hashable, "SavedTensors | None"]
 """``node_saved_tensors`` by op call and its arguments' ``needs_grad``, for one plan: each

@@ -26,8 +26,8 @@ from torch.distributed.tensor import Placement, Shard
 from autopar.cost.model import CostContext, op_cost
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import DimStrategy, is_strided, split_factor, strided
-from autopar.solver.graph import StrategyMemo, call_key, leaf_costs, placeholder_strategies
-from autopar.solver.nodes import OP, PlanGraph
+from autopar.problem.graph import StrategyMemo, call_key, leaf_costs, placeholder_strategies
+from autopar.problem.nodes import OP, PlanGraph
 
 EQUIVARIANT_FAMILIES = frozenset({"matmul", "pointwise", "view", "dropout"})
 """Op families whose shard-output strategies commute with permuting the sharded dim."""

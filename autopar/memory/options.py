@@ -25,9 +25,7 @@ Offloading optimizer state to the host and ZeRO-1 are not combined (pinning both
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from autopar.errors import InputError, InputTypeError
 
@@ -37,9 +35,6 @@ CHECKPOINT_POLICIES = ("none", "selective", "full")
 """Activation checkpointing per repeated block: keep every saved activation; keep matmul
 and attention outputs and recompute the rest (torch's selective checkpointing, as
 torchtitan's "op" policy); keep only the block's inputs and recompute the whole block."""
-
-_INSTANCE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryOptions:
@@ -154,40 +149,3 @@ class MemoryPlan:
         if stage == 1 and some < self.trainable_parameters:
             return f"ZeRO-1 on {axis} for {some} of {self.trainable_parameters} parameters"
         return f"ZeRO-{stage} on {axis}"
-
-
-def block_of(module: str) -> str | None:
-    """The repeated block a module path lies in: 'layers.3.attn.wq' -> 'layers.3'; None
-    outside any indexed container."""
-    match = _INSTANCE.match(module)
-    return match.group(1) if match else None
-
-
-def repeated_blocks(modules: list[str]) -> list[str]:
-    """Every block instance the module paths reach, in first-seen order."""
-    return list(dict.fromkeys(b for b in map(block_of, modules) if b is not None))
-
-
-def in_block(module: str, block: str) -> bool:
-    return module == block or module.startswith(block + ".")
-
-
-def slice_batch(values: Any, batch: int, micro_batches: int) -> Any:
-    """The first micro-batch of example values: each tensor whose leading dim is the batch,
-    cut to batch / micro_batches rows; other values as they are."""
-    import torch
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, lambda t: t[: batch // micro_batches] if t.ndim and t.shape[0] == batch
-                         else t, values)
-
-
-def example_batch(values: Any) -> int | None:
-    """The batch size of example values: the leading dim of the first tensor that has one."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    for leaf in tree_leaves(values):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim:
-            return int(leaf.shape[0])
-    return None

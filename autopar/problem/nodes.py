@@ -76,7 +76,7 @@ class PlanNode:
     regather: bool = False
     """A parameter this op saves for backward, gathered for it on a data axis, is freed after
     forward and gathered again in backward (ZeRO-3, FSDP's ``reshard_after_forward``), not
-    held (``autopar.solver.regather``)."""
+    held (``autopar.memory.regather``)."""
 
     @property
     def recompute(self) -> bool:

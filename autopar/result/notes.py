@@ -10,8 +10,8 @@ from autopar.cost.moe import expert_dims, is_moe
 from autopar.mesh import Mesh
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.strategy import Strategy, placement_str, shard_dim
-from autopar.solver.context_kind import sequence_kind
-from autopar.solver.nodes import INPUT, PlanGraph
+from autopar.problem.context_kind import sequence_kind
+from autopar.problem.nodes import INPUT, PlanGraph
 
 ALL_GATHER_KV = "all-gather K/V (query rows split, keys and values gathered)"
 RING = "ring attention (queries, keys and values split; K/V blocks passed around the ring, overlapped with compute)"

@@ -7,7 +7,7 @@ memory between the two passes, the second gather costs time (hidden under the ne
 block's backward where ``autopar.solver.overlap`` finds a window). The choice is made per
 repeated block, as FSDP wraps one block at a time: the first k blocks gather again, or
 every parameter does (k = None: the blocks and the unrepeated head and tail); the search
-tries all blocks but the last (``autopar.scenarios.REGATHER_HELD``), a pin any k. Every held
+tries all blocks but the last (``autopar.memory.scenarios.REGATHER_HELD``), a pin any k. Every held
 copy is alive at the end of forward, so any k blocks save the same memory; the first ones
 are chosen because the last block's regathers are the ones no later backward can hide
 (torchtitan keeps the last block gathered for that reason). ``PlanNode.regather`` marks
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autopar.solver.memory import block_of
-from autopar.solver.nodes import OP, PlanGraph
+from autopar.problem.block_paths import block_of
+from autopar.problem.nodes import OP, PlanGraph
 
 
 def regathering(graph: PlanGraph, blocks: list[str] | None) -> PlanGraph:

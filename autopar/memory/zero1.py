@@ -7,7 +7,7 @@ from autopar.cost.buckets import ShardBucket, shard_buckets
 from autopar.cost.model import CostContext
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, shard_bucket_cap
 from autopar.rules.strategy import Strategy, local_numel
-from autopar.solver.nodes import PARAM, PlanGraph
+from autopar.problem.nodes import PARAM, PlanGraph
 
 
 def zero1_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> dict[str, int]:

@@ -14,7 +14,7 @@ from autopar.units import fmt_bytes, fmt_time
 
 
 class Plan(Protocol):
-    """What rendering reads of ``autopar.solver.plan.Plan`` (which imports this module,
+    """What rendering reads of ``autopar.result.plan.Plan`` (which imports this module,
     so this one names the fields it needs instead of importing it back)."""
 
     mesh: dict[str, Any]
