@@ -52,12 +52,21 @@ def graph_module(graph: torch.fx.Graph, **modules: nn.Module) -> torch.fx.GraphM
     """``graph`` in a module holding every runtime module the passes call: ``modules`` where
     given (a test that runs the program), else a ``NotRun``."""
     root = nn.Module()
-    for name, module in ({name: NotRun() for name in RUNTIME_MODULES} | modules).items():
+    every = {name: NotRun() for name in RUNTIME_MODULES} | modules
+    for name, module in every.items():
         root.add_module(name, module)
-    return torch.fx.GraphModule(root, graph)
+    gm = torch.fx.GraphModule(root, graph)  # keeps only the modules ``graph`` names
+    for name, module in every.items():  # the passes' calls need the others
+        gm.add_submodule(name, module)
+    return gm
 
 
 class _Recorder(torch.fx.Interpreter):
+    def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if isinstance(self.module.get_submodule(target), NotRun):
+            return args[0]  # a reshard's global value is its input's
+        return super().call_module(target, args, kwargs)
+
     def run_node(self, n: torch.fx.Node) -> Any:
         value = super().run_node(n)
         if n.op != "output":
@@ -67,7 +76,8 @@ class _Recorder(torch.fx.Interpreter):
 
 def propagate(gm: torch.fx.GraphModule, *inputs: torch.Tensor) -> torch.fx.GraphModule:
     """Run ``gm`` on ``inputs`` (the whole, global tensors) and keep each node's value in
-    ``meta["val"]``: the shapes and dtypes the passes read."""
+    ``meta["val"]``: the shapes and dtypes the passes read. A call of a ``NotRun`` runtime module
+    (a reshard written by hand) passes its first argument through."""
     with torch.no_grad():
         _Recorder(gm).run(*inputs)
     return gm
