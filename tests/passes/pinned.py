@@ -30,6 +30,21 @@ from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 RUNTIME_MODULES = ("reshard", "regather", "prefetch", "backward_starts", "partial_mean_loss", "vocab_embedding",
                    "context_attention", "ring_attention", "moe_dispatch_combine", "random", "recompute")
 """The modules the passes write calls of (``passes.parallelize_graph``'s ``modules``)."""
+RESHARDS = ("reshard", "regather")
+
+
+class SliceRows(nn.Module):
+    """What ``self.reshard(x, 'R', 'S(0)')`` hands the rank at ``rank`` of ``ways`` (its rows of a
+    whole tensor): lets a test run a program whose inputs arrive whole, without a process group."""
+
+    def __init__(self, rank: int, ways: int) -> None:
+        super().__init__()
+        self.rank, self.ways = rank, ways
+
+    def forward(self, x: torch.Tensor, src: str, dst: str, *grad: str, **kwargs: Any) -> torch.Tensor:
+        assert (src, dst) == ("R", "S(0)"), (src, dst)
+        return x.chunk(self.ways)[self.rank]
+
 
 
 class NotRun(nn.Module):
@@ -141,6 +156,8 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], outputs: tuple[Ten
     producers: list[tuple[str, int]] = []
 
     def to_meta(a: Any) -> Any:
+        while isinstance(a, torch.fx.Node) and a.op == "call_module" and a.target in RESHARDS:
+            a = a.args[0]  # the captured graph the planner saw had no reshards
         if isinstance(a, torch.fx.Node) and a.name in nodes:
             producers.append((a.name, 0))
             return nodes[a.name].outputs[0]
