@@ -141,8 +141,9 @@ def plan_graph(gm: torch.fx.GraphModule, planned: set[str], params: dict[str, st
         outputs = _metas(node.meta.get("val"), hints)
         if node.op == "placeholder":
             kind = PARAM if node.name in params else BUFFER if node.name in buffers else INPUT
-            nodes[node.name] = PlanNode(node.name, kind, kind, "", None, outputs, [], needs_grad=train and kind == PARAM,
-                                        fqn=params.get(node.name) or buffers.get(node.name))
+            fqn = params.get(node.name) or buffers.get(node.name)
+            needs_grad = train and kind == PARAM
+            nodes[node.name] = PlanNode(node.name, kind, kind, "", None, outputs, [], needs_grad, fqn=fqn)
         else:
             nodes[node.name] = _op_node(node, nodes, outputs, train)
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]

@@ -21,7 +21,8 @@ aten = torch.ops.aten
 hop = torch.ops.higher_order
 
 
-def _one_op(target: object, *args: object, shape: tuple[int, ...] = (8, 6)) -> tuple[torch.fx.GraphModule, torch.Tensor]:
+def _one_op(target: object, *args: object, shape: tuple[int, ...] = (8, 6)
+            ) -> tuple[torch.fx.GraphModule, torch.Tensor]:
     """``out = target(x, *args)`` on a global x of ``shape``, with its values."""
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -73,7 +74,7 @@ def test_a_split_of_a_strided_shard_splits_locally() -> None:
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     pieces = op(graph, "split", aten.split.Tensor, x, 4, 1)
-    graph.output((op(graph, "getitem", operator.getitem, pieces, 0), op(graph, "getitem_1", operator.getitem, pieces, 1)))
+    graph.output(tuple(op(graph, name, operator.getitem, pieces, i) for i, name in enumerate(("getitem", "getitem_1"))))
     x_ = torch.randn(8, 8)
     gm = propagate(graph_module(graph), x_)
     localize_shapes(gm, pin(gm, {"x": strategy("S(1/2)"), "split": strategy(("S(1)", "S(1)"), "S(1/2)")}, {"tp": 2}))
