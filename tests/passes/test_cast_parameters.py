@@ -9,6 +9,7 @@ import torch
 import torch.fx
 
 from autopar.passes.cast_parameters import cast_parameters
+from autopar.rules.strategy import Strategy
 
 from .filecheck import check
 from .pinned import graph_module, op, pin, propagate, strategy
@@ -26,7 +27,7 @@ def _two_readers(dtype: torch.dtype = bf16) -> torch.fx.GraphModule:
     return propagate(graph_module(graph), torch.randn(4, 4, dtype=dtype), torch.randn(4, 4, dtype=dtype))
 
 
-def _replicated(gm: torch.fx.GraphModule) -> dict[str, object]:
+def _replicated(gm: torch.fx.GraphModule) -> dict[str, Strategy]:
     """Every planned node of ``gm`` replicated on one mesh dim."""
     names = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
     return {n.name: strategy("R", *(["R"] * len(n.all_input_nodes))) for n in names}

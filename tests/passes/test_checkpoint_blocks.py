@@ -96,6 +96,7 @@ def test_a_reshard_feeding_only_the_block_is_recomputed_with_it() -> None:
 
 
 def test_no_checkpointing_leaves_the_program_as_it_is() -> None:
+    """Policy 'none' (the plan recomputes nothing), whatever blocks it lists: no region."""
     gm = _mlp()
     before = gm.code
     checkpoint_blocks(gm, _context(gm, ["layers.0"], "none"))

@@ -13,6 +13,7 @@ import torch.fx
 from autopar.capture.moe import MOE_EXPERTS
 from autopar.errors import InputError
 from autopar.passes.expert_parallel import expert_parallel
+from autopar.rules.strategy import Strategy
 
 from .filecheck import check
 from .pinned import graph_module, op, pin, propagate, strategy
@@ -30,7 +31,7 @@ def _experts() -> torch.fx.GraphModule:
                      torch.rand(4, 2), torch.randn(4, 8, 8), torch.randn(4, 8, 4))
 
 
-def _placed(tokens: str, gate_up: str, down: str, out: str) -> dict[str, object]:
+def _placed(tokens: str, gate_up: str, down: str, out: str) -> dict[str, Strategy]:
     """Tokens (x, ids, weights) placed ``tokens``, the expert weights as given."""
     return {"x": strategy(tokens), "ids": strategy(tokens), "weights": strategy(tokens), "gate_up": strategy(gate_up),
             "down": strategy(down), "moe": strategy(out, tokens, tokens, tokens, gate_up, down)}

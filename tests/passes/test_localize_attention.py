@@ -10,6 +10,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from autopar.passes.localize_attention import localize_attention
+from autopar.rules.strategy import Strategy
 from autopar.runtime.attention import ContextAttention
 
 from .filecheck import check
@@ -32,7 +33,7 @@ def _attention(causal: bool = True, by_name: bool = False, **modules: torch.nn.M
     return propagate(graph_module(graph, **modules), Q, K, V)
 
 
-def _placed(q: str, kv: str, out: str | None = None) -> dict[str, object]:
+def _placed(q: str, kv: str, out: str | None = None) -> dict[str, Strategy]:
     return {"q": strategy(q), "k": strategy(kv), "v": strategy(kv), "sdpa": strategy(out or q, q, kv, kv)}
 
 
@@ -55,6 +56,7 @@ def test_a_causal_attention_split_on_its_queries_runs_their_causal_rows() -> Non
 
 
 def test_is_causal_by_name_stays_a_keyword() -> None:
+    """The call keeps the captured call's keywords: the runtime calls the op with them."""
     gm = _attention(by_name=True)
     localize_attention(gm, pin(gm, _placed("S(2)", "R"), {"cp": 2}))
     check(gm, f"CHECK: context_attention = self.context_attention({SDPA}, 'S(2)', q, k, v, is_causal = True)")

@@ -8,10 +8,13 @@ reshard just before the block's matmul reads it. Block membership is export's
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.fx
 
+from autopar.passes.context import PassContext
 from autopar.passes.prefetch_gathers import prefetch_gathers
 from autopar.solver.memory import MemoryPlan
 
@@ -28,7 +31,7 @@ def _two_blocks(gather: str = "reshard", read_twice: bool = False, last_block_re
     (ZeRO-3, naming the FQN); ``read_twice``: w0 is also read directly; ``last_block_read``:
     the program returns layers.1's value (else layers.0's, leaving layers.1 unread)."""
     graph = torch.fx.Graph()
-    h = x = graph.placeholder("x")
+    h = graph.placeholder("x")
     weights = [graph.placeholder(f"w{i}") for i in range(len(BLOCKS))]
     outs = []
     for i, (block, w) in enumerate(zip(BLOCKS, weights)):
@@ -45,7 +48,7 @@ def _two_blocks(gather: str = "reshard", read_twice: bool = False, last_block_re
     return propagate(graph_module(graph), torch.randn(4, 4), *(torch.randn(4, 4) for _ in BLOCKS))
 
 
-def _pin(gm: torch.fx.GraphModule, mesh: dict[str, int] | None = None, **options: object) -> object:
+def _pin(gm: torch.fx.GraphModule, mesh: dict[str, int] | None = None, **options: Any) -> PassContext:
     """Data parallel with ZeRO-3 weights: each w_i split by rows, gathered for its matmul."""
     chosen = {"x": strategy("R"), "w0": strategy("S(0)"), "w1": strategy("S(0)")}
     return pin(gm, chosen, mesh or {"dp": 2}, params={"w0": "layers.0.fc.weight", "w1": "layers.1.fc.weight"},
