@@ -31,6 +31,7 @@ RUNTIME_MODULES = ("reshard", "regather", "prefetch", "backward_starts", "partia
                    "context_attention", "ring_attention", "moe_dispatch_combine", "random", "recompute")
 """The modules the passes write calls of (``passes.parallelize_graph``'s ``modules``)."""
 RESHARDS = ("reshard", "regather")
+"""Calls insert_reshards writes: the planner never saw them (``plan_graph`` looks through them)."""
 
 
 class SliceRows(nn.Module):
@@ -44,7 +45,6 @@ class SliceRows(nn.Module):
     def forward(self, x: torch.Tensor, src: str, dst: str, *grad: str, **kwargs: Any) -> torch.Tensor:
         assert (src, dst) == ("R", "S(0)"), (src, dst)
         return x.chunk(self.ways)[self.rank]
-
 
 
 class NotRun(nn.Module):
