@@ -3,7 +3,7 @@
 A test builds an FX graph of a few nodes by hand, gives its nodes values (``propagate``: the
 ``meta["val"]`` torch.export leaves, here real tensors of the example inputs' shapes), and
 pins a strategy per node (``pin``): ``node.meta`` as ``annotate_placements`` leaves it, and a
-``PassContext`` whose planning graph lists the nodes as ``solver.graph.build_plan_graph``
+``PassContext`` whose planning graph lists the nodes as ``problem.graph.build_plan_graph``
 would (kinds, producers, calls) but carries no candidates and no costs.
 """
 
@@ -24,8 +24,8 @@ from autopar.mesh import Mesh
 from autopar.passes.context import PLAN_NAME, STRATEGY, PassContext
 from autopar.rules.loss import MEAN_AS_PARTIAL
 from autopar.rules.strategy import OpCall, Strategy, parse_placements
-from autopar.solver.graph import _module_path
-from autopar.solver.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
+from autopar.problem.graph import _module_path
+from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 
 RUNTIME_MODULES = ("reshard", "regather", "prefetch", "backward_starts", "partial_mean_loss", "vocab_embedding",
                    "context_attention", "ring_attention", "moe_dispatch_combine", "random", "recompute")

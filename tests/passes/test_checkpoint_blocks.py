@@ -16,7 +16,7 @@ from torch import nn
 
 from autopar.passes.checkpoint_blocks import checkpoint_blocks
 from autopar.passes.context import PassContext
-from autopar.solver.memory import MemoryPlan
+from autopar.memory.options import MemoryPlan
 
 from .filecheck import check
 from .pinned import graph_module, in_module, op, pin, propagate

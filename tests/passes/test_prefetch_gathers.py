@@ -16,7 +16,7 @@ import torch.fx
 
 from autopar.passes.context import PassContext
 from autopar.passes.prefetch_gathers import prefetch_gathers
-from autopar.solver.memory import MemoryPlan
+from autopar.memory.options import MemoryPlan
 
 from .filecheck import check
 from .pinned import graph_module, in_module, op, pin, propagate, strategy
