@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.api import plan_pipeline, plan_step
+from autopar.config import PlanConfig
+from autopar.search.problem import Problems, Step
+from autopar.search.stage_plans import StageMesh
 from autopar.hardware import get_profile
 from autopar.pipeline.spec import Pipeline
-from autopar.step import PlannedStep, with_pipeline
+from autopar.search.planned import PlannedStep, with_pipeline
 from examples import gpt, llama
 
 GiB = 2**30
@@ -219,8 +221,8 @@ def _priced(shape: Shape, point: Point, plan: autopar.Plan, params: int) -> Pric
 def price_config(shape: Shape, model: nn.Module, tokens: torch.Tensor, point: Point,
                  choices: list[tuple[str | None, int]]) -> list[Priced]:
     """``point`` at each (schedule, v) of ``choices``, priced by autopar: the stage mesh planned once as
-    ``autopar.plan`` plans a pinned pipeline (``plan_pipeline``; no memory limit, so that no memory
-    search changes the pinned configuration), each choice priced on it by ``with_pipeline``."""
+    ``autopar.plan`` plans a pinned pipeline (``search.stage_plans.StageMesh``; no memory limit, so that no
+    memory search changes the pinned configuration), each choice priced on it by ``with_pipeline``."""
     mesh = autopar.Mesh(mesh_axes(point.pp, point.dp, point.tp), hardware=shape.hardware)
     options = {**pins(shape, tokens, point), "memory_limit": math.inf}
     params = parameters(model)
@@ -228,18 +230,16 @@ def price_config(shape: Shape, model: nn.Module, tokens: torch.Tensor, point: Po
         plan = autopar.plan(model, mesh, (tokens,), micro_batches=point.m, **options)
         return [_priced(shape, replace(point, schedule=None, v=1), plan, params)]
     first = Pipeline(axis="pp", schedule="1f1b", micro_batches=point.m, virtual_stages=1)
-    stages: list[PlannedStep] = []
-
-    def plan_stage_mesh(stage_options: dict[str, Any]) -> PlannedStep:
-        stages.append(plan_step(model, first.stage_mesh(mesh), (tokens,), **stage_options))
-        return stages[-1]
-    plan_pipeline(first, mesh, (tokens,), options, plan_stage_mesh)
+    problems = Problems(Step(model=model, example_inputs=(tokens,)), PlanConfig.from_options(pipeline=first, **options))
+    stage = StageMesh(problems, first, mesh).plan(point.m, math.inf)
+    assert isinstance(stage, PlannedStep), stage
     out = []
     for schedule, v in choices:
         choice = Pipeline(axis="pp", schedule=schedule, micro_batches=point.m, virtual_stages=v)
         choice.check_counts(point.pp)
-        out.append(_priced(shape, replace(point, schedule=schedule, v=v), with_pipeline(stages[0], choice, mesh).plan,
-                           params))
+        staged = with_pipeline(stage, choice, mesh)
+        assert isinstance(staged, PlannedStep), staged
+        out.append(_priced(shape, replace(point, schedule=schedule, v=v), staged.plan, params))
     return out
 
 

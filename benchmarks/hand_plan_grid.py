@@ -13,9 +13,9 @@ Mesh axes ``{"pp": pp, "dp": dp, "tp": tp}``, pp outermost; memory limit the har
 (80 GiB less 10%). Points whose busiest rank does not fit are skipped and counted.
 
 Tractable without cheating: the stage mesh is planned once per (tp, sp, pp, b, checkpointing),
-exactly as ``autopar.plan`` plans a pinned pipeline (``autopar.api.plan_pipeline``, the memory
+exactly as ``autopar.plan`` plans a pinned pipeline (``search.stage_plans.StageMesh``, the memory
 limit lifted so that no memory search changes the pinned configuration), and every schedule / v
-at that micro-batch count is priced from that stage plan by ``autopar.step.with_pipeline``, the
+at that micro-batch count is priced from that stage plan by ``search.planned.with_pipeline``, the
 cheap repricing the pipeline search itself uses. Pruned first by cheap necessary conditions:
 (1) the parameter and optimizer state alone, 16 bytes x parameters / (tp pp), is above the limit
 (a lower bound on the busiest rank: fp32 Adam moments and master weights, bf16 weights and

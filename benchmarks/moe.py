@@ -18,7 +18,7 @@ point of a grid is priced by autopar's own functions, every parallel choice pinn
 
 The expert pins cannot be said with ``plan``'s options (``constraints=`` is one axis' nn.Linear
 styles; ``expert_axes`` leaves experts free, not split), so a grid point is planned as ``plan``
-plans (``prepare_step``, ``solve_step``, ``finish_step``) with ``apply_pins`` on the prepared graph in
+plans (``api.planning.prepare``, ``search.ilp.solve``, ``search.planned.finish``) with ``apply_pins`` on the prepared graph in
 between: the same pin mechanism ``constraints=`` and ``zero=`` use, applied to the expert weights of
 every block alike (the folding of repeated blocks stays valid). Each point is solved without a
 memory limit (as grid_pricing does, so no memory search changes the pinned configuration) and
@@ -74,13 +74,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` and ``benchmarks`` importable when run as a script
 
 import autopar  # noqa: E402
-from autopar.api import prepare_step  # noqa: E402
+from autopar.api.planning import prepare  # noqa: E402
 from autopar.errors import InputError  # noqa: E402
 from autopar.hardware import get_profile  # noqa: E402
 from autopar.rules.strategy import parse_placements  # noqa: E402
-from autopar.search import solve_step  # noqa: E402
+from autopar.search.ilp import solve  # noqa: E402
+from autopar.search.problem import scenarios  # noqa: E402
+from autopar.solver.ilp import Solution  # noqa: E402
 from autopar.problem.constraints import Pin, apply_pins, expert_parameters
-from autopar.step import finish_step  # noqa: E402
+from autopar.search.planned import finish  # noqa: E402
 from examples import moe  # noqa: E402
 
 GiB = 2**30
@@ -202,18 +204,20 @@ def price_point(shape: Shape, built: tuple[Any, ...], ep: int, tp: int) -> Price
     axes = mesh_axes(dp, ep, tp)
     mesh = autopar.Mesh(axes, hardware=shape.hardware)
     started = time.perf_counter()
-    prepared = prepare_step(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes(axes),
-                            expert_axes=("ep",) if ep > 1 else (), constraints=tp_plan(shape) if tp > 1 else None,
-                            zero={"dp": 0} if "dp" in axes else {}, checkpoint="none",
-                            micro_batches=1, offload=False, memory_limit=math.inf)
-    assert len(prepared.scenarios()) == 1, "every memory choice is pinned: one scenario, no re-capture"
+    prepared = prepare(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes(axes),
+                       expert_axes=("ep",) if ep > 1 else (), constraints=tp_plan(shape) if tp > 1 else None,
+                       zero={"dp": 0} if "dp" in axes else {}, checkpoint="none",
+                       micro_batches=1, offload=False, memory_limit=math.inf)
+    assert len(scenarios(prepared)) == 1, "every memory choice is pinned: one scenario, no re-capture"
     experts = expert_parameters(prepared.graph)
     for axis_name, tensor_parallel in (("ep", False), ("tp", True)):
         if axis_name in axes:
             axis = mesh.names.index(axis_name)
             for graph in {id(g): g for g in (prepared.graph, prepared.base_graph) if g is not None}.values():
                 apply_pins(graph, expert_pins(graph, experts, tensor_parallel), axis, axis_name, axes[axis_name])
-    plan = finish_step(prepared, solve_step(prepared)).plan
+    solution = solve(prepared, prepared.memory_limit)
+    assert isinstance(solution, Solution), solution
+    plan = finish(prepared, solution).plan
     peak = plan.predicted.peak_memory_bytes
     return Priced(ep=ep, tp=tp, dp=dp, step_s=plan.predicted.step_time_s, peak_gib=peak / GiB,
                   fits=peak <= shape.limit, experts=expert_summary(plan, mesh), seconds=time.perf_counter() - started)

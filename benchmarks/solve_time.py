@@ -29,7 +29,7 @@ just the named target rows (``hf-8b-64``, ``32l-64``, ``80l-1024``, ``80l-1024-p
 The last is issue 9's: the 80-layer model on ``pp=8 x dp=16 x tp=8`` with
 ``autopar.Pipeline(axis="pp")``, schedule, stages per rank and micro-batches searched (each
 micro-batch count priced from one stage plan on a capture with a symbolic micro-batch, the ILP
-solved at a few: ``autopar.pipeline_search``; its capture/strategies/solve columns are the
+solved at a few: ``search.pipeline``; its capture/strategies/solve columns are the
 chosen count's, total the whole search).
 
 Usage: ``python benchmarks/solve_time.py [--quick | --only NAME ...] [--json out.json] [--target-runs N]``

@@ -167,11 +167,11 @@ def test_an_internal_error_is_not_reported_as_bad_input(tmp_path: Path, monkeypa
     def broken(*args: object, **kwargs: object) -> None:
         raise error
 
-    monkeypatch.setattr("autopar.api.fold_repeated_blocks", broken)
+    monkeypatch.setattr("autopar.search.problem.fold_repeated_blocks", broken)
     got, out, err = run(["plan", f"{builder(tmp_path, '')}:build", "--mesh", "dp=2", "--hardware", "cpu"], capsys)
     assert (got, out) == (code, "")
     if code == 1:
-        assert "Traceback (most recent call last)" in err and 'autopar/api.py", line' in err, err
+        assert "Traceback (most recent call last)" in err and 'autopar/search/problem.py", line' in err, err
         assert f"{type(error).__name__}: {error}" in err
         assert err.rstrip().endswith("autopar: internal error (a bug in autopar; please report it with the "
                                      "traceback above)")

@@ -67,16 +67,16 @@ def test_hf_model_called_with_labels_compiles_under_its_own_names(name: str) -> 
 
 
 def _counting_solves_rank(rank: int, world: int) -> dict[str, Any]:
-    import autopar.search
+    from autopar.search import ilp
 
     calls = []
-    real = autopar.search.solve
+    real = ilp.solve_ilp
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(rank)
         return real(*args, **kwargs)
 
-    autopar.search.solve = counted  # this forked process only
+    ilp.solve_ilp = counted  # this forked process only
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, inputs, loss_fn, targets = gpt.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
@@ -97,7 +97,7 @@ def test_compile_solves_the_plan_on_rank_zero_only() -> None:
 def _rank_zero_solve_fails(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
-    with pytest.raises(autopar.MemoryLimitError, match="solving the plan failed on rank 0: MemoryLimitError") as info:
+    with pytest.raises(autopar.MemoryLimitError, match="planning failed on rank 0: MemoryLimitError") as info:
         autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=1024)
     return str(info.value)
 
@@ -114,7 +114,7 @@ def _rank_passes_bad_input(rank: int, world: int) -> str:
     """What the user handed in, refused while planning on every rank: an InputError of its own type."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
-    with pytest.raises(autopar.InputTypeError, match="planning failed on rank 0 .*zero must be a dict") as info:
+    with pytest.raises(autopar.InputTypeError, match="checking the options failed on rank 0 .*zero must be a dict") as info:
         autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero=3)  # type: ignore[arg-type]
     return str(info.value)
 
@@ -258,7 +258,7 @@ def test_mesh_axes_the_options_name_are_checked_against_the_device_mesh() -> Non
     results = run_ranks(_bad_axes_rank, 2)
     assert results[0] == results[1]
     errors = results[0]
-    assert all(e.startswith("checking the mesh axes failed on rank 0 (of 2 failing)") for e in errors.values())
+    assert all(e.startswith("checking the options failed on rank 0 (of 2 failing)") for e in errors.values())
     assert "data_axes ('data',) names 'data', not an axis of the mesh; the mesh's axes are ('dp',) (dp=2)" \
         in errors["unknown"]
     assert "names 'dp', not an axis of the mesh; the mesh's axes are ('dim0',)" in errors["unnamed"]

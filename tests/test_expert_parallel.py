@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.tensor import Shard
 
 import autopar
-from autopar.api import prepare_step
+from autopar.api.planning import prepare
 from autopar.errors import InputError
 from autopar.hardware import get_profile
 from autopar.rules.strategy import parse_placements
@@ -44,7 +44,7 @@ def test_expert_weights_are_the_batched_matmul_operands(capacity_factor: float |
     cfg = moe.MoEConfig(vocab_size=32, max_seq_len=8, hidden=16, heads=2, kv_heads=1, ffn_hidden=16, layers=2,
                         capacity_factor=capacity_factor)
     model, inputs, loss_fn, targets = moe.build(cfg, batch=4)
-    graph = prepare_step(model, {"ep": 2}, inputs, loss_fn=loss_fn, example_targets=targets).graph
+    graph = prepare(model, {"ep": 2}, inputs, loss_fn=loss_fn, example_targets=targets).graph
     found = {graph.nodes[n].fqn for n in expert_parameters(graph)}
     assert found == {f"layers.{i}.moe.experts.w{j}" for i in range(2) for j in (1, 2, 3)}
     assert sum(graph.nodes[n].kind == PARAM for n in graph.order) > len(found)

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar.api import plan_step
-from autopar.runtime.compile import build_rank_module
+from autopar.api.planning import plan_step
+from autopar.runtime.build import build_rank_module
 from examples import gpt, llama
 
 GOLDEN = Path(__file__).parent / "golden"

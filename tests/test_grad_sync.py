@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
-from autopar.api import plan_step
+from autopar.api.planning import plan_step
 from autopar.cost.buckets import BucketSlice, GradBucket, gradient_buckets
 from autopar.cost.model import op_cost
 from autopar.hardware import get_profile

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.api import plan_step
+from autopar.api.planning import plan_step
 from autopar.errors import CaptureError
 from autopar.capture import capture
 from autopar.capture.export import _to_captured

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import autopar
-from autopar.api import plan_step
+from autopar.api.planning import plan_step
 from autopar.errors import CaptureError
 from autopar.capture import CapturedGraph, capture
 from autopar.capture.aliasing import as_produced_args, read_versions, storage_root, viewed_arg, written_args

@@ -111,7 +111,7 @@ class Case:
     mesh: tuple[int, ...]
     names: tuple[str, ...]
     schedule: str | None
-    """None (with micro_batches and virtual_stages None): rank 0 chooses the pipeline (``pipeline_search``)."""
+    """None (with micro_batches and virtual_stages None): rank 0 chooses the pipeline (``search.pipeline``)."""
     micro_batches: int | None
     virtual_stages: int | None = 1
     options: dict[str, Any] = field(default_factory=dict, hash=False)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.api import plan_step
+from autopar.api.planning import plan_step
 from autopar.capture import capture
 from autopar.runtime.forked import run_ranks
 from autopar.errors import GradientPlanError

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.api import finish_step, plan_step, prepare_step, solve_step
+from autopar.api.planning import plan_step
+from tests.planning import solved
 from autopar.hardware import PROFILES
 from autopar.passes.prefetch_gathers import _first_compute
 from autopar.problem.block_paths import block_of
@@ -88,11 +89,9 @@ def test_backward_prefetch_holds_one_more_block(zero: int) -> None:
     while block 1's backward runs: the peak adds it, in the ILP's memory row as in the plan.
     ZeRO-2 holds its gathers until backward anyway (priced as held copies): nothing more."""
     d = 256
-    prepared = prepare_step(Stack(d), autopar.Mesh({"dp": 2}, hardware="h100"), (torch.randn(64, d),),
+    step, solution = solved(Stack(d), autopar.Mesh({"dp": 2}, hardware="h100"), (torch.randn(64, d),),
                             loss_fn=F.mse_loss, example_targets=(torch.randn(64, d),), zero={"dp": zero},
                             data_axes=("dp",))
-    solution = solve_step(prepared)
-    step = finish_step(prepared, solution)
     costs = {n: step.graph.nodes[n].costs[step.graph.nodes[n].strategies.index(step.chosen[n])]
              for n in step.graph.order}
     prefetched = plan_windows(step.graph, step.chosen, costs, step.ctx).prefetched_bytes
@@ -125,11 +124,10 @@ def _plans(n: int, shares: tuple[int | None, ...], eff: float = 0.8) -> dict[int
     mesh = autopar.Mesh({"dp": 2}, hardware=dataclasses.replace(PROFILES["h100"], grad_sync_overlap=eff))
     out = {}
     for k in shares:
-        prepared = prepare_step(Stack(d, n), mesh, (torch.randn(64, d),), loss_fn=F.mse_loss,
+        step, solution = solved(Stack(d, n), mesh, (torch.randn(64, d),), loss_fn=F.mse_loss,
                                 example_targets=(torch.randn(64, d),), data_axes=("dp",), zero={"dp": 3},
                                 regather_blocks=k)
-        solution = solve_step(prepared)
-        out[k] = (finish_step(prepared, solution), solution.memory_bytes)
+        out[k] = (step, solution.memory_bytes)
     return out
 
 

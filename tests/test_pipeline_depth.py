@@ -1,4 +1,4 @@
-"""How deep to pipeline (``autopar.pipeline_depth``): ``Pipeline(from_axis=...)`` takes the
+"""How deep to pipeline (``autopar.search.depth``): ``Pipeline(from_axis=...)`` takes the
 pp ranks out of the mesh's first axis, each depth planned and the fastest that fits chosen;
 planning only, no ranks (compile's side: tests/test_numerics_pipeline.py)."""
 
@@ -106,20 +106,24 @@ def test_depths_share_their_captures(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_depth_outpaced_is_not_planned_under_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """When no pipeline planned without the limit fits and none beats the cutoff (the best plan of
-    another depth), the stage mesh is not solved again under the limit: ``Outpaced``."""
-    from autopar.pipeline_search import Outpaced
+    another depth), the stage mesh is not solved again under the limit: the search says so."""
+    from autopar.search import stage_plans
+    from autopar.search.memory import Pruned
+    from autopar.search.pipeline import search_pipeline
+    from tests.planning import problems
     torch.manual_seed(0)
     x, y = torch.randn(8, 16), torch.randn(8, 8)
     limits: list[float] = []
-    real = autopar.api.plan_step
+    real = stage_plans.StageMesh.plan
 
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        limits.append(kwargs.get("memory_limit"))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(autopar.api, "plan_step", recorded)
-    with pytest.raises(Outpaced, match="no faster"):
-        real(_Stack(), autopar.Mesh({"pp": 2, "dp": 2}, "cpu"), (x,), loss_fn=nn.functional.mse_loss,
-             example_targets=(y,), pipeline=autopar.Pipeline(axis="pp"), memory_limit=100 * KiB, _cutoff_s=1e-9)
+    def recorded(self: Any, m: int, limit: float, *args: Any) -> Any:
+        limits.append(limit)
+        return real(self, m, limit, *args)
+    monkeypatch.setattr(stage_plans.StageMesh, "plan", recorded)
+    store = problems(_Stack(), (x,), loss_fn=nn.functional.mse_loss, example_targets=(y,))
+    found = search_pipeline(store, autopar.Pipeline(axis="pp"), autopar.Mesh({"pp": 2, "dp": 2}, "cpu"), 100 * KiB,
+                            cutoff_s=1e-9)
+    assert isinstance(found, Pruned) and "no faster" in found.reason
     assert limits and all(limit == float("inf") for limit in limits)  # the free stage plans only
 
 

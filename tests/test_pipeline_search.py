@@ -1,4 +1,4 @@
-"""The pipeline search (``autopar.pipeline_search``) and each pp rank's memory under its
+"""The pipeline search (``autopar.search.pipeline``) and each pp rank's memory under its
 schedule (``pipeline.stage_memory``); planning only, no ranks."""
 
 from __future__ import annotations
@@ -10,10 +10,14 @@ import pytest
 
 import autopar
 from autopar.errors import MemoryLimitError
-from autopar.api import prepare_step
+from autopar.search.ilp import solve
+from autopar.search.planned import finish
+from autopar.search.problem import scenarios
 from autopar.pipeline.spec import as_pipeline
 from autopar.pipeline.stage_memory import MemoryShares, rank_peaks
 from examples import llama
+
+from tests.planning import problem_at
 
 BYTES_PER_PARAM = 16
 """fp32 AdamW per parameter: weight 4, gradient 4, two moments 8 (``cost.precision`` FP32)."""
@@ -118,13 +122,13 @@ def test_a_stage_plan_searches_neither_zero1_nor_offload() -> None:
     pipeline has both; it checkpoints blocks as that one does (they recompute inside their stages);
     its memory row is the busiest rank's share (1F1B's first of 2: 2 of 4 blocks)."""
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
-    step = {"loss_fn": loss_fn, "example_targets": targets, "micro_batches": 2}
-    staged = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, _pipeline_ranks=2, **step)
-    assert not any(s.zero1 or s.offload for s in staged.scenarios())
-    assert {s.checkpoint for s in staged.scenarios()} == {"none", "selective", "full"}
+    step = {"loss_fn": loss_fn, "example_targets": targets}
+    staged = problem_at(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, m=2, pipeline_ranks=2, **step)
+    assert not any(s.zero1 or s.offload for s in scenarios(staged))
+    assert {s.checkpoint for s in scenarios(staged)} == {"none", "selective", "full"}
     assert staged.memory_shares == MemoryShares(block_state=0.5, activations=1.0)
-    whole = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, **step)
-    assert any(s.zero1 for s in whole.scenarios()) and any(s.offload for s in whole.scenarios())
+    whole = problem_at(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, m=2, micro_batches=2, **step)
+    assert any(s.zero1 for s in scenarios(whole)) and any(s.offload for s in scenarios(whole))
     assert whole.memory_shares is None
 
 
@@ -148,14 +152,16 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
     the pipelined runtime accumulates in ``.grad`` and keeps none, so on pp=2 x dp=2 the ranks hold
     the stage plan's activation bytes less those buffers, not the whole model's buffers each."""
     from autopar.result.plan import bucket_buffer_bytes
-    from autopar.step import with_pipeline
+    from autopar.search.planned import with_pipeline
 
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
-    stage = autopar.api.plan_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn,
-                                  example_targets=targets, micro_batches=4, memory_limit=math.inf, _pipeline_ranks=2)
+    problem = problem_at(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, m=4, pipeline_ranks=2, limit=math.inf,
+                         loss_fn=loss_fn, example_targets=targets)
+    stage = finish(problem, solve(problem, None))
     buffers = bucket_buffer_bytes(stage.plan.grad_buckets, stage.ctx)
     assert buffers > 0
     pipe = with_pipeline(stage, _pinned("gpipe", 4), autopar.Mesh({"pp": 2, "dp": 2}, "cpu")).plan.pipeline
+    assert pipe is not None
     for s in pipe.stages:
         extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - 4 * s.activation_bytes
         total = extra + sum(t.activation_bytes + t.buffer_bytes for t in pipe.stages)
@@ -163,22 +169,22 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
 
 
 def test_a_stage_mesh_may_fit_by_its_share_of_the_state() -> None:
-    """The memory search's quick bound (every node at its leanest, ``search._may_fit``) counts a
+    """The memory search's quick bound (every node at its leanest, ``search.bounds.may_fit``) counts a
     stage mesh's nodes at the busiest rank's share, as its solve does: a limit below the whole
     model's leanest bytes but above the share's leaves the scenario to the solve."""
-    from autopar.search import _may_fit
+    from autopar.search.bounds import may_fit
 
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
 
     def prepared(limit: float) -> Any:
-        return prepare_step(model, autopar.Mesh({"stage": 1}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                            micro_batches=4, memory_limit=limit, _pipeline_ranks=4)
+        return problem_at(model, autopar.Mesh({"stage": 1}, "cpu"), inputs, m=4, pipeline_ranks=4, limit=limit,
+                          loss_fn=loss_fn, example_targets=targets)
     step = prepared(math.inf)
     nodes = [n for n in step.graph.nodes.values() if n.costs]
     whole = sum(min(c.memory for c in n.costs) for n in nodes)
     share = sum(min(c.memory for c in n.costs) * step.memory_shares.weight(n) for n in nodes)
     assert share < 0.75 * whole
-    assert _may_fit(prepared(0.95 * whole), {}, [])
+    assert may_fit(prepared(0.95 * whole), {}, [])
 
 
 @pytest.mark.parametrize("schedule, v, expected", [
@@ -219,7 +225,7 @@ def test_the_finest_micro_batch_count_is_searched() -> None:
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
                                         ("dualpipev", 2)])
 def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int) -> None:
-    """``work_floor_s`` (what ``Outrun`` rules pipelines out by) is below every schedule's
+    """``work_floor_s`` (what ``Uncut(outrun=True)`` rules pipelines out by) is below every schedule's
     played-out step: each rank's actions run one after another, then its buckets and update."""
     import random
 
@@ -241,10 +247,10 @@ def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int)
 def test_ruling_out_by_work_floor_keeps_the_chosen_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     """The search with pipelines ruled out by their work floor chooses what it chooses when it
     plays every one out, and says how many it left out."""
-    from autopar import pipeline_search
+    from autopar.search import stage_plans
 
     searched = _plan(autopar.Pipeline(axis="pp"), {"pp": 2, "dp": 2})
-    monkeypatch.setattr(pipeline_search._Race, "saw", lambda self, priced: None)  # nothing is ever beaten
+    monkeypatch.setattr(stage_plans.Race, "saw", lambda self, priced: None)  # nothing is ever beaten
     every = _plan(autopar.Pipeline(axis="pp"), {"pp": 2, "dp": 2})
     assert searched.to_json()["pipeline"] == every.to_json()["pipeline"]
     assert searched.predicted.step_time_s == every.predicted.step_time_s
@@ -256,7 +262,7 @@ def test_ruling_out_by_work_floor_keeps_the_chosen_pipeline(monkeypatch: pytest.
 def test_the_ranks_work_adds_up_to_the_stage_plans_step(mesh: dict[str, int], options: dict[str, Any]) -> None:
     """Every micro-batch's forward and backward of every stage, every rank's buckets and update
     add up to the stage plan's step: so p x the fastest fitting pipeline cuts off stage plans
-    that cannot beat it (``pipeline_search._under_limit``; a busiest rank works >= the average)."""
+    that cannot beat it (``search.pipeline_limited._under_limit``; a busiest rank works >= the average)."""
     plan = _plan(_pinned("1f1b", 4), mesh, **options)
     pipe = plan.pipeline
     assert pipe is not None
@@ -269,14 +275,14 @@ def test_the_ranks_work_adds_up_to_the_stage_plans_step(mesh: dict[str, int], op
 def test_cutting_off_slow_stage_plans_keeps_the_chosen_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a binding limit, the stage plans solved under it with the cutoff and the scenario
     tried first give the pipeline a search without them gives."""
-    from autopar import pipeline_search
+    from autopar.search import pipeline_limited
 
     mesh = {"pp": 2, "dp": 2}
     limit = 0.8 * _plan(autopar.Pipeline(axis="pp"), mesh).predicted.peak_memory_bytes
     searched = _plan(autopar.Pipeline(axis="pp"), mesh, memory_limit=limit)
-    plain = pipeline_search._under_limit
-    monkeypatch.setattr(pipeline_search, "_under_limit", lambda plan_stage, m, limit, unfit, cutoff_s, try_first:
-                        plain(plan_stage, m, limit, unfit, math.inf, None))
+    plain = pipeline_limited._under_limit
+    monkeypatch.setattr(pipeline_limited, "_under_limit", lambda stage, m, limit, unfit, cutoff_s, hint:
+                        plain(stage, m, limit, unfit, math.inf, None))
     every = _plan(autopar.Pipeline(axis="pp"), mesh, memory_limit=limit)
     assert searched.to_json()["pipeline"] == every.to_json()["pipeline"]
     assert searched.predicted.step_time_s == every.predicted.step_time_s

@@ -4,6 +4,7 @@ headroom, wrong argument types and outputs are named, and splits it could not ma
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import pytest
@@ -12,8 +13,10 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autopar
-from autopar import scenarios
-from autopar.api import prepare_step
+from autopar.memory import scenarios
+from autopar.config import PlanConfig
+from autopar.search.problem import Place, Problems, Step
+from autopar.search.problem import scenarios as search_scenarios
 from autopar.hardware import GiB, PROFILES
 from autopar.mesh import parse_mesh_spec
 from autopar.solver.ilp import solve
@@ -32,9 +35,11 @@ def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count()
     assert given.memory_limit_bytes == 3 * GiB
 
     # A device whose whole memory just holds the leanest plan: by default the plan must not use it all.
-    prepared = prepare_step(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, **step)
+    problems = Problems(Step(model=model, example_inputs=inputs, **step), PlanConfig())
+    place = Place(mesh=autopar.Mesh({"dp": 2}, "cpu"))
     leanest = min(solve(p.graph, p.folding, p.ctx, None, minimize_memory=True).memory_bytes  # micro-batches, ...
-                  for p in map(prepared.under, scenarios.leanest(prepared.scenarios())))
+                  for p in (problems.under(place, s, math.inf)
+                            for s in scenarios.leanest(search_scenarios(problems.at(place)))))
     tight = dataclasses.replace(PROFILES["cpu"], memory_bytes=int(leanest / 0.95))
     with pytest.raises(autopar.MemoryLimitError, match=r"\(the limit is the cpu's .* less a headroom of 10%"):
         autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, **step)
@@ -109,7 +114,7 @@ def test_bad_bucket_sizes_and_solver_time_limits_are_refused_before_capture(
     def no_capture(*args: object, **kw: object) -> None:
         raise AssertionError("captured before checking the options")
 
-    monkeypatch.setattr("autopar.api.capture", no_capture)
+    monkeypatch.setattr("autopar.search.problem.capture", no_capture)
     with pytest.raises(autopar.InputError, match=message):
         autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
                      loss_fn=lambda out: out.sum(), **kwargs)
@@ -126,8 +131,8 @@ def _plan_linear(**kwargs: object) -> autopar.Plan:
     (lambda: autopar.Mesh({"dp": 2}, "tpu9"), ValueError, "unknown hardware 'tpu9'"),
     (lambda: _plan_linear(precision="fp8"), ValueError, "unknown precision 'fp8'"),
     (lambda: autopar.plan(nn.Linear(8, 8), None, (torch.randn(4, 8),)), TypeError, "mesh must be an autopar.Mesh"),
-    (lambda: _plan_linear(data_axes=("tp",)), ValueError, "data axis 'tp' is not an axis of the mesh"),
-    (lambda: _plan_linear(constraints={"": ColwiseParallel()}), ValueError, "mesh axis 'tp', which the mesh"),
+    (lambda: _plan_linear(data_axes=("tp",)), ValueError, r"data_axes \('tp',\) names 'tp', not an axis of the mesh"),
+    (lambda: _plan_linear(constraints={"": ColwiseParallel()}), ValueError, r"mesh axis 'tp' \(constraint_axis=\), not an axis of the mesh"),
     (lambda: _plan_linear(constraints={"nothing": ColwiseParallel()}, constraint_axis="dp"), ValueError,
      "matches no module"),
     (lambda: _plan_linear(memory_limit=1.0), ValueError, "no plan fits the memory limit"),

@@ -148,7 +148,7 @@ def test_hf_replicas_serve_the_hf_tokens_aggregated_and_disaggregated() -> None:
 @pytest.mark.parametrize("tp,placement", [(2, Shard(2)), (4, Replicate())])
 def test_the_cache_is_split_by_kv_heads_where_they_divide(tp: int, placement: Any) -> None:
     """As vLLM keeps it: 2 KV heads split on tp=2, replicated on tp=4 (a head cut in two would be gathered)."""
-    from autopar.api import plan_step
+    from autopar.api.planning import plan_step
     from autopar.problem.nodes import BUFFER
 
     model = servable(hf.build("llama"))

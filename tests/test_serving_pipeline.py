@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.api import plan_step
+from autopar.api.planning import plan_step
 from autopar.errors import InputError
 from autopar.runtime.forked import run_ranks
 from autopar.runtime.generate import generate

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.api import plan_step
+from autopar.api.planning import plan_step
 from autopar.errors import InputError
 from autopar.hardware import get_profile
 from autopar.runtime.forked import run_ranks

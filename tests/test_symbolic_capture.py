@@ -1,6 +1,6 @@
 """A step captured once with its micro-batch size symbolic (``capture.symbolic``) and priced at
 every size, and the pipeline search pricing micro-batch counts from one stage plan so
-(``step.repriced``, ``pipeline_search._free_plans``); planning only, no ranks."""
+(``search.planned.repriced``, ``search.stage_plans.PipelineSearch.free_plans``); planning only, no ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import autopar
-import autopar.api
 import autopar.capture.export
 from autopar.capture import capture, reuse_captures
 from autopar.capture.symbolic import SymbolicRefused
@@ -21,8 +20,11 @@ from autopar.cost.precision import get_precision
 from autopar.rules import DEFAULT_RULES
 from autopar.problem.graph import build_plan_graph
 from autopar.problem.nodes import PlanGraph
-from autopar.step import repriced
+from autopar.api.planning import plan_step
+from autopar.search import stage_plans
+from autopar.search.planned import PlannedStep, repriced
 from examples import llama, moe
+from tests.planning import problem_at
 
 MESH = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
 BUILDS: dict[str, Callable[[int], tuple[Any, ...]]] = {
@@ -112,8 +114,9 @@ def test_a_plan_repriced_at_its_own_size_is_the_plan(name: str) -> None:
     what the plan predicts (the same cost functions on the same shapes, nodes matched by place)."""
     model, inputs, loss_fn, targets = _built(name)
     options: dict[str, Any] = {"loss_fn": loss_fn, "example_targets": targets, "micro_batches": 2}
-    step = autopar.api.plan_step(model, MESH, inputs, **options)
-    again = repriced(autopar.api.prepare_step(model, MESH, inputs, _symbolic_batch=True, **options), step)
+    step = plan_step(model, MESH, inputs, **options)
+    again = repriced(problem_at(model, MESH, inputs, m=2, symbolic=True, **options), step)
+    assert isinstance(again, PlannedStep)
     assert list(again.chosen.values()) == list(step.chosen.values())
     assert again.plan.predicted.step_time_s == pytest.approx(step.plan.predicted.step_time_s, rel=1e-12)
     assert again.plan.predicted.peak_memory_bytes == pytest.approx(step.plan.predicted.peak_memory_bytes, rel=1e-12)
@@ -121,8 +124,8 @@ def test_a_plan_repriced_at_its_own_size_is_the_plan(name: str) -> None:
 
 def _search(monkeypatch: pytest.MonkeyPatch, symbolic: bool) -> tuple[autopar.Plan, int]:
     solves = []
-    real = autopar.api.solve_step
-    monkeypatch.setattr(autopar.api, "solve_step", lambda *a, **k: solves.append(1) or real(*a, **k))
+    real = stage_plans.search_context
+    monkeypatch.setattr(stage_plans, "search_context", lambda *a, **k: solves.append(1) or real(*a, **k))
     if not symbolic:
         def refuse(*_: Any) -> Any:
             raise SymbolicRefused("refused by the test")

@@ -1,7 +1,7 @@
 """A step captured once with its micro-batch size symbolic, priced at any micro-batch size.
 
 A pipeline's stages are planned for one micro-batch; the search over micro-batch counts
-(``pipeline_search``) needs the stages' costs at each count's micro-batch size. torch.export
+(``search.pipeline``) needs the stages' costs at each count's micro-batch size. torch.export
 keeps a dim symbolic when told (``torch.export.Dim``): every size derived from it is a sympy
 expression in one symbol (the view of a linear's output to (b, seq, heads, head dim) reads
 ``sym_size(tokens, 0)``, a flattened (b x seq, hidden) is ``2048*b``). One such capture, its symbol
@@ -12,7 +12,7 @@ price a stage plan at every count from the same expressions.
 Only for pricing: the per-rank program is built from a concrete capture (the step at the chosen
 count), never from this one (``runtime.program`` refuses it). Export may name its nodes apart from a
 concrete capture's (the symbol's own arithmetic takes names), so a plan is mapped onto it by place in
-graph order (``step.repriced``). Refused (a ``SymbolicRefused`` naming why: the search then solves each
+graph order (``search.planned.repriced``). Refused (a ``SymbolicRefused`` naming why: the search then solves each
 count) where the graph's sizes do not follow from the symbol alone: export specialized the batch (a
 guard on its value), sizes the data decides (``capture.unbacked``), floats or conditions computed from
 the size, or higher-order subgraphs (priced from their own shapes, ``cost.blocks``, which read no hints).

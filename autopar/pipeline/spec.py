@@ -62,13 +62,13 @@ ranks p: at m = p the 1F1B bubble is (p - 1) / (2p - 1), near half; at 8p it is 
 (GPipe §2.3: m >= 4p makes it negligible). Besides these, the finest count: one row per rank of
 the data split (Megatron-LM's micro-batch size 1, which needs no checkpointing where coarser
 counts do: Llama-3-70B on 512 H100s, pp=8, m=16p; ``benchmarks/hand_plan_grid.py``). Each
-count is priced, and solved where ``pipeline_search`` says."""
+count is priced, and solved where ``search.pipeline`` says."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Pipeline:
     """A pipeline on one mesh axis: the schedule, micro-batches and stages per rank, each
-    pinned or (None) chosen by the planner (``solver.pipeline_search``); the cuts are always
+    pinned or (None) chosen by the planner (``search.pipeline``); the cuts are always
     the planner's."""
 
     axis: str = "pp"
@@ -83,7 +83,7 @@ class Pipeline:
     dualpipev. None: the schedule's (interleaved_1f1b: the planner picks 2 or 4)."""
     from_axis: str | None = None
     """A mesh axis (the first) to take the pipeline axis out of, its size then the planner's
-    choice (``pipeline_depth``): ``axis`` is not in the mesh; each divisor k of this axis's size
+    choice (``search.depth``): ``axis`` is not in the mesh; each divisor k of this axis's size
     is tried as k pp ranks, the axis keeping size / k, and k = 1 as no pipeline at all (a
     mesh {"dp": 128, "tp": 8} may become {"pp": 16, "dp": 8, "tp": 8}). None: ``axis`` is an
     axis of the mesh, its size the pp ranks."""
@@ -186,7 +186,7 @@ class Pipeline:
         and ``MICRO_BATCH_CHOICES`` x p micro-batches dividing ``batch`` into micro-batches
         that split ``batch_ways`` ways (the data axes'), and the finest count, micro-batches of
         ``max(batch_ways, finest_ways)`` rows (one per rank of the data split); those torch
-        refuses are left out. Empty when nothing runs (``pipeline_search.plan_pipelined`` says why)."""
+        refuses are left out. Empty when nothing runs (``search.pipeline.search_pipeline`` says why)."""
         if self.micro_batches is None and batch is None:
             raise InputError("the planner chooses a pipeline's micro-batches among divisors of the batch, but the "
                              "step's inputs have no batch dim it can read: pin Pipeline(micro_batches=...)")

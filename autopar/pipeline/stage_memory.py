@@ -111,7 +111,7 @@ def rank_peaks(schedule: str, p: int, v: int, m: int, rank_of: Sequence[int], st
 @dataclass(frozen=True, kw_only=True)
 class MemoryShares:
     """What the busiest pp rank holds of the whole step's memory row, for a stage-mesh ILP
-    solved under the memory limit (``pipeline_search``): the state of the repeated blocks' parameters
+    solved under the memory limit (``search.pipeline_limited``): the state of the repeated blocks' parameters
     times ``block_state``, every other parameter's whole (the head and tail are one rank's), the
     rest (activations and what goes with them) times ``activations``. ``for_pipeline`` gives
     1F1B's first rank: a p-th of the blocks (rounded up), p micro-batches in flight of a p-th of

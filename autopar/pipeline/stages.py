@@ -139,7 +139,7 @@ class PipelinePlan:
                      "predicted seconds, backward halved into input and weight gradients where the schedule splits "
                      "them, transfers delaying only their receivers); the ILP placed each stage for one micro-batch "
                      "on the stage mesh")
-    stage_of: dict[str, int] = field(default_factory=dict, repr=False)
+    stage_of: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Captured op node -> stage (derived from ``stages``; what the split pass cuts by)."""
 
     def simulate(self, transfers: bool = True) -> Simulation:
@@ -220,30 +220,35 @@ def block_units(graph: PlanGraph) -> tuple[list[str], dict[str, int]]:
     return head + blocks + ([TAIL] if last < len(ops) - 1 else []), unit
 
 
-class Outrun(Exception):
-    """A pipeline whose busiest rank's own work (``work_floor_s``) already takes longer than
-    the seconds it had to beat: it is not played out (``plan_stages``'s ``beat_s``)."""
+@dataclass(frozen=True)
+class Uncut:
+    """Why a step was not cut into a pipeline's stages and priced (what ``plan_stages`` returns
+    instead): the model has too few units for its stages, or (``outrun``) its busiest rank's own work
+    (``work_floor_s``) already takes longer than the seconds it had to beat, so it is not played out."""
+
+    reason: str
+    outrun: bool = False
 
 
 def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
                 nodes: list, collectives: list, update_s: dict[str, float], stage_plan_step_s: float,
-                activation_bytes: float, beat_s: float = math.inf) -> tuple[PipelinePlan, float]:
+                activation_bytes: float, beat_s: float = math.inf) -> tuple[PipelinePlan, float] | Uncut:
     """Cut the step into ``pipeline``'s stages and price the pipelined step. ``mesh``: the
     whole mesh (pipeline axis included); ``nodes``/``collectives``: the sub-mesh plan's
     ``NodePlacement``s and ``PlannedCollective``s; ``update_s``: parameter -> optimizer seconds;
     ``activation_bytes``: the sub-mesh plan's predicted activation memory of one micro-batch.
-    Raises ``Outrun`` rather than play the schedule out when its work floor is over ``beat_s``
-    (a search's best pipeline so far: building torch's order of a long schedule takes up to
-    a second, most of a large model's pipeline pricing)."""
+    ``Uncut`` where the model has too few units for the stages, or rather than play the schedule out
+    when its work floor is over ``beat_s`` (a search's best pipeline so far: building torch's order of
+    a long schedule takes up to a second, most of a large model's pipeline pricing)."""
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     blocks, unit = block_units(graph)
     repeated = [b for b in blocks if b not in (HEAD, TAIL)]
     if not repeated or len(blocks) < count:
-        raise InputError(f"pipeline {pipeline.schedule} on {pipeline.axis}={p} with {pipeline.virtual_stages} "
-                         f"stages per rank needs {count} stages of at least one unit each (the head, a repeated "
-                         f"block, the tail); the model has {len(blocks)} "
-                         f"({', '.join(blocks) or 'no indexed block container'})")
+        return Uncut(f"pipeline {pipeline.schedule} on {pipeline.axis}={p} with {pipeline.virtual_stages} "
+                     f"stages per rank needs {count} stages of at least one unit each (the head, a repeated "
+                     f"block, the tail); the model has {len(blocks)} "
+                     f"({', '.join(blocks) or 'no indexed block container'})")
     seconds = {n.name: (n.forward_s, n.backward_s) for n in nodes}
     weights = [0.0] * len(blocks)
     for name, u in unit.items():
@@ -252,8 +257,11 @@ def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
         else balanced_cuts(weights, count)
     stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(blocks))]
     stage_of = {name: stage_of_unit[u] for name, u in unit.items()}
-    pipelined, total = _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds,
-                               collectives, update_s, stage_plan_step_s, beat_s)
+    priced = _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds, collectives,
+                     update_s, stage_plan_step_s, beat_s)
+    if isinstance(priced, Uncut):
+        return priced
+    pipelined, total = priced
     return _with_memory(pipelined, graph, chosen, activation_bytes), total
 
 
@@ -278,7 +286,7 @@ def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, St
 def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
             stage_of: dict[str, int], blocks: list[str], stage_of_unit: list[int],
             seconds: dict[str, tuple[float, float]], collectives: list, update_s: dict[str, float],
-            stage_plan_step_s: float, beat_s: float) -> tuple[PipelinePlan, float]:
+            stage_plan_step_s: float, beat_s: float) -> tuple[PipelinePlan, float] | Uncut:
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
@@ -301,7 +309,7 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in times], rank_of,
                          [s + t for s, t in zip(sync, tied_seconds(tied, p))], update)
     if floor > beat_s:
-        raise Outrun(f"its busiest rank's own work, {floor:.6g} s, is over {beat_s:.6g} s")
+        return Uncut(f"its busiest rank's own work, {floor:.6g} s, is over {beat_s:.6g} s", outrun=True)
     stages = []
     for s in range(count):
         mine = [n for n, held in params.items() if s in held]

@@ -17,7 +17,7 @@ divides into 2n chunks on each such axis. Such a layout is a candidate, not a ch
 dim split on a zig-zag axis must divide into 2n chunks, which can take away a split the
 contiguous layout allows (a batch of n sequences, or grouped-query keys with 8 heads on 8
 ranks: the heads split behind all-to-alls, balanced and often the cheaper context
-parallelism), so the step is planned both ways and the faster plan kept (``search.solve_step``;
+parallelism), so the step is planned both ways and the faster plan kept (``search.context``;
 ties stay contiguous). Not where ZeRO-2/3 stores parameters split on the
 axis: state is cut in contiguous chunks where it is stored (``runtime.parameters``), so
 parameters and buffers stay replicated on a zig-zag axis (``state_pins``).

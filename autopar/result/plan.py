@@ -18,12 +18,14 @@ from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, 
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.problem.folding import Folding
 from autopar.memory.options import MemoryPlan
+from autopar.memory.scenarios import Scenario
 from autopar.solver.grad_terms import single_use_params
 from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, price_edge, zigzag_output_gathers
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
 from autopar.memory.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
+from autopar.result.saved import from_json
 from autopar.result.table import render_text
 from autopar.pipeline.stages import PipelinePlan
 from autopar.result.trace import write_chrome_trace
@@ -119,6 +121,25 @@ class Predicted:
 
 
 @dataclass(kw_only=True)
+class PlanSource:
+    """What makes the plan again without searching (``autopar.compile(plan=...)``): where its ILP was
+    solved and what it chose there."""
+
+    mesh: dict[str, int]
+    """The axes of the mesh the ILP placed on (a pipeline's stage mesh)."""
+    zigzag: list[str]
+    """Its axes cut zig-zag."""
+    micro_batches: int
+    """The step was captured at batch / this many rows."""
+    pipeline_ranks: int | None
+    """The stage mesh of a pipeline of this many pp ranks (None: no pipeline)."""
+    scenario: Scenario
+    """The memory scenario the ILP was priced under."""
+    choice: dict[str, int]
+    """Each representative node (of folded blocks) -> the index of its chosen strategy."""
+
+
+@dataclass(kw_only=True)
 class Plan:
     mesh: dict[str, Any]
     precision: str
@@ -148,6 +169,13 @@ class Plan:
     pipeline: PipelinePlan | None = None
     """The pipeline's stages, schedule and predicted bubble (None: no pipeline); the
     placements above are each stage's, on ``pipeline.stage_mesh``."""
+    source: PlanSource | None = None
+    """What makes this plan again without searching (None: a plan not made by the planner)."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Plan:
+        """The plan ``to_json`` wrote (read back from a file with ``json.load``): equal to the plan written."""
+        return from_json(cls, {k: v for k, v in data.items() if k != "plan_hash"})
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

@@ -1,8 +1,7 @@
-"""Stage 6: run per-rank programs on torch.distributed: parameter shards, gradient
-synchronization, checkpoints. ``autopar.compile`` is the entry point."""
+"""Stage 6: run a finished plan on torch.distributed: per-rank programs, parameter shards, gradient
+synchronization, pipelined stages, checkpoints (``autopar.compile`` builds them: ``api.compiling``)."""
 
-from autopar.runtime.compile import compile
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.serving import ServingModule, compile_serving
+from autopar.runtime.serving import ServingModule
 
-__all__ = ["compile", "compile_serving", "ParallelModule", "ServingModule"]
+__all__ = ["ParallelModule", "ServingModule"]

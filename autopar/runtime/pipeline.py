@@ -53,7 +53,7 @@ from autopar.runtime.tied import TiedGradients
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline
 from autopar.result.plan import Plan
 from autopar.pipeline.schedule_sim import WEIGHT_GRAD, torch_order
-from autopar.step import PlannedStep
+from autopar.search.planned import PlannedStep
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
                     "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}

@@ -31,7 +31,7 @@ from autopar.runtime.regather import BackwardStarts, Regather
 from autopar.runtime.vocab import VocabEmbedding
 from autopar.problem.nodes import BUFFER, INPUT, PARAM
 from autopar.result.plan import param_sync_dims
-from autopar.step import PlannedStep
+from autopar.search.planned import PlannedStep
 
 
 def step_loss_kind(step: PlannedStep) -> str | None:

@@ -46,12 +46,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 
+from autopar.config import PlanConfig
 from autopar.cost.collectives import point_to_point_time
-from autopar.errors import InputError
+from autopar.errors import InputError, MemoryLimitError
 from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
-from autopar.errors import MemoryLimitError
+from autopar.pipeline.spec import Pipeline
 from autopar.problem.nodes import PARAM
+from autopar.search import planner
+from autopar.search.planned import PlannedStep
+from autopar.search.problem import Step
 from autopar.serving.servable import KV_HEADS_DIM, StepShape, cache_buffers, kv_bytes_per_token, step_inputs
 from autopar.serving.staged import SERVING_PIPELINE, Cut, element_size, stage_figures
 
@@ -81,7 +85,7 @@ class PlannedPoint:
     parameters: dict[str, str] = field(repr=False)
     """The plan's placement of every parameter (a serving plan reports them)."""
     state: "State" = field(repr=False)
-    """The parameters' placements as ``prepare_step(state_placements=)`` takes them (to pin other steps)."""
+    """The parameters' placements as the ``state_placements`` option takes them (to pin other steps)."""
     cut: Cut = ()
     """A pipelined step's stages' units (``Pipeline.stage_blocks``, to pin other steps); () without pp."""
 
@@ -129,29 +133,31 @@ def cache_placements(buffers: dict[str, torch.Tensor], tp: int) -> dict[str, tup
             for name, b in buffers.items()}
 
 
+def _plan(model: nn.Module, mesh: Mesh, inputs: tuple[Any, ...], **options: Any) -> PlannedStep:
+    """A forward step of ``model`` planned on ``mesh`` (``search.planner``)."""
+    return planner.plan(Step(model=model, example_inputs=inputs), PlanConfig.from_options(train=False, **options), mesh)
+
+
 def _planned(model: nn.Module, profile: HardwareProfile, devices_per_node: int, replica: tuple[int, int, int],
              shape: StepShape, memory_limit: float, pinned: State, cut: Cut) -> PlannedPoint:
     """``plan_point`` uncached; ``replica``: (tp, pp, ep)."""
-    from autopar.api import plan_step  # serving sits above the planner; imported late to keep import order free
-    from autopar.pipeline.spec import Pipeline
-
     tp, pp, ep = replica
     inputs = step_inputs(model, shape)
     buffers = cache_buffers(model, shape)
     placements = {**dict(pinned), **cache_placements(buffers, tp)}
     if pp > 1:  # the stage mesh is {"tp": tp}: the placements (one entry per axis) are the stages' too
         pipeline = Pipeline(axis="pp", stage_blocks=cut or None, **SERVING_PIPELINE)
-        planned = plan_step(model, Mesh({"pp": pp, "tp": tp}, profile, devices_per_node), inputs, train=False,
-                            memory_limit=memory_limit, state_placements=placements, pipeline=pipeline)
+        planned = _plan(model, Mesh({"pp": pp, "tp": tp}, profile, devices_per_node), inputs,
+                        memory_limit=memory_limit, state_placements=placements, pipeline=pipeline)
     elif ep > 1:  # the cache stays whole on ep (each rank reads its own slots' rows of it)
         if shape.steps == 1 and shape.batch % ep:
             raise InputError(f"a decode step of {shape.batch} requests does not split over ep={ep}")
         batch_split = EXPERT_PARALLEL if shape.steps == 1 else {}
-        planned = plan_step(model, Mesh({"ep": ep}, profile, devices_per_node), inputs, train=False,
-                            memory_limit=memory_limit, state_placements=placements, **batch_split)
+        planned = _plan(model, Mesh({"ep": ep}, profile, devices_per_node), inputs,
+                        memory_limit=memory_limit, state_placements=placements, **batch_split)
     else:
-        planned = plan_step(model, Mesh({"tp": tp}, profile, devices_per_node), inputs, train=False,
-                            memory_limit=memory_limit, state_placements=placements)
+        planned = _plan(model, Mesh({"tp": tp}, profile, devices_per_node), inputs,
+                        memory_limit=memory_limit, state_placements=placements)
     plan = planned.plan
     state = tuple(sorted((node.fqn or name, tuple(planned.chosen[name].outputs[0]))
                          for name, node in planned.graph.nodes.items() if node.kind == PARAM))

@@ -69,8 +69,21 @@ class Solution:
     """How a memory search found it (``autopar.search``): scenarios, and how many were solved
     under the limit, skipped as not fitting, bounded out, or bounded by a free solve; empty
     when the first plan fit."""
-    zigzag: bool = False
-    """Solved on the step's zig-zag layout (``PreparedStep.zigzag``), not its contiguous one."""
+
+
+@dataclass(frozen=True)
+class NoPlan:
+    """Why an ILP gave no plan (what a solve returns instead of a ``Solution``)."""
+
+    kind: str
+    """'memory' (nothing fits the limit, or nothing beats the cutoff), 'time_limit' (none found in time),
+    'pins' (the pinned placements conflict) or 'failed' (HiGHS stopped otherwise)."""
+    message: str
+
+    def error(self) -> Exception:
+        """The error a user gets when this is the last word."""
+        kinds = {"memory": MemoryLimitError, "time_limit": SolverTimeLimitError, "pins": InputError}
+        return kinds.get(self.kind, RuntimeError)(self.message)
 
 
 @dataclass
@@ -113,15 +126,15 @@ def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dic
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
           cutoff_s: float | None = None, shares: MemoryShares | None = None,
-          enough_bytes: float | None = None, relaxed: bool = False) -> Solution:
-    """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``).
-    With ``explain`` a MemoryLimitError says what the leanest plan needs (another solve).
-    With ``cutoff_s`` only a plan faster than that counts (else MemoryLimitError, unexplained).
+          enough_bytes: float | None = None, relaxed: bool = False) -> Solution | NoPlan:
+    """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``), or ``NoPlan``
+    saying why there is none: with ``explain`` its message says what the leanest plan needs (another
+    solve). With ``cutoff_s`` only a plan faster than that counts (else ``NoPlan``, unexplained).
     ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``).
     ``enough_bytes``, with ``minimize_memory``: stop at the first plan needing no more (status
     'target_reached'): whether some plan fits a limit takes a fraction of the leanest plan's proof.
     ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
-    bound no plan within the limit beats; MemoryLimitError when even the relaxation does not fit."""
+    bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit."""
     start = time.perf_counter()
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
@@ -152,7 +165,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             _add_shared(model, [links[k] for k in keys], count, memory_row, terms)
     sync.add_bucket_rows()
     sync.add_gather_rows(x)
-    if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``step.with_pipeline``)
+    if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``search.planned.with_pipeline``)
         sync.add_buffer_memory(memory_row)
     sync.add_overlap_row({j: mult[v] * backward_time(cost, ctx) * SCALE for v in reps if graph.nodes[v].kind == OP
                           for j, cost in zip(x[v], graph.nodes[v].costs)})
@@ -178,8 +191,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         result = run(model, time_limit_s, cutoff, target=enough_bytes if minimize_memory else None)
     if result.values is None:
         if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
-            raise MemoryLimitError(f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
-        _raise_no_plan(graph, folding, ctx, memory_limit, minimize_memory, result.status, time_limit_s)
+            return NoPlan("memory", f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
+        return _no_plan(graph, folding, ctx, memory_limit, minimize_memory, result.status, time_limit_s)
     values = result.values
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
     memory = sum(weight * values[j] for j, weight in memory_row.items())
@@ -226,22 +239,22 @@ def _memory_use(model: Model, graph: PlanGraph, x: dict[str, list[int]], memory_
     return memory_row
 
 
-def _raise_no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
-                   minimize_memory: bool, status: str, time_limit_s: float) -> None:
-    """Say why no plan came back: the time limit, the memory limit, or conflicting pins."""
+def _no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
+             minimize_memory: bool, status: str, time_limit_s: float) -> NoPlan:
+    """Why no plan came back: the time limit, the memory limit, or conflicting pins."""
     if status == "time_limit":
-        raise SolverTimeLimitError(
-            f"the ILP solver (HiGHS) found no plan within its time limit of {time_limit_s:g} s; "
-            "raise the limit (solver_time_limit_s=...)")
+        return NoPlan("time_limit", f"the ILP solver (HiGHS) found no plan within its time limit of {time_limit_s:g} "
+                      "s; raise the limit (solver_time_limit_s=...)")
     if status != "infeasible":
-        raise RuntimeError(f"the ILP solver (HiGHS) stopped without a plan: status {status}")
+        return NoPlan("failed", f"the ILP solver (HiGHS) stopped without a plan: status {status}")
     if memory_limit is not None and not minimize_memory:
         leanest = solve(graph, folding, ctx, None, minimize_memory=True, time_limit_s=time_limit_s)
-        raise MemoryLimitError(
-            f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device; the plan with "
-            f"the least memory needs {fmt_bytes(leanest.memory_bytes)} per device")
-    raise InputError("no plan satisfies the pinned placements together (constraints, data axes or "
-                     "input_sharded conflict on some edge)")
+        if isinstance(leanest, NoPlan):
+            return leanest
+        return NoPlan("memory", f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device; the plan "
+                      f"with the least memory needs {fmt_bytes(leanest.memory_bytes)} per device")
+    return NoPlan("pins", "no plan satisfies the pinned placements together (constraints, data axes or "
+                  "input_sharded conflict on some edge)")
 
 
 @dataclass

@@ -1,46 +1,37 @@
-"""Choosing how deep to pipeline: ``Pipeline(from_axis=...)`` leaves the number of pp ranks
-to the planner, taken out of the mesh's first axis (a mesh ``{"dp": 128, "tp": 8}`` becomes
+"""The pipeline-depth level of the search: ``Pipeline(from_axis=...)`` leaves the number of pp ranks to
+the planner, taken out of the mesh's first axis (``{"dp": 128, "tp": 8}`` becomes
 ``{"pp": k, "dp": 128 / k, "tp": 8}``).
 
-Every divisor k of that axis's size is planned as Alpa's inter-op pass plans a submesh shape
-(Zheng et al. 2022, §5: the pipeline's stage submeshes enumerated, each stage's intra-op plan
-the ILP's): k = 1 is the step without a pipeline, planned as ``plan`` plans any step (its
-memory search may run micro-batches, ZeRO, checkpointing, offload); each k >= 2 is the
-pipeline search of ``pipeline_search`` on the carved mesh (schedule, stages per rank,
-micro-batches and cuts, each pinned where ``Pipeline`` pins it). The fastest plan that fits
-the memory limit wins, ties to the shallower pipeline, so every rank and run choose alike;
-the plan's notes say what each depth gave or why it gave nothing. A depth whose pipelines
-planned without the limit neither fit nor beat the best plan found is not planned again under
-the limit (``pipeline_search.Outpaced``: that search is most of a large model's planning time;
-depths go shallow to deep, and the unpipelined step first). The depths share their
-captures: a step captured at one micro-batch size is captured once (``capture.reuse_captures``),
-since the mesh does not change the graph.
+Every divisor k of that axis's size is planned, as Alpa's inter-op pass plans submesh shapes: k = 1 is
+the step without a pipeline (its memory search may run micro-batches, ZeRO, checkpointing, offload);
+each k >= 2 is the pipeline search (``search.pipeline``) on the carved mesh. The fastest plan that fits
+the memory limit wins, ties to the shallower pipeline, so every rank and run choose alike; the plan's
+notes say what each depth gave or why it gave nothing. Depths go shallow to deep, the unpipelined step
+first; a depth whose pipelines planned without the limit neither fit nor beat the best plan found is
+not planned again under the limit.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
-from autopar.errors import InputError
-from autopar.mesh import Mesh
 from autopar.errors import MemoryLimitError
+from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
 from autopar.pipeline.stages import block_units
-from autopar.step import PlannedStep
+from autopar.search.context import plan_on
+from autopar.search.memory import Pruned
+from autopar.search.pipeline import search_pipeline
+from autopar.search.planned import PlannedStep
+from autopar.search.problem import Place, Problems
 from autopar.units import fmt_bytes, fmt_time
 
-DepthPlanner = Callable[[Mesh, Pipeline | None, float], PlannedStep]
-"""(mesh, pipeline on it or None, cutoff seconds) -> the step planned there (``plan_step``; the
-cutoff as ``pipeline_search.plan_pipelined``'s)."""
 
-
-def plan_depths(spec: Pipeline, mesh: Mesh, plan_at: DepthPlanner) -> PlannedStep:
+def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
     """The fastest plan over the pipeline depths ``spec`` leaves open (module docstring)."""
     began = time.perf_counter()
-    spec.check(mesh.axes)
     found: list[tuple[int, PlannedStep]] = []
     skipped: list[str] = []
     units: int | None = None  # what a pipeline can be cut into, once some depth has planned the step
@@ -52,17 +43,19 @@ def plan_depths(spec: Pipeline, mesh: Mesh, plan_at: DepthPlanner) -> PlannedSte
             skipped.append(f"pp={depth}: more pp ranks than the {units} units a pipeline cuts this model into "
                            "(the head, the repeated blocks, the tail)")
             continue
-        try:
-            found.append((depth, plan_at(*_at_depth(spec, mesh, depth), fastest)))
-        except MemoryLimitError as exc:  # Outpaced included
-            skipped.append(f"pp={depth}: {exc}")
-        except InputError as exc:
-            if depth == 1:  # the step itself is refused: no depth would plan it
-                raise
-            skipped.append(f"pp={depth}: {exc}")  # e.g. no schedule runs that many ranks on this batch
+        carved, pipeline = _at_depth(spec, mesh, depth)
+        at = plan_on(problems, Place(mesh=carved), limit) if pipeline is None else \
+            search_pipeline(problems, pipeline, carved, limit, cutoff_s=fastest)
+        if isinstance(at, PlannedStep):
+            found.append((depth, at))
+        elif depth == 1 and not isinstance(at.error, MemoryLimitError):
+            return at  # the step itself is refused: no depth would plan it
+        else:
+            skipped.append(f"pp={depth}: {at.reason}")
     if not found:
-        raise MemoryLimitError(f"no pipeline depth on {spec.from_axis}={mesh.axes[spec.from_axis]} gives a plan "
-                               f"that fits: {'; '.join(skipped[:4])}")
+        why = (f"no pipeline depth on {spec.from_axis}={mesh.axes[spec.from_axis]} gives a plan that fits: "
+               f"{'; '.join(skipped[:4])}")
+        return Pruned(why, MemoryLimitError(why))
     depth, best = min(found, key=lambda f: f[1].plan.predicted.step_time_s)  # min keeps the shallowest of equals
     return _annotated(depth, best, found, skipped, time.perf_counter() - began)
 
@@ -86,3 +79,4 @@ def _annotated(depth: int, best: PlannedStep, found: list[tuple[int, PlannedStep
             + "".join(f"; {why[:300]}" for why in skipped[:3]))
     timings = {**plan.timings, "pipeline depth search": seconds}
     return replace(best, plan=replace(plan, notes=[*plan.notes, note], timings=timings))
+

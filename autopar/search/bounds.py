@@ -1,0 +1,149 @@
+"""Lower bounds on the memory scenarios' plans, for the memory search's branch and bound
+(``search.memory``): seconds no plan of a scenario can beat, and whether some plan of it fits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autopar.cost.model import step_repeats
+from autopar.memory.scenarios import Scenario
+from autopar.problem.nodes import PlanGraph
+from autopar.search import ilp
+from autopar.search.problem import Place, Problem, Problems
+from autopar.solver.ilp import NoPlan, Solution
+
+LP_TIME_LIMIT_S = 10.0
+"""Seconds an LP bound may take; past it the scenario is solved unbounded."""
+
+
+def relaxation(scenario: Scenario) -> Scenario:
+    """The scenario without checkpointing or gathering again in backward: for every plan it
+    predicts no more time than ``scenario`` does (``Bounds``), so its free optimum bounds
+    the scenario's."""
+    return replace(scenario, checkpoint="none", checkpoint_blocks=None, regather=False, regather_blocks=None)
+
+
+class Bounds:
+    """Seconds no plan of a scenario can beat, the larger of three bounds:
+    - every node at its fastest strategy, with no collective (edges, gradient sync and exposed
+      communication cost >= 0), priced with the fewest micro-batches searched, so that no scenario
+      is captured again to be bounded: running the batch as more micro-batches never makes a node
+      faster (its FLOPs add up to the same, its bytes and fixed costs do not shrink);
+    - once its relaxation (``relaxation``: same micro-batches, ZeRO-1 and offload) is solved
+      without the memory row, that optimum plus the least recompute the scenario adds. For any
+      plan, checkpointing adds each replayed op's forward time and its replayed reshards, gathering
+      again adds collectives and windows whose exposure is >= 0, and the windows a checkpointed
+      block's recompute could hide are those of the gradient buckets only, which hide at most
+      ``grad_sync_overlap`` of the last micro-batch's share of it. So the scenario predicts at least
+      the relaxation's time plus (1 - eff / repeats) x its least recompute (tested against free solves);
+    - once it is the least bound left, its own ILP's LP relaxation under the memory limit
+      (``solve_lp``): the only bound that sees memory, so the one that rules out scenarios a
+      tight limit makes slow."""
+
+    def __init__(self, problems: Problems, place: Place, limit: float, scenarios: list[Scenario]) -> None:
+        self.problems, self.place, self.limit = problems, place, limit
+        fewest = min(s.micro_batches for s in scenarios)
+        by_rest: dict[Scenario, float] = {}
+        self.node: dict[Scenario, float] = {}
+        for scenario in scenarios:
+            rest = replace(scenario, micro_batches=fewest, regather=False, regather_blocks=None)  # regathers: edges
+            if rest not in by_rest:
+                by_rest[rest] = node_bound(self.step(rest).graph)
+            self.node[scenario] = by_rest[rest]
+        self.free: dict[Scenario, float | None] = {}
+        """Relaxation -> its optimum without the memory row (None when not proven)."""
+        self.full: dict[Scenario, float] = {}
+        self.lp: dict[Scenario, float] = {}
+        """Scenario -> its LP relaxation's optimum under the memory limit (``solve_lp``)."""
+        self.floors: dict[tuple[int, str, int | None], float] = {}
+
+    def step(self, scenario: Scenario) -> Problem:
+        """The problem priced under ``scenario``, within the search's limit."""
+        return self.problems.under(self.place, scenario, self.limit)
+
+    def of(self, scenario: Scenario) -> float:
+        return max(self._free_bound(scenario), self.lp.get(scenario, 0.0))
+
+    def _free_bound(self, scenario: Scenario) -> float:
+        if scenario in self.full:
+            return self.full[scenario]
+        group = relaxation(scenario)
+        if group not in self.free:
+            return self.node[scenario]
+        free = self.free[group]
+        bound = 0.0 if free is None else free + self._recompute_floor(scenario, group)
+        self.full[scenario] = max(self.node[scenario], bound)
+        return self.full[scenario]
+
+    def solve_lp(self, scenario: Scenario) -> bool:
+        """Bound ``scenario`` by its LP relaxation under the memory limit (no plan within the limit
+        beats it; 0 when not solved to optimality); False when even the relaxation does not fit."""
+        relaxed = ilp.solve(self.step(scenario), self.limit, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S)
+        if isinstance(relaxed, NoPlan) and relaxed.kind == "memory":
+            return False
+        self.lp[scenario] = relaxed.objective_s if isinstance(relaxed, Solution) and relaxed.status == "relaxed" \
+            else 0.0  # no bound: the solve under the limit decides
+        return True
+
+    def has(self, group: Scenario) -> bool:
+        return group in self.free
+
+    def relaxed(self, group: Scenario, solution: Solution) -> None:
+        """Record ``solution``, a free solve of ``group``, if ``group`` is a relaxation."""
+        if group == relaxation(group):
+            self.free[group] = solution.objective_s if solution.status == "optimal" else None
+
+    def solve_relaxation(self, group: Scenario) -> Solution | NoPlan:
+        """Solve ``group`` without the memory row and record its bound; its solution, or why there is none."""
+        solution = ilp.solve(self.step(group), None, explain=False)
+        if isinstance(solution, NoPlan):
+            self.free[group] = None
+            return solution
+        self.relaxed(group, solution)
+        return solution
+
+    def _recompute_floor(self, scenario: Scenario, group: Scenario) -> float:
+        """(1 - eff / repeats) x the least recompute seconds any plan of ``scenario`` adds."""
+        if scenario.checkpoint == "none":
+            return 0.0
+        key = (scenario.micro_batches, scenario.checkpoint, scenario.checkpoint_blocks)  # all it depends on
+        if key not in self.floors:
+            step, base = self.step(scenario), self.step(group)
+            eff = step.ctx.mesh.hardware.grad_sync_overlap if step.ctx.train else 0.0
+            added = sum(min(c.time - b.time for c, b in zip(node.costs, base.graph.nodes[name].costs))
+                        for name, node in step.graph.nodes.items() if node.costs)
+            self.floors[key] = max(0.0, 1.0 - eff / step_repeats(step.ctx)) * max(0.0, added)
+        return self.floors[key]
+
+
+def node_bound(graph: PlanGraph) -> float:
+    """Every node at its fastest strategy, nothing else: no plan of ``graph`` is faster."""
+    return sum(min(c.time + comm for c, comm in zip(node.costs, node.comm_times or [0.0] * len(node.costs)))
+               for node in graph.nodes.values() if node.costs)
+
+
+def may_fit(step: Problem, leanest: dict[Scenario, Solution], fit: list[Scenario]) -> bool:
+    """Whether some plan of the problem's scenario fits its limit. Solving for the least memory, stopped
+    at the first plan that fits (HiGHS's objective target), proves a scenario that cannot fit far sooner
+    than the fastest plan under the limit is proven infeasible. Before that, every node at its leanest
+    strategy: all other memory terms are >= 0, so when that sum is over the limit no solve is needed. On a
+    pipeline's stage mesh each node counts at the busiest rank's share (``MemoryShares``), as the solve's
+    memory row does. No solve either for a scenario that saves at least what one in ``fit`` (scenarios with
+    a plan that fits) saves (``Scenario.saves_at_least``): the solve under the limit decides. ``leanest``
+    gains the least-memory plans found (what a no-fit error reports)."""
+    shares = step.memory_shares
+    least = sum(min(c.memory for c in node.costs) * (1.0 if shares is None else shares.weight(node))
+                for node in step.graph.nodes.values() if node.costs)
+    if least > step.memory_limit:
+        return False
+    if any(step.scenario.saves_at_least(other) for other in fit):
+        return True
+    lean = ilp.solve(step, None, explain=False, minimize_memory=True, enough_bytes=step.memory_limit)
+    if isinstance(lean, NoPlan):  # not proven either way: the solve under the limit decides
+        return True
+    if lean.status == "optimal":
+        leanest[step.scenario] = lean
+    fits = lean.status != "optimal" or lean.memory_bytes <= step.memory_limit
+    if fits and lean.status in ("optimal", "target_reached"):
+        fit.append(step.scenario)
+    return fits

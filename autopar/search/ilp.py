@@ -1,0 +1,22 @@
+"""The innermost level of the search: one ILP (``solver.ilp``) solved for a problem, under a memory
+limit or none, returning a ``Solution`` or ``NoPlan`` (never raising for a plan that does not exist)."""
+
+from __future__ import annotations
+
+from autopar.search.problem import Problem
+from autopar.solver.ilp import NoPlan, Solution
+from autopar.solver.ilp import solve as solve_ilp
+
+
+def solve(problem: Problem, memory_limit: float | None, *, minimize_memory: bool = False, explain: bool = True,
+          cutoff_s: float | None = None, enough_bytes: float | None = None, relaxed: bool = False,
+          time_limit_s: float | None = None) -> Solution | NoPlan:
+    """``problem``'s ILP (``solver.ilp.solve``'s options), its solution marked with the problem's scenario.
+    ``time_limit_s``: HiGHS's limit, at most the problem's (an LP bound is given less)."""
+    limit = problem.solver_time_limit_s if time_limit_s is None else min(time_limit_s, problem.solver_time_limit_s)
+    result = solve_ilp(problem.graph, problem.folding, problem.ctx, memory_limit, minimize_memory=minimize_memory,
+                       time_limit_s=limit, explain=explain, cutoff_s=cutoff_s, shares=problem.memory_shares,
+                       enough_bytes=enough_bytes, relaxed=relaxed)
+    if isinstance(result, Solution):
+        result.scenario = problem.scenario
+    return result

@@ -1,0 +1,172 @@
+"""A solution made into a plan (``finish``), a plan's strategies priced on another capture of its step
+(``repriced``), and a stage mesh's plan cut into a pipeline (``with_pipeline``)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from autopar.capture import CapturedGraph, TensorMeta
+from autopar.cost.model import CostContext
+from autopar.memory.options import MemoryPlan
+from autopar.memory.scenarios import Scenario
+from autopar.mesh import Mesh
+from autopar.pipeline.spec import Pipeline
+from autopar.pipeline.stages import Uncut, plan_stages
+from autopar.problem.nodes import PlanGraph
+from autopar.result.notes import context_notes, expert_notes, unsplit_batch_notes
+from autopar.result.plan import Plan, PlanSource, bucket_buffer_bytes, build_plan
+from autopar.result.table import solver_note
+from autopar.rules.strategy import Strategy, placement_str
+from autopar.search.problem import Problem
+from autopar.solver.ilp import Solution
+
+
+@dataclass
+class PlannedStep:
+    """A plan with what produced it: the captured graph and the chosen strategy per node."""
+
+    plan: Plan
+    captured: CapturedGraph
+    graph: PlanGraph
+    chosen: dict[str, Strategy]
+    ctx: CostContext
+    scenario: Scenario | None = None
+    """The memory scenario the plan was solved under (a pipeline search tries it first at other micro-batch counts)."""
+    solution: Solution | None = None
+    """The solution the plan was built from (its choice per representative node)."""
+
+
+@dataclass(frozen=True)
+class Unpriced:
+    """Why a plan's strategies could not be priced on another capture of its step: a split that no longer
+    divides at its size, or (``whole``) graphs that differ, so that no other size can be priced either."""
+
+    reason: str
+    whole: bool = False
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic collector off while the ILPs are built: they allocate millions of small acyclic
+    objects (freed by reference counting), and the full collections those trigger walk the whole
+    captured graph each time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _memory_plan(problem: Problem) -> MemoryPlan:
+    """The memory decisions of the scenario the plan was solved under (``build_plan`` adds
+    which parameters are gathered again)."""
+    scenario, graph = problem.scenario, problem.graph
+    blocks = sorted({n.block for n in graph.nodes.values() if n.block is not None},
+                    key=[graph.nodes[n].block for n in graph.order].index)
+    return MemoryPlan(micro_batches=problem.ctx.micro_batches, checkpoint=scenario.checkpoint if blocks else "none",
+                      checkpoint_blocks=blocks, zero=dict(problem.memory_options.zero or {}))
+
+
+def finish(problem: Problem, solution: Solution) -> PlannedStep:
+    """The plan ``solution`` gives on ``problem`` (priced under the solution's scenario; deterministic:
+    every rank builds the same one from it)."""
+    assert solution.scenario is None or solution.scenario == problem.scenario, "finish on the solution's scenario"
+    graph, folding = problem.graph, problem.folding
+    chosen = {n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
+    captured = problem.captured
+    notes = unsplit_batch_notes(graph, chosen, problem.ctx.mesh, dict(zip(captured.user_inputs,
+                                                                          captured.signature.labels)))
+    notes += context_notes(graph, chosen, problem.ctx.mesh) + expert_notes(graph, chosen, problem.ctx.mesh)
+    result = build_plan(graph, folding, solution, problem.ctx, problem.timings, problem.pinned,
+                        memory_limit=problem.memory_limit, notes=notes + problem.memory_notes + solution.notes,
+                        memory=_memory_plan(problem))
+    result.source = _source(problem, solution)
+    if solution.status not in ("optimal", "repriced"):  # repriced: no solve, nothing to warn of
+        warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=5)  # the caller of plan()
+    return PlannedStep(result, problem.captured, graph, chosen, problem.ctx, problem.scenario, solution)
+
+
+def _source(problem: Problem, solution: Solution) -> PlanSource:
+    mesh = problem.ctx.mesh
+    return PlanSource(mesh=dict(mesh.axes), zigzag=sorted(mesh.zigzag), micro_batches=problem.ctx.micro_batches,
+                      pipeline_ranks=None if problem.place is None else problem.place.pipeline_ranks,
+                      scenario=problem.scenario, choice=dict(solution.choice))
+
+
+def repriced(problem: Problem, step: PlannedStep) -> PlannedStep | Unpriced:
+    """``step``'s strategies priced on ``problem`` (the same step at another micro-batch size, priced under
+    ``step``'s memory scenario), solving nothing: the pipeline search prices each micro-batch count so.
+    Nodes are matched by their place in graph order (``matched``); ``Unpriced`` says why they cannot be."""
+    graph, folding = problem.graph, problem.folding
+    same = matched(graph, step.graph)
+    if isinstance(same, str):
+        return Unpriced(same, whole=True)
+    choice: dict[str, int] = {}
+    for name in graph.order:
+        rep = folding.representative[name]
+        if rep in choice:
+            continue
+        mine = step.chosen[same[rep]]
+        if mine not in graph.nodes[rep].strategies:
+            return Unpriced(f"{same[rep]} ({graph.nodes[rep].op}) has no strategy {placement_str(mine.outputs[0])} "
+                            f"<- {' '.join(map(placement_str, mine.inputs))} at this size")
+        choice[rep] = graph.nodes[rep].strategies.index(mine)
+    solution = Solution(choice=choice, objective_s=math.nan, memory_bytes=math.nan, num_variables=0,
+                        num_constraints=0, build_seconds=0.0, solve_seconds=0.0, status="repriced",
+                        scenario=problem.scenario)
+    return finish(problem, solution)
+
+
+def matched(graph: PlanGraph, planned: PlanGraph) -> dict[str, str] | str:
+    """Each node of ``graph`` -> the node of ``planned`` at its place in graph order, checked to be the
+    same op with outputs of the same ranks and dtypes: a symbolic capture holds the concrete one's ops
+    in its order, but export may name them apart (a symbolic size's own arithmetic takes a name that
+    later nodes then shift past). A string says where the graphs differ."""
+    if len(graph.order) != len(planned.order):
+        return f"the symbolic capture's graph has {len(graph.order)} nodes, the stage plan's {len(planned.order)}"
+    out = {}
+    for mine, theirs in zip(graph.order, planned.order):
+        a, b = graph.nodes[mine], planned.nodes[theirs]
+        if (a.kind, a.op, _ranks(a.outputs)) != (b.kind, b.op, _ranks(b.outputs)):
+            return (f"the symbolic capture's graph differs from the stage plan's at {mine} ({a.op}) / "
+                    f"{theirs} ({b.op})")
+        out[mine] = theirs
+    return out
+
+
+def _ranks(outputs: tuple[TensorMeta | None, ...]) -> tuple[tuple[int, object] | None, ...]:
+    return tuple(None if o is None else (o.ndim, o.dtype) for o in outputs)
+
+
+def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: float = math.inf) -> PlannedStep | Uncut:
+    """``step`` (planned on ``pipeline``'s stage mesh for one micro-batch) cut into the pipeline's stages,
+    its predicted step time the pipelined one (``pipeline.stages``) and its peak memory the busiest pp
+    rank's under the schedule (``pipeline.stage_memory``); ``Uncut`` when the model cannot be cut so, or
+    when no such step can take ``beat_s`` seconds or less."""
+    plan = step.plan
+    update_s = {n.name: n.update_s for n in plan.nodes}
+    # The stage plan's activations include its gradient-bucket buffers, held for a micro-batched
+    # step (``bucket_buffer_bytes``); the pipelined runtime keeps none (``runtime.pipeline``'s
+    # ``reduce_buckets`` flattens one bucket at a time after the drain), and as the whole model's
+    # they would land on every rank.
+    activation_bytes = plan.predicted.activation_memory_bytes - bucket_buffer_bytes(plan.grad_buckets, step.ctx)
+    staged = plan_stages(step.graph, step.chosen, step.ctx, pipeline, mesh, plan.nodes, plan.collectives, update_s,
+                         plan.predicted.step_time_s, activation_bytes, beat_s)
+    if isinstance(staged, Uncut):
+        return staged
+    pipelined, step_time = staged
+    peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
+    state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
+    peak = pipelined.rank_memory_bytes[peak_rank]
+    notes = [*plan.notes, f"pipeline: {pipelined.estimate}"]
+    predicted = replace(plan.predicted, step_time_s=step_time, peak_memory_bytes=peak, parameter_memory_bytes=state,
+                        activation_memory_bytes=peak - state,
+                        memory_parts={"model state (its stages)": state, "activations in flight": peak - state})
+    return replace(step, plan=replace(plan, pipeline=pipelined, notes=notes, predicted=predicted))

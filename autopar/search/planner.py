@@ -1,0 +1,60 @@
+"""The planner: one search, written as a loop nest read top to bottom.
+
+``plan(step, config, mesh)`` checks the config against the mesh (``config.check``), then:
+
+    for each pipeline depth (search.depth: Pipeline(from_axis=...) takes 1, 2, 4, ... pp ranks
+                             out of the mesh's first axis; 1 is no pipeline)
+      for each schedule x stages per rank x micro-batch count (search.pipeline), the stage plan
+        cut into stages (pipeline.stages) and priced by playing the schedule out
+        for each context layout (search.context: contiguous, zig-zag)
+          for each memory scenario, least lower bound first (search.memory: micro-batches,
+                                    checkpointing, re-gathering, offload, ZeRO-1; search.bounds)
+            the placement ILP (search.ilp -> solver.ilp)
+
+Each level takes the problems (``search.problem.Problems``: the step prepared once per place, priced
+once per scenario) and a bound from the level above, and returns its best plan or ``Pruned`` with the
+reason and the error its user would get; nothing is raised to steer the search. A level a config pins
+(a pipeline without ``from_axis``, no pipeline at all) is not searched. ``api.plan`` and ``api.compile``
+(rank 0) plan through here.
+"""
+
+from __future__ import annotations
+
+from autopar.capture import reuse_captures
+from autopar.config import PlanConfig, check
+from autopar.mesh import Mesh
+from autopar.pipeline.spec import Pipeline, as_pipeline
+from autopar.search.context import plan_on
+from autopar.search.depth import search_depths
+from autopar.search.memory import Pruned
+from autopar.search.pipeline import search_pipeline
+from autopar.search.planned import PlannedStep, paused_gc
+from autopar.search.problem import Place, Problems, Step
+
+
+def plan(step: Step, config: PlanConfig, mesh: Mesh, *, progress: bool = False) -> PlannedStep:
+    """The fastest plan of ``step`` on ``mesh`` that ``config`` allows and the memory limit fits, with the
+    captured graph and chosen strategies it was built from. Raises the user's error (``InputError`` and
+    its kinds) when there is none."""
+    check(config, mesh)
+    return search(Problems(step, config, progress), mesh)
+
+
+def search(problems: Problems, mesh: Mesh) -> PlannedStep:
+    """``plan``'s search over ``problems`` (a config already checked against ``mesh``)."""
+    config = problems.config
+    with reuse_captures(), paused_gc():  # every place captures the one step: the shapes alone differ
+        found = _search(problems, config.pipeline, mesh, config.memory.limit(mesh))
+    if isinstance(found, Pruned):
+        raise found.error
+    return found
+
+
+def _search(problems: Problems, pipeline: Pipeline | None, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
+    """The outermost level the config leaves open."""
+    if pipeline is None:
+        return plan_on(problems, Place(mesh=mesh), limit)
+    pipeline = as_pipeline(pipeline)
+    if pipeline.from_axis is not None:
+        return search_depths(problems, pipeline, mesh, limit)
+    return search_pipeline(problems, pipeline, mesh, limit)

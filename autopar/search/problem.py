@@ -1,0 +1,252 @@
+"""The planning problem of one step at one place of the search: the step captured at a micro-batch
+size, its strategies listed and priced on a mesh, the config's pins applied and repeated blocks
+folded (``prepare``), then priced under a memory scenario (``priced_under``). A ``Problem`` is
+everything the ILP needs; it holds no search state."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.capture import CapturedGraph, capture
+from autopar.capture.symbolic import SymbolicRefused
+from autopar.config import PlanConfig
+from autopar.cost import get_precision
+from autopar.cost.model import CostContext
+from autopar.cost.precision import BF16_PARAMETERS, Precision
+from autopar.errors import InputError
+from autopar.memory.options import MemoryOptions
+from autopar.memory.recompute import checkpointed
+from autopar.memory.regather import regathering
+from autopar.memory.scenarios import Scenario, candidates
+from autopar.mesh import Mesh
+from autopar.pipeline.stage_memory import MemoryShares
+from autopar.problem.batch import example_batch, micro_batch_examples
+from autopar.problem.block_paths import repeated_blocks
+from autopar.problem.folding import Folding, fold_repeated_blocks, split_folding
+from autopar.problem.graph import build_plan_graph, priced_parameter
+from autopar.problem.nodes import PARAM, PlanGraph
+from autopar.problem.pinning import pin_config
+from autopar.problem.strided import add_strided_strategies
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """The step to plan: ``loss_fn(model(*example_inputs, **example_kwargs), *example_targets)``;
+    with ``loss_fn=None`` the model returns its loss."""
+
+    model: nn.Module
+    example_inputs: tuple[Any, ...] = ()
+    example_kwargs: dict[str, Any] | None = None
+    example_targets: tuple[Any, ...] = ()
+    loss_fn: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def batch(self) -> int | None:
+        """The whole batch: the leading dim of the first example tensor that has one."""
+        return example_batch((self.example_inputs, self.example_kwargs, self.example_targets))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Place:
+    """Where in the search a step is prepared: on which mesh (its zig-zag axes set), at how many
+    micro-batches (captured at batch / m), as one stage mesh of a pipeline of how many pp ranks, and
+    whether its micro-batch size is a symbol (for pricing only: ``capture.symbolic``)."""
+
+    mesh: Mesh
+    micro_batches: int = 1
+    pipeline_ranks: int | None = None
+    symbolic: bool = False
+
+
+@dataclass
+class Problem:
+    """Everything the ILP needs, under one memory scenario."""
+
+    captured: CapturedGraph
+    graph: PlanGraph
+    folding: Folding
+    ctx: CostContext
+    memory_limit: float
+    """Bytes per device the plan must fit in."""
+    memory_limit_origin: str
+    """Where the limit comes from, for a memory-limit error ("" when the user gave it)."""
+    timings: dict[str, float]
+    pinned: dict[str, str]
+    solver_time_limit_s: float = 120.0
+    """Seconds HiGHS may search; a plan found by then is returned and says it is not proven optimal."""
+    memory_options: MemoryOptions = MemoryOptions()
+    """What the user pinned about memory (ZeRO stages, checkpointing, offload, micro-batches)."""
+    memory_notes: list[str] = field(default_factory=list)
+    scenario: Scenario = Scenario()
+    """The memory scenario ``graph`` and ``ctx`` are priced under."""
+    base_graph: PlanGraph | None = None
+    """The graph as captured at this micro-batch size, before a scenario re-priced it."""
+    batch: int | None = None
+    """The step's whole batch (the leading dim of the first example input)."""
+    batch_ways: int = 1
+    """How many ways the data axes split the batch: a micro-batch must split as many ways."""
+    memory_shares: MemoryShares | None = None
+    """For one stage mesh of a pipeline: the busiest pp rank's share of the memory row (None: all of it)."""
+    place: Place | None = None
+    """Where in the search it was prepared."""
+
+    @property
+    def blocks(self) -> list[str]:
+        """The repeated blocks' module paths, in program order."""
+        graph = self.base_graph or self.graph
+        return repeated_blocks([graph.nodes[n].module for n in graph.order])
+
+
+@contextlib.contextmanager
+def timed(name: str, timings: dict[str, float], progress: bool) -> Iterator[None]:
+    """Time a stage of planning into ``timings`` (and show it on stderr with ``progress``)."""
+    start = time.perf_counter()
+    if progress:
+        from rich.console import Console
+
+        with Console(stderr=True).status(f"autopar: {name}..."):
+            yield
+    else:
+        yield
+    timings[name] = time.perf_counter() - start
+
+
+def prepare(step: Step, config: PlanConfig, place: Place, progress: bool = False) -> Problem:
+    """Capture ``step`` at ``place``, list and price its strategies, pin what ``config`` pins and fold
+    its repeated blocks: the problem under the default scenario of its pinned memory choices."""
+    mesh, m, train = place.mesh, place.micro_batches, config.train
+    inputs, kwargs, targets = micro_batch_examples((step.example_inputs, step.example_kwargs, step.example_targets),
+                                                   step.batch, m, train)
+    ctx = CostContext(mesh=mesh, precision=_precision(step.model, mesh, config.precision, config.masters),
+                      train=train, inputs_whole=not config.axes.input_sharded,
+                      bucket_bytes=config.solver.bucket_bytes, micro_batches=m,
+                      global_draws=config.random_stream == "torch")
+    timings: dict[str, float] = {}
+    with timed("capture", timings, progress):
+        captured = capture(step.model, inputs, loss_fn=step.loss_fn, example_kwargs=kwargs, example_targets=targets,
+                           train=train, symbolic_batch=place.symbolic)
+    with timed("strategies", timings, progress):
+        graph = build_plan_graph(captured, config.rules, ctx)
+        add_strided_strategies(graph, config.rules, ctx)
+        pinned = pin_config(graph, captured, mesh, config)
+        folding = fold_repeated_blocks(graph, pinned.node_pins)
+    options = config.memory.options(pipelined=bool(place.pipeline_ranks))
+    if place.pipeline_ranks:  # a stage plan runs the pipeline's micro-batches
+        options = replace(options, micro_batches=m)
+    return Problem(captured, graph, folding, ctx, config.memory.limit(mesh), config.memory.limit_origin(mesh), timings,
+                   pinned.pinned, config.solver.time_limit_s, options, pinned.notes, base_graph=graph, batch=step.batch,
+                   batch_ways=math.prod(mesh.axes[a] for a in config.axes.data),
+                   memory_shares=_stage_shares(graph, place.pipeline_ranks), place=place)
+
+
+def scenarios(problem: Problem) -> list[Scenario]:
+    """The memory scenarios the search tries for ``problem``, the default of its pins first; a count of
+    micro-batches that the data axes cannot split evenly is left out."""
+    mesh = problem.ctx.mesh
+    axes = tuple(n for n, size in zip(mesh.names, mesh.shape) if size > 1)
+    batch = problem.batch
+    return [s for s in candidates(problem.memory_options, batch, len(problem.blocks), problem.ctx.train, axes)
+            if batch is None or s.micro_batches == 1 or (batch // s.micro_batches) % problem.batch_ways == 0]
+
+
+def priced_under(base: Problem, scenario: Scenario) -> Problem:
+    """``base`` (prepared at the scenario's micro-batch count) priced under ``scenario``: parameters
+    with their state twins where state may be offloaded or sharded, checkpointed blocks replaying
+    their forward, parameters gathered again in backward."""
+    assert base.ctx.micro_batches == scenario.micro_batches, "price a scenario on its micro-batch count's capture"
+    graph = base.base_graph or base.graph
+    blocks = base.blocks
+    ctx = replace(base.ctx, offload=scenario.offload, offload_pinned=scenario.offload_pinned,
+                  zero1_pinned=scenario.zero1_pinned, zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
+    if scenario.offload or scenario.zero1:  # parameters priced again, with twins keeping their state elsewhere
+        graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
+                                      for n, node in graph.nodes.items()})
+    checkpointing = blocks if scenario.checkpoint_blocks is None else blocks[:scenario.checkpoint_blocks]
+    graph = checkpointed(graph, scenario.checkpoint, checkpointing if scenario.checkpoint != "none" else [], ctx)
+    if scenario.regather:
+        graph = regathering(graph, None if scenario.regather_blocks is None else blocks[:scenario.regather_blocks])
+    partly = any(k is not None and k < len(blocks) for k in (scenario.checkpoint_blocks, scenario.regather_blocks))
+    folding = split_folding(base.folding, graph) if partly else base.folding
+    return replace(base, graph=graph, ctx=ctx, scenario=scenario, folding=folding)
+
+
+def _parameter_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's floating parameters, when they share one (None for what is
+    not a module: capture names the wrong type)."""
+    if not isinstance(model, nn.Module):
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
+
+
+def _precision(model: nn.Module, mesh: Mesh, precision: str | None, masters: bool) -> Precision:
+    """The named precision (default: the hardware's) for ``model``'s parameter dtype; ``masters``:
+    the model is the bf16 compute copy of fp32 masters (``PlanConfig.masters``). Captured from that
+    copy or from a bf16 model, the graph's dtypes are those that run, and floats are priced at them."""
+    policy = get_precision(precision or mesh.hardware.default_precision, None if masters else _parameter_dtype(model))
+    return replace(policy, captured_as_run=True) if masters or policy is BF16_PARAMETERS else policy
+
+
+def _stage_shares(graph: PlanGraph, pipeline_ranks: int | None) -> MemoryShares | None:
+    """The busiest pp rank's share of the memory row of one stage mesh (None: no pipeline)."""
+    if not pipeline_ranks:
+        return None
+    return MemoryShares.for_pipeline(pipeline_ranks, len(repeated_blocks([graph.nodes[n].module for n in graph.order])))
+
+
+class Problems:
+    """The problems of one step and config: each place prepared once (captured, strategies listed,
+    pins applied, blocks folded), each scenario priced once. Every level of the search asks here."""
+
+    def __init__(self, step: Step, config: PlanConfig, progress: bool = False) -> None:
+        self.step, self.config, self.progress = step, config, progress
+        self._prepared: dict[tuple[Any, ...], Problem] = {}
+        self._priced: dict[tuple[Any, ...], Problem] = {}
+
+    def at(self, place: Place) -> Problem:
+        """``place``'s problem as prepared, before any scenario prices it."""
+        key = _key(place)
+        if key not in self._prepared:
+            self._prepared[key] = prepare(self.step, self.config, place, self.progress)
+        return self._prepared[key]
+
+    def refused_symbolic(self, place: Place) -> str:
+        """Why ``place`` (a symbolic one) cannot be prepared ("" when it can): export could not keep the
+        micro-batch size a symbol, or the symbolic graph failed where the concrete one did not."""
+        try:
+            self.at(place)
+        except (SymbolicRefused, InputError) as exc:  # a capture's refusal, made a value at this boundary
+            return str(exc)
+        return ""
+
+    def under(self, place: Place, scenario: Scenario, memory_limit: float) -> Problem:
+        """``place``'s problem priced under ``scenario`` (prepared at its micro-batch count), within ``memory_limit``."""
+        place = replace(place, micro_batches=scenario.micro_batches)
+        key = (_key(place), scenario)
+        if key not in self._priced:
+            self._priced[key] = priced_under(self.at(place), scenario)
+        return replace(self._priced[key], memory_limit=memory_limit)
+
+    def first(self, place: Place, memory_limit: float) -> Problem:
+        """``place``'s problem under its first scenario: the memory choices pinned, nothing else searched."""
+        return self.under(place, scenarios(self.at(place))[0], memory_limit)
+
+
+def first_place(config: PlanConfig, mesh: Mesh) -> Place:
+    """Where a search without a pipeline prepares the step first: the contiguous layout, at the pinned
+    micro-batch count (a caller may prepare it ahead)."""
+    return Place(mesh=mesh.with_zigzag(()), micro_batches=config.memory.micro_batches or 1)
+
+
+def _key(place: Place) -> tuple[Any, ...]:
+    mesh = place.mesh
+    return (tuple(mesh.axes.items()), mesh.hardware, mesh.devices_per_node, mesh.zigzag, place.micro_batches,
+            place.pipeline_ranks, place.symbolic)

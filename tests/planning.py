@@ -1,0 +1,43 @@
+"""Helpers for tests of the search's levels: a step's problem prepared at a place of the search, as the
+planner prepares it (``search.problem``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from autopar.config import PlanConfig
+from autopar.mesh import Mesh
+from autopar.search.context import search_context
+from autopar.search.memory import Solved
+from autopar.search.planned import PlannedStep, finish
+from autopar.search.problem import Place, Problem, Problems, Step, first_place, scenarios
+from autopar.solver.ilp import Solution
+
+STEP_ARGS = ("loss_fn", "example_kwargs", "example_targets")
+
+def problems(model: nn.Module, inputs: tuple[Any, ...], **options: Any) -> Problems:
+    """The problems of ``model``'s step (``loss_fn``, ``example_targets``... among ``options``) under the rest."""
+    step = Step(model=model, example_inputs=inputs, **{k: v for k, v in options.items() if k in STEP_ARGS})
+    return Problems(step, PlanConfig.from_options(**{k: v for k, v in options.items() if k not in STEP_ARGS}))
+
+def problem_at(model: nn.Module, mesh: Mesh, inputs: tuple[Any, ...], *, m: int = 1,
+               pipeline_ranks: int | None = None, symbolic: bool = False, limit: float | None = None,
+               **options: Any) -> Problem:
+    """The step's problem at a place (m micro-batches), under its first scenario, within ``limit`` (None: the
+    config's)."""
+    store = problems(model, inputs, **options)
+    place = Place(mesh=mesh, micro_batches=m, pipeline_ranks=pipeline_ranks, symbolic=symbolic)
+    first = scenarios(store.at(place))[0]
+    return store.under(place, first, store.config.memory.limit(mesh) if limit is None else limit)
+
+
+
+def solved(model: nn.Module, mesh: Mesh, inputs: tuple[Any, ...], **options: Any) -> tuple[PlannedStep, Solution]:
+    """The step planned without a pipeline (its layouts' memory searches), and the solution of its ILP."""
+    store = problems(model, inputs, **options)
+    config = store.config
+    found = search_context(store, first_place(config, mesh), config.memory.limit(mesh))
+    assert isinstance(found, Solved), found
+    return finish(found.problem, found.solution), found.solution
