@@ -1,14 +1,64 @@
-"""Make ``autopar`` and ``examples`` importable from a checkout without installing it."""
+"""Make ``autopar`` and ``examples`` importable from a checkout without installing it, and mark the
+tests that fork ranks (``ranks``), so that the fast tier (``-m "not ranks and not sweep and not slow"``)
+runs without them."""
 
+import inspect
 import sys
+import types
 from pathlib import Path
+
+import pytest
 
 ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch
+import torch  # noqa: E402
+
+from autopar.runtime.forked import run_ranks  # noqa: E402
 
 # Multi-rank tests fork this process; a forked child hangs if the parent already started
 # an OpenMP pool, so the whole session computes on one intra-op thread.
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test forks ranks when its function, or a function of the tests' or examples' own it calls, names
+    ``run_ranks``: marked ``ranks`` (no list of such tests to keep up to date)."""
+    seen: dict[types.CodeType, bool] = {}
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and _reaches(function, seen):
+            item.add_marker(pytest.mark.ranks)
+
+
+def _reaches(function: types.FunctionType, seen: dict[types.CodeType, bool]) -> bool:
+    """Whether ``function`` names ``run_ranks``, directly or through the tests' and examples' functions."""
+    code = function.__code__
+    if code in seen:
+        return seen[code]
+    seen[code] = False  # a recursion through this function adds nothing
+    found = any(_named(name, function, seen) for name in _names(code))
+    seen[code] = found
+    return found
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _named(name: str, function: types.FunctionType, seen: dict[types.CodeType, bool]) -> bool:
+    value = function.__globals__.get(name)
+    if value is run_ranks:
+        return True
+    return inspect.isfunction(value) and _ours(value) and _reaches(value, seen)
+
+
+def _ours(function: types.FunctionType) -> bool:
+    """A function of the tests or the examples (whose calls are followed), not of autopar or a library."""
+    path = Path(function.__code__.co_filename).resolve()
+    return any(path.is_relative_to(Path(ROOT) / folder) for folder in ("tests", "examples"))

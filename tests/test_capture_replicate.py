@@ -23,6 +23,8 @@ from examples.gpt import lm_loss as gpt_loss
 from examples.llama import Llama, LlamaConfig, lm_loss
 from test_numerics_pipeline import _Stack  # the residual add is the loop's: ops between blocks
 
+pytestmark = pytest.mark.slow
+
 Step = tuple[nn.Module, tuple[Any, ...], dict[str, Any]]
 """(model, example inputs, the rest of capture's / plan's step arguments)."""
 

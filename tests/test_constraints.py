@@ -35,6 +35,7 @@ def _plan(step, mesh, **kw):
     return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [{"tp": 4}, {"dp": 2, "tp": 4}], ids=["tp4", "dp2xtp4"])
 def test_pinned_plans_take_their_placements_and_are_never_faster_than_free(llama_step, axes) -> None:
     mesh = autopar.Mesh(axes, "h100")
@@ -88,6 +89,7 @@ def test_fused_qkv_runs_as_interleaved_qkv_without_collectives_in_attention(plan
     assert kinds in (["all_reduce"] * 2, ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"]), kinds
 
 
+@pytest.mark.slow
 def test_free_plan_is_no_slower_than_megatron_sequence_parallelism_in_its_memory() -> None:
     """Batch 1 cannot be split: under the memory of the TP+SP hand plan, the free plan is at
     least as fast as it. (It used to have to copy SP's sequence-split norms; since a consumer

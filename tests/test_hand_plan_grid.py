@@ -15,6 +15,8 @@ from benchmarks.grid_pricing import Grid, GridResult, Point, Shape, build, pins,
 from benchmarks.hand_plan_grid import autopar_plan
 from examples import gpt
 
+pytestmark = pytest.mark.slow
+
 TINY = Shape(name="tiny GPT", config=gpt.GPTConfig(layers=4), devices=8, hardware="a100", batch=16)
 GRID = Grid(tps=(2,), bs=(1, 2), vs=(2,), pps=(2,), checkpoints=("none",))
 

@@ -65,6 +65,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
     return code, out, err
 
 
+@pytest.mark.slow
 def test_plan_from_a_config_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``autopar plan --hf-config`` plans the HF model itself (its FQNs, its own loss from labels);
     a builder and a config together, or a config without the step's size, exit 2 saying why."""
@@ -83,6 +84,7 @@ def test_plan_from_a_config_on_the_command_line(tmp_path: Path, capsys: pytest.C
     assert code == 2 and "one of the two" in err
 
 
+@pytest.mark.slow
 def test_serving_plan_of_an_hf_model_as_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``plan_serving`` takes an HF causal LM itself (its slot-indexed cache adapter inside autopar), and
     ``autopar serve-plan --hf-config`` the config of one, built on the meta device in the config's dtype."""

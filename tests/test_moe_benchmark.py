@@ -10,6 +10,8 @@ import pytest
 from benchmarks import moe as bench
 from examples import moe
 
+pytestmark = pytest.mark.slow
+
 TINY = bench.Shape(name="tiny MoE", devices=4, batch=8, eps=(1, 2), tps=(1, 2), config=moe.MoEConfig(
     vocab_size=512, max_seq_len=128, hidden=512, heads=4, kv_heads=2, ffn_hidden=1024, layers=2, experts=8,
     top_k=2, capacity_factor=1.25, shared_expert=True))

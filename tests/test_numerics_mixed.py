@@ -21,6 +21,8 @@ import autopar
 from examples import gpt, llama
 from numerics_harness import TP_PLANS, Reference, mixed_reference, reference, run_checked, run_compiled
 
+pytestmark = pytest.mark.slow
+
 MODELS: dict[str, Callable[[], Any]] = {"gpt": gpt.build, "llama": llama.build}
 
 

@@ -33,7 +33,7 @@ from autopar.passes import PassContext, parallelize_graph
 from autopar.rules import NO_RULE
 from autopar.rules.strategy import Strategy
 from autopar.runtime.forked import run_ranks
-from autopar.result.plan import param_sync_dims
+from autopar.result.build import param_sync_dims
 from numerics_harness import STEPS, Reference, check, reference, run_compiled
 
 DIM, HIDDEN, BATCH, SEED = 8, 16, 8, 1234

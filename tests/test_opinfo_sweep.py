@@ -32,6 +32,8 @@ from sharding_sim import OpCase, check_strategy
 
 from autopar.rules import DEFAULT_RULES, FAMILIES, Strategy, Unhandled, expand
 
+pytestmark = pytest.mark.sweep
+
 MESHES = [(2,), (2, 2), (5,)]
 
 EXPECTED_FAILURES: dict[str, str] = {}

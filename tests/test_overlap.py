@@ -230,6 +230,7 @@ def _order_on_rank(rank: int, world: int, case: Any, ref: Reference) -> dict[str
     return {**run_compiled(pm, (*inputs, *targets), ref), "events": events, "backward": backward}
 
 
+@pytest.mark.slow
 def test_gathers_are_issued_one_block_ahead() -> None:
     ref = reference(gpt.build)
     for result in run_checked(_order_on_rank, (2,), None, ref):  # numerics, and executed == planned

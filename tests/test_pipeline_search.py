@@ -62,6 +62,7 @@ def test_pipelined_peak_is_the_busiest_rank() -> None:
     assert sum(p.predicted.memory_parts.values()) == pytest.approx(p.predicted.peak_memory_bytes)
 
 
+@pytest.mark.slow
 def test_search_picks_the_fastest_pinned_choice() -> None:
     """Every choice the search prices, pinned and planned alone, is no faster than its pick."""
     chosen = _plan(autopar.Pipeline(axis="pp"))
@@ -74,6 +75,7 @@ def test_search_picks_the_fastest_pinned_choice() -> None:
     assert any("pipeline search" in n for n in chosen.notes)
 
 
+@pytest.mark.slow
 def test_search_leaves_out_what_does_not_fit() -> None:
     """Below the free pick's peak the search picks a leaner pipeline, never predicted faster;
     below every pipeline's peak it says what the leanest needs."""
@@ -102,6 +104,7 @@ def test_micro_batches_split_over_the_data_axes() -> None:
     assert p.pipeline.micro_batches in (2, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [_pinned("gpipe", 4), autopar.Pipeline(axis="pp")], ids=["pinned", "search"])
 def test_a_binding_limit_never_gives_what_a_pipelined_step_cannot_run(pipeline: autopar.Pipeline) -> None:
     """Below the free plan's peak the stage mesh's ILP is solved under the limit, whose memory
@@ -151,7 +154,7 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
     """A micro-batched stage plan holds its gradient-bucket buffers for the step (``bucket_buffer_bytes``);
     the pipelined runtime accumulates in ``.grad`` and keeps none, so on pp=2 x dp=2 the ranks hold
     the stage plan's activation bytes less those buffers, not the whole model's buffers each."""
-    from autopar.result.plan import bucket_buffer_bytes
+    from autopar.result.build import bucket_buffer_bytes
     from autopar.search.planned import with_pipeline
 
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
@@ -244,6 +247,7 @@ def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int)
         assert work_floor_s(m, stage_s, rank_of, sync, update) <= step + 1e-12
 
 
+@pytest.mark.slow
 def test_ruling_out_by_work_floor_keeps_the_chosen_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     """The search with pipelines ruled out by their work floor chooses what it chooses when it
     plays every one out, and says how many it left out."""
@@ -272,6 +276,7 @@ def test_the_ranks_work_adds_up_to_the_stage_plans_step(mesh: dict[str, int], op
     assert plan.predicted.step_time_s * pipe.size >= work
 
 
+@pytest.mark.slow
 def test_cutting_off_slow_stage_plans_keeps_the_chosen_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a binding limit, the stage plans solved under it with the cutoff and the scenario
     tried first give the pipeline a search without them gives."""

@@ -23,6 +23,7 @@ from autopar.solver.ilp import solve
 from examples import gpt
 
 
+@pytest.mark.slow
 def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count() -> None:
     model, inputs, loss_fn, targets = gpt.build()
     step = dict(loss_fn=loss_fn, example_targets=targets)

@@ -98,6 +98,7 @@ def wrong_pairs(mesh: tuple[int, ...], choices: list, shape: tuple[int, ...]) ->
     return wrong, len(placements) ** 2
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize(("mesh", "choices"), [
     ((2, 2), [R, P, S(0), S(1), strided(0, 2), strided(1, 3)]),
     ((2, 3), [R, P, S(0), S(1), strided(1, 2)]),

@@ -21,6 +21,8 @@ from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, Unhandle
 from autopar.rules.strategy import P, R, S, Strategy, strided
 from autopar.problem.strided import EQUIVARIANT_FAMILIES, _twins
 
+pytestmark = pytest.mark.sweep
+
 aten = torch.ops.aten
 _GEN = torch.Generator().manual_seed(20240611)
 

@@ -55,6 +55,7 @@ def test_a_pipelined_plan_round_trips_and_is_made_again_without_searching() -> N
     made = replay(problems(model, inputs, loss_fn=loss_fn, example_targets=targets), mesh, again)
     assert made.plan.plan_hash() == plan.plan_hash()
     assert [s.blocks for s in made.plan.pipeline.stages] == [s.blocks for s in plan.pipeline.stages]
+    assert made.plan.pipeline.stage_of == plan.pipeline.stage_of != {}  # what the runtime cuts by: not in the JSON
 
 
 def test_a_plan_for_another_step_or_mesh_is_refused_with_what_differs() -> None:

@@ -20,6 +20,8 @@ from autopar.solver.ilp import Solution, solve
 from examples import gpt
 from tests.planning import problems as step_problems
 
+pytestmark = pytest.mark.slow
+
 MiB = 2**20
 LIMITS_MIB = (9.3, 5.2)
 """The plan with memory to spare needs 10.4 MiB: ZeRO-1, then checkpointing and gathering again."""

@@ -16,6 +16,8 @@ from autopar.serving.replicas import ReplicaOptions, _expert_degrees, replica_ti
 from examples import moe
 from examples.llama import Llama, LlamaConfig
 
+pytestmark = pytest.mark.slow
+
 H100 = get_profile("h100")
 WORKLOAD = autopar.Workload(prompt_tokens=Uniform(low=256, high=1024), output_tokens=Uniform(low=64, high=256),
                             arrival_rate=4.0, seed=0)

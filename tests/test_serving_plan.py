@@ -24,6 +24,8 @@ from autopar.serving.servable import StepShape
 from examples import moe
 from examples.llama import Llama, LlamaConfig, build_serving, build_small_serving
 
+pytestmark = pytest.mark.slow
+
 H100 = get_profile("h100")
 WORKLOAD = autopar.Workload(prompt_tokens=Uniform(low=256, high=1024), output_tokens=Uniform(low=64, high=256),
                             arrival_rate=10)

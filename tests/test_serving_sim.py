@@ -176,6 +176,7 @@ def test_more_replicas_never_lower_goodput() -> None:
     assert goodputs[3] > 2.5 * goodputs[0]  # roughly linear: replicas share nothing
 
 
+@pytest.mark.slow
 def test_more_devices_never_lower_the_best_goodput() -> None:
     """The issue's property, over every candidate (aggregated TP degrees, disaggregated splits) of a
     1B-parameter model priced by the roofline, on 1, 2 and 4 devices."""

@@ -25,7 +25,7 @@ from autopar.rules.strategy import local_numel, shard_dim
 from autopar.problem.graph import build_plan_graph, edge_flags
 from autopar.errors import MemoryLimitError
 from autopar.solver.ilp import solve
-from autopar.result.plan import Fallback
+from autopar.result.record import Fallback
 from examples import gpt, llama
 
 
@@ -107,6 +107,7 @@ def _brute_force(graph, ctx, memory_limit: float | None = None) -> float:
     return best
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("axes", [{"x": 2}, {"x": 4}], ids=["mesh2", "mesh4"])
 @pytest.mark.parametrize("hardware", ["h100", "cpu"])
 def test_ilp_matches_brute_force(axes: dict[str, int], hardware: str) -> None:
@@ -120,6 +121,7 @@ def test_ilp_matches_brute_force(axes: dict[str, int], hardware: str) -> None:
     assert ilp_time == pytest.approx(_brute_force(graph, ctx), rel=1e-6)
 
 
+@pytest.mark.sweep
 def test_ilp_matches_brute_force_under_memory_limit() -> None:
     graph, ctx = _graph({"x": 4}, "cpu")
     folding = fold_repeated_blocks(graph)
@@ -148,6 +150,7 @@ def _llama_graph(layers: int):
     return graph, ctx
 
 
+@pytest.mark.slow
 def test_repeated_layers_are_solved_once() -> None:
     sizes = {}
     for layers in (2, 5):

@@ -26,6 +26,8 @@ from autopar.search.planned import PlannedStep, repriced
 from examples import llama, moe
 from tests.planning import problem_at
 
+pytestmark = pytest.mark.slow
+
 MESH = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
 BUILDS: dict[str, Callable[[int], tuple[Any, ...]]] = {
     "llama": lambda batch: llama.build(llama.LlamaConfig(layers=4), batch=batch),

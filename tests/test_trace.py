@@ -18,7 +18,8 @@ from torch import nn
 
 import autopar
 from autopar.hardware import PROFILES
-from autopar.result.trace import BESIDE, COMPUTE, WAITED, timeline
+from autopar.result.spans import BESIDE, COMPUTE, WAITED
+from autopar.result.trace import timeline
 from autopar.result.trace_pipeline import pipeline_timeline
 from examples import gpt, llama
 from tiny_models import Stack

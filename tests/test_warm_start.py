@@ -51,6 +51,7 @@ def test_on_a_chain_the_first_choice_is_the_optimum(seed: int) -> None:
     assert all(len(s) == 2 and len(set(s)) == 2 for s in likely.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build, mesh", [(gpt.build, {"dp": 2, "tp": 2}), (llama.build, {"dp": 2, "tp": 2}),
                                          (llama.build, {"tp": 4})])
 def test_the_start_changes_speed_not_the_optimum(build: object, mesh: dict[str, int],

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from autopar.cli import hf
+from autopar.cli.builders import load_builder, positive, run_user_code
+from autopar.cli.serve import add_parser, serve_command
 from autopar.errors import InputError
 from autopar.hardware import PROFILES, get_profile
 from autopar.pipeline.spec import SCHEDULES
@@ -27,54 +28,6 @@ EXIT_CODES = """exit status:
      solver's time limit, pinned placements that conflict
   1  an internal error of autopar, whatever its type (a bug: the traceback is printed;
      please report it)"""
-
-
-def _user_traceback(exc: BaseException, skip: int) -> str:
-    """The traceback below the CLI's own ``skip`` frames (import machinery dropped)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)[skip:] if not f.filename.startswith("<frozen")]
-    return "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)).rstrip()
-
-
-def _run_user_code(what: str, fn: Callable[[], Any]) -> Any:
-    """Call the user's code; an exception in it becomes an InputError keeping its location.
-
-    ``fn`` is a lambda around the user's call: the traceback drops this frame and the
-    lambda's (``skip=2``), so the user's own function is the first frame shown."""
-    try:
-        return fn()
-    except SystemExit as exc:  # the builder ended the process: no plan, which is not a success
-        raise InputError(f"{what} exited (sys.exit({exc.code!r})) instead of returning\n"
-                         f"{_user_traceback(exc, skip=2)}") from exc
-    except Exception as exc:  # noqa: BLE001 - reported with the user's own traceback
-        raise InputError(f"{what} raised {type(exc).__name__}: {exc}\n{_user_traceback(exc, skip=2)}") from exc
-
-
-def load_builder(spec: str) -> Any:
-    """Import ``path/to/file.py:function`` (or ``package.module:function``) and return the function."""
-    target, sep, func = spec.rpartition(":")
-    if not sep or not target or not func:
-        raise InputError(f"expected FILE.py:FUNCTION, got {spec!r}")
-    if target.endswith(".py"):
-        path = Path(target).resolve()
-        if not path.exists():
-            raise InputError(f"no such file {target}")
-        # appended, not put first: a builder named rich.py or copy.py must not shadow a library module,
-        # and loaded under its own name only (not in sys.modules as 'copy'); its folder's parent lets
-        # 'examples/x.py' import 'examples.y'
-        for folder in (str(path.parent), str(path.parent.parent)):
-            if folder not in sys.path:
-                sys.path.append(folder)
-        name = f"autopar_builder_{path.stem}"
-        module_spec = importlib.util.spec_from_file_location(name, path)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module  # dataclasses look their module up while defining
-        _run_user_code(f"importing {target}", lambda: module_spec.loader.exec_module(module))  # type: ignore[union-attr]
-    else:
-        module = _run_user_code(f"importing {target}", lambda: importlib.import_module(target))
-    if not callable(getattr(module, func, None)):
-        raise InputError(f"{target} has no function {func!r}")
-    return getattr(module, func)
 
 
 BUILT_KEYS = ("model", "example_inputs", "example_kwargs", "loss_fn", "example_targets")
@@ -122,7 +75,7 @@ def plan_command(args: argparse.Namespace) -> int:
         model, inputs, loss_fn, targets, kwargs = hf.training_step(args)
     else:
         builder = load_builder(args.builder)
-        model, inputs, kwargs, loss_fn, targets = _unpack(_run_user_code(args.builder, lambda: builder()),
+        model, inputs, kwargs, loss_fn, targets = _unpack(run_user_code(args.builder, lambda: builder()),
                                                           args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
     pipeline = None
@@ -164,18 +117,6 @@ def _check_writable(option: str, where: str | None) -> None:
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK) \
             or (path.exists() and not os.access(path, os.W_OK)):
         raise InputError(f"{option} {where}: cannot write there (its folder must exist and be writable)")
-
-
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
 
 
 def _zero_stages(text: str) -> dict[str, int]:
@@ -226,12 +167,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("builder", nargs="?", default=None,
                    help="FILE.py:FUNCTION returning (model, example_inputs[, loss_fn[, example_targets]]) "
                         "or a dict of model, example_inputs, example_kwargs, loss_fn, example_targets")
-    hf.add_options(p, training=True, positive=_positive)
+    hf.add_options(p, training=True, positive=positive)
     p.add_argument("--mesh", required=True, help="axes outermost first, each named once, e.g. dp=2,tp=4")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
-    p.add_argument("--devices-per-node", type=_positive(int), default=8, help="devices sharing NVLink (default 8)")
+    p.add_argument("--devices-per-node", type=positive(int), default=8, help="devices sharing NVLink (default 8)")
     limit = p.add_mutually_exclusive_group()
-    limit.add_argument("--memory-limit-gib", type=_positive(float), default=None,
+    limit.add_argument("--memory-limit-gib", type=positive(float), default=None,
                        help="per-device limit in GiB (default: device memory less the headroom)")
     limit.add_argument("--memory-headroom", type=_fraction, default=None, metavar="FRACTION",
                        help="fraction of device memory left free by the default limit (default: the profile's, 0.1)")
@@ -246,7 +187,7 @@ def parser() -> argparse.ArgumentParser:
                    help="how attention runs on a split sequence (default: the cheaper per call; ring: keys and "
                         "values passed around the ring; allgather: gathered on every rank; ulysses: all-to-alls "
                         "to a heads split)")
-    p.add_argument("--solver-time-limit", type=_positive(float), default=120.0, metavar="SECONDS",
+    p.add_argument("--solver-time-limit", type=positive(float), default=120.0, metavar="SECONDS",
                    help="time HiGHS may search (default 120); a plan found by then says it is not proven optimal")
     data = p.add_argument_group("data and expert parallelism (default: the planner places the batch too)")
     data.add_argument("--data-axes", type=_axis_names, default=(), metavar="AXIS,...",
@@ -264,16 +205,16 @@ def parser() -> argparse.ArgumentParser:
                              "until backward), 3 (gathered again in backward), e.g. dp=3")
     memory.add_argument("--checkpoint", choices=["none", "selective", "full"], default=None,
                         help="pin activation checkpointing of the repeated blocks")
-    memory.add_argument("--checkpoint-blocks", type=_positive(int), default=None, metavar="K",
+    memory.add_argument("--checkpoint-blocks", type=positive(int), default=None, metavar="K",
                         help="pin how many repeated blocks checkpoint, the first ones (default: all of them "
                              "with --checkpoint, else the planner's choice)")
-    memory.add_argument("--regather-blocks", type=_positive(int), default=None, metavar="K",
+    memory.add_argument("--regather-blocks", type=positive(int), default=None, metavar="K",
                         help="with --zero AXIS=3: gather only the first K repeated blocks' parameters again in "
                              "backward, holding the others from forward (default: every parameter's)")
     memory.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                         help="pin every parameter's optimizer state (and fp32 master weights) in host memory, "
                         "or --no-offload (default: the planner offloads what the memory limit needs)")
-    memory.add_argument("--micro-batches", type=_positive(int), default=None, metavar="M",
+    memory.add_argument("--micro-batches", type=positive(int), default=None, metavar="M",
                         help="pin the number of micro-batches a step runs (must divide the batch)")
     pipe = p.add_argument_group("pipeline (default: none; with --pipeline, what is not given the planner picks)")
     pipe.add_argument("--pipeline", metavar="AXIS", default=None,
@@ -283,12 +224,11 @@ def parser() -> argparse.ArgumentParser:
                       help="take the --pipeline axis out of this mesh axis (the first), the planner choosing how "
                            "many pp ranks (1: no pipeline) among its size's divisors")
     pipe.add_argument("--schedule", choices=SCHEDULES, default=None, help="pin the pipeline schedule")
-    pipe.add_argument("--virtual-stages", type=_positive(int), default=None, metavar="V",
+    pipe.add_argument("--virtual-stages", type=positive(int), default=None, metavar="V",
                       help="pin the stages per pp rank (interleaved_1f1b >= 2; zbv and dualpipev 2)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--trace", metavar="FILE", help="also write the predicted step as a timeline (Chrome trace JSON)")
-    p.add_argument("--width", type=_positive(int), default=None, help="table width (default: terminal)")
-    from autopar.cli.serve import add_parser
+    p.add_argument("--width", type=positive(int), default=None, help="table width (default: terminal)")
 
     add_parser(sub, EXIT_CODES)
     return top
@@ -298,8 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)  # a bad command line exits with 2 (argparse's usage error)
     try:
         if args.command == "serve-plan":
-            from autopar.cli.serve import serve_command
-
             return serve_command(args)
         return plan_command(args)
     except InputError as exc:  # what the user handed in (capture, memory and time limits included): one message

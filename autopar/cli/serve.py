@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from autopar.cli import hf
-from autopar.cli.main import _positive  # one parser of positive numbers for both commands
+from autopar.cli.builders import load_builder, positive, run_user_code
 from autopar.errors import InputError
 from autopar.hardware import PROFILES
 
@@ -51,23 +51,23 @@ def add_parser(sub: Any, epilog: str) -> None:
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("builder", nargs="?", default=None, help="FILE.py:FUNCTION returning a servable model (setup_cache(slots, max_len) and "
                                    "forward(tokens, positions, slots); e.g. examples/llama.py:build_8b_serving)")
-    hf.add_options(p, training=False, positive=_positive)
-    p.add_argument("--devices", type=_positive(int), required=True, help="devices in the cluster")
+    hf.add_options(p, training=False, positive=positive)
+    p.add_argument("--devices", type=positive(int), required=True, help="devices in the cluster")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
-    p.add_argument("--devices-per-node", type=_positive(int), default=8,
+    p.add_argument("--devices-per-node", type=positive(int), default=8,
                    help="devices sharing NVLink (default 8)")
     p.add_argument("--prompt", type=_tokens, required=True, metavar="N|LOW-HIGH", help="prompt tokens per request")
     p.add_argument("--output", type=_tokens, required=True, metavar="N|LOW-HIGH", help="output tokens per request")
-    p.add_argument("--rate", type=_positive(float), required=True,
+    p.add_argument("--rate", type=positive(float), required=True,
                    help="arrival rate, requests/s (Poisson; the goodput search starts there)")
-    p.add_argument("--ttft", type=_positive(float), required=True, help="time-to-first-token target, seconds")
-    p.add_argument("--tpot", type=_positive(float), required=True, help="time-per-output-token target, seconds")
-    p.add_argument("--percentile", type=_positive(float), default=0.9,
+    p.add_argument("--ttft", type=positive(float), required=True, help="time-to-first-token target, seconds")
+    p.add_argument("--tpot", type=positive(float), required=True, help="time-per-output-token target, seconds")
+    p.add_argument("--percentile", type=positive(float), default=0.9,
                    help="fraction of requests that must meet both targets (default 0.9)")
-    p.add_argument("--max-batch", type=_positive(int), default=None,
+    p.add_argument("--max-batch", type=positive(int), default=None,
                    help="pin every pool's requests in flight per replica (vLLM's max_num_seqs; default: chosen per "
                         "pool by goodput, from 8 to 256)")
-    p.add_argument("--token-budget", type=_positive(int), default=None,
+    p.add_argument("--token-budget", type=positive(int), default=None,
                    help="pin every pool's tokens per step: decodes plus prefill chunks (vLLM's max_num_batched_tokens; "
                         "default: chosen per pool by goodput, from 256 to 2048)")
     p.add_argument("--no-disaggregated", action="store_true", help="consider aggregated deployments only")
@@ -85,7 +85,6 @@ def add_parser(sub: Any, epilog: str) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     import autopar
-    from autopar.cli.main import _run_user_code, load_builder
     from autopar.serving.serving_plan import render
 
     if args.percentile > 1:
@@ -98,7 +97,7 @@ def serve_command(args: argparse.Namespace) -> int:
         model = hf.serving_model(args)
     else:
         builder = load_builder(args.builder)
-        model = _run_user_code(args.builder, lambda: builder())
+        model = run_user_code(args.builder, lambda: builder())
         if isinstance(model, tuple) and model:  # a training builder's (model, inputs, ...): the model
             model = model[0]
     plan = autopar.plan_serving(model, cluster, workload, slo, max_batch=args.max_batch,

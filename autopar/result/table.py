@@ -3,50 +3,23 @@
 from __future__ import annotations
 
 import io
-import re
 from collections import Counter, defaultdict
-from typing import Any, Protocol
+from typing import Any
 
 from rich.console import Console, Group
 from rich.table import Table
 
+from autopar.problem.block_paths import block_of
+from autopar.result.record import PlanRecord
 from autopar.units import fmt_bytes, fmt_time
-
-
-class Plan(Protocol):
-    """What rendering reads of ``autopar.result.plan.Plan`` (which imports this module,
-    so this one names the fields it needs instead of importing it back)."""
-
-    mesh: dict[str, Any]
-    precision: str
-    train: bool
-    parameters: dict[str, str]
-    nodes: list[Any]
-    collectives: list[Any]
-    predicted: Any
-    fallbacks: list[Any]
-    """Each prints as 'op (reason)'."""
-    pinned: dict[str, str]
-    solver: dict[str, Any]
-    memory_limit_bytes: float | None
-    notes: list[str]
-    memory: Any
-    """``MemoryPlan``: ``describe()`` gives its line."""
-    pipeline: Any
-    """``PipelinePlan`` or None: ``describe()`` gives its line."""
-
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
 def layer_of(module: str) -> str:
     """'layers.3.attention.wq' -> 'layers.3'; 'lm_head' -> 'lm_head'; '' -> '(top)'."""
-    match = _LAYER.match(module)
-    if match:
-        return match.group(1)
-    return module.split(".")[0] if module else "(top)"
+    return block_of(module) or (module.split(".")[0] if module else "(top)")
 
 
-def _rows(plan: Plan) -> list[tuple[str, str, str]]:
+def _rows(plan: PlanRecord) -> list[tuple[str, str, str]]:
     params: dict[str, list[str]] = defaultdict(list)
     for fqn, placement in plan.parameters.items():
         module = fqn.rsplit(".", 1)[0] if "." in fqn else ""
@@ -109,7 +82,7 @@ def solver_note(solver: dict[str, Any]) -> str:
     return f"HiGHS status {solver.get('status')}"
 
 
-def render(plan: Plan) -> Group:
+def render(plan: PlanRecord) -> Group:
     pred = plan.predicted
     mesh = plan.mesh
     summary = Table(title="autopar plan", show_header=False, box=None, pad_edge=False)
@@ -162,7 +135,7 @@ def render(plan: Plan) -> Group:
     return Group(summary, layers)
 
 
-def render_text(plan: Plan, width: int = 120) -> str:
+def render_text(plan: PlanRecord, width: int = 120) -> str:
     console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
     console.print(render(plan))
     return console.file.getvalue()  # type: ignore[attr-defined]

@@ -22,39 +22,14 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from autopar.result.record import PlanRecord
+from autopar.result.spans import BESIDE, COMPUTE, TRACKS, WAITED, Span
+from autopar.result.trace_pipeline import pipeline_chrome_trace
 from autopar.units import fmt_bytes
 
-COMPUTE, WAITED, BESIDE = "compute", "communication (waited for)", "communication (beside compute)"
-TRACKS = (COMPUTE, WAITED, BESIDE)
-
-
-class Plan(Protocol):
-    """What the timeline reads of ``autopar.result.plan.Plan`` (which imports this module)."""
-
-    mesh: dict[str, Any]
-    nodes: list[Any]
-    collectives: list[Any]
-    memory: Any
-    train: bool
-    pipeline: Any
-
-
-@dataclass(frozen=True, kw_only=True)
-class Span:
-    """One bar of the timeline."""
-
-    name: str
-    track: str
-    """``COMPUTE``, ``WAITED`` or ``BESIDE``."""
-    start_s: float
-    seconds: float
-    phase: str
-    """'forward', 'backward', 'recompute' or 'optimizer' ('bubble': a pp rank's idle gap)."""
-    args: dict[str, Any] = field(default_factory=dict)
 
 
 class _Layout:
@@ -89,7 +64,7 @@ class _Layout:
             self.now += waited
 
 
-def timeline(plan: Plan) -> list[Span]:
+def timeline(plan: PlanRecord) -> list[Span]:
     """The predicted step's spans (module docstring); the last ends at the step time. A
     pipelined plan's are those of the whole step on one stage mesh, not the pipelined step
     (``chrome_trace`` draws that per pp rank)."""
@@ -146,10 +121,9 @@ def _op_name(node: Any) -> str:
     return f"{op} {node.module}" if node.module else op
 
 
-def chrome_trace(plan: Plan) -> dict[str, Any]:
+def chrome_trace(plan: PlanRecord) -> dict[str, Any]:
     """The timeline as a Chrome trace object (microseconds; one process per group of ranks)."""
     if plan.pipeline is not None:
-        from autopar.result.trace_pipeline import pipeline_chrome_trace
         return pipeline_chrome_trace(plan)
     ranks = math.prod(plan.mesh["axes"].values())
     pid = 0
@@ -163,5 +137,5 @@ def chrome_trace(plan: Plan) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(plan: Plan, path: str | Path) -> None:
+def write_chrome_trace(plan: PlanRecord, path: str | Path) -> None:
     Path(path).write_text(json.dumps(chrome_trace(plan)))

@@ -22,7 +22,8 @@ import math
 from typing import Any
 
 from autopar.pipeline.schedule_sim import BACKWARD, FORWARD, INPUT_GRAD, Simulation
-from autopar.result.trace import COMPUTE, WAITED, Span
+from autopar.result.record import PlanRecord
+from autopar.result.spans import COMPUTE, WAITED, Span
 
 P2P = "point-to-point"
 KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward (input and weight gradients)",
@@ -84,7 +85,7 @@ def _value(kind: str) -> str:
     return "activations" if kind == FORWARD else "gradients"
 
 
-def pipeline_chrome_trace(plan: Any) -> dict[str, Any]:
+def pipeline_chrome_trace(plan: PlanRecord) -> dict[str, Any]:
     """The pp ranks' timelines as a Chrome trace object (microseconds; one process per pp rank,
     named with the ranks of the whole mesh it stands for: the pipeline axis is the outermost)."""
     pipe = plan.pipeline

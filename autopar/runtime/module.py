@@ -15,12 +15,14 @@ from autopar.runtime.random import Stream
 from autopar.capture.step import StepSignature
 from autopar.errors import InputError
 from autopar.runtime.microbatch import run_micro_batches
+from autopar.runtime.offload import offloaded_optimizer
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.located import ProgramLocator
 from autopar.runtime.parameters import local_shard
 from autopar.runtime.regather import regather_hooks
 from autopar.runtime.zero1 import ZeroOneShards
+from autopar.runtime.zero1_optimizer import ShardedStateOptimizer
 from autopar.rules.redistribute import redistribute_steps
 from autopar.result.plan import Plan
 
@@ -109,11 +111,9 @@ class ParallelModule(nn.Module):
         there, or, for ZeRO-1 parameters (``plan.memory.zero1``), of this rank's chunk only,
         their gradients reduce-scattered and chunks all-gathered by its step; the same
         training loop runs whatever the plan (``autopar.runtime.offload``, ``runtime.zero1``)."""
-        from autopar.runtime.offload import offloaded_optimizer  # the module imports these
-        from autopar.runtime.zero1_optimizer import ShardedStateOptimizer
-
         if not self.zero1.chunks:
-            return offloaded_optimizer(self, optimizer_class, params, **kwargs)
+            return offloaded_optimizer(self, self.plan.memory.offload, self._tied, optimizer_class,
+                                       params, **kwargs)
         if kwargs.get("offload"):
             raise InputError("this plan shards optimizer state (ZeRO-1, plan.memory.zero1): it does not also "
                              "offload it to the host")

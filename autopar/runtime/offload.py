@@ -34,16 +34,13 @@ tensor's version counter and taken into the master copy at the next step; writes
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from autopar.runtime.wrapped_optimizer import WorkingCopyOptimizer
-
-if TYPE_CHECKING:
-    from autopar.runtime.module import ParallelModule
 
 HOST = torch.device("cpu")
 
@@ -174,14 +171,14 @@ class OffloadedOptimizer(WorkingCopyOptimizer):
         self._load_inner(state_dict)
 
 
-def offloaded_optimizer(pm: ParallelModule, optimizer_class: type[Optimizer], params: Iterable[Any] | None = None,
+def offloaded_optimizer(module: nn.Module, planned: list[str], tied: dict[str, str],
+                        optimizer_class: type[Optimizer], params: Iterable[Any] | None = None,
                         *, offload: Iterable[str] | None = None, **kwargs: Any) -> OffloadedOptimizer:
-    """An optimizer over ``params`` (default: ``pm``'s parameters) that keeps the state of
-    the parameters named in ``offload`` (default: the plan's ``memory.offload``) in host
-    memory. ``kwargs`` go to ``optimizer_class`` (and ``master_dtype``/``pin_memory`` to
-    ``OffloadedOptimizer``)."""
-    names = pm.plan.memory.offload if offload is None else list(offload)
-    tied = getattr(pm, "_tied", {})
-    chosen = [pm.get_parameter(tied.get(fqn, fqn)) for fqn in names]
-    return OffloadedOptimizer(pm.parameters() if params is None else params, optimizer_class,
+    """An optimizer over ``params`` (default: ``module``'s parameters) that keeps the state of
+    the parameters named in ``offload`` (default: ``planned``, the plan's ``memory.offload``; a tied
+    name as ``tied`` maps it) in host memory. ``kwargs`` go to ``optimizer_class`` (and
+    ``master_dtype``/``pin_memory`` to ``OffloadedOptimizer``)."""
+    names = planned if offload is None else list(offload)
+    chosen = [module.get_parameter(tied.get(fqn, fqn)) for fqn in names]
+    return OffloadedOptimizer(module.parameters() if params is None else params, optimizer_class,
                               offload=chosen, **kwargs)

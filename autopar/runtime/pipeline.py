@@ -48,6 +48,7 @@ from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads, 
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
+from autopar.runtime.random import RandomSource
 from autopar.runtime.stages import StageModule, ValueMeta, fake_shard, stage_metas
 from autopar.runtime.tied import TiedGradients
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline

@@ -30,7 +30,7 @@ from autopar.runtime.recompute import Recompute
 from autopar.runtime.regather import BackwardStarts, Regather
 from autopar.runtime.vocab import VocabEmbedding
 from autopar.problem.nodes import BUFFER, INPUT, PARAM
-from autopar.result.plan import param_sync_dims
+from autopar.result.build import param_sync_dims
 from autopar.search.planned import PlannedStep
 
 

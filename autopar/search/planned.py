@@ -19,7 +19,9 @@ from autopar.pipeline.spec import Pipeline
 from autopar.pipeline.stages import Uncut, plan_stages
 from autopar.problem.nodes import PlanGraph
 from autopar.result.notes import context_notes, expert_notes, unsplit_batch_notes
-from autopar.result.plan import Plan, PlanSource, bucket_buffer_bytes, build_plan
+from autopar.result.plan import Plan
+from autopar.result.record import PlanSource
+from autopar.result.build import bucket_buffer_bytes, build_plan
 from autopar.result.table import solver_note
 from autopar.rules.strategy import Strategy, placement_str
 from autopar.search.problem import Problem

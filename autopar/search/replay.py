@@ -11,7 +11,8 @@ from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline
 from autopar.pipeline.stages import Uncut
-from autopar.result.plan import Plan, PlanSource
+from autopar.result.plan import Plan
+from autopar.result.record import PlanSource
 from autopar.search.planned import PlannedStep, finish, with_pipeline
 from autopar.search.problem import Place, Problem, Problems
 from autopar.solver.ilp import Solution
@@ -40,6 +41,8 @@ def replay(problems: Problems, mesh: Mesh, plan: Plan) -> PlannedStep:
             raise InputError(f"the plan's pipeline does not cut this step: {staged.reason}")
         made = staged
     _check_same(made.plan, plan)
+    if plan.pipeline is not None and made.plan.pipeline is not None:  # which stage runs each node: from the graph
+        plan = replace(plan, pipeline=replace(plan.pipeline, stage_of=made.plan.pipeline.stage_of))
     return replace(made, plan=plan)
 
 
