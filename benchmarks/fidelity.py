@@ -14,7 +14,8 @@ fits the device.
   Tokens/s per GPU = global batch x 8192 / step / GPUs; the band is the prediction at the NVL and
   the SXM peaks. PyTorch-eager runs are held to +/-15%. Float8 runs (70B, 405B) are listed and left
   out (``--plan-float8`` plans them in bf16 anyway, for planning time and memory).
-- Megatron: the example GPT at the row's shape on ``a100``: PTD-P rows through
+- Megatron: ``benchmarks/megatron_gpt.py`` (the example GPT with Megatron's 2021 unfused attention
+  and tied output layer; its dropouts left out, see there) at the row's shape on ``a100``: PTD-P rows through
   ``benchmarks/grid_pricing.price_point`` (Megatron's TP plan on tp, parameters replicated on dp,
   full recomputation, micro-batch and 1F1B pinned), ZeRO-3 rows as ``zero={"dp": 3}`` with full
   recomputation. TFLOP/s per GPU by Megatron's eq. 3 over the predicted step. Megatron ran fused
@@ -41,10 +42,10 @@ if str(REPO_ROOT) not in sys.path:
 
 import autopar  # noqa: E402
 from autopar.hardware import GiB, HardwareProfile, get_profile  # noqa: E402
-from benchmarks import titan_llama  # noqa: E402
+from benchmarks import megatron_gpt, titan_llama  # noqa: E402
 from benchmarks.fidelity_runs import (GRAND_TETON_PEAKS, KERNEL_NOTE, MEGATRON_T1, MEGATRON_T2, TITAN,  # noqa: E402
                                       TITAN_NOTE, MegatronRun, TitanRun, grand_teton)
-from benchmarks.grid_pricing import Point, Shape, build, price_point  # noqa: E402
+from benchmarks.grid_pricing import Point, Shape, price_point  # noqa: E402
 from examples import gpt, llama  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "fidelity.json"
@@ -124,9 +125,8 @@ def megatron_row(run: MegatronRun) -> Row:
               config=f"tp{run.tp} pp{run.pp} dp{run.dp}, b {run.micro_batch} x {run.micro_batches}"
               + (", ZeRO-3" if run.zero3 else ""))
     began = time.perf_counter()
+    model, tokens = megatron_gpt.build(run.config(), run.batch)
     if run.zero3:
-        model, tokens = build(Shape(name=run.name, config=run.config(), devices=run.gpus, hardware="a100",
-                                    batch=run.batch))
         plan = autopar.plan(model, autopar.Mesh({"dp": run.gpus}, "a100"), (tokens,), loss_fn=gpt.lm_loss,
                             example_targets=(tokens,), zero={"dp": 3}, checkpoint="full", data_axes=("dp",),
                             micro_batches=run.micro_batches, offload=False, memory_limit=math.inf)
@@ -134,7 +134,6 @@ def megatron_row(run: MegatronRun) -> Row:
     else:
         shape = Shape(name=run.name, config=run.config(), devices=run.gpus, hardware="a100", batch=run.batch,
                       memory_limit=math.inf)
-        model, tokens = build(shape)
         point = Point(tp=run.tp, pp=run.pp, dp=run.dp, sp=False, b=run.micro_batch, m=run.micro_batches,
                       schedule="1f1b" if run.pp > 1 else None, v=1, checkpoint="full")
         priced = price_point(shape, model, tokens, point)

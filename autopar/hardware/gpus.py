@@ -8,8 +8,9 @@ Peaks are datasheet figures; the curves and efficiencies are what published meas
   (github.com/pranjalssh/fast.cu README), and the Maximum Achievable Matmul FLOPS, 794.5 of 989
   (stas00/ml-engineering, compute/accelerator/README.md, "MAMF" table; "H200 is the same").
   A100 bf16 and fp32: NVIDIA's "CUDA 11 Features Revealed" blog, Figure 6 (cuBLAS, m = n = k
-  from 256 to 8192; bf16 reaches 290 TFLOP/s at 8192), capped by the A100's MAMF, 271.2 of 312
-  (86.9%, the same table: what torch reaches at its best shape). H100/H200 fp32 (no TF32, torch's
+  from 256 to 8192; bf16 reaches 290 TFLOP/s at 8192), the bf16 curve scaled so that its top is the
+  A100's MAMF, 271.2 of 312 (86.9%, the same table: what torch reaches at its best shape; the
+  blog's figures are cuBLAS's own best). H100/H200 fp32 (no TF32, torch's
   default): the A100 fp32 curve at the same seconds at peak (x scaled by 67 / 19.5 TFLOP/s),
   an assumption: no per-size fp32 measurement of Hopper is published that we found.
 - Attention: FlashAttention-2 forward + backward (the kernel behind SDPA's flash backend),
@@ -75,7 +76,8 @@ H100_BF16 = _fraction(((1.34e8, 17.8), (2.68e8, 40.0), (5.37e8, 80.0), (1.07e9, 
                        (4.29e9, 363.0), (8.59e9, 490.0), (1.72e10, 605.0), (3.44e10, 700.0), (6.87e10, 745.0),
                        (1.10e12, 794.5)), 989.0)
 A100_BF16 = _fraction(((3.4e7, 5.0), (2.7e8, 28.0), (9.1e8, 65.0), (2.1e9, 88.0), (4.2e9, 150.0), (1.7e10, 195.0),
-                       (2.4e10, 243.0), (5.8e10, 235.0), (1.37e11, 258.0), (4.6e11, 271.2)), 312.0)
+                       (2.4e10, 243.0), (5.8e10, 235.0), (1.37e11, 258.0), (2.7e11, 260.0), (4.6e11, 277.0),
+                       (1.1e12, 290.0)), 312.0).scaled(271.2 / 290.0)
 A100_FP32 = _fraction(((3.4e7, 3.0), (2.7e8, 8.0), (9.1e8, 14.0), (2.1e9, 15.0), (7.2e9, 18.0), (1.7e10, 17.0),
                        (1.37e11, 18.5)), 19.5)
 HOPPER_FP32 = Curve(tuple((x * 67.0 / 19.5, y) for x, y in A100_FP32.points))
