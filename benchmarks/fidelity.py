@@ -17,8 +17,10 @@ fits the device.
 - Megatron: ``benchmarks/megatron_gpt.py`` (the example GPT with Megatron's 2021 unfused attention
   and tied output layer; its dropouts left out, see there) at the row's shape on ``a100``: PTD-P rows through
   ``benchmarks/grid_pricing.price_point`` (Megatron's TP plan on tp, parameters replicated on dp,
-  full recomputation, micro-batch and 1F1B pinned), ZeRO-3 rows as ``zero={"dp": 3}`` with full
-  recomputation. TFLOP/s per GPU by Megatron's eq. 3 over the predicted step. Megatron ran fused
+  full recomputation, micro-batch and 1F1B pinned), pipeline-free rows the same with the micro-batch
+  size (not published) chosen by autopar's memory search under the A100's limit, ZeRO-3 rows as
+  ``zero={"dp": 3}`` with full recomputation and their micro-batch (a row autopar cannot shard as
+  DeepSpeed did is listed and left out). TFLOP/s per GPU by Megatron's eq. 3 over the predicted step. Megatron ran fused
   kernels (``fidelity_runs.KERNEL_NOTE``): these rows show where the profile and they differ.
 
 Usage: ``python benchmarks/fidelity.py [--only NAME ...] [--quick] [--plan-float8] [--json PATH]``.
@@ -39,6 +41,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` and ``benchmarks`` importable when run as a script
+
+import torch  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.hardware import GiB, HardwareProfile, get_profile  # noqa: E402
@@ -122,27 +126,46 @@ def titan_row(run: TitanRun, plan_float8: bool) -> Row:
 
 def megatron_row(run: MegatronRun) -> Row:
     row = Row(name=run.name, unit="TFLOP/s/GPU", measured=run.measured_tflops, notes=[KERNEL_NOTE],
-              config=f"tp{run.tp} pp{run.pp} dp{run.dp}, b {run.micro_batch} x {run.micro_batches}"
-              + (", ZeRO-3" if run.zero3 else ""))
+              config=f"tp{run.tp} pp{run.pp} dp{run.dp}, " + ("ZeRO-3, " if run.zero3 else "")
+              + (f"b {run.micro_batch} x {run.micro_batches}" if run.pp > 1 or run.zero3 else "b searched"))
     began = time.perf_counter()
     model, tokens = megatron_gpt.build(run.config(), run.batch)
-    if run.zero3:
-        plan = autopar.plan(model, autopar.Mesh({"dp": run.gpus}, "a100"), (tokens,), loss_fn=gpt.lm_loss,
-                            example_targets=(tokens,), zero={"dp": 3}, checkpoint="full", data_axes=("dp",),
-                            micro_batches=run.micro_batches, offload=False, memory_limit=math.inf)
-        step_s, peak = plan.predicted.step_time_s, plan.predicted.peak_memory_bytes
-    else:
+    if run.pp > 1:
         shape = Shape(name=run.name, config=run.config(), devices=run.gpus, hardware="a100", batch=run.batch,
                       memory_limit=math.inf)
         point = Point(tp=run.tp, pp=run.pp, dp=run.dp, sp=False, b=run.micro_batch, m=run.micro_batches,
-                      schedule="1f1b" if run.pp > 1 else None, v=1, checkpoint="full")
+                      schedule="1f1b", v=1, checkpoint="full")
         priced = price_point(shape, model, tokens, point)
         step_s, peak = priced.step_s, priced.peak_gib * GiB
+    else:
+        plan = plan_megatron_flat(run, model, tokens)
+        step_s, peak = plan.predicted.step_time_s, plan.predicted.peak_memory_bytes
+        row.config += f" ({plan.memory.describe()})" if not run.zero3 else ""
+        unsharded = [n for n in plan.notes if n.startswith("ZeRO-3 on dp") and "stay replicated" in n]
+        if unsharded:
+            why = unsharded[0].split(":")[1].split("(")[0].strip()
+            row.excluded = f"autopar cannot shard it on dp={run.dp} ({why}; DeepSpeed flattens and pads)"
     row.plan_s = time.perf_counter() - began
-    row.predicted = run.flops() / step_s / run.gpus / 1e12
     a100 = get_profile("a100")
+    assert a100.allocator is not None
     row.predicted_gib, row.fits = a100.allocator.reserved(peak) / GiB, peak <= a100.memory_limit()
+    if not row.excluded:
+        row.predicted = run.flops() / step_s / run.gpus / 1e12
     return row
+
+
+def plan_megatron_flat(run: MegatronRun, model: gpt.GPT, tokens: torch.Tensor) -> autopar.Plan:
+    """A pipeline-free row: ZeRO-3 with its published micro-batch, or Megatron's TP plan with
+    parameters replicated on dp, the micro-batch size (not published) left to autopar's memory
+    search under the A100's limit."""
+    common = {"loss_fn": gpt.lm_loss, "example_targets": (tokens,), "checkpoint": "full", "data_axes": ("dp",),
+              "offload": False}
+    if run.zero3:
+        return autopar.plan(model, autopar.Mesh({"dp": run.gpus}, "a100"), (tokens,), zero={"dp": 3},
+                            micro_batches=run.micro_batches, memory_limit=math.inf, **common)
+    axes = {"dp": run.dp, "tp": run.tp} if run.tp > 1 else {"dp": run.dp}
+    return autopar.plan(model, autopar.Mesh(axes, "a100"), (tokens,), zero={"dp": 0},
+                        **({"constraints": gpt.TP_PLAN} if run.tp > 1 else {}), **common)
 
 
 def fmt(row: Row) -> str:

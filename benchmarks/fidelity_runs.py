@@ -28,8 +28,7 @@ micro-batch 1), 175B at global batch 1536, 530B at 2240 (2560 on 640 GPUs).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from autopar.hardware import GB, TFLOPS, HardwareProfile, get_profile
 from benchmarks import titan_llama
@@ -89,7 +88,8 @@ class MegatronRun:
     measured_tflops: float
     zero3: bool = False
     """DeepSpeed ZeRO-3 without model parallelism (Table 2's baseline)."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    seq: int = 2048
+    vocab: int = 51200
 
     @property
     def dp(self) -> int:
@@ -100,13 +100,13 @@ class MegatronRun:
         return self.batch // (self.dp * self.micro_batch)
 
     def config(self) -> gpt.GPTConfig:
-        return gpt.GPTConfig(vocab_size=51200, max_seq_len=2048, hidden=self.hidden, heads=self.heads,
+        return gpt.GPTConfig(vocab_size=self.vocab, max_seq_len=self.seq, hidden=self.hidden, heads=self.heads,
                              layers=self.layers)
 
     def flops(self) -> float:
         """Megatron's eq. 3: 96 B s l h^2 (1 + s/6h + V/16lh) per step, recomputation counted."""
-        b, s, l, h = self.batch, 2048, self.layers, self.hidden
-        return 96 * b * s * l * h * h * (1 + s / (6 * h) + 51200 / (16 * l * h))
+        b, s, l, h = self.batch, self.seq, self.layers, self.hidden
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + self.vocab / (16 * l * h))
 
 
 TITAN = (
