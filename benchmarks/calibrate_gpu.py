@@ -18,7 +18,8 @@ What one device cannot measure (NCCL bus bandwidth, its buffers, fragmentation a
 step's allocations, the links) stays the base profile's (``--base``, default from the device
 name). The file records the device, torch version and date in ``source``.
 
-Budget: the default sizes run in about two minutes on an H100 (well under five). ``--tiny`` runs
+Budget: the default sizes are chosen for under five minutes on an A100 or H100 (the largest calls
+are 8192^3 matmuls and 8k-token attention, 20 timed repetitions each; not yet run on one). ``--tiny`` runs
 small sizes on whatever device is given (CPU in CI) in seconds: the figures are then the CPU's,
 written over the ``cpu`` base, and only show that the script works.
 
