@@ -37,7 +37,6 @@ from autopar.solver.zigzag import state_pins
 from autopar.solver.pipeline import Pipeline, as_pipeline
 from autopar.solver.context_kind import pin_context_attention
 from autopar.step import PlannedStep, PreparedStep, _stage, finish_step, paused_gc, prepare_layouts, repriced
-from autopar.units import fmt_bytes
 
 __all__ = ["PlannedStep", "PreparedStep", "finish_step", "plan", "plan_step", "prepare_step", "solve_step"]
 
@@ -317,10 +316,7 @@ def _limit_origin(mesh: Mesh, memory_limit: float | None, memory_headroom: float
     """Where the memory limit comes from, for a memory-limit error ("" when the user gave it)."""
     if memory_limit is not None:
         return ""
-    hw = mesh.hardware
-    return (f"the {hw.name}'s {fmt_bytes(hw.memory_bytes)} less a headroom of "
-            f"{hw.memory_headroom if memory_headroom is None else memory_headroom:.0%}: memory_headroom= or "
-            "--memory-headroom changes it")
+    return mesh.hardware.memory_limit_origin(memory_headroom) + ": memory_headroom= or --memory-headroom changes it"
 
 
 def _apply_pins(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, constraints: dict[str, object] | None,

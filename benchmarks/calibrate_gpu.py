@@ -44,7 +44,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # this checkout's autopar, not an installed one
 
 from autopar.errors import InputError  # noqa: E402
-from autopar.hardware import (PROFILES, AllocatorMargin, AttentionCurve, Curve, HardwareProfile,  # noqa: E402
+from autopar.hardware import (PROFILES, AttentionCurve, Curve, HardwareProfile,  # noqa: E402
                               get_profile, save_profile)
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "calibrated_profile.json"

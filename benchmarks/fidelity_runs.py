@@ -140,7 +140,8 @@ _GPT3 = {"layers": 96, "hidden": 12288, "heads": 96}
 _530B = {"layers": 105, "hidden": 20480, "heads": 128}
 MEGATRON_T2 = (
     *(MegatronRun(name=f"megatron T2 175B ZeRO-3 {n}", table="2", gpus=n, batch=1536, tp=1, pp=1, micro_batch=b,
-                  measured_tflops=tf, zero3=True, **_GPT3) for n, b, tf in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))),
+                  measured_tflops=tf, zero3=True, **_GPT3)
+      for n, b, tf in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))),
     *(MegatronRun(name=f"megatron T2 530B ZeRO-3 {n}", table="2", gpus=n, batch=batch, tp=1, pp=1, micro_batch=b,
                   measured_tflops=tf, zero3=True, **_530B)
       for n, batch, b, tf in ((640, 2560, 4, 138), (1120, 2240, 2, 98), (2240, 2240, 1, 48))),

@@ -82,7 +82,7 @@ class Shape:
     batch: int
     """Global batch, sequences."""
     memory_limit: float | None = None
-    """Bytes per device; None: the hardware's default (its memory less 10%)."""
+    """Bytes per device; None: the hardware's default (``HardwareProfile.memory_limit()``)."""
     published_tflops: float | None = None
     """Published TFLOP/s per device of ``published``."""
     published: Point | None = None

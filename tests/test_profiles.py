@@ -134,6 +134,7 @@ def test_gpu_memory_limit_prices_the_allocator_margin() -> None:
     assert h100.memory_limit() == pytest.approx((80 * GiB - 0.4e9 - 2.12e9) * 0.9)
     assert h100.memory_limit(0.2) == 80 * GiB * 0.8  # an explicit headroom still wins
     assert h100.allocator.reserved(0.9) == pytest.approx(1.0)
+    assert "NCCL's buffers" in h100.memory_limit_origin() and "headroom of 20%" in h100.memory_limit_origin(0.2)
     with pytest.raises(InputError, match="headroom"):
         h100.memory_limit(1.5)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from autopar.errors import InputError
 from autopar.hardware.curve import Curve
+from autopar.units import fmt_bytes
 
 GB = 1e9
 GiB = 2**30
@@ -197,6 +198,16 @@ class HardwareProfile:
         if not 0 <= headroom < 1:
             raise InputError(f"memory headroom is a fraction of device memory in [0, 1), got {headroom!r}")
         return self.memory_bytes * (1 - headroom)
+
+    def memory_limit_origin(self, headroom: float | None = None) -> str:
+        """How ``memory_limit(headroom)`` is made, in words (for a memory-limit error)."""
+        size = fmt_bytes(self.memory_bytes)
+        if headroom is None and self.allocator is not None:
+            a = self.allocator
+            return (f"the {self.name}'s {size} less the CUDA context ({fmt_bytes(a.context_bytes)}), NCCL's buffers "
+                    f"({fmt_bytes(a.nccl_bytes)}) and the caching allocator's fragmentation ({a.fragmentation:.0%})")
+        fraction = self.memory_headroom if headroom is None else headroom
+        return f"the {self.name}'s {size} less a headroom of {fraction:.0%}"
 
     def matmul_curve(self, precision: str) -> Curve | None:
         """The matmul efficiency curve of ``precision`` (None: ``compute_efficiency``)."""
