@@ -80,6 +80,13 @@ class Row:
         return None if self.predicted is None else self.predicted / self.measured - 1
 
 
+def reserved_gib(profile: HardwareProfile, peak_bytes: float) -> tuple[float, bool]:
+    """(GiB the caching allocator reserves for a peak of ``peak_bytes`` live tensors, the peak as it
+    is without an allocator margin; whether the plan fits the profile's default limit)."""
+    reserved = profile.allocator.reserved(peak_bytes) if profile.allocator is not None else peak_bytes
+    return reserved / GiB, peak_bytes <= profile.memory_limit()
+
+
 def plan_titan(run: TitanRun, profile: HardwareProfile) -> autopar.Plan:
     """``run`` planned as published on ``profile`` (module docstring); the memory limit lifted so
     that no memory search changes the pinned configuration."""
@@ -113,10 +120,7 @@ def titan_row(run: TitanRun, plan_float8: bool) -> Row:
         plan = plan_titan(run, profile)
         tps.append(run.batch * run.config.seq / plan.predicted.step_time_s / gpus)
         if peak == GRAND_TETON_PEAKS[1]:
-            peak_bytes = plan.predicted.peak_memory_bytes
-            assert profile.allocator is not None
-            row.predicted_gib = profile.allocator.reserved(peak_bytes) / GiB
-            row.fits = peak_bytes <= profile.memory_limit()
+            row.predicted_gib, row.fits = reserved_gib(profile, plan.predicted.peak_memory_bytes)
     row.plan_s = (time.perf_counter() - began) / len(GRAND_TETON_PEAKS)
     row.predicted, row.band = tps[1], (tps[0], tps[2])
     if run.checkpoint == "selective":
@@ -140,15 +144,15 @@ def megatron_row(run: MegatronRun) -> Row:
     else:
         plan = plan_megatron_flat(run, model, tokens)
         step_s, peak = plan.predicted.step_time_s, plan.predicted.peak_memory_bytes
-        row.config += f" ({plan.memory.describe()})" if not run.zero3 else ""
+        if not run.zero3:
+            m = plan.memory.micro_batches
+            row.config = row.config.replace("b searched", f"b {run.batch // (run.dp * m)} x {m} (searched)")
         unsharded = [n for n in plan.notes if n.startswith("ZeRO-3 on dp") and "stay replicated" in n]
         if unsharded:
             why = unsharded[0].split(":")[1].split("(")[0].strip()
             row.excluded = f"autopar cannot shard it on dp={run.dp} ({why}; DeepSpeed flattens and pads)"
     row.plan_s = time.perf_counter() - began
-    a100 = get_profile("a100")
-    assert a100.allocator is not None
-    row.predicted_gib, row.fits = a100.allocator.reserved(peak) / GiB, peak <= a100.memory_limit()
+    row.predicted_gib, row.fits = reserved_gib(get_profile("a100"), peak)
     if not row.excluded:
         row.predicted = run.flops() / step_s / run.gpus / 1e12
     return row
