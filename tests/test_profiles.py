@@ -86,6 +86,18 @@ def test_a_matmul_is_priced_on_the_curve_and_attention_on_its_own() -> None:
     assert linear.forward_s == pytest.approx(flops / (989e12 * get_profile("h100").matmul_curve("bf16")(flops)),
                                              rel=1e-6)
 
+    class Attention(torch.nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.randn(1, 16, 4096, 128)
+    plan = autopar.plan(Attention(), autopar.Mesh({"dp": 1}, "h100"), (q, q, q), loss_fn=lambda y: y.sum(),
+                        train=False)
+    sdpa = next(n for n in plan.nodes if n.op == "aten.scaled_dot_product_attention.default")
+    flops = 4 * 16 * 4096**2 * 128 / 2  # causal: half the pairs
+    assert sdpa.forward_s == pytest.approx(flops / (989e12 * get_profile("h100").attention_curve(128, True)(4096)),
+                                           rel=1e-6)
+
 
 # OpenXLA's measured H100 collective table (xla/service/gpu/model/collective_interpolator_data.h,
 # sm_90, 8 GPUs in one node): M bytes (all-gather: gathered; reduce-scatter: before scattering)
