@@ -168,16 +168,16 @@ def main(argv: list[str] | None = None) -> int:
                             init_method=f"tcp://127.0.0.1:{free_port()}")
     try:
         torch.manual_seed(0)
-        with torch.device(device):
-            model = llama.Llama(cfg)
+        model = llama.Llama(cfg)  # on the host: compile puts its own copy on the device, eager runs a copy later
         eager_model = copy.deepcopy(model)
         tokens, targets = batch(cfg, size, device)
         result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "profile": profile.name, "parameters": sum(p.numel() for p in model.parameters()),
                   "batch": size, "seq": cfg.max_seq_len,
                   "autopar": run_autopar(model, tokens, targets, device, profile, args.steps, args.warmup)}
-        del model
-        result["eager"] = run_eager(eager_model, tokens, targets, device, args.steps, args.warmup)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the compiled module is gone: eager starts from an empty device
+        result["eager"] = run_eager(eager_model.to(device), tokens, targets, device, args.steps, args.warmup)
     finally:
         dist.destroy_process_group()
     report(result)
