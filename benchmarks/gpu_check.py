@@ -23,7 +23,6 @@ Writes benchmarks/results/gpu_check.json.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import socket
 import sys
@@ -90,14 +89,26 @@ def batch(cfg: llama.LlamaConfig, size: int, device: torch.device) -> tuple[torc
     return tokens.to(device), torch.roll(tokens, -1, dims=1).to(device)
 
 
-def run_autopar(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device,
+def build(cfg: llama.LlamaConfig, device: torch.device) -> llama.Llama:
+    """The model on ``device``, initialised alike for both runs."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        return llama.Llama(cfg)
+
+
+def run_autopar(cfg: llama.LlamaConfig, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device,
                 profile: HardwareProfile, steps: int, warmup: int) -> dict[str, Any]:
-    """The compiled step on a one-device mesh: measured and predicted."""
+    """The compiled step on a one-device mesh: measured and predicted (the model handed to
+    compile is dropped once compiled, so only the module's own tensors stay on the device)."""
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
+    model = build(cfg, device)
     began = time.perf_counter()
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=llama.lm_loss, example_targets=(targets,),
                          hardware=profile, precision="bf16")
     compile_s = time.perf_counter() - began
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)
 
     def step() -> None:
@@ -167,17 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{free_port()}")
     try:
-        torch.manual_seed(0)
-        model = llama.Llama(cfg)  # on the host: compile puts its own copy on the device, eager runs a copy later
-        eager_model = copy.deepcopy(model)
         tokens, targets = batch(cfg, size, device)
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in llama.Llama(cfg).parameters())
         result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  "profile": profile.name, "parameters": sum(p.numel() for p in model.parameters()),
-                  "batch": size, "seq": cfg.max_seq_len,
-                  "autopar": run_autopar(model, tokens, targets, device, profile, args.steps, args.warmup)}
+                  "profile": profile.name, "parameters": parameters, "batch": size, "seq": cfg.max_seq_len,
+                  "autopar": run_autopar(cfg, tokens, targets, device, profile, args.steps, args.warmup)}
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the compiled module is gone: eager starts from an empty device
-        result["eager"] = run_eager(eager_model.to(device), tokens, targets, device, args.steps, args.warmup)
+        result["eager"] = run_eager(build(cfg, device), tokens, targets, device, args.steps, args.warmup)
     finally:
         dist.destroy_process_group()
     report(result)
