@@ -23,7 +23,6 @@ from autopar.memory.options import MemoryOptions, check_zero
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline, as_pipeline
 from autopar.rules import DEFAULT_RULES, RuleSet
-from autopar.units import fmt_bytes
 
 BUCKET_ALIGN_BYTES = 8
 """``bucket_bytes`` is a multiple of this: a whole number of elements of any gradient dtype."""
@@ -94,10 +93,7 @@ class MemoryConfig:
         """Where the limit comes from, for a memory-limit error ("" when the user gave it)."""
         if self.limit_bytes is not None:
             return ""
-        hw = mesh.hardware
-        headroom = hw.memory_headroom if self.headroom is None else self.headroom
-        return (f"the {hw.name}'s {fmt_bytes(hw.memory_bytes)} less a headroom of {headroom:.0%}: memory_headroom= "
-                "or --memory-headroom changes it")
+        return mesh.hardware.memory_limit_origin(self.headroom) + ": memory_headroom= or --memory-headroom changes it"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,11 @@ class AxisLink:
     """Seconds per collective step."""
     intra_node: bool
     """True when every group along this axis sits inside one node (NVLink)."""
+    ranks_per_node: int = 1
+    """Devices of one group along this axis that share a node: the axis's whole size inside a
+    node; across nodes, those the node holds of it (a flat data axis over 8-device nodes: 8; an
+    axis outside an 8-wide inner axis: 1). A group's traffic across nodes spreads over that
+    many NICs (``HardwareProfile.bus_bandwidth_of``)."""
 
 
 @dataclass(frozen=True, init=False)
@@ -122,8 +127,11 @@ class Mesh:
         span = math.prod(self.shape[dim:])
         hw = self.hardware
         if span <= self.devices_per_node:
-            return AxisLink(hw.intra_node_bandwidth * hw.network_efficiency, hw.intra_node_latency, True)
-        return AxisLink(hw.inter_node_bandwidth * hw.network_efficiency, hw.inter_node_latency, False)
+            return AxisLink(hw.intra_node_bandwidth * hw.network_efficiency, hw.intra_node_latency, True,
+                            self.shape[dim])
+        inner = math.prod(self.shape[dim + 1:])
+        per_node = max(1, min(self.shape[dim], self.devices_per_node // inner))
+        return AxisLink(hw.inter_node_bandwidth * hw.network_efficiency, hw.inter_node_latency, False, per_node)
 
     def describe(self) -> str:
         return " x ".join(f"{n}={s}" for n, s in self.axes.items())

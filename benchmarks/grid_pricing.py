@@ -84,7 +84,7 @@ class Shape:
     batch: int
     """Global batch, sequences."""
     memory_limit: float | None = None
-    """Bytes per device; None: the hardware's default (its memory less 10%)."""
+    """Bytes per device; None: the hardware's default (``HardwareProfile.memory_limit()``)."""
     published_tflops: float | None = None
     """Published TFLOP/s per device of ``published``."""
     published: Point | None = None
@@ -219,12 +219,13 @@ def _priced(shape: Shape, point: Point, plan: autopar.Plan, params: int) -> Pric
 
 
 def price_config(shape: Shape, model: nn.Module, tokens: torch.Tensor, point: Point,
-                 choices: list[tuple[str | None, int]]) -> list[Priced]:
+                 choices: list[tuple[str | None, int]], **extra: Any) -> list[Priced]:
     """``point`` at each (schedule, v) of ``choices``, priced by autopar: the stage mesh planned once as
     ``autopar.plan`` plans a pinned pipeline (``search.stage_plans.StageMesh``; no memory limit, so that no
-    memory search changes the pinned configuration), each choice priced on it by ``with_pipeline``."""
+    memory search changes the pinned configuration), each choice priced on it by ``with_pipeline``; ``extra``:
+    further ``autopar.plan`` options (``random_stream``)."""
     mesh = autopar.Mesh(mesh_axes(point.pp, point.dp, point.tp), hardware=shape.hardware)
-    options = {**pins(shape, tokens, point), "memory_limit": math.inf}
+    options = {**pins(shape, tokens, point), "memory_limit": math.inf, **extra}
     params = parameters(model)
     if point.pp == 1:
         plan = autopar.plan(model, mesh, (tokens,), micro_batches=point.m, **options)
@@ -243,9 +244,9 @@ def price_config(shape: Shape, model: nn.Module, tokens: torch.Tensor, point: Po
     return out
 
 
-def price_point(shape: Shape, model: nn.Module, tokens: torch.Tensor, point: Point) -> Priced:
+def price_point(shape: Shape, model: nn.Module, tokens: torch.Tensor, point: Point, **extra: Any) -> Priced:
     """One pinned point (Megatron's published configuration)."""
-    return price_config(shape, model, tokens, point, [(point.schedule, point.v)])[0]
+    return price_config(shape, model, tokens, point, [(point.schedule, point.v)], **extra)[0]
 
 
 def price_grid(shape: Shape, model: nn.Module, tokens: torch.Tensor, grid: Grid) -> GridResult:

@@ -10,7 +10,8 @@ batch / (dp b) micro-batches, at least pp for 1F1B), schedule 1F1B or interleave
 stages per rank (``Pipeline(schedule=..., micro_batches=..., virtual_stages=...)``; pp = 1: no
 pipeline, the micro-batches as gradient accumulation), and full activation checkpointing or none.
 Mesh axes ``{"pp": pp, "dp": dp, "tp": tp}``, pp outermost; memory limit the hardware default
-(80 GiB less 10%). Points whose busiest rank does not fit are skipped and counted.
+(``HardwareProfile.memory_limit()``: 80 GiB less the allocator margin). Points whose busiest rank
+does not fit are skipped and counted.
 
 Tractable without cheating: the stage mesh is planned once per (tp, sp, pp, b, checkpointing),
 exactly as ``autopar.plan`` plans a pinned pipeline (``search.stage_plans.StageMesh``, the memory

@@ -4,7 +4,7 @@ Every plan is made by ``autopar.plan`` on a meta-device model (nothing runs): th
 Llama (``examples/llama.py``) at the Llama-3-8B shape (vocab 128256, hidden 4096, 32 layers,
 32 heads / 8 kv heads, ffn 14336, rope_theta 500000), fp32 parameters (as ``memory_sweep``),
 at sequence lengths 4k to 128k, on 8 and 64 H100s at the H100's default memory limit
-(80 GiB less 10% headroom).
+(80 GiB less the allocator margin: ``HardwareProfile.memory_limit()``).
 
 Token budget: 32k tokens (8 x 4096) per group of 8 GPUs, at least one sequence: the global
 batch is ``max(1, 32768 // seq) * devices // 8`` sequences (8 GPUs: 8, 4, 2, 1, 1, 1; 64 GPUs:

@@ -22,7 +22,7 @@ plans (``api.planning.prepare``, ``search.ilp.solve``, ``search.planned.finish``
 between: the same pin mechanism ``constraints=`` and ``zero=`` use, applied to the expert weights of
 every block alike (the folding of repeated blocks stays valid). Each point is solved without a
 memory limit (as grid_pricing does, so no memory search changes the pinned configuration) and
-skipped if its predicted peak is over the limit (the hardware's default, 80 GiB less 10%).
+skipped if its predicted peak is over the limit (the hardware's default: 80 GiB less the allocator margin).
 
 autopar's plan: for each ep in ``Shape.eps``, mesh ``{"dp": devices // (ep 8), "ep": ep, "tp": 8}`` with
 ``data_axes=("dp", "ep")``, ``expert_axes=("ep",)``, nothing else pinned (the ILP decides what the tp

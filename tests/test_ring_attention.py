@@ -94,7 +94,8 @@ def test_ring_pricing_by_hand() -> None:
     precision = get_precision("fp32", torch.float32)
     assert ring_step_flops(call, strategy, 2, mesh) == [512.0, 512.0]
     block = CollectiveCall(SEND_RECV, 0, 256)
-    t = mesh.hardware.collective_overhead + mesh.link(0).latency + 256 / mesh.link(0).bandwidth
+    bandwidth = mesh.hardware.bus_bandwidth_of(SEND_RECV, True) or mesh.link(0).bandwidth  # measured, else the link's
+    t = mesh.hardware.collective_overhead + mesh.link(0).latency + 256 / bandwidth
     assert collective_time(block, mesh) == pytest.approx(t)
     c = roofline_time(512.0, 0.0, mesh, precision)
     transfers = ring_transfers(call, strategy, mesh, precision, train=True)

@@ -46,7 +46,7 @@ def few_kv_heads() -> Llama:
                                      ffn_hidden=2816, layers=4))
 
 
-TIGHT = dataclasses.replace(H100, name="h100-400MB", memory_bytes=400e6, memory_headroom=0.0)
+TIGHT = dataclasses.replace(H100, name="h100-400MB", memory_bytes=400e6, memory_headroom=0.0, allocator=None)
 """A device too small for the model's decode steps at tp=1 (weights and a batch of 128's cache: 528 MiB)."""
 
 
@@ -205,7 +205,7 @@ def test_a_servable_mixture_of_experts_splits_its_experts_within_a_replica() -> 
                         layers=2, experts=16, top_k=2)
     with torch.device("meta"):
         model = moe.MoETransformer(cfg)
-    small_device = dataclasses.replace(H100, name="h100-600MB", memory_bytes=600e6, memory_headroom=0.0)
+    small_device = dataclasses.replace(H100, name="h100-600MB", memory_bytes=600e6, memory_headroom=0.0, allocator=None)
     plan = autopar.plan_serving(model, autopar.Cluster(devices=2, hardware=small_device), WORKLOAD, SLO,
                                 tp_degrees=(1, 2),
                                 pp_degrees=(1,), disaggregated=False, **FAST)
@@ -225,7 +225,12 @@ def test_open_limits_pick_a_smaller_decode_batch_under_a_tight_tpot(small: Llama
     """Searched limits beat vLLM's 256 pinned, with a smaller batch; and never do worse than the defaults, which
     they include (here also at a loose SLO, where the defaults stay). The gain is ~4%: a limit is kept when it
     beats the search's precision, so it runs at 2%."""
-    cluster = autopar.Cluster(devices=2)
+    # The gain sits where the decode step crosses the TPOT, so the test keeps the flat figures it was
+    # written against (before issue 31's measured curves: one compute and memory efficiency, no
+    # measured bus bandwidth or allocator margin); with the measured ones no smaller batch helps here.
+    flat = dataclasses.replace(H100, memory_efficiency=0.8, matmul_efficiency=(), attention_efficiency=(),
+                               bus_bandwidth=(), allocator=None, intra_node_latency=5e-6)
+    cluster = autopar.Cluster(devices=2, hardware=flat)
     pinned = autopar.plan_serving(small, cluster, WORKLOAD, TIGHT_TPOT, tp_degrees=(1,), rel_tol=0.02,
                                   max_batch=256, token_budget=2048)
     open_ = autopar.plan_serving(small, cluster, WORKLOAD, TIGHT_TPOT, tp_degrees=(1,), rel_tol=0.02)

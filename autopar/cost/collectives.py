@@ -4,11 +4,16 @@ Ring algorithms (REFERENCE.md): all-reduce 2(n-1)a + 2(n-1)/n M/b; all-gather an
 reduce-scatter (n-1)a + (n-1)/n M/b with M the gathered size; all-to-all
 (n-1)a + (n-1)/n M/b with M the bytes a device holds. A ring step's send to the next rank
 (``rules.ring.SEND_RECV``, ring attention): a + M/b, M the bytes sent (``point_to_point_time``).
+b is the bus bandwidth the profile measured for that collective on that link
+(``link_bandwidth``), else the link's bandwidth x ``network_efficiency``; with a the per-call
+cost, the bus bandwidth this reaches by message size, (bytes / M) / time, is what nccl-tests
+measure (``bus_bandwidth``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Placement, Replicate
@@ -52,7 +57,24 @@ def transfer_time(call: CollectiveCall, mesh: Mesh) -> float:
     """The bandwidth term of one collective: linear in ``nbytes``, so per-tensor shares of a
     bucket add up to the bucket's; on a zig-zag axis with the local reorder of its bytes
     (``zigzag_reorder_time``, linear too)."""
-    return bytes_moved(call, mesh) / mesh.link(call.mesh_dim).bandwidth + zigzag_reorder_time(call, mesh)
+    return bytes_moved(call, mesh) / link_bandwidth(call.kind, call.mesh_dim, mesh) + zigzag_reorder_time(call, mesh)
+
+
+def link_bandwidth(kind: str, mesh_dim: int, mesh: Mesh) -> float:
+    """Bytes/s of collective ``kind``'s bandwidth term along ``mesh_dim``: the profile's measured
+    bus bandwidth of that kind over the axis's link (across nodes, over the NICs of the group's
+    devices in each node: ``HardwareProfile.bus_bandwidth_of``), else the link's."""
+    link = mesh.link(mesh_dim)
+    measured = mesh.hardware.bus_bandwidth_of(kind, link.intra_node, link.ranks_per_node)
+    return link.bandwidth if measured is None else measured
+
+
+def bus_bandwidth(kind: str, nbytes: float, mesh_dim: int, mesh: Mesh) -> float:
+    """The bus bandwidth (nccl-tests' busbw: bytes moved per device over the time) one collective
+    of M = ``nbytes`` reaches along ``mesh_dim``, as this module prices it."""
+    call = CollectiveCall(kind, mesh_dim, int(nbytes))
+    time = point_to_point_time(nbytes, mesh_dim, mesh) if kind == SEND_RECV else collective_time(call, mesh)
+    return bytes_moved(call, mesh) / time if time > 0 else math.inf
 
 
 def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
@@ -78,8 +100,8 @@ def zigzag_reorder_time(call: CollectiveCall, mesh: Mesh) -> float:
 def point_to_point_time(nbytes: float, mesh_dim: int, mesh: Mesh) -> float:
     """Alpha-beta time of one send of ``nbytes`` to a neighbour along ``mesh_dim`` (a pipeline's
     activations or gradients): the call's fixed cost, one latency and the bytes over the link."""
-    link = mesh.link(mesh_dim)
-    return mesh.hardware.collective_overhead + link.latency + nbytes / link.bandwidth
+    return (mesh.hardware.collective_overhead + mesh.link(mesh_dim).latency
+            + nbytes / link_bandwidth(SEND_RECV, mesh_dim, mesh))
 
 
 def bytes_moved(call: CollectiveCall, mesh: Mesh) -> float:

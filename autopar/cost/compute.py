@@ -198,12 +198,41 @@ def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta
     return float(sum(read) + sum(written))
 
 
-def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision) -> float:
-    """Seconds for one device: bound by compute or by memory traffic, whichever is slower."""
+def roofline_time(flops: float, nbytes: float, mesh: Mesh, precision: Precision,
+                  efficiency: float | None = None) -> float:
+    """Seconds for one device: bound by compute (at ``efficiency`` of peak, default the profile's
+    ``compute_efficiency``; ``op_efficiency`` gives an op's) or by memory traffic, whichever is
+    slower."""
     hw = mesh.hardware
-    compute = flops / (hw.peak_flops(precision.name) * hw.compute_efficiency)
+    compute = flops / (hw.peak_flops(precision.name) * (hw.compute_efficiency if efficiency is None else efficiency))
     memory = nbytes / (hw.memory_bandwidth * hw.memory_efficiency)
     return max(compute, memory)
+
+
+MATMUL_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+                        aten.linear.default, aten.einsum.default, aten.baddbmm.default})
+"""Ops priced on the profile's matmul curve (with grouped matmuls and MoE experts)."""
+
+
+def op_efficiency(call: OpCall, strategy: Strategy, flops: float, mesh: Mesh, precision: Precision) -> float:
+    """Fraction of ``precision``'s peak the op's compute reaches on one device of ``mesh``: a
+    matmul at its FLOPs per call (``flops``, the rank's) on the profile's matmul curve; fused
+    attention (bf16) at its key length on the rank and head dim on the attention curve; other
+    ops, and any the profile has no curve for, at ``compute_efficiency``."""
+    hw = mesh.hardware
+    target = call.target
+    if target in ATTENTION_OPS and precision.name == "bf16" and len(call.tensor_inputs) >= 2:
+        q, k = call.tensor_inputs[0], call.tensor_inputs[1]
+        curve = hw.attention_curve(q.shape[-1], bool(call.get("is_causal", False)))
+        if curve is not None:
+            splits = [p for p in strategy.inputs[1]] if len(strategy.inputs) > 1 else []
+            ways = math.prod(n for p, n in zip(splits, mesh.shape) if shard_dim(p) == k.ndim - 2)
+            return curve(k.shape[-2] / ways)
+    if target in MATMUL_OPS or is_grouped_mm(target) or is_moe(target):
+        curve = hw.matmul_curve(precision.name)
+        if curve is not None and flops > 0:
+            return curve(flops)
+    return hw.compute_efficiency
 
 
 def with_fixed_cost(work: float, fixed: float, hw: HardwareProfile) -> float:

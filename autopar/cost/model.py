@@ -13,8 +13,8 @@ from torch.distributed.tensor import Partial
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, rank_flops, ring_launches, ring_of,
-                                  roofline_time, with_fixed_cost)
+from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_efficiency, rank_flops, ring_launches,
+                                  ring_of, roofline_time, with_fixed_cost)
 from autopar.cost.draws import draw_time
 from autopar.cost.moe import compute_factor, is_moe, pair_share
 from autopar.cost.offload import offloaded_parameter
@@ -127,7 +127,7 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
     # Each tensor at its local size: a Partial or replicated tensor is whole on every rank.
     nbytes = op_bytes(call.target, call.tensor_inputs, call.outputs, ctx.precision,
                       lambda meta, k: local_numel(meta, placements[k] or (), mesh.shape))
-    work = roofline_time(flops, nbytes, mesh, ctx.precision)
+    work = roofline_time(flops, nbytes, mesh, ctx.precision, op_efficiency(call, strategy, flops, mesh, ctx.precision))
     hw = mesh.hardware
     kernel = call.target not in VIEW_OPS  # a view runs no kernel: priced free
     ring = ring_of(call, strategy) is not None  # ring attention launches ops per block (``ring_launches``)

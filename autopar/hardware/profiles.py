@@ -1,115 +1,24 @@
-"""Hardware profiles: the figures the cost model prices a plan with.
+"""The hardware profiles the cost model prices plans with, by name (``--hardware h100``).
 
-Every figure names its public source. Bandwidths are per device and per direction,
-in bytes/s; latencies in seconds. ``*_efficiency`` factors scale peaks to what
-well-tuned kernels and collectives reach in practice (MFU of large matmuls,
-bus bandwidth of NCCL rings), so predicted step times are achievable, not peak.
+Every figure names its public source. Bandwidths are per device and per direction, in
+bytes/s; latencies in seconds. The GPU profiles' measured curves (matmul by FLOPs per call,
+attention by sequence and head dim, NCCL bus bandwidth per collective, the allocator's margin)
+are in ``autopar.hardware.gpus``; the ``*_efficiency`` factors scale peaks for what no curve
+covers, so predicted step times are achievable, not peak.
 
-A plan's default memory limit is the device memory less ``memory_headroom`` (10%):
-the plan counts parameters, optimizer state and activations, not the CUDA context,
-library workspaces (cuBLAS, NCCL buffers) or the caching allocator's fragmentation, so
-a plan filling the whole device does not run. 10% is what vLLM leaves by default
-(``--gpu-memory-utilization`` 0.9, https://docs.vllm.ai/en/latest/models/engine_args.html);
-PyTorch documents that free memory is less than capacity
-(https://pytorch.org/docs/stable/generated/torch.cuda.set_per_process_memory_fraction.html).
+A plan's default memory limit is ``HardwareProfile.memory_limit()``: on GPUs the device memory
+less what the CUDA context, NCCL's buffers and the caching allocator's fragmentation take
+(``AllocatorMargin``, sources in ``gpus``); on the cpu profile the memory less
+``memory_headroom`` (10%: what vLLM leaves by default, ``--gpu-memory-utilization`` 0.9,
+https://docs.vllm.ai/en/latest/models/engine_args.html; PyTorch documents that free memory is
+less than capacity, https://pytorch.org/docs/stable/generated/torch.cuda.set_per_process_memory_fraction.html).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from autopar.errors import InputError
-
-GB = 1e9
-GiB = 2**30
-TFLOPS = 1e12
-
-
-@dataclass(frozen=True, kw_only=True)
-class HardwareProfile:
-    """What one device of a cluster can do."""
-
-    name: str
-    """Short name used on the command line (``--hardware h100``)."""
-    peak_flops_bf16: float
-    """Dense bf16 tensor-core FLOP/s."""
-    peak_flops_fp32: float
-    """Dense fp32 FLOP/s (not TF32)."""
-    memory_bandwidth: float
-    """Device memory bandwidth, bytes/s."""
-    memory_bytes: int
-    """Device memory size, bytes (the default per-device limit is this less ``memory_headroom``)."""
-    intra_node_bandwidth: float
-    """Per-direction bandwidth between devices of one node (NVLink), bytes/s."""
-    intra_node_latency: float
-    """Latency of one collective step inside a node, seconds."""
-    inter_node_bandwidth: float
-    """Per-direction network bandwidth per device between nodes, bytes/s."""
-    inter_node_latency: float
-    """Latency of one collective step across nodes, seconds."""
-    compute_efficiency: float = 0.6
-    """Fraction of peak FLOP/s that large matmuls reach (MFU of good kernels)."""
-    memory_efficiency: float = 0.8
-    """Fraction of peak memory bandwidth that elementwise kernels reach."""
-    network_efficiency: float = 0.8
-    """Fraction of link bandwidth that ring collectives reach (bus bandwidth)."""
-    op_overhead: float = 0.0
-    """Fixed seconds of one kernel-running op in forward, whatever its size: framework
-    dispatch (Python, PyTorch's dispatcher, autograd recording) and the kernel launch."""
-    backward_op_overhead: float = 0.0
-    """Fixed seconds of one op's backward: its autograd node and the kernels it launches."""
-    collective_overhead: float = 0.0
-    """Fixed seconds of one collective call besides its ring steps: dispatch and launch,
-    and on CPUs gloo's handshake with the peers."""
-    optimizer_param_overhead: float = 0.0
-    """Fixed seconds the optimizer spends per parameter tensor and step."""
-    grad_sync_overlap: float = 0.0
-    """Fraction of compute that communication issued beside it can hide behind (their own
-    stream or thread): bucketed gradient all-reduces behind the last micro-batch's backward,
-    and a repeated block's prefetched parameter gathers behind the neighbouring block's
-    compute (``solver.overlap``); the step pays only what exceeds this much compute (0:
-    none hidden)."""
-    moe_imbalance: float = 1.3
-    """Expert parallelism's load imbalance: the busiest rank of an expert axis receives this many
-    times the mean number of (token, expert) pairs, so it sends and receives that many times the
-    mean all-to-all bytes and computes that many times the mean expert FLOPs, and the step waits
-    for it (``cost.moe``). Dropless routing bounds nothing; 1.2-1.5 is what early training
-    typically shows with a load-balancing loss (1.0: priced at expectation). Set it per profile
-    (``dataclasses.replace(profile, moe_imbalance=1.1)``)."""
-    overlapped_dispatch: bool = False
-    """The host dispatches ahead of the device (CUDA streams): an op takes the longer of
-    its work and its fixed cost, not their sum."""
-    host_link_bandwidth: float = 0.0
-    """Per-direction bandwidth between one device and host memory (PCIe), bytes/s, as copies
-    to and from pinned host buffers reach it (0: unknown, offloading is not priced)."""
-    host_memory_bandwidth: float = 0.0
-    """Bytes/s that one device's share of the host updates optimizer state at (torch's
-    optimizer over host tensors, counted at the bytes the update must read and write;
-    ``autopar.cost.offload``); 0: unknown."""
-    host_optimizer_param_overhead: float = 64e-6
-    """Fixed seconds a host optimizer step spends per parameter tensor: torch's optimizers
-    loop over tensors on the CPU (no foreach default there). Measured on the cpu profile's
-    machine (AdamW's per-tensor loop, ``optimizer_param_overhead`` below), the one figure we
-    have for that loop; server cores run single-threaded Python at a similar speed."""
-    default_precision: str = "bf16"
-    """Precision a plan uses unless told otherwise: 'bf16' (mixed) or 'fp32'."""
-    ring_attention: bool = False
-    """autopar's runtime runs ring attention on this device (``runtime.ring``: around the CPU flash
-    kernel; a GPU kernel path is not written yet), so the planner may choose it."""
-    memory_headroom: float = 0.1
-    """Fraction of ``memory_bytes`` the default memory limit leaves free for what a plan does
-    not count (CUDA context, library workspaces, allocator fragmentation); see the module
-    docstring for the source of 10%."""
-
-    def peak_flops(self, precision: str) -> float:
-        return self.peak_flops_bf16 if precision == "bf16" else self.peak_flops_fp32
-
-    def memory_limit(self, headroom: float | None = None) -> float:
-        """Bytes a plan may use per device: ``memory_bytes`` less ``headroom`` (default: the profile's)."""
-        headroom = self.memory_headroom if headroom is None else headroom
-        if not 0 <= headroom < 1:
-            raise InputError(f"memory headroom is a fraction of device memory in [0, 1), got {headroom!r}")
-        return self.memory_bytes * (1 - headroom)
+from autopar.errors import InputError, InputTypeError
+from autopar.hardware.gpus import AMPERE, HOPPER
+from autopar.hardware.profile import GB, GiB, TFLOPS, HardwareProfile
 
 
 # Fixed costs of PyTorch eager on a CUDA GPU. Host side, per op: Python, PyTorch's
@@ -161,27 +70,31 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=2039 * GB, memory_bytes=80 * GiB,
         intra_node_bandwidth=300 * GB, intra_node_latency=5e-6,
         inter_node_bandwidth=25 * GB, inter_node_latency=10e-6,
-        **_CUDA_EAGER, **_PCIE_GEN4,
+        **_CUDA_EAGER, **_PCIE_GEN4, **AMPERE,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): 989 TFLOPS bf16 dense,
     # 67 TFLOPS fp32, 3.35 TB/s HBM3, NVLink 900 GB/s bidirectional (450 per
     # direction). Network: one 400 Gb/s NDR ConnectX-7 per GPU (DGX H100) = 50 GB/s.
+    # Latency per ring step inside a node: 3 us, from OpenXLA's measured H100 table
+    # (``hardware.gpus``): an 8-GPU all-gather of 1 KiB takes 31 us, the 10 us call
+    # overhead and 7 steps of 3 us.
     "h100": HardwareProfile(
         name="h100", peak_flops_bf16=989 * TFLOPS, peak_flops_fp32=67 * TFLOPS,
         memory_bandwidth=3350 * GB, memory_bytes=80 * GiB,
-        intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
+        intra_node_bandwidth=450 * GB, intra_node_latency=3e-6,
         inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
-        **_CUDA_EAGER, **_PCIE_GEN5,
+        **_CUDA_EAGER, **_PCIE_GEN5, **HOPPER,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM
     # (989 TFLOPS bf16 dense, 67 TFLOPS fp32), 141 GB HBM3e at 4.8 TB/s,
-    # NVLink 900 GB/s bidirectional. Network as DGX H200: 400 Gb/s per GPU.
+    # NVLink 900 GB/s bidirectional. Network as DGX H200: 400 Gb/s per GPU. Latencies as H100
+    # (same NVLink 4 and NVSwitch).
     "h200": HardwareProfile(
         name="h200", peak_flops_bf16=989 * TFLOPS, peak_flops_fp32=67 * TFLOPS,
         memory_bandwidth=4800 * GB, memory_bytes=141 * GB,
-        intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
+        intra_node_bandwidth=450 * GB, intra_node_latency=3e-6,
         inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
-        **_CUDA_EAGER, **_PCIE_GEN5,
+        **_CUDA_EAGER, **_PCIE_GEN5, **HOPPER,
     ),
     # A CPU host running gloo over loopback, as in our CI: 4 ranks forked on the 2-core
     # development machine (AMD EPYC, KVM), one thread each, as the tests and benchmarks run
@@ -223,6 +136,8 @@ def get_profile(hardware: str | HardwareProfile) -> HardwareProfile:
     """The profile named ``hardware``, or a clear error listing the known names."""
     if isinstance(hardware, HardwareProfile):
         return hardware
+    if not isinstance(hardware, str):
+        raise InputTypeError(f"hardware must be a profile name or a HardwareProfile, got {type(hardware).__name__}")
     try:
         return PROFILES[hardware.lower()]
     except KeyError:
