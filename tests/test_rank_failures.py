@@ -85,8 +85,9 @@ def _works_long(rank: int, world: int, seconds: float) -> int:
 
 
 def test_a_rank_working_long_is_not_killed() -> None:
-    """Longer than the old last-resort timer (``timeout_s + 30``): nothing kills a rank that works."""
-    assert run_ranks(_works_long, 2, 32.0, timeout_s=1) == [0, 1]
+    """Longer than the timeout and the grace after it together (a last-resort timer armed at their sum
+    killed such ranks): nothing kills a rank that works."""
+    assert run_ranks(_works_long, 2, 4.0, timeout_s=1, grace_s=1) == [0, 1]
 
 
 def test_group_timeout_reads_what_the_group_waits() -> None:

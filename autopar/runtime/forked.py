@@ -79,13 +79,14 @@ def _run(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, 
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = TIMEOUT_S) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = TIMEOUT_S,
+              grace_s: float = GRACE_S) -> list[Any]:
     """``fn(rank, world, *args)`` on each rank; returns the results in rank order.
 
     ``timeout_s`` is every collective's timeout (the world group's, which the groups of a
     compiled module's mesh take too: ``runtime.groups``). Ranks work as long as they need;
     once one has failed, its peers fail within about ``timeout_s`` (their collectives with
-    it time out), and any rank still silent ``GRACE_S`` after that has its stacks dumped
+    it time out), and any rank still silent ``grace_s`` after that has its stacks dumped
     and is killed. Results must pickle without tensors (send floats or lists). Raises with
     the traceback of the rank that raised first (its peers' errors are its echoes).
     """
@@ -98,7 +99,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         p.start()
     reports: dict[int, _Report] = {}
     try:
-        _collect(queue, procs, reports, timeout_s + GRACE_S)
+        _collect(queue, procs, reports, timeout_s + grace_s)
     finally:
         for p in procs:
             p.join(timeout=10)
