@@ -70,8 +70,11 @@ class StageModule(nn.Module):
             out = self.program(*received, *self._state)
         # zero-bubble schedules detach a stage's outputs in place once their input gradients
         # are computed: a view (a slice of a buffer, a micro-batch of an input) or a received
-        # value passed on cannot be, so those go out as copies (exact; gradients flow through)
-        out = [t.clone() if isinstance(t, torch.Tensor) and (t._base is not None or any(t is r for r in received))
+        # value passed on cannot be, so those go out as copies (exact; gradients flow through).
+        # A state tensor sent on (a buffer the stage bumps in place) goes out as a copy too: the
+        # send runs beside the next micro-batch's forward, whose in-place update would change it.
+        out = [t.clone() if isinstance(t, torch.Tensor) and (t._base is not None or any(t is r for r in received)
+                                                          or any(t is s for s in self._state))
                else t for t in out]
         self.sent_bytes.append(sum(t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor)))
         return out[0] if len(out) == 1 else tuple(out)

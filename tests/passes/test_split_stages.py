@@ -69,3 +69,4 @@ def test_a_cast_of_a_tied_weight_is_computed_in_each_stage_reading_it() -> None:
     x_, w_ = torch.randn(3), torch.randn(3)
     (sent,) = first.gm(x_, w_)
     torch.testing.assert_close(second.gm(sent, w_), x_.double() * w_.double() + w_.double())
+
