@@ -231,7 +231,9 @@ def price_config(shape: Shape, model: nn.Module, tokens: torch.Tensor, point: Po
         plan = autopar.plan(model, mesh, (tokens,), micro_batches=point.m, **options)
         return [_priced(shape, replace(point, schedule=None, v=1), plan, params)]
     first = Pipeline(axis="pp", schedule="1f1b", micro_batches=point.m, virtual_stages=1)
-    problems = Problems(Step(model=model, example_inputs=(tokens,)), PlanConfig.from_options(pipeline=first, **options))
+    step = Step(model=model, example_inputs=(tokens,), loss_fn=options.pop("loss_fn"),
+                example_targets=options.pop("example_targets"))
+    problems = Problems(step, PlanConfig.from_options(pipeline=first, **options))
     stage = StageMesh(problems, first, mesh).plan(point.m, math.inf)
     assert isinstance(stage, PlannedStep), stage
     out = []

@@ -192,8 +192,8 @@ def test_help_documents_the_exit_codes() -> None:
     text = parser().format_help()
     for line in ("0  the plan was found", "2  the input cannot be planned", "1  an internal error"):
         assert line in text
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "exit status" in readme.lower() and "`2`" in readme
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert "exit status" in page.lower() and "`2`" in page
 
 
 def test_no_plan_within_the_solver_time_limit_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
