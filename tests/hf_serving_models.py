@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ MOE = {"mixtral", "qwen2_moe"}
 PROMPTS = [[5, 7, 9, 11, 13, 2, 3, 4, 8, 100, 200], [42, 17, 3], [1, 2, 3, 4, 5, 6, 7, 8]]
 """Three requests: over two chunks with padding, under one chunk, exactly two chunks."""
 SLOTS, CHUNK, MAX_LEN, NEW = 4, 4, 32, 5
+REFERENCE_NEW = 6
+"""Tokens of each prompt's reference: with no eos, a request of fewer gets their prefix (greedy decoding's first
+tokens do not depend on how many follow)."""
 
 
 def build(family: str) -> nn.Module:
@@ -38,6 +42,27 @@ def build(family: str) -> nn.Module:
     config = getattr(transformers, f"{prefix}Config")(**COMMON, **extra)
     torch.manual_seed(0)
     return getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+
+
+@functools.cache
+def model(family: str) -> nn.Module:
+    """The family's model, built once per test process, for references and forked ranks. Ranks forked after the
+    parent built it serve their own copy of it (the fork's memory): compiling it there (the adapter's cache set
+    on its attentions) leaves the parent's as it was. Serve a fresh ``build`` in the parent itself."""
+    return build(family)
+
+
+@functools.cache
+def _reference(family: str, prompt: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(hf_greedy(model(family), [list(prompt)], REFERENCE_NEW)[0])
+
+
+def reference(family: str, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """``model.generate(do_sample=False)``'s first ``new`` tokens of each prompt on one device, computed once per
+    family and prompt (and before forking: the ranks then find the family's model built)."""
+    if new > REFERENCE_NEW:
+        raise ValueError(f"references hold {REFERENCE_NEW} tokens a prompt, {new} asked")
+    return [list(_reference(family, tuple(prompt))[:new]) for prompt in prompts]
 
 
 def hf_greedy(model: nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:

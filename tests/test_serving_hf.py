@@ -1,7 +1,11 @@
 """HF causal LMs served as they are (``autopar.hf.servable``, taken by ``compile_serving`` and ``plan_serving``):
 tiny random-weight configs of Llama, Qwen2, Qwen3, Mistral, Gemma, Mixtral and Qwen2-MoE generate exactly the
 tokens ``model.generate(do_sample=False)`` generates on one device, for prompts of different lengths (chunked
-prefill with padding into slots, then decode steps of every slot), on one device and on tp=2 (fp32, gloo)."""
+prefill with padding into slots, then decode steps of every slot), on one device, on tp=2, on pp=2 and on 2
+replicas of tp=2 of the continuous-batching engine, aggregated and disaggregated (fp32, gloo).
+
+Each configuration runs every family in one ``run_ranks`` (forking and its first compile are paid once), each
+family's model built once (``hf.model``) and its reference computed once, in the parent, before forking."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
@@ -29,9 +33,8 @@ def test_the_adapter_generates_hf_greedy_tokens_on_one_device() -> None:
     """Every family: the slot-indexed cache (chunked prefill into slots, decode of all slots) gives
     ``generate``'s tokens; the cache is (slots, max_len, kv heads, head dim) buffers."""
     for family in FAMILIES:
-        model = hf.build(family)
-        want = hf.hf_greedy(model, hf.PROMPTS, hf.NEW)
-        served = servable(model)
+        want = hf.reference(family, hf.PROMPTS, hf.NEW)
+        served = servable(hf.build(family))  # hf.model's stays unserved here (no cache on its attentions)
         served.setup_cache(hf.SLOTS, hf.MAX_LEN)
         with torch.no_grad():
             got = generate(served, served, hf.PROMPTS, hf.NEW, chunk=hf.CHUNK, slots=hf.SLOTS, max_len=hf.MAX_LEN)
@@ -55,9 +58,8 @@ def test_the_adapter_refuses_what_it_cannot_serve() -> None:
         autopar.compile_serving(torch.nn.Linear(2, 2), None, (), (), cache_len=8)  # type: ignore[arg-type]
 
 
-def serve_on_rank(rank: int, world: int, family: str) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    serving = autopar.compile_serving(hf.build(family), mesh, hf.step(1, hf.CHUNK), hf.step(hf.SLOTS, 1),
+def serve_on_rank(mesh: DeviceMesh, family: str) -> dict[str, Any]:
+    serving = autopar.compile_serving(hf.model(family), mesh, hf.step(1, hf.CHUNK), hf.step(hf.SLOTS, 1),
                                       constraints=hf.tp_plan(family), cache_len=hf.MAX_LEN)
     got = generate(serving.prefill, serving.decode, hf.PROMPTS, hf.NEW, chunk=hf.CHUNK, slots=hf.SLOTS,
                    max_len=hf.MAX_LEN)
@@ -66,15 +68,16 @@ def serve_on_rank(rank: int, world: int, family: str) -> dict[str, Any]:
             "collectives": len(serving.decode_module.plan.collectives)}
 
 
-def _serve_family(rank: int, world: int) -> list[dict[str, Any]]:
-    return [serve_on_rank(rank, world, family) for family in FAMILIES]
+def _serve_families(rank: int, world: int) -> list[dict[str, Any]]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    return [serve_on_rank(mesh, family) for family in FAMILIES]
 
 
 def test_tensor_parallel_hf_serving_generates_the_hf_tokens() -> None:
     """tp=2, attention (and dense MLPs) Megatron TP pinned: each family's tokens are ``generate``'s, the
     cache split by KV heads (2 kv heads on tp=2), the decode step really tensor parallel."""
-    want = {family: hf.hf_greedy(hf.build(family), hf.PROMPTS, hf.NEW) for family in FAMILIES}
-    results = run_ranks(_serve_family, 2, timeout_s=600)
+    want = {family: hf.reference(family, hf.PROMPTS, hf.NEW) for family in FAMILIES}
+    results = run_ranks(_serve_families, 2, timeout_s=600)
     for rank, per_family in enumerate(results):
         for family, result in zip(FAMILIES, per_family):
             assert result["tokens"] == want[family], (rank, family)
@@ -82,26 +85,33 @@ def test_tensor_parallel_hf_serving_generates_the_hf_tokens() -> None:
             assert result["collectives"], family
 
 
-def pipelined_on_rank(rank: int, world: int) -> dict[str, Any]:
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    serving = autopar.compile_serving(hf.build("llama"), mesh, hf.step(1, hf.CHUNK), hf.step(hf.SLOTS, 1),
+def pipelined_on_rank(mesh: DeviceMesh, family: str) -> dict[str, Any]:
+    serving = autopar.compile_serving(hf.model(family), mesh, hf.step(1, hf.CHUNK), hf.step(hf.SLOTS, 1),
                                       pipeline=autopar.Pipeline(axis="pp"), cache_len=hf.MAX_LEN)
     got = generate(serving.prefill, serving.decode, hf.PROMPTS, hf.NEW, chunk=hf.CHUNK, slots=hf.SLOTS,
                    max_len=hf.MAX_LEN)
-    caches = sorted(f for f, _ in serving.decode_module.named_buffers() if f.endswith("slot_kv.k"))
-    return {"tokens": got.tokens, "caches": caches,
+    held = [f for f, _ in [*serving.decode_module.named_parameters(), *serving.decode_module.named_buffers()]]
+    return {"tokens": got.tokens, "caches": sorted(f for f in held if f.endswith("slot_kv.k")),
+            "layers": sorted({f.split(".")[3] for f in held if f.startswith("model.model.layers.")}),
             "blocks": [s.blocks for s in serving.decode_module.plan.pipeline.stages]}
 
 
+def _pipelined_families(rank: int, world: int) -> list[dict[str, Any]]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    return [pipelined_on_rank(mesh, family) for family in FAMILIES]
+
+
 def test_pipelined_hf_serving_generates_the_hf_tokens() -> None:
-    """pp=2: the HF Llama's decoder layers cut one a stage, each stage holding its layer's cache only;
-    every rank gets ``generate``'s tokens."""
-    want = hf.hf_greedy(hf.build("llama"), hf.PROMPTS, hf.NEW)
-    results = run_ranks(pipelined_on_rank, 2, timeout_s=300)
-    for rank, result in enumerate(results):
-        assert result["tokens"] == want, rank
-        assert result["caches"] == [f"model.model.layers.{rank}.self_attn.slot_kv.k"], result["caches"]
-    assert len(results[0]["blocks"]) == 2
+    """pp=2: each family's decoder layers cut one a stage, each stage holding its layer's weights (a MoE
+    layer's experts and router included) and cache only; every rank gets ``generate``'s tokens."""
+    want = {family: hf.reference(family, hf.PROMPTS, hf.NEW) for family in FAMILIES}
+    results = run_ranks(_pipelined_families, 2, timeout_s=600)
+    for rank, per_family in enumerate(results):
+        for family, result in zip(FAMILIES, per_family):
+            assert result["tokens"] == want[family], (rank, family)
+            assert result["caches"] == [f"model.model.layers.{rank}.self_attn.slot_kv.k"], (family, result["caches"])
+            assert result["layers"] == [str(rank)], (family, result["layers"])
+            assert len(result["blocks"]) == 2, family
 
 
 ENGINE_SLOTS, ENGINE_CHUNK, ENGINE_LEN = 4, 8, 64
@@ -111,12 +121,11 @@ REQUESTS_ARGS = [([5, 7, 9, 11, 13, 2, 3, 4, 8, 100, 200], 5, 0.0), ([42, 17, 3]
 MODES = {"aggregated": ["serve", "serve"], "disaggregated": ["prefill", "decode"]}
 
 
-def engine_on_rank(rank: int, world: int) -> dict[str, Any]:
+def engine_on_rank(mesh: DeviceMesh, family: str) -> dict[str, Any]:
     from autopar.runtime.engine import EngineConfig, ServeRequest, serve
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "tp"))
-    serving = autopar.compile_serving(hf.build("llama"), mesh, hf.step(1, ENGINE_CHUNK), hf.step(ENGINE_SLOTS, 1),
-                                      constraints=hf.tp_plan("llama"), replica_axis="replica", cache_len=ENGINE_LEN)
+    serving = autopar.compile_serving(hf.model(family), mesh, hf.step(1, ENGINE_CHUNK), hf.step(ENGINE_SLOTS, 1),
+                                      constraints=hf.tp_plan(family), replica_axis="replica", cache_len=ENGINE_LEN)
     cache = tuple(f"model.model.layers.{i}.self_attn.slot_kv.{kv}" for i in range(2) for kv in "kv")
     config = EngineConfig(slots=ENGINE_SLOTS, chunk=ENGINE_CHUNK, max_len=ENGINE_LEN, token_budget=16,
                           cache_buffers=cache)
@@ -128,21 +137,26 @@ def engine_on_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _engine_families(rank: int, world: int) -> list[dict[str, Any]]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "tp"))
+    return [engine_on_rank(mesh, family) for family in FAMILIES]
+
+
 def test_hf_replicas_serve_the_hf_tokens_aggregated_and_disaggregated() -> None:
-    """2 replicas of tp=2 of the HF Llama on the continuous-batching engine: aggregated, and disaggregated
+    """2 replicas of tp=2 of each family on the continuous-batching engine: aggregated, and disaggregated
     (each request's cache sent point to point from the prefill replica to the decode replica), every
     request gets ``generate``'s tokens."""
-    model = hf.build("llama")
-    want = [hf.hf_greedy(model, [p], n)[0] for p, n, _ in REQUESTS_ARGS]
-    results = run_ranks(engine_on_rank, 4, timeout_s=300)
-    for mode, roles in MODES.items():
-        delivered: dict[int, list[int]] = {}
-        for result in results:
-            record = result[mode]
-            if roles[record["replica"]] != "prefill":
-                delivered.update(record["tokens"])
-        assert [delivered[i] for i in range(len(REQUESTS_ARGS))] == want, mode
-    assert sum(r["disaggregated"]["sent"] for r in results) > 0
+    want = {family: [hf.reference(family, [p], n)[0] for p, n, _ in REQUESTS_ARGS] for family in FAMILIES}
+    results = run_ranks(_engine_families, 4, timeout_s=600)
+    for k, family in enumerate(FAMILIES):
+        for mode, roles in MODES.items():
+            delivered: dict[int, list[int]] = {}
+            for per_family in results:
+                record = per_family[k][mode]
+                if roles[record["replica"]] != "prefill":
+                    delivered.update(record["tokens"])
+            assert [delivered.get(i) for i in range(len(REQUESTS_ARGS))] == want[family], (family, mode)
+        assert sum(r[k]["disaggregated"]["sent"] for r in results) > 0, family
 
 
 @pytest.mark.parametrize("tp,placement", [(2, Shard(2)), (4, Replicate())])
