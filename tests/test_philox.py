@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.philox_spec import CHUNK, MASK, Finish, Region, eager_draw_ops
-from autopar.runtime import philox_eager
+from autopar.runtime import philox_eager, philox_triton
 from autopar.runtime.philox import element_words, philox4x32, row_words
 
 # Random123 v1.14.0 tests/kat_vectors, "philox4x32 10": counter words, key words, output words.
@@ -164,3 +164,19 @@ def test_eager_draw_runs_the_ops_it_is_priced_at(region: Region) -> None:
             philox_eager.draw((1, 2), (3, 4), region, finish, out, **kw)
         assert count.ops == eager_draw_ops(region, finish)[0], finish
 
+
+def test_fused_kernel_is_the_eager_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernel, run by Triton's interpreter on CPU tensors (where triton is installed;
+    on a GPU it compiles the same kernel), writes the eager draw's bits."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    philox_triton._kernel.cache_clear()
+    try:
+        for region in (REGIONS[1], REGIONS[3], REGIONS[4]):
+            for finish, dtype, kw in FINISHES[1:2] + FINISHES[3:4]:
+                want, got = torch.empty(region.numel, dtype=dtype), torch.empty(region.numel, dtype=dtype)
+                philox_eager.draw((SEED & MASK, SEED >> 32), _high(1), region, finish, want, **kw)
+                philox_triton.draw(SEED, _high(1), region, finish, got, **kw)
+                assert torch.equal(got, want), (region, finish)
+    finally:
+        philox_triton._kernel.cache_clear()  # a later GPU run compiles, not interprets

@@ -14,8 +14,9 @@ disjoint parts of one global tensor, and the values do not depend on the mesh. T
 two integers (seed, draws taken), saved and restored like a generator's (``get_state``/
 ``set_state``: activation checkpointing replays a block's draws).
 
-A draw runs as chunked eager torch ops (``runtime.philox_eager``) that write the sampler's
-finish (a mask, a uniform, the words) once, for the caller's elements only.
+A draw runs as one fused Triton kernel on CUDA (``runtime.philox_triton``) and as chunked eager
+torch ops elsewhere (``runtime.philox_eager``); both write the sampler's finish (a mask, a
+uniform, the words) once, for the caller's elements only. ``cost.draws`` prices the one that runs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Protocol
 import torch
 
 from autopar.philox_spec import MASK, Finish, Region
-from autopar.runtime import philox_eager
+from autopar.runtime import philox_eager, philox_triton
 
 
 class Layout(Protocol):
@@ -83,8 +84,11 @@ class CounterDraw:
         region = self.layout.region(self.layout.global_shape(tuple(shape)))
         assert region.numel == out.numel(), (region, shape)
         high = (self.draw & MASK, ((self.draw >> 32) & 0x7FFFFFFF) | (sub << 31))
-        key = (self.seed & MASK, (self.seed >> 32) & MASK)
-        philox_eager.draw(key, high, region, finish, out, threshold, bits)
+        if out.device.type == "cuda" and philox_triton.available() and philox_triton.fits(region):
+            philox_triton.draw(self.seed, high, region, finish, out, threshold, bits)
+        else:
+            key = (self.seed & MASK, (self.seed >> 32) & MASK)
+            philox_eager.draw(key, high, region, finish, out, threshold, bits)
         return out
 
 
