@@ -14,7 +14,7 @@ Two implementations run it (``runtime.stream`` picks by device):
 - the fused kernel (``runtime.philox_triton``, CUDA): one kernel per draw that computes each
   element's global index, the Philox rounds in 32-bit registers and the sampler's finish (a
   compare for a mask, a scale for a uniform), and writes the result once. ``KERNEL_OPS_*``
-  count its 32-bit integer instructions.
+  count its instructions.
 - eager torch ops (``runtime.philox_eager``, CPU and any other device): int64 ops over chunks of
   ``CHUNK`` counters held in cache, words in int64 lanes. ``eager_ops`` counts the ops it runs.
 """
@@ -45,13 +45,14 @@ FINISH_BYTES: dict[Finish, int] = {"words": 8, "below": 1, "uniform": 4}
 """Bytes a draw writes per element (uniform: fp32, fp64 writes 8; a mask written straight into a
 float tensor by ``bernoulli_`` writes that tensor's width)."""
 
-KERNEL_OPS_PER_ROUND = 8
-"""32-bit instructions of a round in the fused kernel: two products' low and high words (4
-multiplies) and four xors (the key words are uniform scalars: their bump is not per element)."""
-KERNEL_OPS_PER_COUNTER = ROUNDS * KERNEL_OPS_PER_ROUND + 4
-"""A counter's rounds and its setup (the index split into counter words)."""
-KERNEL_OPS_PER_ELEMENT = 4
-"""Per element: its index (or lane pick), the finish (compare or shift and scale), the store."""
+KERNEL_OPS_PER_COUNTER = 67
+"""Instructions of the fused kernel per counter: its rounds, 6.5 a round (two products' halves
+on IMAD, two three-way xors on LOP3; the key's bump is a scalar), and its words from the index.
+Counted in the SASS ptxas emits for the kernel (Triton 3.9, sm_80 and sm_90): 52 instructions
+a thread a round for its 8 counters."""
+KERNEL_OPS_PER_ELEMENT = 7
+"""Instructions per element besides the rounds: index, compare (or shift and scale), byte store
+(the same SASS: 6.6 an element; the program's row unravel, once per 4096 elements, left out)."""
 
 CHUNK = 16384
 """Counters an eager chunk holds: eight int64 buffers of this size (1 MiB) stay in a core's L2."""

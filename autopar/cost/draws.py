@@ -6,7 +6,7 @@ else one counter per element) and the generator that runs on the device:
 
 - a fused kernel (``hardware.draw_kernel``, CUDA: ``runtime.philox_triton``): one launch that
   writes the finish once (a mask's byte, a uniform's 4, a word's 8 per element), bound by that
-  write or by its 32-bit integer instructions (``KERNEL_OPS_*``) at ``int_op_rate``, whichever
+  write or by its instructions (``KERNEL_OPS_*``, counted in its SASS) at ``int_op_rate``, whichever
   is slower. Priced from those figures: not measured (no GPU has run it yet).
 - eager torch ops (CPU: ``runtime.philox_eager``): ``philox_spec.eager_ops`` ops per chunk of
   ``CHUNK`` counters, each a fixed cost (``int_op_overhead``) and its element-ops at

@@ -4,15 +4,19 @@ arithmetic; ``philox_spec.KERNEL_OPS_*``, priced by ``cost.draws``).
 
 Each program takes one row of the draw's region (every dim but the last: its base index
 unravelled once, as scalars) and a block of that row: ``BLOCK`` counters whose four words fill
-``4 * BLOCK`` consecutive elements where the row holds whole counters (``Region.counters``),
-else ``BLOCK`` elements each computing its own counter and keeping its lane. The rounds are
+``4 * BLOCK`` consecutive elements, one store per lane, where the row holds whole counters
+(``Region.counters``), else ``BLOCK`` elements each computing its own counter and keeping its
+lane. (Interleaving the lanes with ``tl.join`` before one store costs a shared-memory shuffle
+and 15 barriers a program: the per-lane stores write the same bytes, as byte stores either way.) The rounds are
 written out as ``runtime.philox`` writes them (32-bit words, ``tl.umulhi`` for the high halves;
 Triton's ``tl.philox`` is the same generator, but a jit function made at import, which the
 interpreter cannot call). Regions of more than ``MAX_OUTER`` + 1 dims after coalescing (none that
 plain, strided or zig-zag pieces of a 4-D tensor make) run the eager draw instead.
 
 Checked bit for bit against the eager draw under Triton's interpreter (``TRITON_INTERPRET=1``,
-on CPU tensors: ``tests/test_philox.py`` where triton is installed); not yet run on a GPU.
+on CPU tensors: ``tests/test_philox.py`` where triton is installed), and compiled to SASS for
+sm_80 and sm_90 without a GPU (every finish, grouped or not: what ``KERNEL_OPS_*`` count); not
+yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +37,20 @@ BLOCK = 1024
 def _kernel() -> Any:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _finish(words, threshold, scale, out_ptr, FINISH: tl.constexpr, SHIFT: tl.constexpr):
+        if FINISH == 0:  # words
+            value = words.to(tl.int64)
+        elif FINISH == 1:  # below: a mask (the threshold below 2^32: ``draw`` fills 0 or 1 past it)
+            value = words < tl.cast(threshold, tl.uint32)
+        else:  # uniform: the top bits, scaled by a power of two (exact)
+            value = (words >> SHIFT).to(out_ptr.dtype.element_ty) * scale
+        return value.to(out_ptr.dtype.element_ty)
+
+    # Triton resolves a kernel's callees in its module's globals; made here, with the kernel,
+    # because whether a jit function is interpreted is fixed when it is made.
+    globals()["_finish"] = _finish
 
     @triton.jit
     def draw_kernel(out_ptr, key0, key1, high0, high1, threshold, scale, offset, last, step, blocks,
@@ -65,23 +83,17 @@ def _kernel() -> Any:
             c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
             k0 += W0
             k1 += W1
-        if GROUPED:
-            # lanes interleaved: element 4j + l is word l of counter j (LANES = 4)
-            words = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [4 * BLOCK])
-            at = row * last * 4 + block * 4 * BLOCK + tl.arange(0, 4 * BLOCK).to(tl.int64)
-            valid = block * BLOCK + tl.arange(0, 4 * BLOCK) // 4 < last
+        if GROUPED:  # element 4j + l is word l of counter j (LANES = 4): one store per lane
+            at = (row * last + j) * 4
+            valid = j < last
+            tl.store(out_ptr + at, _finish(c0, threshold, scale, out_ptr, FINISH, SHIFT), mask=valid)
+            tl.store(out_ptr + at + 1, _finish(c1, threshold, scale, out_ptr, FINISH, SHIFT), mask=valid)
+            tl.store(out_ptr + at + 2, _finish(c2, threshold, scale, out_ptr, FINISH, SHIFT), mask=valid)
+            tl.store(out_ptr + at + 3, _finish(c3, threshold, scale, out_ptr, FINISH, SHIFT), mask=valid)
         else:
             lane = index & 3
             words = tl.where(lane == 0, c0, tl.where(lane == 1, c1, tl.where(lane == 2, c2, c3)))
-            at = row * last + j
-            valid = j < last
-        if FINISH == 0:  # words
-            value = words.to(tl.int64)
-        elif FINISH == 1:  # below: a mask (threshold may be 2^32: compared in int64)
-            value = words.to(tl.int64) < threshold
-        else:  # uniform: the top bits, scaled by a power of two (exact)
-            value = (words >> SHIFT).to(out_ptr.dtype.element_ty) * scale
-        tl.store(out_ptr + at, value.to(out_ptr.dtype.element_ty), mask=valid)
+            tl.store(out_ptr + row * last + j, _finish(words, threshold, scale, out_ptr, FINISH, SHIFT), mask=j < last)
 
     return draw_kernel
 
@@ -107,6 +119,9 @@ def draw(seed: int, high: tuple[int, int], region: Region, finish: Finish, out: 
          bits: int = 32) -> None:
     """``philox_eager.draw``'s contract (key: ``seed``'s two words) as one kernel launch on ``out``'s
     device (the current CUDA stream)."""
+    if finish == "below" and not 0 < threshold < 1 << 32:  # every word is below, or none: no rounds
+        out.fill_(threshold > 0)
+        return
     counters = region.counters()
     grouped = counters is not None
     shape = counters if counters is not None else region
