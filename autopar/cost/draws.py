@@ -6,11 +6,11 @@ else one counter per element) and the generator that runs on the device:
 
 - a fused kernel (``hardware.draw_kernel``, CUDA: ``runtime.philox_triton``): one launch that
   writes the finish once (a mask's byte, a uniform's 4, a word's 8 per element), bound by that
-  write or by its instructions (``KERNEL_OPS_*``, counted in its SASS) at ``int_op_rate``, whichever
-  is slower. Priced from those figures: not measured (no GPU has run it yet).
-- eager torch ops (CPU: ``runtime.philox_eager``): ``philox_spec.eager_ops`` ops per chunk of
-  ``CHUNK`` counters, each a fixed cost (``int_op_overhead``) and its element-ops at
-  ``int_op_rate`` (the cpu profile's, measured by ``benchmarks/random.py --calibrate``).
+  write or by its instructions (``KERNEL_OPS_*``, counted in its SASS) at ``int_op_rate``,
+  whichever is slower. Priced from those figures: not measured (no GPU has run it yet).
+- eager torch ops (CPU: ``runtime.philox_eager``): the ops it dispatches over chunks of ``CHUNK``
+  counters (``philox_spec.eager_draw_ops``), each a fixed cost (``int_op_overhead``), and their
+  element-ops at ``int_op_rate`` (the cpu profile's, measured: ``benchmarks/random.py --calibrate``).
 
 Then what the sampler does with the generator's output beyond the op's own pass, which
 ``cost.model`` prices already (``SAMPLER_PASSES``): dropout scales (and reads the mask) in a

@@ -1,12 +1,13 @@
 """The counter stream's draw as eager torch ops (CPU, and any device without the fused kernel).
 
 Words are uint32 values in int64 lanes (torch has no full unsigned arithmetic; see
-``runtime.philox``). Measured on the cpu profile's machine (``benchmarks/random.py
---calibrate``), what makes this fast is fewer passes and passes that stay in cache, so:
+``runtime.philox``). On a CPU the rounds are bound by int64 multiplies and the number of ops,
+and, over large draws, by memory, so (measured on the cpu profile's machine, 4 ranks drawing at
+once: ``benchmarks/random.py --calibrate``):
 
 - chunks of ``CHUNK`` counters: each op's operands (eight int64 buffers, reused) stay in L2
-  instead of streaming the whole draw through memory once per op (7-10x faster than whole-
-  tensor ops at 1-4M elements);
+  instead of streaming the whole draw through memory once per op (3x faster than whole-tensor
+  ops on 1-4M-element masks, 17 ns an element; the same up to 0.5M elements);
 - 10 ops a round, not 12: a round's low words (the products' low halves) are only ever xored
   into the next round's high words, so they are kept unmasked (the garbage above bit 31 is
   masked off with the high word) and masked once at the end;
@@ -15,7 +16,7 @@ Words are uint32 values in int64 lanes (torch has no full unsigned arithmetic; s
   in rounds 0-2);
 - the finish (compare, scale) runs per lane into the output, whose bytes are written once.
 
-``philox_spec.eager_ops`` counts the ops a chunk runs; ``cost.draws`` prices that count.
+``philox_spec.eager_draw_ops`` counts the ops a draw runs; ``cost.draws`` prices that count.
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ class Bits(Protocol):
         ...
 
 
-
 def _bits(dtype: torch.dtype) -> int:
     return min(round(-math.log2(torch.finfo(dtype).eps)) + 1, 32)
 
