@@ -16,7 +16,7 @@ Two implementations run it (``runtime.stream`` picks by device):
   compare for a mask, a scale for a uniform), and writes the result once. ``KERNEL_OPS_*``
   count its instructions.
 - eager torch ops (``runtime.philox_eager``, CPU and any other device): int64 ops over chunks of
-  ``CHUNK`` counters held in cache, words in int64 lanes. ``eager_ops`` counts the ops it runs.
+  ``CHUNK`` counters held in cache, words in int64 lanes. ``eager_draw_ops`` counts the ops it runs.
 """
 
 from __future__ import annotations
@@ -123,6 +123,7 @@ class Region:
         return rows * -(-last // CHUNK) if last >= CHUNK else -(-rows // (CHUNK // last))
 
 
+@functools.lru_cache(maxsize=8192)  # the planner prices each random op under each strategy
 def rank_region(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
                 coordinate: tuple[int, ...], zigzag: frozenset[int] = frozenset()) -> Region:
     """The region of the rank at ``coordinate``'s piece of a tensor of global ``shape``."""
@@ -145,7 +146,7 @@ def grouped_on_every_rank(shape: tuple[int, ...], placements: tuple[Placement, .
 ROUND_OPS = 4 + 6 + 9 + (ROUNDS - 3) * 10
 """Ops of an eager chunk's rounds: 10 a round (two products, two high words of four ops each),
 fewer in rounds 0-2, which start from scalar words (the draw's, and the index's high word)."""
-_CHUNK_OPS = {True: 12, False: 12}
+_CHUNK_OPS = 12
 """Per chunk besides the rounds and the finish, grouped (the index, the output's slice and its
 four lanes, their scratch) and per element (the index, its counter and lane, the four words
 stacked and masked, the lane gathered; views included: each is a dispatch)."""
@@ -164,15 +165,15 @@ lane), the rounds (per element also the four words stacked and masked, the lane 
 def eager_draw_ops(region: Region, finish: Finish) -> tuple[int, float]:
     """(ops, element-ops) of the whole eager draw of ``region`` (``runtime.philox_eager``): ops
     each a fixed cost, element-ops each one op over one counter (or element, where each has its
-    own). A chunk whose counters pass 2^32 runs one op more (two where it straddles it): not
-    counted. ``tests/test_philox.py`` counts the ops the draw dispatches against this."""
+    own). A chunk shorter than the buffers takes views of them once per length (8 ops). A chunk
+    whose counters pass 2^32 runs one op more (two where it straddles it): not counted. ``tests/test_philox.py`` counts the ops the draw dispatches against this."""
     counters = region.counters()
     grouped = counters is not None
     shape = counters if counters is not None else region
     long_rows = shape.sizes[-1] >= CHUNK  # one row at a time: its base a scalar
     setup = 12 if long_rows else 14 + 4 * (len(shape.sizes) - 1)  # buffers, columns (and row bases)
     finish_ops, finish_elements = _FINISH_OPS[grouped][finish]
-    per_chunk = ROUND_OPS + _CHUNK_OPS[grouped] + finish_ops + (0 if long_rows else 2)
+    per_chunk = ROUND_OPS + _CHUNK_OPS + finish_ops + (0 if long_rows else 2)
     last, rows = shape.sizes[-1], shape.numel // shape.sizes[-1]
     full = min(CHUNK, shape.numel)  # the buffers' length
     if long_rows:  # chunks of CHUNK, the row's last one shorter
