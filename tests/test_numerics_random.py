@@ -21,14 +21,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.capture.graph import TensorMeta
-from autopar.cost.draws import SAMPLER_OPS
 from autopar.cost.model import CostContext, op_cost
 from autopar.cost.precision import PRECISIONS
 from autopar.mesh import Mesh
 from autopar.rules.redistribute import redistribute_steps
 from autopar.rules.strategy import R, OpCall, Strategy, parse_placements
 from autopar.runtime.forked import run_ranks
-from autopar.runtime.philox import OPS_PER_ROUND, ROUNDS
+from autopar.philox_spec import KERNEL_OPS_PER_COUNTER, KERNEL_OPS_PER_ELEMENT, eager_draw_ops, rank_region
 from autopar.runtime.random import RandomOps
 from autopar.runtime.stream import CounterStream
 from examples import gpt, hf_models
@@ -241,9 +240,10 @@ def test_replicated_draw_keeps_generators_in_lockstep(stream: str) -> None:
     assert same, states
 
 
-def _dropout_price(ways: int, global_draws: bool, shape: tuple[int, ...] = (8, 64, 128), dim: int = 0) -> float:
+def _dropout_price(ways: int, global_draws: bool, shape: tuple[int, ...] = (8, 64, 128), dim: int = 0,
+                   hardware: str = "h100") -> float:
     """Seconds dropout's draw adds on one rank of a ``ways``-way split along ``dim``."""
-    mesh = Mesh({"tp": ways}, hardware="h100")
+    mesh = Mesh({"tp": ways}, hardware=hardware)
     ctx = CostContext(mesh=mesh, precision=PRECISIONS["fp32"], train=True, global_draws=global_draws)
     x = TensorMeta(shape, torch.float32)
     split = Strategy(((parse_placements(f"S({dim})")),), (parse_placements(f"S({dim})"),))
@@ -262,21 +262,44 @@ def test_torch_stream_draw_is_priced_at_global_elements() -> None:
     assert _dropout_price(1, True) == pytest.approx(_dropout_price(4, True), rel=1e-9)
 
 
-def test_counter_stream_draw_is_priced_at_local_elements() -> None:
-    """The counter stream: a rank's draw is its own elements' Philox rounds and passes, so the
-    work shrinks with the split (down to the launches of its eager ops), and it costs 4x the
-    rounds where the split cuts the last dim (one counter per element, not per 4)."""
+def _scale_pass(n: float, hw: Any) -> float:
+    """Dropout's scale: a pass over its fp32 elements reading the mask (``bytes``), one launch."""
+    return max(n / (hw.peak_flops_fp32 * hw.compute_efficiency), n * 8 / (hw.memory_bandwidth * hw.memory_efficiency))
+
+
+def test_counter_stream_draw_is_priced_as_the_fused_kernel_on_a_gpu() -> None:
+    """On a GPU profile a rank's draw is one kernel over its own elements: its 32-bit integer
+    instructions at the INT32 rate (or its mask's bytes, the slower), then dropout's scale pass;
+    about one pass over the elements, shrinking with the split, 4x the rounds where the split
+    leaves a rank runs of the last dim that are not whole counters."""
     big = (64, 512, 1024)
-    launches = ROUNDS * OPS_PER_ROUND + 2 * 3 + SAMPLER_OPS + 2
     hw = Mesh({"tp": 1}, hardware="h100").hardware
-    one, four = _dropout_price(1, False, big), _dropout_price(4, False, big)
-    assert four == pytest.approx(one / 4, rel=1e-6)
-    assert one > launches * hw.op_overhead  # bound by its passes at this size, not its launches
-    counters = 64 * 512 * 1024 / 4
-    passes = counters * (ROUNDS * OPS_PER_ROUND + 3) * 16
-    assert one > passes / (hw.memory_bandwidth * hw.memory_efficiency)
-    assert _dropout_price(4, False, big, dim=2) > 3 * four
-    assert _dropout_price(8, False) == pytest.approx(launches * hw.op_overhead)  # tiny: the launches
+    n = 64 * 512 * 1024
+    ops = n / 4 * KERNEL_OPS_PER_COUNTER + n * KERNEL_OPS_PER_ELEMENT
+    kernel = max(ops / (hw.int_op_rate * hw.compute_efficiency), n / (hw.memory_bandwidth * hw.memory_efficiency))
+    assert _dropout_price(1, False, big) == pytest.approx(kernel + max(_scale_pass(n, hw) + n / (
+        hw.memory_bandwidth * hw.memory_efficiency), hw.op_overhead), rel=1e-9)
+    one_pass = n * 8 / (hw.memory_bandwidth * hw.memory_efficiency)  # read and write fp32
+    assert kernel < one_pass  # the draw costs less than one pass over its elements
+    assert _dropout_price(4, False, big) == pytest.approx(_dropout_price(1, False, big) / 4, rel=1e-6)
+    assert _dropout_price(4, False, big, dim=2) == pytest.approx(_dropout_price(4, False, big), rel=1e-9)
+    odd, half = (64, 512, 1022), n * 1022 / 1024 / 2  # split on dim 2, a rank holds 511 of each row
+    scale = max(_scale_pass(half, hw) + half / (hw.memory_bandwidth * hw.memory_efficiency), hw.op_overhead)
+    per_element = _dropout_price(2, False, odd, dim=2) - scale  # one counter per element
+    assert per_element > 3 * (_dropout_price(2, False, odd, dim=0) - scale)
+
+
+def test_counter_stream_draw_is_priced_as_the_eager_ops_on_a_cpu() -> None:
+    """On the cpu profile a rank's draw is the eager ops it dispatches (``eager_draw_ops``: each
+    a fixed cost, and element-ops at the profile's rate) on its own region, then the scale pass."""
+    hw = Mesh({"tp": 1}, hardware="cpu").hardware
+    for shape, dim in (((8, 64, 128), 0), ((64, 512, 1024), 0), ((64, 512, 1022), 2)):
+        region = rank_region(shape, parse_placements(f"S({dim})"), (2,), (0,))
+        ops, element_ops = eager_draw_ops(region, "below")
+        n = region.numel
+        by_hand = ops * hw.int_op_overhead + element_ops / hw.int_op_rate + _scale_pass(n, hw) + n / (
+            hw.memory_bandwidth * hw.memory_efficiency) + hw.op_overhead
+        assert _dropout_price(2, False, shape, dim=dim, hardware="cpu") == pytest.approx(by_hand, rel=1e-9)
 
 
 def _compile_with_rank_seed(rank: int, world: int) -> str:

@@ -1,13 +1,20 @@
 """The counter-based generator (``autopar.runtime.philox``) against Random123's published
 known-answer vectors, its index-addressability (any slice of the elements computes the
-words the whole computes there), and the samplers' distributions on it."""
+words the whole computes there), and the samplers' distributions on it; the draws that run
+(chunked eager ops, the fused Triton kernel) against it, and the eager draw's ops against
+what ``cost.draws`` prices."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
+from autopar.philox_spec import CHUNK, MASK, Finish, Region, eager_draw_ops
+from autopar.runtime import philox_eager, philox_triton
 from autopar.runtime.philox import element_words, philox4x32, row_words
 
 # Random123 v1.14.0 tests/kat_vectors, "philox4x32 10": counter words, key words, output words.
@@ -89,3 +96,87 @@ def test_stream_continues_across_blocks_and_replays_from_a_state() -> None:
     assert not torch.equal(first, second) and torch.equal(second, again)
     with autopar.random.stream(5):
         assert torch.equal(torch.rand_like(x), first)
+
+
+# The draws that run (``runtime.philox_eager`` on CPU, ``runtime.philox_triton`` on CUDA)
+# against the reference above, on regions of every kind a rank's piece makes.
+
+REGIONS = [
+    Region((3 * CHUNK + 8,), (1,), 0),  # whole, grouped: full chunks and a short one
+    Region((5, 40), (100, 1), 8),  # rows, grouped
+    Region((2, 3, 5, 12), (1000, 200, 30, 1), 28),  # three outer dims
+    Region((7, 30), (50, 3), 1),  # one counter per element
+    Region((9, 13), (1 << 33, 1), (1 << 34) - 5),  # counters past 2^32, a row straddling it
+]
+FINISHES: list[tuple[Finish, torch.dtype, dict[str, int]]] = [
+    ("words", torch.int64, {}), ("below", torch.bool, {"threshold": 3 << 30}),
+    ("below", torch.float32, {"threshold": 1 << 32}), ("uniform", torch.float32, {"bits": 24}),
+    ("uniform", torch.float64, {"bits": 32}),
+]
+SEED, DRAW = (1 << 64) - 3, (1 << 40) + 5
+
+
+def _reference(region: Region, sub: int) -> torch.Tensor:
+    index = torch.tensor(region.offset)
+    for d, (n, s) in enumerate(zip(region.sizes, region.strides)):
+        index = index + (torch.arange(n) * s).view([n if i == d else 1 for i in range(len(region.sizes))])
+    return element_words(SEED, DRAW, index.reshape(-1), sub)
+
+
+def _high(sub: int) -> tuple[int, int]:
+    return DRAW & MASK, (DRAW >> 32) | (sub << 31)
+
+
+@pytest.mark.parametrize("region", REGIONS, ids=lambda r: "x".join(map(str, r.sizes)))
+def test_eager_draw_is_the_reference(region: Region) -> None:
+    """Every finish of the chunked eager draw is the reference's words, finished alike."""
+    for sub in (0, 1):
+        words = _reference(region, sub)
+        for finish, dtype, kw in FINISHES:
+            out = torch.empty(region.numel, dtype=dtype)
+            philox_eager.draw((SEED & MASK, SEED >> 32), _high(sub), region, finish, out, **kw)
+            if finish == "words":
+                want = words
+            elif finish == "below":
+                want = (words < kw["threshold"]).to(dtype)
+            else:
+                want = (words >> (32 - kw["bits"])).to(dtype) * 2.0 ** -kw["bits"]
+            assert torch.equal(out, want), (finish, dtype, sub)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("region", [*REGIONS[:4], Region((CHUNK * 2 + 12,), (1,), 0), Region((200, 100), (100, 1), 0)],
+                         ids=lambda r: "x".join(map(str, r.sizes)))
+def test_eager_draw_runs_the_ops_it_is_priced_at(region: Region) -> None:
+    """``cost.draws`` prices the eager draw by ``eager_draw_ops``: the ops it dispatches."""
+    for finish, dtype, kw in FINISHES[:2] + FINISHES[3:4]:
+        out = torch.empty(region.numel, dtype=dtype)
+        with _Count() as count:
+            philox_eager.draw((1, 2), (3, 4), region, finish, out, **kw)
+        assert count.ops == eager_draw_ops(region, finish)[0], finish
+
+
+def test_fused_kernel_is_the_eager_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernel, run by Triton's interpreter on CPU tensors (where triton is installed;
+    on a GPU it compiles the same kernel), writes the eager draw's bits."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    philox_triton._kernel.cache_clear()
+    try:
+        for region in (REGIONS[1], REGIONS[3], REGIONS[4]):
+            for finish, dtype, kw in FINISHES[1:2] + FINISHES[3:4]:
+                want, got = torch.empty(region.numel, dtype=dtype), torch.empty(region.numel, dtype=dtype)
+                philox_eager.draw((SEED & MASK, SEED >> 32), _high(1), region, finish, want, **kw)
+                philox_triton.draw(SEED, _high(1), region, finish, got, **kw)
+                assert torch.equal(got, want), (region, finish)
+    finally:
+        philox_triton._kernel.cache_clear()  # a later GPU run compiles, not interprets

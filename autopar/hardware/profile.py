@@ -163,6 +163,18 @@ class HardwareProfile:
     ring_attention: bool = False
     """autopar's runtime runs ring attention on this device (``runtime.ring``: around the CPU flash
     kernel; a GPU kernel path is not written yet), so the planner may choose it."""
+    draw_kernel: bool = False
+    """The counter stream's random draws run as one fused kernel each (``runtime.philox_triton``,
+    CUDA); False: as eager torch integer ops over chunks held in cache (``runtime.philox_eager``).
+    ``cost.draws`` prices the one that runs."""
+    int_op_rate: float = 0.0
+    """Elementwise integer operations per second of a draw's arithmetic: a fused kernel's 32-bit
+    instructions (INT32 lanes x clock), or the element-ops of eager int64 torch ops on chunks in
+    cache; 0: a quarter of ``peak_flops_fp32`` (FLOPs count an FMA as two; INT32 issues at half
+    the FP32 rate or less on recent GPUs)."""
+    int_op_overhead: float = 0.0
+    """Fixed seconds of one eager integer op of a draw (no autograd, called from a dispatch mode:
+    lighter than ``op_overhead``'s); 0: ``op_overhead``."""
     memory_headroom: float = 0.1
     """Fraction of ``memory_bytes`` the default memory limit leaves free for what a plan does
     not count (CUDA context, library workspaces, allocator fragmentation), where the profile

@@ -57,7 +57,11 @@ _PCIE_GEN5 = {"host_link_bandwidth": 50 * GB, "host_memory_bandwidth": 30.7 * GB
 _PCIE_GEN4 = {"host_link_bandwidth": 25 * GB, "host_memory_bandwidth": 20.5 * GB}
 
 _CUDA_EAGER = {"op_overhead": 10e-6, "backward_op_overhead": 10e-6, "collective_overhead": 10e-6,
-               "overlapped_dispatch": True, "grad_sync_overlap": 0.8}
+               "overlapped_dispatch": True, "grad_sync_overlap": 0.8, "draw_kernel": True}
+# INT32 lanes x boost clock (NVIDIA A100 and H100 whitepapers: 64 INT32 units per SM on both;
+# 108 SMs at 1.41 GHz, 132 SMs at 1.98 GHz), what a fused random draw's Philox rounds run on.
+_A100_INT32 = 108 * 64 * 1.41e9
+_H100_INT32 = 132 * 64 * 1.98e9
 
 PROFILES: dict[str, HardwareProfile] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOPS bf16 dense,
@@ -69,7 +73,7 @@ PROFILES: dict[str, HardwareProfile] = {
         name="a100", peak_flops_bf16=312 * TFLOPS, peak_flops_fp32=19.5 * TFLOPS,
         memory_bandwidth=2039 * GB, memory_bytes=80 * GiB,
         intra_node_bandwidth=300 * GB, intra_node_latency=5e-6,
-        inter_node_bandwidth=25 * GB, inter_node_latency=10e-6,
+        inter_node_bandwidth=25 * GB, inter_node_latency=10e-6, int_op_rate=_A100_INT32,
         **_CUDA_EAGER, **_PCIE_GEN4, **AMPERE,
     ),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): 989 TFLOPS bf16 dense,
@@ -82,7 +86,7 @@ PROFILES: dict[str, HardwareProfile] = {
         name="h100", peak_flops_bf16=989 * TFLOPS, peak_flops_fp32=67 * TFLOPS,
         memory_bandwidth=3350 * GB, memory_bytes=80 * GiB,
         intra_node_bandwidth=450 * GB, intra_node_latency=3e-6,
-        inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
+        inter_node_bandwidth=50 * GB, inter_node_latency=10e-6, int_op_rate=_H100_INT32,
         **_CUDA_EAGER, **_PCIE_GEN5, **HOPPER,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM
@@ -93,7 +97,7 @@ PROFILES: dict[str, HardwareProfile] = {
         name="h200", peak_flops_bf16=989 * TFLOPS, peak_flops_fp32=67 * TFLOPS,
         memory_bandwidth=4800 * GB, memory_bytes=141 * GB,
         intra_node_bandwidth=450 * GB, intra_node_latency=3e-6,
-        inter_node_bandwidth=50 * GB, inter_node_latency=10e-6,
+        inter_node_bandwidth=50 * GB, inter_node_latency=10e-6, int_op_rate=_H100_INT32,
         **_CUDA_EAGER, **_PCIE_GEN5, **HOPPER,
     ),
     # A CPU host running gloo over loopback, as in our CI: 4 ranks forked on the 2-core
@@ -114,6 +118,9 @@ PROFILES: dict[str, HardwareProfile] = {
     # both axes of a 2 x 2 mesh and a flat mesh of 4): 1.40-1.62 ms per call, 0-64 us per
     # ring step, 0.60-0.90 GB/s. CPUs have no bf16 advantage: plans default to fp32.
     # Inter-node figures are not measured (the CI mesh fits in one node).
+    # The counter stream's eager draw (``benchmarks/random.py --calibrate``: dropout masks of
+    # 4K-4M elements, whole and per element): 4.5-6.0 us per op, 2.2-2.7 G element-ops/s over
+    # six runs (fit of ``philox_spec.eager_draw_ops``), 17-18 ns an element for large masks.
     # Offload (the "host" is the same DRAM; 4 ranks forked at once, 64 MiB fp32 tensors,
     # CPU time x ranks / cores as above): a ``copy_`` between separate tensors 8.7-11.6 GB/s
     # of CPU time per rank, so 5 GB/s per direction; torch's AdamW step 3.1-3.7 GB/s counted
@@ -125,6 +132,7 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bandwidth=0.6 * GB, inter_node_latency=60e-6,
         compute_efficiency=1.0, memory_efficiency=1.0, network_efficiency=1.0,
         op_overhead=17.5e-6, backward_op_overhead=28e-6, collective_overhead=1.45e-3,
+        int_op_overhead=5.5e-6, int_op_rate=2.5e9,
         optimizer_param_overhead=64e-6,
         host_link_bandwidth=5 * GB, host_memory_bandwidth=1.8 * GB, host_optimizer_param_overhead=64e-6,
         default_precision="fp32", ring_attention=True,

@@ -71,6 +71,28 @@ def zigzag_view(x: torch.Tensor, dim: int, factor: int, ways: int, index: int) -
     return cut[(slice(None),) * (dim + 1) + (pick,)]
 
 
+def piece_view(whole: torch.Tensor, placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+               coordinate: tuple[int, ...], zigzag: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The elements of ``whole`` (replicated) that the rank at ``coordinate`` holds under
+    ``placements``, as a view (no copy) in its local tensor's order: the slice a reshard from
+    Replicate hands it, with each strided dim left as two, (block, position in this rank's
+    piece), each zig-zag one (a mesh dim in ``zigzag``) as three."""
+    view, where = whole, list(range(whole.ndim))  # where each global dim sits in ``view``
+    for step in redistribute_steps((Replicate(),) * len(placements), placements):
+        assert step.kind == SLICE, step
+        n, i, d = mesh_shape[step.mesh_dim], coordinate[step.mesh_dim], where[step.dst_dim]
+        if step.mesh_dim in zigzag and n > 1:  # (block, which chunk, position): two dims more
+            view = zigzag_view(view, d, step.factor, n, i)
+            where = [w + 2 if w > d else w for w in where]
+        elif step.factor > 1:
+            view = strided_view(view, d, step.factor, n, i)
+            where = [w + 1 if w > d else w for w in where]
+        else:
+            size = view.shape[d] // n
+            view = view.narrow(d, i * size, size)
+    return view
+
+
 def zigzag_take(x: torch.Tensor, dim: int, factor: int, ways: int, index: int) -> torch.Tensor:
     """Rank ``index``'s piece of a zig-zag shard (``zigzag_view``), dim ``dim`` whole again."""
     return zigzag_view(x, dim, factor, ways, index).flatten(dim, dim + 2)

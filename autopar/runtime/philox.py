@@ -1,6 +1,7 @@
-"""Philox-4x32-10 (Salmon et al., SC'11; Random123) in torch integer ops: a counter-based
-generator, so any element's random bits are a pure function of (key, counter) and a rank
-computes only the elements it holds.
+"""Philox-4x32-10 (Salmon et al., SC'11; Random123) in torch integer ops, as plainly as it is
+specified: the reference the stream's implementations (``runtime.philox_eager``,
+``runtime.philox_triton``) are tested against. A counter-based generator, so any element's
+random bits are a pure function of (key, counter) and a rank computes only the elements it holds.
 
 Words are uint32 values kept in int64 tensors (torch has no full unsigned arithmetic). A
 round's 32 x 32 -> 64-bit multiply runs as an int64 multiply: the product may pass 2^63 and
@@ -16,15 +17,7 @@ from __future__ import annotations
 
 import torch
 
-MASK = 0xFFFFFFFF
-M0, M1 = 0xD2511F53, 0xCD9E8D57
-W0, W1 = 0x9E3779B9, 0xBB67AE85
-ROUNDS = 10
-LANES = 4
-"""Words one counter gives: elements that share a counter (``i // LANES``) are drawn together."""
-OPS_PER_ROUND = 12
-"""Elementwise torch ops in one round (two multiplies, two shifts, six xors/ands, two masks):
-what a counter costs, ``ROUNDS`` times, in ``autopar.cost.draws``."""
+from autopar.philox_spec import LANES, M0, M1, MASK, ROUNDS, W0, W1
 
 Words = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

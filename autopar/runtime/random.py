@@ -36,9 +36,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from autopar.errors import InputError, RandomDrawError
+from autopar.philox_spec import Region, rank_region
 from autopar.rules import dropout as random_rules
-from autopar.rules.redistribute import SLICE, redistribute_steps, strided_view, zigzag_view
-from autopar.rules.strategy import Placements, R, parse_placements, shard_dim
+from autopar.rules.redistribute import piece_view
+from autopar.rules.strategy import Placements, parse_placements, shard_dim
 from autopar.runtime.samplers import SAMPLERS, sample
 from autopar.runtime.stream import CounterStream
 
@@ -53,7 +54,7 @@ READS_VALUES = frozenset({
 the others read only their shape (``rand_like(x)``, ``bernoulli_(p=0.9)``)."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resolve(op: str) -> torch._ops.OpOverload:
     namespace, name, overload = op.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
@@ -110,21 +111,6 @@ class RandomOps(nn.Module):
                     return target(*args, **kwargs)
             return target(*args, **kwargs)
 
-    def indices(self, shape: tuple[int, ...], placements: Placements, device: torch.device) -> torch.Tensor:
-        """The row-major indices in a global tensor of ``shape`` of this rank's elements, in its
-        local order (``region``'s), computed for those elements only: each dim's index
-        vector, broadcast without a copy, viewed as this rank's region and summed."""
-        total: torch.Tensor | None = None
-        stride = 1
-        for d in reversed(range(len(shape))):
-            at = [1] * len(shape)
-            at[d] = shape[d]
-            dim = (torch.arange(shape[d], device=device) * stride).view(at).expand(shape)
-            mine = self.region(dim, placements)
-            total = mine if total is None else total + mine
-            stride *= shape[d]
-        return torch.zeros((), dtype=torch.int64, device=device) if total is None else total
-
     def draw(self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``func`` with this module's generator (its own argument, or the device's
         default generator swapped in for ops that take none)."""
@@ -144,22 +130,8 @@ class RandomOps(nn.Module):
 
     def region(self, whole: torch.Tensor, placements: Placements) -> torch.Tensor:
         """This rank's elements of the global ``whole`` as a view (no copy), in its local
-        tensor's order: the slice a reshard from Replicate hands it, with each strided dim
-        left as two, (block, position in this rank's piece), each zig-zag one as three."""
-        view, where = whole, list(range(whole.ndim))  # where each global dim sits in ``view``
-        for step in redistribute_steps((R,) * len(placements), placements):
-            assert step.kind == SLICE, step
-            n, i, d = self.mesh_shape[step.mesh_dim], self.coordinate[step.mesh_dim], where[step.dst_dim]
-            if step.mesh_dim in self.zigzag and n > 1:  # (block, which chunk, position): two dims more
-                view = zigzag_view(view, d, step.factor, n, i)
-                where = [w + 2 if w > d else w for w in where]
-            elif step.factor > 1:
-                view = strided_view(view, d, step.factor, n, i)
-                where = [w + 1 if w > d else w for w in where]
-            else:
-                size = view.shape[d] // n
-                view = view.narrow(d, i * size, size)
-        return view
+        tensor's order (``rules.redistribute.piece_view``)."""
+        return piece_view(whole, placements, self.mesh_shape, self.coordinate, self.zigzag)
 
 
 class _LocalDraws(TorchDispatchMode):
@@ -194,11 +166,9 @@ class _RankLayout:
         return _global_shape(self.draws.owner, self.draws.op, self.draws.placements, self.draws.out_shape,
                              self.func, local_shape)
 
-    def indices(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return self.draws.owner.indices(shape, self.draws.placements, device)
-
-    def keeps_last_dim(self, ndim: int) -> bool:
-        return all(shard_dim(p) != ndim - 1 for p in self.draws.placements)
+    def region(self, shape: tuple[int, ...]) -> Region:
+        owner = self.draws.owner
+        return rank_region(shape, self.draws.placements, owner.mesh_shape, owner.coordinate, owner.zigzag)
 
 
 def _out_device(args: tuple[Any, ...], kwargs: dict[str, Any], default: torch.device) -> torch.device:
