@@ -40,6 +40,11 @@ class CollectiveCall:
     bucketed: bool = False
     """Gradient synchronization: one bucket of gradients fused into one all-reduce (as DDP
     does), run after (or overlapping) backward rather than on an edge."""
+    grouped: bool = False
+    """A parameter's gather, gather again or gradient reduce-scatter run in one collective with
+    the others of its group (``cost.groups``: its reader's block, as FSDP2 per module): the call's
+    fixed cost (``call_time``) is the group's, paid once per group, so its own price is its
+    transfer alone (``collective_time``)."""
 
 
 def call_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
@@ -81,9 +86,12 @@ def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
     """Alpha-beta time of one collective, after the call's fixed cost
     (``collective_overhead``: its launch and the wait for the slowest rank, added even where
     the host dispatches ahead, so a bucket's time splits linearly into a per-call part,
-    ``call_time``, and per-gradient transfers, ``transfer_time``)."""
+    ``call_time``, and per-gradient transfers, ``transfer_time``); a ``grouped`` call's
+    transfer alone (its group pays the call once)."""
     if mesh.shape[call.mesh_dim] == 1:
         return 0.0
+    if call.grouped:  # the group's one call pays it (``cost.groups``)
+        return transfer_time(call, mesh)
     return call_time(call.kind, call.mesh_dim, mesh) + transfer_time(call, mesh)
 
 
