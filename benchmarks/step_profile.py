@@ -26,8 +26,9 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 def _kind(name: str) -> str | None:
-    """The collective an event issues (None: not a collective's issuing call)."""
-    if not (name.startswith("c10d::") or name.startswith("_c10d_functional::")) or "wait" in name:
+    """The collective an event issues (None: not a collective's issuing call): the process group's own
+    ``c10d::`` call, which functional collectives (``_c10d_functional::``) and ``dist.*`` both reach."""
+    if not name.startswith("c10d::") or "wait" in name or "barrier" in name:
         return None
     low = name.lower()
     return next((kind for kind, keys in COLLECTIVE_KINDS.items() if any(k in low for k in keys)), None)
@@ -53,10 +54,12 @@ def breakdown(events: Any, steps: int, cpu_s: float) -> str:
         if e.name.startswith("aten::"):
             ops += 1
             matmuls += e.name in MATMULS
+    counts = Counter(e.name for e in events if e.name.startswith("aten::"))
     lines = [f"  CPU {1e3 * cpu_s / steps:.1f} ms per step; collectives per step: " + ", ".join(
         f"{kind} {calls[kind] / steps:g} calls / {nbytes[kind] / steps / 2**20:.2f} MiB" for kind in sorted(calls)),
         f"  aten ops per step {ops / steps:.0f} (matmuls {matmuls / steps:.0f}); CPU per op "
-        f"{1e6 * cpu_s / max(ops, 1):.1f} us"]
+        f"{1e6 * cpu_s / max(ops, 1):.1f} us",
+        "  most run: " + ", ".join(f"{name.removeprefix('aten::')} {n / steps:.0f}" for name, n in counts.most_common(14))]
     return "\n".join(lines)
 
 

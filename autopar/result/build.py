@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
+from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, call_time, collective_time
 from autopar.cost.buckets import GradBucket, gradient_buckets
 from autopar.cost.groups import GroupKey, edge_groups, group_call
 from autopar.cost.moe import moe_collectives
@@ -82,10 +82,11 @@ class _Ledger:
         """Seconds of the recorded calls that run under their op's compute (ring attention's sends)."""
 
     def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1,
-               waited: float = 1.0, data_dependent: bool = False) -> None:
-        """``waited``: the share of the call the step waits for; ``data_dependent``: its bytes are an expectation."""
+               waited: float = 1.0, data_dependent: bool = False, time: float | None = None) -> None:
+        """``waited``: the share of the call the step waits for; ``data_dependent``: its bytes are an
+        expectation; ``time``: its seconds where they are not ``collective_time``'s (a group's)."""
         axis = self.mesh.names[call.mesh_dim]
-        time = collective_time(call, self.mesh)
+        time = collective_time(call, self.mesh) if time is None else time
         self.collectives.append(PlannedCollective(
             kind=call.kind, axis=axis, bytes=call.nbytes, phase=phase, tensor=tensor, consumer=consumer,
             module=module, time_s=time, count=count, waited_s=None if waited == 1.0 else time * waited,
@@ -203,13 +204,14 @@ class _Groups:
         beside = []
         for key, members in sorted(self.members.items()):
             call = group_call(key, [c for c, _, _ in members])
-            whole = collective_time(call, ledger.mesh)
-            # the call waits as its members do: a prefetched block's window holds them all (one share)
+            # its call, then each member's transfer (and copy: ``copy_time``) as priced on its edge
             transfers = [(collective_time(c, ledger.mesh), share) for c, _, share in members]
+            whole = call_time(key.kind, key.mesh_dim, ledger.mesh) + sum(t for t, _ in transfers)
+            # the call waits as its members do: a prefetched block's window holds them all (one share)
             waited = (whole - sum(t for t, _ in transfers)) * members[0][2] + sum(t * share for t, share in transfers)
             ledger.record(call, key.phase, ",".join(t for _, (t, _), _ in members),
                           ",".join(c for _, (_, c), _ in members), key.group or "(root)", runs,
-                          waited / whole if whole else 1.0)
+                          waited / whole if whole else 1.0, time=whole)
             if key in self.beside:
                 beside.append(len(ledger.collectives) - 1)
         return beside

@@ -2,10 +2,11 @@
 reduce-scatters each run as one collective over all its members, as FSDP2 runs them per module.
 
 Gathers: ``self.gather_group(xs, specs, dtype=...)`` (``GatherGroup``, written by
-``passes.prefetch_gathers``) issues the members' all-gathers as one coalesced all-gather
-(``all_gather_into_tensor_coalesced``: one call, each member's output gathered along dim 0 as
-``Comm.launch`` gathers one) and returns each member's ``Pending``, which its own
-``self.reshard``/``self.regather`` waits for (``pending=``); the rest is as for one.
+``passes.group_collectives``) issues the members' all-gathers as one all-gather of one flat
+buffer (their shards end to end) and returns each member's ``Pending``, which its own
+``self.reshard``/``self.regather`` waits for (``pending=``): the first of them waits for the
+group and copies every member out of the buffer (``split_with_sizes_copy``: each as gathered
+along dim 0, as ``Comm.launch`` gathers one), then the rest is as for one.
 
 Gathers again (ZeRO-3): the regather handles of one group (``self.regather(..., group=tag)``)
 gather together in backward (``runtime.regather``), through ``launch_group`` too.
@@ -22,10 +23,12 @@ whose members' gradients did not all arrive in a backward is an error, never a s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.fx
 from torch import nn
@@ -36,16 +39,46 @@ from autopar.runtime.ops import Comm, Pending, _steps
 
 def _split_at_collective(comm: Comm, steps: tuple[Step, ...], kind: str) -> int:
     """Index of the one collective of ``steps`` (of ``kind``, on more than one rank) a group runs."""
-    at = [k for k, s in enumerate(steps) if s.kind in COLLECTIVES and comm.mesh.size(s.mesh_dim) > 1]
+    return _collective_at(steps, tuple(comm.mesh.shape), kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _collective_at(steps: tuple[Step, ...], mesh_shape: tuple[int, ...], kind: str) -> int:
+    at = [k for k, s in enumerate(steps) if s.kind in COLLECTIVES and mesh_shape[s.mesh_dim] > 1]
     if len(at) != 1 or steps[at[0]].kind != kind:
         raise RuntimeError(f"a grouped {kind} member runs {[s.kind for s in steps]}: not one {kind}")
     return at[0]
 
 
+class _Gathered:
+    """A group's all-gather in flight: one flat buffer, rank-major (rank j's shards end to end),
+    copied out to every member at the first member's finish, as each one's output gathered along
+    dim 0; one wait for the group."""
+
+    def __init__(self, work: dist.Work, out: torch.Tensor, ranks: int, sent: list[torch.Tensor]) -> None:
+        self.work, self.out, self.ranks = work, out, ranks
+        self.numels = [t.numel() for t in sent]
+        self.shapes = [(ranks * t.shape[0], *t.shape[1:]) for t in sent]
+        self.members: list[torch.Tensor | None] | None = None
+
+    def take(self, index: int) -> torch.Tensor:
+        if self.members is None:
+            self.work.wait()
+            assert self.out is not None
+            members = [torch.empty(shape, dtype=self.out.dtype, device=self.out.device) for shape in self.shapes]
+            torch.split_with_sizes_copy(self.out.view(self.ranks, -1), self.numels, dim=1,
+                                        out=[m.view(self.ranks, -1) for m in members])
+            self.members, self.out = list(members), None  # the buffer goes: the members hold the gathered bytes
+        member, self.members[index] = self.members[index], None
+        assert member is not None, "a group member's gather was taken twice"
+        return member
+
+
 def launch_group(comm: Comm, xs: Sequence[torch.Tensor], steps: Sequence[tuple[Step, ...]], phase: str
                  ) -> list[Pending]:
     """Issue the members' all-gathers (each ``steps[i]``: local steps, one all-gather, local steps) as
-    one collective, not waited for; each member's ``Pending`` (``Comm.finish`` completes it)."""
+    one collective over one flat buffer, not waited for; each member's ``Pending`` (``Comm.finish``
+    completes it)."""
     sent, gathers, rests = [], [], []
     for x, member in zip(xs, steps):
         k = _split_at_collective(comm, member, ALL_GATHER)
@@ -55,11 +88,15 @@ def launch_group(comm: Comm, xs: Sequence[torch.Tensor], steps: Sequence[tuple[S
     dim = gathers[0].mesh_dim
     if any(g.mesh_dim != dim for g in gathers) or len({t.dtype for t in sent}) != 1:
         raise RuntimeError("a gather group's members gather on one mesh dim, in one dtype")
+    flat = torch.cat([t.reshape(-1) for t in sent])
+    ranks = comm.mesh.size(dim)
+    out = flat.new_empty(ranks * flat.numel())
     comm.settle()
-    outs = fc.all_gather_into_tensor_coalesced(sent, (comm.mesh, dim))
-    comm.record_bytes(phase, ALL_GATHER, dim, sum(o.numel() * o.element_size() for o in outs))
-    comm.gathering(list(outs))
-    return [Pending(o, g, r) for o, g, r in zip(outs, gathers, rests)]
+    work = dist.all_gather_single(out, flat, group=comm.mesh.get_group(dim), async_op=True)
+    comm.record_bytes(phase, ALL_GATHER, dim, out.numel() * out.element_size())
+    comm.left_running(work)
+    gathered = _Gathered(work, out, ranks, sent)
+    return [Pending(out, g, r, gathered, i) for i, (g, r) in enumerate(zip(gathers, rests))]
 
 
 class GatherGroup(nn.Module):
@@ -122,7 +159,8 @@ class GradGroup:
         flat = torch.cat(rows, dim=1).reshape(-1)
         comm.settle()
         comm.record_bytes("backward", REDUCE_SCATTER, step.mesh_dim, flat.numel() * flat.element_size())
-        out = fc.reduce_scatter_single(flat, "sum", 0, (comm.mesh, step.mesh_dim))
+        out = torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", comm.mesh.size(step.mesh_dim),
+                                                               comm.mesh.get_group(step.mesh_dim).group_name)
         comm.scattering(out)
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: self._assign(out, [m.param for m in members], shapes, rests))
@@ -131,7 +169,7 @@ class GradGroup:
                 rests: list[tuple[Step, ...]]) -> None:
         """Each member's piece of the reduced buffer into its ``.grad`` (added to what it holds)."""
         self.comm.settle()
-        reduced = fc.wait_tensor(out) if isinstance(out, fc.AsyncCollectiveTensor) else out
+        reduced = fc.wait_tensor(out)
         start = 0
         for param, shape, rest in zip(params, shapes, rests):
             numel = shape.numel()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVES, REDUCE_SCATTER, SLICE, ZERO,
                                         Step, redistribute_steps, strided_join, strided_take, zigzag_join,
@@ -76,6 +77,22 @@ class Pending:
     """The issued all-gather step (None: ``tensor`` is already the result)."""
     rest: tuple[Step, ...]
     """Steps that run after it, at finish."""
+    group: GatheredGroup | None = None
+    """The group whose one all-gather gathers it (``runtime.grouped``; None: its own), and its
+    place there: ``group.take(index)`` is its gathered tensor."""
+    index: int = 0
+
+
+class GatheredGroup(Protocol):
+    """Gathers run as one collective (``runtime.grouped._Gathered``)."""
+
+    def take(self, index: int) -> torch.Tensor: ...
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """A collective's output once it finished: an AsyncCollectiveTensor waits once and unwraps; a
+    functional collective's plain output is waited for (a second wait finds nothing to wait for)."""
+    return t.trigger_wait() if isinstance(t, fc.AsyncCollectiveTensor) else fc.wait_tensor(t)
 
 
 class GradientGroup(Protocol):
@@ -102,7 +119,7 @@ class Comm:
         self._recomputing = False
         self.serial = mesh.device_type == "cpu"
         """gloo: a collective is issued only once the one left running has finished (module docstring)."""
-        self._scattering: fc.AsyncCollectiveTensor | None = None
+        self._scattering: torch.Tensor | None = None
         """The last reduce-scatter left running (``run_unwaited``)."""
         self._gathering: list[torch.Tensor] = []
         """The outputs of the last all-gather issued without waiting (``launch``, ``grouped.launch_group``),
@@ -119,16 +136,19 @@ class Comm:
         """On a CPU mesh, wait for every collective left running on this mesh: called before
         any collective is issued, here or elsewhere on this mesh (gradient buckets, ZeRO-1's
         buckets at the optimizer step, the ring's sends, the experts' all-to-alls)."""
-        if not self.serial:
+        if not self.serial or not (self._gathering or self._scattering is not None or self._works):
             return
-        for out in self._gathering:
-            fc.wait_tensor(out)
-        self._gathering = []
-        if self._scattering is not None:
-            self._scattering.trigger_wait()
-            self._scattering = None
-        while self._works:
-            self._works.pop(0).wait()
+        # What is waited for here was issued elsewhere: a checkpointed region's recompute, whose
+        # selective policy counts the ops it runs against its forward's, must not see these waits.
+        with _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext():
+            for out in self._gathering:
+                fc.wait_tensor(out)
+            self._gathering = []
+            if self._scattering is not None:
+                waited(self._scattering)
+                self._scattering = None
+            while self._works:
+                self._works.pop(0).wait()
 
     def gathering(self, outs: list[torch.Tensor]) -> None:
         """``outs``, an all-gather's outputs issued without waiting, are waited for before the next
@@ -140,8 +160,9 @@ class Comm:
         """``out``, a reduce-scatter left running, is waited for before the next one is issued, and
         on a CPU mesh before any collective."""
         if self._scattering is not None:
-            self._scattering.trigger_wait()
-        self._scattering = out if isinstance(out, fc.AsyncCollectiveTensor) else None
+            with _disable_current_modes():  # as in ``settle``
+                waited(self._scattering)
+        self._scattering = out
 
     def member(self, reduce_group: tuple[str, int, int] | None) -> tuple[GradientGroup, int] | None:
         """A ``reduce_group=(tag, index, size)`` argument as (its group, the member's index)."""
@@ -223,21 +244,22 @@ class Comm:
         if last is None or last.kind != REDUCE_SCATTER or self.mesh.size(last.mesh_dim) == 1:
             return self.run(x, steps, phase)
         x = self._scatter_order(self.run(x, steps[:-1], phase), last).contiguous()
-        if self._scattering is not None:
-            self._scattering.trigger_wait()
         self.settle()
         self._record(phase, REDUCE_SCATTER, last.mesh_dim, x)
         out = fc.reduce_scatter_single(x, "sum", last.dst_dim, (self.mesh, last.mesh_dim))
-        self.scattering(out)
+        self.scattering(out)  # waits for the one issued before
         return out
 
     def finish(self, pending: Pending, phase: str) -> torch.Tensor:
         """Wait for a launched redistribution and run the steps after its all-gather."""
         x, step = pending.tensor, pending.step
-        self._gathering = [out for out in self._gathering if out is not x]
+        if pending.group is not None:  # its group's collective (``Comm.left_running``): waited for once
+            x = pending.group.take(pending.index)
+        elif step is not None:
+            self._gathering = [out for out in self._gathering if out is not x]
+            x = fc.wait_tensor(x)
         if step is not None:
             n = self.mesh.size(step.mesh_dim)
-            x = fc.wait_tensor(x)
             if step.src_dim != 0:
                 x = torch.cat(x.chunk(n, dim=0), dim=step.src_dim)
             x = self._joined(x, step, n)
