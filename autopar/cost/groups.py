@@ -9,13 +9,15 @@ is exactly one reduce-scatter, on a mesh dim that is not zig-zag (``grouped_call
 call marked ``grouped``: priced at its transfer alone, the fixed cost paid once by its group.
 
 A group is one call the runtime runs (``GroupKey``): the collectives of one kind on one mesh dim,
-in one phase, of the parameters read in one repeated block instance (``block_paths.group_of``;
-the parameters outside every block form one group, the root, as FSDP2's root module), of one
-dtype. Phases: the forward gathers (issued together, ahead of the block as the prefetch
-issues them); the gradients' reduce-scatters (issued once the last member's gradient is
-in); the gathers again in backward, which are either ZeRO-3's regathers ("backward",
-issued as one when the block's backward needs the first or the prefetch asks) or a
-checkpointed block's replay of its forward gathers ("recompute").
+in one phase, of the parameters read in one repeated block instance (``problem.groups.group_names``;
+the parameters outside every block form one group, the root, as FSDP2's root module, or in a
+pipeline's stage plan one per stretch between blocks: the embedding and the output head lie in
+different stages, and no stage cut splits a stretch), of one dtype. Phases: the forward gathers
+(issued together, ahead of the block as the prefetch issues them); the gradients'
+reduce-scatters (issued once the last member's gradient is in); the gathers again in backward,
+which are either ZeRO-3's regathers ("backward", issued as one when the block's backward needs
+the first or the prefetch asks) or a checkpointed block's replay of its forward gathers
+("recompute").
 
 One rule, three readers: the ILP pays ``call_time`` once per group selected
 (``solver.group_terms``), the plan lists one collective per group (``result.build``), and
@@ -38,8 +40,8 @@ class GroupKey:
     """One grouped collective of a step (run once per micro-batch)."""
 
     group: str
-    """The repeated block instance its members are read in (``problem.block_paths.group_of``; "":
-    outside every block)."""
+    """The repeated block instance its members are read in, or the stretch outside blocks
+    (``problem.groups.group_names``; "": the root)."""
     phase: str
     """'forward', 'backward' (gradients' reduce-scatters, ZeRO-3's gathers again) or 'recompute'."""
     kind: str

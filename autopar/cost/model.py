@@ -61,6 +61,10 @@ class CostContext:
     global_draws: bool = False
     """Random ops draw the global tensor on every rank (``compile(random_stream='torch')``),
     else each rank its own elements from the counter stream (``cost.draws``)."""
+    pipelined: bool = False
+    """The step is a pipeline's stage-mesh plan, cut into stages between repeated blocks: parameters
+    outside every block are grouped per stretch between blocks (``problem.groups.group_names``),
+    which a cut never splits."""
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,6 @@ def block_of(module: str) -> str | None:
     return match.group(1) if match else None
 
 
-def group_of(module: str) -> str:
-    """The group whose collectives a parameter read in ``module`` joins (``cost.groups``): its
-    repeated block instance, or "" (the root) outside every block."""
-    return block_of(module) or ""
-
-
 def repeated_blocks(modules: list[str]) -> list[str]:
     """Every block instance the module paths reach, in first-seen order."""
     return list(dict.fromkeys(b for b in map(block_of, modules) if b is not None))

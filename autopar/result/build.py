@@ -19,7 +19,7 @@ from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.problem.folding import Folding
 from autopar.memory.options import MemoryPlan
 from autopar.solver.grad_terms import single_use_params
-from autopar.problem.block_paths import group_of
+from autopar.problem.groups import group_names
 from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, price_edge, zigzag_output_gathers
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
@@ -136,7 +136,7 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     held = 0.0
     regathered: set[str] = set()
     unwaited: list[int] = []
-    groups = _Groups()
+    groups, names = _Groups(), group_names(graph, ctx.pipelined)
     for name in graph.order:
         node = graph.nodes[name]
         for arg, (src, out_index) in enumerate(node.args):
@@ -152,7 +152,7 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
                 regathered.add(graph.nodes[src].fqn or src)
             again = "recompute" if replays else "backward"  # a block's replay, or a parameter gathered again
             meta = graph.nodes[src].outputs[out_index]
-            keys = iter(edge_groups(edge.forward, edge.backward, edge.recompute, group_of(node.module), replays,
+            keys = iter(edge_groups(edge.forward, edge.backward, edge.recompute, names[name], replays,
                                     str(meta.dtype))) if meta is not None else iter(())
             for phase, calls, window in (("forward", edge.forward, "forward"), ("backward", edge.backward, None),
                                          (again, edge.recompute, "backward")):

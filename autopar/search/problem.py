@@ -128,7 +128,7 @@ def prepare(step: Step, config: PlanConfig, place: Place, progress: bool = False
     ctx = CostContext(mesh=mesh, precision=_precision(step.model, mesh, config.precision, config.masters),
                       train=train, inputs_whole=not config.axes.input_sharded,
                       bucket_bytes=config.solver.bucket_bytes, micro_batches=m,
-                      global_draws=config.random_stream == "torch")
+                      global_draws=config.random_stream == "torch", pipelined=bool(place.pipeline_ranks))
     timings: dict[str, float] = {}
     with timed("capture", timings, progress):
         captured = capture(step.model, inputs, loss_fn=step.loss_fn, example_kwargs=kwargs, example_targets=targets,

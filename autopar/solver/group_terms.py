@@ -20,7 +20,8 @@ from autopar.cost.collectives import call_time
 from autopar.rules.redistribute import ALL_GATHER, REDUCE_SCATTER
 from autopar.cost.groups import GroupKey, edge_groups
 from autopar.cost.model import CostContext, EdgeCost, step_repeats
-from autopar.problem.block_paths import group_of
+from autopar.problem.block_paths import block_of
+from autopar.problem.groups import group_names
 from autopar.problem.nodes import PlanGraph
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.milp import INF, SCALE, Model
@@ -35,6 +36,7 @@ class GroupTerms:
         self.model, self.graph, self.ctx, self.mult, self.sync, self.overlap = model, graph, ctx, mult, sync, overlap
         self.priced = priced
         self.y: dict[tuple[GroupKey, int], int] = {}
+        self.groups = group_names(graph, ctx.pipelined)
 
     def edge(self, producer: str, consumer: str, price: Callable[[int, int], EdgeCost]) -> "_EdgeGroups | None":
         """For an edge out of a parameter read once: its ``note(j, a, b)`` learns that column j selects
@@ -44,7 +46,7 @@ class GroupTerms:
         node = self.graph.nodes[consumer]
         meta = self.graph.nodes[producer].outputs[0]
         assert meta is not None
-        return _EdgeGroups(self, price, group_of(node.module), node.recompute, str(meta.dtype), self.mult[consumer],
+        return _EdgeGroups(self, price, self.groups[consumer], node.recompute, str(meta.dtype), self.mult[consumer],
                            producer in self.sync.single_use)
 
     def _var(self, key: GroupKey, mult: int, hidden: bool, windowed: bool) -> int:
@@ -84,7 +86,8 @@ class _EdgeGroups:
 
     def close(self) -> None:
         for key, js in self.selectors.items():
-            windowed = bool(key.group) and key.kind == ALL_GATHER and not self.recomputed  # as ``windowed_params``
+            # as ``windowed_params``: a block's gathers (a stage plan's stretch between blocks has no window)
+            windowed = block_of(key.group) is not None and key.kind == ALL_GATHER and not self.recomputed
             row = {self.terms._var(key, self.mult, self.hidden, windowed): 1.0}
             for j in js:
                 row[j] = row.get(j, 0.0) - 1.0

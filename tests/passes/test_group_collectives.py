@@ -20,6 +20,7 @@ from autopar.memory.regather import regathering
 from autopar.passes.context import PassContext
 from autopar.passes.group_collectives import group_collectives
 from autopar.passes.prefetch_gathers import prefetch_gathers
+from autopar.problem.groups import group_names
 
 from .filecheck import check
 from .pinned import graph_module, in_module, op, pin, propagate, strategy
@@ -120,3 +121,14 @@ def test_a_parameter_read_twice_joins_no_group() -> None:
         CHECK:     self.reshard(a1, 'S(0)', 'R', 'P', 'S(0)', reduce_group = ('layers.1:backward:reduce_scatter:0:float32', 0, 1))
         CHECK:     self.reshard(b1, 'S(0)', 'R', 'P', 'S(0)')
     """)
+
+
+def test_a_stage_plan_groups_the_parameters_outside_blocks_per_stretch() -> None:
+    """Outside every block a parameter joins the root group, or in a pipeline's stage plan the
+    stretch between blocks its reader lies in: a stage cut between blocks puts the embedding and
+    the output head on different ranks, which one root collective cannot gather for."""
+    graph = _pin(_program(read_twice=True)).graph
+    plain, staged = group_names(graph, pipelined=False), group_names(graph, pipelined=True)
+    assert plain["mm_a1"] == staged["mm_a1"] == "layers.1"
+    assert plain["x"] == plain["mm_again"] == ""
+    assert (staged["x"], staged["mm_again"]) == ("@0", "@2")
