@@ -30,7 +30,9 @@ collective calls and bytes per step, the top ops by self CPU time, and the step'
 (``benchmarks/step_profile.py``).
 
 Usage: ``python benchmarks/runtime_vs_torch.py [--rows zero3,zero2] [--reps 5] [--steps 5]
-[--profile zero3] [--json PATH]``; the JSON goes to ``benchmarks/results/runtime_vs_torch.json``.
+[--profile zero3] [--json PATH] [--autopar CHECKOUT]``; the JSON goes to
+``benchmarks/results/runtime_vs_torch.json``. ``--autopar``: another checkout's autopar against the same
+hand plans (a baseline: ``--autopar ../main``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # make ``examples`` and ``benchmarks`` importable when run as a script
+if "--autopar" in sys.argv:  # another checkout's autopar (a baseline), this one's benchmarks and examples
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--autopar") + 1]).resolve()))
 
 import autopar  # noqa: E402
 from autopar.runtime.forked import run_ranks  # noqa: E402
@@ -229,6 +233,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--check-steps", type=int, default=3, help="steps whose losses are checked against one device")
     ap.add_argument("--profile", default="", help="a row to profile with torch's profiler (rank 0)")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    ap.add_argument("--autopar", type=Path, default=None, help="run another checkout's autopar (a baseline)")
     args = ap.parse_args()
     args.rows = [r.strip() for r in args.rows.split(",")]
     unknown = set(args.rows) - set(ROW_NAMES) | ({args.profile} - set(args.rows) - {""})
@@ -247,7 +252,7 @@ def main() -> None:
     print(render(rows))
     print(f"{args.reps} repetitions x {args.steps} steps per side and row, after {max(args.warmup, args.check_steps)}"
           f" warm-up steps; wall {wall:.0f} s; 1-min load {load_before:.1f} before, {load_after:.1f} after "
-          f"(4 ranks on {os.cpu_count()} cores)")
+          f"(4 ranks on {os.cpu_count()} cores); autopar from {Path(autopar.__file__).parents[1]}")
     if not all(r["losses_match_single_device"] for r in rows):
         print("some row's losses differ from the single-device model's: " +
               ", ".join(r["row"] for r in rows if not r["losses_match_single_device"]))
@@ -257,7 +262,8 @@ def main() -> None:
     args.json.write_text(json.dumps({
         "sizes": SIZES, "batch": BATCH, "config": {k: str(v) for k, v in vars(args).items()},
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count()},
-        "reference_losses": ref, "rows": rows, "wall_s": wall, "loadavg": [load_before, load_after]}, indent=2) + "\n")
+        "autopar": str(Path(autopar.__file__).parents[1]), "reference_losses": ref, "rows": rows, "wall_s": wall,
+        "loadavg": [load_before, load_after]}, indent=2) + "\n")
     print(f"wrote {args.json}")
 
 
