@@ -105,6 +105,23 @@ class Predicted:
     ``comm_time_s`` + this is all the step's communication."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class AccountRow:
+    """One thing the search tried (``Plan.account``): a pipeline depth, a pipeline, a context layout, a
+    memory scenario, an ILP."""
+
+    level: str
+    """'depth', 'pipeline', 'layout', 'memory' or 'ilp'."""
+    item: str
+    """What was tried ('pp=2', '1f1b x1 m=4', 'zig-zag on cp', a scenario, ...)."""
+    outcome: str
+    """What came of it: 'chosen', 'planned', 'priced', 'pruned', 'does not fit', 'refused', an ILP's status."""
+    seconds: float | None = None
+    """Its predicted step (a plan or bound), or an ILP's build and solve seconds; None: none."""
+    detail: str = ""
+    """Why, or its figures."""
+
+
 @dataclass(kw_only=True)
 class PlanSource:
     """What makes the plan again without searching (``autopar.compile(plan=...)``): where its ILP was
@@ -159,6 +176,8 @@ class PlanRecord:
     placements above are each stage's, on ``pipeline.stage_mesh``."""
     source: PlanSource | None = None
     """What makes this plan again without searching (None: a plan not made by the planner)."""
+    account: list[AccountRow] = field(default_factory=list)
+    """What the search tried, what came of each and why (``autopar plan --verbose`` prints it)."""
 
     @classmethod
     def from_json(cls: type[R], data: dict[str, Any]) -> R:
