@@ -22,8 +22,8 @@ def solve(problem: Problem, memory_limit: float | None, *, minimize_memory: bool
     if isinstance(result, Solution):
         result.scenario = problem.scenario
     if account is not None:
-        account.record("ilp", _what(problem, memory_limit, minimize_memory, relaxed), _outcome(result),
-                       None if isinstance(result, NoPlan) else result.build_seconds + result.solve_seconds,
+        # sizes, not wall seconds: a plan (its account included) is the same on every rank and run
+        account.record("ilp", _what(problem, memory_limit, minimize_memory, relaxed), _outcome(result), None,
                        "" if isinstance(result, NoPlan) else
                        f"{result.num_variables:,} variables, {result.num_constraints:,} constraints")
     return result
