@@ -98,6 +98,10 @@ class Predicted:
     """Peak memory per device by kind: weights, gradients, optimizer state (master copy
     included), activations (saved for backward, parameters held gathered, a checkpointed
     block's recompute)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """``step_time_s`` by name (``solver.milp.TERMS``: compute, own collectives, reshards, gradient sync,
+    gathers in windows): the ILP's objective at the plan, what defines the step's predicted seconds; a
+    pipelined plan's are its stage plan's."""
     hidden_comm_time_s: float = 0.0
     """Seconds of communication that runs beside compute (not in the step time): gradient-bucket
     all-reduces and the last micro-batch's parameter gradient reduce-scatters beside backward,

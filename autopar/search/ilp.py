@@ -11,14 +11,15 @@ from autopar.solver.ilp import solve as solve_ilp
 
 def solve(problem: Problem, memory_limit: float | None, *, minimize_memory: bool = False, explain: bool = True,
           cutoff_s: float | None = None, enough_bytes: float | None = None, relaxed: bool = False,
-          time_limit_s: float | None = None, account: Account | None = None) -> Solution | NoPlan:
+          time_limit_s: float | None = None, account: Account | None = None, fixed: dict[str, int] | None = None
+          ) -> Solution | NoPlan:
     """``problem``'s ILP (``solver.ilp.solve``'s options), its solution marked with the problem's scenario.
     ``time_limit_s``: HiGHS's limit, at most the problem's (an LP bound is given less); ``account``: where
     the search keeps what it tried (``search.account``)."""
     limit = problem.solver_time_limit_s if time_limit_s is None else min(time_limit_s, problem.solver_time_limit_s)
     result = solve_ilp(problem.graph, problem.folding, problem.ctx, memory_limit, minimize_memory=minimize_memory,
                        time_limit_s=limit, explain=explain, cutoff_s=cutoff_s, shares=problem.memory_shares,
-                       enough_bytes=enough_bytes, relaxed=relaxed)
+                       enough_bytes=enough_bytes, relaxed=relaxed, fixed=fixed)
     if isinstance(result, Solution):
         result.scenario = problem.scenario
     if account is not None:

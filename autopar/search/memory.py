@@ -204,7 +204,10 @@ def _nothing_fits(problems: Problems, place: Place, limit: float, candidates: li
             return solution.error()
         lean.append((solution, problem))
     solution, problem = min(lean, key=lambda pair: pair[0].memory_bytes)
-    predicted = finish(problem, solution).plan.predicted
+    priced = ilp.solve(problem, None, fixed=solution.choice)  # the leanest plan's step, by the ILP's terms
+    if isinstance(priced, NoPlan):
+        return priced.error()
+    predicted = finish(problem, replace(priced, memory_bytes=solution.memory_bytes)).plan.predicted
     parts = ", ".join(f"{kind} {fmt_bytes(b)}" for kind, b in
                       sorted(predicted.memory_parts.items(), key=lambda item: -item[1]) if b)
     return _with_origin(MemoryLimitError(
