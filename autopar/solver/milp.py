@@ -23,11 +23,7 @@ LEAN_OPTIONS: dict[str, bool] = {"mip_heuristic_run_feasibility_jump": False, "m
 the whole one starts from its plan, so neither needs feasibility jump (a heuristic for a first
 plan) nor symmetry detection (both close at or near the root, where orbits are not used), nor
 the sub-MIP heuristics searching near the root's solution for a better plan than the start.
-First two off, HiGHS's CPU seconds on the Llama-3-8B shape on 64 devices (HF): 0.25 + 2.00 ->
-0.20 + 1.73; the example Llama, 32 layers on 64: 0.16 + 1.20 -> 0.13 + 1.00; 80 layers on
-1024: 0.70 + 2.53 -> 0.64 + 2.41 (medians of 3, same optima). The sub-MIP ones too, on the
-started runs (since reduce-scatters joined the backward row): 1.72 -> 1.59, 0.95 -> 0.93,
-0.49 -> 0.49 (medians of 5, same optima)."""
+Each saves HiGHS time on the started runs and none changes an optimum (``benchmarks/solve_time.py``)."""
 
 
 COMPUTE, OWN, RESHARDS, GRAD_SYNC, WINDOWS = "compute", "own collectives", "reshards", "gradient sync", \
