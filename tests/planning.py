@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from torch import nn
 
 from autopar.config import PlanConfig
@@ -41,3 +42,12 @@ def solved(model: nn.Module, mesh: Mesh, inputs: tuple[Any, ...], **options: Any
     found = search_context(store, first_place(config, mesh), config.memory.limit(mesh))
     assert isinstance(found, Solved), found
     return finish(found.problem, found.solution), found.solution
+
+
+def assert_one_price(plan: Any) -> None:
+    """The plan's predicted step is its ILP's objective (by term), and the collectives it lists, with its
+    compute, add up to the same seconds: what the runtime runs is what was priced."""
+    predicted = plan.predicted
+    assert plan.solver["objective_s"] == pytest.approx(predicted.step_time_s, rel=1e-9)
+    assert sum(predicted.terms.values()) == pytest.approx(predicted.step_time_s, rel=1e-12)
+    assert predicted.compute_time_s + predicted.comm_time_s == pytest.approx(predicted.step_time_s, rel=1e-9)

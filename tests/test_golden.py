@@ -17,6 +17,7 @@ import autopar
 from autopar.result.plan import Plan
 from autopar.result.table import render_text
 from examples import gpt, llama
+from tests.planning import assert_one_price
 
 GOLDEN = Path(__file__).parent / "golden"
 MODELS = {"gpt": gpt.build, "llama": llama.build}
@@ -40,7 +41,7 @@ def check_by_hand(plan: Plan) -> None:
     the predicted step time; each axis's gradient-bucket bytes are the local fp32 gradients of
     the parameters reduced there (from their printed shapes and placements); each axis's
     bytes sent follow the ring formulas (2(n-1)/n M for all-reduce, (n-1)/n M otherwise)."""
-    assert plan.solver["objective_s"] == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert_one_price(plan)
     axes = plan.mesh["axes"]
     sizes = list(axes.values())
     local = {}

@@ -26,6 +26,7 @@ from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
 from numerics_harness import (EPS, LR, TP_PLANS, Reference, check, compile_gpt, mismatches, reference,
                               reference_accumulated, run_checked, run_compiled)
+from tests.planning import assert_one_price
 
 def _gpt_frozen() -> Any:
     """GPT with its position table frozen: no gradient, no optimizer state, not ZeRO-1."""
@@ -243,7 +244,7 @@ def test_zero1_pricing_and_search() -> None:
     some parameters: those whose state the limit needs sharded."""
     ddp = _plan()
     zero1 = _plan(zero={"dp": 1})
-    assert zero1.solver["objective_s"] == pytest.approx(zero1.predicted.step_time_s, rel=1e-9)
+    assert_one_price(zero1)
     assert zero1.predicted.memory_parts["optimizer state"] == pytest.approx(
         ddp.predicted.memory_parts["optimizer state"] / 4, rel=0.01)
     assert sum(zero1.predicted.memory_parts.values()) == pytest.approx(zero1.predicted.peak_memory_bytes)
@@ -257,7 +258,7 @@ def test_zero1_pricing_and_search() -> None:
     assert searched.memory.describe() == f"1 micro-batch, ZeRO-1 on dp for {some} of {len(zero1.memory.zero1)} " \
                                          "parameters"
     assert searched.predicted.peak_memory_bytes <= limit
-    assert searched.solver["objective_s"] == pytest.approx(searched.predicted.step_time_s, rel=1e-9)
+    assert_one_price(searched)
     assert ddp.predicted.step_time_s < searched.predicted.step_time_s < zero1.predicted.step_time_s
     assert searched.plan_hash() != ddp.plan_hash()
     with pytest.raises(InputError, match="not both"):

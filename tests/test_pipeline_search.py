@@ -73,6 +73,10 @@ def test_search_picks_the_fastest_pinned_choice() -> None:
     assert chosen.predicted.step_time_s == pytest.approx(min(times.values()), rel=1e-12)
     assert times[(pick.schedule, pick.virtual_stages, pick.micro_batches)] == chosen.predicted.step_time_s
     assert any("pipeline search" in n for n in chosen.notes)
+    rows = [r for r in chosen.account if r.level == "pipeline"]  # the search's account: every choice, one chosen
+    assert [r.item for r in rows if r.outcome == "chosen"] == [f"{pick.schedule} x{pick.virtual_stages} "
+                                                                f"m={pick.micro_batches}"]
+    assert {r.outcome for r in rows} <= {"chosen", "priced", "does not fit", "not played out", "refused"}
 
 
 @pytest.mark.slow

@@ -246,7 +246,7 @@ def _lean_tracing() -> Iterator[None]:
     """Export without the bookkeeping nothing here reads, restored afterwards.
 
     Stack traces: FX records one per node (``CapturedTraceback.extract`` and symbolization,
-    a fifth of an 8B Llama's capture); autopar never reads ``node.stack_trace`` (errors name
+    a good part of a large model's capture); autopar never reads ``node.stack_trace`` (errors name
     the user's line from the exception, ``_user_frame``). ``torch.fx.config`` documents the
     switch. Lazy graph modules: export's own passes regenerate the Python code of the whole
     graph after each rewrite (six times); lazily, code is generated only when some module

@@ -60,9 +60,11 @@ def _unpack(built: Any, spec: str) -> tuple[Any, tuple, dict | None, Any, tuple]
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    import autopar
+    import autopar  # here, not at the top: ``autopar --help`` answers without importing torch
+    from rich.console import Console
+
     from autopar.mesh import Mesh, parse_mesh_spec
-    from autopar.result.table import render
+    from autopar.result.table import render, render_account
 
     hardware = get_profile(args.hardware)
     if args.moe_imbalance is not None:
@@ -96,9 +98,10 @@ def plan_command(args: argparse.Namespace) -> int:
                         expert_axes=args.expert_axes, context_axes=args.context_axes,
                         context_layout=args.context_layout, context_attention=args.context_attention,
                         progress=sys.stderr.isatty())
-    from rich.console import Console
-
-    Console(width=args.width).print(render(plan))
+    console = Console(width=args.width)
+    console.print(render(plan))
+    if args.verbose:
+        console.print(render_account(plan))
     if args.json:
         Path(args.json).write_text(json.dumps(plan.to_json(), indent=1))
         print(f"plan written to {args.json}")
@@ -229,6 +232,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--trace", metavar="FILE", help="also write the predicted step as a timeline (Chrome trace JSON)")
     p.add_argument("--width", type=positive(int), default=None, help="table width (default: terminal)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the search's account: what was tried, pruned and why, as a table")
 
     add_parser(sub, EXIT_CODES)
     return top

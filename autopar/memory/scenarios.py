@@ -55,8 +55,8 @@ windows leave exposed, and saves against every parameter the regathers of the co
 last block (nothing prefetches those) for one block's parameters held; a larger held share
 holds more for the same saving when the windows hide their traffic (the first half of the
 blocks, the share tried before backward prefetch crossed held blocks, was never chosen over
-it). One share: three doubled the Llama-3-70B search (358 -> 726 s). ``regather_blocks=``
-pins any count."""
+it). One share: each more is a family of scenarios the memory search solves where memory binds.
+``regather_blocks=`` pins any count."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -341,7 +341,9 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     comm_time = total_comm - hidden
     parameters = {graph.nodes[n].fqn or n: placement_str(chosen[n].outputs[0])
                   for n in graph.order if graph.nodes[n].kind == PARAM}
-    predicted = Predicted(step_time_s=compute + comm_time, compute_time_s=compute, comm_time_s=comm_time,
+    assert solution.terms, "a plan's predicted step is its ILP's objective by term (solve(fixed=...) without a search)"
+    predicted = Predicted(step_time_s=sum(solution.terms.values()), terms=dict(solution.terms),
+                          compute_time_s=compute, comm_time_s=comm_time,
                           hidden_comm_time_s=hidden, memory_parts={**model_state_parts(graph, chosen, ctx),
                                                                   "activations": act_mem},
                           peak_memory_bytes=param_mem + act_mem, parameter_memory_bytes=param_mem,

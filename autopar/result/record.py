@@ -99,11 +99,32 @@ class Predicted:
     """Peak memory per device by kind: weights, gradients, optimizer state (master copy
     included), activations (saved for backward, parameters held gathered, a checkpointed
     block's recompute)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """``step_time_s`` by name (``solver.milp.TERMS``: compute, own collectives, reshards, gradient sync,
+    gathers in windows): the ILP's objective at the plan, what defines the step's predicted seconds; a
+    pipelined plan's are its stage plan's."""
     hidden_comm_time_s: float = 0.0
     """Seconds of communication that runs beside compute (not in the step time): gradient-bucket
     all-reduces and the last micro-batch's parameter gradient reduce-scatters beside backward,
     and prefetched parameter gathers beside the neighbouring block (``solver.overlap``);
     ``comm_time_s`` + this is all the step's communication."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccountRow:
+    """One thing the search tried (``Plan.account``): a pipeline depth, a pipeline, a context layout, a
+    memory scenario, an ILP."""
+
+    level: str
+    """'depth', 'pipeline', 'layout', 'memory' or 'ilp'."""
+    item: str
+    """What was tried ('pp=2', '1f1b x1 m=4', 'zig-zag on cp', a scenario, ...)."""
+    outcome: str
+    """What came of it: 'chosen', 'planned', 'priced', 'pruned', 'does not fit', 'refused', an ILP's status."""
+    seconds: float | None = None
+    """Its predicted step (a plan or bound), or an ILP's build and solve seconds; None: none."""
+    detail: str = ""
+    """Why, or its figures."""
 
 
 @dataclass(kw_only=True)
@@ -160,6 +181,8 @@ class PlanRecord:
     placements above are each stage's, on ``pipeline.stage_mesh``."""
     source: PlanSource | None = None
     """What makes this plan again without searching (None: a plan not made by the planner)."""
+    account: list[AccountRow] = field(default_factory=list)
+    """What the search tried, what came of each and why (``autopar plan --verbose`` prints it)."""
 
     @classmethod
     def from_json(cls: type[R], data: dict[str, Any]) -> R:

@@ -135,6 +135,18 @@ def render(plan: PlanRecord) -> Group:
     return Group(summary, layers)
 
 
+def render_account(plan: PlanRecord) -> Table:
+    """What the search tried, what came of each and why (``Plan.account``), as a table."""
+    table = Table(title="search account", title_justify="left", show_lines=False)
+    for column, justify in (("level", "left"), ("tried", "left"), ("outcome", "left"), ("seconds", "right"),
+                            ("why / figures", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in plan.account:
+        seconds = "" if row.seconds is None else fmt_time(row.seconds)
+        table.add_row(row.level, row.item, row.outcome, seconds, row.detail)
+    return table
+
+
 def render_text(plan: PlanRecord, width: int = 120) -> str:
     console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
     console.print(render(plan))

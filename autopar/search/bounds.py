@@ -9,6 +9,7 @@ from autopar.cost.model import step_repeats
 from autopar.memory.scenarios import Scenario
 from autopar.problem.nodes import PlanGraph
 from autopar.search import ilp
+from autopar.search.account import Account
 from autopar.search.problem import Place, Problem, Problems
 from autopar.solver.ilp import NoPlan, Solution
 
@@ -78,7 +79,8 @@ class Bounds:
     def solve_lp(self, scenario: Scenario) -> bool:
         """Bound ``scenario`` by its LP relaxation under the memory limit (no plan within the limit
         beats it; 0 when not solved to optimality); False when even the relaxation does not fit."""
-        relaxed = ilp.solve(self.step(scenario), self.limit, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S)
+        relaxed = ilp.solve(self.step(scenario), self.limit, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
+                            account=self.problems.account)
         if isinstance(relaxed, NoPlan) and relaxed.kind == "memory":
             return False
         self.lp[scenario] = relaxed.objective_s if isinstance(relaxed, Solution) and relaxed.status == "relaxed" \
@@ -95,7 +97,7 @@ class Bounds:
 
     def solve_relaxation(self, group: Scenario) -> Solution | NoPlan:
         """Solve ``group`` without the memory row and record its bound; its solution, or why there is none."""
-        solution = ilp.solve(self.step(group), None, explain=False)
+        solution = ilp.solve(self.step(group), None, explain=False, account=self.problems.account)
         if isinstance(solution, NoPlan):
             self.free[group] = None
             return solution
@@ -122,7 +124,8 @@ def node_bound(graph: PlanGraph) -> float:
                for node in graph.nodes.values() if node.costs)
 
 
-def may_fit(step: Problem, leanest: dict[Scenario, Solution], fit: list[Scenario]) -> bool:
+def may_fit(step: Problem, leanest: dict[Scenario, Solution], fit: list[Scenario], account: Account | None = None
+            ) -> bool:
     """Whether some plan of the problem's scenario fits its limit. Solving for the least memory, stopped
     at the first plan that fits (HiGHS's objective target), proves a scenario that cannot fit far sooner
     than the fastest plan under the limit is proven infeasible. Before that, every node at its leanest
@@ -138,7 +141,7 @@ def may_fit(step: Problem, leanest: dict[Scenario, Solution], fit: list[Scenario
         return False
     if any(step.scenario.saves_at_least(other) for other in fit):
         return True
-    lean = ilp.solve(step, None, explain=False, minimize_memory=True, enough_bytes=step.memory_limit)
+    lean = ilp.solve(step, None, explain=False, minimize_memory=True, enough_bytes=step.memory_limit, account=account)
     if isinstance(lean, NoPlan):  # not proven either way: the solve under the limit decides
         return True
     if lean.status == "optimal":

@@ -5,13 +5,15 @@ tie. ``context_layout`` pins one."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 from autopar.errors import InputError
 from autopar.problem.zigzag import zigzag_axes
 from autopar.search.memory import Bound, Pruned, Solved, search_memory
 from autopar.search.planned import PlannedStep, finish
-from autopar.search.problem import Place, Problems, timed
+from autopar.search.account import timed
+from autopar.search.problem import Place, Problems
 
 
 def layouts(problems: Problems, place: Place) -> list[Place]:
@@ -35,12 +37,25 @@ def search_context(problems: Problems, place: Place, limit: float, bound: Bound 
     """The faster of the layouts' plans at ``place`` within ``limit``; where none gives one, why the
     first did not."""
     places = layouts(problems, place)
-    with timed("solve", problems.at(places[0]).timings, problems.progress):
-        found = [search_memory(problems, at, limit, bound) for at in places]
+    with timed("solve", problems.at(places[0]).timings, problems.account):
+        found = []
+        for at in places:
+            with problems.account.inside(_layout(at)) if len(places) > 1 else contextlib.nullcontext():
+                found.append(search_memory(problems, at, limit, bound))
     solved = [f for f in found if isinstance(f, Solved)]
-    if not solved:
-        return found[0]
-    return min(solved, key=lambda s: s.solution.objective_s)  # min keeps the first (contiguous) of equals
+    best = min(solved, key=lambda s: s.solution.objective_s) if solved else None  # the first (contiguous) of equals
+    if len(places) > 1:
+        for at, result in zip(places, found):
+            problems.account.record("layout", _layout(at), "chosen" if result is best else
+                                    "planned" if isinstance(result, Solved) else "no plan",
+                                    result.solution.objective_s if isinstance(result, Solved) else None,
+                                    "" if isinstance(result, Solved) else result.reason)
+    return best if best is not None else found[0]
+
+
+def _layout(place: Place) -> str:
+    zigzag = sorted(place.mesh.zigzag)
+    return f"zig-zag on {', '.join(zigzag)}" if zigzag else "contiguous"
 
 
 def plan_on(problems: Problems, place: Place, limit: float) -> PlannedStep | Pruned:

@@ -35,28 +35,35 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) 
     found: list[tuple[int, PlannedStep]] = []
     skipped: list[str] = []
     units: int | None = None  # what a pipeline can be cut into, once some depth has planned the step
-    for depth in spec.depths(mesh.axes):
+    depths = spec.depths(mesh.axes)
+    for depth in depths:
         fastest = min((s.plan.predicted.step_time_s for _, s in found), default=math.inf)
         if found and units is None:
             units = len(block_units(found[0][1].graph)[0])
         if units is not None and depth > units:  # not planned: no stage would be left without a unit
             skipped.append(f"pp={depth}: more pp ranks than the {units} units a pipeline cuts this model into "
                            "(the head, the repeated blocks, the tail)")
+            problems.account.record("depth", f"pp={depth}", "pruned", None, skipped[-1].split(": ", 1)[1])
             continue
         carved, pipeline = _at_depth(spec, mesh, depth)
-        at = plan_on(problems, Place(mesh=carved), limit) if pipeline is None else \
-            search_pipeline(problems, pipeline, carved, limit, cutoff_s=fastest)
+        with problems.account.inside(f"pp={depth} (depth {depths.index(depth) + 1} of {len(depths)})"):
+            at = plan_on(problems, Place(mesh=carved), limit) if pipeline is None else \
+                search_pipeline(problems, pipeline, carved, limit, cutoff_s=fastest)
         if isinstance(at, PlannedStep):
             found.append((depth, at))
+            problems.account.record("depth", f"pp={depth}", "planned", at.plan.predicted.step_time_s,
+                                    f"{at.plan.predicted.peak_memory_bytes / 2**30:,.2f} GiB")
         elif depth == 1 and not isinstance(at.error, MemoryLimitError):
             return at  # the step itself is refused: no depth would plan it
         else:
             skipped.append(f"pp={depth}: {at.reason}")
+            problems.account.record("depth", f"pp={depth}", "pruned", None, at.reason)
     if not found:
         why = (f"no pipeline depth on {spec.from_axis}={mesh.axes[spec.from_axis]} gives a plan that fits: "
                f"{'; '.join(skipped[:4])}")
         return Pruned(why, MemoryLimitError(why))
     depth, best = min(found, key=lambda f: f[1].plan.predicted.step_time_s)  # min keeps the shallowest of equals
+    problems.account.record("depth", f"pp={depth}", "chosen", best.plan.predicted.step_time_s)
     return _annotated(depth, best, found, skipped, time.perf_counter() - began)
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 from autopar.errors import MemoryLimitError
 from autopar.memory.scenarios import Scenario, leanest, zero1_note
 from autopar.search import ilp
+from autopar.search.account import Account
 from autopar.search.bounds import Bounds, may_fit, relaxation
 from autopar.search.planned import finish
 from autopar.search.problem import Place, Problem, Problems, scenarios
 from autopar.solver.ilp import NoPlan, Solution
-from autopar.units import fmt_bytes
+from autopar.units import fmt_bytes, fmt_time
 
 TIE = 1e-6
 """A scenario's solve under the limit seeks plans faster than the best found by more than this fraction:
@@ -56,11 +57,13 @@ def search_memory(problems: Problems, place: Place, limit: float, bound: Bound =
     candidates = scenarios(problems.at(place))
     first = problems.under(place, candidates[0], limit)
     if len(candidates) == 1:
-        return _one(first, limit)
-    free = ilp.solve(first, None)
+        return _one(first, limit, problems.account)
+    free = ilp.solve(first, None, account=problems.account)
     if isinstance(free, NoPlan):
         return Pruned(free.message, free.error())
     if free.memory_bytes <= limit:
+        problems.account.record("memory", candidates[0].describe(), "chosen", free.objective_s,
+                                f"fits with memory to spare (1 of {len(candidates)} scenarios solved)")
         return Solved(first, free)
     found = _Found(candidates[0], free.objective_s)
     bounds = Bounds(problems, place, limit, candidates)
@@ -75,14 +78,18 @@ def search_memory(problems: Problems, place: Place, limit: float, bound: Bound =
         beat_s = min(bound.cutoff_s, found.best.solution.objective_s if found.best is not None else math.inf)
         if bounds.of(scenario) >= beat_s:  # no plan of this scenario, or of any still waiting, beats it
             found.counts["bounded_out"] += len(waiting)
+            found.fates.update({s: ("bounded out", bounds.of(s), f"its bound is no faster than {fmt_time(beat_s)}")
+                                for s in waiting})
             break
-        _advance(scenario, bounds, found, waiting, beat_s, limit)
+        with problems.account.inside(f"scenario {candidates.index(scenario) + 1} of {len(candidates)}"):
+            _advance(scenario, bounds, found, waiting, beat_s, limit)
+    found.account(problems.account, candidates)
     return found.result(problems, place, limit, candidates, bound.cutoff_s)
 
 
-def _one(problem: Problem, limit: float) -> Solved | Pruned:
+def _one(problem: Problem, limit: float, account: Account) -> Solved | Pruned:
     """Everything pinned: the one scenario's plan under the limit."""
-    solution = ilp.solve(problem, limit)
+    solution = ilp.solve(problem, limit, account=account)
     if isinstance(solution, NoPlan):
         return Pruned(solution.message, _with_origin(solution.error(), problem))
     return Solved(problem, solution)
@@ -92,7 +99,7 @@ def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Sc
              limit: float) -> None:
     """One step of the branch and bound on ``scenario``, the least bound waiting: bound its group by a
     free solve, then itself by its LP under the limit (if it may fit at all), then solve it."""
-    counts = found.counts
+    counts, account = found.counts, bounds.problems.account
     group = relaxation(scenario)
     if not bounds.has(group):  # one free solve bounds every scenario of its group
         relaxed = bounds.solve_relaxation(group)
@@ -105,20 +112,25 @@ def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Sc
             counts["solved"] += 1
         return
     if scenario not in bounds.lp:  # the least-memory solve first: it proves a scenario that cannot fit quickly
-        if may_fit(bounds.step(scenario), found.leanest, found.fit) and bounds.solve_lp(scenario):
+        if may_fit(bounds.step(scenario), found.leanest, found.fit, account) and bounds.solve_lp(scenario):
             counts["lp_bounds"] += 1
         else:
             waiting.remove(scenario)
             counts["not_fitting"] += 1
+            found.fates[scenario] = ("does not fit", None, "its leanest plan is over the limit")
         return
     waiting.remove(scenario)
     counts["solved"] += 1
     step = bounds.step(scenario)
-    solution = ilp.solve(step, limit, explain=False, cutoff_s=None if math.isinf(beat_s) else beat_s * (1 - TIE))
+    solution = ilp.solve(step, limit, explain=False, cutoff_s=None if math.isinf(beat_s) else beat_s * (1 - TIE),
+                         account=account)
     if isinstance(solution, Solution):
         found.add(scenario, step, solution)
     elif solution.kind != "memory":  # said in the plan, not hidden
         found.failed.append(f"memory scenario '{scenario.describe()}' not searched: {solution.message}")
+        found.fates[scenario] = ("failed", None, solution.message)
+    else:
+        found.fates[scenario] = ("pruned", None, "no plan within the limit beats the best found")
 
 
 class _Found:
@@ -138,9 +150,12 @@ class _Found:
         self.counts: Counter[str] = Counter()
         """Scenarios, free solves, and scenarios solved under the limit, skipped because their
         leanest plan does not fit, or left when the search stopped (``Solution.search``)."""
+        self.fates: dict[Scenario, tuple[str, float | None, str]] = {}
+        """Scenario -> what came of it, its plan's or bound's seconds, and why (the search's account)."""
 
     def add(self, scenario: Scenario, problem: Problem, found: Solution) -> None:
         self.fit.append(scenario)
+        self.fates[scenario] = ("planned", found.objective_s, f"{found.memory_bytes / 2**20:,.1f} MiB")
         # ZeRO-1 added by the search (not pinned) on some parameters, and faster than with memory to spare
         if scenario.zero1 != self.first.zero1 and found.zero1_params and found.objective_s < self.free_s:
             if self.quicker is None or found.objective_s < self.quicker.solution.objective_s:
@@ -148,6 +163,16 @@ class _Found:
             self.faster.append(zero1_note(scenario, found.objective_s, self.free_s))
         elif self.best is None or found.objective_s < self.best.solution.objective_s:
             self.best = Solved(problem, found)
+
+    def account(self, account: Account, candidates: list[Scenario]) -> None:
+        """One row per scenario the search reached, in the candidates' order, the chosen one said so."""
+        chosen = self.best or self.quicker
+        for scenario in candidates:
+            if scenario in self.fates:
+                outcome, seconds, why = self.fates[scenario]
+                if chosen is not None and scenario == chosen.solution.scenario:
+                    outcome = "chosen"
+                account.record("memory", scenario.describe(), outcome, seconds, why)
 
     def result(self, problems: Problems, place: Place, limit: float, candidates: list[Scenario],
                cutoff_s: float) -> Solved | Pruned:
@@ -174,12 +199,15 @@ def _nothing_fits(problems: Problems, place: Place, limit: float, candidates: li
     lean: list[tuple[Solution, Problem]] = []
     for scenario in leanest(candidates):
         problem = problems.under(place, scenario, limit)
-        solution = solved.get(scenario) or ilp.solve(problem, None, minimize_memory=True)
+        solution = solved.get(scenario) or ilp.solve(problem, None, minimize_memory=True, account=problems.account)
         if isinstance(solution, NoPlan):
             return solution.error()
         lean.append((solution, problem))
     solution, problem = min(lean, key=lambda pair: pair[0].memory_bytes)
-    predicted = finish(problem, solution).plan.predicted
+    priced = ilp.solve(problem, None, fixed=solution.choice)  # the leanest plan's step, by the ILP's terms
+    if isinstance(priced, NoPlan):
+        return priced.error()
+    predicted = finish(problem, replace(priced, memory_bytes=solution.memory_bytes)).plan.predicted
     parts = ", ".join(f"{kind} {fmt_bytes(b)}" for kind, b in
                       sorted(predicted.memory_parts.items(), key=lambda item: -item[1]) if b)
     return _with_origin(MemoryLimitError(

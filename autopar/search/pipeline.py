@@ -72,6 +72,7 @@ def search_pipeline(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float
         error = no_fit(priced, search.refused, search.unfit, limit, spec)
         return Pruned(str(error), error)
     best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
+    problems.account.record("pipeline", label(best.choice), "chosen", best.step_time_s, how)
     return _annotated(best, fitting, len(priced), search.race, time.perf_counter() - began, how)
 
 

@@ -24,8 +24,9 @@ from autopar.result.record import PlanSource
 from autopar.result.build import bucket_buffer_bytes, build_plan
 from autopar.result.table import solver_note
 from autopar.rules.strategy import Strategy, placement_str
+from autopar.search import ilp
 from autopar.search.problem import Problem
-from autopar.solver.ilp import Solution
+from autopar.solver.ilp import NoPlan, Solution
 
 
 @dataclass
@@ -120,9 +121,9 @@ def repriced(problem: Problem, step: PlannedStep) -> PlannedStep | Unpriced:
             return Unpriced(f"{same[rep]} ({graph.nodes[rep].op}) has no strategy {placement_str(mine.outputs[0])} "
                             f"<- {' '.join(map(placement_str, mine.inputs))} at this size")
         choice[rep] = graph.nodes[rep].strategies.index(mine)
-    solution = Solution(choice=choice, objective_s=math.nan, memory_bytes=math.nan, num_variables=0,
-                        num_constraints=0, build_seconds=0.0, solve_seconds=0.0, status="repriced",
-                        scenario=problem.scenario)
+    solution = ilp.solve(problem, None, fixed=choice)  # the choice priced by the ILP's own terms, nothing searched
+    if isinstance(solution, NoPlan):
+        return Unpriced(f"the stage plan's choice has no plan at this size: {solution.message}")
     return finish(problem, solution)
 
 

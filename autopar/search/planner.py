@@ -20,6 +20,8 @@ reason and the error its user would get; nothing is raised to steer the search. 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.capture import reuse_captures
 from autopar.config import PlanConfig, check
 from autopar.mesh import Mesh
@@ -43,11 +45,14 @@ def plan(step: Step, config: PlanConfig, mesh: Mesh, *, progress: bool = False) 
 def search(problems: Problems, mesh: Mesh) -> PlannedStep:
     """``plan``'s search over ``problems`` (a config already checked against ``mesh``)."""
     config = problems.config
-    with reuse_captures(), paused_gc():  # every place captures the one step: the shapes alone differ
-        found = _search(problems, config.pipeline, mesh, config.memory.limit(mesh))
+    try:
+        with reuse_captures(), paused_gc():  # every place captures the one step: the shapes alone differ
+            found = _search(problems, config.pipeline, mesh, config.memory.limit(mesh))
+    finally:
+        problems.account.close()
     if isinstance(found, Pruned):
         raise found.error
-    return found
+    return replace(found, plan=replace(found.plan, account=list(problems.account.rows)))
 
 
 def _search(problems: Problems, pipeline: Pipeline | None, mesh: Mesh, limit: float) -> PlannedStep | Pruned:

@@ -5,10 +5,8 @@ everything the ILP needs; it holds no search state."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +33,7 @@ from autopar.problem.graph import build_plan_graph, priced_parameter
 from autopar.problem.nodes import PARAM, PlanGraph
 from autopar.problem.pinning import pin_config
 from autopar.problem.strided import add_strided_strategies
+from autopar.search.account import Account, timed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,21 +104,7 @@ class Problem:
         return repeated_blocks([graph.nodes[n].module for n in graph.order])
 
 
-@contextlib.contextmanager
-def timed(name: str, timings: dict[str, float], progress: bool) -> Iterator[None]:
-    """Time a stage of planning into ``timings`` (and show it on stderr with ``progress``)."""
-    start = time.perf_counter()
-    if progress:
-        from rich.console import Console
-
-        with Console(stderr=True).status(f"autopar: {name}..."):
-            yield
-    else:
-        yield
-    timings[name] = time.perf_counter() - start
-
-
-def prepare(step: Step, config: PlanConfig, place: Place, progress: bool = False) -> Problem:
+def prepare(step: Step, config: PlanConfig, place: Place, account: Account | None = None) -> Problem:
     """Capture ``step`` at ``place``, list and price its strategies, pin what ``config`` pins and fold
     its repeated blocks: the problem under the default scenario of its pinned memory choices."""
     mesh, m, train = place.mesh, place.micro_batches, config.train
@@ -130,10 +115,11 @@ def prepare(step: Step, config: PlanConfig, place: Place, progress: bool = False
                       bucket_bytes=config.solver.bucket_bytes, micro_batches=m,
                       global_draws=config.random_stream == "torch", pipelined=bool(place.pipeline_ranks))
     timings: dict[str, float] = {}
-    with timed("capture", timings, progress):
+    account = account or Account()
+    with timed("capture", timings, account):
         captured = capture(step.model, inputs, loss_fn=step.loss_fn, example_kwargs=kwargs, example_targets=targets,
                            train=train, symbolic_batch=place.symbolic)
-    with timed("strategies", timings, progress):
+    with timed("strategies", timings, account):
         graph = build_plan_graph(captured, config.rules, ctx)
         add_strided_strategies(graph, config.rules, ctx)
         pinned = pin_config(graph, captured, mesh, config)
@@ -207,7 +193,9 @@ class Problems:
     pins applied, blocks folded), each scenario priced once. Every level of the search asks here."""
 
     def __init__(self, step: Step, config: PlanConfig, progress: bool = False) -> None:
-        self.step, self.config, self.progress = step, config, progress
+        self.step, self.config = step, config
+        self.account = Account(progress)
+        """What the search tried (``Plan.account``), shown on stderr as it goes with ``progress``."""
         self._prepared: dict[tuple[Any, ...], Problem] = {}
         self._priced: dict[tuple[Any, ...], Problem] = {}
 
@@ -215,7 +203,7 @@ class Problems:
         """``place``'s problem as prepared, before any scenario prices it."""
         key = _key(place)
         if key not in self._prepared:
-            self._prepared[key] = prepare(self.step, self.config, place, self.progress)
+            self._prepared[key] = prepare(self.step, self.config, place, self.account)
         return self._prepared[key]
 
     def refused_symbolic(self, place: Place) -> str:

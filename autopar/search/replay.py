@@ -33,7 +33,8 @@ def replay(problems: Problems, mesh: Mesh, plan: Plan) -> PlannedStep:
     problem = problems.under(place, source.scenario, problems.config.memory.limit(mesh))
     solution = Solution(choice=_checked_choice(problem, source), objective_s=math.nan, memory_bytes=math.nan,
                         num_variables=0, num_constraints=0, build_seconds=0.0, solve_seconds=0.0, status="repriced",
-                        scenario=problem.scenario)
+                        scenario=problem.scenario,
+                        terms=dict(plan.predicted.terms))  # priced once, by the solve the plan came from
     made = finish(problem, solution)
     if pipeline is not None:
         staged = with_pipeline(made, pipeline, mesh)

@@ -65,7 +65,9 @@ class StageMesh:
 
     def plan(self, m: int, limit: float, bound: Bound = Bound()) -> PlannedStep | Pruned:
         """The stage plan of m micro-batches, the fastest within ``limit`` (``search.context``)."""
-        found = search_context(self.problems, self.place(m), limit, bound)
+        within = "" if math.isinf(limit) else " within the limit"
+        with self.problems.account.inside(f"stage plan of m={m}{within}"):
+            found = search_context(self.problems, self.place(m), limit, bound)
         return found if isinstance(found, Pruned) else finish(found.problem, found.solution)
 
     def reprice(self, step: PlannedStep, m: int, limit: float) -> PlannedStep | Unpriced:
@@ -97,8 +99,10 @@ class PipelineSearch:
               refused: list[str] | None = None) -> list[Priced]:
         """Each choice cut and priced on ``step``, but for those the race rules out; one the model cannot
         be cut for is noted in ``refused``."""
+        counted = race is None  # the search's own pricing (not a guess that picks a count to solve)
         race = self.race if race is None else race
         refused = self.refused if refused is None else refused
+        account = self.stage.problems.account
         out = []
         for choice in choices:
             staged = with_pipeline(step, choice, self.stage.mesh, race.best_s)
@@ -107,9 +111,16 @@ class PipelineSearch:
                     race.outrun += 1
                 else:
                     refused.append(f"{label(choice)}: {staged.reason}")
+                if counted:
+                    account.record("pipeline", label(choice), "not played out" if staged.outrun else "refused",
+                                   None, staged.reason)
                 continue
             out.append(Priced(choice=choice, step=staged))
             race.saw(out[-1])
+            if counted:
+                fits = out[-1].peak_bytes <= self.limit
+                account.record("pipeline", label(choice), "priced" if fits else "does not fit", out[-1].step_time_s,
+                               f"busiest rank {out[-1].peak_bytes / 2**30:,.2f} GiB")
         return out
 
     def solved(self, m: int) -> list[Priced]:

@@ -10,7 +10,7 @@ from autopar.cost.collectives import ALL_GATHER, ALL_REDUCE, call_time, grad_pla
 from autopar.cost.model import CostContext, EdgeCost, grad_sync_dims, param_sync_calls, zero1_gather_call
 from autopar.cost.zero1 import shard_bucket_cap
 from autopar.problem.nodes import PARAM, PlanGraph
-from autopar.solver.milp import INF, SCALE, Model
+from autopar.solver.milp import GRAD_SYNC, INF, RESHARDS, SCALE, Model
 
 
 class GradSyncTerms:
@@ -115,18 +115,18 @@ class GradSyncTerms:
         """A variable costing ``weight``: in the objective, or (``hidden``: an all-reduce bucket
         beside backward, where the hardware overlaps them) in the exposed-time row."""
         if not self.overlap or not hidden:
-            return self.model.var(weight, integer=integer, upper=upper)
+            return self.model.var(weight, integer=integer, upper=upper, term=GRAD_SYNC)
         j = self.model.var(0.0, integer=integer, upper=upper)
         self.seconds[j] = weight
         return j
 
-    def beside_backward(self, objective: float, beside: float) -> int:
-        """A variable in [0, 1] costing ``objective`` and ``beside`` (objective units) that run beside
-        the last micro-batch's backward: those in the exposed-time row where the hardware hides
-        them, else in the objective too (a group of unwaited reduce-scatters' call, ``group_terms``)."""
+    def beside_backward(self, objective: float, beside: float, term: str) -> int:
+        """A variable in [0, 1] costing ``objective`` and ``beside`` (objective units, of ``term``) that
+        run beside the last micro-batch's backward: those in the exposed-time row where the hardware
+        hides them, else in the objective too (a group of unwaited reduce-scatters' call, ``group_terms``)."""
         if not self.overlap:
-            return self.model.var(objective + beside, integer=False, upper=1.0)
-        j = self.model.var(objective, integer=False, upper=1.0)
+            return self.model.var(objective + beside, integer=False, upper=1.0, term=term)
+        j = self.model.var(objective, integer=False, upper=1.0, term=term)
         self.seconds[j] = beside
         return j
 
@@ -152,7 +152,7 @@ class GradSyncTerms:
             if (a, b) not in cache:
                 cache[(a, b)] = price(a, b).unwaited * count * SCALE
             if cache[(a, b)]:
-                self.model.cost[j] -= cache[(a, b)]
+                self.model.add_cost(j, -cache[(a, b)], RESHARDS)  # the edge's, now priced as exposed
                 self.seconds[j] = self.seconds.get(j, 0.0) + cache[(a, b)]
         return note
 
@@ -161,7 +161,7 @@ class GradSyncTerms:
         ``backward``: variable -> the last micro-batch's backward seconds (x SCALE) it selects."""
         if not self.seconds:
             return
-        e = self.model.var(1.0, integer=False, upper=INF)
+        e = self.model.var(1.0, integer=False, upper=INF, term=GRAD_SYNC)
         row = {e: 1.0, **{j: -w for j, w in self.seconds.items()}}
         for j, w in backward.items():
             row[j] = row.get(j, 0.0) + self.overlap * w

@@ -24,7 +24,7 @@ from autopar.problem.block_paths import block_of
 from autopar.problem.groups import group_names
 from autopar.problem.nodes import PlanGraph
 from autopar.solver.grad_terms import GradSyncTerms
-from autopar.solver.milp import INF, SCALE, Model
+from autopar.solver.milp import INF, RESHARDS, SCALE, Model
 from autopar.solver.overlap import OverlapTerms
 
 
@@ -56,10 +56,11 @@ class GroupTerms:
         if found is None:
             run = mult * call_time(key.kind, key.mesh_dim, self.ctx.mesh) * SCALE  # one micro-batch's calls
             runs = step_repeats(self.ctx)
+            # the members' reshards' term (their calls' fixed cost, paid once for the group)
             if key.kind == REDUCE_SCATTER and hidden:  # the last micro-batch's beside backward, as its members'
-                found = self.sync.beside_backward((runs - 1) * run, run)
+                found = self.sync.beside_backward((runs - 1) * run, run, RESHARDS)
             else:
-                found = self.model.var(runs * run, integer=False, upper=1.0)
+                found = self.model.var(runs * run, integer=False, upper=1.0, term=RESHARDS)
             if windowed:
                 self.overlap.group_call(key.group, key.phase, found, runs * run / mult, mult)
             self.y[(key, mult)] = found

@@ -32,7 +32,7 @@ from autopar.problem.graph import edge_flags
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute_rows import add_recompute_peak
 from autopar.pipeline.stage_memory import MemoryShares
-from autopar.solver.milp import INF, SCALE, Model, run
+from autopar.solver.milp import COMPUTE, INF, MEMORY, OWN, RESHARDS, SCALE, Model, Result, run
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.solver.warm_start import (NARROW_FROM_COLUMNS, NARROW_KEEP, PairTerms, likely_strategies, merge_tied,
@@ -66,6 +66,9 @@ class Solution:
     """What the user should know about how this plan was found (scenarios HiGHS failed on)."""
     zero1_params: int = 0
     """Parameters (folded instances counted) whose chosen strategy is a ZeRO-1 twin (``Strategy.zero1``)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """The objective in seconds by name (``milp.TERMS``): what the predicted step adds up; empty for a
+    least-memory plan or an LP bound."""
     search: dict[str, int] = field(default_factory=dict)
     """How a memory search found it (``autopar.search``): scenarios, and how many were solved
     under the limit, skipped as not fitting, bounded out, or bounded by a free solve; empty
@@ -117,8 +120,12 @@ def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dic
         x[v] = []
         own_comm = node.comm_times or [0.0] * len(node.costs)
         for cost, comm in zip(node.costs, own_comm):
-            weight = cost.memory if minimize_memory else (cost.time + comm) * SCALE
-            j = model.var(mult[v] * weight, integer=True)
+            j = model.var(0.0, integer=True)
+            if minimize_memory:
+                model.add_cost(j, mult[v] * cost.memory, MEMORY)
+            else:
+                model.add_cost(j, mult[v] * cost.time * SCALE, COMPUTE)
+                model.add_cost(j, mult[v] * comm * SCALE, OWN)
             x[v].append(j)
             memory_row[j] = mult[v] * cost.memory
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
@@ -127,7 +134,8 @@ def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dic
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
           cutoff_s: float | None = None, shares: MemoryShares | None = None,
-          enough_bytes: float | None = None, relaxed: bool = False) -> Solution | NoPlan:
+          enough_bytes: float | None = None, relaxed: bool = False, fixed: dict[str, int] | None = None
+          ) -> Solution | NoPlan:
     """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``), or ``NoPlan``
     saying why there is none: with ``explain`` its message says what the leanest plan needs (another
     solve). With ``cutoff_s`` only a plan faster than that counts (else ``NoPlan``, unexplained).
@@ -135,8 +143,13 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     ``enough_bytes``, with ``minimize_memory``: stop at the first plan needing no more (status
     'target_reached'): whether some plan fits a limit takes a fraction of the leanest plan's proof.
     ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
-    bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit."""
+    bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit. ``fixed``:
+    each representative node's strategy given (status 'repriced'): the objective and its terms of that
+    choice, nothing searched. A solution's ``terms`` are its objective by name (``milp.TERMS``)."""
     start = time.perf_counter()
+    given = fixed
+    if fixed is not None:  # one strategy per node: the model of that choice alone, a fraction of the whole
+        graph, fixed = _narrowed(graph, folding, fixed), {v: 0 for v in fixed}
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
     model = Model()
@@ -164,7 +177,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             links[key] = link
     for keys, count in classes.items():
         if len(keys) > 1:
-            _add_shared(model, [links[k] for k in keys], count, memory_row, terms)
+            _add_shared(model, [links[k] for k in keys], count, memory_row, terms,
+                        MEMORY if minimize_memory else RESHARDS)
     sync.add_bucket_rows()
     sync.add_gather_rows(x)
     if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``search.planned.with_pipeline``)
@@ -175,22 +189,10 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     overlap.add_memory(memory_row, minimize_memory)
     add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
     memory_row = _memory_use(model, graph, x, memory_row, memory_limit, minimize_memory, shares)
-    cutoff = None if cutoff_s is None else cutoff_s * SCALE
-    # a start pays for a plan to be found, not for a bound (a memory search's cutoff solves, mostly
-    # pruned at the root: 70B shape 1.0-2.9 s plain, 1.6-3.7 s started) nor for the leanest plan
-    if relaxed:
-        build = time.perf_counter() - start
-        result = run(model, time_limit_s, relaxed=True)
-        result = replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
-    elif len(model.cost) >= NARROW_FROM_COLUMNS and cutoff is None and not minimize_memory:
-        likely = likely_strategies(x, [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms,
-                                   keep=NARROW_KEEP)
-        merge_tied(likely, folding.tied)
-        build = time.perf_counter() - start
-        result = run_started(model, x, likely, time_limit_s, cutoff)
-    else:
-        build = time.perf_counter() - start
-        result = run(model, time_limit_s, cutoff, target=enough_bytes if minimize_memory else None)
+    build = time.perf_counter() - start
+    result = _run(model, x, folding, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE,
+                  minimize_memory, enough_bytes, relaxed, fixed,
+                  lambda: [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms)
     if result.values is None:
         if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
             return NoPlan("memory", f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
@@ -199,9 +201,41 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
     memory = sum(weight * values[j] for j, weight in memory_row.items())
     zero1 = sum(mult[v] for v in reps if graph.nodes[v].strategies[choice[v]].zero1 is not None)
+    choice = dict(given) if given is not None else choice  # the narrowed graph's index 0 is the choice given
+    named = {} if minimize_memory or relaxed else {k: v / SCALE for k, v in model.term_values(values).items()}
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
-                    status=result.status, gap=result.gap, time_limit_s=time_limit_s, zero1_params=zero1)
+                    status="repriced" if fixed is not None else result.status, gap=result.gap,
+                    time_limit_s=time_limit_s, zero1_params=zero1, terms=named)
+
+
+def _narrowed(graph: PlanGraph, folding: Folding, choice: dict[str, int]) -> PlanGraph:
+    """``graph`` with each node's chosen strategy only (``choice``: by representative): its model prices
+    that choice as the whole model does, every term a function of the chosen strategies alone."""
+    nodes = {}
+    for name, node in graph.nodes.items():
+        s = choice[folding.representative[name]]
+        nodes[name] = replace(node, strategies=[node.strategies[s]], costs=[node.costs[s]],
+                              comm_times=node.comm_times[s:s + 1], recompute_memory=node.recompute_memory[s:s + 1])
+    return replace(graph, nodes=nodes)
+
+
+def _run(model: Model, x: dict[str, list[int]], folding: Folding, time_limit_s: float, cutoff: float | None,
+         minimize_memory: bool, enough_bytes: float | None, relaxed: bool, fixed: dict[str, int] | None,
+         start_costs: Callable[[], list[float]], terms: PairTerms) -> Result:
+    """HiGHS on ``model`` as ``solve`` asks: the given choice fixed, the LP relaxation, a narrowed start, or
+    plain. A start pays for a plan to be found, not for a bound (a memory search's cutoff solves, mostly
+    pruned at the root) nor for the leanest plan."""
+    if fixed is not None:
+        return run(model, time_limit_s, zero=[j for v, js in x.items() for s, j in enumerate(js) if s != fixed[v]])
+    if relaxed:
+        result = run(model, time_limit_s, relaxed=True)
+        return replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
+    if len(model.cost) >= NARROW_FROM_COLUMNS and cutoff is None and not minimize_memory:
+        likely = likely_strategies(x, start_costs(), terms, keep=NARROW_KEEP)
+        merge_tied(likely, folding.tied)
+        return run_started(model, x, likely, time_limit_s, cutoff)
+    return run(model, time_limit_s, cutoff, target=enough_bytes if minimize_memory else None)
 
 
 def _one_state_family(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]]) -> None:
@@ -235,6 +269,7 @@ def _memory_use(model: Model, graph: PlanGraph, x: dict[str, list[int]], memory_
         memory_row = shares.weigh(graph, x, memory_row)
     if minimize_memory:  # the objective is exactly the memory row (terms priced nowhere else included)
         model.cost = [memory_row.get(j, 0.0) for j in range(len(model.cost))]
+        model.terms = {j: {MEMORY: c} for j, c in enumerate(model.cost) if c}
     elif memory_limit is not None:
         row = {j: b / MEMORY_UNIT for j, b in memory_row.items()}
         model.rows.append((row, -INF, float(memory_limit) / MEMORY_UNIT))
@@ -316,7 +351,7 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     def add(j: int, a: int, b: int) -> None:
         """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
         columns[(a, b)] = j
-        model.cost[j] += cost[a][b]
+        model.add_cost(j, cost[a][b], MEMORY if minimize_memory else RESHARDS)
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
         syncing.note(j, a, b)
@@ -399,7 +434,7 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
 
 
 def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float],
-                terms: PairTerms) -> None:
+                terms: PairTerms, term: str) -> None:
     """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor.
     The shared copy is held until backward if any of its consumers saves it, so y carries the
     largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
@@ -422,7 +457,7 @@ def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[i
             for b, e_ab in enumerate(row):
                 key = (a, target[b])
                 if key not in y:
-                    y[key] = model.var(cost[key] * count, integer=False)
+                    y[key] = model.var(cost[key] * count, integer=False, term=term)
                     if mem[key]:
                         memory_row[y[key]] = memory_row.get(y[key], 0.0) + mem[key] * count
                 model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, INF))

@@ -23,28 +23,58 @@ LEAN_OPTIONS: dict[str, bool] = {"mip_heuristic_run_feasibility_jump": False, "m
 the whole one starts from its plan, so neither needs feasibility jump (a heuristic for a first
 plan) nor symmetry detection (both close at or near the root, where orbits are not used), nor
 the sub-MIP heuristics searching near the root's solution for a better plan than the start.
-First two off, HiGHS's CPU seconds on the Llama-3-8B shape on 64 devices (HF): 0.25 + 2.00 ->
-0.20 + 1.73; the example Llama, 32 layers on 64: 0.16 + 1.20 -> 0.13 + 1.00; 80 layers on
-1024: 0.70 + 2.53 -> 0.64 + 2.41 (medians of 3, same optima). The sub-MIP ones too, on the
-started runs (since reduce-scatters joined the backward row): 1.72 -> 1.59, 0.95 -> 0.93,
-0.49 -> 0.49 (medians of 5, same optima)."""
+Each saves HiGHS time on the started runs and none changes an optimum (``benchmarks/solve_time.py``)."""
+
+
+COMPUTE, OWN, RESHARDS, GRAD_SYNC, WINDOWS = "compute", "own collectives", "reshards", "gradient sync", \
+    "gathers in windows"
+TERMS = (COMPUTE, OWN, RESHARDS, GRAD_SYNC, WINDOWS)
+MEMORY = "memory"
+"""The term of a least-memory objective's columns (``solve(minimize_memory=True)``): bytes, not seconds."""
+"""What the objective adds up, by name: the ops' compute, the collectives inside ops (a loss's count
+reduction, an expert layer's all-to-alls, ring steps), the reshards between ops (forward and backward),
+gradient synchronization as exposed (buckets, reduce-scatters; beside backward where the hardware
+overlaps), and the prefetched gathers' exposure in their windows (``solver.overlap``)."""
 
 
 class Model:
-    """Columns (cost, upper bound, integrality; lower bounds are 0) and rows (lo <= a.x <= hi)."""
+    """Columns (cost, upper bound, integrality; lower bounds are 0) and rows (lo <= a.x <= hi); each
+    column's cost is the sum of named terms (``TERMS``), kept beside it."""
 
     def __init__(self) -> None:
         self.cost: list[float] = []
         self.upper: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
+        self.terms: dict[int, dict[str, float]] = {}
+        """Column -> term -> its share of the column's cost."""
 
-    def var(self, cost: float, integer: bool, upper: float = 1.0) -> int:
-        self.cost.append(cost)
+    def var(self, cost: float, integer: bool, upper: float = 1.0, term: str | None = None) -> int:
+        """A column costing ``cost`` (of ``term``; a cost of 0 needs none)."""
+        assert term is not None or cost == 0.0, "a priced column names its term"
+        self.cost.append(0.0)
         self.upper.append(upper)
         if integer:
             self.integer.append(len(self.cost) - 1)
-        return len(self.cost) - 1
+        j = len(self.cost) - 1
+        if cost:
+            self.add_cost(j, cost, term)  # type: ignore[arg-type]
+        return j
+
+    def add_cost(self, j: int, amount: float, term: str) -> None:
+        """Add ``amount`` of ``term`` to column j's cost."""
+        self.cost[j] += amount
+        terms = self.terms.setdefault(j, {})
+        terms[term] = terms.get(term, 0.0) + amount
+
+    def term_values(self, values: Sequence[float]) -> dict[str, float]:
+        """Each term's part of the objective at ``values`` (objective units)."""
+        out: dict[str, float] = dict.fromkeys(TERMS, 0.0)
+        for j, terms in self.terms.items():
+            if values[j]:
+                for term, c in terms.items():
+                    out[term] = out.get(term, 0.0) + c * values[j]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)

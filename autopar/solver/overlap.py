@@ -43,7 +43,7 @@ from autopar.rules.strategy import Strategy
 from autopar.problem.folding import Folding
 from autopar.problem.graph import price_edge
 from autopar.problem.block_paths import block_of
-from autopar.solver.milp import INF, SCALE, Model
+from autopar.solver.milp import INF, MEMORY, RESHARDS, SCALE, WINDOWS, Model
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.memory.regather import regathering_blocks
 from autopar.solver.sharing import EdgeKey
@@ -214,7 +214,7 @@ class OverlapTerms:
         """Group call ``y`` (``instances`` blocks alike, each ``seconds``) of ``block``'s gathers
         (``phase`` 'forward') or regathers ('backward'): out of the objective, into its windows."""
         if self.eff:
-            self.model.cost[y] -= instances * seconds
+            self.model.add_cost(y, -instances * seconds, RESHARDS)  # to its windows, as its members'
             self.calls[(block, phase)][y] = seconds
 
     def edge(self, key: EdgeKey, count: int, price: Callable[[int, int], EdgeCost]
@@ -230,7 +230,7 @@ class OverlapTerms:
                 cache[(a, b)] = edge_windows(price(a, b), self.ctx)
             w = cache[(a, b)]
             if self.eff:  # zeros too: a window's least communication is the sum of its edges' least
-                self.model.cost[j] -= count * (w.gather_s + w.regather_s) * SCALE
+                self.model.add_cost(j, -count * (w.gather_s + w.regather_s) * SCALE, RESHARDS)  # to its window
                 self.gather[key][j] = w.gather_s * SCALE
                 self.regather[key][j] = w.regather_s * SCALE
             if w.regather_bytes:
@@ -275,7 +275,7 @@ class OverlapTerms:
             self._add_to_objective({j: n * w for j, w in comm.items()})
             self._add_to_objective({j: -n * self.eff * w for j, w in seconds.items()})
             return
-        e = self.model.var(float(n), integer=False, upper=INF)
+        e = self.model.var(float(n), integer=False, upper=INF, term=WINDOWS)
         row = {e: 1.0, **{j: -w for j, w in comm.items()}}
         for j, w in seconds.items():
             row[j] = row.get(j, 0.0) + self.eff * w
@@ -292,7 +292,7 @@ class OverlapTerms:
             for b in sorted(prefetched_blocks(seq, again), key=seq.index):
                 if sig[b] not in rows:
                     rows[sig[b]] = self._comm(self.held, b, "")
-        t = self.model.var(1.0 if minimize_memory else 0.0, integer=False, upper=INF)
+        t = self.model.var(1.0 if minimize_memory else 0.0, integer=False, upper=INF, term=MEMORY)
         memory_row[t] = 1.0
         for held in rows.values():
             if held:
@@ -358,4 +358,4 @@ class OverlapTerms:
 
     def _add_to_objective(self, terms: dict[int, float]) -> None:
         for j, w in terms.items():
-            self.model.cost[j] += w
+            self.model.add_cost(j, w, WINDOWS)

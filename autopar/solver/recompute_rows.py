@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from autopar.memory.recompute import freed_before_recompute
 from autopar.problem.nodes import PlanGraph
-from autopar.solver.milp import INF, Model
+from autopar.solver.milp import INF, MEMORY, Model
 
 RECOMPUTE_UNIT = 2.0**20
 """Bytes per unit of the recompute-peak variables and rows (MiB, as the memory limit's row)."""
@@ -31,13 +31,13 @@ def add_recompute_peak(model: Model, graph: PlanGraph, reps: list[str], x: dict[
     freed = freed_before_recompute(graph)
     # t and s count MiB, their rows' bytes likewise: rows of raw bytes (10^9-10^10 at 128k tokens) beside the
     # strategies' 0/1 columns made HiGHS's presolve call feasible scenarios infeasible
-    t = model.var(RECOMPUTE_UNIT if minimize_memory and not freed else 0.0, integer=False, upper=INF)
+    t = model.var(RECOMPUTE_UNIT if minimize_memory and not freed else 0.0, integer=False, upper=INF, term=MEMORY)
     for row in per_block.values():
         model.rows.append(({t: 1.0, **{j: -b / RECOMPUTE_UNIT for j, b in row.items()}}, 0.0, INF))
     if not freed:
         memory_row[t] = RECOMPUTE_UNIT
         return
-    s = model.var(RECOMPUTE_UNIT if minimize_memory else 0.0, integer=False, upper=INF)
+    s = model.var(RECOMPUTE_UNIT if minimize_memory else 0.0, integer=False, upper=INF, term=MEMORY)
     memory_row[s] = RECOMPUTE_UNIT
     row = {s: 1.0, t: -1.0}
     for v in reps:

@@ -1,11 +1,9 @@
 """Which strategies each node most likely takes, for a plan HiGHS starts from.
 
 HiGHS proves a plan optimal quickly once it holds a good one (reduced-cost fixing after the
-root LP drops most strategy columns), but its own heuristics find one late: on the
-Llama-3-8B shape on 64 devices the first near-optimal plan came after 3.0 s of a 3.4 s
-solve; started from the optimum it finished in 1.1 s. ``run_started`` solves the MIP
-narrowed to each node's likeliest strategies first (small: 0.2 s) and starts the whole one
-from that plan. The likeliest strategies come from the ILP's own prices, as pairs:
+root LP drops most strategy columns), but its own heuristics find one late, near the end of the
+solve. ``run_started`` solves the MIP narrowed to each node's likeliest strategies first (a small
+one) and starts the whole one from that plan (``benchmarks/solve_time.py`` measures both). The likeliest strategies come from the ILP's own prices, as pairs:
 
 * each strategy column's price (its node's cost and every edge folded into it) plus, for
   each edge with transport columns, the price of the placement pair its two ends choose:
@@ -75,8 +73,7 @@ NARROW_KEEP = 4
 """Strategies per node the first, narrowed solve keeps (``run_started``)."""
 NARROW_FROM_COLUMNS = 10_000
 """Models with fewer columns are solved at once: HiGHS finds their optimum in a fraction of
-a second, and a narrowed solve first only adds to it (the Llama-3-8B shape on 8 devices,
-3,601 columns: 101 solves of a memory search took 4.9 s, 9.3 s with narrowed starts)."""
+a second, and a narrowed solve first only adds to it (a memory search's many small solves)."""
 
 
 def run_started(model: Model, x: dict[str, list[int]], likely: dict[str, list[int]], time_limit_s: float,
@@ -84,9 +81,8 @@ def run_started(model: Model, x: dict[str, list[int]], likely: dict[str, list[in
     """HiGHS on ``model``, started from the best plan among each node's likeliest strategies
     (``warm_start``): that narrowed MIP is small and solves in a fraction of the whole one,
     and started from its plan HiGHS fixes most strategy columns after the root LP. The
-    result is the whole model's optimum either way. HiGHS CPU seconds, unstarted -> narrowed +
-    started (``LEAN_OPTIONS``): example Llama, 32 layers on 64 devices 3.0 -> 0.13 + 1.0; 80
-    layers on 1024: 2.6 -> 0.64 + 2.4; HF Llama-3-8B on 64: 1.8 -> 0.20 + 1.7 (a wash there)."""
+    result is the whole model's optimum either way; large models gain most, HF-sized ones about
+    break even (``benchmarks/solve_time.py``)."""
     began = time.perf_counter()
     ruled_out = [j for v, cols in x.items() for s, j in enumerate(cols) if s not in likely[v]]
     narrow = run(model, time_limit_s, cutoff, zero=ruled_out, lean=True) if ruled_out else None
