@@ -1,6 +1,7 @@
 """Make ``autopar`` and ``examples`` importable from a checkout without installing it, and mark the
 tests that fork ranks (``ranks``), so that the fast tier (``-m "not ranks and not sweep and not slow"``)
-runs without them."""
+runs without them; a module of sweeps only is then not even collected (collecting the OpInfo sweep
+traces every sample)."""
 
 import inspect
 import sys
@@ -20,6 +21,17 @@ from autopar.runtime.forked import run_ranks  # noqa: E402
 # Multi-rank tests fork this process; a forked child hangs if the parent already started
 # an OpenMP pool, so the whole session computes on one intra-op thread.
 torch.set_num_threads(1)
+
+
+SWEEP_MODULES = ("test_opinfo_sweep.py", "test_rules_bruteforce.py")
+"""Modules marked ``sweep`` as a whole (``pytestmark``) whose collection itself costs seconds."""
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Skip collecting a sweep module when the marker expression leaves sweeps out."""
+    if collection_path.name in SWEEP_MODULES and "not sweep" in (config.getoption("markexpr") or ""):
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -72,7 +72,8 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("hardware", ["cpu", "h100"])
-@pytest.mark.parametrize("axes", [{"dp": 2, "tp": 2}, {"dp": 2, "tp": 4}], ids=["2x2", "2x4"])
+@pytest.mark.parametrize("axes", [pytest.param({"dp": 2, "tp": 2}, id="2x2"),
+                                  pytest.param({"dp": 2, "tp": 4}, id="2x4", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_objective_equals_prediction(variant: str, axes: dict[str, int], hardware: str) -> None:
     build, kwargs = VARIANTS[variant]

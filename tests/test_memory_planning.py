@@ -30,6 +30,7 @@ def _plan(limit_mib: float | None, **kwargs: Any) -> autopar.Plan:
                         memory_limit=None if limit_mib is None else limit_mib * MiB, **kwargs)
 
 
+@pytest.mark.slow
 def test_tighter_limits_never_plan_faster_and_every_plan_fits() -> None:
     free = _plan(None)
     assert free.memory.describe() == "1 micro-batch"  # ample memory: today's plan, one solve

@@ -4,7 +4,8 @@
 groups take it too (``runtime.groups``), so a rank stuck outside a collective makes its
 peers' collectives with it time out, not wait torch's 30 minutes. ``run_ranks`` reports the
 rank that raised first (its peers then fail with "Connection closed by peer"), and never
-kills a healthy rank for working long.
+kills a healthy rank for working long; only a rank silent past the run's whole limit
+(stuck where no timeout reaches) fails.
 """
 
 from __future__ import annotations
@@ -88,6 +89,20 @@ def test_a_rank_working_long_is_not_killed() -> None:
     """Longer than the timeout and the grace after it together (a last-resort timer armed at their sum
     killed such ranks): nothing kills a rank that works."""
     assert run_ranks(_works_long, 2, 4.0, timeout_s=1, grace_s=1) == [0, 1]
+
+
+def _hangs_outside_collectives(rank: int, world: int) -> int:
+    if rank == 1:
+        time.sleep(60)  # no collective's timeout reaches a rank that never calls one
+    return rank
+
+
+def test_a_rank_silent_past_the_limit_fails_the_run() -> None:
+    """The suite's last resort: a rank that neither reports nor fails fails its test at ``limit_s``."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"ranks \[1\] did not report within the run's limit"):
+        run_ranks(_hangs_outside_collectives, 2, timeout_s=1, limit_s=3)
+    assert time.monotonic() - start < 30
 
 
 def test_group_timeout_reads_what_the_group_waits() -> None:

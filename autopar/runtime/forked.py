@@ -35,6 +35,12 @@ GRACE_S = 30
 """After a rank failed, how long past ``timeout_s`` the others have to report before the
 parent dumps their stacks and kills them."""
 
+LIMIT_S = 1200
+"""How long a run may take in all: ranks that have not reported by then have their stacks
+dumped and fail, so a rank stuck outside any collective (which no process-group timeout
+reaches) fails its test instead of hanging the suite. Far above any test's run, so a
+healthy rank is never cut short."""
+
 
 class RankFailure(AssertionError):
     """A forked rank raised; the message holds its traceback."""
@@ -80,14 +86,14 @@ def _run(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, 
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = TIMEOUT_S,
-              grace_s: float = GRACE_S) -> list[Any]:
+              grace_s: float = GRACE_S, limit_s: float = LIMIT_S) -> list[Any]:
     """``fn(rank, world, *args)`` on each rank; returns the results in rank order.
 
     ``timeout_s`` is every collective's timeout (the world group's, which the groups of a
     compiled module's mesh take too: ``runtime.groups``). Ranks work as long as they need;
     once one has failed, its peers fail within about ``timeout_s`` (their collectives with
     it time out), and any rank still silent ``grace_s`` after that has its stacks dumped
-    and is killed. Results must pickle without tensors (send floats or lists). Raises with
+    and is killed; so is any rank still silent ``limit_s`` after the start. Results must pickle without tensors (send floats or lists). Raises with
     the traceback of the rank that raised first (its peers' errors are its echoes).
     """
     ctx = mp.get_context("fork")
@@ -99,7 +105,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         p.start()
     reports: dict[int, _Report] = {}
     try:
-        _collect(queue, procs, reports, timeout_s + grace_s)
+        _collect(queue, procs, reports, timeout_s + grace_s, time.monotonic() + limit_s)
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -113,16 +119,17 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     return [reports[r].result for r in range(world)]
 
 
-def _collect(queue: Any, procs: list[Any], reports: dict[int, _Report], patience_s: float) -> None:
-    """Read every rank's report; a rank that died without one (killed by a signal: its
+def _collect(queue: Any, procs: list[Any], reports: dict[int, _Report], patience_s: float,
+             limit: float) -> None:
+    """Read every rank's report; a rank that exited without one (killed by a signal: its
     traceback is on stderr) fails at once, and ranks silent ``patience_s`` after the first
-    error have their stacks dumped (stderr) and fail."""
+    error, or at ``limit`` (a ``time.monotonic()``), have their stacks dumped (stderr) and fail."""
     deadline = math.inf
     while len(reports) < len(procs):
         try:
             report = queue.get(timeout=1.0)
         except Empty:
-            dead = [r for r, p in enumerate(procs) if r not in reports and p.exitcode not in (None, 0)]
+            dead = [r for r, p in enumerate(procs) if r not in reports and p.exitcode is not None]
             if dead and not _drained(queue, reports):
                 raise RankFailure(f"rank {dead[0]} died without a report (exit code {procs[dead[0]].exitcode})"
                                   + _first_error(reports))
@@ -131,6 +138,10 @@ def _collect(queue: Any, procs: list[Any], reports: dict[int, _Report], patience
                 _dump_stacks([procs[r] for r in missing])
                 raise RankFailure(f"ranks {missing} did not report {patience_s:.0f} s after a failure (stacks on "
                                   f"stderr)" + _first_error(reports)) from None
+            if time.monotonic() > limit:
+                missing = sorted(set(range(len(procs))) - set(reports))
+                _dump_stacks([procs[r] for r in missing])
+                raise RankFailure(f"ranks {missing} did not report within the run's limit (stacks on stderr)")
             continue
         reports[report.rank] = report
         if report.error and deadline == math.inf:

@@ -1,4 +1,4 @@
-"""Serving deployments (issue 12): workloads and SLOs, a discrete-event simulator of serving runs,
+"""Serving deployments: workloads and SLOs, a discrete-event simulator of serving runs,
 step times (analytic, or fitted through ILP-planned steps), the goodput search that compares
 configurations, and ``plan_serving``, which plans a model's deployment with them.
 
