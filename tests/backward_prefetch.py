@@ -1,6 +1,7 @@
 """What ZeRO-3's backward prefetch did on a rank (``autopar.runtime.regather``), for tests:
-each handle saved, each block's backward start, each regather issued and each handle
-unpacked, in the order they happened, with how many regather collectives the log held."""
+each handle saved, each block's backward start, each regather issued (a group's as one issue
+per member, in a row) and each handle unpacked, in the order they happened, with how many
+regather collectives the log held (a group's listed once per member)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def watch(pm: autopar.ParallelModule) -> list[Event]:
         log = pm._comm.log
         events.append((what, block or "", len(log.regathers) if log is not None else 0))
 
-    cls, source = regather_module._Prefetcher, regather_module._Source
+    cls, source, grouped = regather_module._Prefetcher, regather_module._Source, regather_module._GroupedRegathers
     pack, unpack, starts, launch = cls.pack, cls.unpack, cls.backward_starts, source.launch
+    launch_group = grouped.launch
 
     def watch_pack(self: Any, t: torch.Tensor) -> Any:
         saved = pack(self, t)
@@ -51,8 +53,15 @@ def watch(pm: autopar.ParallelModule) -> list[Event]:
         out = launch(self)
         note("issue", block_of(self.fqn))  # after: the count includes this regather's collectives
         return out
+
+    def watch_group(self: Any, tag: str) -> None:
+        issued = tag in self.launched
+        launch_group(self, tag)
+        for member in () if issued else self.members[tag].values():  # one collective: an issue per member
+            note("issue", block_of(member.fqn))
     cls.pack, cls.unpack, cls.backward_starts = watch_pack, watch_unpack, watch_starts  # type: ignore[method-assign]
     source.launch = watch_launch  # type: ignore[method-assign]
+    grouped.launch = watch_group  # type: ignore[method-assign]
     return events
 
 
@@ -106,7 +115,10 @@ def assert_prefetched(events: list[Event], block: str, after: str) -> None:
 
 
 def assert_on_demand(events: list[Event], block: str) -> None:
-    """``block``'s regathers were each issued as its handle was unpacked (nothing prefetched them)."""
+    """``block``'s regathers were issued as its handles were unpacked (nothing prefetched them):
+    each as its own, or a group's all as the first of them (``runtime.regather``)."""
     order = block_order(events, block)
     assert order.saved > 0 and len(order.issued) == len(order.unpacked) == order.saved, order
-    assert all(u == i - 1 for i, u in zip(order.issued, order.unpacked)), order
+    alone = all(u == i - 1 for i, u in zip(order.issued, order.unpacked))
+    together = order.issued == list(range(order.unpacked[0] + 1, order.unpacked[0] + 1 + order.saved))
+    assert alone or together, order

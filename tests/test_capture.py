@@ -265,10 +265,13 @@ def test_forward_only_accepts_a_model_returning_logits() -> None:
 
 def test_reuse_captures_traces_each_shape_once() -> None:
     """Inside ``reuse_captures`` the same model, loss and argument shapes give the graph captured first;
-    another shape, or a call outside, traces again; a plan made on a reused capture is the same plan."""
+    another shape traces again; a plan made on a reused capture is the same plan. Outside, the
+    process keeps a model's captures while the model is unchanged (``capture.kept``): a parameter
+    frozen since, or ``forget``, traces again."""
     import autopar
-    from autopar.capture import reuse_captures
+    from autopar.capture import kept, reuse_captures
 
+    kept.forget()
     model, inputs, loss_fn, targets = gpt.build(batch=4)
     with reuse_captures():
         first = capture(model, inputs, loss_fn=loss_fn, example_targets=targets)
@@ -277,9 +280,14 @@ def test_reuse_captures_traces_each_shape_once() -> None:
         reused = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets)
         assert capture(model, inputs, loss_fn=loss_fn, example_targets=targets) is first
     assert again is first and other is not first
-    assert capture(model, inputs, loss_fn=loss_fn, example_targets=targets) is not first
+    assert capture(model, inputs, loss_fn=loss_fn, example_targets=targets) is first  # kept for the process
+    kept.forget()
+    traced = capture(model, inputs, loss_fn=loss_fn, example_targets=targets)
+    assert traced is not first
     plan = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets)
     assert reused.predicted == plan.predicted and reused.plan_hash() == plan.plan_hash()
+    next(model.parameters()).requires_grad_(False)  # the step changed: traced again
+    assert capture(model, inputs, loss_fn=loss_fn, example_targets=targets) is not traced
 
 
 class LoopMoE(nn.Module):
@@ -460,3 +468,31 @@ def test_a_buffer_reached_through_another_object_is_read_as_the_buffer() -> None
     assert cg.constants == {}
     writes = [n for n in cg.gm.graph.nodes if n.target is torch.ops.aten.index_copy_.default]
     assert len(writes) == 1 and cg.buffers.get(writes[0].args[0].name) == "cache", cg.buffers
+
+
+def test_a_kept_capture_serves_only_an_unchanged_model() -> None:
+    """What a trace may read besides tensor values changes the model's fingerprint (``capture.kept``):
+    a hyperparameter, the mode, a forward set on the instance, a Hugging Face config, a parameter's
+    shape or ``requires_grad``, a tied weight. Tensor values do not."""
+    from types import MethodType
+
+    from autopar.capture.kept import fingerprint
+    from examples.hf_models import build_llama
+
+    model = gpt.build()[0]
+    before = fingerprint(model)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert fingerprint(model) == before
+    changes = [lambda m: m.eval(), lambda m: setattr(m.blocks[0].attn, "heads", 2),
+               lambda m: setattr(m.ln_f, "forward", MethodType(lambda self, x: x, m.ln_f)),
+               lambda m: m.lm_head.weight.requires_grad_(False),
+               lambda m: setattr(m.lm_head, "weight", m.wte.weight)]
+    for change in changes:
+        model = gpt.build()[0]
+        change(model)
+        assert fingerprint(model) != before
+    llama = build_llama()[0]
+    seen = fingerprint(llama)
+    llama.config.rms_norm_eps = 1e-3
+    assert fingerprint(llama) != seen

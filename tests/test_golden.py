@@ -98,12 +98,14 @@ def check_memory_by_hand(plan: Plan) -> None:
     module = {n.name: n.module for n in plan.nodes}
     in_block = {n for n, m in module.items() if any(m == b or m.startswith(b + ".") for b in memory.checkpoint_blocks)}
     key = lambda c: (c.kind, c.axis, c.bytes, c.tensor, c.consumer)  # noqa: E731
+    # a group's collective (``cost.groups``) names its members' tensors and consumers, comma-separated
+    inside = lambda c: all(name in in_block for name in c.consumer.split(","))  # noqa: E731
     recomputed = sorted(key(c) for c in plan.collectives if c.phase == "recompute")
-    forward_in_blocks = sorted(key(c) for c in plan.collectives if c.phase == "forward" and c.consumer in in_block)
+    forward_in_blocks = sorted(key(c) for c in plan.collectives if c.phase == "forward" and inside(c))
     assert recomputed == forward_in_blocks
     params = {n.name for n in plan.nodes if n.op == "parameter"}
-    regathered = {c.tensor for c in plan.collectives if c.phase == "backward" and c.kind == "all_gather"
-                  and c.tensor in params and c.consumer not in in_block}
+    regathered = {t for c in plan.collectives if c.phase == "backward" and c.kind == "all_gather" and not inside(c)
+                  for t in c.tensor.split(",") if t in params}
     assert len(regathered) == len(memory.regather) and (not regathered or 3 in memory.zero.values())
 
 

@@ -73,20 +73,29 @@ def test_a_plan_for_another_step_or_mesh_is_refused_with_what_differs() -> None:
 
 
 def _run_saved(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
+    from autopar.capture import export
     from autopar.search import ilp
 
-    solves = []
-    real = ilp.solve_ilp
+    solves, traces = [], []
+    real, trace = ilp.solve_ilp, export._captured
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         solves.append(1)
         return real(*args, **kwargs)
-    ilp.solve_ilp = counted  # this forked process only
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        traces.append(1)
+        return trace(*args, **kwargs)
+    ilp.solve_ilp, export._captured = counted, traced  # this forked process only
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, inputs, loss_fn, targets = gpt.build(GPT)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved)
     out: dict[str, Any] = {"solves": len(solves), "hash": pm.plan.plan_hash(), "notes": pm.plan.notes,
-                           "loss": pm(*inputs, *targets).full_tensor().item()}
+                           "loss": pm(*inputs, *targets).full_tensor().item(), "traces": len(traces)}
+    # the model compiled again in this process: its capture is kept (``capture.kept``), the plan the same
+    again = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved)
+    out.update(traces_again=len(traces) - out["traces"], hash_again=again.plan.plan_hash(),
+               loss_again=again(*inputs, *targets).full_tensor().item())
     other = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     with pytest.raises(autopar.InputError, match="the plan runs on a mesh") as info:
         autopar.compile(model, other, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved)
@@ -96,12 +105,15 @@ def _run_saved(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
 
 def test_compile_runs_a_saved_plan_without_solving() -> None:
     """The CLI's ``--json`` (``Plan.to_json``) handed to ``compile``: no rank solves an ILP, every rank runs
-    the saved plan (its notes as saved), the loss is the single device's; on another mesh it is refused."""
+    the saved plan (its notes as saved), the loss is the single device's; compiled again in the process,
+    the model is not traced again and runs alike; on another mesh it is refused."""
     plan, (model, inputs, loss_fn, targets) = _gpt()
     saved = json.loads(json.dumps(plan.to_json()))
     results = run_ranks(_run_saved, 4, saved)
     assert [r["solves"] for r in results] == [0] * 4
-    assert {r["hash"] for r in results} == {plan.plan_hash()}
+    assert {r["hash"] for r in results} == {r["hash_again"] for r in results} == {plan.plan_hash()}
+    assert [(r["traces"], r["traces_again"]) for r in results] == [(1, 0)] * 4
+    assert all(r["loss_again"] == r["loss"] for r in results)
     assert all(r["notes"] == plan.notes for r in results)
     expected = loss_fn(model(*inputs), *targets).item()
     assert [r["loss"] for r in results] == pytest.approx([expected] * 4, rel=1e-5)

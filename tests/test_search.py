@@ -135,8 +135,8 @@ def test_a_scenarios_lp_bound_never_exceeds_its_optimum_under_the_limit() -> Non
 def test_checkpointing_the_first_blocks_keeps_one_plan_for_every_block() -> None:
     """With only the first of the GPT's 2 blocks checkpointed, the two blocks are priced apart
     (``split_folding``) but tied to one strategy per op, as folded blocks run one plan: made
-    dearer in the second block alone, an op's strategy changes in both or in neither (and
-    untied, in the second only)."""
+    dearer in the second block alone, an op's strategy changes in both or in neither (untied, the
+    second block's leaves it)."""
     model, inputs, loss_fn, targets = gpt.build(batch=2)
     prepared = prepare(model, autopar.Mesh({"dp": 2, "tp": 2}, "h100"), inputs, loss_fn=loss_fn,
                        example_targets=targets, checkpoint="full", checkpoint_blocks=1, micro_batches=1, offload=False)
@@ -149,9 +149,11 @@ def test_checkpointing_the_first_blocks_keeps_one_plan_for_every_block() -> None
     costs = list(node.costs)
     costs[chosen[part]] = replace(costs[chosen[part]], time=costs[chosen[part]].time + 1.0)
     dearer = replace(graph, nodes={**graph.nodes, part: replace(node, costs=costs)})
-    tied = solve(dearer, folding, ctx, None).choice
-    assert tied[part] == tied[first]
-    untied = solve(dearer, replace(folding, tied={}), ctx, None).choice
-    assert untied[part] != untied[first]
+    tied = solve(dearer, folding, ctx, None)
+    assert tied.choice[part] == tied.choice[first]
+    # untied, the second block's op leaves its dearer strategy whatever the first block's does (which may
+    # move too where another strategy costs the same: the plan has equal-cost choices), never at more cost
+    untied = solve(dearer, replace(folding, tied={}), ctx, None)
+    assert untied.choice[part] != chosen[part] and untied.objective_s <= tied.objective_s + 1e-12
 
 

@@ -18,6 +18,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind
 
 from autopar.capture.aliasing import returned_operand, written_args
+from autopar.capture import kept
 from autopar.capture.graph import CapturedGraph
 from autopar.capture.moe_region import collapse_moe_regions
 from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
@@ -69,12 +70,15 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     kwargs = dict(example_kwargs or {})
     flat = _distinct((*example_inputs, *kwargs.values(), *example_targets))
     rows = batch_rows(flat) if symbolic_batch else None
-    key = None if _REUSED is None else _reuse_key(model, example_inputs, kwargs, example_targets, loss_fn, train, rows)
-    if key is not None and key in _REUSED:  # type: ignore[operator]
-        found = _REUSED[key][1]  # type: ignore[index]
+    key = _reuse_key(model, example_inputs, kwargs, example_targets, loss_fn, train, rows)
+    if key is not None and _REUSED is not None and key in _REUSED:
+        found = _REUSED[key][1]
         if isinstance(found, SymbolicRefused):  # refused once, refused for every size: not exported again
             raise found
         return at_rows(found, rows)
+    again = None if key is None or rows is not None else kept.kept(model, (key[1:], replicate_blocks))
+    if again is not None:  # captured before in this process, the model unchanged since (``capture.kept``)
+        return again
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         # A meta-device model is planned on shapes alone: inputs follow it onto meta.
@@ -88,6 +92,8 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         raise
     if key is not None and _REUSED is not None:
         _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
+    if key is not None and rows is None:
+        kept.keep(model, (key[1:], replicate_blocks), captured)
     return captured
 
 

@@ -108,6 +108,8 @@ class CapturedGraph:
     batch_symbol: sympy.Symbol | None = None
     """The micro-batch size's symbol in a step captured symbolic (``capture.symbolic``): its graph is
     priced, never run; None for a concrete capture."""
+    trained: frozenset[str] | None = field(default=None, repr=False, compare=False)
+    """FQNs of the parameters autograd gives a gradient, once asked (``runtime.gradient_check``)."""
 
     def nodes(self) -> list[torch.fx.Node]:
         return list(self.gm.graph.nodes)

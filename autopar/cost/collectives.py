@@ -22,7 +22,7 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.precision import Precision
 from autopar.mesh import Mesh
 
-from autopar.rules.redistribute import ALL_GATHER, ALL_REDUCE, COLLECTIVES, redistribute_steps
+from autopar.rules.redistribute import ALL_GATHER, ALL_REDUCE, COLLECTIVES, REDUCE_SCATTER, redistribute_steps
 from autopar.rules.ring import SEND_RECV
 from autopar.rules.strategy import is_partial, local_numel, shard_dim
 
@@ -40,6 +40,15 @@ class CollectiveCall:
     bucketed: bool = False
     """Gradient synchronization: one bucket of gradients fused into one all-reduce (as DDP
     does), run after (or overlapping) backward rather than on an edge."""
+    grouped: bool = False
+    """A parameter's gather, gather again or gradient reduce-scatter run in one collective with
+    the others of its group (``cost.groups``: its reader's block, as FSDP2 per module): the call's
+    fixed cost (``call_time``) is the group's, paid once per group, so its own price is its
+    transfer alone (``collective_time``), and the copy into or out of the group's buffer
+    (``copy_time``)."""
+    reordered: bool = False
+    """An all-gather along a dim other than 0, or a reduce-scatter into one: the runtime's
+    collective moves rank-major pieces, put in order after it (before it) by one copy."""
 
 
 def call_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
@@ -55,9 +64,28 @@ def call_time(kind: str, mesh_dim: int, mesh: Mesh) -> float:
 
 def transfer_time(call: CollectiveCall, mesh: Mesh) -> float:
     """The bandwidth term of one collective: linear in ``nbytes``, so per-tensor shares of a
-    bucket add up to the bucket's; on a zig-zag axis with the local reorder of its bytes
-    (``zigzag_reorder_time``, linear too)."""
-    return bytes_moved(call, mesh) / link_bandwidth(call.kind, call.mesh_dim, mesh) + zigzag_reorder_time(call, mesh)
+    bucket add up to the bucket's; with the local copies of its bytes (``copy_time``, and on a
+    zig-zag axis ``zigzag_reorder_time``, linear too)."""
+    return (bytes_moved(call, mesh) / link_bandwidth(call.kind, call.mesh_dim, mesh) + zigzag_reorder_time(call, mesh)
+            + copy_time(call, mesh))
+
+
+def copy_time(call: CollectiveCall, mesh: Mesh) -> float:
+    """The copies of M bytes the runtime makes around one collective, each read and written at
+    memory bandwidth: a ``reordered`` all-gather's pieces put in order; a grouped all-gather's
+    output copied out of the group's flat buffer (``runtime.grouped``); a
+    ``reordered`` reduce-scatter's chunks laid out rank-major, which for a grouped one is the
+    copy into the group's buffer, made for every member (``runtime.grouped``)."""
+    if call.kind == ALL_GATHER:
+        copies = int(call.grouped) + int(call.reordered)
+    elif call.kind == REDUCE_SCATTER:
+        copies = int(call.grouped or call.reordered)
+    else:
+        return 0.0
+    if not copies or mesh.shape[call.mesh_dim] == 1:
+        return 0.0
+    hw = mesh.hardware
+    return copies * 2 * call.nbytes / (hw.memory_bandwidth * hw.memory_efficiency)
 
 
 def link_bandwidth(kind: str, mesh_dim: int, mesh: Mesh) -> float:
@@ -81,9 +109,12 @@ def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
     """Alpha-beta time of one collective, after the call's fixed cost
     (``collective_overhead``: its launch and the wait for the slowest rank, added even where
     the host dispatches ahead, so a bucket's time splits linearly into a per-call part,
-    ``call_time``, and per-gradient transfers, ``transfer_time``)."""
+    ``call_time``, and per-gradient transfers, ``transfer_time``); a ``grouped`` call's
+    transfer alone (its group pays the call once)."""
     if mesh.shape[call.mesh_dim] == 1:
         return 0.0
+    if call.grouped:  # the group's one call pays it (``cost.groups``)
+        return transfer_time(call, mesh)
     return call_time(call.kind, call.mesh_dim, mesh) + transfer_time(call, mesh)
 
 
@@ -136,7 +167,8 @@ def _reshard(meta: TensorMeta, src: tuple[Placement, ...], dst: tuple[Placement,
         if step.kind == ALL_GATHER:
             placements = placements[:step.mesh_dim] + (Replicate(),) + placements[step.mesh_dim + 1:]
         nbytes = precision.tensor_bytes(meta, local_numel(meta, placements, mesh_shape))
-        calls.append(CollectiveCall(step.kind, step.mesh_dim, nbytes))
+        reordered = step.src_dim != 0 if step.kind == ALL_GATHER else step.kind == REDUCE_SCATTER and step.dst_dim != 0
+        calls.append(CollectiveCall(step.kind, step.mesh_dim, nbytes, reordered=reordered))
     return tuple(calls)
 
 

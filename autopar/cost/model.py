@@ -16,6 +16,7 @@ from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_tim
 from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_efficiency, rank_flops, ring_launches,
                                   ring_of, roofline_time, with_fixed_cost)
 from autopar.cost.draws import draw_time
+from autopar.cost.groups import grouped_calls
 from autopar.cost.moe import compute_factor, is_moe, pair_share
 from autopar.cost.offload import offloaded_parameter
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER, chunk_elements, padded_elements
@@ -60,6 +61,10 @@ class CostContext:
     global_draws: bool = False
     """Random ops draw the global tensor on every rank (``compile(random_stream='torch')``),
     else each rank its own elements from the counter stream (``cost.draws``)."""
+    pipelined: bool = False
+    """The step is a pipeline's stage-mesh plan, cut into stages between repeated blocks: parameters
+    outside every block are grouped per stretch between blocks (``problem.groups.group_names``),
+    which a cut never splits."""
 
 
 @dataclass(frozen=True)
@@ -281,7 +286,7 @@ def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozense
 
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,
               ctx: CostContext, *, from_parameter: bool, needs_grad: bool, recomputed: bool = False,
-              saves_input: bool = True, regathered: bool = False) -> EdgeCost:
+              saves_input: bool = True, regathered: bool = False, grouped: bool = False) -> EdgeCost:
     """Collectives between a producer's output and a consumer's input, both directions.
 
     Backward sends the consumer's gradient (placement from the consumer's split) back to
@@ -292,21 +297,30 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     checkpointed block replays it) or when it gathers a parameter the consumer saves
     (``saves_input``) and ``regathered`` (the consumer frees its gathered parameters after
     forward: ZeRO-3, FSDP's ``reshard_after_forward``); otherwise a resharded tensor the consumer
-    saves is held until backward (``held_reshard_bytes``).
+    saves is held until backward (``held_reshard_bytes``). ``grouped``: a parameter read once,
+    whose gather (again) and gradient reduce-scatter join its block's one collective of each
+    (``cost.groups``): priced at their transfers here, their group pays the call.
     """
     mesh, precision = ctx.mesh, ctx.precision
     forward = reshard(meta, produced, required, mesh, precision)
+    if grouped:
+        forward = grouped_calls(forward, ALL_GATHER, mesh)
     backward: list[CollectiveCall] = []
     unwaited = 0.0
     if ctx.train and needs_grad:
         grad_in, grad_out = grad_placements(produced, required, consumer)
+        syncs = grad_sync_dims(produced, grad_in, mesh.shape) if from_parameter else frozenset()
         if from_parameter:  # a parameter's gradient is reduced at its own width (fp32)
-            grad_out = param_grad_target(produced, grad_in, grad_sync_dims(produced, grad_in, mesh.shape))
+            grad_out = param_grad_target(produced, grad_in, syncs)
         backward.extend(reshard(meta, grad_in, grad_out, mesh, precision.for_gradients() if from_parameter
                                 else precision))
+        if grouped and not syncs:  # one summed in the buckets too takes its own way (``runtime.grouped``)
+            backward = grouped_calls(backward, REDUCE_SCATTER, mesh)
         # the runtime leaves it running only where it reduces at the parameter's own width (a bf16
         # model's gradient is cast up to fp32 first, and that path waits: ``_Redistribute.backward``)
-        if (from_parameter and precision.reduce_bytes_per_param == precision.master_bytes_per_param
+        if backward and backward[-1].grouped:  # a group's reduce-scatter is left running whatever the width
+            unwaited = collective_time(backward[-1], mesh)
+        elif (from_parameter and precision.reduce_bytes_per_param == precision.master_bytes_per_param
                 and _ends_scattering(grad_in, grad_out, mesh.shape)):
             unwaited = collective_time(backward[-1], mesh)
     again = forward if runs_again(ctx, from_parameter, needs_grad, recomputed, saves_input, regathered) else []
@@ -332,12 +346,13 @@ def runs_again(ctx: CostContext, from_parameter: bool, needs_grad: bool, recompu
 
 def held_reshard_bytes(meta: TensorMeta, produced: Placements, required: Placements, ctx: CostContext,
                        *, from_parameter: bool, recomputed: bool = False, needs_grad: bool = True,
-                       saves_input: bool = True, regathered: bool = False) -> float:
+                       saves_input: bool = True, regathered: bool = False, grouped: bool = False) -> float:
     """Bytes a tensor resharded for its consumer keeps alive until backward: the consumer's
     backward saves the resharded copy (a column-parallel linear saves its all-gathered input,
     a gathered parameter is held until backward). 0 when the tensor is used as produced, when
     the consumer's backward does not save it (or does not run), it recomputes it (a
-    checkpointed block), and for a parameter gathered again in backward (ZeRO-3). The producer's own output is
+    checkpointed block), and for a parameter gathered again in backward (ZeRO-3); ``grouped`` changes
+    nothing here (a group's buffers are its members' copies). The producer's own output is
     priced by its node (held when its op or some consumer saves it). A parameter used as
     stored under mixed precision is read through a bf16 cast copy (``passes.cast_parameters``),
     which a saving consumer holds; consumers sharing one parameter's copy (tied weights) are

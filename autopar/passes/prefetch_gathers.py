@@ -50,9 +50,9 @@ def prefetch_gathers(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Grap
     for gather, block in _gathers(gm, pc):
         if block not in skipped:
             by_block.setdefault(block, []).append(gather)
-    starts = _first_compute(gm.graph)
+    starts = first_compute(gm.graph)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for container_blocks in _containers(starts).values():
+    for container_blocks in containers(starts).values():
         for i, block in enumerate(container_blocks):
             gathers = by_block.get(block, [])
             if not gathers:
@@ -61,7 +61,7 @@ def prefetch_gathers(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Grap
             before = starts[container_blocks[i - 1]] if i else min([starts[block], *gathers], key=order.__getitem__)
             for gather in gathers:
                 _split(gm, gather, before)
-    _mark_backward_starts(gm, _containers(starts))
+    _mark_backward_starts(gm, containers(starts))
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -77,7 +77,7 @@ def _gathers(gm: torch.fx.GraphModule, pc: PassContext) -> Iterator[tuple[torch.
         name = plan_name(x) if isinstance(x, torch.fx.Node) else None
         if name is None or x.op != "placeholder" or pc.graph.nodes[name].kind != PARAM or len(x.users) != 1:
             continue
-        src, dst = _placements(node)
+        src, dst = gather_placements(node)
         steps = redistribute_steps(parse_placements(src), parse_placements(dst))
         if not any(s.kind == ALL_GATHER and mesh_shape[s.mesh_dim] > 1 for s in steps):
             continue
@@ -86,13 +86,13 @@ def _gathers(gm: torch.fx.GraphModule, pc: PassContext) -> Iterator[tuple[torch.
             yield node, blocks.pop()
 
 
-def _placements(gather: torch.fx.Node) -> tuple[str, str]:
+def gather_placements(gather: torch.fx.Node) -> tuple[str, str]:
     """(src, dst) of a gather call: ``reshard(x, src, dst, ...)``, ``regather(x, fqn, src, dst, ...)``."""
     first = 2 if gather.target == "regather" else 1
     return gather.args[first], gather.args[first + 1]  # type: ignore[return-value]
 
 
-def _first_compute(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
+def first_compute(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
     """Block -> its first op in graph order (a captured op: inserted calls carry no module path)."""
     starts: dict[str, torch.fx.Node] = {}
     for node in graph.nodes:
@@ -103,7 +103,7 @@ def _first_compute(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
     return starts
 
 
-def _containers(starts: dict[str, torch.fx.Node]) -> dict[str, list[str]]:
+def containers(starts: dict[str, torch.fx.Node]) -> dict[str, list[str]]:
     """Container path -> its blocks in the order they start."""
     out: dict[str, list[str]] = {}
     for block in starts:  # insertion order is graph order
@@ -113,7 +113,7 @@ def _containers(starts: dict[str, torch.fx.Node]) -> dict[str, list[str]]:
 
 def _split(gm: torch.fx.GraphModule, gather: torch.fx.Node, before: torch.fx.Node) -> None:
     """Issue ``gather``'s all-gather just before ``before``; ``gather`` waits for it."""
-    src, dst = _placements(gather)
+    src, dst = gather_placements(gather)
     kwargs = {"dtype": gather.kwargs["dtype"]} if gather.kwargs.get("dtype") is not None else {}
     with gm.graph.inserting_before(before):
         launch = gm.graph.call_module("prefetch", (gather.args[0], src, dst), kwargs)

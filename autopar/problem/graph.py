@@ -322,12 +322,14 @@ def price_edge(graph: PlanGraph, producer: str, out_index: int, consumer: str, a
 def edge_flags(graph: PlanGraph, producer: str, consumer: str, arg: int) -> dict[str, bool]:
     """What ``edge_cost`` and ``held_reshard_bytes`` need to know about an edge besides
     placements: a parameter's edge, whether a gradient flows back, whether the consumer
-    recomputes in backward, whether its backward (if it runs one) keeps this input and whether
-    it gathers its parameters again for that instead of holding them."""
+    recomputes in backward, whether its backward (if it runs one) keeps this input, whether
+    it gathers its parameters again for that instead of holding them, and whether the
+    parameter is read once, so that its collectives join its block's (``cost.groups``)."""
     node = graph.nodes[consumer]
     return {"from_parameter": graph.nodes[producer].kind == PARAM,
             "needs_grad": graph.sends_gradient(producer, consumer), "recomputed": node.recompute,
-            "saves_input": node.needs_grad and _saves_input(graph, node, arg), "regathered": node.regather}
+            "saves_input": node.needs_grad and _saves_input(graph, node, arg), "regathered": node.regather,
+            "grouped": producer in graph.read_once}
 
 
 def _saves_input(graph: PlanGraph, node: PlanNode, arg: int) -> bool:

@@ -3,6 +3,7 @@ strategies and their costs."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -104,6 +105,18 @@ class PlanGraph:
         (not into a ``torch.no_grad()`` block, a ``detach`` or a comparison)."""
         into = self.nodes[consumer]
         return self.nodes[producer].needs_grad and into.needs_grad and into.differentiable
+
+    @functools.cached_property
+    def read_once(self) -> frozenset[str]:
+        """Parameters read by exactly one op input: their gathers and gradient reduce-scatters may
+        join their block's (``cost.groups``); one read twice sums two gradients first, and may share
+        a reshard between its readers. Computed once per graph (its copies by ``replace`` keep the
+        same reads, and compute it again)."""
+        uses: dict[str, int] = {}
+        for name in self.order:
+            for src, _ in self.nodes[name].args:
+                uses[src] = uses.get(src, 0) + 1
+        return frozenset(p for p, n in uses.items() if n == 1 and self.nodes[p].kind == PARAM)
 
     def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
         """node -> [(consumer, consumer arg index, producer output index)]."""

@@ -4,7 +4,7 @@ inputs arriving split, state placed as another step's, ZeRO stages, and how cont
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch.distributed.tensor import Placement, Replicate
@@ -81,7 +81,7 @@ def _pin_data_axes(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, config
         free = experts if axis_name in expert else frozenset()
         pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name,
                                   inputs_whole=not config.axes.input_sharded, free_params=free)
-        out.pin(graph, _stored_as_zero_says(graph, pins, zero.get(axis_name, 0)), mesh, axis_name)
+        out.pin(graph, _stored_as_zero_says(graph, pins, zero.get(axis_name, 0), used_whole=True), mesh, axis_name)
         out.pinned[f"{axis_name}: parameters, inputs"] = \
             f"data parallel, {len(free)} expert weights free" if free else "data parallel"
 
@@ -108,10 +108,27 @@ def _pin_state(graph: PlanGraph, mesh: Mesh, placements: dict[str, tuple[Placeme
     out.pinned["parameters, buffers"] = "placed as the step sharing them"
 
 
-def _stored_as_zero_says(graph: PlanGraph, pins: dict[str, Pin], stage: int) -> dict[str, Pin]:
-    """A data or context axis's pins, less its replicated-parameter pins where ZeRO-2/3 stores
-    parameters split on the axis (FSDP over data and context axes alike; ZeRO's pins say how)."""
-    return pins if stage < 2 else {n: p for n, p in pins.items() if graph.nodes[n].kind != PARAM}
+def _stored_as_zero_says(graph: PlanGraph, pins: dict[str, Pin], stage: int, *, used_whole: bool = False
+                         ) -> dict[str, Pin]:
+    """A data or context axis's pins where ZeRO-2/3 stores parameters split on the axis (ZeRO's pins
+    say how): its replicated-parameter pins are dropped. On a data axis (``used_whole``) each reader
+    takes such a parameter whole instead, as FSDP runs: the batch split, every weight gathered for
+    its use, so that the axis splits the batch and nothing else, as it does without ZeRO. On a
+    context axis the readers stay free (attention may split heads there: Ulysses)."""
+    if stage < 2:
+        return pins
+    out = {n: p for n, p in pins.items() if graph.nodes[n].kind != PARAM}
+    if not used_whole:
+        return out
+    for name, readers in graph.consumers().items():
+        pin = pins.get(name)
+        if graph.nodes[name].kind != PARAM or pin is None or not isinstance(pin.output, Replicate):
+            continue
+        for reader, arg, _ in readers:
+            given = out.get(reader)
+            out[reader] = given = Pin(reason=pin.reason) if given is None else replace(given, inputs=dict(given.inputs))
+            given.inputs[arg] = Replicate()
+    return out
 
 
 def _pin_zero(graph: PlanGraph, mesh: Mesh, zero: dict[str, int], out: Pinned) -> None:

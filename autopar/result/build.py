@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, collective_time
+from autopar.cost.collectives import ALL_REDUCE, CollectiveCall, bytes_moved, call_time, collective_time
 from autopar.cost.buckets import GradBucket, gradient_buckets
+from autopar.cost.groups import GroupKey, edge_groups, group_call
 from autopar.cost.moe import moe_collectives
 from autopar.cost.ring import ring_transfers
 from autopar.cost.zero1 import chunk_elements
@@ -18,6 +19,7 @@ from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.problem.folding import Folding
 from autopar.memory.options import MemoryPlan
 from autopar.solver.grad_terms import single_use_params
+from autopar.problem.groups import group_names
 from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, price_edge, zigzag_output_gathers
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
@@ -80,10 +82,11 @@ class _Ledger:
         """Seconds of the recorded calls that run under their op's compute (ring attention's sends)."""
 
     def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1,
-               waited: float = 1.0, data_dependent: bool = False) -> None:
-        """``waited``: the share of the call the step waits for; ``data_dependent``: its bytes are an expectation."""
+               waited: float = 1.0, data_dependent: bool = False, time: float | None = None) -> None:
+        """``waited``: the share of the call the step waits for; ``data_dependent``: its bytes are an
+        expectation; ``time``: its seconds where they are not ``collective_time``'s (a group's)."""
         axis = self.mesh.names[call.mesh_dim]
-        time = collective_time(call, self.mesh)
+        time = collective_time(call, self.mesh) if time is None else time
         self.collectives.append(PlannedCollective(
             kind=call.kind, axis=axis, bytes=call.nbytes, phase=phase, tensor=tensor, consumer=consumer,
             module=module, time_s=time, count=count, waited_s=None if waited == 1.0 else time * waited,
@@ -133,6 +136,7 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     held = 0.0
     regathered: set[str] = set()
     unwaited: list[int] = []
+    groups, names = _Groups(), group_names(graph, ctx.pipelined)
     for name in graph.order:
         node = graph.nodes[name]
         for arg, (src, out_index) in enumerate(node.args):
@@ -147,13 +151,21 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
             if edge.recompute and not replays:
                 regathered.add(graph.nodes[src].fqn or src)
             again = "recompute" if replays else "backward"  # a block's replay, or a parameter gathered again
+            meta = graph.nodes[src].outputs[out_index]
+            keys = iter(edge_groups(edge.forward, edge.backward, edge.recompute, names[name], replays,
+                                    str(meta.dtype))) if meta is not None else iter(())
             for phase, calls, window in (("forward", edge.forward, "forward"), ("backward", edge.backward, None),
                                          (again, edge.recompute, "backward")):
                 share = waited.get((src, window), 1.0) if window else 1.0  # one all-gather when windowed
                 for call in calls:  # a data-dependent size (``TensorMeta.ragged``) at its planning hint
+                    if call.grouped:  # listed once for its whole group, below
+                        groups.add(next(keys)[0], call, (src, name), share, phase == "backward" and
+                                   edge.unwaited > 0 and window is None and src in single)
+                        continue
                     ledger.record(call, phase, src, name, node.module, step_repeats(ctx), share,
                                   data_dependent=bool(ragged))
-                if phase == "backward" and window is None and edge.unwaited and src in single:
+                if phase == "backward" and window is None and edge.unwaited and src in single and calls \
+                        and not calls[-1].grouped:
                     unwaited.append(len(ledger.collectives) - 1)  # the last backward call
         for call in loss_count_reductions(node, chosen[name], ctx):
             ledger.record(call, "forward", name, name, node.module, step_repeats(ctx))
@@ -168,7 +180,41 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
                 for ran in (phase, "recompute") if phase == "forward" and node.recompute else (phase,):
                     ledger.record(call, ran, name, name, node.module, step_repeats(ctx), exposed)
                     ledger.hidden_s += collective_time(call, ctx.mesh) * (1.0 - exposed) * step_repeats(ctx)
+    unwaited += groups.record(ledger, step_repeats(ctx))
     return held, regathered, unwaited
+
+
+class _Groups:
+    """The grouped calls of a plan's edges, by group (``cost.groups``): each group is listed as its
+    one collective, its call paid once, waited for at its window's share (``plan_windows``)."""
+
+    def __init__(self) -> None:
+        self.members: dict[GroupKey, list[tuple[CollectiveCall, tuple[str, str], float]]] = {}
+        """Group -> (call, (tensor, consumer), waited share) of each member."""
+        self.beside: set[GroupKey] = set()
+        """Groups of reduce-scatters left running beside backward (``EdgeCost.unwaited``)."""
+
+    def add(self, key: GroupKey, call: CollectiveCall, edge: tuple[str, str], share: float, beside: bool) -> None:
+        self.members.setdefault(key, []).append((call, edge, share))
+        if beside:
+            self.beside.add(key)
+
+    def record(self, ledger: _Ledger, runs: int) -> list[int]:
+        """List each group's collective; returns the ledger entries left running beside backward."""
+        beside = []
+        for key, members in sorted(self.members.items()):
+            call = group_call(key, [c for c, _, _ in members])
+            # its call, then each member's transfer (and copy: ``copy_time``) as priced on its edge
+            transfers = [(collective_time(c, ledger.mesh), share) for c, _, share in members]
+            whole = call_time(key.kind, key.mesh_dim, ledger.mesh) + sum(t for t, _ in transfers)
+            # the call waits as its members do: a prefetched block's window holds them all (one share)
+            waited = (whole - sum(t for t, _ in transfers)) * members[0][2] + sum(t * share for t, share in transfers)
+            ledger.record(call, key.phase, ",".join(t for _, (t, _), _ in members),
+                          ",".join(c for _, (_, c), _ in members), key.group or "(root)", runs,
+                          waited / whole if whole else 1.0, time=whole)
+            if key in self.beside:
+                beside.append(len(ledger.collectives) - 1)
+        return beside
 
 
 def _beside_backward(ledger: _Ledger, buckets: list[GradBucket], unwaited: list[int], backward_s: float,

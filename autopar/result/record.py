@@ -28,11 +28,12 @@ class PlannedCollective:
     phase: str
     """'forward' or 'backward'."""
     tensor: str
-    """Node whose output is resharded (a parameter's gradient for 'backward' grad sync)."""
+    """Node whose output is resharded (a parameter's gradient for 'backward' grad sync); a group's
+    members', comma-separated (``cost.groups``)."""
     consumer: str
-    """Node that needs the new placement ('' for gradient synchronization)."""
+    """Node that needs the new placement ('' for gradient synchronization); a group's members'."""
     module: str
-    """Module path of the consumer (or of the parameter)."""
+    """Module path of the consumer (or of the parameter); a group's block ('(root)' outside blocks)."""
     time_s: float
     """Seconds of one run."""
     count: int = 1

@@ -5,6 +5,7 @@ plan can be run again without searching (``autopar.compile(..., plan=...)``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, TypeVar
@@ -43,7 +44,7 @@ def _value(hint: Any, data: Any, where: str) -> Any:
 def _dataclass(cls: Any, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise InputError(f"{where}: expected an object for {cls.__name__}, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     values = {}
     for f in dataclasses.fields(cls):
         if not f.init:
@@ -53,6 +54,13 @@ def _dataclass(cls: Any, data: Any, where: str) -> Any:
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise InputError(f"{where}: {cls.__name__} needs {f.name!r}, which the JSON lacks")
     return cls(**values)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """``cls``'s field types, evaluated once: a plan holds hundreds of each record, and evaluating the
+    postponed annotations again for every one was most of reading a plan back."""
+    return typing.get_type_hints(cls)
 
 
 def _container(hint: Any, origin: type, data: Any, where: str) -> Any:

@@ -22,7 +22,14 @@ from autopar.problem.nodes import PARAM, PlanGraph
 
 
 def autograd_trained(captured: CapturedGraph) -> set[str]:
-    """FQNs of the trainable parameters that autograd gives a gradient in the captured step."""
+    """FQNs of the trainable parameters that autograd gives a gradient in the captured step (once
+    per capture: a capture kept for the process, ``capture.kept``, is checked again at no cost)."""
+    if captured.trained is None:
+        captured.trained = frozenset(_autograd_trained(captured))
+    return set(captured.trained)
+
+
+def _autograd_trained(captured: CapturedGraph) -> set[str]:
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
     if mode is None:

@@ -47,7 +47,8 @@ class ProgramLocator:
 
     def __init__(self, program: torch.fx.GraphModule) -> None:
         self._program = program
-        self._programs: dict[CodeType, torch.fx.GraphModule] = {}  # forward code -> program or region
+        self._programs: dict[CodeType, tuple[torch.fx.GraphModule, list[torch.fx.Node]]] = {}
+        """Forward code -> its program or region, and that one's nodes in order."""
         self._last: tuple[torch.fx.Node, bool] | None = None  # the last runtime op of a backward: (node, ended)
         for child in program.children():
             if not isinstance(child, torch.fx.GraphModule):
@@ -116,15 +117,15 @@ class ProgramLocator:
         return None
 
     def _node_of(self, frame: FrameType) -> torch.fx.Node | None:
-        program = self._programs.get(frame.f_code)
-        if program is None and frame.f_code.co_name == "forward":  # a program recompiled since: its new code
-            self._programs = {type(m).forward.__code__: m for m in self._program.modules()
+        found = self._programs.get(frame.f_code)
+        if found is None and frame.f_code.co_name == "forward":  # a program recompiled since: its new code
+            self._programs = {type(m).forward.__code__: (m, list(m.graph.nodes)) for m in self._program.modules()
                               if isinstance(m, torch.fx.GraphModule)}
-            program = self._programs.get(frame.f_code)
-        if program is None:
+            found = self._programs.get(frame.f_code)
+        if found is None:
             return None
+        program, nodes = found
         index = program._lineno_map.get(frame.f_lineno - program._prologue_start)  # type: ignore[union-attr]
-        nodes = list(program.graph.nodes)
         return nodes[index] if index is not None and index < len(nodes) else None
 
 

@@ -31,15 +31,15 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import _disable_current_modes
 
-from autopar.rules import loss as loss_rules
 from autopar.rules.redistribute import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVES, REDUCE_SCATTER, SLICE, ZERO,
                                         Step, redistribute_steps, strided_join, strided_take, zigzag_join,
                                         zigzag_order, zigzag_take)
@@ -77,6 +77,28 @@ class Pending:
     """The issued all-gather step (None: ``tensor`` is already the result)."""
     rest: tuple[Step, ...]
     """Steps that run after it, at finish."""
+    group: GatheredGroup | None = None
+    """The group whose one all-gather gathers it (``runtime.grouped``; None: its own), and its
+    place there: ``group.take(index)`` is its gathered tensor."""
+    index: int = 0
+
+
+class GatheredGroup(Protocol):
+    """Gathers run as one collective (``runtime.grouped._Gathered``)."""
+
+    def take(self, index: int) -> torch.Tensor: ...
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """A collective's output once it finished: an AsyncCollectiveTensor waits once and unwraps; a
+    functional collective's plain output is waited for (a second wait finds nothing to wait for)."""
+    return t.trigger_wait() if isinstance(t, fc.AsyncCollectiveTensor) else fc.wait_tensor(t)
+
+
+class GradientGroup(Protocol):
+    """Gradients reduced together (``runtime.grouped.GradGroup``)."""
+
+    def add(self, index: int, param: torch.Tensor, grad: torch.Tensor, steps: tuple[Step, ...]) -> None: ...
 
 
 @functools.lru_cache(maxsize=4096)
@@ -97,29 +119,54 @@ class Comm:
         self._recomputing = False
         self.serial = mesh.device_type == "cpu"
         """gloo: a collective is issued only once the one left running has finished (module docstring)."""
-        self._scattering: fc.AsyncCollectiveTensor | None = None
+        self._scattering: torch.Tensor | None = None
         """The last reduce-scatter left running (``run_unwaited``)."""
-        self._gathering: torch.Tensor | None = None
-        """The last all-gather issued without waiting (``launch``), on a CPU mesh only."""
+        self._gathering: list[torch.Tensor] = []
+        """The outputs of the last all-gather issued without waiting (``launch``, ``grouped.launch_group``),
+        on a CPU mesh only; each leaves when its ``finish`` takes it."""
         self._works: list[dist.Work] = []
         """Collectives issued outside, left running on this mesh (``left_running``), on a CPU mesh only."""
         self._sized_by_data = False
         """Collectives run now move a tensor of data-dependent size (``sized_by_data``)."""
+        self.grad_groups: dict[str, GradientGroup] = {}
+        """Tag -> the gradient group its members' backwards hand their gradients to
+        (``runtime.grouped``: made for the program's ``reduce_group=`` calls)."""
 
     def settle(self) -> None:
         """On a CPU mesh, wait for every collective left running on this mesh: called before
         any collective is issued, here or elsewhere on this mesh (gradient buckets, ZeRO-1's
         buckets at the optimizer step, the ring's sends, the experts' all-to-alls)."""
-        if not self.serial:
+        if not self.serial or not (self._gathering or self._scattering is not None or self._works):
             return
-        if self._gathering is not None:
-            fc.wait_tensor(self._gathering)
-            self._gathering = None
+        # What is waited for here was issued elsewhere: a checkpointed region's recompute, whose
+        # selective policy counts the ops it runs against its forward's, must not see these waits.
+        with _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext():
+            for out in self._gathering:
+                fc.wait_tensor(out)
+            self._gathering = []
+            if self._scattering is not None:
+                waited(self._scattering)
+                self._scattering = None
+            while self._works:
+                self._works.pop(0).wait()
+
+    def gathering(self, outs: list[torch.Tensor]) -> None:
+        """``outs``, an all-gather's outputs issued without waiting, are waited for before the next
+        collective on a CPU mesh (held only until each one's ``finish``: no longer than its use)."""
+        if self.serial:
+            self._gathering = outs
+
+    def scattering(self, out: torch.Tensor) -> None:
+        """``out``, a reduce-scatter left running, is waited for before the next one is issued, and
+        on a CPU mesh before any collective."""
         if self._scattering is not None:
-            self._scattering.trigger_wait()
-            self._scattering = None
-        while self._works:
-            self._works.pop(0).wait()
+            with _disable_current_modes():  # as in ``settle``
+                waited(self._scattering)
+        self._scattering = out
+
+    def member(self, reduce_group: tuple[str, int, int] | None) -> tuple[GradientGroup, int] | None:
+        """A ``reduce_group=(tag, index, size)`` argument as (its group, the member's index)."""
+        return None if reduce_group is None else (self.grad_groups[reduce_group[0]], reduce_group[1])
 
     def left_running(self, work: dist.Work) -> None:
         """``work``, an asynchronous collective issued on this mesh outside ``Comm`` (a gradient
@@ -133,8 +180,7 @@ class Comm:
         out = fc.all_gather_single(x, dim, (self.mesh, mesh_dim))
         if waited:
             return fc.wait_tensor(out)
-        if self.serial:
-            self._gathering = out  # dropped at finish: held here, the gathered copy would outlive its use
+        self.gathering([out])  # dropped at finish: held here, the gathered copy would outlive its use
         return out
 
     @contextlib.contextmanager
@@ -198,22 +244,22 @@ class Comm:
         if last is None or last.kind != REDUCE_SCATTER or self.mesh.size(last.mesh_dim) == 1:
             return self.run(x, steps, phase)
         x = self._scatter_order(self.run(x, steps[:-1], phase), last).contiguous()
-        if self._scattering is not None:
-            self._scattering.trigger_wait()
         self.settle()
         self._record(phase, REDUCE_SCATTER, last.mesh_dim, x)
         out = fc.reduce_scatter_single(x, "sum", last.dst_dim, (self.mesh, last.mesh_dim))
-        self._scattering = out if isinstance(out, fc.AsyncCollectiveTensor) else None
+        self.scattering(out)  # waits for the one issued before
         return out
 
     def finish(self, pending: Pending, phase: str) -> torch.Tensor:
         """Wait for a launched redistribution and run the steps after its all-gather."""
         x, step = pending.tensor, pending.step
-        if x is self._gathering:
-            self._gathering = None
+        if pending.group is not None:  # its group's collective (``Comm.left_running``): waited for once
+            x = pending.group.take(pending.index)
+        elif step is not None:
+            self._gathering = [out for out in self._gathering if out is not x]
+            x = fc.wait_tensor(x)
         if step is not None:
             n = self.mesh.size(step.mesh_dim)
-            x = fc.wait_tensor(x)
             if step.src_dim != 0:
                 x = torch.cat(x.chunk(n, dim=0), dim=step.src_dim)
             x = self._joined(x, step, n)
@@ -280,9 +326,10 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, comm: Comm, fwd: tuple[Step, ...],  # type: ignore[override]
                 bwd: tuple[Step, ...], own_storage: bool = False, dtype: torch.dtype | None = None,
                 grad_dtype: torch.dtype | None = None, pending: Pending | None = None,
-                data_dependent: bool = False) -> torch.Tensor:
+                data_dependent: bool = False, reduce_group: tuple[GradientGroup, int] | None = None
+                ) -> torch.Tensor:
         ctx.comm, ctx.bwd, ctx.input_dtype, ctx.grad_dtype = comm, bwd, x.dtype, grad_dtype
-        ctx.data_dependent = data_dependent
+        ctx.data_dependent, ctx.reduce_group = data_dependent, reduce_group
         ctx.parameter = x if x.is_leaf else None  # its gradient goes straight into .grad
         out = forward_value(comm, x, fwd, dtype, pending)
         if own_storage and (out._base is not None or not out.is_contiguous() or out.storage_offset() != 0):
@@ -293,7 +340,11 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         if ctx.grad_dtype is not None:
             grad = grad.to(ctx.grad_dtype)
-        rest = (None,) * 8
+        rest = (None,) * 9
+        if ctx.reduce_group is not None and ctx.parameter is not None:  # reduced with its group's, into .grad
+            group, index = ctx.reduce_group
+            group.add(index, ctx.parameter, grad, ctx.bwd)
+            return None, *rest
         if ctx.parameter is None or grad.dtype != ctx.input_dtype:
             with ctx.comm.sized_by_data(ctx.data_dependent):
                 return ctx.comm.run(grad, ctx.bwd, "backward").to(ctx.input_dtype), *rest
@@ -326,8 +377,10 @@ class Reshard(nn.Module):
     A parameter's reshard in mixed precision also names ``dtype=`` (what forward computes
     in: the fp32 master is cast before its collectives, so they move bf16) and
     ``grad_dtype=`` (what its gradient is reduced in, fp32); see ``passes.cast_parameters``.
-    ``pending=`` is the same redistribution launched ahead by ``self.prefetch`` (waited for here).
-    ``data_dependent=True``: ``x`` has a dim whose size the data decides (its collectives logged so)."""
+    ``pending=`` is the same redistribution launched ahead by ``self.prefetch`` or ``self.gather_group``
+    (waited for here). ``data_dependent=True``: ``x`` has a dim whose size the data decides (its
+    collectives logged so). ``reduce_group=(tag, index, size)``: a parameter whose gradient is
+    reduced with its group's, in one collective (``runtime.grouped``)."""
 
     def __init__(self, comm: Comm) -> None:
         super().__init__()
@@ -335,13 +388,15 @@ class Reshard(nn.Module):
 
     def forward(self, x: torch.Tensor, src: str, dst: str, grad_src: str = "", grad_dst: str = "", *,
                 dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
-                pending: Pending | None = None, data_dependent: bool = False) -> torch.Tensor:
+                pending: Pending | None = None, data_dependent: bool = False,
+                reduce_group: tuple[str, int, int] | None = None) -> torch.Tensor:
         fwd = _steps(src, dst)
         bwd = _steps(grad_src, grad_dst) if grad_src else ()
         with self.comm.sized_by_data(data_dependent):
             if not x.requires_grad or not torch.is_grad_enabled():
                 return forward_value(self.comm, x, fwd, dtype, pending)
-            return _Redistribute.apply(x, self.comm, fwd, bwd, False, dtype, grad_dtype, pending, data_dependent)
+            return _Redistribute.apply(x, self.comm, fwd, bwd, False, dtype, grad_dtype, pending, data_dependent,
+                                       self.comm.member(reduce_group))
 
 
 class Prefetch(nn.Module):
@@ -357,34 +412,3 @@ class Prefetch(nn.Module):
     def forward(self, x: torch.Tensor, src: str, dst: str, *, dtype: torch.dtype | None = None) -> Pending:
         with torch.no_grad():
             return self.comm.launch(x if dtype is None else x.to(dtype), _steps(src, dst), "forward")
-
-
-class PartialMeanLoss(nn.Module):
-    """A batch-split 'mean' loss: local sum / global count.
-
-    ``self.partial_mean_loss(op, mesh_dims, count, *args)`` with the loss op's own
-    arguments. ``count`` is the global count (a number), the whole targets to count it
-    on, or None: count the local targets and sum over ``mesh_dims``. The last call's global
-    count stays in ``last_count``: a step of micro-batches weighs each by it.
-    """
-
-    def __init__(self, comm: Comm) -> None:
-        super().__init__()
-        self.comm = comm
-        self.last_count: torch.Tensor | None = None
-
-    def forward(self, op: str, mesh_dims: tuple[int, ...], count: float | torch.Tensor | None,
-                *args: Any) -> torch.Tensor:
-        target = getattr(torch.ops.aten, op.split(".")[1]).default
-        with torch.no_grad():
-            if isinstance(count, torch.Tensor):  # the whole targets
-                count = loss_rules.global_count(target, (args[0], count, *args[2:]))
-            elif count is None:
-                count = loss_rules.global_count(target, args)
-            count = torch.as_tensor(count, dtype=torch.float32).reshape(1)
-            for dim in (d for d in mesh_dims if self.comm.mesh.size(d) > 1):
-                self.comm._record("forward", ALL_REDUCE, dim, count)
-                self.comm.settle()
-                count = fc.wait_tensor(fc.all_reduce(count, "sum", (self.comm.mesh, dim)))
-        self.last_count = count.reshape(())
-        return loss_rules.local_mean_loss(target, args, count.reshape(()))

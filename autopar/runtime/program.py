@@ -20,10 +20,12 @@ from autopar.rules.strategy import Strategy
 from autopar.runtime.attention import ContextAttention
 from autopar.runtime.microbatch import SUM, loss_kind
 from autopar.runtime.mixed import compute_buffer
+from autopar.runtime.grouped import GatherGroup, attach_grad_groups
 from autopar.runtime.moe import ExpertDispatch
 from autopar.cost.compute import ring_of
 from autopar.runtime.ring import RingAttention, check_ring_device
-from autopar.runtime.ops import Comm, PartialMeanLoss, Prefetch, Reshard
+from autopar.runtime.losses import PartialMeanLoss
+from autopar.runtime.ops import Comm, Prefetch, Reshard
 from autopar.runtime.parameters import InitFn, ShardInitializer, local_shard
 from autopar.runtime.random import RandomOps, RandomSource
 from autopar.runtime.recompute import Recompute
@@ -57,16 +59,15 @@ def rank_program(step: PlannedStep, mesh: DeviceMesh, comm: Comm, seed: RandomSo
                                             is not None for n in graph.order))
     shape, coordinate, zigzag = tuple(mesh.shape), tuple(mesh.get_coordinate()), step.ctx.mesh.zigzag_dims()
     random_ops = RandomOps(shape, coordinate, seed.stream(mesh.device_type), zigzag)
-    return parallelize_graph(step.captured.gm, pc, {"reshard": Reshard(comm), "regather": Regather(comm),
-                                                    "prefetch": Prefetch(comm), "backward_starts": BackwardStarts(),
-                                                    "partial_mean_loss": PartialMeanLoss(comm),
-                                                    "vocab_embedding": VocabEmbedding(shape, coordinate),
-                                                    "context_attention": ContextAttention(shape, coordinate, zigzag),
-                                                    "ring_attention": RingAttention(comm, zigzag),
-                                                    "moe_dispatch_combine": ExpertDispatch(comm),
-                                                    "random": random_ops,
-                                                    "recompute": Recompute(comm, random_ops.generator,
-                                                                          recompute_replays)})
+    modules = {"reshard": Reshard(comm), "regather": Regather(comm), "prefetch": Prefetch(comm),
+               "gather_group": GatherGroup(comm), "backward_starts": BackwardStarts(),
+               "partial_mean_loss": PartialMeanLoss(comm), "vocab_embedding": VocabEmbedding(shape, coordinate),
+               "context_attention": ContextAttention(shape, coordinate, zigzag),
+               "ring_attention": RingAttention(comm, zigzag), "moe_dispatch_combine": ExpertDispatch(comm),
+               "random": random_ops, "recompute": Recompute(comm, random_ops.generator, recompute_replays)}
+    gm = parallelize_graph(step.captured.gm, pc, modules)
+    attach_grad_groups(comm, gm)
+    return gm
 
 
 @dataclass(kw_only=True)

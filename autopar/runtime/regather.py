@@ -28,6 +28,11 @@ block i computes its backward, and at most one extra block's gathered parameters
 alive (priced: ``autopar.solver.overlap``). Handles outside a repeated block gather when
 unpacked, as do those of a container's last block. Each program run (one micro-batch) has
 its own prefetcher, which its hooks keep.
+
+Grouped (``cost.groups``): the regathers a call names ``group=tag`` for gather as one
+collective (``runtime.grouped.launch_group``), of every such handle saved in forward: at the
+first unpack of one, or all at once by the backward prefetch. Each parameter's gathered copy
+then serves each of its handles and is dropped with the last.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from torch import nn
 
 from autopar.rules.redistribute import Step
 from autopar.problem.block_paths import block_of
+from autopar.runtime.grouped import launch_group
 from autopar.runtime.ops import Comm, Pending, _Redistribute, _steps, forward_value
 
 _TAG = "_autopar_regather"
@@ -61,12 +67,16 @@ class _Source:
     fqn: str
     dtype: torch.dtype | None = None
     """What the shard is cast to before gathering (mixed precision: bf16, from the fp32 master)."""
+    group: str | None = None
+    """The tag of the group it gathers again with (None: on its own)."""
+
+    def cast_shard(self) -> torch.Tensor:
+        return self.shard if self.dtype is None else self.shard.to(self.dtype)
 
     def launch(self) -> Pending:
         """Issue the gather again (not waited for: ``finish``)."""
         with self._logged(), torch.no_grad():
-            return self.comm.launch(self.shard if self.dtype is None else self.shard.to(self.dtype), self.steps,
-                                    "backward")
+            return self.comm.launch(self.cast_shard(), self.steps, "backward")
 
     def finish(self, pending: Pending) -> torch.Tensor:
         """The gathered tensor again, contiguous and owning its storage (as in forward)."""
@@ -75,12 +85,18 @@ class _Source:
 
     @contextlib.contextmanager
     def _logged(self) -> Iterator[None]:
-        """Collectives run inside are also listed as this parameter's regathers."""
-        log = self.comm.log
-        first = len(log.entries) if log is not None else 0
-        yield
-        if log is not None:
-            log.regathers.extend((self.fqn, entry) for entry in log.entries[first:])
+        with logged_as(self.comm, [self.fqn]):
+            yield
+
+
+@contextlib.contextmanager
+def logged_as(comm: Comm, fqns: list[str]) -> Iterator[None]:
+    """Collectives run inside are also listed as regathers of each of ``fqns``."""
+    log = comm.log
+    first = len(log.entries) if log is not None else 0
+    yield
+    if log is not None:
+        log.regathers.extend((fqn, entry) for entry in log.entries[first:] for fqn in fqns)
 
 
 @dataclass(frozen=True, eq=False)  # identity: two uses saving the same view are two handles
@@ -113,6 +129,8 @@ class _Prefetcher:
         """Handles whose gather was issued ahead."""
         self.started: set[str] = set()
         """Blocks whose backward started (their predecessor's gathers were issued then)."""
+        self.groups = _GroupedRegathers()
+        """The handles of grouped regathers (their sources'), apart."""
 
     def pack(self, t: torch.Tensor) -> Any:
         root = t if t._base is None else t._base
@@ -121,19 +139,24 @@ class _Prefetcher:
             return t
         saved = _Saved(source, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t is root)
         block = block_of(source.fqn)
-        if block is not None:
+        if source.group is not None:
+            self.groups.saved(source, block)
+        elif block is not None:
             self.waiting.setdefault(block, {})[saved] = None
         return saved
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
             return saved
-        pending = self.pending.pop(saved, None)
         source = saved.source
-        full = source.finish(pending if pending is not None else source.launch())
-        block = block_of(source.fqn)
-        if block is not None:
-            self.waiting[block].pop(saved, None)
+        if source.group is not None:
+            full = self.groups.take(source)
+        else:
+            pending = self.pending.pop(saved, None)
+            full = source.finish(pending if pending is not None else source.launch())
+            block = block_of(source.fqn)
+            if block is not None:
+                self.waiting[block].pop(saved, None)
         return full if saved.whole else full.as_strided(saved.size, saved.stride, saved.offset)
 
     def backward_starts(self, block: str, previous: str) -> None:
@@ -141,9 +164,60 @@ class _Prefetcher:
         if block in self.started:
             return
         self.started.add(block)
+        self.groups.launch_block(previous)
         for saved in self.waiting.get(previous, {}):
             if saved not in self.pending:
                 self.pending[saved] = saved.source.launch()
+
+
+class _GroupedRegathers:
+    """One program run's grouped regathers: each group's sources (in the order saved) gathered as
+    one collective, each source's copy serving its handles until the last is unpacked."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, dict[int, _Source]] = {}
+        """Group tag -> its sources saved in forward, by id (an ordered set)."""
+        self.block: dict[str, str | None] = {}
+        self.uses: dict[int, int] = {}
+        """Source id -> its handles not yet unpacked."""
+        self.pending: dict[int, Pending] = {}
+        self.gathered: dict[int, torch.Tensor] = {}
+        self.launched: set[str] = set()
+
+    def saved(self, source: _Source, block: str | None) -> None:
+        assert source.group is not None
+        self.members.setdefault(source.group, {})[id(source)] = source
+        self.block[source.group] = block
+        self.uses[id(source)] = self.uses.get(id(source), 0) + 1
+
+    def launch(self, tag: str) -> None:
+        """Issue group ``tag``'s gather (once per run), not waited for."""
+        if tag in self.launched:
+            return
+        self.launched.add(tag)
+        sources = list(self.members[tag].values())
+        comm = sources[0].comm
+        with logged_as(comm, [s.fqn for s in sources]), torch.no_grad():
+            pending = launch_group(comm, [s.cast_shard() for s in sources], [s.steps for s in sources], "backward")
+        self.pending.update(zip(map(id, sources), pending))
+
+    def launch_block(self, block: str) -> None:
+        """Issue the gathers of ``block``'s groups (the backward prefetch)."""
+        for tag in [t for t, b in self.block.items() if b == block]:
+            self.launch(tag)
+
+    def take(self, source: _Source) -> torch.Tensor:
+        """``source``'s gathered copy for one of its handles (its group's gather issued if it was not)."""
+        key = id(source)
+        if key not in self.gathered:
+            assert source.group is not None
+            self.launch(source.group)
+            self.gathered[key] = source.finish(self.pending.pop(key))
+        full = self.gathered[key]
+        self.uses[key] -= 1
+        if not self.uses[key]:
+            del self.gathered[key]
+        return full
 
 
 _ACTIVE: contextvars.ContextVar[_Prefetcher | None] = contextvars.ContextVar("_autopar_prefetcher", default=None)
@@ -188,15 +262,18 @@ class Regather(nn.Module):
 
     def forward(self, x: torch.Tensor, fqn: str, src: str, dst: str, grad_src: str = "",
                 grad_dst: str = "", *, dtype: torch.dtype | None = None,
-                grad_dtype: torch.dtype | None = None, pending: Pending | None = None) -> torch.Tensor:
-        """``dtype``/``grad_dtype``/``pending`` as for ``self.reshard``: the fp32 master is cast
-        before its gather, in forward and again in backward (the handle keeps the master's shard)."""
+                grad_dtype: torch.dtype | None = None, pending: Pending | None = None, group: str | None = None,
+                reduce_group: tuple[str, int, int] | None = None) -> torch.Tensor:
+        """``dtype``/``grad_dtype``/``pending``/``reduce_group`` as for ``self.reshard``: the fp32 master
+        is cast before its gather, in forward and again in backward (the handle keeps the master's
+        shard); ``group``: the tag of the group it gathers again with (module docstring)."""
         fwd = _steps(src, dst)
         bwd = _steps(grad_src, grad_dst) if grad_src else ()
         if x.requires_grad and torch.is_grad_enabled():
-            out = _Redistribute.apply(x, self.comm, fwd, bwd, True, dtype, grad_dtype, pending)
+            out = _Redistribute.apply(x, self.comm, fwd, bwd, True, dtype, grad_dtype, pending, False,
+                                      self.comm.member(reduce_group))
         else:
             out = _own_storage(forward_value(self.comm, x, fwd, dtype, pending))
         if out is not x and out._base is not x:  # nothing ran (one rank on the axis): x is no copy
-            setattr(out, _TAG, _Source(self.comm, x.detach(), fwd, fqn, dtype))
+            setattr(out, _TAG, _Source(self.comm, x.detach(), fwd, fqn, dtype, group))
         return out

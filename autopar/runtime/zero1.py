@@ -60,8 +60,16 @@ class Chunk:
         """This rank's real elements of the parameter, sharing its storage (the optimizer's tensor)."""
         return self.param.detach().view(-1)[self.lo:self.hi]
 
+    @property
+    def whole(self) -> bool:
+        """The chunks hold exactly the parameter's elements: no padding."""
+        return self.ways * self.size == self.param.numel()
+
     def padded(self, flat: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """A flat tensor of the parameter's elements (or zeros for None), padded and viewed (ways, size)."""
+        """A flat tensor of the parameter's elements (or zeros for None), padded and viewed (ways, size):
+        without padding, in its dtype, a view (no copy: the bucket's row copy is the one copy)."""
+        if flat is not None and self.whole and flat.dtype == dtype and flat.is_contiguous():
+            return flat.view(self.ways, self.size)
         out = torch.zeros(self.ways * self.size, dtype=dtype, device=self.param.device)
         if flat is not None:
             out[: flat.numel()] = flat.reshape(-1)
@@ -146,15 +154,14 @@ class ZeroOneShards:
                                    "prices one width for every parameter")
             dtype, = dtypes
             width = sum(s.stop - s.start for s in bucket.slices)
-            mine = torch.zeros(width, dtype=dtype, device=self._device(bucket))
-            offset = 0
+            pieces = []  # each chunk's columns, zeros past its real elements (the padding)
             for s in bucket.slices:
-                chunk = self.chunks[s.param]
-                own = chunk.view()
-                stop = min(s.stop, own.numel())
-                if stop > s.start:
-                    mine[offset: offset + stop - s.start] = own[s.start:stop]
-                offset += s.stop - s.start
+                own = self.chunks[s.param].view()
+                piece = own[min(s.start, own.numel()):min(s.stop, own.numel())]
+                pieces.append(piece)
+                if piece.numel() < s.stop - s.start:
+                    pieces.append(own.new_zeros(s.stop - s.start - piece.numel()))
+            mine = torch.cat(pieces)
             self._record(ALL_GATHER, bucket, mine, bucket.ways)
             rows = fc.wait_tensor(fc.all_gather_single(mine, 0, self.mesh.get_group(bucket.mesh_dim)))
             self._gather(bucket, rows.view(bucket.ways, width))
@@ -165,11 +172,15 @@ class ZeroOneShards:
         for s in bucket.slices:
             chunk = self.chunks[s.param]
             flat = chunk.param.detach().view(-1)
-            for r in range(bucket.ways):
-                lo, hi = r * chunk.size + s.start, min(r * chunk.size + s.stop, flat.numel())
-                if hi > lo:
-                    flat[lo:hi] = rows[r, offset: offset + hi - lo]
-            offset += s.stop - s.start
+            width = s.stop - s.start
+            if chunk.whole:  # every rank's columns in one copy
+                flat.view(bucket.ways, chunk.size)[:, s.start:s.stop].copy_(rows[:, offset: offset + width])
+            else:
+                for r in range(bucket.ways):
+                    lo, hi = r * chunk.size + s.start, min(r * chunk.size + s.stop, flat.numel())
+                    if hi > lo:
+                        flat[lo:hi] = rows[r, offset: offset + hi - lo]
+            offset += width
 
     def gather_whole(self, chunk: Chunk, value: torch.Tensor) -> torch.Tensor:
         """A tensor of ``chunk``'s size (optimizer state) as the parameter's whole local tensor,

@@ -113,7 +113,7 @@ def prepare(step: Step, config: PlanConfig, place: Place, account: Account | Non
     ctx = CostContext(mesh=mesh, precision=_precision(step.model, mesh, config.precision, config.masters),
                       train=train, inputs_whole=not config.axes.input_sharded,
                       bucket_bytes=config.solver.bucket_bytes, micro_batches=m,
-                      global_draws=config.random_stream == "torch")
+                      global_draws=config.random_stream == "torch", pipelined=bool(place.pipeline_ranks))
     timings: dict[str, float] = {}
     account = account or Account()
     with timed("capture", timings, account):

@@ -120,6 +120,16 @@ class GradSyncTerms:
         self.seconds[j] = weight
         return j
 
+    def beside_backward(self, objective: float, beside: float, term: str) -> int:
+        """A variable in [0, 1] costing ``objective`` and ``beside`` (objective units, of ``term``) that
+        run beside the last micro-batch's backward: those in the exposed-time row where the hardware
+        hides them, else in the objective too (a group of unwaited reduce-scatters' call, ``group_terms``)."""
+        if not self.overlap:
+            return self.model.var(objective + beside, integer=False, upper=1.0, term=term)
+        j = self.model.var(objective, integer=False, upper=1.0, term=term)
+        self.seconds[j] = beside
+        return j
+
     def add_buffer_memory(self, memory_row: dict[int, float]) -> None:
         """With micro-batches the runtime accumulates the synchronized gradients in its bucket
         buffers (one flat buffer per mesh dim) from the first micro-batch's backward to the

@@ -27,6 +27,7 @@ from autopar.errors import InputError, MemoryLimitError, SolverTimeLimitError
 from autopar.problem.folding import Folding
 from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
+from autopar.solver.group_terms import GroupTerms
 from autopar.problem.graph import edge_flags
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute_rows import add_recompute_peak
@@ -167,9 +168,10 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     links: dict[EdgeKey, _Link] = {}
     sync = GradSyncTerms(model, graph, ctx, mult, x, priced=not minimize_memory)
     overlap = OverlapTerms(model, graph, folding, ctx, priced=not minimize_memory)
+    groups = GroupTerms(model, graph, ctx, mult, sync, overlap, priced=not minimize_memory)
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, sync, overlap,
+        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, (sync, overlap, groups),
                          count=solo.get(key, 0), transport=key in shared_keys, terms=terms)
         if link is not None:
             links[key] = link
@@ -307,13 +309,16 @@ class _Link:
 
 
 def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool, sync: GradSyncTerms,
-              overlap: OverlapTerms, *, count: int, transport: bool, terms: PairTerms) -> _Link | None:
+              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
+              rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], *, count: int, transport: bool,
+              terms: PairTerms) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
     the memory it keeps: a parameter gathered in forward stays gathered until backward),
     ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
     gets explicit pair variables, returned for pricing reshards shared with other edges.
-    ``terms`` learns the edge's pair columns (for the start HiGHS is given)."""
+    ``terms`` learns the edge's pair columns (for the start HiGHS is given); ``rows``: the terms
+    priced beyond the edge (gradient syncs, overlap windows, grouped collectives' calls)."""
+    sync, overlap, groups = rows
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
     grad = graph.sends_gradient(edge.producer, edge.consumer)
     groups_p: dict[object, list[int]] = defaultdict(list)
@@ -339,6 +344,7 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
         return prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]])
     window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count, price)
     unwaited = sync.unwaited(edge.producer, count, price) if grad else None
+    grouping = groups.edge(edge.producer, edge.consumer, price)
 
     columns: dict[tuple[int, int], int] = {}
 
@@ -353,6 +359,8 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
             window(j, a, b)
         if unwaited is not None:
             unwaited(j, a, b)
+        if grouping is not None:
+            grouping.note(j, a, b)
     link = None
     if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
         if transport:
@@ -363,6 +371,8 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     else:
         _link_ends(model, edge, x, groups_p, groups_c, add, grad, cons.follower)
     syncing.close()
+    if grouping is not None:
+        grouping.close()
     if edge.arg in cons.as_produced:  # pairs of differing placements are ruled out
         columns = {(a, b): j for (a, b), j in columns.items() if keys_p[a] == keys_c[b][0]}
     terms.add_edge(edge.producer, edge.consumer, groups_p, groups_c, columns, syncing.columns())

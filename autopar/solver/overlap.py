@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from autopar.cost.collectives import ALL_GATHER, CollectiveCall, collective_time
+from autopar.cost.collectives import ALL_GATHER, CollectiveCall, call_time, collective_time
 from autopar.cost.model import CostContext, EdgeCost, NodeCost, step_repeats
 from autopar.rules.strategy import Strategy
 from autopar.problem.folding import Folding
@@ -140,6 +140,7 @@ def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str,
     regather: dict[str, float] = defaultdict(float)
     held: dict[str, float] = defaultdict(float)
     members: dict[str, list[tuple[str, str]]] = defaultdict(list)  # block -> its windowed (param, phase)
+    calls: dict[tuple[str, str, int], float] = {}  # (block, phase, mesh dim) -> a group's call, once
     for param, (consumer, arg) in windowed_params(graph).items():
         edge = price_edge(graph, param, 0, consumer, arg, chosen[param], chosen[consumer], ctx)
         w = edge_windows(edge, ctx)
@@ -149,6 +150,11 @@ def plan_windows(graph: PlanGraph, chosen: dict[str, Strategy], costs: dict[str,
         regather[block] += w.regather_s
         held[block] += w.regather_bytes
         members[block] += [(param, phase) for phase, t in (("forward", w.gather_s), ("backward", w.regather_s)) if t]
+        for phase, c in (("forward", prefetched(edge.forward, ctx)), ("backward", prefetched(edge.recompute, ctx))):
+            if c is not None and c.grouped:
+                calls[(block, phase, c.mesh_dim)] = call_time(c.kind, c.mesh_dim, ctx.mesh) * step_repeats(ctx)
+    for (block, phase, _), seconds in calls.items():  # its block's window holds a group's call too
+        (gather if phase == "forward" else regather)[block] += seconds
     forward: dict[str, float] = defaultdict(float)
     backward: dict[str, float] = defaultdict(float)
     for name in graph.order:
@@ -200,6 +206,16 @@ class OverlapTerms:
         self.regather: dict[EdgeKey, dict[int, float]] = defaultdict(dict)
         self.held: dict[EdgeKey, dict[int, float]] = defaultdict(dict)
         """Windowed edge -> variable -> bytes a backward prefetch of it holds."""
+        self.calls: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+        """(representative block, 'forward' or 'backward') -> a grouped gather's call variable (``group_terms``)
+        -> seconds (x SCALE) of one instance's call: the window holds it as it holds its members."""
+
+    def group_call(self, block: str, phase: str, y: int, seconds: float, instances: int) -> None:
+        """Group call ``y`` (``instances`` blocks alike, each ``seconds``) of ``block``'s gathers
+        (``phase`` 'forward') or regathers ('backward'): out of the objective, into its windows."""
+        if self.eff:
+            self.model.add_cost(y, -instances * seconds, RESHARDS)  # to its windows, as its members'
+            self.calls[(block, phase)][y] = seconds
 
     def edge(self, key: EdgeKey, count: int, price: Callable[[int, int], EdgeCost]
              ) -> Callable[[int, int, int], None] | None:
@@ -232,26 +248,26 @@ class OverlapTerms:
         for seq in block_sequences(self.graph):
             for b in seq:
                 first.setdefault(sig[b], b)
-            self._add_to_objective(self._comm(self.gather, seq[0]))
+            self._add_to_objective(self._comm(self.gather, seq[0], "forward"))
             windows.update(("forward", sig[seq[k]], sig[seq[k - 1]]) for k in range(1, len(seq)))
             ahead = prefetched_blocks(seq, again)
             for k, b in enumerate(seq):
                 if b in ahead:
                     windows[("backward", sig[b], sig[seq[k + 1]])] += 1
                 else:
-                    self._add_to_objective(self._comm(self.regather, b))
+                    self._add_to_objective(self._comm(self.regather, b, "backward"))
         for (phase, comm_sig, compute_sig), n in windows.items():
-            self._add_window(self.gather if phase == "forward" else self.regather, first[comm_sig],
+            self._add_window(self.gather if phase == "forward" else self.regather, first[comm_sig], phase,
                              self._compute(x, first[compute_sig], phase), n)
 
-    def _add_window(self, terms: dict[EdgeKey, dict[int, float]], block: str,
+    def _add_window(self, terms: dict[EdgeKey, dict[int, float]], block: str, phase: str,
                     compute: tuple[dict[int, float], float, float], n: int) -> None:
         """``n`` windows of ``block``'s communication beside ``compute`` (terms, least, most).
         Where every choice hides it all, nothing; where every choice leaves some exposed, the
         exposed seconds are linear and go straight to the objective; else a row (HiGHS solves
         the fewer rows faster)."""
-        comm = self._comm(terms, block)
-        least, most = self._comm_range(terms, block)
+        comm = self._comm(terms, block, phase)
+        least, most = self._comm_range(terms, block, phase)
         seconds, fastest, slowest = compute
         if not comm or self.eff * fastest >= most:
             return
@@ -275,7 +291,7 @@ class OverlapTerms:
         for seq in block_sequences(self.graph):
             for b in sorted(prefetched_blocks(seq, again), key=seq.index):
                 if sig[b] not in rows:
-                    rows[sig[b]] = self._comm(self.held, b)
+                    rows[sig[b]] = self._comm(self.held, b, "")
         t = self.model.var(1.0 if minimize_memory else 0.0, integer=False, upper=INF, term=MEMORY)
         memory_row[t] = 1.0
         for held in rows.values():
@@ -292,14 +308,19 @@ class OverlapTerms:
                 members[block].append(rep[name])
         return {b: tuple(names) for b, names in members.items()}
 
-    def _comm(self, terms: dict[EdgeKey, dict[int, float]], block: str) -> dict[int, float]:
-        """Variable -> what it adds to ``block``'s windowed terms (one per real edge)."""
+    def _comm(self, terms: dict[EdgeKey, dict[int, float]], block: str, phase: str) -> dict[int, float]:
+        """Variable -> what it adds to ``block``'s windowed terms (one per real edge; ``phase``'s
+        group calls of the block, once)."""
         rep = self.folding.representative
         out: dict[int, float] = defaultdict(float)
+        represented: set[str] = set()
         for p, (c, arg) in self.uses.items():
             if block_of(self.graph.nodes[c].module) == block:
                 for j, w in terms.get((rep[p], 0, rep[c], arg), {}).items():
                     out[j] += w
+                represented.add(block_of(self.graph.nodes[rep[c]].module) or "")
+        for j, w in (j_w for b in represented for j_w in self.calls.get((b, phase), {}).items()):
+            out[j] += w
         return {j: w for j, w in out.items() if w}
 
     def _compute(self, x: dict[str, list[int]], block: str, phase: str) -> tuple[dict[int, float], float, float]:
@@ -320,15 +341,19 @@ class OverlapTerms:
                     out[j] += w
         return dict(out), fastest, slowest
 
-    def _comm_range(self, terms: dict[EdgeKey, dict[int, float]], block: str) -> tuple[float, float]:
-        """The least and most ``block``'s windowed communication can be (each edge's extremes)."""
+    def _comm_range(self, terms: dict[EdgeKey, dict[int, float]], block: str, phase: str) -> tuple[float, float]:
+        """The least and most ``block``'s windowed communication can be (each edge's extremes, a
+        group's call none or all)."""
         rep = self.folding.representative
         least = most = 0.0
+        represented: set[str] = set()
         for p, (c, arg) in self.uses.items():
             values = terms.get((rep[p], 0, rep[c], arg))
             if values and block_of(self.graph.nodes[c].module) == block:
                 least += min(values.values())
                 most += max(values.values())
+                represented.add(block_of(self.graph.nodes[rep[c]].module) or "")
+        most += sum(w for b in represented for w in self.calls.get((b, phase), {}).values())
         return least, most
 
     def _add_to_objective(self, terms: dict[int, float]) -> None:

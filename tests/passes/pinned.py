@@ -27,7 +27,7 @@ from autopar.rules.strategy import OpCall, Strategy, parse_placements
 from autopar.problem.graph import _module_path
 from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 
-RUNTIME_MODULES = ("reshard", "regather", "prefetch", "backward_starts", "partial_mean_loss", "vocab_embedding",
+RUNTIME_MODULES = ("reshard", "regather", "prefetch", "gather_group", "backward_starts", "partial_mean_loss", "vocab_embedding",
                    "context_attention", "ring_attention", "moe_dispatch_combine", "random", "recompute")
 """The modules the passes write calls of (``passes.parallelize_graph``'s ``modules``)."""
 RESHARDS = ("reshard", "regather")

@@ -15,7 +15,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from autopar.passes.localize_losses import localize_losses
-from autopar.runtime.ops import Comm, PartialMeanLoss
+from autopar.runtime.losses import PartialMeanLoss
+from autopar.runtime.ops import Comm
 
 from .filecheck import check
 from .pinned import SliceRows, graph_module, op, pin, propagate, strategy
