@@ -109,8 +109,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     finally:
         for p in procs:
             p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        alive = [p for p in procs if p.is_alive()]
+        _dump_stacks(alive)  # interrupted (a test's timeout) or reported and stuck: say where, then kill
+        for p in alive:
+            p.kill()
     errors = sorted((r for r in reports.values() if r.error), key=lambda r: (r.raised_at, r.rank))
     if errors:
         first = errors[0]
@@ -155,6 +157,8 @@ def _first_error(reports: dict[int, _Report]) -> str:
 
 def _dump_stacks(procs: list[Any]) -> None:
     """Ask live ranks to print every thread's stack (``faulthandler`` on SIGUSR1), and give them a moment."""
+    if not procs:
+        return
     for p in procs:
         if p.is_alive() and p.pid is not None:
             os.kill(p.pid, signal.SIGUSR1)
