@@ -110,3 +110,18 @@ def test_group_timeout_reads_what_the_group_waits() -> None:
         group = dist.new_group([0, 1], timeout=timedelta(seconds=7))
         return group_timeout(group).total_seconds()
     assert run_ranks(check, 2) == [7.0, 7.0]
+
+
+def test_forking_beside_a_live_process_group_is_refused() -> None:
+    """A process group's threads (its store's, gloo's loops) forked mid-lock can hang a rank's own
+    ``init_process_group``: run_ranks refuses to fork while they run, and forks again once the
+    group is destroyed and collected."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        with pytest.raises(RuntimeError, match="still runs process-group threads"):
+            run_ranks(_works_long, 2, 0.0)
+    finally:
+        dist.destroy_process_group()
+        del store
+    assert run_ranks(_works_long, 2, 0.0) == [0, 1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -22,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -53,6 +55,29 @@ class _Report:
     error: str | None
     raised_at: float
     """``time.time()`` when the rank caught its error (before it closed its connections)."""
+
+
+PROCESS_GROUP_THREADS = ("pt_tcpstore", "gloo", "pt_gloo", "pt_nccl")
+"""Name prefixes of the threads a process group (its store, gloo's loops) runs in its process."""
+
+
+def _check_no_process_group_threads() -> None:
+    """A fork copies the parent's locks, not its threads: a process group's thread holding one at the
+    fork leaves it held in the child, whose own ``init_process_group`` can then wait for it for ever.
+    Such threads outlive ``destroy_process_group`` until the group is collected."""
+    if not _process_group_threads():
+        return
+    gc.collect()
+    if threads := _process_group_threads():
+        raise RuntimeError(f"run_ranks forks this process, which still runs process-group threads {threads}: "
+                           "a rank forked from it can hang; destroy the group and drop what references it, "
+                           "or run that work in a process of its own")
+
+
+def _process_group_threads() -> list[str]:
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.is_dir() else []
+    return sorted(n for n in names if n.startswith(PROCESS_GROUP_THREADS))
 
 
 def _free_port() -> int:
@@ -96,6 +121,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     and is killed; so is any rank still silent ``limit_s`` after the start. Results must pickle without tensors (send floats or lists). Raises with
     the traceback of the rank that raised first (its peers' errors are its echoes).
     """
+    _check_no_process_group_threads()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
