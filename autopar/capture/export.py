@@ -18,7 +18,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind
 
 from autopar.capture.aliasing import returned_operand, written_args
-from autopar.capture import kept
+from autopar.capture.kept import keep, kept
 from autopar.capture.graph import CapturedGraph
 from autopar.capture.moe_region import collapse_moe_regions
 from autopar.capture.replicate import TRACED, Stack, enabled, find_stack, replicate, shortened
@@ -76,7 +76,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
         if isinstance(found, SymbolicRefused):  # refused once, refused for every size: not exported again
             raise found
         return at_rows(found, rows)
-    again = None if key is None or rows is not None else kept.kept(model, (key[1:], replicate_blocks))
+    again = None if key is None or rows is not None else kept(model, (key[1:], replicate_blocks))
     if again is not None:  # captured before in this process, the model unchanged since (``capture.kept``)
         return again
     step = TrainStep(model, loss_fn, len(example_inputs), tuple(kwargs), train)
@@ -93,7 +93,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...], *,
     if key is not None and _REUSED is not None:
         _REUSED[key] = (model, captured)  # the model kept alive: its id stays its own
     if key is not None and rows is None:
-        kept.keep(model, (key[1:], replicate_blocks), captured)
+        keep(model, (key[1:], replicate_blocks), captured)
     return captured
 
 
