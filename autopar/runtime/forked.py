@@ -118,7 +118,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     compiled module's mesh take too: ``runtime.groups``). Ranks work as long as they need;
     once one has failed, its peers fail within about ``timeout_s`` (their collectives with
     it time out), and any rank still silent ``grace_s`` after that has its stacks dumped
-    and is killed; so is any rank still silent ``limit_s`` after the start. Results must pickle without tensors (send floats or lists). Raises with
+    and is killed; so is any rank still silent ``limit_s`` after the start. Results must
+    pickle without tensors (send floats or lists). Raises with
     the traceback of the rank that raised first (its peers' errors are its echoes).
     """
     _check_no_process_group_threads()
