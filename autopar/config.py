@@ -128,9 +128,10 @@ class PlanConfig:
     """How random ops draw, priced so: one of ``RANDOM_STREAMS``."""
     axes: AxesConfig = field(default_factory=AxesConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    pipeline: Pipeline | None = None
+    pipeline: Pipeline | bool | None = True
     """A pipeline on one mesh axis (its open choices searched), or taken out of a mesh axis
-    (``Pipeline(from_axis=...)``: the depth searched too); None: no pipeline."""
+    (``Pipeline(from_axis=...)``: the depth searched too). True (the default): the depth searched out of
+    the mesh's first axis wherever a training step can pipeline (``settled``). False or None: no pipeline."""
     context: ContextConfig = field(default_factory=ContextConfig)
     solver: SolverConfig = field(default_factory=SolverConfig)
     state_placements: Mapping[str, tuple[Placement, ...]] | None = None
@@ -194,6 +195,8 @@ def check(config: PlanConfig, mesh: Mesh) -> None:
     """Refuse, with a message naming the option, whatever in ``config`` no plan on ``mesh`` can take;
     run once, before anything is captured. A pipeline's axes are checked against the whole mesh."""
     _check_types(config)
+    if mesh.open:
+        _check_open(config, mesh)
     axes = config.axes
     _check_data_axes(axes, mesh)
     _check_context_axes(axes, mesh)
@@ -206,7 +209,7 @@ def check(config: PlanConfig, mesh: Mesh) -> None:
     _check_memory(config.memory, mesh)
     if config.context.layout not in CONTEXT_LAYOUTS:
         raise InputError(f"context_layout is 'contiguous', 'zigzag' or None (the faster), got {config.context.layout!r}")
-    if config.pipeline is not None:
+    if isinstance(config.pipeline, Pipeline):
         _check_pipeline(config, mesh)
 
 
@@ -220,8 +223,22 @@ def _check_types(config: PlanConfig) -> None:
         if not isinstance(value, (tuple, list)) or not all(isinstance(a, str) for a in value):
             raise InputTypeError(f"{option} must be a tuple of axis names, got {value!r}")
     check_zero(config.memory.zero)
-    if config.pipeline is not None:
+    if not isinstance(config.pipeline, bool) and config.pipeline is not None:
         as_pipeline(config.pipeline)
+
+
+def _check_open(config: PlanConfig, mesh: Mesh) -> None:
+    """A mesh whose axes the planner lays out takes no option naming an axis."""
+    axes, memory = config.axes, config.memory
+    named = [name for name, given in (
+        ("data_axes", axes.data), ("expert_axes", axes.expert), ("context_axes", axes.context),
+        ("constraints", axes.constraints), ("input_sharded", axes.input_sharded), ("zero", memory.zero),
+        ("pipeline", isinstance(config.pipeline, Pipeline)), ("state_placements", config.state_placements))
+        if given]
+    if named:
+        raise InputError(f"{', '.join(named)} {'names' if len(named) == 1 else 'name'} mesh axes, and the mesh "
+                         f"({mesh.describe()}) leaves its axes to the planner: pass a mesh with axes, such as "
+                         "Mesh({'dp': 8, 'tp': 8}) or a DeviceMesh with mesh_dim_names, to pin them")
 
 
 def _check_data_axes(axes: AxesConfig, mesh: Mesh) -> None:
@@ -277,23 +294,60 @@ def _check_memory(memory: MemoryConfig, mesh: Mesh) -> None:
     memory.options().check(mesh.names)
 
 
+def settled(config: PlanConfig, mesh: Mesh) -> tuple[PlanConfig, str]:
+    """``config`` (checked: ``check``) with its pipeline a ``Pipeline`` or None, and why the default searches
+    none ("" when it does, or when the pipeline was given). The default (True) is
+    ``Pipeline(from_axis=<first axis>)``: every depth of the mesh's first axis, 1 (no pipeline) among them,
+    for a training step whose other options a pipeline can run beside; else no pipeline. An open mesh's
+    config is left as it is: each layout settles its own (``search.layout``)."""
+    if mesh.open:
+        return config, ""
+    if isinstance(config.pipeline, bool) or config.pipeline is None:
+        why = _unpipelined(config, mesh) if config.pipeline else ""
+        searched = Pipeline(from_axis=mesh.names[0]) if config.pipeline and not why else None
+        return replace(config, pipeline=searched), why
+    return config, ""
+
+
+def _unpipelined(config: PlanConfig, mesh: Mesh) -> str:
+    """Why the default pipeline search leaves ``config`` unpipelined on ``mesh`` ("" when it searches)."""
+    first = mesh.names[0] if mesh.names else None
+    if not config.train:
+        return "a forward-only step (compile_serving pipelines its steps with pipeline=Pipeline(axis=...))"
+    if first is None or mesh.axes[first] < 2:
+        return "the mesh's first axis has one rank: no depth to take out of it"
+    if Pipeline().axis in mesh.names:
+        return f"the mesh names a {Pipeline().axis!r} axis: Pipeline(axis={Pipeline().axis!r}) lays stages on it"
+    if config.state_placements is not None:
+        return "the parameters' placements are another step's (state_placements)"
+    return _pipeline_refusal(config, Pipeline(from_axis=first))
+
+
 def _check_pipeline(config: PlanConfig, mesh: Mesh) -> None:
     """A pipeline, and the options beside it, checked against the whole mesh."""
     pipeline = as_pipeline(config.pipeline)
     pipeline.check(mesh.axes)
+    refused = _pipeline_refusal(config, pipeline)
+    if refused:
+        raise InputError(refused)
+
+
+def _pipeline_refusal(config: PlanConfig, pipeline: Pipeline) -> str:
+    """What among the options beside ``pipeline`` no pipelined step can run ("" when nothing)."""
     memory = config.memory
     if memory.micro_batches is not None:
-        raise InputError(f"micro_batches={memory.micro_batches} with a pipeline: a pipelined step runs the "
-                         "pipeline's micro-batches (Pipeline(micro_batches=...); leave micro_batches out)")
+        return (f"micro_batches={memory.micro_batches} with a pipeline: a pipelined step runs the "
+                "pipeline's micro-batches (Pipeline(micro_batches=...); leave micro_batches out)")
     for option, names in (("data_axes", config.axes.data), ("context_axes", config.axes.context),
                           ("zero", memory.zero or {})):
         if pipeline.axis in names:
-            raise InputError(f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data")
+            return f"{option} names the pipeline axis {pipeline.axis!r}: it holds stages, not data"
     if memory.offload or 1 in (memory.zero or {}).values():
-        raise InputError("a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)")
+        return "a pipelined step does not yet offload optimizer state or run ZeRO-1 (zero stage 1)"
     if pipeline.from_axis is not None and config.axes.input_sharded:
-        raise InputError("input_sharded=True with Pipeline(from_axis=...): each rank's shard of the batch depends on "
-                         "the depth chosen; pass the whole batch or name the pipeline axis in the mesh")
+        return ("input_sharded=True with Pipeline(from_axis=...): each rank's shard of the batch depends on "
+                "the depth chosen; pass the whole batch or name the pipeline axis in the mesh")
+    return ""
 
 
 def as_mesh(mesh: Any) -> Mesh:

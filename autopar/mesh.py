@@ -37,7 +37,8 @@ class Mesh:
 
     Axes are listed outermost first: ranks are laid out row-major, so the last axis
     holds neighbouring ranks. An axis runs inside a node when the devices it spans,
-    together with all axes inside it, fit in ``devices_per_node``.
+    together with all axes inside it, fit in ``devices_per_node``. ``Mesh(devices=N)`` (no axes)
+    leaves the axes to the planner (``open``; ``search.layout``).
     """
 
     axes: dict[str, int]
@@ -51,11 +52,21 @@ class Mesh:
     i holds chunks i and 2n-1-i, so a causal attention split on its query rows there gives
     every rank the same work (``problem.zigzag`` says which may be, the planner keeps the faster
     layout; ``rules.redistribute.zigzag_take`` cuts them)."""
+    open: bool
+    """The planner chooses the axes (``Mesh(devices=N)``): ``axes`` is then one "dp" axis of every
+    device until ``search.layout`` lays them out."""
     _shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _links: tuple[AxisLink, ...] = field(init=False, repr=False, compare=False)
 
-    def __init__(self, axes: dict[str, int], hardware: str | HardwareProfile = "h100",
-                 devices_per_node: int = 8, zigzag: frozenset[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, axes: dict[str, int] | None = None, hardware: str | HardwareProfile = "h100",
+                 devices_per_node: int = 8, zigzag: frozenset[str] | tuple[str, ...] = (), *,
+                 devices: int | None = None) -> None:
+        object.__setattr__(self, "open", axes is None)
+        if axes is None:
+            axes = {"dp": _device_count(devices)}
+        elif devices is not None:
+            raise InputError(f"pass a mesh's axes or its number of devices (the axes then the planner's), not both: "
+                             f"axes={axes!r}, devices={devices!r}")
         if not isinstance(axes, dict):
             raise InputTypeError(f"a mesh's axes are a dict of axis name -> size, such as {{'dp': 2, 'tp': 4}}, "
                                  f"got {type(axes).__name__} {axes!r}")
@@ -83,10 +94,13 @@ class Mesh:
     @classmethod
     def from_device_mesh(cls, device_mesh: "DeviceMesh", hardware: str | HardwareProfile | None = None,
                          devices_per_node: int = 8) -> "Mesh":
-        """A planning mesh with the shape and axis names of a torch DeviceMesh."""
-        names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(device_mesh.ndim))
+        """A planning mesh with the shape and axis names of a torch DeviceMesh; a 1-D one without axis names
+        (``init_device_mesh("cuda", (64,))``) leaves its axes to the planner (``open``)."""
         if hardware is None:
             hardware = "cpu" if device_mesh.device_type == "cpu" else "h100"
+        if device_mesh.mesh_dim_names is None and device_mesh.ndim == 1:
+            return cls(None, hardware, devices_per_node, devices=device_mesh.size())
+        names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(device_mesh.ndim))
         return cls(dict(zip(names, device_mesh.shape)), hardware, devices_per_node)
 
     @property
@@ -134,11 +148,28 @@ class Mesh:
         return AxisLink(hw.inter_node_bandwidth * hw.network_efficiency, hw.inter_node_latency, False, per_node)
 
     def describe(self) -> str:
+        if self.open:
+            return f"{self.size} devices, axes open"
         return " x ".join(f"{n}={s}" for n, s in self.axes.items())
 
     def to_json(self) -> dict:
         out = {"axes": dict(self.axes), "hardware": self.hardware.name, "devices_per_node": self.devices_per_node}
-        return {**out, "zigzag": sorted(self.zigzag)} if self.zigzag else out
+        out = {**out, "zigzag": sorted(self.zigzag)} if self.zigzag else out
+        return {**out, "open": True} if self.open else out
+
+    def laid_out(self, axes: dict[str, int]) -> "Mesh":
+        """This mesh's devices on ``axes`` (as many devices), its hardware and nodes kept."""
+        assert math.prod(axes.values()) == self.size
+        return Mesh(axes, self.hardware, self.devices_per_node)
+
+
+def _device_count(devices: object) -> int:
+    if devices is None:
+        raise InputError("a mesh needs its axes, such as Mesh({'dp': 8, 'tp': 8}), or its number of devices, "
+                         "Mesh(devices=64), the axes then the planner's")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise InputError(f"devices must be a positive int, got {devices!r}")
+    return devices
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:

@@ -50,7 +50,7 @@ def _compile_rank(rank: int, world: int, memory_limit: float) -> dict[str, Any]:
     model, inputs, loss_fn, targets = llama.build()
     cpu, wall = time.process_time(), time.perf_counter()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, hardware=HARDWARE,
-                         memory_limit=memory_limit)
+                         memory_limit=memory_limit, pipeline=False)
     return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
             "timings": dict(pm.plan.timings), "hash": pm.plan.plan_hash(),
             "peak_bytes": pm.plan.predicted.peak_memory_bytes}
@@ -58,7 +58,8 @@ def _compile_rank(rank: int, world: int, memory_limit: float) -> dict[str, Any]:
 
 def measure(runs: int, fraction: float) -> dict[str, Any]:
     model, inputs, loss_fn, targets = llama.build()
-    free = autopar.plan(model, autopar.Mesh(MESH, HARDWARE), inputs, loss_fn=loss_fn, example_targets=targets)
+    free = autopar.plan(model, autopar.Mesh(MESH, HARDWARE), inputs, loss_fn=loss_fn, example_targets=targets,
+                        pipeline=False)
     limit = fraction * free.predicted.peak_memory_bytes
     rows = []
     for _ in range(runs):

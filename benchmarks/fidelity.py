@@ -110,7 +110,7 @@ def plan_titan(run: TitanRun, profile: HardwareProfile) -> autopar.Plan:
         schedule, m, v = run.pipeline
         pins["pipeline"] = autopar.Pipeline(axis="pp", schedule=schedule, micro_batches=m, virtual_stages=v)
     return autopar.plan(model, autopar.Mesh(run.axes, profile), (tokens,), loss_fn=titan_llama.loss,
-                        example_targets=(tokens,), **pins)
+                        example_targets=(tokens,), **{"pipeline": False, **pins})
 
 
 def titan_row(run: TitanRun, plan_float8: bool) -> Row:
@@ -175,10 +175,12 @@ def plan_megatron_flat(run: MegatronRun, model: gpt.GPT, tokens: torch.Tensor) -
               "offload": False}
     if run.zero3:
         return autopar.plan(model, autopar.Mesh({"dp": run.gpus}, "a100"), (tokens,), zero={"dp": 3},
-                            micro_batches=run.micro_batches, memory_limit=math.inf, **common)
+                            micro_batches=run.micro_batches, memory_limit=math.inf,
+                            **{"pipeline": False, **common})
     axes = {"dp": run.dp, "tp": run.tp} if run.tp > 1 else {"dp": run.dp}
     return autopar.plan(model, autopar.Mesh(axes, "a100"), (tokens,), zero={"dp": 0},
-                        **({"constraints": gpt.TP_PLAN} if run.tp > 1 else {}), **common)
+                        **({"constraints": gpt.TP_PLAN} if run.tp > 1 else {}),
+                        **{"pipeline": False, **common})
 
 
 def fmt(row: Row) -> str:

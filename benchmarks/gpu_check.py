@@ -104,7 +104,7 @@ def run_autopar(cfg: llama.LlamaConfig, tokens: torch.Tensor, targets: torch.Ten
     model = build(cfg, device)
     began = time.perf_counter()
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=llama.lm_loss, example_targets=(targets,),
-                         hardware=profile, precision="bf16")
+                         hardware=profile, precision="bf16", pipeline=False)
     compile_s = time.perf_counter() - began
     del model
     if device.type == "cuda":

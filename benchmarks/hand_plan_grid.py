@@ -146,7 +146,7 @@ def autopar_plan(model: nn.Module, devices: int, shape: Shape, tokens: torch.Ten
         try:
             plan = autopar.plan(model, autopar.Mesh(axes, hardware=shape.hardware), (tokens,), loss_fn=module.lm_loss,
                                 example_targets=(tokens,), memory_limit=shape.memory_limit,
-                                **({"pipeline": Pipeline(axis="pp")} if pp > 1 else {}))
+                                pipeline=Pipeline(axis="pp") if pp > 1 else False)
         except InputError as exc:  # MemoryLimitError included: no plan on this degree
             result.tried.append(f"pp={pp} {axes}: no plan ({time.perf_counter() - started:.0f} s): {str(exc)[:400]}")
             continue

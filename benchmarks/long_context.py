@@ -153,7 +153,8 @@ def plan_row(seq: int, devices: int, setup: Setup, model: torch.nn.Module, token
     mesh = autopar.Mesh(setup.mesh, hardware="h100")
     start = time.perf_counter()
     try:
-        plan = autopar.plan(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(tokens,), **setup.options)
+        plan = autopar.plan(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(tokens,),
+                            **{"pipeline": False, **setup.options})
         result.memory_plan = plan.memory.describe()
         result.step_ms = plan.predicted.step_time_s * 1e3
         result.peak_gib = plan.predicted.peak_memory_bytes / GiB

@@ -95,7 +95,8 @@ def plan_row(label: str, model: torch.nn.Module, tokens: torch.Tensor, loss: Any
     start = time.perf_counter()
     try:
         plan = autopar.plan(model, mesh, (tokens,), loss_fn=loss, example_targets=(tokens,),
-                            memory_limit=None if limit_gib is None else limit_gib * GiB, **pins)
+                            memory_limit=None if limit_gib is None else limit_gib * GiB,
+                            **{"pipeline": False, **pins})
         result.memory_plan = plan.memory.describe()
         result.step_ms = plan.predicted.step_time_s * 1e3
         result.peak_gib = plan.predicted.peak_memory_bytes / GiB
@@ -179,7 +180,8 @@ def _measure_rank(rank: int, world: int, model_name: str, shape: tuple[int, ...]
     kwargs: dict[str, Any] = {"data_axes": ("dp",), **{k: v for k, v in options.items() if k != "tp"}}
     if options.get("tp"):
         kwargs["constraints"] = module.TP_PLAN
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **kwargs)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                         **{"pipeline": False, **kwargs})
     measured = measure_step(pm, (*inputs, *targets), torch.optim.AdamW(pm.parameters(), lr=1e-3))
     return pm.plan.memory.describe(), measured.peak_bytes / 2**20, pm.plan.predicted.peak_memory_bytes / 2**20
 

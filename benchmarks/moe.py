@@ -251,7 +251,7 @@ def autopar_plan(shape: Shape, built: tuple[Any, ...], eps: tuple[int, ...]) -> 
         try:
             plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
                                 data_axes=data_axes(axes), expert_axes=("ep",) if ep > 1 else (),
-                                memory_limit=shape.memory_limit)
+                                memory_limit=shape.memory_limit, pipeline=False)
         except InputError as exc:  # MemoryLimitError included: no plan on this mesh
             result.tried.append(f"{axes}: no plan: {str(exc)[:300]}")
             continue

@@ -125,7 +125,7 @@ def predicted_1_7b(p: float, stream: str) -> float:
     model.train()
     mesh = autopar.Mesh({"dp": MEGATRON_1_7B["gpus"]}, hardware="a100")
     plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, loss_fn=None, random_stream=stream,
-                        data_axes=("dp",))
+                        data_axes=("dp",), pipeline=False)
     return plan.predicted.step_time_s
 
 
@@ -149,7 +149,7 @@ def predicted(model_name: str, devices: int, p: float, stream: str) -> float:
     model.train()
     mesh = autopar.Mesh(MESHES[devices], hardware="h100")
     plan = autopar.plan(model, mesh, inputs, example_kwargs=kwargs, loss_fn=None, precision="fp32",
-                        random_stream=stream, data_axes=("dp",))
+                        random_stream=stream, data_axes=("dp",), pipeline=False)
     return plan.predicted.step_time_s
 
 
@@ -179,7 +179,7 @@ def _measure_rank(rank: int, world: int, steps: int, variants: list[tuple[str, f
         cfg = gpt.GPTConfig(vocab_size=512, max_seq_len=256, hidden=256, heads=8, layers=2, dropout=p, attn_dropout=p)
         model, inputs, loss_fn, targets = gpt.build(cfg, batch=16)
         pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, seed=0,
-                             data_axes=("dp",), random_stream=stream, hardware="cpu")
+                             data_axes=("dp",), random_stream=stream, hardware="cpu", pipeline=False)
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)
         wall, cpu = [], []
         for _ in range(steps + 1):

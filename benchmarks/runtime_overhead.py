@@ -17,9 +17,9 @@ Variants (all on the same mesh, the same initial weights and the same global bat
   ``SequenceParallel``, the residual stream sharded on the sequence dim between blocks).
 * ``hand tp + fsdp2``  ``GPT_TP`` with ``fully_shard`` on the dp mesh (per block and root)
   instead of DDP: the other data-parallel flavour torch offers for 2-D (torchtitan's).
-* ``autopar tp``       ``autopar.compile(..., constraints=GPT_TP, data_axes=("dp",))``.
-* ``autopar tp_sp``    ``autopar.compile(..., constraints=GPT_TP_SP, data_axes=("dp",))``.
-* ``autopar free``     ``autopar.compile(...)`` with no constraints (the solver's choice).
+* ``autopar tp``       ``autopar.compile(..., constraints=GPT_TP, data_axes=("dp",), pipeline=False)``.
+* ``autopar tp_sp``    ``autopar.compile(..., constraints=GPT_TP_SP, data_axes=("dp",), pipeline=False)``.
+* ``autopar free``     ``autopar.compile(..., pipeline=False)`` with no constraints (the solver's choice).
 * ``llama autopar tp``, ``llama autopar tp_sp``, ``llama autopar free``: the same three on
   the Llama example (its ``TP_PLAN`` / ``TP_SP_PLAN``; same width, depth, vocabulary, batch
   and sequence, ``--kv-heads`` and ``--ffn``).
@@ -206,7 +206,7 @@ class Variant:
                 kwargs = {"constraints": TP_PLANS[model_name][plan], "data_axes": ("dp",)}
             model, tokens, targets = build(args, model_name)
             self.module = autopar.compile(model, mesh, (tokens,), loss_fn=lm_loss, example_targets=(targets,),
-                                          **kwargs)
+                                          **{"pipeline": False, **kwargs})
             self.inputs = (tokens, targets)
             plan_ = self.module.plan
             self.planned = {"collectives": len(plan_.collectives), "predicted_step_s": plan_.predicted.step_time_s,

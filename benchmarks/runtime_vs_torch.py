@@ -129,7 +129,8 @@ def autopar_side(row: Row, mesh: DeviceMesh) -> Side:
     model, tokens, targets = build()
     dist.barrier()
     t0 = time.perf_counter()
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=causal_lm_loss, example_targets=(targets,), **row.options)
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=causal_lm_loss, example_targets=(targets,),
+                         **{"pipeline": False, **row.options})
     setup_s = time.perf_counter() - t0
     opt = pm.optimizer(torch.optim.AdamW, lr=LR)
     pipelined = "pipeline" in row.options

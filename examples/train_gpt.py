@@ -132,8 +132,7 @@ def main() -> None:
         for step in range(args.steps):
             if step:
                 tokens, targets = (t.to(device) for t in data.batch(args.batch, args.seq))
-            loss = pm(tokens, targets)
-            loss.backward()
+            loss = pm.step(tokens, targets)  # forward and backward of the step, pipelined or not
             opt.step()
             opt.zero_grad(set_to_none=True)
             value = loss.to_local().item()  # replicated: every rank holds the full value

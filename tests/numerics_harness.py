@@ -281,5 +281,6 @@ def compile_gpt(mesh_spec: str, **options: Any) -> tuple[autopar.ParallelModule,
         options = {"constraints": gpt.TP_PLAN, **options}
     else:
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), **options)
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
+                         **{"pipeline": False, **options})
     return pm, tokens, targets

@@ -255,9 +255,9 @@ def test_replicated_capture_is_the_full_capture(name: str) -> None:
 def test_replicated_plan_is_the_full_plan(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs, kwargs = REPLICATED[name]()
     mesh = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
-    replicated = autopar.plan(model, mesh, inputs, **kwargs)
+    replicated = autopar.plan(model, mesh, inputs, **{"pipeline": False, **kwargs})
     monkeypatch.setenv(ENV_SWITCH, "0")
-    full = autopar.plan(model, mesh, inputs, **kwargs)
+    full = autopar.plan(model, mesh, inputs, **{"pipeline": False, **kwargs})
     assert replicated.plan_hash() == full.plan_hash()
     assert replicated.predicted.step_time_s == full.predicted.step_time_s
 

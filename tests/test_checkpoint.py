@@ -140,7 +140,7 @@ def _save_tied_rank(rank: int, world: int, path: str) -> None:
     model, (tokens,), loss_fn, (targets,) = _tied_gpt()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
-                         constraints={**gpt.TP_PLAN, "lm_head": ColwiseParallel()})
+                         constraints={**gpt.TP_PLAN, "lm_head": ColwiseParallel()}, pipeline=False)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     _train(pm, opt, tokens, targets, 2)
     checkpoint.save(pm, path, opt)

@@ -33,7 +33,7 @@ def _compile(layers: int = 2) -> tuple[autopar.ParallelModule, torch.Tensor, tor
     model, (tokens,), loss_fn, (targets,) = gpt.build(gpt.GPTConfig(layers=layers))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
-                         constraints=gpt.TP_PLAN)
+                         constraints=gpt.TP_PLAN, pipeline=False)
     return pm, tokens, targets
 
 

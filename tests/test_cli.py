@@ -257,6 +257,15 @@ def test_pipeline_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFi
     code, out, err = run(searched, capsys)
     assert (code, err) == (0, "")
     assert "pipeline depth search: 3 depths tried" in out, out
+    default = ["plan", path, "--mesh", "dp=4", "--hardware", "cpu", "--width", "200"]  # the depth searched too
+    code, out, err = run(default, capsys)
+    assert (code, err) == (0, "") and "pipeline depth search: 3 depths tried" in out, out
+    code, out, err = run([*default, "--no-pipeline"], capsys)
+    assert (code, err) == (0, "") and "pipeline depth search" not in out, out
+    code, out, err = run([*default, "--no-pipeline", "--pipeline", "pp"], capsys)
+    assert code == 2 and "pass one" in err, err
+    code, out, err = run(["plan", path, "--mesh", "4", "--hardware", "cpu", "--width", "200"], capsys)  # axes open
+    assert (code, err) == (0, "") and "mesh layout search: 2 layouts of 4 devices tried" in out, out
 
 
 def test_gathering_again_per_block_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -302,10 +311,12 @@ def test_expert_parallelism_from_the_command_line(capsys: pytest.CaptureFixture[
     """``--data-axes`` and ``--expert-axes`` reach the pins (the table's pinned line names the expert
     weights left free); an expert axis outside the data axes is refused (exit 2)."""
     args = ["plan", f"{Path(moe.__file__)}:build", "--hardware", "cpu", "--width", "200"]
-    code, out, err = run([*args, "--mesh", "ep=2", "--data-axes", "ep", "--expert-axes", "ep"], capsys)
+    code, out, err = run([*args, "--mesh", "ep=2", "--data-axes", "ep", "--expert-axes", "ep", "--no-pipeline"],
+                         capsys)
     assert (code, err) == (0, ""), err
     assert "ep: parameters, inputs: data parallel, 6 expert weights free" in out, out
-    code, out, err = run([*args, "--mesh", "dp=2,ep=2", "--data-axes", "dp", "--expert-axes", "ep"], capsys)
+    code, out, err = run([*args, "--mesh", "dp=2,ep=2", "--data-axes", "dp", "--expert-axes", "ep",
+                          "--no-pipeline"], capsys)
     assert code == 2 and "expert_axes ('ep',) names 'ep', not in data_axes ('dp',)" in err, err
     code, out, err = run([*args, "--mesh", "ep=2", "--data-axes", "ep", "--expert-axes", "ep",
                           "--moe-imbalance", "1.2"], capsys)

@@ -30,7 +30,7 @@ def _hf_labels_rank(rank: int, world: int, name: str) -> dict[str, Any]:
     _, shape, names = HF_CASES[name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model, ids = _hf(name)
-    pm = autopar.compile(model, mesh, (ids,), example_kwargs={"labels": ids})
+    pm = autopar.compile(model, mesh, (ids,), example_kwargs={"labels": ids}, pipeline=False)
     loss = pm(ids, labels=ids)
     loss.backward()
     grads = {k: DTensor.from_local(p.grad, mesh, pm.state_dict()[k].placements, run_check=False).full_tensor().tolist()
@@ -79,7 +79,7 @@ def _counting_solves_rank(rank: int, world: int) -> dict[str, Any]:
     ilp.solve_ilp = counted  # this forked process only
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, inputs, loss_fn, targets = gpt.build()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=False)
     return {"solves": len(calls), "hash": pm.plan.plan_hash(), "loss": pm(*inputs, *targets).full_tensor().item()}
 
 
@@ -98,7 +98,8 @@ def _rank_zero_solve_fails(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
     with pytest.raises(autopar.MemoryLimitError, match="planning failed on rank 0: MemoryLimitError") as info:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=1024)
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=1024,
+                        pipeline=False)
     return str(info.value)
 
 
@@ -106,7 +107,8 @@ def _ranks_pass_other_limits(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
     with pytest.raises(autopar.CompileError, match="planned differently .*captured steps differ") as info:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=2**30 + rank)
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=2**30 + rank,
+                        pipeline=False)
     return str(info.value)
 
 
@@ -115,7 +117,8 @@ def _rank_passes_bad_input(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
     with pytest.raises(autopar.InputTypeError, match="checking the options failed on rank 0 .*zero must be a dict") as info:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero=3)  # type: ignore[arg-type]
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero=3,
+                        pipeline=False)  # type: ignore[arg-type]
     return str(info.value)
 
 
@@ -132,7 +135,7 @@ def test_compile_refuses_a_planning_mesh() -> None:
     with pytest.raises(autopar.InputTypeError, match="compile runs on a torch DeviceMesh .*got Mesh: an "
                                                      "autopar.Mesh describes a mesh for planning only"):
         autopar.compile(model, autopar.Mesh({"dp": 2}), inputs, loss_fn=loss_fn,  # type: ignore[arg-type]
-                        example_targets=targets)
+                        example_targets=targets, pipeline=False)
 
 
 def test_a_call_binds_to_the_captured_leaves_and_keeps_non_tensor_inputs_fixed() -> None:
@@ -161,7 +164,7 @@ def _precision_rank(rank: int, world: int, precision: str | None, dtype: torch.d
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     try:
         pm = autopar.compile(model.to(dtype), mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                             precision=precision, hardware=hardware)
+                             precision=precision, hardware=hardware, pipeline=False)
     except autopar.InputError as exc:
         return str(exc)
     return f"{pm.plan.precision} {next(pm.parameters()).dtype}"
@@ -207,8 +210,9 @@ def _other_batch_rank(rank: int, world: int) -> dict[str, Any]:
     x4, y4, x8, y8 = torch.randn(4, 8), torch.randn(4, 4), torch.randn(8, 8), torch.randn(8, 4)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     step = dict(loss_fn=torch.nn.functional.mse_loss, data_axes=("dp",))
-    whole = autopar.compile(model, mesh, (x4,), example_targets=(y4,), **step)
-    sharded = autopar.compile(model, mesh, (x4[:2],), example_targets=(y4[:2],), input_sharded=True, **step)
+    whole = autopar.compile(model, mesh, (x4,), example_targets=(y4,), **{"pipeline": False, **step})
+    sharded = autopar.compile(model, mesh, (x4[:2],), example_targets=(y4[:2],), input_sharded=True,
+                              **{"pipeline": False, **step})
     errors = {}
     for what, pm, args in (("whole", whole, (x8, y8)), ("sharded", sharded, (x4, y4)),
                            ("dtype", whole, (x4.double(), y4))):
@@ -247,7 +251,8 @@ def _bad_axes_rank(rank: int, world: int) -> dict[str, str]:
     errors = {}
     for what, (mesh, kwargs) in cases.items():
         with pytest.raises(autopar.InputError) as info:
-            autopar.compile(torch.nn.Linear(8, 4), mesh, (x,), **step, **kwargs)  # type: ignore[arg-type]
+            autopar.compile(torch.nn.Linear(8, 4), mesh, (x,), **step,
+                            **{"pipeline": False, **kwargs})  # type: ignore[arg-type]
         errors[what] = str(info.value)
     return errors
 
@@ -261,8 +266,9 @@ def test_mesh_axes_the_options_name_are_checked_against_the_device_mesh() -> Non
     assert all(e.startswith("checking the options failed on rank 0 (of 2 failing)") for e in errors.values())
     assert "data_axes ('data',) names 'data', not an axis of the mesh; the mesh's axes are ('dp',) (dp=2)" \
         in errors["unknown"]
-    assert "names 'dp', not an axis of the mesh; the mesh's axes are ('dim0',)" in errors["unnamed"]
-    assert "input_sharded=True needs data_axes=(...)" in errors["unnamed-default"]
+    assert "data_axes, input_sharded name mesh axes, and the mesh (2 devices, axes open) leaves its axes to the " \
+        "planner" in errors["unnamed"]  # a 1-D mesh without names: its axes the planner's
+    assert "input_sharded names mesh axes" in errors["unnamed-default"]
     assert "data_axes must be a tuple of axis names (write ('dp',))" in errors["string"]
     assert "names an axis twice" in errors["twice"]
     assert "constraints apply to mesh axis 'tp' (constraint_axis=), not an axis of the mesh; the mesh's axes " \

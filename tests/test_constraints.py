@@ -32,7 +32,7 @@ def on_axis(placements: str, axis: int) -> str:
 
 def _plan(step, mesh, **kw):
     model, inputs, loss_fn, targets = step
-    return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **kw)
+    return autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **{"pipeline": False, **kw})
 
 
 @pytest.mark.slow
@@ -114,17 +114,17 @@ def test_axis_that_does_not_divide_a_pinned_dim_is_a_clear_error() -> None:
     model, inputs, loss_fn, targets = gpt.build(gpt.GPTConfig(hidden=96, heads=3))
     with pytest.raises(ValueError, match=r"does not divide by mesh axis tp=5"):
         autopar.plan(model, autopar.Mesh({"tp": 5}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                     constraints={"blocks.*.mlp.fc": ColwiseParallel()})
+                     constraints={"blocks.*.mlp.fc": ColwiseParallel()}, pipeline=False)
 
 
 def test_constraint_matching_nothing_or_missing_axis_is_an_error() -> None:
     model, inputs, loss_fn, targets = gpt.build()
     with pytest.raises(ValueError, match="matches no module"):
         autopar.plan(model, autopar.Mesh({"tp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                     constraints={"nope.*": ColwiseParallel()})
+                     constraints={"nope.*": ColwiseParallel()}, pipeline=False)
     with pytest.raises(ValueError, match="not an axis of the mesh"):
         autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                     constraints={"blocks.*.mlp.fc": ColwiseParallel()})
+                     constraints={"blocks.*.mlp.fc": ColwiseParallel()}, pipeline=False)
 
 
 @pytest.mark.parametrize("input_sharded", [False, True])
@@ -133,7 +133,8 @@ def test_data_parallel_inputs_passed_split_are_contiguous_shards(input_sharded: 
     a strided batch shard would need rows the rank was never given."""
     x = torch.randn(64, 64)
     mesh = autopar.Mesh({"dp": 2}, "cpu")
-    plan = autopar.plan(PairwiseBatch(), mesh, (x,), loss_fn=None, data_axes=("dp",), input_sharded=input_sharded)
+    plan = autopar.plan(PairwiseBatch(), mesh, (x,), loss_fn=None, data_axes=("dp",), input_sharded=input_sharded,
+                        pipeline=False)
     (placement,) = [n.outputs[0] for n in plan.nodes if n.op == "input"]
     if input_sharded:
         assert placement == "S(0)"
@@ -148,7 +149,7 @@ def test_linear_styles_on_a_module_without_a_linear_are_refused() -> None:
     model, inputs, loss_fn, targets = hf_models.build_gpt2_step()
     with pytest.raises(ValueError, match="no linear or embedding op"):
         autopar.plan(model, autopar.Mesh({"tp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                     constraints={"transformer.h.*.attn.c_attn": ColwiseParallel()})
+                     constraints={"transformer.h.*.attn.c_attn": ColwiseParallel()}, pipeline=False)
 
 
 def test_colwise_embedding_splits_the_embedding_dim_as_torch_does() -> None:
@@ -156,7 +157,7 @@ def test_colwise_embedding_splits_the_embedding_dim_as_torch_does() -> None:
     dim): the table is pinned there, so neither forward nor backward moves it."""
     model, inputs, loss_fn, targets = gpt.build()
     plan = autopar.plan(model, autopar.Mesh({"tp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                        constraints={"wte": ColwiseParallel()})
+                        constraints={"wte": ColwiseParallel()}, pipeline=False)
     assert plan.parameters["wte.weight"] == "S(1)"
     assert [c for c in plan.collectives if c.tensor == "p_model_wte_weight"] == []
     embedding = next(n for n in plan.nodes if n.name == "embedding")
@@ -170,7 +171,7 @@ def test_data_axes_keep_the_batch_split_and_synchronize_gradients(axes: dict[str
     the inputs is gathered on the data axis, and the gradients are all-reduced there."""
     model, inputs, loss_fn, targets = gpt.build()
     plan = autopar.plan(model, autopar.Mesh(axes, hardware), inputs, loss_fn=loss_fn, example_targets=targets,
-                        data_axes=("dp",))
+                        data_axes=("dp",), pipeline=False)
     assert not [c for c in plan.collectives if c.axis == "dp" and c.kind in ("all_gather", "all_to_all")]
     assert {b.mesh_dim for b in plan.grad_buckets} >= {0}
     linears = [n for n in plan.nodes if n.op == "aten.linear.default"]
@@ -194,7 +195,7 @@ def test_data_axes_never_gather_the_batch_into_a_matmul(hardware: str) -> None:
     """A Partial output does not make a split: the linear must take its batch split, not all
     of it gathered against a zero-padded (Partial) weight."""
     plan = autopar.plan(_Biased(), autopar.Mesh({"dp": 2}, hardware), (torch.randn(8, 16), torch.randn(16)),
-                        loss_fn=lambda y: y.sum(), data_axes=("dp",))
+                        loss_fn=lambda y: y.sum(), data_axes=("dp",), pipeline=False)
     linear = next(n for n in plan.nodes if n.op == "aten.linear.default")
     assert linear.inputs == ["S(0)", "R", "R"] and linear.outputs == ["S(0)"]
     assert not [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_gather"]

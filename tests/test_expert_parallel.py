@@ -35,7 +35,7 @@ def wide_config(capacity_factor: float | None) -> moe.MoEConfig:
 def plan_wide(capacity_factor: float | None, expert_axes: tuple[str, ...]) -> autopar.Plan:
     model, inputs, loss_fn, targets = wide(capacity_factor)
     return autopar.plan(model, EP4, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",),
-                        expert_axes=expert_axes)
+                        expert_axes=expert_axes, pipeline=False)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.25], ids=["dropless", "capacity"])
@@ -100,7 +100,7 @@ def test_dp2ep_syncs_expert_gradients_over_dp_only() -> None:
     output layer's, which the plan may run row-parallel on ep, its logits reduce-scattered, as cheap)."""
     model, inputs, loss_fn, targets = wide(1.25)
     plan = autopar.plan(model, autopar.Mesh({"dp": 2, "ep": 4}, "h100"), inputs, loss_fn=loss_fn,
-                        example_targets=targets, data_axes=("dp", "ep"), expert_axes=("ep",))
+                        example_targets=targets, data_axes=("dp", "ep"), expert_axes=("ep",), pipeline=False)
     experts = {k: v for k, v in plan.parameters.items() if ".experts." in k}
     assert set(experts.values()) == {"RS(0)"}, experts
     synced = {dim: {p for b in plan.grad_buckets if b.mesh_dim == dim for p in b.params} for dim in (0, 1)}
@@ -129,7 +129,7 @@ def test_wide_hf_mixtral_plans_expert_parallel_with_variable_all_to_alls(imbalan
     mesh = autopar.Mesh({"ep": 4}, hardware)
     model, inputs, loss_fn, targets = wide_mixtral()
     plan = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",),
-                        expert_axes=("ep",))
+                        expert_axes=("ep",), pipeline=False)
     assert {v for k, v in plan.parameters.items() if ".experts." in k} == {"S(0)"}
     assert "expert parallel (2 layers on ep): priced at an expert load imbalance of 1.2" in " ".join(plan.notes)
     rows = int(imbalance * 2 * (8 * 512 // 4) * 1024 * 2)
@@ -145,7 +145,8 @@ def test_wide_hf_mixtral_plans_expert_parallel_with_variable_all_to_alls(imbalan
                        + (n - 1) / n * c.bytes / bandwidth)
             assert c.time_s == pytest.approx(by_hand, rel=1e-9)
     assert_one_price(plan)
-    dense = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",))
+    dense = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("ep",),
+                         pipeline=False)
     assert {v for k, v in dense.parameters.items() if ".experts." in k} == {"R"}
     assert plan.predicted.step_time_s < dense.predicted.step_time_s
 

@@ -53,7 +53,8 @@ def _gpt(mesh_shape: tuple[int, ...], names: tuple[str, ...], options: dict[str,
     def train(rank: int, world: int, ref: Reference) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         model, inputs, loss_fn, targets = gpt.build()
-        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **options)
+        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                             **{"pipeline": False, **options})
         return run_compiled(pm, (*inputs, *targets), ref)
     return train
 

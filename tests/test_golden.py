@@ -66,7 +66,7 @@ def check_by_hand(plan: Plan) -> None:
 def test_golden_plan(model_name: str, mesh_name: str) -> None:
     model, inputs, loss_fn, targets = MODELS[model_name]()
     plan = autopar.plan(model, autopar.Mesh(MESHES[mesh_name], "cpu"), inputs, loss_fn=loss_fn,
-                        example_targets=targets)
+                        example_targets=targets, pipeline=False)
     check_by_hand(plan)
     compare_golden(GOLDEN / f"plan_{model_name}_{mesh_name}.txt", dump(plan))
 
@@ -113,7 +113,8 @@ def check_memory_by_hand(plan: Plan) -> None:
 def test_golden_memory_plan(case: str) -> None:
     model_name, axes, pins = MEMORY_CASES[case]
     model, inputs, loss_fn, targets = MODELS[model_name]()
-    plan = autopar.plan(model, autopar.Mesh(axes, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets, **pins)
+    plan = autopar.plan(model, autopar.Mesh(axes, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        pipeline=False, **pins)
     check_by_hand(plan)
     check_memory_by_hand(plan)
     compare_golden(GOLDEN / f"plan_{case}.txt", dump(plan))

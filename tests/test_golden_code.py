@@ -39,7 +39,7 @@ def test_golden_rank_program(model_name: str, mesh_name: str, plan_name: str) ->
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model, inputs, loss_fn, targets = MODELS[model_name]()
         step = plan_step(model, autopar.Mesh.from_device_mesh(mesh), inputs, loss_fn=loss_fn,
-                         example_targets=targets, **PLANS[plan_name])
+                         example_targets=targets, **PLANS[plan_name], pipeline=False)
         code = build_rank_module(model, mesh, step).program.code.strip() + "\n"
     finally:
         dist.destroy_process_group()

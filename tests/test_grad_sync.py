@@ -79,7 +79,7 @@ def test_objective_equals_prediction(variant: str, axes: dict[str, int], hardwar
     build, kwargs = VARIANTS[variant]
     model, inputs, loss_fn, targets = build()
     plan = autopar.plan(model, autopar.Mesh(axes, hardware), inputs, loss_fn=loss_fn, example_targets=targets,
-                        **kwargs)
+                        pipeline=False, **kwargs)
     assert plan.solver["status"] == "optimal"
     assert_one_price(plan)
     assert plan.predicted.step_time_s == pytest.approx(plan.predicted.compute_time_s + plan.predicted.comm_time_s)
@@ -182,7 +182,7 @@ def test_parameters_behind_a_comparison_get_no_gradient_and_no_sync() -> None:
 def _gated_rank(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     pm = autopar.compile(Gated(), init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), (x,),
-                         loss_fn=lambda y: y.pow(2).sum(), data_axes=("dp",))
+                         loss_fn=lambda y: y.pow(2).sum(), data_axes=("dp",), pipeline=False)
     pm(x).backward()
     return {k: None if p.grad is None else p.grad.tolist() for k, p in pm.named_parameters()}
 

@@ -72,7 +72,7 @@ def test_plan_from_a_config_on_the_command_line(tmp_path: Path, capsys: pytest.C
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY))
     code, out, err = run(["plan", "--hf-config", str(config), "--batch", "4", "--seq", "32", "--mesh", "dp=2,tp=2",
-                          "--hardware", "cpu", "--width", "200"], capsys)
+                          "--hardware", "cpu", "--width", "200", "--no-pipeline"], capsys)
     assert (code, err) == (0, ""), err
     assert "model.layers.0-1" in out and "self_attn.q_proj.weight" in out and "lm_head" in out
     code, _, err = run(["plan", "--hf-config", str(config), "--mesh", "dp=2"], capsys)

@@ -24,7 +24,7 @@ def _plan(seq: int, batch: int, hardware: str | HardwareProfile = "h100", **opti
         model = Llama(cfg)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
     return autopar.plan(model, autopar.Mesh({"cp": 8}, hardware), (tokens,), loss_fn=lm_loss,
-                        example_targets=(tokens,), **options)
+                        example_targets=(tokens,), **{"pipeline": False, **options})
 
 
 def _query_splits(plan: autopar.Plan) -> set[str]:

@@ -66,7 +66,8 @@ def _measure_on_rank(rank: int, world: int, model_name: str, config: Config) -> 
     options: dict[str, Any] = {"data_axes": ("dp",), **config.options}
     if config.tp:
         options["constraints"] = module.TP_PLAN
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **options)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
+                         **{"pipeline": False, **options})
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     measured = measure_step(pm, (*inputs, *targets), opt)
     predicted = pm.plan.predicted

@@ -27,7 +27,7 @@ LIMITS_MIB = (13, 9, 6, 5)
 def _plan(limit_mib: float | None, **kwargs: Any) -> autopar.Plan:
     model, inputs, loss_fn, targets = gpt.build()
     return autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                        memory_limit=None if limit_mib is None else limit_mib * MiB, **kwargs)
+                        memory_limit=None if limit_mib is None else limit_mib * MiB, **{"pipeline": False, **kwargs})
 
 
 @pytest.mark.slow
@@ -121,10 +121,10 @@ def test_zero1_is_chosen_per_parameter_where_the_limit_needs_it() -> None:
     kwargs: dict[str, Any] = dict(loss_fn=torch.nn.functional.cross_entropy, example_targets=(targets,),
                                   data_axes=("dp",), precision="fp32", micro_batches=1, offload=False)
     table, linears = 4096 * 64, 64 * 64 + 64 + 8 * 64 + 8
-    ddp = autopar.plan(model, mesh, (tokens,), **kwargs)
+    ddp = autopar.plan(model, mesh, (tokens,), **{"pipeline": False, **kwargs})
     assert ddp.memory.zero1 == {} and ddp.predicted.parameter_memory_bytes == 16 * (table + linears)
     limit = ddp.predicted.peak_memory_bytes - 2 * table
-    plan = autopar.plan(model, mesh, (tokens,), memory_limit=limit, **kwargs)
+    plan = autopar.plan(model, mesh, (tokens,), memory_limit=limit, **{"pipeline": False, **kwargs})
     assert plan.memory.zero1 == {"emb.weight": "dp"}
     assert plan.memory.describe() == "1 micro-batch, ZeRO-1 on dp for 1 of 5 parameters"
     assert "ZeRO-1 on dp for 1 of 5 parameters" in str(plan)
@@ -132,7 +132,8 @@ def test_zero1_is_chosen_per_parameter_where_the_limit_needs_it() -> None:
     assert plan.predicted.activation_memory_bytes == ddp.predicted.activation_memory_bytes
     assert plan.predicted.peak_memory_bytes == ddp.predicted.peak_memory_bytes - 4 * table <= limit
     assert_one_price(plan)
-    everything = autopar.plan(model, mesh, (tokens,), zero={"dp": 1}, **kwargs)  # pinned: every parameter
+    everything = autopar.plan(model, mesh, (tokens,), zero={"dp": 1},
+                              **{"pipeline": False, **kwargs})  # pinned: every parameter
     assert len(everything.memory.zero1) == 5 and everything.memory.describe() == "1 micro-batch, ZeRO-1 on dp"
     assert ddp.predicted.step_time_s < plan.predicted.step_time_s < everything.predicted.step_time_s
     buckets = {(b.kind, tuple(b.params)) for b in plan.shard_buckets}
@@ -143,7 +144,7 @@ def _train(rank: int, world: int, limit_mib: float, ref: Any) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                         memory_limit=limit_mib * MiB)
+                         memory_limit=limit_mib * MiB, pipeline=False)
     return {**run_compiled(pm, (*inputs, *targets), ref, step=True), "memory": pm.plan.memory.describe()}
 
 
@@ -181,6 +182,6 @@ def test_bf16_model_state_by_hand(dtype: torch.dtype, train: bool, weights: int,
     model = _Mlp().to(dtype)
     x = torch.randn(8, 64, dtype=dtype)
     plan = autopar.plan(model, autopar.Mesh({"dp": 1}, "h100"), (x,), train=train,
-                        loss_fn=(lambda y: y.float().square().mean()) if train else None)
+                        loss_fn=(lambda y: y.float().square().mean()) if train else None, pipeline=False)
     parts = plan.predicted.memory_parts
     assert (parts["weights"], parts["gradients"], parts["optimizer state"]) == (weights, gradients, state)

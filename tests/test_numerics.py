@@ -166,7 +166,8 @@ CASES = [
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs(),
+                         pipeline=False)
     return {**run_compiled(pm, (*inputs, *targets), ref),
             "strided": sorted(k for k, v in pm.plan.parameters.items() if "/" in v),
             "table": pm.plan.parameters.get("tok_embeddings.weight")}

@@ -101,7 +101,8 @@ def test_recompute_without_mutated_fails_on_written_state() -> None:
 def _train_cnn(rank: int, world: int, policy: str, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = build_blocks_cnn()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, checkpoint=policy)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, checkpoint=policy,
+                         pipeline=False)
     result = run_compiled(pm, (*inputs, *targets), ref)
     return {**result, "blocks": list(pm.plan.memory.checkpoint_blocks),
             "regions": sorted(n for n, _ in pm.program.named_children() if n.startswith(REGION_PREFIX))}
@@ -127,7 +128,8 @@ def _hf_resnet_peak() -> float:
 def _train_hf_resnet(rank: int, world: int, limit: float, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = build_hf_resnet()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit,
+                         pipeline=False)
     memory = pm.plan.memory
     result = run_compiled(pm, (*inputs, *targets), ref, step=memory.micro_batches > 1)
     return {**result, "memory": (memory.checkpoint, list(memory.checkpoint_blocks), memory.micro_batches)}
@@ -195,7 +197,8 @@ def _counted() -> tuple[nn.Module, tuple[Any, ...], Any, tuple[Any, ...]]:
 def _train_shared(rank: int, world: int, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = _shared_state()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, checkpoint="full")
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, checkpoint="full",
+                         pipeline=False)
     return run_compiled(pm, (*inputs, *targets), ref)
 
 

@@ -91,7 +91,8 @@ def _watch_regions(pm: autopar.ParallelModule) -> list[tuple[str, str, int, int]
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs(),
+                         pipeline=False)
     inside = _watch_regions(pm)
     result = run_compiled(pm, (*inputs, *targets), ref)
     log = pm._comm.log.entries
@@ -159,7 +160,8 @@ def held_between_passes(rank: int, world: int) -> dict[str, int]:
     held = {}
     for policy in ("none", "selective", "full"):
         model, inputs, loss_fn, targets = gpt.build()
-        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, checkpoint=policy)
+        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, checkpoint=policy,
+                             pipeline=False)
         watch = _LiveOutputs()
         with watch:
             loss = pm(*inputs, *targets)

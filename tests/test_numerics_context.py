@@ -99,7 +99,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = case.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         context_attention=case.attention)
+                         context_attention=case.attention, pipeline=False)
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
     return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
             "code": pm.program.code}
@@ -184,7 +184,7 @@ def train_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Reference) 
     zero = {"zero": {"cp": case.zero}} if case.zero else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
                          data_axes=data_axes, context_layout=case.layout, context_attention=case.attention,
-                         checkpoint=case.checkpoint, **tp, **zero)
+                         checkpoint=case.checkpoint, **tp, **{"pipeline": False, **zero})
     sdpa = [n for n in pm.plan.nodes if n.op == SDPA]
     return {**run_compiled(pm, (*inputs, *targets), ref), "sdpa_inputs": [n.inputs for n in sdpa],
             "zigzag": pm.plan.mesh.get("zigzag", [])}
@@ -224,7 +224,8 @@ def small_vocab_llama() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., t
 def eval_llama_on_rank(rank: int, world: int, expected: list[float]) -> tuple[list[str], float]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model, inputs, _, _ = small_vocab_llama()
-    pm = autopar.compile(model, mesh, inputs, train=False, context_axes=("cp",), context_layout="zigzag")
+    pm = autopar.compile(model, mesh, inputs, train=False, context_axes=("cp",), context_layout="zigzag",
+                         pipeline=False)
     log = CollectiveLog()
     pm.attach_log(log)
     logits = pm(*inputs)
@@ -304,7 +305,7 @@ def train_hf_llama_on_rank(rank: int, world: int, case: LlamaCase, ref: Referenc
     model, inputs, loss_fn, targets = _hf_llama(case.batch)
     data_axes = tuple(n for n in case.names if n == "dp")
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
-                         data_axes=data_axes, context_attention=case.attention)
+                         data_axes=data_axes, context_attention=case.attention, pipeline=False)
     return {**run_compiled(pm, (*inputs, *targets), ref),
             "sdpa_inputs": [n.inputs for n in pm.plan.nodes if n.op == SDPA]}
 
@@ -336,7 +337,8 @@ def _hf_gpt2_eager() -> tuple[nn.Module, tuple[torch.Tensor], Callable[..., torc
 def train_gpt2_eager_on_rank(rank: int, world: int, case: None, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model, inputs, loss_fn, targets = _hf_gpt2_eager()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",))
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, context_axes=("cp",),
+                         pipeline=False)
     return {**run_compiled(pm, (*inputs, *targets), ref),
             "scores": [(n.inputs, n.outputs) for n in pm.plan.nodes if n.op == "aten.matmul.default"
                        and n.module.endswith(".attn")]}

@@ -140,7 +140,7 @@ def train_on_rank(rank: int, world: int, model: str, mesh: str, hardware: str, d
     device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     module, inputs, loss_fn, targets = MODELS[model]()
     pm = autopar.compile(module, device_mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                         hardware=_hardware(hardware), data_axes=("dp",) if data else ())
+                         hardware=_hardware(hardware), data_axes=("dp",) if data else (), pipeline=False)
     return run_compiled(pm, (*inputs, *targets), ref)
 
 
@@ -165,7 +165,8 @@ def _eval_cnn() -> tuple[torch.nn.Module, tuple[Any, ...]]:
 def _eval_on_rank(rank: int, world: int) -> dict[str, Any]:
     device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     module, inputs = _eval_cnn()
-    pm = autopar.compile(module, device_mesh, inputs, train=False, hardware=SPLIT_HAPPY, data_axes=("dp",))
+    pm = autopar.compile(module, device_mesh, inputs, train=False, hardware=SPLIT_HAPPY, data_axes=("dp",),
+                         pipeline=False)
     bn = next(n for n in pm.plan.nodes if n.op == "aten.batch_norm.default")
     return {"outputs": pm(*inputs).full_tensor().flatten().tolist(), "bn_input": bn.inputs[0]}
 

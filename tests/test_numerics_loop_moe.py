@@ -91,7 +91,8 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     # planned on other tokens than it runs on: each expert's batch size then differs from its planning
     # hint, so a size baked into the per-rank program would fail (or compute something else)
     other = (torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1)),)
-    pm = autopar.compile(model, mesh, other, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes)
+    pm = autopar.compile(model, mesh, other, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
+                         pipeline=False)
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if k.startswith("experts.")},
             "sized_by_data": sum(c.data_dependent for c in pm.plan.collectives),

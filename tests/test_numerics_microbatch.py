@@ -128,7 +128,8 @@ CASES = [
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs(),
+                         pipeline=False)
     assert pm.plan.memory.micro_batches == (case.micro_batches or 1)
     counts = [repr(n.args[1:3]) for n in pm.program.graph.nodes  # a count may be a placeholder: no Nodes in results
               if n.op == "call_module" and n.target == "partial_mean_loss"]
@@ -172,7 +173,7 @@ def _accumulate_on_rank(rank: int, world: int, model_name: str) -> dict[str, Any
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = MODELS[model_name]()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, micro_batches=2,
-                         data_axes=("dp",))
+                         data_axes=("dp",), pipeline=False)
     pm.step(*inputs, *targets)
     once = {k: p.grad.clone() for k, p in pm.named_parameters()}
     pm.step(*inputs, *targets)
@@ -200,24 +201,24 @@ def _errors_on_rank(rank: int, world: int) -> dict[str, str]:
     model, inputs, loss_fn, targets = gpt.build()
     out: dict[str, str] = {}
     try:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, micro_batches=3)
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, micro_batches=3, pipeline=False)
     except autopar.InputError as exc:
         out["indivisible"] = str(exc)
     x, t = torch.randn(8, 8), torch.randint(0, 4, (8,))
     mixed = lambda out, t: torch.nn.functional.cross_entropy(out, t) + out.pow(2).mean()  # noqa: E731
     try:
-        autopar.compile(_TwoLosses(), mesh, (x,), loss_fn=mixed, example_targets=(t,), micro_batches=2)
+        autopar.compile(_TwoLosses(), mesh, (x,), loss_fn=mixed, example_targets=(t,), micro_batches=2, pipeline=False)
     except autopar.InputError as exc:
         out["inexact"] = str(exc)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, micro_batches=2,
-                         data_axes=("dp",))
+                         data_axes=("dp",), pipeline=False)
     for what, call in (("call", lambda: pm(*inputs, *targets)),
                        ("short_batch", lambda: pm.step(inputs[0][:6], targets[0][:6]))):
         try:
             call()
         except autopar.InputError as exc:
             out[what] = str(exc)
-    forward_only = autopar.compile(gpt.build()[0], mesh, inputs, train=False)
+    forward_only = autopar.compile(gpt.build()[0], mesh, inputs, train=False, pipeline=False)
     try:
         forward_only.step(*inputs)
     except autopar.InputError as exc:

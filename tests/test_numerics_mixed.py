@@ -53,7 +53,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, precision="bf16",
-                         **case.kwargs)
+                         **case.kwargs, pipeline=False)
     result = run_compiled(pm, (*inputs, *targets), ref)
     opt = torch.optim.AdamW(pm.parameters())
     loss = pm(*inputs, *targets)
@@ -90,7 +90,7 @@ def train_hf_on_rank(rank: int, world: int, dtype: torch.dtype, ref: Reference) 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = _hf_llama(dtype)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, precision="bf16",
-                         data_axes=("dp",))
+                         data_axes=("dp",), pipeline=False)
     return run_compiled(pm, (*inputs, *targets), ref)
 
 

@@ -89,7 +89,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     expert_axes = ("ep",) if "ep" in case.names else ()
     zero = {"zero": {"dp": case.zero}} if case.zero else {}
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=data_axes,
-                         expert_axes=expert_axes, **zero)
+                         expert_axes=expert_axes, **{"pipeline": False, **zero})
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
             "stored": {k: v for k, v in pm.plan.parameters.items() if k.endswith(".weight") and "norm" not in k},
@@ -146,7 +146,8 @@ def build_hf_mixtral(experts_implementation: str | None = None) -> Any:
 def train_hf_on_rank(rank: int, world: int, experts_implementation: str | None, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = build_hf_mixtral(experts_implementation)
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("dp",))
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, data_axes=("dp",),
+                         pipeline=False)
     ops = {n.op for n in pm.plan.nodes}
     return {**run_compiled(pm, (*inputs, *targets), ref), "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "moe_experts": "autopar.moe_experts.default" in ops}
@@ -223,7 +224,7 @@ def train_hf_ep_on_rank(rank: int, world: int, case: HfCase, ref: Reference) -> 
     kwargs = rest[0] if rest else {}
     data_axes = tuple(a for a in names if a in ("dp", "ep"))
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
-                         data_axes=data_axes, expert_axes=("ep",), checkpoint=case.checkpoint)
+                         data_axes=data_axes, expert_axes=("ep",), checkpoint=case.checkpoint, pipeline=False)
     return {**run_compiled(pm, (*inputs, *targets), ref, kwargs=kwargs),
             "fallbacks": [str(f) for f in pm.plan.fallbacks],
             "experts": {k: v for k, v in pm.plan.parameters.items() if ".experts." in k},
@@ -297,7 +298,7 @@ def train_hf_writes_on_rank(rank: int, world: int, case: HfMoeCase, ref: Referen
                for k, _ in model.named_parameters() if ".experts." in k} if "ep" in names else None
     pm = autopar.compile(model, init_device_mesh("cpu", shape, mesh_dim_names=names), inputs, loss_fn=loss_fn,
                          example_targets=targets, example_kwargs=kwargs, data_axes=(names[0],),
-                         expert_axes=("ep",) if "ep" in names else (), state_placements=experts)
+                         expert_axes=("ep",) if "ep" in names else (), state_placements=experts, pipeline=False)
     return {**run_compiled(pm, (*inputs, *targets), ref, kwargs=kwargs),
             "dispatch": sorted({(c.kind, c.axis, c.phase) for c in pm.plan.collectives if c.data_dependent})}
 

@@ -81,7 +81,7 @@ def train_on_rank(rank: int, world: int, mesh: str, data: bool, ref: Reference) 
     device_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model, inputs, loss_fn, targets = build()
     pm = autopar.compile(model, device_mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                         data_axes=("dp",) if data else (), seed=SEED)
+                         data_axes=("dp",) if data else (), seed=SEED, pipeline=False)
     return run_compiled(pm, (*inputs, *targets), ref)
 
 

@@ -150,7 +150,7 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = build(case.model)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                         data_axes=("dp",) if case.data_parallel else ())
+                         data_axes=("dp",) if case.data_parallel else (), pipeline=False)
     in_place = {n.name: n.outputs[0] for n in pm.plan.nodes
                 if n.op.startswith("aten.") and n.op.split(".")[1].endswith("_")}
     return {**run_compiled(pm, (*inputs, *targets), ref), "in_place": in_place}
@@ -167,7 +167,7 @@ def test_compiled_ops_match_single_device(case: Case) -> None:
 def _plan(name: str, mesh: dict[str, int]) -> Any:
     model, inputs, loss_fn, targets = build(name)
     return autopar.plan(model, autopar.Mesh(mesh, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                        data_axes=("dp",))
+                        data_axes=("dp",), pipeline=False)
 
 
 def test_written_tensors_are_never_resharded() -> None:

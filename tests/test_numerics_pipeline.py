@@ -496,12 +496,14 @@ def test_compile_plans_the_pipeline_plan_prices() -> None:
     assert run_ranks(_compiled_hashes, 2, limit) == [expected, expected]
 
 
-def _train_depth_searched(rank: int, world: int, limit: float | None, ref: Reference) -> dict[str, Any]:
-    """``compile`` with the depth left open (``Pipeline(from_axis="dp")``) on a 2-rank dp mesh."""
+def _train_depth_searched(rank: int, world: int, limit: float | None, ref: Reference, asked: dict[str, Any]
+                          ) -> dict[str, Any]:
+    """``compile`` with the depth left open (``Pipeline(from_axis="dp")``, or by default: ``asked``) on a
+    2-rank dp mesh."""
     model, inputs, loss_fn, targets = _stack()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit,
-                         zero={"dp": 0}, offload=False, pipeline=autopar.Pipeline(axis="pp", from_axis="dp"))
+                         zero={"dp": 0}, offload=False, **asked)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     losses = []
     for _ in range(STEPS):
@@ -516,19 +518,20 @@ def _train_depth_searched(rank: int, world: int, limit: float | None, ref: Refer
             "held": sorted(params), "state_mismatches": mismatches({k: ref.state[k] for k in params}, params)}
 
 
+@pytest.mark.parametrize("asked", [{"pipeline": autopar.Pipeline(axis="pp", from_axis="dp")}, {}],
+                         ids=["from_axis", "default"])
 @pytest.mark.parametrize("limit", [None, 256 * 1024])
-def test_compile_chooses_the_depth_plan_chooses(limit: float | None) -> None:
-    """Rank 0 searches the depth, every rank lays the mesh out for it and compiles the pinned
-    pipeline (or none): the plan that runs is ``plan``'s, and it trains to the single-device
-    numbers. With memory to spare the stack stays data parallel; under a limit its whole model
-    state does not fit, so it runs as a 2-stage pipeline."""
+def test_compile_chooses_the_depth_plan_chooses(limit: float | None, asked: dict[str, Any]) -> None:
+    """Rank 0 searches the depth (asked for, or by default), every rank lays the mesh out for it and
+    compiles the pinned pipeline (or none): the plan that runs is ``plan``'s, and it trains to the
+    single-device numbers. With memory to spare the stack stays data parallel; under a limit its whole
+    model state does not fit, so it runs as a 2-stage pipeline."""
     model, inputs, loss_fn, targets = _stack()
     planned = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                           memory_limit=limit, zero={"dp": 0}, offload=False,
-                           pipeline=autopar.Pipeline(axis="pp", from_axis="dp"))
+                           memory_limit=limit, zero={"dp": 0}, offload=False, **asked)
     assert (planned.pipeline is not None) == (limit is not None)
     ref = _reference("stack")
-    results = run_ranks(_train_depth_searched, 2, limit, ref)
+    results = run_ranks(_train_depth_searched, 2, limit, ref, asked)
     held = set()
     for rank, result in enumerate(results):
         assert result["pipelined"] == (limit is not None) and result["plan"] == planned.plan_hash(), f"rank {rank}"

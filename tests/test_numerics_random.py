@@ -103,7 +103,8 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     model, inputs, loss_fn, targets = MODELS[case.model]()
     torch.manual_seed(1000 + rank)  # per-rank default seeds: the module's stream must not depend on them
     seed = {} if case.seed is None else {"seed": case.seed}  # the default: what a user gets without asking
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **seed, **case.compile_kwargs())
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **seed,
+                         **case.compile_kwargs(), pipeline=False)
     randoms = [f"{n.args[0]} {n.args[1]}" for n in pm.program.graph.nodes if n.op == "call_module" and n.target == "random"]
     return {**run_compiled(pm, (*inputs, *targets), ref), "randoms": randoms}
 
@@ -129,7 +130,8 @@ def _loss_on_two_meshes(rank: int, world: int) -> list[float]:
                                  ((2, 2), ("dp", "tp"), {"constraints": gpt.TP_SP_PLAN})):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model, inputs, loss_fn, targets = _gpt()
-        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, seed=SEED, **kwargs)
+        pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, seed=SEED,
+                             **{"pipeline": False, **kwargs})
         losses.append(pm(*inputs, *targets).full_tensor().item())
     return losses
 
@@ -305,7 +307,8 @@ def test_counter_stream_draw_is_priced_as_the_eager_ops_on_a_cpu() -> None:
 def _compile_with_rank_seed(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     try:
-        autopar.compile(torch.nn.Linear(4, 4), mesh, (torch.randn(2, 4),), loss_fn=lambda out: out.sum(), seed=rank)
+        autopar.compile(torch.nn.Linear(4, 4), mesh, (torch.randn(2, 4),), loss_fn=lambda out: out.sum(), seed=rank,
+                        pipeline=False)
     except autopar.CompileError as exc:
         return str(exc)
     return "compiled"

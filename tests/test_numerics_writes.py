@@ -130,7 +130,7 @@ def train_on_rank(rank: int, world: int, name: str, mesh: str, ref: Reference) -
     shape, names = MESHES[mesh]
     model, inputs, loss_fn, targets = build(name)
     pm = autopar.compile(model, init_device_mesh("cpu", shape, mesh_dim_names=names), inputs, loss_fn=loss_fn,
-                         example_targets=targets, data_axes=("dp",))
+                         example_targets=targets, data_axes=("dp",), pipeline=False)
     return run_compiled(pm, (*inputs, *targets), ref)
 
 

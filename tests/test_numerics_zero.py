@@ -112,7 +112,8 @@ def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
     full = {k: tuple(p.shape) for k, p in model.named_parameters()}
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs(),
+                         pipeline=False)
     regather_calls = [n for n in pm.program.graph.nodes if n.op == "call_module" and n.target == "regather"]
     backward = backward_prefetch.watch(pm)
     result = run_compiled(pm, (*inputs, *targets), ref)
@@ -168,7 +169,7 @@ def _gathers_alive(rank: int, world: int, stage: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero={"dp": stage},
-                         data_axes=("dp",))
+                         data_axes=("dp",), pipeline=False)
     params = {id(p) for p in pm.parameters()}
     refs: list[weakref.ref[torch.Tensor]] = []
     for name in ("reshard", "regather"):

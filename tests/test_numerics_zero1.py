@@ -70,7 +70,8 @@ CASES = [Case("gpt", (2,), ("dp",)), Case("llama", (4,), ("dp",)), Case("gpt", (
 def train_on_rank(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=case.names)
     model, inputs, loss_fn, targets = MODELS[case.model]()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs())
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **case.compile_kwargs(),
+                         pipeline=False)
     result = run_compiled(pm, (*inputs, *targets), ref, step=case.micro_batches > 1)
     dp = mesh.size(case.names.index("dp"))
     chunks = {fqn: math.ceil(pm.get_parameter(fqn).numel() / dp) for fqn in pm.plan.memory.zero1}
@@ -132,7 +133,7 @@ def _train_mixed(rank: int, world: int, shape: tuple[int, ...], names: tuple[str
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model, inputs, loss_fn, targets = gpt.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, hardware="h100",
-                         memory_limit=limit, **_mixed_options(names))
+                         memory_limit=limit, **_mixed_options(names), pipeline=False)
     result = run_compiled(pm, (*inputs, *targets), ref)
     return {**result, "zero1": pm.plan.memory.zero1, "trainable": pm.plan.memory.trainable_parameters,
             "peak": pm.plan.predicted.peak_memory_bytes}
@@ -214,7 +215,7 @@ def test_zero1_optimizer_state_round_trips_across_meshes(tmp_path: Path) -> None
 def _plain_optimizer_rank(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero={"dp": 1})
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero={"dp": 1}, pipeline=False)
     torch.optim.AdamW(pm.parameters(), lr=LR)
     try:
         pm(*inputs, *targets)

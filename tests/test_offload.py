@@ -33,7 +33,7 @@ from tests.planning import assert_one_price
 def _compile() -> tuple[autopar.ParallelModule, tuple[torch.Tensor, torch.Tensor]]:
     model, (tokens,), loss_fn, (targets,) = gpt.build()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,))
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), pipeline=False)
     return pm, (tokens, targets)
 
 
@@ -253,7 +253,8 @@ MIXED: dict[str, Any] = dict(hardware="h100", precision="fp32", micro_batches=1,
 def _mixed_rank(rank: int, world: int, limit: float, ref: Any) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = _big_table()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit, **MIXED)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit,
+                         **{"pipeline": False, **MIXED})
     return {**run_compiled(pm, (*inputs, *targets), ref), "offload": pm.plan.memory.offload}
 
 

@@ -57,7 +57,7 @@ def test_windows_hide_gathers_behind_the_neighbouring_block(eff: float) -> None:
     hw = dataclasses.replace(PROFILES["h100"], grad_sync_overlap=eff)
     d = 256
     step = plan_step(Stack(d), autopar.Mesh({"dp": 2}, hardware=hw), (torch.randn(64, d),), loss_fn=F.mse_loss,
-                     example_targets=(torch.randn(64, d),), zero={"dp": 3}, data_axes=("dp",))
+                     example_targets=(torch.randn(64, d),), zero={"dp": 3}, data_axes=("dp",), pipeline=False)
     plan = step.plan
     assert plan.solver["folded_blocks"] == {"layers": 2} and plan.grad_buckets == []
     fig = _block_figures(step)
@@ -208,7 +208,7 @@ def _order_on_rank(rank: int, world: int, case: Any, ref: Reference) -> dict[str
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build()
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, zero={"dp": 3},
-                         data_axes=("dp",))
+                         data_axes=("dp",), pipeline=False)
     fqn_of = {id(p): fqn for fqn, p in pm.named_parameters()}
     events: list[tuple[str, str, int]] = []  # (what, block, collectives logged so far)
 

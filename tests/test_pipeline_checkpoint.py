@@ -27,7 +27,7 @@ PIPELINE = autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2)
 MESHES: dict[str, tuple[tuple[int, ...], tuple[str, ...], dict[str, Any]]] = {
     "pp2xdp2": ((2, 2), ("pp", "dp"), {"data_axes": ("dp",), "pipeline": PIPELINE}),
     "pp2xtp2": ((2, 2), ("pp", "tp"), {"constraints": llama.TP_PLAN, "pipeline": PIPELINE}),
-    "tp2": ((2,), ("tp",), {"constraints": llama.TP_PLAN}),
+    "tp2": ((2,), ("tp",), {"constraints": llama.TP_PLAN, "pipeline": False}),
     "pp4": ((4,), ("pp",), {"pipeline": autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=4)}),
 }
 """Meshes by name: shape, axis names and what ``autopar.compile`` pins there."""

@@ -27,13 +27,15 @@ from examples import gpt
 def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count() -> None:
     model, inputs, loss_fn, targets = gpt.build()
     step = dict(loss_fn=loss_fn, example_targets=targets)
-    h100 = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, **step)
+    h100 = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, **{"pipeline": False, **step})
     # 80 GiB less the CUDA context (0.4 GB), NCCL's buffers (2 x 1.06 GB) and 10% fragmentation
     assert h100.memory_limit_bytes == pytest.approx((80 * GiB - 0.4e9 - 2.12e9) * 0.9)
     assert "limit 69.89 GiB" in str(h100)
-    whole = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, memory_headroom=0.0, **step)
+    whole = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, memory_headroom=0.0,
+                         **{"pipeline": False, **step})
     assert whole.memory_limit_bytes == 80 * GiB
-    given = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, memory_limit=3 * GiB, **step)
+    given = autopar.plan(model, autopar.Mesh({"dp": 2}, "h100"), inputs, memory_limit=3 * GiB,
+                         **{"pipeline": False, **step})
     assert given.memory_limit_bytes == 3 * GiB
 
     # A device whose whole memory just holds the leanest plan: by default the plan must not use it all.
@@ -44,8 +46,9 @@ def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count()
                             for s in scenarios.leanest(search_scenarios(problems.at(place)))))
     tight = dataclasses.replace(PROFILES["cpu"], memory_bytes=int(leanest / 0.95))
     with pytest.raises(autopar.MemoryLimitError, match=r"\(the limit is the cpu's .* less a headroom of 10%"):
-        autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, **step)
-    fits = autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, memory_headroom=0.0, **step)
+        autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, **{"pipeline": False, **step})
+    fits = autopar.plan(model, autopar.Mesh({"dp": 2}, tight), inputs, memory_headroom=0.0,
+                        **{"pipeline": False, **step})
     assert fits.predicted.peak_memory_bytes <= tight.memory_bytes
 
 
@@ -63,7 +66,7 @@ def test_default_memory_limit_leaves_headroom_for_what_the_plan_does_not_count()
 def test_bad_memory_limits_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(autopar.InputError, match=message):
         autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
-                     loss_fn=lambda out: out.sum(), **kwargs)
+                     loss_fn=lambda out: out.sum(), **{"pipeline": False, **kwargs})
 
 
 class _Output:
@@ -85,7 +88,7 @@ class _NoLabels(nn.Linear):
 ], ids=["logits", "hf-output-without-labels"])
 def test_a_model_output_that_is_not_a_loss_is_described(model: nn.Module, message: str) -> None:
     with pytest.raises(autopar.CaptureError, match=message) as info:
-        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),), pipeline=False)
     assert "FakeTensor" not in str(info.value)
 
 
@@ -97,7 +100,7 @@ def test_a_model_output_that_is_not_a_loss_is_described(model: nn.Module, messag
 ], ids=["model-is-a-string", "bare-tensor-inputs", "object-inside-a-list"])
 def test_wrong_argument_types_are_named_before_tracing(args: tuple, message: str) -> None:
     with pytest.raises(autopar.InputTypeError, match=message) as info:
-        autopar.plan(args[0], autopar.Mesh({"dp": 2}, "cpu"), args[1], loss_fn=lambda out: out.sum())
+        autopar.plan(args[0], autopar.Mesh({"dp": 2}, "cpu"), args[1], loss_fn=lambda out: out.sum(), pipeline=False)
     assert isinstance(info.value, TypeError)  # as Python's own type errors
 
 
@@ -119,12 +122,12 @@ def test_bad_bucket_sizes_and_solver_time_limits_are_refused_before_capture(
     monkeypatch.setattr("autopar.search.problem.capture", no_capture)
     with pytest.raises(autopar.InputError, match=message):
         autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
-                     loss_fn=lambda out: out.sum(), **kwargs)
+                     loss_fn=lambda out: out.sum(), **{"pipeline": False, **kwargs})
 
 
 def _plan_linear(**kwargs: object) -> autopar.Plan:
     return autopar.plan(nn.Linear(8, 8), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),),
-                        **{"loss_fn": lambda out: out.sum(), **kwargs})  # type: ignore[arg-type]
+                        **{"loss_fn": lambda out: out.sum(), **kwargs}, pipeline=False)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("call,error,message", [
@@ -132,7 +135,8 @@ def _plan_linear(**kwargs: object) -> autopar.Plan:
     (lambda: parse_mesh_spec("dp=2,dp=4"), ValueError, "named twice"),
     (lambda: autopar.Mesh({"dp": 2}, "tpu9"), ValueError, "unknown hardware 'tpu9'"),
     (lambda: _plan_linear(precision="fp8"), ValueError, "unknown precision 'fp8'"),
-    (lambda: autopar.plan(nn.Linear(8, 8), None, (torch.randn(4, 8),)), TypeError, "mesh must be an autopar.Mesh"),
+    (lambda: autopar.plan(nn.Linear(8, 8), None, (torch.randn(4, 8),), pipeline=False), TypeError,
+                          "mesh must be an autopar.Mesh"),
     (lambda: _plan_linear(data_axes=("tp",)), ValueError, r"data_axes \('tp',\) names 'tp', not an axis of the mesh"),
     (lambda: _plan_linear(constraints={"": ColwiseParallel()}), ValueError, r"mesh axis 'tp' \(constraint_axis=\), not an axis of the mesh"),
     (lambda: _plan_linear(constraints={"nothing": ColwiseParallel()}, constraint_axis="dp"), ValueError,
@@ -184,4 +188,5 @@ def test_options_of_the_wrong_kind_are_refused_by_name(model: nn.Module, inputs:
     """Each was accepted silently (a string of axis names read as its letters, a float64 input traced
     into float32 matmuls, more blocks than the model has read as all) or raised an AttributeError."""
     with pytest.raises(error, match=message):
-        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=lambda out: out.sum(), **kwargs)
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=lambda out: out.sum(),
+                     **{"pipeline": False, **kwargs})

@@ -45,7 +45,7 @@ def _cpu_plan(name: str) -> autopar.Plan:
     }[name]
     model, inputs, loss_fn, targets = build()
     return autopar.plan(model, autopar.Mesh(axes, hardware="cpu"), inputs, loss_fn=loss_fn,
-                        example_targets=targets, **opts)
+                        example_targets=targets, **{"pipeline": False, **opts})
 
 
 @pytest.mark.parametrize("name", sorted(CPU_BEFORE))

@@ -56,7 +56,7 @@ def _mesh_timeouts(rank: int, world: int) -> list[float]:
     model = torch.nn.Linear(8, 8)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     autopar.compile(model, mesh, (x,), loss_fn=torch.nn.functional.mse_loss, example_targets=(y,),
-                    data_axes=("dp",))
+                    data_axes=("dp",), pipeline=False)
     return [group_timeout(mesh.get_group(d)).total_seconds() for d in ("dp", "tp")]
 
 

@@ -39,7 +39,7 @@ def _meta_init_rank(rank: int, world: int) -> dict[str, Any]:
     # Pinned TP, so that parameters are sharded (the free plan of this tiny model on the cpu
     # profile is plain data parallelism: every parameter replicated).
     pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
-                         constraints=gpt.TP_PLAN)
+                         constraints=gpt.TP_PLAN, pipeline=False)
     assert all(not p.is_meta for p in pm.parameters()) and all(p.is_meta for p in model.parameters())
     local = sum(p.numel() for p in pm.parameters())
     expected = sum(v.numel() // math.prod(n for p, n in zip(v.placements, mesh.shape) if shard_dim(p) is not None)
@@ -67,7 +67,7 @@ def test_meta_model_is_initialized_shard_by_shard_like_one_device() -> None:
 def _forward_only_rank(rank: int, world: int) -> list[float]:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     model, (tokens,), _, _ = gpt.build()
-    pm = autopar.compile(model, mesh, (tokens,), train=False)
+    pm = autopar.compile(model, mesh, (tokens,), train=False, pipeline=False)
     logits = pm(tokens)
     assert isinstance(logits, DTensor)
     return _bytes(logits.full_tensor())
@@ -96,7 +96,7 @@ def _sharded_input_rank(rank: int, world: int) -> float:
     tokens, targets = _tokens()
     half = slice(rank * 4, rank * 4 + 4)
     pm = autopar.compile(model, mesh, (tokens[half],), loss_fn=loss_fn, example_targets=(targets[half],),
-                         input_sharded=True)
+                         input_sharded=True, pipeline=False)
     return pm(tokens[half], targets[half]).full_tensor().item()
 
 
@@ -115,12 +115,13 @@ def _mean_loss_rank(rank: int, world: int) -> dict[str, float]:
     tokens, targets = _tokens()
     targets = targets.clone()
     targets[:3, 5:] = -100  # rank 0's half of the batch has far fewer counted positions
-    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), data_axes=("dp",))
+    pm = autopar.compile(model, mesh, (tokens,), loss_fn=loss_fn, example_targets=(targets,), data_axes=("dp",),
+                         pipeline=False)
     torch.manual_seed(5)
     reg = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(3)), torch.zeros(8, 4)
     pm_reg = autopar.compile(reg, mesh, (x,), loss_fn=torch.nn.functional.mse_loss, example_targets=(y,),
-                             data_axes=("dp",))
+                             data_axes=("dp",), pipeline=False)
     counts = [c for p in (pm, pm_reg) for c in p.plan.collectives if c.tensor.startswith(("cross", "mse"))]
     return {"ce": pm(tokens, targets).full_tensor().item(), "mse": pm_reg(x, y).full_tensor().item(),
             "count_collectives": len(counts)}
@@ -145,7 +146,8 @@ def _checkpoint_rank(rank: int, world: int, path: str, pinned: bool) -> dict[str
     model, _, loss_fn, _ = gpt.build()
     mesh_2x2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = {"constraints": gpt.TP_PLAN} if pinned else {}
-    pm = autopar.compile(model, mesh_2x2, (tokens,), loss_fn=loss_fn, example_targets=(targets,), **tp)
+    pm = autopar.compile(model, mesh_2x2, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
+                         **{"pipeline": False, **tp})
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     pm(tokens, targets).backward()
     opt.step()
@@ -153,7 +155,8 @@ def _checkpoint_rank(rank: int, world: int, path: str, pinned: bool) -> dict[str
     saved = {k: v.full_tensor() for k, v in pm.state_dict().items()}
     fresh, _, _, _ = gpt.build(gpt.GPTConfig())  # same shapes, other values after training
     mesh_4 = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    other = autopar.compile(fresh, mesh_4, (tokens,), loss_fn=loss_fn, example_targets=(targets,), **tp)
+    other = autopar.compile(fresh, mesh_4, (tokens,), loss_fn=loss_fn, example_targets=(targets,),
+                            **{"pipeline": False, **tp})
     strided = [k for k, v in [*pm.state_dict().items(), *other.state_dict().items()]
                if any(is_strided(p) for p in v.placements)]
     changed = [k for k, v in other.state_dict().items() if not torch.equal(v.full_tensor(), saved[k])]
@@ -181,7 +184,7 @@ def _wrong_mesh_rank(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     model, inputs, loss_fn, targets = gpt.build()
     with pytest.raises(autopar.CompileError, match="2 devices .* 4 ranks") as info:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=False)
     return str(info.value)
 
 
@@ -189,7 +192,7 @@ def _rank_disagrees(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model, inputs, loss_fn, targets = gpt.build(batch=8 if rank == 0 else 4)
     with pytest.raises(autopar.CompileError, match="planned differently") as info:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=False)
     return str(info.value)
 
 
@@ -203,7 +206,7 @@ def _rank_fails(rank: int, world: int) -> str:
         return loss_fn(logits, t)
 
     with pytest.raises(autopar.CaptureError, match="rank 1.*loss is broken") as info:  # the user's: its own type
-        autopar.compile(model, mesh, inputs, loss_fn=broken_loss, example_targets=targets)
+        autopar.compile(model, mesh, inputs, loss_fn=broken_loss, example_targets=targets, pipeline=False)
     return str(info.value)
 
 
@@ -219,7 +222,7 @@ def _accumulate_rank(rank: int, world: int) -> dict[str, list[float]]:
     model, _, loss_fn, _ = gpt.build()
     tokens, targets = _tokens()
     pm = autopar.compile(model, mesh, (tokens[:4],), loss_fn=loss_fn, example_targets=(targets[:4],),
-                         data_axes=("dp",))
+                         data_axes=("dp",), pipeline=False)
     for micro in (slice(0, 4), slice(4, 8)):  # two micro-batches, one optimizer step
         pm(tokens[micro], targets[micro]).backward()
     state = pm.state_dict()
@@ -242,7 +245,7 @@ def _strided_batch_rank(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, x = PairwiseBatch(), torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    pm = autopar.compile(model, mesh, (x,), data_axes=("dp",))
+    pm = autopar.compile(model, mesh, (x,), data_axes=("dp",), pipeline=False)
     loss = pm(x)
     loss.backward()
     grads = {k: DTensor.from_local(p.grad, mesh, pm.state_dict()[k].placements).full_tensor().tolist()

@@ -1,6 +1,6 @@
 """Plans kept and run: ``Plan.from_json(plan.to_json())`` is the plan, ``search.replay`` makes a saved plan
 again for its step without searching (refusing one made for another step or mesh, saying what differs),
-and ``autopar.compile(..., plan=...)`` runs it on ranks with no ILP solved."""
+and ``autopar.compile(..., plan=..., pipeline=False)`` runs it on ranks with no ILP solved."""
 
 from __future__ import annotations
 
@@ -89,16 +89,16 @@ def _run_saved(rank: int, world: int, saved: dict[str, Any]) -> dict[str, Any]:
     ilp.solve_ilp, export._captured = counted, traced  # this forked process only
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model, inputs, loss_fn, targets = gpt.build(GPT)
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved)
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved, pipeline=False)
     out: dict[str, Any] = {"solves": len(solves), "hash": pm.plan.plan_hash(), "notes": pm.plan.notes,
                            "loss": pm(*inputs, *targets).full_tensor().item(), "traces": len(traces)}
     # the model compiled again in this process: its capture is kept (``capture.kept``), the plan the same
-    again = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved)
+    again = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved, pipeline=False)
     out.update(traces_again=len(traces) - out["traces"], hash_again=again.plan.plan_hash(),
                loss_again=again(*inputs, *targets).full_tensor().item())
     other = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     with pytest.raises(autopar.InputError, match="the plan runs on a mesh") as info:
-        autopar.compile(model, other, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved)
+        autopar.compile(model, other, inputs, loss_fn=loss_fn, example_targets=targets, plan=saved, pipeline=False)
     out["refused"] = str(info.value)
     return out
 

@@ -17,7 +17,7 @@ MiB = 2**20
 def _plan(**options: object) -> autopar.Plan:
     model, inputs, loss_fn, targets = gpt.build(batch=2)
     return autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                        offload=False, **options)
+                        offload=False, pipeline=False, **options)
 
 
 def test_a_plan_with_memory_to_spare_says_its_first_scenario_was_chosen() -> None:

@@ -141,7 +141,7 @@ def test_memory_limit_no_plan_meets_says_what_best_needs() -> None:
     with pytest.raises(MemoryLimitError, match=r"least memory .*needs [0-9.]+ (MiB|KiB|GiB) per device: .*weights [0-9.]+ (MiB|KiB|GiB).*"
                        r"activations"):
         autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
-                     memory_limit=1024)
+                     memory_limit=1024, pipeline=False)
 
 
 def _llama_graph(layers: int):
@@ -169,8 +169,8 @@ def test_repeated_layers_are_solved_once() -> None:
 def test_plans_are_deterministic() -> None:
     model, inputs, loss_fn, targets = llama.build()
     mesh = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
-    a = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
-    b = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
+    a = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=False)
+    b = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=False)
     ja, jb = a.to_json(), b.to_json()
     ja.pop("timings"), jb.pop("timings")
     assert ja == jb
@@ -179,7 +179,8 @@ def test_plans_are_deterministic() -> None:
 
 def test_small_model_large_batch_is_pure_data_parallel() -> None:
     model, inputs, loss_fn, targets = gpt.build(batch=512)
-    plan = autopar.plan(model, autopar.Mesh({"dp": 8}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets)
+    plan = autopar.plan(model, autopar.Mesh({"dp": 8}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets,
+                        pipeline=False)
     linear_weights = {k: v for k, v in plan.parameters.items() if k.endswith("weight") and "ln" not in k
                       and not k.startswith(("wte", "wpe"))}
     assert set(linear_weights.values()) == {"R"}, linear_weights  # no tensor parallelism
@@ -203,7 +204,7 @@ def test_op_without_rule_falls_back_to_replicate_and_is_listed() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.flip(self.fc(x), dims=[1]).sum()
 
-    plan = autopar.plan(Flipper(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
+    plan = autopar.plan(Flipper(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),), pipeline=False)
     assert plan.fallbacks == [Fallback(op="aten.flip.default", reason=NO_RULE, nodes=["flip"])]
     assert f"aten.flip.default ({NO_RULE})" in " ".join(str(plan).split())
     flip = next(n for n in plan.nodes if n.op == "aten.flip.default")
@@ -226,7 +227,7 @@ def test_call_a_rule_does_not_handle_is_listed_with_its_reason() -> None:
             gram = torch.einsum("...i,...j->...ij", h, h)
             return scores.sum() + gram.sum()
 
-    plan = autopar.plan(Scorer(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),))
+    plan = autopar.plan(Scorer(), autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 8),), pipeline=False)
     reasons = {f.op: f.reason for f in plan.fallbacks}
     assert reasons == {"aten.matmul.default": "a vector (1-D) operand",
                        "aten.einsum.default": "ellipsis in the equation '...i,...j->...ij'"}
@@ -248,7 +249,7 @@ def test_hugging_face_models_plan_end_to_end(builder: str) -> None:
 
     model, inputs, loss_fn, targets = getattr(hf_models, builder)()
     plan = autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), inputs, loss_fn=loss_fn,
-                        example_targets=targets)
+                        example_targets=targets, pipeline=False)
     assert_one_price(plan)
     assert len(plan.parameters) == len(dict(model.named_parameters()))
     # model state by hand: fp32 weights, gradients and Adam's m and v (16 bytes), per shard
@@ -268,7 +269,7 @@ def test_solver_time_limit_without_a_plan_is_its_own_error() -> None:
     model, inputs, loss_fn, targets = llama.build()
     with pytest.raises(autopar.SolverTimeLimitError, match="time limit of 1e-09 s"):  # a limit must be > 0
         autopar.plan(model, autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), inputs, loss_fn=loss_fn,
-                     example_targets=targets, solver_time_limit_s=1e-9)
+                     example_targets=targets, solver_time_limit_s=1e-9, pipeline=False)
 
 
 class _Info:
@@ -326,7 +327,7 @@ def test_a_plan_stopped_at_the_time_limit_says_so(monkeypatch: pytest.MonkeyPatc
     model, inputs, loss_fn, targets = gpt.build()
     with pytest.warns(UserWarning, match="NOT PROVEN OPTIMAL.*time limit of 7 s.*within 4.20%"):
         plan = autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn,
-                            example_targets=targets, solver_time_limit_s=7.0)
+                            example_targets=targets, solver_time_limit_s=7.0, pipeline=False)
     assert (plan.solver["status"], plan.solver["gap"], plan.solver["time_limit_s"]) == ("time_limit", 0.042, 7.0)
     assert "NOT PROVEN OPTIMAL" in str(plan)
 
@@ -347,5 +348,5 @@ def test_blocks_whose_inputs_differ_in_gradient_do_not_fold() -> None:
             return x
 
     plan = autopar.plan(Stack(), autopar.Mesh({"dp": 2}, "h100"), (torch.randn(64, 256),),
-                        loss_fn=lambda y: y.square().mean(), zero={"dp": 3})
+                        loss_fn=lambda y: y.square().mean(), zero={"dp": 3}, pipeline=False)
     assert_one_price(plan)

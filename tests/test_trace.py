@@ -48,7 +48,7 @@ def test_timeline_adds_up_to_the_prediction(memory: dict) -> None:
     hw = dataclasses.replace(PROFILES["h100"], grad_sync_overlap=0.05)  # partly hidden windows
     d = 256
     plan = autopar.plan(Stack(d), autopar.Mesh({"dp": 2}, hardware=hw), (torch.randn(64, d),), loss_fn=F.mse_loss,
-                        example_targets=(torch.randn(64, d),), data_axes=("dp",), **memory)
+                        example_targets=(torch.randn(64, d),), data_axes=("dp",), pipeline=False, **memory)
     spans = _check_sums(plan)
     micro_batches = memory.get("micro_batches", 1)
     forward = [s for s in spans if s.track == COMPUTE and s.phase == "forward"]
@@ -81,7 +81,7 @@ def test_one_linear_by_hand() -> None:
 def test_chrome_trace_file_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from autopar.cli.main import main
     path = tmp_path / "step.json"
-    assert main(["plan", "examples/gpt.py:build", "--mesh", "dp=2,tp=2", "--trace", str(path)]) == 0
+    assert main(["plan", "examples/gpt.py:build", "--mesh", "dp=2,tp=2", "--no-pipeline", "--trace", str(path)]) == 0
     trace = json.loads(path.read_text())
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert {"compute", "communication (waited for)", "communication (beside compute)"} <= names

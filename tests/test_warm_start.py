@@ -59,10 +59,10 @@ def test_the_start_changes_speed_not_the_optimum(build: object, mesh: dict[str, 
     model, inputs, loss_fn, targets = build()  # type: ignore[operator]
     kwargs = {"loss_fn": loss_fn, "example_targets": targets}
     monkeypatch.setattr(ilp, "NARROW_FROM_COLUMNS", 0)  # these models are small: narrowed only when told
-    started = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **kwargs)
+    started = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **{"pipeline": False, **kwargs})
     # every strategy kept: no narrowed solve, so HiGHS runs from its own heuristics
     monkeypatch.setattr(ilp, "likely_strategies", lambda x, cost, terms, keep: {v: list(range(len(c)))
                                                                                for v, c in x.items()})
-    cold = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **kwargs)
+    cold = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **{"pipeline": False, **kwargs})
     assert started.predicted.step_time_s == pytest.approx(cold.predicted.step_time_s, rel=1e-6)
     assert started.solver["status"] == cold.solver["status"] == "optimal"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.config import PlanConfig, check
+from autopar.config import PlanConfig, check, settled
 from autopar.errors import CompileError, InputError, InputTypeError
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
@@ -48,7 +48,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     makes rank 0's plan for its own capture of the step (``search.replay``) and the ranks check that they
     made the same one; ``plan=`` (a ``Plan`` or its JSON, e.g. the CLI's ``--json``) runs a saved plan
     without searching, refused with what differs when it was made for another model, mesh or options. A
-    plan that pipelines lays ``mesh``'s ranks out for its axes (a depth taken out of the first axis). A
+    plan that pipelines lays ``mesh``'s ranks out for its axes (a depth taken out of the first axis); a 1-D
+    mesh without axis names leaves its axes to the planner (``search.layout``), its ranks laid out on them. A
     model on the meta device is initialized module by module (``reset_parameters`` or ``init_fn``, seeded
     by ``init_seed`` and the module path) and only shards are kept. Random ops draw from one stream the
     module owns (``pm.generator``), seeded ``seed`` on every rank (None: rank 0's ``torch.initial_seed()``):
@@ -66,18 +67,18 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     config = PlanConfig.from_options(**options)
     mesh = _replica_mesh(mesh, replica_axis, config)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
-    config = _checked(config, planning_mesh)
+    config, unpipelined = _checked(config, planning_mesh, replica_axis)
     precision, compute_dtype, planned_model = on_every_rank("checking the model's precision", lambda: _planning_model(
         model, config.precision, planning_mesh))
     config = replace(config, precision=precision, masters=compute_dtype is not None)
     random = RandomSource(_agreed_seed(seed), exact_torch=config.random_stream == "torch")
     step = _step(planned_model, example_inputs, example_kwargs, example_targets, loss_fn, config, planning_mesh)
-    problems = Problems(step, config)
+    problems = Problems(step, config, unpipelined=unpipelined)
     if config.pipeline is None:  # every rank captures the step at once, checked alike before rank 0 solves it
         first = on_every_rank("capturing the step", lambda: problems.at(first_place(config, planning_mesh)))
         agree("their captured steps differ", _fingerprint(first))
     chosen = _chosen_plan(plan, problems, planning_mesh)
-    run_mesh = _laid_out(mesh, chosen)
+    run_mesh = _laid_out(mesh, chosen, planning_mesh.open)
     made = on_every_rank("building the plan", lambda: replay(problems, Mesh.from_device_mesh(run_mesh, hardware),
                                                              chosen))
     agree("the plans made from rank 0's differ", made.plan.plan_hash())
@@ -97,12 +98,17 @@ def _fingerprint(problem: Problem) -> str:
     return hashlib.sha256(repr((items, options)).encode()).hexdigest()[:16]
 
 
-def _checked(config: PlanConfig, mesh: Mesh) -> PlanConfig:
-    """``config`` checked on every rank (``config.check``); inputs arriving split default to the "dp" axis."""
-    if config.axes.input_sharded and not config.axes.data and "dp" in mesh.names:
+def _checked(config: PlanConfig, mesh: Mesh, replica_axis: str | None) -> tuple[PlanConfig, str]:
+    """``config`` settled and checked on every rank (``config.settled``, ``config.check``), and why the default
+    searches no pipeline; inputs arriving split default to the "dp" axis, replicas to no pipeline."""
+    if config.axes.input_sharded and not config.axes.data and "dp" in mesh.names and not mesh.open:
         config = replace(config, axes=replace(config.axes, data=("dp",)))
+    unpipelined = ""
+    if replica_axis is not None and config.pipeline is True:
+        config, unpipelined = replace(config, pipeline=None), "replicas (replica_axis) run unpipelined"
     on_every_rank("checking the options", lambda: check(config, mesh))
-    return config
+    config, why = settled(config, mesh)
+    return config, unpipelined or why
 
 
 def _step(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, targets: tuple[Any, ...],
@@ -127,15 +133,17 @@ def _chosen_plan(plan: Plan | dict[str, Any] | None, problems: Problems, mesh: M
     raise InputTypeError(f"plan= takes an autopar.Plan or its JSON (Plan.to_json()), got {type(plan).__name__}")
 
 
-def _laid_out(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
-    """``mesh``'s ranks laid out on the axes ``plan`` runs on: as they are, or with a pipeline depth taken
-    out of the first axis (same ranks, reshaped; a collective). A plan for other axes is refused."""
+def _laid_out(mesh: DeviceMesh, plan: Plan, open_axes: bool) -> DeviceMesh:
+    """``mesh``'s ranks laid out on the axes ``plan`` runs on: as they are, with a pipeline depth taken out
+    of the first axis, or (``open_axes``: a 1-D mesh without names) on the axes the planner chose (same
+    ranks, reshaped; a collective). A plan for other axes is refused."""
     names = tuple(mesh.mesh_dim_names or ())
     given, axes = dict(zip(names, mesh.shape)), run_axes(plan)
     if given == axes:
         return mesh
-    gather_errors("laying the mesh out for the plan", "" if _carves(given, axes, plan) else
-                  f"the plan runs on a mesh {axes}; this mesh is {given}", InputError)
+    fits = math.prod(axes.values()) == mesh.size() if open_axes else _carves(given, axes, plan)
+    gather_errors("laying the mesh out for the plan", "" if fits else
+                  f"the plan runs on a mesh {axes}; this mesh is {given or mesh.size()}", InputError)
     return on_every_rank("laying the mesh out for the pipeline", lambda: carved_device_mesh(mesh, axes))
 
 
@@ -185,8 +193,9 @@ def _replica_mesh(mesh: DeviceMesh, axis: str | None, config: PlanConfig) -> Dev
     if axis is None:
         return mesh
     names = tuple(mesh.mesh_dim_names or ())
+    pinned = isinstance(config.pipeline, Pipeline)
     error = f"replica_axis {axis!r} is not an axis of the mesh {dict(zip(names, mesh.shape))}" \
-        if axis not in names else "replica_axis with pipeline= is not supported yet" if config.pipeline else ""
+        if axis not in names else "replica_axis with pipeline= is not supported yet" if pinned else ""
     gather_errors("checking replica_axis", error, InputError)
     return stage_device_mesh(mesh, axis)
 

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -69,7 +70,9 @@ def plan_command(args: argparse.Namespace) -> int:
     hardware = get_profile(args.hardware)
     if args.moe_imbalance is not None:
         hardware = dataclasses.replace(hardware, moe_imbalance=args.moe_imbalance)
-    mesh = Mesh(parse_mesh_spec(args.mesh), hardware, args.devices_per_node)  # before running user code
+    spec = args.mesh.strip()
+    mesh = Mesh(None, hardware, args.devices_per_node, devices=int(spec)) if re.fullmatch(r"[0-9]+", spec) else \
+        Mesh(parse_mesh_spec(spec), hardware, args.devices_per_node)  # before running user code
     for option, where in (("--json", args.json), ("--trace", args.trace)):
         _check_writable(option, where)  # before planning, not after the plan is printed
     hf.check(args, training=True)
@@ -80,11 +83,13 @@ def plan_command(args: argparse.Namespace) -> int:
         model, inputs, kwargs, loss_fn, targets = _unpack(run_user_code(args.builder, lambda: builder()),
                                                           args.builder)
     memory_limit = args.memory_limit_gib * 2**30 if args.memory_limit_gib is not None else None
-    pipeline = None
+    pipeline: autopar.Pipeline | bool = not args.no_pipeline
     if args.pipeline is None and (args.schedule is not None or args.virtual_stages is not None
                                   or args.pipeline_from is not None):
         raise InputError("--schedule, --virtual-stages and --pipeline-from are choices of a pipeline: "
                          "add --pipeline AXIS")
+    if args.pipeline is not None and args.no_pipeline:
+        raise InputError("--pipeline AXIS and --no-pipeline: pass one")
     if args.pipeline is not None:  # --micro-batches is then the pipeline's
         pipeline = autopar.Pipeline(axis=args.pipeline, schedule=args.schedule, micro_batches=args.micro_batches,
                                     virtual_stages=args.virtual_stages, from_axis=args.pipeline_from)
@@ -93,7 +98,7 @@ def plan_command(args: argparse.Namespace) -> int:
                         precision=args.precision, solver_time_limit_s=args.solver_time_limit,
                         zero=args.zero, checkpoint=args.checkpoint, checkpoint_blocks=args.checkpoint_blocks,
                         regather_blocks=args.regather_blocks,
-                        micro_batches=None if pipeline else args.micro_batches,
+                        micro_batches=None if args.pipeline is not None else args.micro_batches,
                         offload=args.offload, pipeline=pipeline, data_axes=args.data_axes,
                         expert_axes=args.expert_axes, context_axes=args.context_axes,
                         context_layout=args.context_layout, context_attention=args.context_attention,
@@ -171,7 +176,8 @@ def parser() -> argparse.ArgumentParser:
                    help="FILE.py:FUNCTION returning (model, example_inputs[, loss_fn[, example_targets]]) "
                         "or a dict of model, example_inputs, example_kwargs, loss_fn, example_targets")
     hf.add_options(p, training=True, positive=positive)
-    p.add_argument("--mesh", required=True, help="axes outermost first, each named once, e.g. dp=2,tp=4")
+    p.add_argument("--mesh", required=True, help="axes outermost first, each named once, e.g. dp=2,tp=4; or a "
+                   "number of devices, e.g. 512, whose axes the planner lays out")
     p.add_argument("--hardware", default="h100", choices=sorted(PROFILES), help="device profile (default h100)")
     p.add_argument("--devices-per-node", type=positive(int), default=8, help="devices sharing NVLink (default 8)")
     limit = p.add_mutually_exclusive_group()
@@ -219,7 +225,9 @@ def parser() -> argparse.ArgumentParser:
                         "or --no-offload (default: the planner offloads what the memory limit needs)")
     memory.add_argument("--micro-batches", type=positive(int), default=None, metavar="M",
                         help="pin the number of micro-batches a step runs (must divide the batch)")
-    pipe = p.add_argument_group("pipeline (default: none; with --pipeline, what is not given the planner picks)")
+    pipe = p.add_argument_group("pipeline (default: the planner takes 1, 2, 4, ... pp ranks out of the mesh's first "
+                                "axis and keeps the fastest; with --pipeline, what is not given the planner picks)")
+    pipe.add_argument("--no-pipeline", action="store_true", help="plan without a pipeline")
     pipe.add_argument("--pipeline", metavar="AXIS", default=None,
                       help="lay pipeline stages along this mesh axis (the first); --micro-batches is then the "
                            "pipeline's")

@@ -78,6 +78,8 @@ def _pin_data_axes(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, config
                          "token are not split by expert yet")
     for axis_name in data:
         axis = mesh.names.index(axis_name)
+        if mesh.shape[axis] == 1:  # one rank (a pipeline took the axis's others): every placement is whole
+            continue
         free = experts if axis_name in expert else frozenset()
         pins = data_parallel_pins(graph, captured.user_inputs, axis, axis_name,
                                   inputs_whole=not config.axes.input_sharded, free_params=free)
@@ -90,6 +92,8 @@ def _pin_context_axes(graph: PlanGraph, captured: CapturedGraph, mesh: Mesh, con
                       zero: dict[str, int], out: Pinned) -> None:
     for axis_name in context:
         axis = mesh.names.index(axis_name)
+        if mesh.shape[axis] == 1:
+            continue
         pins = context_parallel_pins(graph, captured.user_inputs, axis, axis_name)
         if axis_name in mesh.zigzag:
             pins = {**state_pins(graph, axis_name), **pins}

@@ -40,6 +40,9 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) 
         fastest = min((s.plan.predicted.step_time_s for _, s in found), default=math.inf)
         if found and units is None:
             units = len(block_units(found[0][1].graph)[0])
+            if units == 0:  # nothing repeats: no stage cut to search, the unpipelined plan as it is
+                problems.account.record("depth", "pp>1", "pruned", None, "the model has no repeated blocks")
+                return found[0][1]
         if units is not None and depth > units:  # not planned: no stage would be left without a unit
             skipped.append(f"pp={depth}: more pp ranks than the {units} units a pipeline cuts this model into "
                            "(the head, the repeated blocks, the tail)")

@@ -2,6 +2,7 @@
 
 ``plan(step, config, mesh)`` checks the config against the mesh (``config.check``), then:
 
+    for each layout of a mesh whose axes are left open (search.layout: dp, dp x tp within a node)
     for each pipeline depth (search.depth: Pipeline(from_axis=...) takes 1, 2, 4, ... pp ranks
                              out of the mesh's first axis; 1 is no pipeline)
       for each schedule x stages per rank x micro-batch count (search.pipeline), the stage plan
@@ -14,8 +15,8 @@
 Each level takes the problems (``search.problem.Problems``: the step prepared once per place, priced
 once per scenario) and a bound from the level above, and returns its best plan or ``Pruned`` with the
 reason and the error its user would get; nothing is raised to steer the search. A level a config pins
-(a pipeline without ``from_axis``, no pipeline at all) is not searched. ``api.plan`` and ``api.compile``
-(rank 0) plan through here.
+(a pipeline without ``from_axis``, no pipeline at all) is not searched; by default the depth is searched out
+of the mesh's first axis (``config.settled``). ``api.plan`` and ``api.compile`` (rank 0) plan through here.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.capture import reuse_captures
-from autopar.config import PlanConfig, check
+from autopar.config import PlanConfig, check, settled
 from autopar.mesh import Mesh
-from autopar.pipeline.spec import Pipeline, as_pipeline
+from autopar.pipeline.spec import Pipeline
 from autopar.search.context import plan_on
 from autopar.search.depth import search_depths
+from autopar.search.layout import search_layouts
 from autopar.search.memory import Pruned
 from autopar.search.pipeline import search_pipeline
 from autopar.search.planned import PlannedStep, paused_gc
@@ -39,7 +41,8 @@ def plan(step: Step, config: PlanConfig, mesh: Mesh, *, progress: bool = False) 
     captured graph and chosen strategies it was built from. Raises the user's error (``InputError`` and
     its kinds) when there is none."""
     check(config, mesh)
-    return search(Problems(step, config, progress), mesh)
+    config, unpipelined = settled(config, mesh)
+    return search(Problems(step, config, progress, unpipelined=unpipelined), mesh)
 
 
 def search(problems: Problems, mesh: Mesh) -> PlannedStep:
@@ -47,7 +50,9 @@ def search(problems: Problems, mesh: Mesh) -> PlannedStep:
     config = problems.config
     try:
         with reuse_captures(), paused_gc():  # every place captures the one step: the shapes alone differ
-            found = _search(problems, config.pipeline, mesh, config.memory.limit(mesh))
+            limit = config.memory.limit(mesh)
+            found = search_layouts(problems, _search, mesh, limit) if mesh.open else \
+                _search(problems, config.pipeline, mesh, limit)
     finally:
         problems.account.close()
     if isinstance(found, Pruned):
@@ -55,11 +60,10 @@ def search(problems: Problems, mesh: Mesh) -> PlannedStep:
     return replace(found, plan=replace(found.plan, account=list(problems.account.rows)))
 
 
-def _search(problems: Problems, pipeline: Pipeline | None, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
-    """The outermost level the config leaves open."""
-    if pipeline is None:
+def _search(problems: Problems, pipeline: Pipeline | bool | None, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
+    """The outermost level below the mesh's layout the config leaves open."""
+    if not isinstance(pipeline, Pipeline):  # settled: None (True is settled per layout, before this)
         return plan_on(problems, Place(mesh=mesh), limit)
-    pipeline = as_pipeline(pipeline)
     if pipeline.from_axis is not None:
         return search_depths(problems, pipeline, mesh, limit)
     return search_pipeline(problems, pipeline, mesh, limit)

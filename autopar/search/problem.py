@@ -192,10 +192,12 @@ class Problems:
     """The problems of one step and config: each place prepared once (captured, strategies listed,
     pins applied, blocks folded), each scenario priced once. Every level of the search asks here."""
 
-    def __init__(self, step: Step, config: PlanConfig, progress: bool = False) -> None:
+    def __init__(self, step: Step, config: PlanConfig, progress: bool = False, *, unpipelined: str = "") -> None:
         self.step, self.config = step, config
         self.account = Account(progress)
         """What the search tried (``Plan.account``), shown on stderr as it goes with ``progress``."""
+        if unpipelined:  # the default pipeline search stood down (``config.settled``)
+            self.account.record("depth", "pipelines", "not searched", None, unpipelined)
         self._prepared: dict[tuple[Any, ...], Problem] = {}
         self._priced: dict[tuple[Any, ...], Problem] = {}
 
