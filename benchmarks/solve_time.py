@@ -32,7 +32,12 @@ micro-batch count priced from one stage plan on a capture with a symbolic micro-
 solved at a few: ``search.pipeline``; its capture/strategies/solve columns are the
 chosen count's, total the whole search).
 
-Usage: ``python benchmarks/solve_time.py [--quick | --only NAME ...] [--json out.json] [--target-runs N]``
+Every row here pins ``pipeline=False`` (or the pipeline it names): these are the single-mesh planning
+times. ``--jobs`` runs ``benchmarks/search_jobs.py`` instead: the jobs a user brings, planned with
+nothing pinned (pipelines searched by default), cold, beside today's planner on the same job.
+
+Usage: ``python benchmarks/solve_time.py [--quick | --only NAME ...] [--json out.json] [--target-runs N]``;
+``python benchmarks/solve_time.py --jobs [search_jobs.py's arguments]``
 """
 
 from __future__ import annotations
@@ -223,8 +228,7 @@ def time_plan(case: Case) -> Run:
     mesh = autopar.Mesh(case.mesh, HARDWARE)
     build_s = time.perf_counter() - start
     start = time.perf_counter()
-    plan = autopar.plan(model, mesh, inputs, **step, **({"pipeline": autopar.Pipeline(axis="pp")}
-                                                        if case.pipelined else {}))
+    plan = autopar.plan(model, mesh, inputs, **step, pipeline=autopar.Pipeline(axis="pp") if case.pipelined else False)
     total_s = time.perf_counter() - start
     t = plan.timings
     return Run(capture_s=t["capture"], strategies_s=t["strategies"], solve_s=t["solve"], total_s=total_s,
@@ -238,11 +242,11 @@ def warm_up(families: set[str]) -> None:
     if EXAMPLE in families:
         model, tokens = build_meta(LlamaConfig(), BATCH_PER_DP * MESHES[8]["dp"])
         autopar.plan(model, autopar.Mesh(MESHES[8], HARDWARE), (tokens,), loss_fn=lm_loss,
-                     example_targets=(tokens,))
+                     example_targets=(tokens,), pipeline=False)
     if HF in families:
         model, inputs, loss_fn, targets, kwargs = hf_models.build_llama(device="meta")
         autopar.plan(model, autopar.Mesh(MESHES[8], HARDWARE), inputs, loss_fn=loss_fn, example_targets=targets,
-                     example_kwargs=kwargs)
+                     example_kwargs=kwargs, pipeline=False)
 
 
 def grid(quick: bool, only: list[str]) -> list[Case]:
@@ -366,6 +370,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--jobs"]:  # the jobs planned with nothing pinned (issue 28's rows)
+        from benchmarks import search_jobs
+        return search_jobs.main(argv[1:])
     args = parse_args(argv)
     start = time.perf_counter()
     cases = grid(args.quick, args.only)
