@@ -311,10 +311,10 @@ def settled(config: PlanConfig, mesh: Mesh) -> tuple[PlanConfig, str]:
 
 def _unpipelined(config: PlanConfig, mesh: Mesh) -> str:
     """Why the default pipeline search leaves ``config`` unpipelined on ``mesh`` ("" when it searches)."""
-    first = mesh.names[0] if mesh.names else None
+    first = mesh.names[0]  # a mesh has at least one axis
     if not config.train:
         return "a forward-only step (compile_serving pipelines its steps with pipeline=Pipeline(axis=...))"
-    if first is None or mesh.axes[first] < 2:
+    if mesh.axes[first] < 2:
         return "the mesh's first axis has one rank: no depth to take out of it"
     if Pipeline().axis in mesh.names:
         return f"the mesh names a {Pipeline().axis!r} axis: Pipeline(axis={Pipeline().axis!r}) lays stages on it"
