@@ -122,8 +122,18 @@ def _rank_passes_bad_input(rank: int, world: int) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("scenario", [_rank_zero_solve_fails, _ranks_pass_other_limits, _rank_passes_bad_input],
-                         ids=["solver-error-on-rank-0", "ranks-disagree-before-solving", "bad-input"])
+def _rank_passes_another_world_size(rank: int, world: int) -> str:
+    """An int mesh is the number of devices: one that is not the world's is refused alike on every rank."""
+    model, inputs, loss_fn, targets = gpt.build()
+    with pytest.raises(autopar.InputError, match=r"compile\(mesh=3\): an int is the number of devices, which must "
+                                                 r"be the world size \(2 ranks\)") as info:
+        autopar.compile(model, 3, inputs, loss_fn=loss_fn, example_targets=targets)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("scenario", [_rank_zero_solve_fails, _ranks_pass_other_limits, _rank_passes_bad_input,
+                                      _rank_passes_another_world_size],
+                         ids=["solver-error-on-rank-0", "ranks-disagree-before-solving", "bad-input", "world-size"])
 def test_planning_errors_reach_every_rank(scenario: Any) -> None:
     messages = run_ranks(scenario, 2)
     assert len(set(messages)) == 1  # every rank raised, the same error

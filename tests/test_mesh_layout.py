@@ -103,9 +103,9 @@ def _single_device() -> list[float]:
     return losses
 
 
-def _train_open(rank: int, world: int) -> dict[str, Any]:
+def _train_open(rank: int, world: int, given: str) -> dict[str, Any]:
     model, x, y = _step()
-    mesh = init_device_mesh("cpu", (world,))  # no names: the axes are the planner's
+    mesh = init_device_mesh("cpu", (world,)) if given == "device mesh" else world  # no names: the axes are the planner's
     pm = autopar.compile(model, mesh, (x,), loss_fn=nn.functional.mse_loss, example_targets=(y,))
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     losses = []
@@ -119,14 +119,15 @@ def _train_open(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.ranks
-def test_compile_lays_an_unnamed_mesh_out_as_planned() -> None:
-    """Every rank runs the plan ``plan`` makes for ``Mesh(devices=4)``, on the device mesh reshaped for its
-    axes, and trains to the single-device numbers."""
+@pytest.mark.parametrize("given", ["device mesh", "world size"])
+def test_compile_lays_an_unnamed_mesh_out_as_planned(given: str) -> None:
+    """Every rank runs the plan ``plan`` makes for ``Mesh(devices=4)``, on the device mesh (given 1-D without
+    names, or as the world size) reshaped for its axes, and trains to the single-device numbers."""
     model, x, y = _step()
     planned = autopar.plan(model, autopar.Mesh(devices=4, hardware="cpu"), (x,), loss_fn=nn.functional.mse_loss,
                            example_targets=(y,))
     expected = _single_device()
-    for result in run_ranks(_train_open, 4):
+    for result in run_ranks(_train_open, 4, given):
         assert result["plan"] == planned.plan_hash() and result["axes"] == planned.mesh["axes"]
         assert result["names"] == tuple(planned.mesh["axes"])
         assert result["losses"] == pytest.approx(expected, rel=1e-4, abs=1e-5)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.config import PlanConfig, check, settled
 from autopar.errors import CompileError, InputError, InputTypeError
@@ -34,7 +34,7 @@ from autopar.search.problem import Problem, Problems, Step, first_place
 from autopar.search.replay import pinned_pipeline, replay, run_axes
 
 
-def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] = (), *,
+def compile(model: nn.Module, mesh: DeviceMesh | int, example_inputs: tuple[Any, ...] = (), *,
             loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
             example_targets: tuple[Any, ...] = (), plan: Plan | dict[str, Any] | None = None,
             init_fn: InitFn | None = None, init_seed: int = 0, seed: int | None = None, hardware: str | None = None,
@@ -49,7 +49,8 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     made the same one; ``plan=`` (a ``Plan`` or its JSON, e.g. the CLI's ``--json``) runs a saved plan
     without searching, refused with what differs when it was made for another model, mesh or options. A
     plan that pipelines lays ``mesh``'s ranks out for its axes (a depth taken out of the first axis); a 1-D
-    mesh without axis names leaves its axes to the planner (``search.layout``), its ranks laid out on them. A
+    mesh without axis names, or the world size as an int, leaves its axes to the planner (``search.layout``),
+    the ranks laid out on them (``pm.device_mesh``; the plan's notes say what each layout gave). A
     model on the meta device is initialized module by module (``reset_parameters`` or ``init_fn``, seeded
     by ``init_seed`` and the module path) and only shards are kept. Random ops draw from one stream the
     module owns (``pm.generator``), seeded ``seed`` on every rank (None: rank 0's ``torch.initial_seed()``):
@@ -59,9 +60,10 @@ def compile(model: nn.Module, mesh: DeviceMesh, example_inputs: tuple[Any, ...] 
     identical, independent replicas (serving): each rank's module is planned and built on its replica's
     sub-mesh. Errors are raised on every rank. ``_shared_state``: another module's shards to run on.
     """
+    mesh = _world_mesh(mesh) if isinstance(mesh, int) and not isinstance(mesh, bool) else mesh
     if not isinstance(mesh, DeviceMesh):  # every rank passes the same kind: each refuses it alike
         raise InputTypeError(f"compile runs on a torch DeviceMesh (torch.distributed.device_mesh.init_device_mesh"
-                             f"), got {type(mesh).__name__}" + (": an autopar.Mesh describes a mesh for planning "
+                             f") or the world size (an int), got {type(mesh).__name__}" + (": an autopar.Mesh describes a mesh for planning "
                                                                "only (autopar.plan)" if isinstance(mesh, Mesh) else ""))
     _check_world(mesh)
     config = PlanConfig.from_options(**options)
@@ -177,6 +179,19 @@ def _built(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init: tuple[In
             batch_leaves, shared))
     return on_every_rank("building the rank's program", lambda: build_rank_module(
         model, mesh, step, init_fn, input_sharded, init_seed, seed, compute_dtype, batch_leaves, shared))
+
+
+def _world_mesh(devices: int) -> DeviceMesh:
+    """A 1-D DeviceMesh of the world's ranks, without axis names (the planner lays them out), on the device
+    type of the world's backend; ``devices`` must be the world size."""
+    if not dist.is_initialized():
+        raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
+    world = dist.get_world_size()
+    if devices != world:
+        raise InputError(f"compile(mesh={devices}): an int is the number of devices, which must be the world size "
+                         f"({world} ranks)")
+    device_type = "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (world,))
 
 
 def _check_world(mesh: DeviceMesh) -> None:
