@@ -58,7 +58,8 @@ def _layout(place: Place) -> str:
     return f"zig-zag on {', '.join(zigzag)}" if zigzag else "contiguous"
 
 
-def plan_on(problems: Problems, place: Place, limit: float) -> PlannedStep | Pruned:
-    """The step planned at ``place`` without a pipeline: its layouts' memory searches, the fastest kept."""
-    found = search_context(problems, place, limit)
+def plan_on(problems: Problems, place: Place, limit: float, bound: Bound = Bound()) -> PlannedStep | Pruned:
+    """The step planned at ``place`` without a pipeline: its layouts' memory searches, the fastest kept
+    (``bound``: what the caller already has)."""
+    found = search_context(problems, place, limit, bound)
     return found if isinstance(found, Pruned) else finish(found.problem, found.solution)

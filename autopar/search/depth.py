@@ -5,10 +5,17 @@ the planner, taken out of the mesh's first axis (``{"dp": 128, "tp": 8}`` become
 Every divisor k of that axis's size is planned, as Alpa's inter-op pass plans submesh shapes: k = 1 is
 the step without a pipeline (its memory search may run micro-batches, ZeRO, checkpointing, offload);
 each k >= 2 is the pipeline search (``search.pipeline``) on the carved mesh. The fastest plan that fits
-the memory limit wins, ties to the shallower pipeline, so every rank and run choose alike; the plan's
-notes say what each depth gave or why it gave nothing. Depths go shallow to deep, the unpipelined step
-first; a depth whose pipelines planned without the limit neither fit nor beat the best plan found is
-not planned again under the limit.
+the memory limit wins, ties to the shallower depth, so every rank and run choose alike; the plan's notes
+say what each depth gave or why it gave nothing.
+
+The search runs in two rounds. First every depth is planned without the memory limit (the step's free
+solve; each pipeline depth's stage plans, every count's where none fits): cheap, and in practice no plan
+under the limit is faster. Then each depth is planned under the limit, bounded by the best plan found so
+far: first the depths with a plan that fits already (nothing more to solve), then the others, fastest
+without the limit first. A pipeline depth whose plans without the limit are no faster than the bound is
+not planned again, the stage plans' memory searches seek only what can beat it, and the unpipelined
+step's memory search (where memory binds, most of the ILPs) stops at the scenarios whose bounds cannot.
+With memory to spare the first round's plans fit and the second only prices them.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
 from autopar.pipeline.stages import block_units
 from autopar.search.context import plan_on
-from autopar.search.memory import Pruned
-from autopar.search.pipeline import search_pipeline
+from autopar.search.memory import TIE, Bound, Pruned, free_plan
+from autopar.search.pipeline import Unlimited, limited_pipeline, unlimited_pipelines
 from autopar.search.planned import PlannedStep
 from autopar.search.problem import Place, Problems
 from autopar.units import fmt_bytes, fmt_time
@@ -32,61 +39,83 @@ from autopar.units import fmt_bytes, fmt_time
 def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
     """The fastest plan over the pipeline depths ``spec`` leaves open (module docstring)."""
     began = time.perf_counter()
-    found: list[tuple[int, PlannedStep]] = []
-    skipped: list[str] = []
-    units: int | None = None  # what a pipeline can be cut into, once some depth has planned the step
+    found: dict[int, PlannedStep] = {}
+    skipped: dict[int, str] = {}
     depths = spec.depths(mesh.axes)
-    for depth in depths:
-        fastest = min((s.plan.predicted.step_time_s for _, s in found), default=math.inf)
-        if found and units is None:
-            units = len(block_units(found[0][1].graph)[0])
-            if units == 0:  # nothing repeats: no stage cut to search, the unpipelined plan as it is
-                problems.account.record("depth", "pp>1", "pruned", None, "the model has no repeated blocks")
-                return found[0][1]
-        if units is not None and depth > units:  # not planned: no stage would be left without a unit
-            skipped.append(f"pp={depth}: more pp ranks than the {units} units a pipeline cuts this model into "
-                           "(the head, the repeated blocks, the tail)")
-            problems.account.record("depth", f"pp={depth}", "pruned", None, skipped[-1].split(": ", 1)[1])
+    units = len(block_units(problems.at(Place(mesh=mesh)).graph)[0])  # what a pipeline can be cut into
+    if units == 0:  # nothing repeats: no stage cut to search, the unpipelined plan as it is
+        problems.account.record("depth", "pp>1", "pruned", None, "the model has no repeated blocks")
+        return _unpipelined(problems, mesh, limit, depths, math.inf)
+    free: dict[int, Unlimited | None] = {1: None}  # depth -> its pipelines without the limit (1: none)
+    seconds, fits = free_plan(problems, Place(mesh=mesh), limit)
+    order = {1: (not fits, seconds)}  # what fits without the limit first (nothing more to solve), then fastest
+    for depth in depths[1:]:
+        if depth > units:  # not planned: no stage would be left without a unit
+            skipped[depth] = (f"more pp ranks than the {units} units a pipeline cuts this model into (the head, "
+                              "the repeated blocks, the tail)")
+            problems.account.record("depth", f"pp={depth}", "pruned", None, skipped[depth])
             continue
-        carved, pipeline = _at_depth(spec, mesh, depth)
-        with problems.account.inside(f"pp={depth} (depth {depths.index(depth) + 1} of {len(depths)})"):
-            at = plan_on(problems, Place(mesh=carved), limit) if pipeline is None else \
-                search_pipeline(problems, pipeline, carved, limit, cutoff_s=fastest)
-        if isinstance(at, PlannedStep):
-            found.append((depth, at))
-            problems.account.record("depth", f"pp={depth}", "planned", at.plan.predicted.step_time_s,
-                                    f"{at.plan.predicted.peak_memory_bytes / 2**30:,.2f} GiB")
-        elif depth == 1 and not isinstance(at.error, MemoryLimitError):
-            return at  # the step itself is refused: no depth would plan it
+        with problems.account.inside(_where(depth, depths)):
+            at = unlimited_pipelines(problems, *_at_depth(spec, mesh, depth), limit)
+        if isinstance(at, Pruned):
+            _record(problems, depth, at, found, skipped)
         else:
-            skipped.append(f"pp={depth}: {at.reason}")
-            problems.account.record("depth", f"pp={depth}", "pruned", None, at.reason)
+            free[depth], order[depth] = at, (at.unfit, at.fastest_s)
+    for depth in sorted(free, key=lambda k: (*order[k], k)):  # the likeliest plans first: they bound the rest
+        fastest = min((s.plan.predicted.step_time_s for s in found.values()), default=math.inf)
+        cutoff = fastest * (1 + 2 * TIE)  # an equal plan still planned: a shallower depth wins the tie
+        unlimited = free[depth]
+        if unlimited is None:
+            at = _unpipelined(problems, mesh, limit, depths, cutoff)
+            if isinstance(at, Pruned) and not isinstance(at.error, MemoryLimitError):
+                return at  # the step itself is refused: no depth plans it
+        else:
+            with problems.account.inside(_where(depth, depths)):
+                at = limited_pipeline(problems, unlimited, cutoff)
+        _record(problems, depth, at, found, skipped)
     if not found:
         why = (f"no pipeline depth on {spec.from_axis}={mesh.axes[spec.from_axis]} gives a plan that fits: "
-               f"{'; '.join(skipped[:4])}")
+               f"{'; '.join(f'pp={k}: {skipped[k]}' for k in sorted(skipped)[:4])}")
         return Pruned(why, MemoryLimitError(why))
-    depth, best = min(found, key=lambda f: f[1].plan.predicted.step_time_s)  # min keeps the shallowest of equals
-    problems.account.record("depth", f"pp={depth}", "chosen", best.plan.predicted.step_time_s)
-    return _annotated(depth, best, found, skipped, time.perf_counter() - began)
+    depth = min(sorted(found), key=lambda k: found[k].plan.predicted.step_time_s)  # the shallowest of equals
+    problems.account.record("depth", f"pp={depth}", "chosen", found[depth].plan.predicted.step_time_s)
+    return _annotated(depth, found, skipped, time.perf_counter() - began)
 
 
-def _at_depth(spec: Pipeline, mesh: Mesh, depth: int) -> tuple[Mesh, Pipeline | None]:
-    """The mesh and pipeline of ``depth`` pp ranks (depth 1: the mesh as given, no pipeline)."""
-    if depth == 1:
-        return mesh, None
-    carved = Mesh(spec.carved(mesh.axes, depth), mesh.hardware, mesh.devices_per_node)
-    return carved, replace(spec, from_axis=None)
+def _where(depth: int, depths: list[int]) -> str:
+    return f"pp={depth} (depth {depths.index(depth) + 1} of {len(depths)})"
 
 
-def _annotated(depth: int, best: PlannedStep, found: list[tuple[int, PlannedStep]], skipped: list[str],
-               seconds: float) -> PlannedStep:
+def _unpipelined(problems: Problems, mesh: Mesh, limit: float, depths: list[int], cutoff_s: float
+                 ) -> PlannedStep | Pruned:
+    """The step without a pipeline, its memory search seeking only plans faster than ``cutoff_s``."""
+    with problems.account.inside(_where(1, depths)):
+        return plan_on(problems, Place(mesh=mesh), limit, Bound(cutoff_s=cutoff_s))
+
+
+def _record(problems: Problems, depth: int, at: PlannedStep | Pruned, found: dict[int, PlannedStep],
+            skipped: dict[int, str]) -> None:
+    if isinstance(at, PlannedStep):
+        found[depth] = at
+        problems.account.record("depth", f"pp={depth}", "planned", at.plan.predicted.step_time_s,
+                                f"{at.plan.predicted.peak_memory_bytes / 2**30:,.2f} GiB")
+    else:
+        skipped[depth] = at.reason
+        problems.account.record("depth", f"pp={depth}", "pruned", None, at.reason)
+
+
+def _at_depth(spec: Pipeline, mesh: Mesh, depth: int) -> tuple[Pipeline, Mesh]:
+    """The pipeline of ``depth`` pp ranks and its mesh, carved out of ``mesh``'s first axis."""
+    return replace(spec, from_axis=None), Mesh(spec.carved(mesh.axes, depth), mesh.hardware, mesh.devices_per_node)
+
+
+def _annotated(depth: int, found: dict[int, PlannedStep], skipped: dict[int, str], seconds: float) -> PlannedStep:
     """The chosen step, its plan saying what each depth gave."""
-    plan = best.plan
-    each = "; ".join(f"pp={k} {fmt_time(s.plan.predicted.step_time_s)} "
-                     f"({fmt_bytes(s.plan.predicted.peak_memory_bytes)})" for k, s in found)
+    plan = found[depth].plan
+    each = "; ".join(f"pp={k} {fmt_time(found[k].plan.predicted.step_time_s)} "
+                     f"({fmt_bytes(found[k].plan.predicted.peak_memory_bytes)})" for k in sorted(found))
     note = (f"pipeline depth search: {len(found) + len(skipped)} depths tried, chosen "
             f"{'no pipeline' if depth == 1 else f'pp={depth}'}; {each}"
-            + "".join(f"; {why[:300]}" for why in skipped[:3]))
+            + "".join(f"; pp={k}: {skipped[k][:300]}" for k in sorted(skipped)[:3]))
     timings = {**plan.timings, "pipeline depth search": seconds}
-    return replace(best, plan=replace(plan, notes=[*plan.notes, note], timings=timings))
-
+    return replace(found[depth], plan=replace(plan, notes=[*plan.notes, note], timings=timings))

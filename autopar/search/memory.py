@@ -58,7 +58,8 @@ def search_memory(problems: Problems, place: Place, limit: float, bound: Bound =
     first = problems.under(place, candidates[0], limit)
     if len(candidates) == 1:
         return _one(first, limit, problems.account)
-    free = ilp.solve(first, None, account=problems.account)
+    free = problems.solved_free(place, candidates[0], lambda: ilp.solve(first, None, account=problems.account))
+    free = free if isinstance(free, NoPlan) else replace(free)  # a copy: a result's notes are set on it
     if isinstance(free, NoPlan):
         return Pruned(free.message, free.error())
     if free.memory_bytes <= limit:
@@ -85,6 +86,16 @@ def search_memory(problems: Problems, place: Place, limit: float, bound: Bound =
             _advance(scenario, bounds, found, waiting, beat_s, limit)
     found.account(problems.account, candidates)
     return found.result(problems, place, limit, candidates, bound.cutoff_s)
+
+
+def free_plan(problems: Problems, place: Place, limit: float) -> tuple[float, bool]:
+    """The step's time at ``place`` planned without the memory limit, under its first memory scenario (the
+    free solve ``search_memory`` starts from, solved once for both), and whether that plan fits ``limit``:
+    a plan under the limit is in practice no faster. Infinite where there is no such plan."""
+    candidates = scenarios(problems.at(place))
+    first = problems.under(place, candidates[0], math.inf)
+    free = problems.solved_free(place, candidates[0], lambda: ilp.solve(first, None, account=problems.account))
+    return (math.inf, False) if isinstance(free, NoPlan) else (free.objective_s, free.memory_bytes <= limit)
 
 
 def _one(problem: Problem, limit: float, account: Account) -> Solved | Pruned:

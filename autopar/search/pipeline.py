@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from autopar.errors import InputError, MemoryLimitError
 from autopar.mesh import Mesh
@@ -33,11 +33,36 @@ from autopar.search.stage_plans import PipelineSearch, Priced, Race, StageMesh, 
 from autopar.units import fmt_time as fmt_s
 
 
+@dataclass(frozen=True)
+class Unlimited:
+    """A pipeline search's first half: its pipelines planned without the memory limit (every count's, when
+    none fits), before any is planned under it (``limited_pipeline``)."""
+
+    search: PipelineSearch
+    free: dict[int, list[Priced]]
+    how: str
+    began: float
+    unfit: bool
+    """No pipeline of the counts first solved fits the limit: stage plans are solved under it."""
+
+    @property
+    def fastest_s(self) -> float:
+        """The fastest pipeline without the limit: what the depth search orders depths by."""
+        return min((f.step_time_s for plans in self.free.values() for f in plans), default=math.inf)
+
+
 def search_pipeline(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, cutoff_s: float = math.inf
                     ) -> PlannedStep | Pruned:
     """The fastest pipeline ``spec`` allows on ``mesh`` that fits ``limit`` (module docstring). ``cutoff_s``:
-    when nothing planned without the limit fits and nothing so planned is faster than this, it is not
-    planned under the limit (the depth search has a faster plan already)."""
+    the caller's best plan; pipelines are planned under the limit only where they may beat it."""
+    unlimited = unlimited_pipelines(problems, spec, mesh, limit)
+    return unlimited if isinstance(unlimited, Pruned) else limited_pipeline(problems, unlimited, cutoff_s)
+
+
+def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) -> Unlimited | Pruned:
+    """The pipelines ``spec`` allows on ``mesh`` planned without the memory limit: the stage plan solved at
+    the counts ``PipelineSearch.free_plans`` chooses, or, where none of those fits ``limit``, at every count
+    (each bounds its count's plans under the limit)."""
     began = time.perf_counter()
     stage = StageMesh(problems, spec, mesh)
     batch, ways = problems.step.batch, math.prod(mesh.axes.get(a, 1) for a in problems.config.axes.data)
@@ -54,26 +79,36 @@ def search_pipeline(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float
         return Pruned(why, InputError(why))
     search = PipelineSearch(stage, choices, limit)
     free, how = search.free_plans()
-    priced = [f for m in search.counts if m in free for f in free[m]]
-    if not any(f.peak_bytes <= limit for f in priced) and math.isfinite(limit):
-        for m in search.counts:  # every count's free pipelines bound its plans under the limit
+    unfit = not any(f.peak_bytes <= limit for plans in free.values() for f in plans) and math.isfinite(limit)
+    if unfit:
+        for m in search.counts:
             if m not in free:
                 free[m] = search.solved(m)
-        priced = [f for m in search.counts for f in free[m]]
         how = "every micro-batch count solved (no pipeline fits without the limit)" if how else ""
-        fastest = min((f.step_time_s for f in priced), default=math.inf)
+    return Unlimited(search, {m: free[m] for m in search.counts if m in free}, how, began, unfit)
+
+
+def limited_pipeline(problems: Problems, unlimited: Unlimited, cutoff_s: float = math.inf) -> PlannedStep | Pruned:
+    """The fastest pipeline that fits the limit, from ``unlimited``'s plans and, where none of those fits,
+    stage plans solved under the limit (``search.pipeline_limited``); none is sought where the plans without
+    the limit are no faster than ``cutoff_s`` (the depth search has a plan as fast already)."""
+    search, free, how = unlimited.search, unlimited.free, unlimited.how
+    limit = search.limit
+    priced = [f for plans in free.values() for f in plans]
+    if unlimited.unfit:
+        fastest = unlimited.fastest_s
         if priced and fastest >= cutoff_s:
             why = (f"its pipelines planned without the memory limit do not fit and are no faster ({fmt_s(fastest)}) "
                    f"than the best plan found ({fmt_s(cutoff_s)}): not planned under the limit")
             return Pruned(why, MemoryLimitError(why))
-        priced += limited(search, free)
+        priced += limited(search, free, cutoff_s)
     fitting = [f for f in priced if f.peak_bytes <= limit]
     if not fitting:
-        error = no_fit(priced, search.refused, search.unfit, limit, spec)
+        error = no_fit(priced, search.refused, search.unfit, limit, search.stage.spec)
         return Pruned(str(error), error)
     best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
     problems.account.record("pipeline", label(best.choice), "chosen", best.step_time_s, how)
-    return _annotated(best, fitting, len(priced), search.race, time.perf_counter() - began, how)
+    return _annotated(best, fitting, len(priced), search.race, time.perf_counter() - unlimited.began, how)
 
 
 def _annotated(best: Priced, fitting: list[Priced], priced: int, race: Race, seconds: float, how: str

@@ -20,21 +20,25 @@ WORTH_A_SEARCH = 0.05
 much faster than the best pipeline that fits: each such plan is a memory search of many ILPs."""
 
 
-def limited(search: PipelineSearch, free: dict[int, list[Priced]]) -> list[Priced]:
+def limited(search: PipelineSearch, free: dict[int, list[Priced]], cutoff_s: float = math.inf) -> list[Priced]:
     """Pipelines of stage plans solved under the limit: micro-batch counts whose free pipelines were
     fastest first, until the next count's free pipelines are not ``WORTH_A_SEARCH`` faster than the best
-    that fits (a plan under the limit is priced no faster than its free one in practice). Stopping at the
-    first count that fits would miss a finer count that needs no checkpointing."""
+    that fits, free or solved under the limit (a plan under the limit is priced no faster than its free one
+    in practice). Stopping at the first count that fits would miss a finer count that needs no
+    checkpointing. ``cutoff_s``: the caller's best plan so far (a shallower depth's): a count whose free
+    pipelines are no faster is not planned under the limit, and it bounds each stage plan as the race's
+    best does."""
     def fastest(m: int) -> float:
         return min((f.step_time_s for f in free[m]), default=math.inf)
     out: list[Priced] = []
     limit, race = search.limit, search.race
+    fitting = [f for m in free for f in free[m] if f.peak_bytes <= limit]  # free pipelines that fit already
     for m in sorted(free, key=fastest):  # sorted is stable: ties keep the choices' order
-        fits = [f for f in out if f.peak_bytes <= limit]
-        if fastest(m) >= (1 - WORTH_A_SEARCH) * min((f.step_time_s for f in fits), default=math.inf):
+        fits = fitting + [f for f in out if f.peak_bytes <= limit]
+        if fastest(m) >= min((1 - WORTH_A_SEARCH) * min((f.step_time_s for f in fits), default=math.inf), cutoff_s):
             break  # this count, and every later one, cannot beat a pipeline that fits by enough
         best = min(fits, key=lambda f: f.step_time_s, default=None)  # min keeps the first of equals
-        step = _under_limit(search.stage, m, limit, search.unfit, search.stage.ranks * race.best_s,
+        step = _under_limit(search.stage, m, limit, search.unfit, search.stage.ranks * min(race.best_s, cutoff_s),
                             None if best is None else best.step.scenario)
         if step is not None:
             out += search.price(step, search.by_count[m])

@@ -200,6 +200,7 @@ class Problems:
             self.account.record("depth", "pipelines", "not searched", None, unpipelined)
         self._prepared: dict[tuple[Any, ...], Problem] = {}
         self._priced: dict[tuple[Any, ...], Problem] = {}
+        self._free: dict[tuple[Any, ...], Any] = {}
 
     def at(self, place: Place) -> Problem:
         """``place``'s problem as prepared, before any scenario prices it."""
@@ -224,6 +225,14 @@ class Problems:
         if key not in self._priced:
             self._priced[key] = priced_under(self.at(place), scenario)
         return replace(self._priced[key], memory_limit=memory_limit)
+
+    def solved_free(self, place: Place, scenario: Scenario, solve: Callable[[], Any]) -> Any:
+        """``solve()``, the ILP of ``place`` under ``scenario`` without the memory row, run once: a pipeline
+        search asks for a stage plan's free solve, then its memory search under the limit asks again."""
+        key = (_key(replace(place, micro_batches=scenario.micro_batches)), scenario)
+        if key not in self._free:
+            self._free[key] = solve()
+        return self._free[key]
 
     def first(self, place: Place, memory_limit: float) -> Problem:
         """``place``'s problem under its first scenario: the memory choices pinned, nothing else searched."""
