@@ -36,8 +36,10 @@ from autopar.search.problem import Place, Problems
 from autopar.units import fmt_bytes, fmt_time
 
 
-def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
-    """The fastest plan over the pipeline depths ``spec`` leaves open (module docstring)."""
+def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, cutoff_s: float = math.inf
+                  ) -> PlannedStep | Pruned:
+    """The fastest plan over the pipeline depths ``spec`` leaves open (module docstring), seeking only plans
+    faster than ``cutoff_s`` (the caller's: another mesh layout's)."""
     began = time.perf_counter()
     found: dict[int, PlannedStep] = {}
     skipped: dict[int, str] = {}
@@ -45,7 +47,7 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) 
     units = len(block_units(problems.at(Place(mesh=mesh)).graph)[0])  # what a pipeline can be cut into
     if units == 0:  # nothing repeats: no stage cut to search, the unpipelined plan as it is
         problems.account.record("depth", "pp>1", "pruned", None, "the model has no repeated blocks")
-        return _unpipelined(problems, mesh, limit, depths, math.inf)
+        return _unpipelined(problems, mesh, limit, depths, cutoff_s)
     free: dict[int, Unlimited | None] = {1: None}  # depth -> its pipelines without the limit (1: none)
     seconds, fits = free_plan(problems, Place(mesh=mesh), limit)
     order = {1: (not fits, seconds)}  # what fits without the limit first (nothing more to solve), then fastest
@@ -63,7 +65,7 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) 
             free[depth], order[depth] = at, (at.unfit, at.fastest_s)
     for depth in sorted(free, key=lambda k: (*order[k], k)):  # the likeliest plans first: they bound the rest
         fastest = min((s.plan.predicted.step_time_s for s in found.values()), default=math.inf)
-        cutoff = fastest * (1 + 2 * TIE)  # an equal plan still planned: a shallower depth wins the tie
+        cutoff = min(fastest * (1 + 2 * TIE), cutoff_s)  # an equal plan still planned: the shallower depth wins
         unlimited = free[depth]
         if unlimited is None:
             at = _unpipelined(problems, mesh, limit, depths, cutoff)
@@ -74,7 +76,8 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) 
                 at = limited_pipeline(problems, unlimited, cutoff)
         _record(problems, depth, at, found, skipped)
     if not found:
-        why = (f"no pipeline depth on {spec.from_axis}={mesh.axes[spec.from_axis]} gives a plan that fits: "
+        faster = f" and predicts less than {fmt_time(cutoff_s)}" if math.isfinite(cutoff_s) else ""
+        why = (f"no pipeline depth on {spec.from_axis}={mesh.axes[spec.from_axis]} gives a plan that fits{faster}: "
                f"{'; '.join(f'pp={k}: {skipped[k]}' for k in sorted(skipped)[:4])}")
         return Pruned(why, MemoryLimitError(why))
     depth = min(sorted(found), key=lambda k: found[k].plan.predicted.step_time_s)  # the shallowest of equals

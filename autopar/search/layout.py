@@ -7,7 +7,8 @@ tp = 2, 4, 8; a "tp" of all N devices is the one axis again, what each axis does
 pipeline depth is searched out of "dp" as by default (``search.depth``), so pp, dp and tp all come out of
 the N devices. The fastest plan that fits the memory limit wins, ties to the layout listed first (fewer
 tp ranks), so every rank and run choose alike; the plan's notes say what each layout gave or why it gave
-nothing.
+nothing. Each layout is planned bounded by the fastest plan of those before it: where memory binds, the
+memory searches below stop at what cannot beat it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from autopar.config import settled
 from autopar.errors import MemoryLimitError
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
-from autopar.search.memory import Pruned
+from autopar.search.memory import TIE, Pruned
 from autopar.search.planned import PlannedStep
 from autopar.search.problem import Problems
 from autopar.units import fmt_bytes, fmt_time
 
-Route = Callable[[Problems, Pipeline | None, Mesh, float], PlannedStep | Pruned]
-"""How the planner plans a laid-out mesh (``planner``'s levels below this one)."""
+Route = Callable[[Problems, Pipeline | None, Mesh, float, float], PlannedStep | Pruned]
+"""How the planner plans a laid-out mesh (``planner``'s levels below this one), seeking only plans faster
+than its last argument (seconds)."""
 
 
 def layouts(mesh: Mesh) -> list[Mesh]:
@@ -48,7 +50,9 @@ def search_layouts(problems: Problems, route: Route, mesh: Mesh, limit: float) -
         if unpipelined:
             problems.account.record("depth", f"{layout.describe()}: pipelines", "not searched", None, unpipelined)
         with problems.account.inside(f"{layout.describe()} (layout {index + 1} of {len(every)})"):
-            at = route(problems, config.pipeline, layout, limit)
+            fastest = min((s.plan.predicted.step_time_s for _, s in found), default=math.inf)
+            # an equal plan still planned: the layout listed first wins the tie
+            at = route(problems, config.pipeline, layout, limit, fastest * (1 + 2 * TIE))
         if isinstance(at, PlannedStep):
             found.append((layout, at))
             problems.account.record("layout", layout.describe(), "planned", at.plan.predicted.step_time_s,

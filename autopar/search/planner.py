@@ -4,7 +4,8 @@
 
     for each layout of a mesh whose axes are left open (search.layout: dp, dp x tp within a node)
     for each pipeline depth (search.depth: Pipeline(from_axis=...) takes 1, 2, 4, ... pp ranks
-                             out of the mesh's first axis; 1 is no pipeline)
+                             out of the mesh's first axis; 1 is no pipeline; all planned without
+                             the memory limit, then under it, likeliest first)
       for each schedule x stages per rank x micro-batch count (search.pipeline), the stage plan
         cut into stages (pipeline.stages) and priced by playing the schedule out
         for each context layout (search.context: contiguous, zig-zag)
@@ -21,6 +22,7 @@ of the mesh's first axis (``config.settled``). ``api.plan`` and ``api.compile`` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from autopar.capture import reuse_captures
@@ -30,7 +32,7 @@ from autopar.pipeline.spec import Pipeline
 from autopar.search.context import plan_on
 from autopar.search.depth import search_depths
 from autopar.search.layout import search_layouts
-from autopar.search.memory import Pruned
+from autopar.search.memory import Bound, Pruned
 from autopar.search.pipeline import search_pipeline
 from autopar.search.planned import PlannedStep, paused_gc
 from autopar.search.problem import Place, Problems, Step
@@ -52,7 +54,7 @@ def search(problems: Problems, mesh: Mesh) -> PlannedStep:
         with reuse_captures(), paused_gc():  # every place captures the one step: the shapes alone differ
             limit = config.memory.limit(mesh)
             found = search_layouts(problems, _search, mesh, limit) if mesh.open else \
-                _search(problems, config.pipeline, mesh, limit)
+                _search(problems, config.pipeline, mesh, limit, math.inf)
     finally:
         problems.account.close()
     if isinstance(found, Pruned):
@@ -60,10 +62,12 @@ def search(problems: Problems, mesh: Mesh) -> PlannedStep:
     return replace(found, plan=replace(found.plan, account=list(problems.account.rows)))
 
 
-def _search(problems: Problems, pipeline: Pipeline | bool | None, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
-    """The outermost level below the mesh's layout the config leaves open."""
+def _search(problems: Problems, pipeline: Pipeline | bool | None, mesh: Mesh, limit: float, cutoff_s: float
+            ) -> PlannedStep | Pruned:
+    """The outermost level below the mesh's layout the config leaves open, seeking only plans faster than
+    ``cutoff_s`` (another layout's)."""
     if not isinstance(pipeline, Pipeline):  # settled: None (True is settled per layout, before this)
-        return plan_on(problems, Place(mesh=mesh), limit)
+        return plan_on(problems, Place(mesh=mesh), limit, Bound(cutoff_s=cutoff_s))
     if pipeline.from_axis is not None:
-        return search_depths(problems, pipeline, mesh, limit)
-    return search_pipeline(problems, pipeline, mesh, limit)
+        return search_depths(problems, pipeline, mesh, limit, cutoff_s)
+    return search_pipeline(problems, pipeline, mesh, limit, cutoff_s)
