@@ -17,9 +17,10 @@ Rows (targets: issue 28):
 | mixtral-64 | Mixtral-8x7B shape, 32 layers, dp8 x tp8 H100 | <= 30 s |
 | gpt-39b-512, gpt3-175b-1024, llama-70b-512 | Megatron's GPT 39.1B and GPT-3 175B on A100, Llama-3-70B on H100, tp8 | <= 60 s |
 | gpt-1t-3072 | Megatron Table 1's GPT 1T on 3072 A100, tp8 | <= 120 s |
+| llama-70b-open | Llama-3-70B on ``Mesh(devices=512)``, H100: the axes chosen (``search.layout``) | <= 120 s |
 
-The meshes keep tp = 8 within a node, the rest on dp: the planner takes pp out of dp. A mesh whose axes the
-planner chooses (``Mesh(devices=512)``) is not yet planned, so issue 28's last row is not here.
+The meshes keep tp = 8 within a node, the rest on dp: the planner takes pp out of dp. The open row's
+"today" is the same job on the hand layout dp64 x tp8 with its depth searched (the llama-70b-512 row).
 
 Usage: ``python benchmarks/search_jobs.py [--only ROW ...] [--runs N] [--no-today] [--json out.json]``;
 ``--job ROW --today|--new`` plans one row in this process and prints its result as JSON (what each cold run is).
@@ -101,12 +102,15 @@ class Job:
     name: str
     label: str
     build: Callable[[], Step]
-    mesh: dict[str, int]
+    mesh: dict[str, int] | int
+    """The mesh's axes, or its number of devices (the axes left to the planner)."""
     hardware: str
     target_s: float
     options: dict[str, Any] = field(default_factory=dict)
     depth_searched: bool = False
     """Today's benchmark searched its depth (``Pipeline(from_axis=...)``): today's pins are that."""
+    today_mesh: dict[str, int] | None = None
+    """Where today's run plans an open mesh's job: a hand layout, its depth searched."""
 
 
 JOBS = (
@@ -124,16 +128,19 @@ JOBS = (
         "h100", 60.0, depth_searched=True),
     Job("gpt-1t-3072", "GPT 1T, 3072 A100", lambda: _megatron(128, 25600, 160, 3072), {"dp": 384, "tp": 8}, "a100",
         120.0, depth_searched=True),
+    Job("llama-70b-open", "Llama-3-70B, Mesh(devices=512) H100", lambda: _llama("llama-3-70b", 1024, 4096), 512,
+        "h100", 120.0, today_mesh={"dp": 64, "tp": 8}),
 )
 
 
 def plan_job(job: Job, today: bool) -> dict[str, Any]:
     """Plan ``job`` once in this process: the new default, or (``today``) as the planner did before."""
     model, inputs, step = job.build()
-    mesh = autopar.Mesh(job.mesh, job.hardware)
+    axes = job.today_mesh if today and job.today_mesh is not None else job.mesh
+    mesh = autopar.Mesh(devices=axes, hardware=job.hardware) if isinstance(axes, int) else autopar.Mesh(axes, job.hardware)
     pins = dict(job.options)
-    if today:
-        pins["pipeline"] = autopar.Pipeline(from_axis=next(iter(job.mesh))) if job.depth_searched else False
+    if today and job.today_mesh is None:
+        pins["pipeline"] = autopar.Pipeline(from_axis=next(iter(axes))) if job.depth_searched else False
     began = time.perf_counter()
     try:
         plan = autopar.plan(model, mesh, inputs, **step, **pins)
