@@ -133,3 +133,22 @@ def test_depths_beyond_the_units_are_not_planned() -> None:
     """The stack cuts into 6 units (head, 4 blocks, tail): 8 pp ranks are not planned."""
     plan = _plan({"dp": 8})
     assert "pp=8: more pp ranks than the 6 units" in plan.notes[-1]
+
+
+def test_each_free_ilp_is_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a limit that binds, a stage plan's ILP without the memory row serves both its count's free
+    pipelines and its memory search under the limit (``Problems.solved_free``): no free ILP twice."""
+    from autopar.search import ilp, memory
+
+    free: list[tuple[Any, ...]] = []
+    real = ilp.solve
+
+    def counted(problem: Any, memory_limit: float | None, **kwargs: Any) -> Any:
+        if memory_limit is None and not any(kwargs.get(k) for k in ("minimize_memory", "relaxed", "fixed")):
+            free.append((problem.ctx.mesh.describe(), problem.ctx.micro_batches, problem.scenario))
+        return real(problem, memory_limit, **kwargs)
+    for module in (ilp, memory):
+        monkeypatch.setattr(module.ilp if module is memory else module, "solve", counted)
+    plan = _plan({"dp": 4}, memory_limit=256 * KiB, **PINS)
+    assert plan.pipeline is not None and free
+    assert len(free) == len(set(free)), sorted(free, key=str)
