@@ -51,14 +51,13 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
     free: dict[int, Unlimited | None] = {1: None}  # depth -> its pipelines without the limit (1: none)
     seconds, fits = free_plan(problems, Place(mesh=mesh), limit)
     order = {1: (not fits, seconds)}  # what fits without the limit first (nothing more to solve), then fastest
-    for depth in depths[1:]:
-        if depth > units:  # not planned: no stage would be left without a unit
-            skipped[depth] = (f"more pp ranks than the {units} units a pipeline cuts this model into (the head, "
-                              "the repeated blocks, the tail)")
-            problems.account.record("depth", f"pp={depth}", "pruned", None, skipped[depth])
-            continue
-        with problems.account.inside(_where(depth, depths)):
-            at = unlimited_pipelines(problems, *_at_depth(spec, mesh, depth), limit)
+    if math.isinf(seconds):  # no plan even without the limit: the step itself is refused, its error said first
+        at = _unpipelined(problems, mesh, limit, depths, cutoff_s)
+        if isinstance(at, Pruned) and not isinstance(at.error, MemoryLimitError):
+            return at
+        _record(problems, 1, at, found, skipped)
+        del free[1]
+    for depth, at in _unlimited(problems, spec, mesh, limit, units, skipped).items():
         if isinstance(at, Pruned):
             _record(problems, depth, at, found, skipped)
         else:
@@ -83,6 +82,22 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
     depth = min(sorted(found), key=lambda k: found[k].plan.predicted.step_time_s)  # the shallowest of equals
     problems.account.record("depth", f"pp={depth}", "chosen", found[depth].plan.predicted.step_time_s)
     return _annotated(depth, found, skipped, time.perf_counter() - began)
+
+
+def _unlimited(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, units: int, skipped: dict[int, str]
+               ) -> dict[int, Unlimited | Pruned]:
+    """Each pipeline depth's pipelines planned without the memory limit (the search's first round); a depth
+    with more pp ranks than the model has units is not planned (``skipped`` says so)."""
+    depths, out = spec.depths(mesh.axes), {}
+    for depth in depths[1:]:
+        if depth > units:  # no stage would be left without a unit
+            skipped[depth] = (f"more pp ranks than the {units} units a pipeline cuts this model into (the head, "
+                              "the repeated blocks, the tail)")
+            problems.account.record("depth", f"pp={depth}", "pruned", None, skipped[depth])
+            continue
+        with problems.account.inside(_where(depth, depths)):
+            out[depth] = unlimited_pipelines(problems, *_at_depth(spec, mesh, depth), limit)
+    return out
 
 
 def _where(depth: int, depths: list[int]) -> str:
