@@ -6,7 +6,8 @@ pool the parent started (any op it ran on more than one intra-op thread) does no
 fork: a child using it hangs in its first parallel op, as if waiting on a peer. So each rank
 computes on one intra-op thread (the ranks share the cores anyway); call
 ``torch.set_num_threads(1)`` in the parent before any computation too, for its own children
-(``multiprocessing`` elsewhere).
+(``multiprocessing`` elsewhere). Each rank's gloo groups run one worker thread each
+(``runtime.gloo``: with two, torch 2.13 corrupts the heap now and then).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from autopar.runtime.gloo import one_worker_per_group
 
 TIMEOUT_S = 60
 """Default process-group timeout: a deadlock fails fast instead of hanging."""
@@ -91,6 +94,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: 
     faulthandler.enable()  # a rank killed by a signal (a crash in C++) prints where it was
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a rank that never reports
     torch.set_num_threads(1)  # never the parent's OpenMP pool, which hangs after the fork (module docstring)
+    one_worker_per_group()  # two gloo workers per group race on its status (runtime.gloo)
     queue.put(_run(fn, rank, world, port, args, timeout_s))
 
 

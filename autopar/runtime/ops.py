@@ -23,6 +23,10 @@ group overlap ("malloc(): unaligned tcache chunk detected" or a segfault, in a w
 repeat in a few thousand of ``benchmarks/gloo_overlap.py``): an all-gather beside another
 all-gather, beside an all-reduce or beside a reduce-scatter alike. Issue order, and so
 what every rank runs and what the plan lists, is unchanged; only the overlap is less on CPU.
+The cause is a race between a group's two gloo worker threads (``runtime.gloo``), which
+collectives issued one at a time still hit, rarely: ranks that run their gloo groups on one
+worker each (``runtime.gloo.one_worker_per_group``, as the forked ranks do) are clear of it;
+this order only makes it rarer where a user's groups run torch's two.
 """
 
 from __future__ import annotations
