@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 import autopar  # noqa: E402
 from autopar.mesh import parse_mesh_spec  # noqa: E402
+from autopar.runtime.gloo import one_worker_per_group  # noqa: E402
 from examples.gpt import GPT, TP_PLAN, TP_SP_PLAN, GPTConfig, lm_loss  # noqa: E402
 
 PLANS = {"free": None, "tp": TP_PLAN, "tp_sp": TP_SP_PLAN}
@@ -83,6 +84,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        one_worker_per_group()  # torch's two gloo workers per group race and can corrupt the heap
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = "cuda" if cuda else "cpu"
