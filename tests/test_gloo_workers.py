@@ -52,3 +52,28 @@ def test_every_gloo_group_of_a_forked_rank_runs_one_worker() -> None:
         assert r["sums"] == [[4.0] * 3, [2.0] * 3, [2.0] * 3]
         # torch's own default timeout for a group made without one (``groups.inherit_world_timeout`` reads it)
         assert r["default_timeout_s"] == datetime.timedelta(minutes=30).total_seconds()
+
+
+def _compile_on_two_workers(rank: int, world: int) -> list[str]:
+    """A mesh made with torch's two workers per group (this rank's patch undone first; dp is the world group,
+    made before, with one): compile says which dims run two."""
+    import warnings
+
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    import autopar
+    from examples import gpt
+
+    ProcessGroupGloo.__init__ = ProcessGroupGloo.__init__.__wrapped__  # type: ignore[attr-defined]
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    model, inputs, loss_fn, targets = gpt.build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, pipeline=False)
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_compile_warns_where_a_mesh_runs_two_gloo_workers() -> None:
+    for messages in run_ranks(_compile_on_two_workers, 2):
+        assert any("gloo groups on tp run two worker threads" in m and "one_worker_per_group()" in m
+                   for m in messages), messages

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -20,6 +21,7 @@ from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
 from autopar.result.plan import Plan
 from autopar.runtime.build import build_rank_module, whole_batch_leaves
+from autopar.runtime.gloo import racing_dims
 from autopar.runtime.gradient_check import check_trained_parameters
 from autopar.runtime.groups import inherit_world_timeout
 from autopar.runtime.mixed import compute_copy, running_precision
@@ -66,6 +68,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | int, example_inputs: tuple[Any,
                              f") or the world size (an int), got {type(mesh).__name__}" + (": an autopar.Mesh describes a mesh for planning "
                                                                "only (autopar.plan)" if isinstance(mesh, Mesh) else ""))
     _check_world(mesh)
+    _warn_racing_workers(mesh)
     config = PlanConfig.from_options(**options)
     mesh = _replica_mesh(mesh, replica_axis, config)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
@@ -192,6 +195,16 @@ def _world_mesh(devices: int) -> DeviceMesh:
                          f"({world} ranks)")
     device_type = "cuda" if "nccl" in str(dist.get_backend()) and torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, (world,))
+
+
+def _warn_racing_workers(mesh: DeviceMesh) -> None:
+    """Say where the mesh's gloo groups run torch's two worker threads, which race (``runtime.gloo``)."""
+    racing = racing_dims(mesh)
+    if racing:
+        warnings.warn(f"the mesh's gloo groups on {', '.join(racing)} run two worker threads each, which in torch "
+                      "2.13 race on the group's status and now and then corrupt the heap ('malloc(): unaligned "
+                      "tcache chunk detected'): call autopar.runtime.gloo.one_worker_per_group() before "
+                      "init_process_group", RuntimeWarning, stacklevel=3)
 
 
 def _check_world(mesh: DeviceMesh) -> None:

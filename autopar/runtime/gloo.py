@@ -29,7 +29,9 @@ import functools
 import os
 from typing import Any
 
+import torch
 from torch._C._distributed_c10d import ProcessGroupGloo
+from torch.distributed.device_mesh import DeviceMesh
 
 WORKERS = 1
 """Worker threads per gloo group once ``one_worker_per_group`` ran."""
@@ -74,3 +76,13 @@ def _options(timeout: datetime.timedelta) -> Any:
 def workers(backend: ProcessGroupGloo) -> int:
     """How many worker threads a gloo backend runs."""
     return int(backend.options._threads)
+
+
+def racing_dims(mesh: DeviceMesh) -> list[str]:
+    """The dims of a CPU ``mesh`` whose gloo group runs more than one worker thread (this process did not
+    call ``one_worker_per_group`` before making them): their collectives may corrupt the heap."""
+    if mesh.device_type != "cpu":
+        return []
+    names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+    backends = [mesh.get_group(d)._get_backend(torch.device("cpu")) for d in range(mesh.ndim)]
+    return [n for n, b in zip(names, backends) if isinstance(b, ProcessGroupGloo) and workers(b) > 1]
