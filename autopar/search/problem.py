@@ -34,6 +34,7 @@ from autopar.problem.nodes import PARAM, PlanGraph
 from autopar.problem.pinning import pin_config
 from autopar.problem.strided import add_strided_strategies
 from autopar.search.account import Account, timed
+from autopar.solver.ilp import NoPlan, Solution
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +201,7 @@ class Problems:
             self.account.record("depth", "pipelines", "not searched", None, unpipelined)
         self._prepared: dict[tuple[Any, ...], Problem] = {}
         self._priced: dict[tuple[Any, ...], Problem] = {}
-        self._free: dict[tuple[Any, ...], Any] = {}
+        self._free: dict[tuple[Any, ...], Solution | NoPlan] = {}
 
     def at(self, place: Place) -> Problem:
         """``place``'s problem as prepared, before any scenario prices it."""
@@ -226,7 +227,8 @@ class Problems:
             self._priced[key] = priced_under(self.at(place), scenario)
         return replace(self._priced[key], memory_limit=memory_limit)
 
-    def solved_free(self, place: Place, scenario: Scenario, solve: Callable[[], Any]) -> Any:
+    def solved_free(self, place: Place, scenario: Scenario, solve: Callable[[], Solution | NoPlan]
+                    ) -> Solution | NoPlan:
         """``solve()``, the ILP of ``place`` under ``scenario`` without the memory row, run once: a pipeline
         search asks for a stage plan's free solve, then its memory search under the limit asks again."""
         key = (_key(replace(place, micro_batches=scenario.micro_batches)), scenario)
