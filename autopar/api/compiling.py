@@ -187,8 +187,7 @@ def _built(model: nn.Module, mesh: DeviceMesh, step: PlannedStep, init: tuple[In
 def _world_mesh(devices: int) -> DeviceMesh:
     """A 1-D DeviceMesh of the world's ranks, without axis names (the planner lays them out), on the device
     type of the world's backend; ``devices`` must be the world size."""
-    if not dist.is_initialized():
-        raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
+    _check_initialized()
     world = dist.get_world_size()
     if devices != world:
         raise InputError(f"compile(mesh={devices}): an int is the number of devices, which must be the world size "
@@ -207,9 +206,13 @@ def _warn_racing_workers(mesh: DeviceMesh) -> None:
                       "init_process_group", RuntimeWarning, stacklevel=3)
 
 
-def _check_world(mesh: DeviceMesh) -> None:
+def _check_initialized() -> None:
     if not dist.is_initialized():
         raise CompileError("autopar.compile needs torch.distributed initialized (torchrun, init_process_group)")
+
+
+def _check_world(mesh: DeviceMesh) -> None:
+    _check_initialized()
     if mesh.size() != dist.get_world_size():
         raise CompileError(f"the mesh has {mesh.size()} devices ({tuple(mesh.shape)}) but the world has "
                            f"{dist.get_world_size()} ranks; they must match")

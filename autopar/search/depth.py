@@ -61,7 +61,7 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
         if isinstance(at, Pruned):
             _record(problems, depth, at, found, skipped)
         else:
-            free[depth], order[depth] = at, (at.unfit, at.fastest_s)
+            free[depth], order[depth] = at, (at.none_fit, at.fastest_s)
     for depth in sorted(free, key=lambda k: (*order[k], k)):  # the likeliest plans first: they bound the rest
         fastest = min((s.plan.predicted.step_time_s for s in found.values()), default=math.inf)
         cutoff = min(fastest * (1 + 2 * TIE), cutoff_s)  # an equal plan still planned: the shallower depth wins

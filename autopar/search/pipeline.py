@@ -41,8 +41,9 @@ class Unlimited:
     search: PipelineSearch
     free: dict[int, list[Priced]]
     how: str
-    began: float
-    unfit: bool
+    seconds: float
+    """How long this half took (the plan's "pipeline search" timing adds the second's)."""
+    none_fit: bool
     """No pipeline of the counts first solved fits the limit: stage plans are solved under it."""
 
     @property
@@ -79,23 +80,25 @@ def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: f
         return Pruned(why, InputError(why))
     search = PipelineSearch(stage, choices, limit)
     free, how = search.free_plans()
-    unfit = not any(f.peak_bytes <= limit for plans in free.values() for f in plans) and math.isfinite(limit)
-    if unfit:
+    none_fit = not any(f.peak_bytes <= limit for plans in free.values() for f in plans) and math.isfinite(limit)
+    if none_fit:
         for m in search.counts:
             if m not in free:
                 free[m] = search.solved(m)
         how = "every micro-batch count solved (no pipeline fits without the limit)" if how else ""
-    return Unlimited(search, {m: free[m] for m in search.counts if m in free}, how, began, unfit)
+    return Unlimited(search, {m: free[m] for m in search.counts if m in free}, how, time.perf_counter() - began,
+                     none_fit)
 
 
 def limited_pipeline(problems: Problems, unlimited: Unlimited, cutoff_s: float = math.inf) -> PlannedStep | Pruned:
     """The fastest pipeline that fits the limit, from ``unlimited``'s plans and, where none of those fits,
     stage plans solved under the limit (``search.pipeline_limited``); none is sought where the plans without
     the limit are no faster than ``cutoff_s`` (the depth search has a plan as fast already)."""
+    began = time.perf_counter()
     search, free, how = unlimited.search, unlimited.free, unlimited.how
     limit = search.limit
     priced = [f for plans in free.values() for f in plans]
-    if unlimited.unfit:
+    if unlimited.none_fit:
         fastest = unlimited.fastest_s
         if priced and fastest >= cutoff_s:
             why = (f"its pipelines planned without the memory limit do not fit and are no faster ({fmt_s(fastest)}) "
@@ -108,7 +111,8 @@ def limited_pipeline(problems: Problems, unlimited: Unlimited, cutoff_s: float =
         return Pruned(str(error), error)
     best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
     problems.account.record("pipeline", label(best.choice), "chosen", best.step_time_s, how)
-    return _annotated(best, fitting, len(priced), search.race, time.perf_counter() - unlimited.began, how)
+    return _annotated(best, fitting, len(priced), search.race, unlimited.seconds + time.perf_counter() - began,
+                      how)
 
 
 def _annotated(best: Priced, fitting: list[Priced], priced: int, race: Race, seconds: float, how: str
