@@ -34,6 +34,22 @@ def _kind(name: str) -> str | None:
     return next((kind for kind, keys in COLLECTIVE_KINDS.items() if any(k in low for k in keys)), None)
 
 
+def _nested(event: Any) -> bool:
+    """The event runs inside another collective's issuing call: a ``TorchDispatchMode`` (selective
+    checkpointing's) dispatches the op again below itself, and the profiler records both calls."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if _kind(parent.name) is not None:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _redispatched(event: Any) -> bool:
+    """The same op again, directly below itself (a dispatch mode running it): one call, not two."""
+    return event.cpu_parent is not None and event.cpu_parent.name == event.name
+
+
 def _bytes(shapes: list[Any]) -> int:
     """The first input's bytes (fp32); for a list input, all its tensors."""
     first = shapes[0] if shapes else []
@@ -48,13 +64,13 @@ def breakdown(events: Any, steps: int, cpu_s: float) -> str:
     ops = matmuls = 0
     for e in events:
         kind = _kind(e.name)
-        if kind is not None:
+        if kind is not None and not _nested(e):
             calls[kind] += 1
             nbytes[kind] += _bytes(e.input_shapes)
-        if e.name.startswith("aten::"):
+        if e.name.startswith("aten::") and not _redispatched(e):
             ops += 1
             matmuls += e.name in MATMULS
-    counts = Counter(e.name for e in events if e.name.startswith("aten::"))
+    counts = Counter(e.name for e in events if e.name.startswith("aten::") and not _redispatched(e))
     lines = [f"  CPU {1e3 * cpu_s / steps:.1f} ms per step; collectives per step: " + ", ".join(
         f"{kind} {calls[kind] / steps:g} calls / {nbytes[kind] / steps / 2**20:.2f} MiB" for kind in sorted(calls)),
         f"  aten ops per step {ops / steps:.0f} (matmuls {matmuls / steps:.0f}); CPU per op "
