@@ -65,7 +65,8 @@ class MemoryConfig:
     zero: Mapping[str, int] | None = None
     """Data axis -> ZeRO stage (0-3) of every trainable parameter there (``memory.options``)."""
     checkpoint: str | None = None
-    """Activation checkpointing of the repeated blocks: 'none', 'selective' or 'full'."""
+    """Activation checkpointing of the repeated blocks: 'none', 'selective', 'selective_op' (torchtitan's
+    op-level policy: attention and every other linear matmul kept) or 'full'."""
     checkpoint_blocks: int | None = None
     """How many repeated blocks checkpoint, the first ones; None: all when ``checkpoint`` is pinned."""
     regather_blocks: int | None = None

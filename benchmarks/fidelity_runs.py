@@ -111,9 +111,9 @@ class MegatronRun:
 
 TITAN = (
     TitanRun(name="titan 8B FSDP 8", config=titan_llama.LLAMA3_8B, axes={"dp": 8}, batch=16, measured_tps=5762,
-             measured_gib=82.4, checkpoint="selective"),
+             measured_gib=82.4, checkpoint="selective_op"),
     TitanRun(name="titan 8B FSDP 128", config=titan_llama.LLAMA3_8B, axes={"dp": 128}, batch=256, measured_tps=5605,
-             measured_gib=67.0, checkpoint="selective"),
+             measured_gib=67.0, checkpoint="selective_op"),
     TitanRun(name="titan 70B FSDP32xTP8", config=titan_llama.LLAMA3_70B, axes={"dp": 32, "tp": 8}, batch=512,
              measured_tps=829, measured_gib=71.9, checkpoint="full", float8=True, eager=False),
     TitanRun(name="titan 405B 3D 1F1B", config=titan_llama.LLAMA3_405B, axes={"pp": 8, "dp": 8, "tp": 8}, batch=256,
@@ -160,6 +160,7 @@ KERNEL_NOTE = ("Megatron's 2021 kernels beside what is priced (benchmarks/megatr
                "TFLOP/s (44-52% of peak with recomputation counted) suggest they did not sustain")
 """Where the profile's figures and Megatron's kernels differ (printed beside the Megatron rows)."""
 
-TITAN_NOTE = ("torchtitan's 'op' selective checkpointing recomputes every second matmul of a block "
-              "(parallelize_llama.py at 9dec370), autopar's keeps every matmul's output: the prediction "
-              "lacks ~36% of the blocks' linear forward FLOPs again in backward, and keeps more activations")
+TITAN_NOTE = ("pinned with torchtitan's own 'op' selective checkpointing (checkpoint='selective_op': attention and "
+              "every other linear matmul of a block kept, parallelize_llama.py at 9dec370); its reserved peak is "
+              "above the plan's predicted peak (on 8 GPUs by ~18 GiB): what the run held beyond the live tensors the "
+              "plan counts is not in the source")

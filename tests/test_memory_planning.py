@@ -14,10 +14,10 @@ import autopar
 from autopar.runtime.forked import run_ranks
 from autopar.memory.scenarios import Scenario, candidates
 from autopar.memory.options import MemoryOptions
-from examples import gpt
+from examples import gpt, llama
 from numerics_harness import check, reference, run_compiled
 from tiny_models import BigTable
-from tests.planning import assert_one_price
+from tests.planning import assert_one_price, problem_at
 
 MiB = 2**20
 LIMITS_MIB = (13, 9, 6, 5)
@@ -185,3 +185,30 @@ def test_bf16_model_state_by_hand(dtype: torch.dtype, train: bool, weights: int,
                         loss_fn=(lambda y: y.float().square().mean()) if train else None, pipeline=False)
     parts = plan.predicted.memory_parts
     assert (parts["weights"], parts["gradients"], parts["optimizer state"]) == (weights, gradients, state)
+
+
+@pytest.mark.parametrize("policy", ["selective", "selective_op", "full"])
+def test_checkpointing_policies_price_what_they_replay(policy: str) -> None:
+    """Each checkpointed Llama block's linear layers (q, k, v, o, gate, up, down, in order) pay their
+    forward again where the policy recomputes them: none under 'selective', every second one
+    (k, o, up) under 'selective_op' (torchtitan's op policy), all under 'full'; attention is kept
+    by both selective policies."""
+    model, inputs, loss_fn, targets = llama.build()
+    problem = problem_at(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                         checkpoint=policy, pipeline=False)
+    base = problem.base_graph
+    assert base is not None
+    replayed = {}
+    for name in problem.graph.order:
+        node, was = problem.graph.nodes[name], base.nodes[name]
+        if node.call is None or not name.startswith(("linear", "scaled_dot_product_attention")) or node.block != "layers.0":
+            continue
+        again = [c.time - b.time for c, b in zip(node.costs, was.costs)]
+        assert all(a == pytest.approx(b.forward) or a == 0.0 for a, b in zip(again, was.costs)), name
+        replayed[name] = again[0] > 0.0
+    linears = [replayed[n] for n in replayed if n.startswith("linear")]
+    attention = [replayed[n] for n in replayed if n.startswith("scaled")]
+    assert len(linears) == 7 and len(attention) == 1, replayed
+    want = {"selective": [False] * 7, "selective_op": [False, True] * 3 + [False], "full": [True] * 7}[policy]
+    assert linears == want
+    assert attention == [policy == "full"]

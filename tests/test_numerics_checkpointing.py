@@ -1,10 +1,10 @@
-"""Activation checkpointing (``checkpoint='full'`` / ``'selective'``) trains to the single-device
-numbers: loss, every gradient, every parameter after 3 AdamW steps, on GPT with dropout in
-training mode (the recompute draws the forward's masks again) and on Llama, on dp=2 and
+"""Activation checkpointing (``checkpoint='full'`` / ``'selective'`` / ``'selective_op'``) trains to the
+single-device numbers: loss, every gradient, every parameter after 3 AdamW steps, on GPT with dropout
+in training mode (the recompute draws the forward's masks again) and on Llama, on dp=2 and
 dp=2 x tp=2. The recompute re-runs exactly the forward collectives of the checkpointed
 blocks (logged as phase "recompute"), and checkpointing frees activations: fewer bytes stay
-alive between forward and backward under 'full' than 'selective', and under 'selective'
-than without it."""
+alive between forward and backward under 'full' than 'selective_op', under 'selective_op' than
+'selective', and under 'selective' than without it."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ class Case:
 
 
 CASES = [Case(model, mesh, policy, plan) for model in MODELS for mesh, plan in (((2,), "free"), ((2, 2), "tp"))
-         for policy in ("full", "selective")] + [Case("llama", (2, 2), "full", "tp", blocks=1)]
+         for policy in ("full", "selective")] + [Case("llama", (2, 2), "full", "tp", blocks=1)] + [
+    Case("gpt", (2,), "selective_op"), Case("llama", (2, 2), "selective_op", "tp")]
 
 
 def _watch_regions(pm: autopar.ParallelModule) -> list[tuple[str, str, int, int]]:
@@ -158,7 +159,7 @@ def held_between_passes(rank: int, world: int) -> dict[str, int]:
     """Bytes the forward leaves alive for backward, per policy (GPT on dp=2)."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     held = {}
-    for policy in ("none", "selective", "full"):
+    for policy in ("none", "selective", "selective_op", "full"):
         model, inputs, loss_fn, targets = gpt.build()
         pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, checkpoint=policy,
                              pipeline=False)
@@ -173,7 +174,7 @@ def held_between_passes(rank: int, world: int) -> dict[str, int]:
 
 def test_checkpointing_frees_activations() -> None:
     for held in run_ranks(held_between_passes, 2):
-        assert held["full"] < held["selective"] < held["none"], held
+        assert held["full"] < held["selective_op"] < held["selective"] < held["none"], held
 
 
 def _stack(path: str) -> dict[str, tuple[str, type]]:
@@ -221,7 +222,7 @@ def test_block_regions_made_contiguous() -> None:
 
     gm.add_submodule("recompute", Call())
     for i, (_, nodes) in enumerate(cb._regions(gm.graph, owner)):
-        cb._outline(gm, f"region_{i}", nodes, "full")
+        cb._outline(gm, f"region_{i}", nodes, "full", {})
     gm.graph.lint()
     gm.recompile()
     assert all(torch.equal(w, g) for w, g in zip(want, gm(x)))
@@ -236,7 +237,7 @@ class _NoLog:
         yield
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", "selective", "selective_op"])
 def test_recompute_replays_for_split_backward(policy: str) -> None:
     """A zero-bubble schedule's backward is two calls (input gradients, then weight gradients),
     and each recomputes the region: with ``replays`` both give the plain run's gradients (the
@@ -253,12 +254,40 @@ def test_recompute_replays_for_split_backward(policy: str) -> None:
         run = Recompute(_NoLog(), torch.Generator(), replays=bool(replays))  # type: ignore[arg-type]
         with torch.random.fork_rng():
             torch.manual_seed(5)
-            out = region(x) if replays is None else run(region, policy, x)
+            out = region(x) if replays is None else run(region, policy, x, matmuls=(0, 2))
         dx = torch.autograd.grad(out.sum(), x, retain_graph=True)
         return [*dx, *torch.autograd.grad(out.sum(), weights)]
 
     want = split_backward(None)
     assert all(torch.equal(w, g) for w, g in zip(want, split_backward(True), strict=True))
-    if policy == "selective":
+    if policy != "full":
         with pytest.raises(RuntimeError, match="backward an extra time"):
             split_backward(False)
+
+
+def test_op_policy_keeps_every_other_matmul() -> None:
+    """'selective_op' keeps the block's first, third... linear matmul (counted from the region's
+    ``matmuls`` start) and recomputes the others; a region running another number of them than its
+    plan counted is an error at its forward."""
+    torch.manual_seed(0)
+    region = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)])
+    x = torch.randn(4, 8, requires_grad=True)
+    mms: list[str] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten.mm.default:
+                mms.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    def recomputed_mms(before: int) -> int:
+        """Matmuls run by forward and backward beyond the plain run's 3 + 6."""
+        mms.clear()
+        with Count():
+            out = Recompute(_NoLog(), torch.Generator())(region, "selective_op", x, matmuls=(before, 3))  # type: ignore[arg-type]
+            out.sum().backward()
+        return len(mms) - 9
+    assert recomputed_mms(0) == 1  # the second of three
+    assert recomputed_mms(1) == 2  # this region starts at the block's second: its first and third
+    with pytest.raises(RuntimeError, match="ran 3 linear matmuls .* its plan counted 2"):
+        Recompute(_NoLog(), torch.Generator())(region, "selective_op", x, matmuls=(0, 2))  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from autopar.cli.builders import load_builder, positive, run_user_code
 from autopar.cli.serve import add_parser, serve_command
 from autopar.errors import InputError
 from autopar.hardware import PROFILES, get_profile
+from autopar.memory.options import CHECKPOINT_POLICIES
 from autopar.pipeline.spec import SCHEDULES
 
 EXIT_CODES = """exit status:
@@ -212,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
                         help="pin a ZeRO stage per data axis: 0 (DDP), 1 (optimizer state sharded), 2 (parameters "
                              "stored split, kept gathered "
                              "until backward), 3 (gathered again in backward), e.g. dp=3")
-    memory.add_argument("--checkpoint", choices=["none", "selective", "full"], default=None,
+    memory.add_argument("--checkpoint", choices=list(CHECKPOINT_POLICIES), default=None,
                         help="pin activation checkpointing of the repeated blocks")
     memory.add_argument("--checkpoint-blocks", type=positive(int), default=None, metavar="K",
                         help="pin how many repeated blocks checkpoint, the first ones (default: all of them "

@@ -1,6 +1,9 @@
-"""Which ops selective activation checkpointing keeps: matmul and attention outputs (the
-expensive ones to recompute, torchtitan's "op" policy); every other op of a checkpointed
-block is recomputed in backward.
+"""Which ops selective activation checkpointing keeps; every other op of a checkpointed block is
+recomputed in backward. Two policies keep some:
+- 'selective': every matmul and attention output (the expensive ones to recompute);
+- 'selective_op': torchtitan's op-level policy (``selective_ac_option="op"``): attention outputs,
+  and of each block's linear-layer matmuls (``mm``, and ``addmm`` for a biased one, counted in
+  the order the block runs them) the first, third, fifth...; the others are recomputed.
 
 One list, two levels, so the runtime's policy and the cost model cannot drift apart:
 - ``SAVED_GRAPH_OPS``: the ops as captured in the FX graph the planner prices
@@ -45,12 +48,36 @@ SAVED_GRAPH_OPS: frozenset[torch._ops.OpOverload] = SAVED_DISPATCH_OPS | frozens
 output under the selective policy; every other node of the block is recomputed."""
 
 
+OP_COUNTED_DISPATCH_OPS: frozenset[torch._ops.OpOverload] = frozenset({aten.mm.default, aten.addmm.default})
+"""The matmuls 'selective_op' counts at the dispatcher (a linear layer's: torchtitan counts ``mm``)."""
+
+OP_COUNTED_GRAPH_OPS: frozenset[torch._ops.OpOverload] = frozenset({aten.linear.default, aten.mm.default,
+                                                                     aten.addmm.default})
+"""The graph ops that each run one of ``OP_COUNTED_DISPATCH_OPS``: the planner counts these (the
+runtime checks that a region ran as many as it was planned with)."""
+
+OP_SAVED_DISPATCH_OPS: frozenset[torch._ops.OpOverload] = _ATTENTION_KERNELS
+"""The ops whose outputs 'selective_op' always keeps (torchtitan's list, its float8 and tensor-parallel
+entries aside): the attention kernels."""
+
+_ATTENTION_GRAPH_OPS = _ATTENTION_KERNELS | frozenset({aten.scaled_dot_product_attention.default})
+
+
+def counted_by_op_policy(target: object) -> bool:
+    """Whether a graph node with this target is a matmul 'selective_op' counts."""
+    return target in OP_COUNTED_GRAPH_OPS
+
+
 def saved_by_selective(target: object) -> bool:
     """Whether the selective policy keeps the output of a graph node with this target."""
     return target in SAVED_GRAPH_OPS
 
 
-def kept_by_policy(policy: str, target: object) -> bool:
+def kept_by_policy(policy: str, target: object, matmul_index: int = 0) -> bool:
     """True when ``policy`` keeps the output of a graph node with this target inside a
-    checkpointed block (only "selective" keeps any)."""
-    return policy == "selective" and saved_by_selective(target)
+    checkpointed block; ``matmul_index``: for a counted matmul, how many its block ran before it."""
+    if policy == "selective":
+        return saved_by_selective(target)
+    if policy == "selective_op":
+        return matmul_index % 2 == 0 if counted_by_op_policy(target) else target in _ATTENTION_GRAPH_OPS
+    return False

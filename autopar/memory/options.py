@@ -31,10 +31,13 @@ from autopar.errors import InputError, InputTypeError
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages a data axis can be pinned to (see the module docstring)."""
-CHECKPOINT_POLICIES = ("none", "selective", "full")
-"""Activation checkpointing per repeated block: keep every saved activation; keep matmul
-and attention outputs and recompute the rest (torch's selective checkpointing, as
-torchtitan's "op" policy); keep only the block's inputs and recompute the whole block."""
+CHECKPOINT_POLICIES = ("none", "selective", "selective_op", "full")
+"""Activation checkpointing per repeated block, from most kept to least: keep every saved
+activation; keep matmul and attention outputs and recompute the rest (torch's selective
+checkpointing); keep attention outputs and every other linear matmul's (torchtitan's "op"
+policy, ``cost.recompute``); keep only the block's inputs and recompute the whole block."""
+SEARCHED_POLICIES = ("none", "selective", "full")
+"""The policies the planner chooses among where none is pinned ('selective_op' runs when pinned)."""
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryOptions:
@@ -43,7 +46,8 @@ class MemoryOptions:
     zero: dict[str, int] | None = None
     """Data axis name -> ZeRO stage (0, 1, 2 or 3) for every trainable parameter on that axis."""
     checkpoint: str | None = None
-    """Activation checkpointing policy for the repeated blocks: 'none', 'selective' or 'full'."""
+    """Activation checkpointing policy for the repeated blocks: 'none', 'selective', 'selective_op'
+    (torchtitan's op-level policy) or 'full' (``CHECKPOINT_POLICIES``)."""
     checkpoint_blocks: int | None = None
     """How many repeated blocks checkpoint, the first ones (Megatron's ``--recompute-method
     block --recompute-num-layers``); None: all of them when ``checkpoint`` is pinned, the

@@ -4,7 +4,8 @@ their outputs for backward, which drop them and recompute, and what that costs.
 A checkpointed block (``MemoryPlan.checkpoint_blocks``) replays its forward in backward:
 - time: every op the replay re-executes adds its forward seconds again (``full``: all of
   them; ``selective``: all but the kept matmul/attention outputs, which the replay reads
-  from its cache), and every forward reshard feeding an op of the block runs again
+  from its cache; ``selective_op``: all but attention and every other linear matmul,
+  ``cost.recompute``), and every forward reshard feeding an op of the block runs again
   (``edge_cost(recomputed=True)``);
 - memory: an op's outputs stay alive until backward only if the policy keeps them or they
   leave the block (the next block's or the head's input: kept either way), whole, whether
@@ -27,7 +28,7 @@ from autopar.cost.model import CostContext, NodeCost, step_repeats
 from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.ring import ring_waited_time
 from autopar.rules.attention import ATTENTION_OPS
-from autopar.cost.recompute import kept_by_policy
+from autopar.cost.recompute import counted_by_op_policy, kept_by_policy
 from autopar.problem.block_paths import block_of
 from autopar.rules.strategy import Strategy
 from autopar.problem.nodes import OP, PlanGraph, PlanNode
@@ -41,14 +42,21 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostCont
     chosen = set(blocks)
     consumers = graph.consumers()
     nodes = dict(graph.nodes)
+    matmuls: dict[str, int] = {}  # block -> the matmuls 'selective_op' counted in it so far
     for name in graph.order:
         node = graph.nodes[name]
         block = block_of(node.module)
-        if node.kind != OP or block not in chosen or not node.needs_grad:
+        if node.kind != OP or block not in chosen:
+            continue
+        index = matmuls.get(block, 0)
+        if counted_by_op_policy(_target(node)):  # counted whether or not it has a backward, as the runtime counts
+            matmuls[block] = index + 1
+        if not node.needs_grad:
             continue  # ops with no backward save nothing and replay nothing
         leaves = any(block_of(graph.nodes[c].module) != block for c, _, _ in consumers[name]) \
             or name in graph.output_names
-        nodes[name] = _recomputed(node, block, policy, keep=leaves or kept_by_policy(policy, _target(node)))
+        cached = kept_by_policy(policy, _target(node), index)
+        nodes[name] = _recomputed(node, block, cached=cached, keep=leaves or cached)
         if ctx is not None and node.call is not None and (is_moe(node.call.target)  # no policy keeps it: replayed
                                                            or node.call.target in ATTENTION_OPS):
             nodes[name] = replace(nodes[name], comm_times=[t + replay_comm_time(node, s, ctx) for t, s in zip(
@@ -66,8 +74,9 @@ def replay_comm_time(node: PlanNode, strategy: Strategy, ctx: CostContext) -> fl
     return (sum(collective_time(c.call, ctx.mesh) for c in calls if c.phase == "forward") + ring) * step_repeats(ctx)
 
 
-def _recomputed(node: PlanNode, block: str, policy: str, *, keep: bool) -> PlanNode:
-    cached = kept_by_policy(policy, _target(node))  # the replay reads it from its cache, runs nothing
+def _recomputed(node: PlanNode, block: str, *, cached: bool, keep: bool) -> PlanNode:
+    """``node`` in a checkpointed block; ``cached``: the policy keeps its output (the replay reads it
+    from its cache, runs nothing); ``keep``: its output is held to backward."""
     # What the block keeps, it keeps whole, whether or not autograd would: the policy caches
     # its outputs, the next checkpointed block saves its inputs (``NodeCost.output_bytes``).
     costs = [NodeCost(c.time + (0.0 if cached else c.forward), c.output_bytes if keep else 0.0, c.forward,

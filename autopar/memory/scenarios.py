@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, replace
 
 from autopar.errors import InputError
-from autopar.memory.options import CHECKPOINT_POLICIES, MemoryOptions
+from autopar.memory.options import CHECKPOINT_POLICIES, SEARCHED_POLICIES, MemoryOptions
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 """Micro-batch counts the planner tries (those dividing the batch)."""
@@ -170,11 +170,11 @@ def _checkpointing(options: MemoryOptions, blocks: int) -> list[tuple[str, int |
     if options.checkpoint is not None:
         return [(options.checkpoint, _first_blocks(options.checkpoint_blocks, blocks))]
     if options.checkpoint_blocks is not None:  # how many is pinned, not how
-        return [(policy, _first_blocks(options.checkpoint_blocks, blocks)) for policy in CHECKPOINT_POLICIES[1:]]
+        return [(policy, _first_blocks(options.checkpoint_blocks, blocks)) for policy in SEARCHED_POLICIES[1:]]
     if not blocks:
         return [("none", None)]
     shares = sorted({k for f in CHECKPOINT_FRACTIONS if 0 < (k := round(f * blocks)) < blocks})
-    return [("none", None)] + [(policy, k) for policy in CHECKPOINT_POLICIES[1:] for k in (*shares, None)]
+    return [("none", None)] + [(policy, k) for policy in SEARCHED_POLICIES[1:] for k in (*shares, None)]
 
 
 def _regathering(options: MemoryOptions, blocks: int, checkpoint: str, checkpointed: int | None

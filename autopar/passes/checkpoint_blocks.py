@@ -5,7 +5,9 @@ The nodes of block ``blocks.0`` move into a submodule ``self.checkpoint_blocks_0
 inputs: the values it reads from outside, parameters included; its outputs: the values
 read after it), called as ``self.recompute(self.checkpoint_blocks_0, 'full', x, w, ...)``;
 the runtime (``autopar.runtime.recompute``) runs it under torch's checkpointing with the
-plan's policy. A node belongs to a block by its module path (``nn_module_stack``); a node
+plan's policy. Under 'selective_op' the call also names ``matmuls=(before, count)``: the linear
+matmuls its block ran in earlier regions and those it runs (the policy keeps every other one,
+counted over the whole block, as the planner priced it). A node belongs to a block by its module path (``nn_module_stack``); a node
 a pass inserted has none (reshards, their gathers included) and belongs to the block of
 its users when they all lie in one, so a block's forward collectives run again in its
 recompute.
@@ -33,6 +35,7 @@ import operator
 import torch.fx
 
 from autopar.capture.aliasing import storage_root, written_args
+from autopar.cost.recompute import counted_by_op_policy
 from autopar.passes.context import PassContext, block_owners
 from autopar.problem.block_paths import in_block
 
@@ -50,11 +53,17 @@ def checkpoint_blocks(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Gra
     seen: dict[str, int] = {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}  # before any region is outlined
     writes = _write_positions(gm.graph, order)
+    matmuls: dict[str, int] = {}  # block -> the matmuls 'selective_op' counted in its earlier regions
     for block, nodes in _regions(gm.graph, owner):
         name = REGION_PREFIX + block.replace(".", "_")
         seen[block] = seen.get(block, -1) + 1
         mutated = _mutated(nodes, order, writes)
-        _outline(gm, name + (f"_{seen[block]}" if seen[block] else ""), nodes, memory.checkpoint, mutated)
+        counted = sum(n.op == "call_function" and counted_by_op_policy(n.target) for n in nodes)
+        kwargs = {"mutated": mutated} if mutated else {}
+        if memory.checkpoint == "selective_op":
+            kwargs["matmuls"] = (matmuls.get(block, 0), counted)
+        matmuls[block] = matmuls.get(block, 0) + counted
+        _outline(gm, name + (f"_{seen[block]}" if seen[block] else ""), nodes, memory.checkpoint, kwargs)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -135,9 +144,10 @@ def _mutated(nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int], writes
 
 
 def _outline(gm: torch.fx.GraphModule, name: str, nodes: list[torch.fx.Node], policy: str,
-             mutated: tuple[int, ...] = ()) -> None:
-    """Replace ``nodes`` by one ``self.recompute`` call of a submodule running them;
-    ``mutated``: positions of its inputs that may change before the recompute (``_mutated``)."""
+             kwargs: dict[str, tuple[int, ...]]) -> None:
+    """Replace ``nodes`` by one ``self.recompute`` call of a submodule running them; ``kwargs``: the
+    call's ``mutated`` (positions of its inputs that may change before the recompute, ``_mutated``)
+    and ``matmuls`` (under 'selective_op': the block's matmuls counted before this region, and in it)."""
     inside = set(nodes)
     inputs = _region_inputs(nodes)
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
@@ -150,7 +160,7 @@ def _outline(gm: torch.fx.GraphModule, name: str, nodes: list[torch.fx.Node], po
     graph = gm.graph
     with graph.inserting_before(nodes[0]):
         region = graph.get_attr(name)
-        call = graph.call_module("recompute", (region, policy, *inputs), {"mutated": mutated} if mutated else {})
+        call = graph.call_module("recompute", (region, policy, *inputs), kwargs)
         for i, node in enumerate(outputs):
             got = graph.call_function(operator.getitem, (call, i))
             got.meta["val"] = node.meta.get("val")

@@ -4,7 +4,10 @@ writes).
 
 torch's non-reentrant checkpoint runs the region; 'full' keeps only its inputs, 'selective'
 also keeps the outputs of the ops in ``autopar.cost.recompute.SAVED_DISPATCH_OPS`` (matmuls
-and attention) and recomputes the rest. The recompute must reproduce the forward bit for bit:
+and attention) and recomputes the rest, 'selective_op' keeps attention's and every other linear
+matmul's (torchtitan's op-level policy; the call's ``matmuls=`` places the region in its block, and
+a region that runs another number of them than planned is an error). The recompute must
+reproduce the forward bit for bit:
 - random draws come from the module's own generator (``RandomOps``), which torch's
   checkpoint does not preserve: the recompute starts from the generator's state at region
   entry and leaves it where it found it;
@@ -25,6 +28,8 @@ extra time"), so with ``replays`` every recompute gets the kept outputs back.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -33,12 +38,45 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn, set_checkpoint_early_stop)
 
-from autopar.cost.recompute import SAVED_DISPATCH_OPS
+from autopar.cost.recompute import OP_COUNTED_DISPATCH_OPS, OP_SAVED_DISPATCH_OPS, SAVED_DISPATCH_OPS
 from autopar.runtime.ops import Comm
 
 
 def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_DISPATCH_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _OpPolicy:
+    """'selective_op' for one region call (``cost.recompute``): attention kernels kept, and of the
+    linear matmuls, counted separately in the forward and in each recompute from ``before`` (those
+    its block ran in earlier regions), every other one, starting with the block's first."""
+
+    def __init__(self, before: int, count: int) -> None:
+        self.before, self.count = before, count
+        self.seen = {False: 0, True: 0}  # ctx.is_recompute -> matmuls counted so far
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in OP_COUNTED_DISPATCH_OPS:
+            index = self.before + self.seen[ctx.is_recompute]
+            self.seen[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if index % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in OP_SAVED_DISPATCH_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def restart(self) -> None:
+        """A recompute begins (a split backward runs two): it counts from the block's start again."""
+        self.seen[True] = 0
+
+    def check_forward(self) -> None:
+        """The region ran the matmuls it was planned with: otherwise the plan priced other ops as kept."""
+        if self.seen[False] != self.count:
+            raise RuntimeError(f"a 'selective_op' checkpointed region ran {self.seen[False]} linear matmuls (mm, "
+                               f"addmm) where its plan counted {self.count} (linear, mm, addmm nodes): its ops "
+                               "dispatch otherwise than planned; pin checkpoint='selective' or 'full'")
+
+
+def _op_contexts(policy: _OpPolicy, replays: bool) -> Any:
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, _Replayable(recompute, policy.restart) if replays else recompute
 
 
 def _selective_contexts() -> Any:
@@ -53,13 +91,17 @@ def _replayable_selective_contexts() -> Any:
 class _Replayable:
     """Selective checkpointing's recompute context, run any number of times: the outputs the
     forward kept (the mode's ``storage``: op -> call index -> value) are put back after each
-    recompute, which marks those it handed out as consumed."""
+    recompute, which marks those it handed out as consumed. ``restart``: called as each
+    recompute begins (a policy's own count)."""
 
-    def __init__(self, cached: Any) -> None:
+    def __init__(self, cached: Any, restart: Callable[[], None] | None = None) -> None:
         self.cached = cached
+        self.restart = restart
         self.kept: dict[Any, dict[int, Any]] = {}
 
     def __enter__(self) -> Any:
+        if self.restart is not None:
+            self.restart()
         self.kept = {op: dict(calls) for op, calls in self.cached.storage.items()}
         return self.cached.__enter__()
 
@@ -78,10 +120,11 @@ class _RegionRun:
     forward found them, from the generator state the forward started from."""
 
     def __init__(self, region: nn.Module, comm: Comm, generator: torch.Generator,
-                 mutated: dict[int, torch.Tensor]) -> None:
+                 mutated: dict[int, torch.Tensor], op_policy: _OpPolicy | None = None) -> None:
         self.region, self.comm, self.generator = region, comm, generator
         self.entry = generator.get_state()
         self.mutated = mutated
+        self.op_policy = op_policy
         self.found: dict[int, tuple[torch.Tensor, bool]] = {}
         self.ran = False
 
@@ -91,7 +134,10 @@ class _RegionRun:
             # copied here, not before: the forward runs one clone per mutated input as each
             # recompute does, so selective checkpointing sees the same ops in both
             self.found = {i: (t.detach().clone(), t.requires_grad) for i, t in self.mutated.items()}
-            return self.region(*_merged(kept, self.mutated))
+            out = self.region(*_merged(kept, self.mutated))
+            if self.op_policy is not None:
+                self.op_policy.check_forward()
+            return out
         # a copy per recompute (a split backward recomputes twice), needing grad where the
         # forward's did, so that autograd saves what it saved in the forward
         copies = {i: value.clone().requires_grad_(grad) for i, (value, grad) in self.found.items()}
@@ -122,15 +168,19 @@ class Recompute(nn.Module):
         self.generator = generator
         self.replays = replays
 
-    def forward(self, region: nn.Module, policy: str, *inputs: Any, mutated: tuple[int, ...] = ()) -> Any:
+    def forward(self, region: nn.Module, policy: str, *inputs: Any, mutated: tuple[int, ...] = (),
+                matmuls: tuple[int, int] = (0, 0)) -> Any:
         if policy == "none" or not torch.is_grad_enabled():
             return region(*inputs)
-        if policy not in ("full", "selective"):
+        if policy not in ("full", "selective", "selective_op"):
             raise ValueError(f"unknown checkpointing policy {policy!r}")
-        context_fn = noop_context_fn
+        context_fn: Callable[[], Any] = noop_context_fn
+        op_policy = _OpPolicy(*matmuls) if policy == "selective_op" else None
         if policy == "selective":
             context_fn = _replayable_selective_contexts if self.replays else _selective_contexts
-        run = _RegionRun(region, self.comm, self.generator, {i: inputs[i] for i in mutated})
+        elif op_policy is not None:
+            context_fn = functools.partial(_op_contexts, op_policy, self.replays)
+        run = _RegionRun(region, self.comm, self.generator, {i: inputs[i] for i in mutated}, op_policy)
         kept = [x for i, x in enumerate(inputs) if i not in run.mutated]
         with set_checkpoint_early_stop(False):
             return checkpoint(run, *kept, use_reentrant=False, context_fn=context_fn)
