@@ -1,7 +1,7 @@
 """The plan's per-device peak memory is what a real step holds: each rank's peak of live
 tensor bytes over a training step (forward, backward, AdamW step; ``runtime.memory``) is
-within ``TOLERANCE`` of ``plan.predicted.peak_memory_bytes``, for DDP, ZeRO-3, full and
-selective checkpointing, 4 micro-batches and dp x tp plans of the GPT and Llama examples, fp32, at a batch
+within ``TOLERANCE`` of ``plan.predicted.peak_memory_bytes``, for DDP, ZeRO-3, full, selective and
+torchtitan's op-level ('selective_op') checkpointing, 4 micro-batches and dp x tp plans of the GPT and Llama examples, fp32, at a batch
 where activations are more than half of the prediction.
 
 What the prediction leaves out (transients: the logits a loss reads, an op's temporaries,
@@ -49,6 +49,7 @@ CONFIGS = [
     Config("zero3 1 of 2", (2,), ("dp",), {"zero": {"dp": 3}, "regather_blocks": 1}),
     Config("full", (2,), ("dp",), {"checkpoint": "full"}),
     Config("selective", (2,), ("dp",), {"checkpoint": "selective"}),
+    Config("selective_op", (2,), ("dp",), {"checkpoint": "selective_op"}),
     Config("full 1 of 2", (2,), ("dp",), {"checkpoint": "full", "checkpoint_blocks": 1}),
     Config("dp2xtp2", (2, 2), ("dp", "tp"), tp=True),
     Config("micro4", (2,), ("dp",), {"micro_batches": 4}),
