@@ -50,29 +50,34 @@ def _redispatched(event: Any) -> bool:
     return event.cpu_parent is not None and event.cpu_parent.name == event.name
 
 
-def _bytes(shapes: list[Any]) -> int:
-    """The first input's bytes (fp32); for a list input, all its tensors."""
+def _bytes(shapes: list[Any]) -> int | None:
+    """The first input's bytes (fp32); for a list input, all its tensors. None: the profiler
+    recorded no shape (a coalesced call's tensor lists are recorded empty)."""
     first = shapes[0] if shapes else []
     if first and isinstance(first[0], list):
         return sum(4 * math.prod(s) for s in first)
-    return 4 * math.prod(first) if first else 0
+    return 4 * math.prod(first) if first else None
 
 
 def breakdown(events: Any, steps: int, cpu_s: float) -> str:
     calls: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
+    unsized: Counter[str] = Counter()
     ops = matmuls = 0
     for e in events:
         kind = _kind(e.name)
         if kind is not None and not _nested(e):
             calls[kind] += 1
-            nbytes[kind] += _bytes(e.input_shapes)
+            size = _bytes(e.input_shapes)
+            nbytes[kind] += size or 0
+            unsized[kind] += size is None
         if e.name.startswith("aten::") and not _redispatched(e):
             ops += 1
             matmuls += e.name in MATMULS
     counts = Counter(e.name for e in events if e.name.startswith("aten::") and not _redispatched(e))
     lines = [f"  CPU {1e3 * cpu_s / steps:.1f} ms per step; collectives per step: " + ", ".join(
-        f"{kind} {calls[kind] / steps:g} calls / {nbytes[kind] / steps / 2**20:.2f} MiB" for kind in sorted(calls)),
+        f"{kind} {calls[kind] / steps:g} calls / {nbytes[kind] / steps / 2**20:.2f} MiB"
+        + (f" ({unsized[kind] / steps:g} coalesced, unsized)" if unsized[kind] else "") for kind in sorted(calls)),
         f"  aten ops per step {ops / steps:.0f} (matmuls {matmuls / steps:.0f}); CPU per op "
         f"{1e6 * cpu_s / max(ops, 1):.1f} us",
         "  most run: " + ", ".join(f"{name.removeprefix('aten::')} {n / steps:.0f}" for name, n in counts.most_common(14))]
