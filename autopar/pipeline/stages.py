@@ -11,7 +11,7 @@ program; ties go to the earliest cuts, so every rank cuts alike). The intra-stag
 the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
 
 The pipelined step plays torch's schedule order out with those seconds and the transfers
-across cuts between ranks (``pipeline.schedule_sim``); after its last action each rank reduces
+across cuts between ranks (``pipeline.schedule_sim``; what crosses a cut: ``pipeline.crossing``); after its last action each rank reduces
 its gradient buckets, sums the gradients of weights tied across ranks with their other
 copies' (``pipeline.tied``), takes the step's loss from the last stage's rank and updates its
 parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
@@ -29,9 +29,10 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
+from autopar.pipeline.crossing import crossing_bytes
 from autopar.pipeline.cuts import balanced_cuts, pinned_cuts
 from autopar.problem.block_paths import block_of
-from autopar.problem.nodes import INPUT, OP, PlanGraph
+from autopar.problem.nodes import OP, PlanGraph
 from autopar.pipeline.spec import Pipeline, pipeline_compute_s, simulate_pipeline
 from autopar.pipeline.schedule_sim import Simulation
 from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, stage_bytes,
@@ -359,32 +360,6 @@ def _local_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext
     meta = graph.nodes[name].outputs[0]
     assert meta is not None
     return float(local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape) * ctx.precision.weight_bytes_per_param)
-
-
-def crossing_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, stage_of: dict[str, int],
-                   count: int) -> list[float]:
-    """Per cut (after stage s), bytes per device of the values it carries forward in one
-    micro-batch: op outputs read by a later stage and user inputs a later stage reads
-    (carried from the first stage), each once however many stages it passes."""
-    crossing: dict[tuple[str, int], tuple[int, int]] = {}  # value -> (first stage holding it, last reader)
-    for name, s in stage_of.items():
-        for src, idx in graph.nodes[name].args:
-            kind = graph.nodes[src].kind
-            if kind not in (OP, INPUT):
-                continue
-            born = stage_of.get(src, 0)
-            if born < s:
-                first, last = crossing.get((src, idx), (born, s))
-                crossing[(src, idx)] = (first, max(last, s))
-    out = [0.0] * count
-    for (src, idx), (first, last) in crossing.items():
-        meta = graph.nodes[src].outputs[idx]
-        if meta is None:
-            continue
-        nbytes = ctx.precision.tensor_bytes(meta, local_numel(meta, chosen[src].outputs[idx], ctx.mesh.shape))
-        for cut in range(first, last):
-            out[cut] += nbytes
-    return out
 
 
 def _send_seconds(pipeline: Pipeline, mesh: Mesh, sends: list[float], rank_of: list[int]) -> list[float]:
