@@ -7,20 +7,21 @@ stage among its inputs (or, for a checkpointed block's call, the stage of the op
 holds: the latest stage among its inputs would be the stage before when the block starts a
 stage); a reshard between two ops joins its earliest reader's stage (not before its input's),
 so that a value crossing a cut is sent once, placed as its producer placed it, and resharded
-by each later stage reading it, as the plan prices the sends (``pipeline.stages.crossing_bytes``);
+by each later stage reading it, as the plan prices the sends (``pipeline.crossing``);
 a node computed only from placeholders (a parameter's cast or gather, its prefetch, the
 slicing of a user input) joins the earliest stage reading it, so a parameter's gathers run
 in the stage that holds the parameter; a function of state placeholders alone read by several
 stages (the one cast mixed precision reads a tied weight through) is computed again in each
 later stage reading it, as a shared reshard is, so each stage reads the copy of the state it
-holds and nothing derived from the state crosses a cut.
+holds and nothing derived from the state crosses a cut. User inputs never cross: every rank
+is handed the step's inputs, and each stage reads its micro-batch of those it needs.
 
-Each stage's module takes, in order, the values it receives (``inputs``: the user's
-inputs for the first stage; for a later one, every value an earlier stage computed, or a
-user input, that this stage or a later one reads, carried stage to stage), then the
-state placeholders it reads (``state``: parameters, buffers, constants, bound by the
-runtime), and returns what the next stage receives (the last stage: the program's
-outputs). Values crossing a cut must be tensors: the runtime sends them point to point.
+Each stage's module takes, in order, the values it receives (``inputs``: none for the first
+stage; for a later one, every value an earlier stage computed that this stage or a later one
+reads, carried stage to stage), the user inputs it reads (``user_inputs``), then the state
+placeholders it reads (``state``: parameters, buffers, constants, bound by the runtime), and
+returns what the next stage receives (the last stage: the program's outputs). Values
+crossing a cut must be tensors: the runtime sends them point to point.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ class StageProgram:
 
     index: int
     gm: torch.fx.GraphModule
-    """Placeholders: ``inputs`` then ``state``; output: ``outputs`` (a tuple)."""
+    """Placeholders: ``inputs``, ``user_inputs``, then ``state``; output: ``outputs`` (a tuple)."""
     inputs: list[str]
-    """Names (in the whole program) of the values it receives, in placeholder order."""
+    """Names (in the whole program) of the values it receives from the stage before, in placeholder
+    order (none for the first)."""
+    user_inputs: list[str]
+    """Names of the user inputs it reads (handed to every stage: its micro-batch of them), in order."""
     state: list[str]
     """Names of the program's state placeholders (parameters, buffers, constants) it reads."""
     outputs: list[str]
@@ -59,14 +63,9 @@ def split_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int
     stage; ``user_inputs``: the placeholders the caller feeds (the others are state)."""
     assigned = _assign(gm, stage_of, stages)
     _reshard_per_stage(gm, assigned, set(user_inputs))
-    users_after = _carried(gm, assigned, set(user_inputs), stages)
-    out = []
-    for s in range(stages):
-        inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in user_inputs] if s == 0 \
-            else users_after[s]
-        outputs = users_after[s + 1] if s + 1 < stages else None
-        out.append(_stage_program(gm, s, assigned, inputs, outputs, set(user_inputs)))
-    return out
+    received = _received(gm, assigned, stages)
+    return [_stage_program(gm, s, assigned, received[s], received[s + 1] if s + 1 < stages else None,
+                           set(user_inputs)) for s in range(stages)]
 
 
 def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> dict[torch.fx.Node, int]:
@@ -197,22 +196,22 @@ def _inner_stage(gm: torch.fx.GraphModule, node: torch.fx.Node, stage_of: dict[s
     return min(inner) if inner else None
 
 
-def _carried(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], user_inputs: set[str], stages: int
-             ) -> list[list[torch.fx.Node]]:
-    """For each stage s > 0, the values it receives: computed before s (or user inputs) and
-    read at s or later, in program order."""
+def _received(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], stages: int
+              ) -> list[list[torch.fx.Node]]:
+    """For each stage s > 0, the values it receives: computed before s and read at s or later,
+    in program order (placeholders never: each stage binds the state and is handed the user
+    inputs it reads)."""
     last_read: dict[torch.fx.Node, int] = {}
     for node, s in assigned.items():
         for a in node.all_input_nodes:
             last_read[a] = max(last_read.get(a, -1), s)
-    carried: list[list[torch.fx.Node]] = [[] for _ in range(stages + 1)]
+    received: list[list[torch.fx.Node]] = [[] for _ in range(stages + 1)]
     for value in gm.graph.nodes:
-        if value.op == "placeholder" and value.name not in user_inputs:
-            continue  # state: bound in every stage that reads it
-        born = 0 if value.op == "placeholder" else assigned[value]
-        for s in range(born + 1, last_read.get(value, -1) + 1):
-            carried[s].append(value)
-    return carried
+        if value.op == "placeholder":
+            continue
+        for s in range(assigned[value] + 1, last_read.get(value, -1) + 1):
+            received[s].append(value)
+    return received
 
 
 def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Node, int],
@@ -220,15 +219,13 @@ def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Nod
                    ) -> StageProgram:
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for value in inputs:
+    mine = [n for n in gm.graph.nodes if assigned.get(n) == s and n.op != "output"]
+    read = [p for p in gm.graph.nodes if p.op == "placeholder" and any(assigned.get(u) == s for u in p.users)]
+    fed = [p for p in read if p.name in user_inputs]
+    state = [p for p in read if p.name not in user_inputs]
+    for value in (*inputs, *fed, *state):
         env[value] = graph.placeholder(value.name)
         env[value].meta = dict(value.meta)
-    mine = [n for n in gm.graph.nodes if assigned.get(n) == s and n.op != "output"]
-    state = [p for p in gm.graph.nodes if p.op == "placeholder" and p.name not in user_inputs
-             and any(assigned.get(u) == s for u in p.users)]
-    for p in state:
-        env[p] = graph.placeholder(p.name)
-        env[p].meta = dict(p.meta)
     for node in mine:
         env[node] = graph.node_copy(node, lambda a: env[a])
     if outputs is None:
@@ -239,5 +236,5 @@ def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Nod
         graph.output(tuple(env[v] for v in outputs))
         names = [v.name for v in outputs]
     stage = torch.fx.GraphModule(gm, graph, class_name=f"Stage{s}")  # submodules and subgraphs: the program's own
-    return StageProgram(index=s, gm=stage, inputs=[v.name for v in inputs], state=[p.name for p in state],
-                        outputs=names)
+    return StageProgram(index=s, gm=stage, inputs=[v.name for v in inputs], user_inputs=[p.name for p in fed],
+                        state=[p.name for p in state], outputs=names)
