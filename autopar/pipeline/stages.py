@@ -11,7 +11,8 @@ program; ties go to the earliest cuts, so every rank cuts alike). The intra-stag
 the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
 
 The pipelined step plays torch's schedule order out with those seconds and the transfers
-across cuts between ranks (``pipeline.schedule_sim``; what crosses a cut: ``pipeline.crossing``); after its last action each rank reduces
+across cuts between ranks (``pipeline.schedule_sim``; what crosses a cut, and what a later stage
+computes again instead: ``pipeline.crossing``); after its last action each rank reduces
 its gradient buckets, sums the gradients of weights tied across ranks with their other
 copies' (``pipeline.tied``), takes the step's loss from the last stage's rank and updates its
 parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
@@ -29,7 +30,7 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
-from autopar.pipeline.crossing import crossing_bytes
+from autopar.pipeline.crossing import constant_ops, crossing_bytes, recomputed_ops
 from autopar.pipeline.cuts import balanced_cuts, pinned_cuts
 from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import OP, PlanGraph
@@ -55,7 +56,8 @@ class StagePlan:
     blocks: list[str]
     """Repeated blocks it runs, in order ('(head)'/'(tail)' with the first/last block)."""
     forward_s: float
-    """Predicted seconds of its forward for one micro-batch (its waited collectives included)."""
+    """Predicted seconds of its forward for one micro-batch (its waited collectives included, and the
+    ops of constants alone of earlier stages it computes again: ``pipeline.crossing``)."""
     backward_s: float
     """Predicted seconds of its backward for one micro-batch."""
     parameter_bytes: float
@@ -63,7 +65,9 @@ class StagePlan:
     parameters: int
     """Number of parameter tensors it holds."""
     sends_bytes: float
-    """Bytes per device of the activations it sends to the next stage per micro-batch (0 for the last)."""
+    """Bytes per device of the activations it sends to the next stage per micro-batch (0 for the last):
+    values computed by it or an earlier stage that a later stage reads, user inputs and values of
+    constants alone aside (``pipeline.crossing``)."""
     send_s: float = 0.0
     """Predicted seconds of one such transfer, and of the gradients coming back (0: the next
     stage runs on the same rank, or there is none)."""
@@ -291,16 +295,10 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
-    times = [[0.0, 0.0] for _ in range(count)]
-    for name, s in stage_of.items():
-        times[s][0] += seconds[name][0]
-        times[s][1] += seconds[name][1]
-    for c in collectives:  # the stages' own collectives, once per micro-batch
-        if c.consumer and c.phase in ("forward", "recompute", "backward"):
-            s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
-            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
+    constants = constant_ops(graph, chosen, ctx)
+    times = _stage_seconds(graph, constants, stage_of, seconds, collectives, count)
     params = parameter_stages(graph, stage_of, rank_of)
-    sends = crossing_bytes(graph, chosen, ctx, stage_of, count)
+    sends = crossing_bytes(graph, chosen, ctx, stage_of, count, constants)
     send_s = _send_seconds(pipeline, mesh, sends, rank_of)
     sync = _sync_seconds(collectives, graph, params, rank_of, p)
     update = [sum(update_s.get(n, 0.0) for n, held in params.items() for s in held if rank_of[s] == r)
@@ -332,6 +330,24 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     timed = plan.simulate()
     plan.p2p_s = timed.span_s - compute
     return plan, max(end.end_s for end in plan.rank_ends(timed)) + plan.output_s
+
+
+def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[str, int],
+                   seconds: dict[str, tuple[float, float]], collectives: list, count: int) -> list[list[float]]:
+    """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives', and
+    the forward of the ``constants`` of earlier stages it computes again rather than receives
+    (``pipeline.crossing``)."""
+    times = [[0.0, 0.0] for _ in range(count)]
+    for name, s in stage_of.items():
+        times[s][0] += seconds[name][0]
+        times[s][1] += seconds[name][1]
+    for c in collectives:  # the stages' own collectives, once per micro-batch
+        if c.consumer and c.phase in ("forward", "recompute", "backward"):
+            s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
+            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
+    for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):
+        times[s][0] += sum(seconds[name][0] for name in again)
+    return times
 
 
 def _output_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> float:

@@ -10,11 +10,12 @@ run on the stage mesh, among the ranks holding the same stage.
 ``pm.step(*inputs, *targets)`` on every rank: the inputs are cut into micro-batches as
 ``pm.step`` of ``runtime.microbatch`` cuts them (inputs whose leading dim is not the batch go
 whole to every micro-batch), and each stage reads the user inputs it needs from the
-micro-batch it runs (``runtime.stages.MicroBatchStage``): none is sent from stage to stage
-(``passes.split_stages``, priced so: ``pipeline.crossing``). The last stage's loss of each micro-batch is weighted exactly as
-``runtime.microbatch`` weighs it (1/m for a mean, 1 for a sum, its target count for a
-cross entropy dividing by counted targets, the accumulated gradients then divided by the
-step's total count). After the schedule, the gradients of this rank's parameters are
+micro-batch it runs (``runtime.stages.MicroBatchStage``): none is sent from stage to stage,
+nor is a value of constants alone, which each later stage reading it computes again
+(``passes.split_stages``, priced so: ``pipeline.crossing``). The last stage's loss of each
+micro-batch is weighted exactly as ``runtime.microbatch`` weighs it (1/m for a mean, 1 for a
+sum, its target count for a cross entropy dividing by counted targets, the accumulated
+gradients then divided by the step's total count). After the schedule, the gradients of this rank's parameters are
 all-reduced over the stage mesh's data axes once, bucket by bucket as the plan lists them
 (the pieces of each bucket this rank holds), those of weights tied across pp ranks (an
 embedding the last stage's output head reuses) are summed with their other copies'
@@ -52,6 +53,7 @@ from autopar.runtime.program import RankState, rank_program, rank_signature, ran
 from autopar.runtime.random import RandomSource
 from autopar.runtime.stages import MicroBatchStage, StageModule, ValueMeta, fake_shard, stage_metas
 from autopar.runtime.tied import TiedGradients
+from autopar.pipeline.crossing import constant_ops
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline
 from autopar.result.plan import Plan
 from autopar.pipeline.schedule_sim import WEIGHT_GRAD, torch_order
@@ -314,7 +316,8 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     user_inputs = list(step.captured.user_inputs)
     comm = Comm(stage_mesh, step.ctx.mesh.zigzag_dims())
     program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, splits_backward(pipeline, p))
-    programs = split_stages(program, pp.stage_of, count, user_inputs)
+    constants = constant_ops(step.graph, step.chosen, step.ctx)
+    programs = split_stages(program, pp.stage_of, count, user_inputs, constants)
     keep = {name for s in mine for name in programs[s].state}
     state = rank_state(model, stage_mesh, step, init_fn, init_seed, compute_dtype, keep=keep.__contains__,
                        shared=shared)
@@ -323,7 +326,8 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     if missing:
         raise InputError(f"a pipelined step takes tensors only: inputs {missing} (in the order of pm.step's values) "
                          "are not")
-    metas = _metas(step, stage_mesh, len(programs), state, signature, seed, compute_dtype, input_sharded, user_inputs)
+    metas = _metas(step, stage_mesh, len(programs), state, signature, seed, compute_dtype, input_sharded, user_inputs,
+                   constants)
     kinds = {name: (kind_, fqn) for name, kind_, fqn in state.placeholders}
     params = {n: _parameter(state.local[n], kinds[n][1] not in state.frozen) for n in keep if kinds[n][0] == "param"}
     modules = []
@@ -351,13 +355,13 @@ def _parameter(tensor: torch.Tensor, trains: bool) -> nn.Parameter:
 
 
 def _metas(step: PlannedStep, mesh: DeviceMesh, count: int, state: RankState, signature: StepSignature,
-           seed: RandomSource, compute_dtype: torch.dtype | None, input_sharded: bool, user_inputs: list[str]
-           ) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
+           seed: RandomSource, compute_dtype: torch.dtype | None, input_sharded: bool, user_inputs: list[str],
+           constants: frozenset[str]) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
     """Every stage's received and sent values (``runtime.stages.stage_metas``), found on a
     copy of the program built for the purpose (its modules' state is left behind)."""
     comm = Comm(mesh, step.ctx.mesh.zigzag_dims())
     shapes = split_stages(rank_program(step, mesh, comm, seed, compute_dtype, input_sharded),
-                          step.plan.pipeline.stage_of, count, user_inputs)
+                          step.plan.pipeline.stage_of, count, user_inputs, constants)
     fake: dict[str, Any] = {}
     for name, kind, fqn in state.placeholders:
         if kind == "input":

@@ -96,10 +96,26 @@ def _rotary_like() -> tuple[torch.fx.GraphModule, dict[str, int]]:
     return torch.fx.GraphModule(root, graph), stage_of
 
 
-def test_a_user_input_the_last_stage_reads_is_not_received() -> None:
+def test_user_inputs_and_values_of_constants_alone_do_not_cross() -> None:
     """The last stage reads the targets from its own micro-batch (every rank is handed the step's
-    inputs): only what stage 0 computes and stage 1 reads crosses the cut (before, the targets
-    crossed too, carried from the first stage)."""
+    inputs), and computes the table of constants again from its own copy of the buffer (the plan's
+    ``constant_ops``, with the cast and the reshard between them): only y crosses the cut (before,
+    the targets and the table crossed too, and more than the plan prices)."""
+    gm, stage_of = _rotary_like()
+    first, second = split_stages(gm, stage_of, 2, ["x", "t"], frozenset({"arange", "freqs", "table"}))
+    assert (first.inputs, first.user_inputs, first.state, first.outputs) == ([], ["x"], ["inv"], ["y"])
+    assert (second.inputs, second.user_inputs, second.state) == (["y"], ["t"], ["inv"])
+    assert [n.target for n in second.gm.graph.nodes if n.op == "call_function"][:3] == [
+        torch.ops.aten.arange.default, torch.ops.aten.mul.Tensor, torch.ops.aten._to_copy.default]
+    x, t, inv = torch.randn(3), torch.randn(3), torch.randn(3)
+    (sent,) = first.gm(x, inv)
+    table = torch.cos((torch.arange(3.0) * inv).double())
+    torch.testing.assert_close(second.gm(sent, t, inv), x * table + table - t)
+
+
+def test_a_plan_op_of_constants_the_plan_sends_crosses() -> None:
+    """Without the plan naming them ``constants`` (an input arriving by a collective, say), the ops
+    of the table run once, in stage 0, and the table crosses, as the plan then prices it."""
     gm, stage_of = _rotary_like()
     first, second = split_stages(gm, stage_of, 2, ["x", "t"])
     assert (first.inputs, first.user_inputs, first.outputs) == ([], ["x"], ["table", "y"])
@@ -107,3 +123,28 @@ def test_a_user_input_the_last_stage_reads_is_not_received() -> None:
     x, t, inv = torch.randn(3), torch.randn(3), torch.randn(3)
     table = torch.cos((torch.arange(3.0) * inv).double())
     torch.testing.assert_close(second.gm(*first.gm(x, inv), t), x * table + table - t)
+
+
+def test_a_reshard_of_constants_read_by_two_later_stages_is_computed_in_each() -> None:
+    """arange (stage 0) is resharded for readers in stages 1 and 2 (the reshard joins stage 1): stage 1
+    computes arange again for its reshard, and stage 2 both again, rather than receive stage 1's copy
+    (as the example Llama's rotary slices are read under interleaving)."""
+    root = nn.Module()
+    root.reshard = nn.Identity()
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    ar = graph.call_function(torch.ops.aten.arange.default, (3,), {"dtype": torch.float32}, name="arange")
+    a = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0), name="a")
+    r = graph.call_module("reshard", (ar,))
+    b = graph.call_function(torch.ops.aten.add.Tensor, (a, r), name="b")
+    c = graph.call_function(torch.ops.aten.mul.Tensor, (b, r), name="c")
+    graph.output(c)
+    for node, stage in ((ar, 0), (a, 0), (b, 1), (c, 2)):
+        node.meta[PLAN_NAME] = node.name
+    gm = torch.fx.GraphModule(root, graph)
+    programs = split_stages(gm, {"arange": 0, "a": 0, "b": 1, "c": 2}, 3, ["x"], frozenset({"arange"}))
+    assert [p.inputs for p in programs] == [[], ["a"], ["b"]]
+    x = torch.randn(3)
+    (sent,) = programs[0].gm(x)
+    (sent,) = programs[1].gm(sent)
+    torch.testing.assert_close(programs[2].gm(sent), (x * 2 + torch.arange(3.0)) * torch.arange(3.0))
