@@ -139,6 +139,7 @@ CASES = [
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
     Case("hf_llama", (2,), ("pp",), "interleaved_1f1b", 4, 2),
     Case("hf_llama", (2,), ("pp",), "zbv", 4, 2),
+    Case("hf_llama", (2,), ("pp",), "dualpipev", 4, 2),  # stages 0 and 3 on rank 0: the targets read there
     # checkpointed blocks recompute inside their stages: zero-bubble schedules recompute twice (input, then weight
     # gradients), ZeRO-3 regathers, tensor parallelism replays its collectives, the first 3 blocks only leave a stage
     # with checkpointed and plain blocks
