@@ -139,6 +139,7 @@ CASES = [
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
     Case("hf_llama", (2,), ("pp",), "interleaved_1f1b", 4, 2),
     Case("hf_llama", (2,), ("pp",), "zbv", 4, 2),
+    Case("hf_llama", (2,), ("pp",), "dualpipev", 4, 2),  # stages 0 and 3 on rank 0: the targets read there
     # checkpointed blocks recompute inside their stages: zero-bubble schedules recompute twice (input, then weight
     # gradients), ZeRO-3 regathers, tensor parallelism replays its collectives, the first 3 blocks only leave a stage
     # with checkpointed and plain blocks
@@ -189,13 +190,14 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     log = CollectiveLog()
     pm.attach_log(log)
-    losses, grads, ran = [], {}, Counter()
+    losses, grads, ran, sent = [], {}, Counter(), {}
     for i in range(STEPS):
         loss = pm.step(*inputs, *targets, **kwargs)
         assert isinstance(loss, DTensor) and not loss.requires_grad and loss.device_mesh is mesh
         losses.append(loss.to_local().item())
         if i == 0:
             ran = Counter(log.transfers)
+            sent = {m.index: list(m.sent_bytes) for m in pm.stage_modules}
             state = pm.state_dict()
             grads = {k: DTensor.from_local(p.grad, pm.stage_mesh, state[k].placements, run_check=False).full_tensor()
                      for k, p in pm.named_parameters() if p.grad is not None}
@@ -205,7 +207,8 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     local = {k: _digest(v.to_local()) + str(tuple(v.placements)) for k, v in pm.state_dict().items()}
     return {"losses": losses, "held": sorted(k for k, _ in pm.named_parameters()), "with_grad": sorted(grads),
             "state_keys": sorted(pm.state_dict()), "misplaced": _misplaced(pm, mesh),
-            "ran": ran, "planned": pm.plan.pipeline.step_transfers(),
+            "ran": ran, "planned": pm.plan.pipeline.step_transfers(), "sent": sent,
+            "sends": [(s.sends_bytes, s.index == len(pm.plan.pipeline.stages) - 1) for s in pm.plan.pipeline.stages],
             "grad_mismatches": mismatches({k: ref.grads[k] for k in grads}, grads),
             "state_mismatches": mismatches({k: ref.state[k] for k in params}, params),
             "local": local, "coordinate": mesh.get_coordinate(), "plan": pm.plan.plan_hash(),
@@ -269,7 +272,19 @@ def _check_training(case: Case, timeout_s: float = TIMEOUT_S) -> list[dict[str, 
     assert saved >= set(ref.state), f"state no rank's state_dict() has: {sorted(set(ref.state) - saved)}"
     _check_replicas(results)
     _check_transfers(results)
+    _check_sends(results)
     return results
+
+
+def _check_sends(results: list[dict[str, Any]]) -> None:
+    """Each stage but the last sends the next, per micro-batch, exactly the bytes the plan prices
+    (``StagePlan.sends_bytes``): what it computes that a later stage reads, never a user input nor a
+    value of constants alone (each stage reads its own micro-batch of the inputs and computes those)."""
+    for rank, result in enumerate(results):
+        assert result["sent"], f"rank {rank} ran no stage"
+        for index, sent in result["sent"].items():
+            planned, last = result["sends"][index]
+            assert last or sent == [planned] * len(sent), f"rank {rank} stage {index}: sent {sent}, planned {planned}"
 
 
 def _check_transfers(results: list[dict[str, Any]]) -> None:

@@ -5,27 +5,32 @@ passes inserted take a stage from their neighbours: a node computed from values 
 program (a checkpointed block's call, code the passes add after an op) joins the latest
 stage among its inputs (or, for a checkpointed block's call, the stage of the ops its region
 holds: the latest stage among its inputs would be the stage before when the block starts a
-stage); a reshard between two ops joins its earliest reader's stage (not before its input's),
-so that a value crossing a cut is sent once, placed as its producer placed it, and resharded
-by each later stage reading it, as the plan prices the sends (``pipeline.stages.crossing_bytes``);
+stage); a reshard between two ops joins its earliest reader's stage (not before its input's);
 a node computed only from placeholders (a parameter's cast or gather, its prefetch, the
-slicing of a user input) joins the earliest stage reading it, so a parameter's gathers run
-in the stage that holds the parameter; a function of state placeholders alone read by several
-stages (the one cast mixed precision reads a tied weight through) is computed again in each
-later stage reading it, as a shared reshard is, so each stage reads the copy of the state it
-holds and nothing derived from the state crosses a cut.
+slicing of a user input) or from nothing joins the earliest stage reading it, so a
+parameter's gathers run in the stage that holds the parameter.
 
-Each stage's module takes, in order, the values it receives (``inputs``: the user's
-inputs for the first stage; for a later one, every value an earlier stage computed, or a
-user input, that this stage or a later one reads, carried stage to stage), then the
-state placeholders it reads (``state``: parameters, buffers, constants, bound by the
-runtime), and returns what the next stage receives (the last stage: the program's
-outputs). Values crossing a cut must be tensors: the runtime sends them point to point.
+What a later stage reads of an earlier one's is sent across the cuts between them, once,
+placed as its producer placed it, as the plan prices the sends (``pipeline.crossing``), but
+for what each later stage reading it computes again from what it has itself: a reshard
+(shared by readers of several stages: ``insert_reshards``), so each stage reshards the value
+that crossed; a function of placeholders alone (the one cast mixed precision reads a tied
+weight through: each stage reads the copy of the state it holds); the plan's ops of constants
+alone (``pipeline.crossing.constant_ops``: an ``arange``-based causal mask, rotary tables from
+an ``inv_freq`` buffer), with the nodes the passes put between them. User inputs never
+cross: every rank is handed the step's inputs, and each stage reads its micro-batch of them.
+
+Each stage's module takes, in order, the values it receives (``inputs``: none for the first
+stage; for a later one, every value an earlier stage computed that this stage or a later one
+reads, carried stage to stage), the user inputs it reads (``user_inputs``), then the state
+placeholders it reads (``state``: parameters, buffers, constants, bound by the runtime), and
+returns what the next stage receives (the last stage: the program's outputs). Values
+crossing a cut must be tensors: the runtime sends them point to point.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx
 
@@ -40,9 +45,12 @@ class StageProgram:
 
     index: int
     gm: torch.fx.GraphModule
-    """Placeholders: ``inputs`` then ``state``; output: ``outputs`` (a tuple)."""
+    """Placeholders: ``inputs``, ``user_inputs``, then ``state``; output: ``outputs`` (a tuple)."""
     inputs: list[str]
-    """Names (in the whole program) of the values it receives, in placeholder order."""
+    """Names (in the whole program) of the values it receives from the stage before, in placeholder
+    order (none for the first)."""
+    user_inputs: list[str]
+    """Names of the user inputs it reads (handed to every stage: its micro-batch of them), in order."""
     state: list[str]
     """Names of the program's state placeholders (parameters, buffers, constants) it reads."""
     outputs: list[str]
@@ -53,20 +61,16 @@ _RESHARDS = ("reshard", "regather")
 """Submodules the passes call to change a value's placement (``passes.insert_reshards``)."""
 
 
-def split_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int, user_inputs: list[str]
-                 ) -> list[StageProgram]:
+def split_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int, user_inputs: list[str],
+                 constants: frozenset[str] = frozenset()) -> list[StageProgram]:
     """``gm`` (a rank's program) as ``stages`` stage programs; ``stage_of``: plan node name ->
-    stage; ``user_inputs``: the placeholders the caller feeds (the others are state)."""
+    stage; ``user_inputs``: the placeholders the caller feeds (the others are state);
+    ``constants``: the plan's ops of constants alone (``pipeline.crossing.constant_ops``)."""
     assigned = _assign(gm, stage_of, stages)
-    _reshard_per_stage(gm, assigned, set(user_inputs))
-    users_after = _carried(gm, assigned, set(user_inputs), stages)
-    out = []
-    for s in range(stages):
-        inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name in user_inputs] if s == 0 \
-            else users_after[s]
-        outputs = users_after[s + 1] if s + 1 < stages else None
-        out.append(_stage_program(gm, s, assigned, inputs, outputs, set(user_inputs)))
-    return out
+    _recompute_per_stage(gm, assigned, _recomputed(gm, assigned, constants))
+    received = _received(gm, assigned, stages, constants)
+    return [_stage_program(gm, s, assigned, received[s], received[s + 1] if s + 1 < stages else None,
+                           set(user_inputs)) for s in range(stages)]
 
 
 def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> dict[torch.fx.Node, int]:
@@ -108,53 +112,78 @@ def _assign(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int) -> 
     return assigned
 
 
-def _reshard_per_stage(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], user_inputs: set[str]) -> None:
-    """A reshard that readers of several stages share (``insert_reshards`` shares one among
-    consumers wanting the same placement) is copied into each later stage reading it, so that
-    the value it reshards crosses the cut (once) rather than the value and its reshard both; a
-    chain of reshards (one resharding another's result) is copied whole, each stage's copy reading
-    that stage's copy of the one before, so only the chain's first input crosses. A function of
-    state alone (``_of_state``) is copied likewise: the state is bound in every stage reading it."""
-    copies: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}
+def _recompute_per_stage(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int],
+                         recomputed: set[torch.fx.Node]) -> None:
+    """Each ``recomputed`` node read by later stages is copied into each of them, before its first
+    reader there; with it, its own inputs of that kind from earlier stages, recursively (a chain of
+    reshards, one resharding another's result; the ops of a causal mask, back to its ``arange``),
+    each stage's copy reading that stage's copies, so only what the chain starts from crosses."""
+    copies = _Copies(recomputed)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
-        if not (_is_reshard(node, assigned) or _of_state(node, assigned, user_inputs)):
+        if node not in recomputed:
             continue
         later: dict[int, list[torch.fx.Node]] = {}
         for user in node.users:
             if assigned.get(user, -1) > assigned[node]:
                 later.setdefault(assigned[user], []).append(user)
         for stage, users in later.items():
-            if any(u not in order for u in users):  # a copy made for an earlier reshard reads this one
+            if any(u not in order for u in users):  # a copy made for an earlier node reads this one
                 order = {n: i for i, n in enumerate(gm.graph.nodes)}
             copy = _copy_chain(gm, node, stage, min(users, key=order.__getitem__), assigned, copies)
             for user in users:
                 user.replace_input_with(node, copy)
 
 
+@dataclass
+class _Copies:
+    """The copies ``_recompute_per_stage`` made, one per node and stage: a node read by a later
+    stage may already read another's copy (made for its own stage), whose node is copied again."""
+
+    recomputed: set[torch.fx.Node]
+    made: dict[tuple[torch.fx.Node, int], torch.fx.Node] = field(default_factory=dict)
+    origin: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
+    """Copy -> the node it copies."""
+
+    def of(self, node: torch.fx.Node) -> torch.fx.Node:
+        """The node ``node`` copies (itself if it is none's copy)."""
+        return self.origin.get(node, node)
+
+
+def _recomputed(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], constants: frozenset[str]
+                ) -> set[torch.fx.Node]:
+    """The nodes each later stage reading them computes again rather than receives (module
+    docstring): reshards; the plan's ``constants``; a node the passes added (no plan name), a
+    function (no module: nothing kept between calls) writing into nothing, of placeholders and
+    such nodes alone, or of nothing; a ``get_attr`` (a reference to the program's own)."""
+    out: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node not in assigned or node.op == "output":
+            continue
+        pure = node.op == "call_function" and not written_args(node) and not is_higher_order(node)
+        name = plan_name(node)
+        added = all(a in out or a.op == "placeholder" for a in node.all_input_nodes) if name is None \
+            else name in constants
+        if _is_reshard(node, assigned) or node.op == "get_attr" or (pure and added):
+            out.add(node)
+    return out
+
+
 def _is_reshard(node: torch.fx.Node, assigned: dict[torch.fx.Node, int]) -> bool:
     return node.op == "call_module" and node.target in _RESHARDS and node in assigned
 
 
-def _of_state(node: torch.fx.Node, assigned: dict[torch.fx.Node, int], user_inputs: set[str]) -> bool:
-    """A function (no module: nothing kept between calls) of state placeholders alone, writing
-    into none of them (a buffer's in-place update runs once): a parameter's cast."""
-    inputs = node.all_input_nodes
-    return node.op == "call_function" and node in assigned and bool(inputs) and not written_args(node) and \
-        not is_higher_order(node) and all(a.op == "placeholder" and a.name not in user_inputs for a in inputs)
-
-
 def _copy_chain(gm: torch.fx.GraphModule, node: torch.fx.Node, stage: int, before: torch.fx.Node,
-                assigned: dict[torch.fx.Node, int], copies: dict[tuple[torch.fx.Node, int], torch.fx.Node]
-                ) -> torch.fx.Node:
-    """``node`` (a reshard of an earlier stage) computed in ``stage`` before ``before``: its input too
-    where that is a reshard of an earlier stage, recursively (one copy per node and stage)."""
+                assigned: dict[torch.fx.Node, int], copies: _Copies) -> torch.fx.Node:
+    """``node`` (of an earlier stage) computed in ``stage`` before ``before``: its recomputed
+    inputs of earlier stages too, recursively."""
     inputs = {a: _copy_chain(gm, a, stage, before, assigned, copies) for a in node.all_input_nodes
-              if _is_reshard(a, assigned) and assigned[a] < stage}
-    copy = copies.get((node, stage))
+              if copies.of(a) in copies.recomputed and assigned[a] < stage}
+    copy = copies.made.get((copies.of(node), stage))
     if copy is None:
         with gm.graph.inserting_before(before):
-            copy = copies[(node, stage)] = gm.graph.node_copy(node, lambda a: inputs.get(a, a))
+            copy = copies.made[(copies.of(node), stage)] = gm.graph.node_copy(node, lambda a: inputs.get(a, a))
+        copies.origin[copy] = copies.of(node)
         assigned[copy] = stage
     elif _after(gm, copy, before):  # made for later readers: it must now come before this one's
         before.prepend(copy)
@@ -197,22 +226,25 @@ def _inner_stage(gm: torch.fx.GraphModule, node: torch.fx.Node, stage_of: dict[s
     return min(inner) if inner else None
 
 
-def _carried(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], user_inputs: set[str], stages: int
-             ) -> list[list[torch.fx.Node]]:
-    """For each stage s > 0, the values it receives: computed before s (or user inputs) and
-    read at s or later, in program order."""
+def _received(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], stages: int,
+              constants: frozenset[str]) -> list[list[torch.fx.Node]]:
+    """For each stage s > 0, the values it receives: computed before s and read at s or later,
+    in program order (placeholders never: each stage binds the state and is handed the user
+    inputs it reads)."""
     last_read: dict[torch.fx.Node, int] = {}
     for node, s in assigned.items():
         for a in node.all_input_nodes:
             last_read[a] = max(last_read.get(a, -1), s)
-    carried: list[list[torch.fx.Node]] = [[] for _ in range(stages + 1)]
+    received: list[list[torch.fx.Node]] = [[] for _ in range(stages + 1)]
     for value in gm.graph.nodes:
-        if value.op == "placeholder" and value.name not in user_inputs:
-            continue  # state: bound in every stage that reads it
-        born = 0 if value.op == "placeholder" else assigned[value]
-        for s in range(born + 1, last_read.get(value, -1) + 1):
-            carried[s].append(value)
-    return carried
+        if value.op == "placeholder" or last_read.get(value, -1) <= assigned[value]:
+            continue
+        if plan_name(value) in constants:
+            raise RuntimeError(f"split_stages: {value.name} crosses a cut, but the plan computes it again in each "
+                               "later stage reading it (pipeline.crossing)")
+        for s in range(assigned[value] + 1, last_read[value] + 1):
+            received[s].append(value)
+    return received
 
 
 def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Node, int],
@@ -220,15 +252,13 @@ def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Nod
                    ) -> StageProgram:
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for value in inputs:
+    mine = [n for n in gm.graph.nodes if assigned.get(n) == s and n.op != "output"]
+    read = [p for p in gm.graph.nodes if p.op == "placeholder" and any(assigned.get(u) == s for u in p.users)]
+    fed = [p for p in read if p.name in user_inputs]
+    state = [p for p in read if p.name not in user_inputs]
+    for value in (*inputs, *fed, *state):
         env[value] = graph.placeholder(value.name)
         env[value].meta = dict(value.meta)
-    mine = [n for n in gm.graph.nodes if assigned.get(n) == s and n.op != "output"]
-    state = [p for p in gm.graph.nodes if p.op == "placeholder" and p.name not in user_inputs
-             and any(assigned.get(u) == s for u in p.users)]
-    for p in state:
-        env[p] = graph.placeholder(p.name)
-        env[p].meta = dict(p.meta)
     for node in mine:
         env[node] = graph.node_copy(node, lambda a: env[a])
     if outputs is None:
@@ -239,5 +269,5 @@ def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Nod
         graph.output(tuple(env[v] for v in outputs))
         names = [v.name for v in outputs]
     stage = torch.fx.GraphModule(gm, graph, class_name=f"Stage{s}")  # submodules and subgraphs: the program's own
-    return StageProgram(index=s, gm=stage, inputs=[v.name for v in inputs], state=[p.name for p in state],
-                        outputs=names)
+    return StageProgram(index=s, gm=stage, inputs=[v.name for v in inputs], user_inputs=[p.name for p in fed],
+                        state=[p.name for p in state], outputs=names)

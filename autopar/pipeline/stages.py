@@ -11,7 +11,8 @@ program; ties go to the earliest cuts, so every rank cuts alike). The intra-stag
 the one plan of the whole step on the stage sub-mesh; its nodes' seconds price the stages.
 
 The pipelined step plays torch's schedule order out with those seconds and the transfers
-across cuts between ranks (``pipeline.schedule_sim``); after its last action each rank reduces
+across cuts between ranks (``pipeline.schedule_sim``; what crosses a cut, and what a later stage
+computes again instead: ``pipeline.crossing``); after its last action each rank reduces
 its gradient buckets, sums the gradients of weights tied across ranks with their other
 copies' (``pipeline.tied``), takes the step's loss from the last stage's rank and updates its
 parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
@@ -29,9 +30,10 @@ from autopar.cost.model import CostContext
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.rules.strategy import Strategy, local_numel
+from autopar.pipeline.crossing import constant_ops, crossing_bytes, recomputed_ops
 from autopar.pipeline.cuts import balanced_cuts, pinned_cuts
 from autopar.problem.block_paths import block_of
-from autopar.problem.nodes import INPUT, OP, PlanGraph
+from autopar.problem.nodes import OP, PlanGraph
 from autopar.pipeline.spec import Pipeline, pipeline_compute_s, simulate_pipeline
 from autopar.pipeline.schedule_sim import Simulation
 from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, stage_bytes,
@@ -54,7 +56,8 @@ class StagePlan:
     blocks: list[str]
     """Repeated blocks it runs, in order ('(head)'/'(tail)' with the first/last block)."""
     forward_s: float
-    """Predicted seconds of its forward for one micro-batch (its waited collectives included)."""
+    """Predicted seconds of its forward for one micro-batch (its waited collectives included, and the
+    ops of constants alone of earlier stages it computes again: ``pipeline.crossing``)."""
     backward_s: float
     """Predicted seconds of its backward for one micro-batch."""
     parameter_bytes: float
@@ -62,7 +65,9 @@ class StagePlan:
     parameters: int
     """Number of parameter tensors it holds."""
     sends_bytes: float
-    """Bytes per device of the activations it sends to the next stage per micro-batch (0 for the last)."""
+    """Bytes per device of the activations it sends to the next stage per micro-batch (0 for the last):
+    values computed by it or an earlier stage that a later stage reads, user inputs and values of
+    constants alone aside (``pipeline.crossing``)."""
     send_s: float = 0.0
     """Predicted seconds of one such transfer, and of the gradients coming back (0: the next
     stage runs on the same rank, or there is none)."""
@@ -290,16 +295,10 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     p = mesh.axes[pipeline.axis]
     count = pipeline.stages(p)
     rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
-    times = [[0.0, 0.0] for _ in range(count)]
-    for name, s in stage_of.items():
-        times[s][0] += seconds[name][0]
-        times[s][1] += seconds[name][1]
-    for c in collectives:  # the stages' own collectives, once per micro-batch
-        if c.consumer and c.phase in ("forward", "recompute", "backward"):
-            s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
-            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
+    constants = constant_ops(graph, chosen, ctx)
+    times = _stage_seconds(graph, constants, stage_of, seconds, collectives, count)
     params = parameter_stages(graph, stage_of, rank_of)
-    sends = crossing_bytes(graph, chosen, ctx, stage_of, count)
+    sends = crossing_bytes(graph, chosen, ctx, stage_of, count, constants)
     send_s = _send_seconds(pipeline, mesh, sends, rank_of)
     sync = _sync_seconds(collectives, graph, params, rank_of, p)
     update = [sum(update_s.get(n, 0.0) for n, held in params.items() for s in held if rank_of[s] == r)
@@ -333,6 +332,24 @@ def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pip
     return plan, max(end.end_s for end in plan.rank_ends(timed)) + plan.output_s
 
 
+def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[str, int],
+                   seconds: dict[str, tuple[float, float]], collectives: list, count: int) -> list[list[float]]:
+    """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives', and
+    the forward of the ``constants`` of earlier stages it computes again rather than receives
+    (``pipeline.crossing``)."""
+    times = [[0.0, 0.0] for _ in range(count)]
+    for name, s in stage_of.items():
+        times[s][0] += seconds[name][0]
+        times[s][1] += seconds[name][1]
+    for c in collectives:  # the stages' own collectives, once per micro-batch
+        if c.consumer and c.phase in ("forward", "recompute", "backward"):
+            s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
+            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
+    for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):
+        times[s][0] += sum(seconds[name][0] for name in again)
+    return times
+
+
 def _output_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> float:
     """Bytes per device of a forward-only step's outputs, each output tensor once, as placed."""
     total = 0.0
@@ -359,32 +376,6 @@ def _local_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext
     meta = graph.nodes[name].outputs[0]
     assert meta is not None
     return float(local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape) * ctx.precision.weight_bytes_per_param)
-
-
-def crossing_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, stage_of: dict[str, int],
-                   count: int) -> list[float]:
-    """Per cut (after stage s), bytes per device of the values it carries forward in one
-    micro-batch: op outputs read by a later stage and user inputs a later stage reads
-    (carried from the first stage), each once however many stages it passes."""
-    crossing: dict[tuple[str, int], tuple[int, int]] = {}  # value -> (first stage holding it, last reader)
-    for name, s in stage_of.items():
-        for src, idx in graph.nodes[name].args:
-            kind = graph.nodes[src].kind
-            if kind not in (OP, INPUT):
-                continue
-            born = stage_of.get(src, 0)
-            if born < s:
-                first, last = crossing.get((src, idx), (born, s))
-                crossing[(src, idx)] = (first, max(last, s))
-    out = [0.0] * count
-    for (src, idx), (first, last) in crossing.items():
-        meta = graph.nodes[src].outputs[idx]
-        if meta is None:
-            continue
-        nbytes = ctx.precision.tensor_bytes(meta, local_numel(meta, chosen[src].outputs[idx], ctx.mesh.shape))
-        for cut in range(first, last):
-            out[cut] += nbytes
-    return out
 
 
 def _send_seconds(pipeline: Pipeline, mesh: Mesh, sends: list[float], rank_of: list[int]) -> list[float]:

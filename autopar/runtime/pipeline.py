@@ -7,13 +7,15 @@ holds, with their parameters only. Each is a ``PipelineStage`` on the pipeline a
 process group; its own collectives (tensor parallelism, ZeRO gathers, the loss's count)
 run on the stage mesh, among the ranks holding the same stage.
 
-``pm.step(*inputs, *targets)``: the first stage receives the inputs' micro-batches (cut as
-``pm.step`` of ``runtime.microbatch`` cuts them; inputs whose leading dim is not the batch
-go whole to every micro-batch), user inputs a later stage reads are carried stage to
-stage, and the last stage's loss of each micro-batch is weighted exactly as
-``runtime.microbatch`` weighs it (1/m for a mean, 1 for a sum, its target count for a
-cross entropy dividing by counted targets, the accumulated gradients then divided by the
-step's total count). After the schedule, the gradients of this rank's parameters are
+``pm.step(*inputs, *targets)`` on every rank: the inputs are cut into micro-batches as
+``pm.step`` of ``runtime.microbatch`` cuts them (inputs whose leading dim is not the batch go
+whole to every micro-batch), and each stage reads the user inputs it needs from the
+micro-batch it runs (``runtime.stages.MicroBatchStage``): none is sent from stage to stage,
+nor is a value of constants alone, which each later stage reading it computes again
+(``passes.split_stages``, priced so: ``pipeline.crossing``). The last stage's loss of each
+micro-batch is weighted exactly as ``runtime.microbatch`` weighs it (1/m for a mean, 1 for a
+sum, its target count for a cross entropy dividing by counted targets, the accumulated
+gradients then divided by the step's total count). After the schedule, the gradients of this rank's parameters are
 all-reduced over the stage mesh's data axes once, bucket by bucket as the plan lists them
 (the pieces of each bucket this rank holds), those of weights tied across pp ranks (an
 embedding the last stage's output head reuses) are summed with their other copies'
@@ -35,22 +37,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                           ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from autopar.capture.step import StepSignature
 from autopar.cost.buckets import GradBucket
 from autopar.errors import InputError
-from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.passes.split_stages import split_stages
 from autopar.runtime.module import copy_state_in, set_by_path
 from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads, weighed
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.random import RandomSource
-from autopar.runtime.stages import StageModule, ValueMeta, fake_shard, stage_metas
+from autopar.runtime.stages import MicroBatchStage, StageModule, ValueMeta, fake_shard, stage_metas
 from autopar.runtime.tied import TiedGradients
+from autopar.pipeline.crossing import constant_ops
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline
 from autopar.result.plan import Plan
 from autopar.pipeline.schedule_sim import WEIGHT_GRAD, torch_order
@@ -89,8 +92,8 @@ class PipelinedModule(nn.Module):
     def __init__(self, *, plan: Plan, pipeline: Pipeline, device_mesh: DeviceMesh, stage_mesh: DeviceMesh,
                  comm: Comm, modules: list[StageModule], metas: list[tuple[list[ValueMeta], list[ValueMeta]]],
                  params: dict[str, nn.Parameter], fqns: dict[str, str], buffers: dict[str, torch.Tensor],
-                 placements: dict[str, tuple[Placement, ...]], signature: StepSignature, batch: frozenset[int],
-                 loss_kind: str | None, loss_dtype: torch.dtype | None, loss_out: torch.dtype,
+                 placements: dict[str, tuple[Placement, ...]], signature: StepSignature, loss_kind: str | None,
+                 loss_dtype: torch.dtype | None, loss_out: torch.dtype,
                  tied: TiedGradients, aliases: dict[str, str], transient: frozenset[str] = frozenset(),
                  outputs: list[ValueMeta] | None = None,
                  output_placements: list[tuple[Placement, ...] | None] | None = None) -> None:
@@ -105,7 +108,6 @@ class PipelinedModule(nn.Module):
         self._loss_kind = loss_kind
         self._loss_dtype = loss_dtype  # mixed precision: each micro-batch's bf16 loss made fp32, as ParallelModule
         self._loss_out = loss_out
-        self._batch = batch  # leaves cut into micro-batches by the schedule (the others go whole to the first stage)
         self._outputs = outputs or []  # a forward-only step's outputs (the last stage's), broadcast to every pp rank
         self._output_placements = output_placements or []
         self._params_by_node = params
@@ -126,8 +128,8 @@ class PipelinedModule(nn.Module):
         count = self.pipeline.stages(p)
         device = torch.device(self.device_mesh.device_type)
         object.__setattr__(self, "_modules_run", modules)  # not submodules: parameters keep the model's FQNs
-        self._stages = [PipelineStage(m, m.index, count, device, input_args=tuple(x.example(device) for x in i),
-                                      output_args=tuple(x.example(device) for x in o), group=group)
+        self._stages = [MicroBatchStage(m, m.index, count, device, input_args=tuple(x.example(device) for x in i),
+                                        output_args=tuple(x.example(device) for x in o), group=group)
                         for m, (i, o) in zip(modules, metas)]
         cls = SCHEDULE_CLASSES[self.pipeline.schedule]
         single = self.pipeline.schedule in ("gpipe", "1f1b")
@@ -146,24 +148,23 @@ class PipelinedModule(nn.Module):
         if self._loss_kind is not None:
             raise InputError("a pipelined module trains with loss = pm.step(*inputs, *targets, **kwargs): a call of "
                              "one rank's stages is not the step")
-        args = self._first_stage_args(inputs, kwargs)
-        out = self._schedule.step(*args, return_outputs=True)
+        self._hand_inputs(inputs, kwargs)
+        out = self._schedule.step(return_outputs=True)
         self._log_sends()
         wrapped = [DTensor.from_local(o, self.stage_mesh, p or (Replicate(),) * self.stage_mesh.ndim, run_check=False)
                    for o, p in zip(self._broadcast_outputs(out), self._output_placements)]
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
-    def _first_stage_args(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The values the schedule hands the first stage (this rank's, if it holds it; else none),
-        its inputs that are not cut into micro-batches set aside; every value checked on every rank."""
+    def _hand_inputs(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Hand each of this rank's stages the step's user inputs, cut into micro-batches (every
+        value checked on every rank); the schedule itself is handed none."""
         micro = self.signature.split(inputs, kwargs)  # checks every value as ParallelModule.step does
-        leaves = self.signature.flatten(inputs, kwargs)
-        first = [m for m in self._modules_run if m.index == 0]
-        for module in first:
-            module.set_fixed([v for k, v in enumerate(micro[0]) if k not in self._batch])
+        if len(micro) != self.pipeline.micro_batches:
+            raise RuntimeError(f"the step's inputs were cut into {len(micro)} micro-batches, the pipeline runs "
+                               f"{self.pipeline.micro_batches}")
         for module in self._modules_run:
+            module.set_inputs(micro)
             module.sent_bytes.clear()
-        return tuple(leaves[k] for k in sorted(self._batch)) if first else ()
 
     def _log_sends(self) -> None:
         """Log each send this rank's stages ran to another rank (what each call returned)."""
@@ -213,13 +214,12 @@ class PipelinedModule(nn.Module):
         over the data axes once; returns the step's loss on every rank (replicated, detached)."""
         if self._loss_kind is None:
             raise InputError("pm.step trains: this module was compiled with train=False (call pm(...) for outputs)")
-        args = self._first_stage_args(inputs, kwargs)
+        self._hand_inputs(inputs, kwargs)
         params = [p for p in self.parameters() if p.requires_grad]
         stashed = stash_grads(params)
         self._counts = []
         losses: list[torch.Tensor] = []
-        self._schedule.step(*args, target=torch.arange(self.pipeline.micro_batches), losses=losses,
-                            return_outputs=False)
+        self._schedule.step(target=torch.arange(self.pipeline.micro_batches), losses=losses, return_outputs=False)
         self._comm.settle()  # gloo: nothing of the stages' left running beside the buckets (``runtime.ops``)
         reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
         self._tied.reduce(self.log)
@@ -236,6 +236,11 @@ class PipelinedModule(nn.Module):
                   ) -> torch.optim.Optimizer:
         """``optimizer_class`` over this rank's parameters (its stages')."""
         return optimizer_class(self.parameters() if params is None else params, **kwargs)
+
+    @property
+    def stage_modules(self) -> list[StageModule]:
+        """This rank's stages (what each sent in the last step: ``StageModule.sent_bytes``)."""
+        return list(self._modules_run)
 
     def attach_log(self, log: CollectiveLog | None) -> None:
         """Record the stages' collectives and the gradient buckets' all-reduces."""
@@ -311,7 +316,8 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     user_inputs = list(step.captured.user_inputs)
     comm = Comm(stage_mesh, step.ctx.mesh.zigzag_dims())
     program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, splits_backward(pipeline, p))
-    programs = split_stages(program, pp.stage_of, count, user_inputs)
+    constants = constant_ops(step.graph, step.chosen, step.ctx)
+    programs = split_stages(program, pp.stage_of, count, user_inputs, constants)
     keep = {name for s in mine for name in programs[s].state}
     state = rank_state(model, stage_mesh, step, init_fn, init_seed, compute_dtype, keep=keep.__contains__,
                        shared=shared)
@@ -320,23 +326,22 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     if missing:
         raise InputError(f"a pipelined step takes tensors only: inputs {missing} (in the order of pm.step's values) "
                          "are not")
-    batch = signature.batch_leaves if pipeline.micro_batches > 1 else frozenset(signature.tensors)
-    metas = _metas(step, stage_mesh, programs, state, signature, seed, compute_dtype, input_sharded, user_inputs)
+    metas = _metas(step, stage_mesh, len(programs), state, signature, seed, compute_dtype, input_sharded, user_inputs,
+                   constants)
     kinds = {name: (kind_, fqn) for name, kind_, fqn in state.placeholders}
     params = {n: _parameter(state.local[n], kinds[n][1] not in state.frozen) for n in keep if kinds[n][0] == "param"}
-    slots = [sorted(batch).index(k) if k in batch else None for k in range(len(user_inputs))]
     modules = []
     for s in mine:
         tensors = [params[n] if n in params else state.local[n] for n in programs[s].state]
         regathers = any(n.op == "call_module" and n.target == "regather" for n in programs[s].gm.graph.nodes)
-        modules.append(StageModule(programs[s], tensors, slots if s == 0 else None, regathers))
-    own = [(i if s != 0 else [m for k, m in enumerate(i) if k in batch], o) for s, (i, o) in enumerate(metas)]
+        slots = [user_inputs.index(name) for name in programs[s].user_inputs]  # one placeholder per leaf, in order
+        modules.append(StageModule(programs[s], tensors, slots, regathers))
     loss_meta = step.graph.nodes[step.graph.loss].outputs[0] if step.graph.loss is not None else None
     return PipelinedModule(
         plan=step.plan, pipeline=pipeline, device_mesh=mesh, stage_mesh=stage_mesh, comm=comm, modules=modules,
-        metas=[own[s] for s in mine], params=params, fqns={n: kinds[n][1] for n in params},
+        metas=[metas[s] for s in mine], params=params, fqns={n: kinds[n][1] for n in params},
         buffers={kinds[n][1]: state.local[n] for n in keep if kinds[n][0] == "buffer"},
-        placements=state.placements, transient=state.transient, signature=signature, batch=batch, loss_kind=kind,
+        placements=state.placements, transient=state.transient, signature=signature, loss_kind=kind,
         tied=TiedGradients(pp.tied, mesh, pipeline.axis, params), aliases=step.captured.tied,
         loss_dtype=torch.float32 if compute_dtype is not None else None,
         loss_out=torch.float32 if compute_dtype is not None or loss_meta is None else loss_meta.dtype,
@@ -349,14 +354,14 @@ def _parameter(tensor: torch.Tensor, trains: bool) -> nn.Parameter:
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=trains)
 
 
-def _metas(step: PlannedStep, mesh: DeviceMesh, programs: list[StageProgram], state: RankState,
-           signature: StepSignature, seed: RandomSource, compute_dtype: torch.dtype | None, input_sharded: bool,
-           user_inputs: list[str]) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
+def _metas(step: PlannedStep, mesh: DeviceMesh, count: int, state: RankState, signature: StepSignature,
+           seed: RandomSource, compute_dtype: torch.dtype | None, input_sharded: bool, user_inputs: list[str],
+           constants: frozenset[str]) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
     """Every stage's received and sent values (``runtime.stages.stage_metas``), found on a
     copy of the program built for the purpose (its modules' state is left behind)."""
     comm = Comm(mesh, step.ctx.mesh.zigzag_dims())
     shapes = split_stages(rank_program(step, mesh, comm, seed, compute_dtype, input_sharded),
-                          step.plan.pipeline.stage_of, len(programs), user_inputs)
+                          step.plan.pipeline.stage_of, count, user_inputs, constants)
     fake: dict[str, Any] = {}
     for name, kind, fqn in state.placeholders:
         if kind == "input":
@@ -372,6 +377,6 @@ def _metas(step: PlannedStep, mesh: DeviceMesh, programs: list[StageProgram], st
         placements = step.chosen[name].outputs[0] if name in step.chosen else None
         trains = kind == "param" and fqn not in state.frozen and step.ctx.train
         fake[name] = fake_shard(shape, dtype, placements, mesh, trains)
-    inputs = [ValueMeta(shape=signature.tensors[k][0], dtype=signature.tensors[k][1], requires_grad=False)
-              for k in range(len(user_inputs))]
+    inputs = {name: ValueMeta(shape=signature.tensors[k][0], dtype=signature.tensors[k][1], requires_grad=False)
+              for k, name in enumerate(user_inputs)}
     return stage_metas(shapes, fake, inputs, torch.device(mesh.device_type))

@@ -1,6 +1,13 @@
 """Pipeline stages of one rank: each stage program (``passes.split_stages``) as a module
 holding its state, and the shapes of what stages send one another.
 
+Every rank is handed the step's whole inputs, so a stage reads the user inputs it needs (the
+first stage the tokens, the last the targets its loss reads) from the micro-batch it runs,
+cut as the step cuts them (``StageModule.set_inputs``), rather than receive them from the stage
+before: torch tells a stage which micro-batch it runs in ``forward_one_chunk`` only, which
+``MicroBatchStage`` passes on to its module. What stages send one another is then only what
+they compute.
+
 ``torch.distributed.pipelining.PipelineStage`` needs each stage's inputs and outputs (shape,
 dtype, whether they carry a gradient) before the first step, or it infers them by running
 the first micro-batch once more. That extra run would draw random numbers, count a loss and
@@ -20,6 +27,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 
 from autopar.passes.split_stages import StageProgram
 from autopar.runtime.parameters import local_shard
@@ -40,11 +48,12 @@ class ValueMeta:
 
 
 class StageModule(nn.Module):
-    """One stage program with its state bound: called with the values it receives (the
-    first stage: the batch leaves of the user's inputs, the others set for the step by
-    ``set_fixed``), returns what it sends (the last stage: the program's outputs)."""
+    """One stage program with its state bound: called with the values it receives from the stage
+    before (none for the first), reads the user inputs of the micro-batch it runs (``set_inputs``
+    for the step, ``at_chunk`` for each micro-batch), returns what it sends (the last stage: the
+    program's outputs)."""
 
-    def __init__(self, program: StageProgram, state: list[torch.Tensor], slots: list[int | None] | None = None,
+    def __init__(self, program: StageProgram, state: list[torch.Tensor], slots: list[int],
                  regathers: bool = False) -> None:
         super().__init__()
         self.index = program.index
@@ -52,46 +61,62 @@ class StageModule(nn.Module):
         # the same Parameter objects the ParallelModule holds: PipelineStage reads them here
         self.weights = nn.ParameterList([t for t in state if isinstance(t, nn.Parameter)])
         self._state = state
-        self._slots = slots  # first stage: position among its call's arguments of each input (None: fixed)
-        self._fixed: list[Any] = []
+        self._slots = slots  # per user input the program reads, its index among the step's leaves
+        self._micro: list[list[Any]] = []
+        self._chunk = 0
         self._regathers = regathers
         self.sent_bytes: list[int] = []
         """Bytes of what each call returned (what ``PipelineStage`` sends on), cleared by the step."""
 
-    def set_fixed(self, values: list[Any]) -> None:
-        """The first stage's inputs that are not cut into micro-batches, in input order."""
-        self._fixed = values
+    def set_inputs(self, micro: list[list[Any]]) -> None:
+        """The step's user inputs: per micro-batch, its leaves (``StepSignature.split``)."""
+        self._micro = micro
+
+    def at_chunk(self, chunk: int) -> None:
+        """The micro-batch the next call runs (``MicroBatchStage``)."""
+        self._chunk = chunk
 
     def forward(self, *received: Any) -> Any:
-        if self._slots is not None:
-            fixed = iter(self._fixed)
-            received = tuple(received[slot] if slot is not None else next(fixed) for slot in self._slots)
+        fed = tuple(self._micro[self._chunk][k] for k in self._slots)
         with regather_hooks() if self._regathers else contextlib.nullcontext():
-            out = self.program(*received, *self._state)
+            out = self.program(*received, *fed, *self._state)
         # zero-bubble schedules detach a stage's outputs in place once their input gradients
-        # are computed: a view (a slice of a buffer, a micro-batch of an input) or a received
-        # value passed on cannot be, so those go out as copies (exact; gradients flow through).
-        # A state tensor sent on (a buffer the stage bumps in place) goes out as a copy too: the
-        # send runs beside the next micro-batch's forward, whose in-place update would change it.
-        out = [t.clone() if isinstance(t, torch.Tensor) and (t._base is not None or any(t is r for r in received)
-                                                          or any(t is s for s in self._state))
+        # are computed: a view (a slice of a buffer, a micro-batch of an input) or a value it
+        # was called with passed on cannot be, so those go out as copies (exact; gradients flow
+        # through). A state tensor sent on (a buffer the stage bumps in place) goes out as a copy
+        # too: the send runs beside the next micro-batch's forward, whose in-place update would
+        # change it.
+        given = (*received, *fed, *self._state)
+        out = [t.clone() if isinstance(t, torch.Tensor) and (t._base is not None or any(t is g for g in given))
                else t for t in out]
         self.sent_bytes.append(sum(t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor)))
         return out[0] if len(out) == 1 else tuple(out)
 
 
+class MicroBatchStage(PipelineStage):
+    """A ``PipelineStage`` telling its ``StageModule`` which micro-batch each forward runs, so the
+    stage reads that micro-batch's user inputs itself rather than receive them from the stage
+    before (torch hands the micro-batch index to ``forward_one_chunk`` only)."""
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        self.submod.at_chunk(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+
 def stage_metas(programs: list[StageProgram], fake_state: dict[str, Callable[[], torch.Tensor]],
-                inputs: list[ValueMeta], device: torch.device) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
+                inputs: dict[str, ValueMeta], device: torch.device) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
     """Each stage's (received, sent) values, from one fake run of every stage in order.
     ``fake_state``: state placeholder -> a maker of its local shard (called in fake mode);
-    ``inputs``: one micro-batch of the first stage's inputs (a program built for shapes only:
-    its collectives' bookkeeping is left as the fake run leaves it)."""
+    ``inputs``: user input -> one micro-batch of it (a program built for shapes only: its
+    collectives' bookkeeping is left as the fake run leaves it)."""
     out: list[tuple[list[ValueMeta], list[ValueMeta]]] = []
     with FakeTensorMode(allow_non_fake_inputs=True):
-        received = [m.example(device) for m in inputs]
+        received: list[torch.Tensor] = []
         for program in programs:
+            fed = [inputs[name].example(device) for name in program.user_inputs]
             state = [fake_state[name]() for name in program.state]
-            sent = program.gm(*received, *state)
+            sent = program.gm(*received, *fed, *state)
             sent = list(sent) if isinstance(sent, (tuple, list)) else [sent]
             bad = [name for name, v in zip(program.outputs, sent) if not isinstance(v, torch.Tensor)]
             if bad:
