@@ -212,3 +212,53 @@ def test_checkpointing_policies_price_what_they_replay(policy: str) -> None:
     want = {"selective": [False] * 7, "selective_op": [False, True] * 3 + [False], "full": [True] * 7}[policy]
     assert linears == want
     assert attention == [policy == "full"]
+
+
+def test_op_policy_replays_an_attention_with_dropout() -> None:
+    """An attention drawing dropout runs torch's math path (``bmm``, softmax, dropout: no attention
+    kernel), so 'selective_op' keeps none of it: its forward is priced again; without dropout it is kept."""
+    def attention_replayed(dropout: float) -> bool:
+        model, inputs, loss_fn, targets = gpt.build(gpt.GPTConfig(attn_dropout=dropout))
+        problem = problem_at(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                             checkpoint="selective_op", pipeline=False)
+        base = problem.base_graph
+        assert base is not None
+        names = [n for n in problem.graph.order if n.startswith("scaled_dot_product_attention")
+                 and problem.graph.nodes[n].block == "blocks.0"]
+        assert len(names) == 1, names
+        node, was = problem.graph.nodes[names[0]], base.nodes[names[0]]
+        return node.costs[0].time > was.costs[0].time
+    assert attention_replayed(0.1)
+    assert not attention_replayed(0.0)
+
+
+class _FoldingBlock(torch.nn.Module):
+    """A block multiplying by a weight with ``@`` (``aten.matmul``, which runs an ``mm`` or not by its
+    operands' layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x) @ self.w)
+
+
+class _FoldingMatmul(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_FoldingBlock() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_op_policy_refuses_a_block_whose_matmuls_it_cannot_count() -> None:
+    model = _FoldingMatmul()
+    with pytest.raises(autopar.InputError, match="selective_op.*aten.matmul"):
+        autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 3, 8),), checkpoint="selective_op",
+                     pipeline=False)
+    autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 3, 8),), checkpoint="selective", pipeline=False)

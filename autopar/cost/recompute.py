@@ -5,7 +5,8 @@ recomputed in backward. Two policies keep some:
   and of each block's linear-layer matmuls (``mm``, and ``addmm`` for a biased one, counted in
   the order the block runs them) the first, third, fifth...; the others are recomputed.
 
-One list, two levels, so the runtime's policy and the cost model cannot drift apart:
+One list, two levels, so the runtime's policy and the cost model cannot drift apart ('selective_op'
+counts graph nodes that each run one counted kernel, and the runtime checks the count):
 - ``SAVED_GRAPH_OPS``: the ops as captured in the FX graph the planner prices
   (``aten.linear``, ``aten.scaled_dot_product_attention``, ...);
 - ``SAVED_DISPATCH_OPS``: the ops torch's selective-checkpoint policy sees at the
@@ -73,11 +74,15 @@ def saved_by_selective(target: object) -> bool:
     return target in SAVED_GRAPH_OPS
 
 
-def kept_by_policy(policy: str, target: object, matmul_index: int = 0) -> bool:
+def kept_by_policy(policy: str, target: object, matmul_index: int = 0, draws: bool = False) -> bool:
     """True when ``policy`` keeps the output of a graph node with this target inside a
-    checkpointed block; ``matmul_index``: for a counted matmul, how many its block ran before it."""
+    checkpointed block; ``matmul_index``: for a counted matmul, how many its block ran before it;
+    ``draws``: the node draws random numbers (an attention with dropout runs torch's math path,
+    ``bmm`` and softmax, no attention kernel: 'selective_op' keeps none of it)."""
     if policy == "selective":
         return saved_by_selective(target)
     if policy == "selective_op":
-        return matmul_index % 2 == 0 if counted_by_op_policy(target) else target in _ATTENTION_GRAPH_OPS
+        if counted_by_op_policy(target):
+            return matmul_index % 2 == 0
+        return target in _ATTENTION_GRAPH_OPS and not draws
     return False

@@ -23,15 +23,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from autopar.cost.collectives import collective_time
 from autopar.cost.model import CostContext, NodeCost, step_repeats
 from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.ring import ring_waited_time
 from autopar.rules.attention import ATTENTION_OPS
+from autopar.rules.dropout import draws_random
 from autopar.cost.recompute import counted_by_op_policy, kept_by_policy
+from autopar.errors import InputError
 from autopar.problem.block_paths import block_of
 from autopar.rules.strategy import Strategy
 from autopar.problem.nodes import OP, PlanGraph, PlanNode
+
 
 def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostContext | None = None) -> PlanGraph:
     """A copy of ``graph`` priced with ``blocks`` checkpointed under ``policy`` (the
@@ -51,17 +56,39 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostCont
         index = matmuls.get(block, 0)
         if counted_by_op_policy(_target(node)):  # counted whether or not it has a backward, as the runtime counts
             matmuls[block] = index + 1
+        elif policy == "selective_op":
+            _check_countable(graph, name, block)
         if not node.needs_grad:
             continue  # ops with no backward save nothing and replay nothing
         leaves = any(block_of(graph.nodes[c].module) != block for c, _, _ in consumers[name]) \
             or name in graph.output_names
-        cached = kept_by_policy(policy, _target(node), index)
+        draws = node.call is not None and draws_random(node.call.target, node.call.args, node.call.kwargs)
+        cached = kept_by_policy(policy, _target(node), index, draws)
         nodes[name] = _recomputed(node, block, cached=cached, keep=leaves or cached)
         if ctx is not None and node.call is not None and (is_moe(node.call.target)  # no policy keeps it: replayed
                                                            or node.call.target in ATTENTION_OPS):
             nodes[name] = replace(nodes[name], comm_times=[t + replay_comm_time(node, s, ctx) for t, s in zip(
                 node.comm_times or [0.0] * len(node.strategies), node.strategies)])
     return replace(graph, nodes=nodes)
+
+
+_MAYBE_MM = frozenset({torch.ops.aten.matmul.default, torch.ops.aten.einsum.default})
+"""Graph ops that run an ``mm`` or not by their operands' layout at run time (a 2-D operand folds)."""
+
+
+def _check_countable(graph: PlanGraph, name: str, block: str) -> None:
+    """'selective_op' keeps every other linear matmul of a block, counted alike by the planner (graph
+    nodes) and the runtime (dispatched ``mm``/``addmm``): a node that may or may not run one, or whose
+    ops the graph does not show (a higher-order op's body), would shift the count."""
+    call = graph.nodes[name].call
+    target = call.target if call is not None else None
+    hidden = isinstance(target, torch._ops.HigherOrderOperator)
+    metas = [graph.nodes[src].outputs[idx] for src, idx in graph.nodes[name].args]
+    folds = target in _MAYBE_MM and any(meta is not None and len(meta.shape) <= 2 for meta in metas)
+    if hidden or folds:
+        raise InputError(f"checkpoint='selective_op' keeps every other linear matmul of a block, counted as the block "
+                         f"runs them; {block} runs {target} (node {name}), whose matmuls that count cannot see: pin "
+                         "checkpoint='selective' or 'full'")
 
 
 def replay_comm_time(node: PlanNode, strategy: Strategy, ctx: CostContext) -> float:

@@ -7,10 +7,11 @@ read after it), called as ``self.recompute(self.checkpoint_blocks_0, 'full', x, 
 the runtime (``autopar.runtime.recompute``) runs it under torch's checkpointing with the
 plan's policy. Under 'selective_op' the call also names ``matmuls=(before, count)``: the linear
 matmuls its block ran in earlier regions and those it runs (the policy keeps every other one,
-counted over the whole block, as the planner priced it). A node belongs to a block by its module path (``nn_module_stack``); a node
-a pass inserted has none (reshards, their gathers included) and belongs to the block of
-its users when they all lie in one, so a block's forward collectives run again in its
-recompute.
+counted over the whole block, as the planner priced it).
+
+A node belongs to a block by its module path (``nn_module_stack``); a node a pass inserted
+has none (reshards, their gathers included) and belongs to the block of its users when they
+all lie in one, so a block's forward collectives run again in its recompute.
 
 A region must be contiguous in graph order. Nodes of other blocks or of none that lie
 between a block's first and last node are moved out when they can be: before the block

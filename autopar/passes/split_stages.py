@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 
 import torch.fx
 
-from autopar.capture.aliasing import written_args
+from autopar.capture.aliasing import storage_root, written_args
 from autopar.capture.subgraphs import is_higher_order
+from autopar.errors import InputError
 from autopar.passes.context import plan_name
 
 
@@ -67,6 +68,7 @@ def split_stages(gm: torch.fx.GraphModule, stage_of: dict[str, int], stages: int
     stage; ``user_inputs``: the placeholders the caller feeds (the others are state);
     ``constants``: the plan's ops of constants alone (``pipeline.crossing.constant_ops``)."""
     assigned = _assign(gm, stage_of, stages)
+    _check_inputs_unwritten(assigned, set(user_inputs))
     _recompute_per_stage(gm, assigned, _recomputed(gm, assigned, constants))
     received = _received(gm, assigned, stages, constants)
     return [_stage_program(gm, s, assigned, received[s], received[s + 1] if s + 1 < stages else None,
@@ -245,6 +247,21 @@ def _received(gm: torch.fx.GraphModule, assigned: dict[torch.fx.Node, int], stag
         for s in range(assigned[value] + 1, last_read[value] + 1):
             received[s].append(value)
     return received
+
+
+def _check_inputs_unwritten(assigned: dict[torch.fx.Node, int], user_inputs: set[str]) -> None:
+    """Each stage reads the user inputs from its own micro-batch of them: one a stage writes in place
+    and another stage reads would be read unwritten there."""
+    for node, s in assigned.items():
+        for target in written_args(node):
+            root = storage_root(target)
+            if root.op != "placeholder" or root.name not in user_inputs:
+                continue
+            readers = {assigned[n] for n in assigned if any(storage_root(a) is root for a in n.all_input_nodes)}
+            if readers - {s}:
+                raise InputError(f"the model writes into its input {root.name} in place ({node.name}, pipeline stage "
+                                 f"{s}) and stages {sorted(readers - {s})} read it: a pipeline stage reads the inputs "
+                                 "from its own micro-batch of them, so write into a copy (x = x.clone()) first")
 
 
 def _stage_program(gm: torch.fx.GraphModule, s: int, assigned: dict[torch.fx.Node, int],

@@ -13,8 +13,9 @@ reader, once (``crossing_bytes``), except:
 
 Such an op draws no random number (each draw advances the step's stream once), writes into
 nothing in place and has nothing written into its storage or its buffers' (a later stage's
-copy would miss the write), is not replayed inside a checkpointed block (the runtime computes
-a block's ops only inside its call), and receives each input as produced or by a slice, without
+copy would miss the write), lies outside the repeated blocks (a checkpointed block's ops run only
+inside its call, which a later stage does not make; a transformer computes its mask and rotary
+tables before the blocks), and receives each input as produced or by a slice, without
 a collective (a copy of it would run that collective again). A parameter is no such input: a
 stage computing from it would hold a copy, whose gradient the plan does not tie (``pipeline.tied``).
 The runtime cuts by the same rule (``passes.split_stages``), so what runs is what is priced.
@@ -26,6 +27,7 @@ import torch
 
 from autopar.cost.collectives import reshard
 from autopar.cost.model import CostContext
+from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import BUFFER, OP, PlanGraph, PlanNode
 from autopar.rules.dropout import draws_random
 from autopar.rules.strategy import Strategy, local_numel
@@ -38,7 +40,7 @@ def constant_ops(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext
     out: set[str] = set()
     for name in graph.order:
         node = graph.nodes[name]
-        if node.kind != OP or name in written or not _pure(node):
+        if node.kind != OP or name in written or not _pure(node) or block_of(node.module) is not None:
             continue
         sources = all(src in out or (graph.nodes[src].kind == BUFFER and src not in written) for src, _ in node.args)
         if sources and all(_sliced(graph, chosen, ctx, name, k) for k in range(len(node.args))):

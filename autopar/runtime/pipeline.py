@@ -149,7 +149,10 @@ class PipelinedModule(nn.Module):
             raise InputError("a pipelined module trains with loss = pm.step(*inputs, *targets, **kwargs): a call of "
                              "one rank's stages is not the step")
         self._hand_inputs(inputs, kwargs)
-        out = self._schedule.step(return_outputs=True)
+        try:
+            out = self._schedule.step(return_outputs=True)
+        finally:
+            self._drop_inputs()
         self._log_sends()
         wrapped = [DTensor.from_local(o, self.stage_mesh, p or (Replicate(),) * self.stage_mesh.ndim, run_check=False)
                    for o, p in zip(self._broadcast_outputs(out), self._output_placements)]
@@ -165,6 +168,11 @@ class PipelinedModule(nn.Module):
         for module in self._modules_run:
             module.set_inputs(micro)
             module.sent_bytes.clear()
+
+    def _drop_inputs(self) -> None:
+        """The step's inputs are not kept past it (the stages held its micro-batches)."""
+        for module in self._modules_run:
+            module.set_inputs([])
 
     def _log_sends(self) -> None:
         """Log each send this rank's stages ran to another rank (what each call returned)."""
@@ -219,7 +227,10 @@ class PipelinedModule(nn.Module):
         stashed = stash_grads(params)
         self._counts = []
         losses: list[torch.Tensor] = []
-        self._schedule.step(target=torch.arange(self.pipeline.micro_batches), losses=losses, return_outputs=False)
+        try:
+            self._schedule.step(target=torch.arange(self.pipeline.micro_batches), losses=losses, return_outputs=False)
+        finally:
+            self._drop_inputs()
         self._comm.settle()  # gloo: nothing of the stages' left running beside the buckets (``runtime.ops``)
         reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
         self._tied.reduce(self.log)
@@ -294,8 +305,8 @@ def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], m
 
 
 def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: DeviceMesh, step: PlannedStep,
-                           pipeline: Pipeline, init_fn: InitFn | None, input_sharded: bool, init_seed: int, seed: RandomSource,
-                           compute_dtype: torch.dtype | None, batch_leaves: frozenset[int],
+                           pipeline: Pipeline, init_fn: InitFn | None, input_sharded: bool, init_seed: int,
+                           seed: RandomSource, compute_dtype: torch.dtype | None, batch_leaves: frozenset[int],
                            shared: dict[str, torch.Tensor] | None = None) -> PipelinedModule:
     """This rank's stages of an agreed pipelined plan (module docstring); ``stage_mesh``:
     ``stage_device_mesh(mesh, pipeline.axis)``; other arguments as ``build_rank_module``'s

@@ -48,35 +48,32 @@ def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpo
 
 class _OpPolicy:
     """'selective_op' for one region call (``cost.recompute``): attention kernels kept, and of the
-    linear matmuls, counted separately in the forward and in each recompute from ``before`` (those
-    its block ran in earlier regions), every other one, starting with the block's first."""
+    linear matmuls, counted from ``before`` (those its block ran in earlier regions), every other
+    one, starting with the block's first. torch asks the policy in the forward only (the recompute
+    replays its answers by op and call index), so one count serves any number of recomputes."""
 
     def __init__(self, before: int, count: int) -> None:
         self.before, self.count = before, count
-        self.seen = {False: 0, True: 0}  # ctx.is_recompute -> matmuls counted so far
+        self.seen = 0  # linear matmuls the forward ran so far
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if func in OP_COUNTED_DISPATCH_OPS:
-            index = self.before + self.seen[ctx.is_recompute]
-            self.seen[ctx.is_recompute] += 1
+            index = self.before + self.seen
+            self.seen += 1
             return CheckpointPolicy.MUST_SAVE if index % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if func in OP_SAVED_DISPATCH_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def restart(self) -> None:
-        """A recompute begins (a split backward runs two): it counts from the block's start again."""
-        self.seen[True] = 0
-
     def check_forward(self) -> None:
         """The region ran the matmuls it was planned with: otherwise the plan priced other ops as kept."""
-        if self.seen[False] != self.count:
-            raise RuntimeError(f"a 'selective_op' checkpointed region ran {self.seen[False]} linear matmuls (mm, "
+        if self.seen != self.count:
+            raise RuntimeError(f"a 'selective_op' checkpointed region ran {self.seen} linear matmuls (mm, "
                                f"addmm) where its plan counted {self.count} (linear, mm, addmm nodes): its ops "
                                "dispatch otherwise than planned; pin checkpoint='selective' or 'full'")
 
 
 def _op_contexts(policy: _OpPolicy, replays: bool) -> Any:
     forward, recompute = create_selective_checkpoint_contexts(policy)
-    return forward, _Replayable(recompute, policy.restart) if replays else recompute
+    return forward, _Replayable(recompute) if replays else recompute
 
 
 def _selective_contexts() -> Any:
@@ -91,17 +88,13 @@ def _replayable_selective_contexts() -> Any:
 class _Replayable:
     """Selective checkpointing's recompute context, run any number of times: the outputs the
     forward kept (the mode's ``storage``: op -> call index -> value) are put back after each
-    recompute, which marks those it handed out as consumed. ``restart``: called as each
-    recompute begins (a policy's own count)."""
+    recompute, which marks those it handed out as consumed."""
 
-    def __init__(self, cached: Any, restart: Callable[[], None] | None = None) -> None:
+    def __init__(self, cached: Any) -> None:
         self.cached = cached
-        self.restart = restart
         self.kept: dict[Any, dict[int, Any]] = {}
 
     def __enter__(self) -> Any:
-        if self.restart is not None:
-            self.restart()
         self.kept = {op: dict(calls) for op, calls in self.cached.storage.items()}
         return self.cached.__enter__()
 
@@ -157,7 +150,7 @@ def _merged(kept: tuple[Any, ...], mutated: dict[int, torch.Tensor]) -> list[Any
 
 
 class Recompute(nn.Module):
-    """Runs a region under activation checkpointing with policy 'full' or 'selective'
+    """Runs a region under activation checkpointing with policy 'full', 'selective' or 'selective_op'
     ('none', or grad disabled: just runs it). ``replays``: backward may recompute a region
     more than once; ``mutated``: positions of inputs that change before the recompute
     (module docstring)."""

@@ -3,10 +3,12 @@ what the plan prices (``pipeline.stages.crossing_bytes``: each value once, as it
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx
 from torch import nn
 
+from autopar.errors import InputError
 from autopar.passes.context import PLAN_NAME
 from autopar.passes.split_stages import split_stages
 
@@ -148,3 +150,22 @@ def test_a_reshard_of_constants_read_by_two_later_stages_is_computed_in_each() -
     (sent,) = programs[0].gm(x)
     (sent,) = programs[1].gm(sent)
     torch.testing.assert_close(programs[2].gm(sent), (x * 2 + torch.arange(3.0)) * torch.arange(3.0))
+
+
+def test_a_user_input_written_in_place_and_read_by_a_later_stage_is_refused() -> None:
+    """Each stage reads the user inputs from its own micro-batch of them: one stage 0 writes in place
+    would reach stage 1 unwritten, so the cut is refused (before, stage 1 received the written value)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    written = graph.call_function(torch.ops.aten.add_.Tensor, (x, 1.0))
+    a = graph.call_function(torch.neg, (written,))
+    b = graph.call_function(torch.mul, (x, a))
+    graph.output(b)
+    stage_of = {}
+    for node, stage in ((written, 0), (a, 0), (b, 1)):
+        node.meta[PLAN_NAME] = node.name
+        stage_of[node.name] = stage
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    with pytest.raises(InputError, match="writes into its input x in place"):
+        split_stages(gm, stage_of, 2, ["x"])
+    split_stages(gm, {**stage_of, b.name: 0}, 1, ["x"])  # read only where written: fine
