@@ -57,6 +57,10 @@ OP_COUNTED_GRAPH_OPS: frozenset[torch._ops.OpOverload] = frozenset({aten.linear.
 """The graph ops that each run one of ``OP_COUNTED_DISPATCH_OPS``: the planner counts these (the
 runtime checks that a region ran as many as it was planned with)."""
 
+OP_UNSURE_GRAPH_OPS: frozenset[torch._ops.OpOverload] = frozenset({aten.matmul.default, aten.einsum.default})
+"""Graph ops that run an ``mm`` or not by their operands' layout at run time (a 1-D or 2-D operand
+folds into one): a 'selective_op' block holding one with such an operand cannot be counted ahead."""
+
 OP_SAVED_DISPATCH_OPS: frozenset[torch._ops.OpOverload] = _ATTENTION_KERNELS
 """The ops whose outputs 'selective_op' always keeps (torchtitan's list, its float8 and tensor-parallel
 entries aside): the attention kernels."""

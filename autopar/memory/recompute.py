@@ -31,7 +31,7 @@ from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.ring import ring_waited_time
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.dropout import draws_random
-from autopar.cost.recompute import counted_by_op_policy, kept_by_policy
+from autopar.cost.recompute import OP_UNSURE_GRAPH_OPS, counted_by_op_policy, kept_by_policy
 from autopar.errors import InputError
 from autopar.problem.block_paths import block_of
 from autopar.rules.strategy import Strategy
@@ -72,10 +72,6 @@ def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostCont
     return replace(graph, nodes=nodes)
 
 
-_MAYBE_MM = frozenset({torch.ops.aten.matmul.default, torch.ops.aten.einsum.default})
-"""Graph ops that run an ``mm`` or not by their operands' layout at run time (a 2-D operand folds)."""
-
-
 def _check_countable(graph: PlanGraph, name: str, block: str) -> None:
     """'selective_op' keeps every other linear matmul of a block, counted alike by the planner (graph
     nodes) and the runtime (dispatched ``mm``/``addmm``): a node that may or may not run one, or whose
@@ -84,7 +80,7 @@ def _check_countable(graph: PlanGraph, name: str, block: str) -> None:
     target = call.target if call is not None else None
     hidden = isinstance(target, torch._ops.HigherOrderOperator)
     metas = [graph.nodes[src].outputs[idx] for src, idx in graph.nodes[name].args]
-    folds = target in _MAYBE_MM and any(meta is not None and len(meta.shape) <= 2 for meta in metas)
+    folds = target in OP_UNSURE_GRAPH_OPS and any(meta is not None and len(meta.shape) <= 2 for meta in metas)
     if hidden or folds:
         raise InputError(f"checkpoint='selective_op' keeps every other linear matmul of a block, counted as the block "
                          f"runs them; {block} runs {target} (node {name}), whose matmuls that count cannot see: pin "
