@@ -19,6 +19,8 @@ from sharding_sim import OpCase, check_strategy, simulate, strategy_str
 
 from autopar.rules import DEFAULT_RULES, FAMILIES, DimStrategy, OpCall, Unhandled, expand
 from autopar.rules.strategy import P, R, S, Strategy, strided
+from autopar.capture.graph import TensorMeta
+from autopar.problem.graph import placeholder_strategies
 from autopar.problem.strided import EQUIVARIANT_FAMILIES, _twins
 
 pytestmark = pytest.mark.sweep
@@ -648,6 +650,26 @@ def test_rule_on_2x2_mesh(op_case: OpCase) -> None:
                    for m in (0, 1)) for s in strategies)
     problems = failures(op_case, strategies, (2, 2))
     assert not problems, f"{op_case.label} on 2x2:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("op_case", [pytest.param(c, id=f"{c.label}-1x2") for c in nd_cases()])
+def test_one_rank_axis_holds_everything_whole(op_case: OpCase) -> None:
+    """A mesh dim of one rank (a pipeline took the axis's others) places every tensor Replicate: its
+    other placements name the same plan, and as ILP columns they multiply its size and its equal optima.
+    The strategies are exactly the 1-D ones, each with R prepended."""
+    call, dims = rule_strategies(op_case)
+    one_d = expand(call, dims, (2,))
+    with_one_rank = expand(call, dims, (1, 2))
+    assert [([None if o is None else o[1:] for o in s.outputs], [i[1:] for i in s.inputs]) for s in with_one_rank] == \
+        [([None if o is None else tuple(o) for o in s.outputs], [tuple(i) for i in s.inputs]) for s in one_d]
+    assert all(p[0] == R for s in with_one_rank for p in (*s.inputs, *(o for o in s.outputs if o is not None)))
+
+
+def test_one_rank_axis_leaves_whole() -> None:
+    """Parameters, buffers and inputs alike: Replicate alone on a one-rank mesh dim."""
+    meta = TensorMeta((4, 8), torch.float32)
+    assert [s.outputs[0] for s in placeholder_strategies(meta, (1, 2))] == \
+        [(R, *s.outputs[0]) for s in placeholder_strategies(meta, (2,))]
 
 
 def _wrong(op_case: OpCase, outputs: tuple, inputs: tuple) -> tuple[OpCase, Strategy]:

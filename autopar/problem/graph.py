@@ -62,10 +62,11 @@ def _module_path(node: torch.fx.Node) -> str:
 
 def placeholder_strategies(meta: TensorMeta, mesh_shape: tuple[int, ...],
                            extra: list[Placement] | None = None) -> list[Strategy]:
-    """Replicate or Shard(d) on each mesh dim (a leaf cannot start out Partial), plus ``extra`` choices."""
+    """Replicate or Shard(d) on each mesh dim (a leaf cannot start out Partial), plus ``extra`` choices;
+    Replicate alone on a mesh dim of one rank (``rules.strategy.expand``)."""
     choices = [R, *(S(d) for d in range(meta.ndim) if meta.shape[d] > 1), *(extra or [])]
     out = []
-    for combo in itertools.product(choices, repeat=len(mesh_shape)):
+    for combo in itertools.product(*(choices if n > 1 else [R] for n in mesh_shape)):
         if divides(meta, combo, mesh_shape):
             out.append(Strategy((tuple(combo),), ()))
     return out

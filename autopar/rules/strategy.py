@@ -232,14 +232,17 @@ def dedupe(strategies: list[DimStrategy]) -> list[DimStrategy]:
 
 
 def expand(call: OpCall, dim_strategies: list[DimStrategy], mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    """All N-D strategies whose every mesh dim follows one single-dim strategy and divides evenly.
+    """All N-D strategies whose every mesh dim follows one single-dim strategy and divides evenly; on a
+    mesh dim of one rank (a pipeline took the axis's others) the replicated one alone, as the others
+    are the same plan under another name (duplicates multiply an ILP's size and its symmetric optima).
 
     A single-dim strategy placing a bool tensor Partial is dropped here, for every rule: a
     Partial is a pending sum and a bool tensor has none (an all-reduce cannot make one)."""
     dim_strategies = dedupe([replicate_all(call), *(s for s in dim_strategies if _sums_are_defined(call, s))])
     metas_in = call.tensor_inputs
     out: list[Strategy] = []
-    for combo in itertools.product(dim_strategies, repeat=len(mesh_shape)):
+    whole = [dim_strategies[0]]  # a one-rank axis holds every tensor whole: its placements all mean Replicate
+    for combo in itertools.product(*(dim_strategies if n > 1 else whole for n in mesh_shape)):
         outputs = tuple(
             None if combo[0].outputs[i] is None else tuple(c.outputs[i] for c in combo)  # type: ignore[misc]
             for i in range(len(call.outputs))
