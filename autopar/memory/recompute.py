@@ -38,53 +38,81 @@ from autopar.rules.strategy import Strategy
 from autopar.problem.nodes import OP, PlanGraph, PlanNode
 
 
-def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostContext | None = None) -> PlanGraph:
+Replayed = tuple[dict[str, tuple[str, PlanNode]], dict[str, str]]
+"""One policy's ops of every repeated block priced as checkpointed (name -> its block, the node), and
+why each block 'selective_op' cannot count is refused (block -> message)."""
+
+
+def checkpointed(graph: PlanGraph, policy: str, blocks: list[str], ctx: CostContext | None = None,
+                 memo: dict[str, Replayed] | None = None) -> PlanGraph:
     """A copy of ``graph`` priced with ``blocks`` checkpointed under ``policy`` (the
     original graph and its shared cost lists are left as they are). ``ctx`` prices what an
-    op's replay communicates by itself (an expert-parallel layer's forward all-to-alls)."""
+    op's replay communicates by itself (an expert-parallel layer's forward all-to-alls).
+    ``memo`` (per ``graph`` and ``ctx``): each policy's ops priced once, whatever blocks a call names
+    (an op's price under a policy depends on its own block alone)."""
     if policy == "none" or not blocks:
         return graph
+    memo = {} if memo is None else memo
+    if policy not in memo:
+        memo[policy] = _replayed(graph, policy, ctx)
+    ops, refused = memo[policy]
     chosen = set(blocks)
-    consumers = graph.consumers()
+    for block in blocks:
+        if block in refused:
+            raise InputError(refused[block])
     nodes = dict(graph.nodes)
+    nodes.update({name: node for name, (block, node) in ops.items() if block in chosen})
+    return replace(graph, nodes=nodes)
+
+
+def _replayed(graph: PlanGraph, policy: str, ctx: CostContext | None) -> Replayed:
+    """Every op of every repeated block priced as replayed under ``policy`` (``checkpointed``)."""
+    consumers = graph.consumers()
+    ops: dict[str, tuple[str, PlanNode]] = {}
+    refused: dict[str, str] = {}
     matmuls: dict[str, int] = {}  # block -> the matmuls 'selective_op' counted in it so far
     for name in graph.order:
         node = graph.nodes[name]
         block = block_of(node.module)
-        if node.kind != OP or block not in chosen:
+        if node.kind != OP or block is None:
             continue
         index = matmuls.get(block, 0)
         if counted_by_op_policy(_target(node)):  # counted whether or not it has a backward, as the runtime counts
             matmuls[block] = index + 1
-        elif policy == "selective_op":
-            _check_countable(graph, name, block)
+        elif policy == "selective_op" and block not in refused:
+            why = _uncountable(graph, name, block)
+            if why:
+                refused[block] = why
         if not node.needs_grad:
             continue  # ops with no backward save nothing and replay nothing
         leaves = any(block_of(graph.nodes[c].module) != block for c, _, _ in consumers[name]) \
             or name in graph.output_names
         draws = node.call is not None and draws_random(node.call.target, node.call.args, node.call.kwargs)
         cached = kept_by_policy(policy, _target(node), index, draws)
-        nodes[name] = _recomputed(node, block, cached=cached, keep=leaves or cached)
+        replayed = _recomputed(node, block, cached=cached, keep=leaves or cached)
         if ctx is not None and node.call is not None and (is_moe(node.call.target)  # no policy keeps it: replayed
                                                            or node.call.target in ATTENTION_OPS):
-            nodes[name] = replace(nodes[name], comm_times=[t + replay_comm_time(node, s, ctx) for t, s in zip(
+            replayed = replace(replayed, comm_times=[t + replay_comm_time(node, s, ctx) for t, s in zip(
                 node.comm_times or [0.0] * len(node.strategies), node.strategies)])
-    return replace(graph, nodes=nodes)
+        ops[name] = (block, replayed)
+    return ops, refused
 
 
-def _check_countable(graph: PlanGraph, name: str, block: str) -> None:
-    """'selective_op' keeps every other linear matmul of a block, counted alike by the planner (graph
-    nodes) and the runtime (dispatched ``mm``/``addmm``): a node that may or may not run one, or whose
-    ops the graph does not show (a higher-order op's body), would shift the count."""
+def _uncountable(graph: PlanGraph, name: str, block: str) -> str:
+    """Why 'selective_op' cannot count op ``name`` ("" when it can). It keeps every other linear matmul of
+    a block, counted alike by the planner (graph nodes) and the runtime (dispatched ``mm``/``addmm``): a
+    node that may or may not run one, or whose ops the graph does not show (a higher-order op's body),
+    would shift the count."""
     call = graph.nodes[name].call
     target = call.target if call is not None else None
     hidden = isinstance(target, torch._ops.HigherOrderOperator)
     metas = [graph.nodes[src].outputs[idx] for src, idx in graph.nodes[name].args]
     folds = target in OP_UNSURE_GRAPH_OPS and any(meta is not None and len(meta.shape) <= 2 for meta in metas)
-    if hidden or folds:
-        raise InputError(f"checkpoint='selective_op' keeps every other linear matmul of a block, counted as the block "
-                         f"runs them; {block} runs {target} (node {name}), whose matmuls that count cannot see: pin "
-                         "checkpoint='selective' or 'full'")
+    if not (hidden or folds):
+        return ""
+    return (f"checkpoint='selective_op' keeps every other linear matmul of a block, counted as the block "
+            f"runs them; {block} runs {target} (node {name}), whose matmuls that count cannot see: pin "
+            "checkpoint='selective' or 'full'")
 
 
 def replay_comm_time(node: PlanNode, strategy: Strategy, ctx: CostContext) -> float:

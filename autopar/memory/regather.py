@@ -21,20 +21,29 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.problem.block_paths import block_of
-from autopar.problem.nodes import OP, PlanGraph
+from autopar.problem.nodes import OP, PlanGraph, PlanNode
 
 
-def regathering(graph: PlanGraph, blocks: list[str] | None) -> PlanGraph:
+Regathered = dict[tuple[str, int], tuple[PlanNode, PlanNode]]
+"""(op name, id of the node priced) -> that node and its copy gathering again (the node kept: its id stays its own)."""
+
+
+def regathering(graph: PlanGraph, blocks: list[str] | None, memo: Regathered | None = None) -> PlanGraph:
     """A copy of ``graph`` whose ops in ``blocks`` (None: every op) gather their parameters
-    again in backward; the original graph is left as it is."""
+    again in backward; the original graph is left as it is. ``memo``: each node's copy made once
+    (a memory search asks for the same ops under many scenarios)."""
     if blocks is not None and not blocks:
         return graph
+    memo = {} if memo is None else memo
     chosen = None if blocks is None else set(blocks)
     nodes = dict(graph.nodes)
     for name in graph.order:
         node = graph.nodes[name]
         if node.kind == OP and (chosen is None or block_of(node.module) in chosen):
-            nodes[name] = replace(node, regather=True)
+            key = (name, id(node))
+            if key not in memo or memo[key][0] is not node:
+                memo[key] = (node, replace(node, regather=True))
+            nodes[name] = memo[key][1]
     return replace(graph, nodes=nodes)
 
 

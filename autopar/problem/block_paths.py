@@ -3,11 +3,13 @@ container, such as a decoder's layers)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 _INSTANCE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a pure function of the path, asked per node per scenario priced
 def block_of(module: str) -> str | None:
     """The repeated block a module path lies in: 'layers.3.attn.wq' -> 'layers.3'; None
     outside any indexed container."""

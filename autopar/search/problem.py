@@ -21,8 +21,8 @@ from autopar.cost.model import CostContext
 from autopar.cost.precision import BF16_PARAMETERS, Precision
 from autopar.errors import InputError
 from autopar.memory.options import MemoryOptions
-from autopar.memory.recompute import checkpointed
-from autopar.memory.regather import regathering
+from autopar.memory.recompute import Replayed, checkpointed
+from autopar.memory.regather import Regathered, regathering
 from autopar.memory.scenarios import Scenario, candidates
 from autopar.mesh import Mesh
 from autopar.pipeline.stage_memory import MemoryShares
@@ -30,7 +30,7 @@ from autopar.problem.batch import example_batch, micro_batch_examples
 from autopar.problem.block_paths import repeated_blocks
 from autopar.problem.folding import Folding, fold_repeated_blocks, split_folding
 from autopar.problem.graph import build_plan_graph, priced_parameter
-from autopar.problem.nodes import PARAM, PlanGraph
+from autopar.problem.nodes import PARAM, PlanGraph, PlanNode
 from autopar.problem.pinning import pin_config
 from autopar.problem.strided import add_strided_strategies
 from autopar.search.account import Account, timed
@@ -67,6 +67,21 @@ class Place:
 
 
 @dataclass
+class PricedParts:
+    """The parts of a prepared problem that memory scenarios price anew, each priced once per choice of
+    its own (``priced_under``)."""
+
+    ops: dict[tuple[Any, ...], tuple[dict[str, PlanNode], Folding]] = field(default_factory=dict)
+    """(checkpointing, its blocks, regathering, its blocks) -> the ops it prices anew, and their folding."""
+    params: dict[tuple[Any, ...], dict[str, PlanNode]] = field(default_factory=dict)
+    """(offload, pinned, ZeRO-1 dims, pinned) -> every parameter priced with its state twins."""
+    replayed: dict[str, Replayed] = field(default_factory=dict)
+    """Checkpointing policy -> the ops of every block priced as replayed (``memory.recompute.checkpointed``)."""
+    regathered: Regathered = field(default_factory=dict)
+    """Ops priced as gathering their parameters again (``memory.regather.regathering``)."""
+
+
+@dataclass
 class Problem:
     """Everything the ILP needs, under one memory scenario."""
 
@@ -97,6 +112,8 @@ class Problem:
     """For one stage mesh of a pipeline: the busiest pp rank's share of the memory row (None: all of it)."""
     place: Place | None = None
     """Where in the search it was prepared."""
+    parts: PricedParts = field(default_factory=PricedParts)
+    """What every scenario of this prepared problem shares (each scenario's copy holds the same one)."""
 
     @property
     def blocks(self) -> list[str]:
@@ -147,22 +164,43 @@ def scenarios(problem: Problem) -> list[Scenario]:
 def priced_under(base: Problem, scenario: Scenario) -> Problem:
     """``base`` (prepared at the scenario's micro-batch count) priced under ``scenario``: parameters
     with their state twins where state may be offloaded or sharded, checkpointed blocks replaying
-    their forward, parameters gathered again in backward."""
+    their forward, parameters gathered again in backward. The two parts touch disjoint nodes (ops,
+    parameters), each priced once per choice of its own (``Problem.parts``): a memory search prices
+    hundreds of scenarios out of a few checkpointing and state choices."""
     assert base.ctx.micro_batches == scenario.micro_batches, "price a scenario on its micro-batch count's capture"
     graph = base.base_graph or base.graph
-    blocks = base.blocks
     ctx = replace(base.ctx, offload=scenario.offload, offload_pinned=scenario.offload_pinned,
                   zero1_pinned=scenario.zero1_pinned, zero1=tuple(base.ctx.mesh.names.index(a) for a in scenario.zero1))
+    ops_key = (scenario.checkpoint, scenario.checkpoint_blocks, scenario.regather, scenario.regather_blocks)
+    if ops_key not in base.parts.ops:
+        base.parts.ops[ops_key] = _ops_under(base, graph, scenario, ctx)
+    ops, folding = base.parts.ops[ops_key]
+    params: dict[str, PlanNode] = {}
     if scenario.offload or scenario.zero1:  # parameters priced again, with twins keeping their state elsewhere
-        graph = replace(graph, nodes={n: priced_parameter(node, ctx) if node.kind == PARAM else node
-                                      for n, node in graph.nodes.items()})
-    checkpointing = blocks if scenario.checkpoint_blocks is None else blocks[:scenario.checkpoint_blocks]
-    graph = checkpointed(graph, scenario.checkpoint, checkpointing if scenario.checkpoint != "none" else [], ctx)
-    if scenario.regather:
-        graph = regathering(graph, None if scenario.regather_blocks is None else blocks[:scenario.regather_blocks])
-    partly = any(k is not None and k < len(blocks) for k in (scenario.checkpoint_blocks, scenario.regather_blocks))
-    folding = split_folding(base.folding, graph) if partly else base.folding
+        state_key = (ctx.offload, ctx.offload_pinned, ctx.zero1, ctx.zero1_pinned)
+        if state_key not in base.parts.params:
+            base.parts.params[state_key] = {n: priced_parameter(node, ctx) for n, node in graph.nodes.items()
+                                            if node.kind == PARAM}
+        params = base.parts.params[state_key]
+    if ops or params:
+        graph = replace(graph, nodes={**graph.nodes, **ops, **params})
     return replace(base, graph=graph, ctx=ctx, scenario=scenario, folding=folding)
+
+
+def _ops_under(base: Problem, graph: PlanGraph, scenario: Scenario, ctx: CostContext
+               ) -> tuple[dict[str, PlanNode], Folding]:
+    """The ops ``scenario`` prices anew (checkpointed blocks, parameters gathered again; none of its
+    parameters), and the folding of the graph they make."""
+    blocks = base.blocks
+    checkpointing = blocks if scenario.checkpoint_blocks is None else blocks[:scenario.checkpoint_blocks]
+    priced = checkpointed(graph, scenario.checkpoint, checkpointing if scenario.checkpoint != "none" else [], ctx,
+                          base.parts.replayed)
+    if scenario.regather:
+        priced = regathering(priced, None if scenario.regather_blocks is None else blocks[:scenario.regather_blocks],
+                             base.parts.regathered)
+    partly = any(k is not None and k < len(blocks) for k in (scenario.checkpoint_blocks, scenario.regather_blocks))
+    folding = split_folding(base.folding, priced) if partly else base.folding
+    return {n: node for n, node in priced.nodes.items() if node is not graph.nodes[n]}, folding
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype | None:
