@@ -19,7 +19,7 @@ def solve(problem: Problem, memory_limit: float | None, *, minimize_memory: bool
     limit = problem.solver_time_limit_s if time_limit_s is None else min(time_limit_s, problem.solver_time_limit_s)
     result = solve_ilp(problem.graph, problem.folding, problem.ctx, memory_limit, minimize_memory=minimize_memory,
                        time_limit_s=limit, explain=explain, cutoff_s=cutoff_s, shares=problem.memory_shares,
-                       enough_bytes=enough_bytes, relaxed=relaxed, fixed=fixed)
+                       enough_bytes=enough_bytes, relaxed=relaxed, fixed=fixed, prices=problem.edge_prices())
     if isinstance(result, Solution):
         result.scenario = problem.scenario
     if account is not None:

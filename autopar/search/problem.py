@@ -34,6 +34,7 @@ from autopar.problem.nodes import PARAM, PlanGraph, PlanNode
 from autopar.problem.pinning import pin_config
 from autopar.problem.strided import add_strided_strategies
 from autopar.search.account import Account, timed
+from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.ilp import NoPlan, Solution
 
 
@@ -79,6 +80,8 @@ class PricedParts:
     """Checkpointing policy -> the ops of every block priced as replayed (``memory.recompute.checkpointed``)."""
     regathered: Regathered = field(default_factory=dict)
     """Ops priced as gathering their parameters again (``memory.regather.regathering``)."""
+    edge_prices: dict[tuple[Any, ...], EdgePrices] = field(default_factory=dict)
+    """The edge prices of its solves, by what of the context prices an edge (``EdgePrices.key``)."""
 
 
 @dataclass
@@ -114,6 +117,13 @@ class Problem:
     """Where in the search it was prepared."""
     parts: PricedParts = field(default_factory=PricedParts)
     """What every scenario of this prepared problem shares (each scenario's copy holds the same one)."""
+
+    def edge_prices(self) -> EdgePrices:
+        """Edge prices kept for every solve of this prepared problem under a context like this one's."""
+        key = EdgePrices.key_of(self.ctx)
+        if key not in self.parts.edge_prices:
+            self.parts.edge_prices[key] = EdgePrices(self.ctx)
+        return self.parts.edge_prices[key]
 
     @property
     def blocks(self) -> list[str]:

@@ -4,7 +4,8 @@ The same reshard recurs on many edges (q, k and v read one norm; every folded bl
 residual stream), so one solve prices each distinct (tensor, edge flags, produced
 placement, requested placement and split) once. Keys are interned to small ints: hashing
 a tuple of DTensor placements runs Python ``__hash__`` per placement, and an 8B Llama's
-ILP looks up ~70,000 pairs. An ``EdgePrices`` lives for one ``solve`` call.
+ILP looks up ~70,000 pairs. An ``EdgePrices`` serves every solve whose context prices edges alike
+(``EdgePrices.key``): a memory search's scenarios of one prepared problem share one.
 """
 
 from __future__ import annotations
@@ -21,9 +22,18 @@ class EdgePrices:
 
     def __init__(self, ctx: CostContext) -> None:
         self._ctx = ctx
+        self.key = self.key_of(ctx)
         self._ids: dict[Hashable, int] = {}
         self._cost: dict[tuple[int, int, int], EdgeCost] = {}
         self._held: dict[tuple[int, int, int], float] = {}
+
+    @staticmethod
+    def key_of(ctx: CostContext) -> tuple[Hashable, ...]:
+        """What of a context ``edge_cost`` and ``held_reshard_bytes`` read: contexts alike here price
+        every edge alike (a scenario's offload and ZeRO-1 choices price parameters, not edges)."""
+        mesh = ctx.mesh
+        return (tuple(mesh.axes.items()), mesh.hardware, mesh.devices_per_node, mesh.zigzag, ctx.precision,
+                ctx.train, ctx.micro_batches)
 
     def _id(self, key: Hashable) -> int:
         return self._ids.setdefault(key, len(self._ids))

@@ -134,8 +134,8 @@ def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dic
 def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
           *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
           cutoff_s: float | None = None, shares: MemoryShares | None = None,
-          enough_bytes: float | None = None, relaxed: bool = False, fixed: dict[str, int] | None = None
-          ) -> Solution | NoPlan:
+          enough_bytes: float | None = None, relaxed: bool = False, fixed: dict[str, int] | None = None,
+          prices: EdgePrices | None = None) -> Solution | NoPlan:
     """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``), or ``NoPlan``
     saying why there is none: with ``explain`` its message says what the leanest plan needs (another
     solve). With ``cutoff_s`` only a plan faster than that counts (else ``NoPlan``, unexplained).
@@ -145,7 +145,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
     bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit. ``fixed``:
     each representative node's strategy given (status 'repriced'): the objective and its terms of that
-    choice, nothing searched. A solution's ``terms`` are its objective by name (``milp.TERMS``)."""
+    choice, nothing searched. A solution's ``terms`` are its objective by name (``milp.TERMS``). ``prices``:
+    edge prices kept from solves before (``EdgePrices.key`` equal to ``ctx``'s)."""
     start = time.perf_counter()
     given = fixed
     if fixed is not None:  # one strategy per node: the model of that choice alone, a fraction of the whole
@@ -158,7 +159,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     for v, w in folding.tied.items():  # one plan in every instance of a split class
         model.rows.extend(({a: 1.0, b: -1.0}, 0.0, 0.0) for a, b in zip(x[v], x[w]))
     terms = PairTerms(strategy_columns=len(model.cost))
-    prices = EdgePrices(ctx)  # the same reshard recurs on many edges
+    prices = prices or EdgePrices(ctx)  # the same reshard recurs on many edges
+    assert prices.key == EdgePrices.key_of(ctx), "edge prices kept for another context"
     classes = sharing_classes(graph, folding)
     solo: dict[EdgeKey, int] = defaultdict(int)
     for keys, count in classes.items():
