@@ -220,10 +220,11 @@ def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *
     stepped = numel if zero1 is None else chunk_elements(numel, ctx.mesh.shape[zero1])
     whole = precision.master_bytes_per_param + precision.grad_bytes_per_param
     state = numel * whole + stepped * (precision.state_bytes_per_param - whole)
-    # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
+    # Adam reads and writes weights, master copy, m and v and reads the gradient, in as many passes
+    # as the profile's ``optimizer_traffic`` says (torch's foreach AdamW on a GPU: 20 element accesses)
     hw = ctx.mesh.hardware
-    update = with_fixed_cost(roofline_time(10.0 * stepped, 2.0 * stepped * precision.state_bytes_per_param,
-                                           ctx.mesh, precision), hw.optimizer_param_overhead, hw)
+    moved = hw.optimizer_traffic * stepped * precision.state_bytes_per_param
+    update = with_fixed_cost(roofline_time(10.0 * stepped, moved, ctx.mesh, precision), hw.optimizer_param_overhead, hw)
     return NodeCost(update, float(state))
 
 
