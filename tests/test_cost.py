@@ -61,8 +61,8 @@ def _mm_time(ctx: CostContext, ways: int = 1) -> float:
 
 
 def _whole_mm_time(ctx: CostContext) -> float:
-    """8192^3 bf16 matmul on one H100: 2 N^3 = 1.1e12 FLOPs at 989 TFLOP/s x 0.803 (the
-    measured maximum, ``hardware.gpus``) is 1.384 ms forward, 4.152 ms a step."""
+    """8192^3 bf16 matmul on one H100: 2 N^3 = 1.1e12 FLOPs at 989 TFLOP/s x 0.681 (the measured
+    maximum sustained, ``hardware.gpus``) is 1.632 ms forward, 4.896 ms a step."""
     return _mm_time(ctx)
 
 
