@@ -23,25 +23,25 @@ fits the device.
   DeepSpeed did is listed and left out). TFLOP/s per GPU by Megatron's eq. 3 over the predicted step. Megatron ran fused
   kernels (``fidelity_runs.KERNEL_NOTE``): these rows show where the profile and they differ.
 
-Results (branch titan-time, 2026-12-07; every row plans in 1-11 s here): 22 rows compared, mean |error|
-32.2% (35.2% before). torchtitan 8B, pinned with its own op-level checkpointing (``checkpoint="selective_op"``):
-+6% on 8 GPUs [band -0%..+12%], +7% on 128 [+1%..+13%] (+28% and +27% before). The predicted step on 8
-GPUs, 2.68 s against the measured 2.84 (``--terms``): matmuls 1.35 s, attention 0.51, memory-bound ops
-0.68, AdamW 0.04, waited communication 0.10. What moved it, in order (the 8-GPU error after each): ``autopar.plan`` prices the bf16
-compute copy as ``compile`` runs it, so the fp32 of the eager RMSNorm, rotary and loss is priced at 4
-bytes (+20%); complex views free and ``type_as`` reading its input alone (+23%); the additions autograd
-runs to sum a value's gradients (+20%); torch's foreach AdamW's 20 accesses per element (+19%); the
-log-softmax ``cross_entropy_loss`` writes (+19%); Hopper's tensor cores at the rate they sustain under
-a power limit, 0.848 of a burst's (``hardware.gpus``; +6%). The predicted peaks (64.3 and 48.7 GiB
-reserved) are 18 GiB below the reserved peaks torchtitan reports. Left unpriced: FSDP's copies into
-and out of its collectives' flat buffers (~45 ms on 8 GPUs), ``repeat_kv``'s reshape of an expanded
-tensor (a copy priced as a view, ~15 ms); priced but not run by torchtitan: its blocks' all-gathers,
-which autopar's runtime does not prefetch in a checkpointed block (0.10 s waited on 8 GPUs, 0.19 on
-128) where FSDP2 prefetches them. Megatron Table 1 +0%..+21% (largest on the small, pipeline-free
-models, whose dropouts over the s x s probabilities are not priced), Table 2 PTD-P +7%..+18%, ZeRO-3
-+55%..+244%: since a block's parameter collectives are priced as one grouped call (as FSDP2 runs
-them), DeepSpeed's 2021 ZeRO-3, which scaled far worse, is no longer near; two 530B ZeRO-3 rows left
-out. The A100's curves are burst rates too; no sustained A100 figure is published that we found.
+Results (branch titan-time, 2026-12-07; every row plans in 1-11 s here): 22 rows compared, mean |error| 32.2%
+(35.2% before). torchtitan 8B, pinned with its own op-level checkpointing (``checkpoint="selective_op"``): +6%
+on 8 GPUs [band -0%..+12%], +7% on 128 [+1%..+13%] (+28% and +27% before). The predicted step on 8 GPUs, 2.68
+s against the measured 2.84 (``--terms``): matmuls 1.35 s, attention 0.51, memory-bound ops 0.68, AdamW 0.04,
+waited communication 0.10. What moved it, in order (the 8-GPU error after each): ``autopar.plan`` prices the
+bf16 compute copy as ``compile`` runs it, so the fp32 of the eager RMSNorm, rotary and loss is priced at 4
+bytes (+20%); complex views free and ``type_as`` reading its input alone (+23%); the additions autograd runs
+to sum a value's gradients (+20%); torch's foreach AdamW's 20 accesses per element (+19%); the log-softmax
+``cross_entropy_loss`` writes (+19%); Hopper's tensor cores at the rate they sustain under a power limit,
+0.848 of a burst's (``hardware.gpus``; +6%). The predicted peaks (64.3 and 48.7 GiB reserved) are 18 GiB below
+the reserved peaks torchtitan reports. Left unpriced: FSDP's copies into and out of its collectives' flat
+buffers (~45 ms on 8 GPUs), ``repeat_kv``'s reshape of an expanded tensor (a copy priced as a view, ~15 ms);
+priced but not run by torchtitan: its blocks' all-gathers, which autopar's runtime does not prefetch in a
+checkpointed block (0.10 s waited on 8 GPUs, 0.19 on 128) where FSDP2 prefetches them. Megatron Table 1
++0%..+21% (largest on the small, pipeline-free models, whose dropouts over the s x s probabilities are not
+priced), Table 2 PTD-P +7%..+18%, ZeRO-3 +55%..+244%: since a block's parameter collectives are priced as one
+grouped call (as FSDP2 runs them), DeepSpeed's 2021 ZeRO-3, which scaled far worse, is no longer near; two
+530B ZeRO-3 rows left out. The A100's curves are burst rates too; no sustained A100 figure is published that
+we found.
 
 Usage: ``python benchmarks/fidelity.py [--only NAME ...] [--quick] [--plan-float8] [--terms] [--json PATH]``
 (``--terms``: each torchtitan row's predicted step split by what runs, ``benchmarks/step_terms.py``).
