@@ -33,15 +33,15 @@ bytes (+20%); complex views free and ``type_as`` reading its input alone (+23%);
 to sum a value's gradients (+20%); torch's foreach AdamW's 20 accesses per element (+19%); the log-softmax
 ``cross_entropy_loss`` writes (+19%); Hopper's tensor cores at the rate they sustain under a power limit,
 0.848 of a burst's (``hardware.gpus``; +6%). The predicted peaks (64.3 and 48.7 GiB reserved) are 18 GiB below
-the reserved peaks torchtitan reports. Left unpriced: FSDP's copies into and out of its collectives' flat
-buffers (~45 ms on 8 GPUs), ``repeat_kv``'s reshape of an expanded tensor (a copy priced as a view, ~15 ms);
-priced but not run by torchtitan: its blocks' all-gathers, which autopar's runtime does not prefetch in a
-checkpointed block (0.10 s waited on 8 GPUs, 0.19 on 128) where FSDP2 prefetches them. Megatron Table 1
-+0%..+21% (largest on the small, pipeline-free models, whose dropouts over the s x s probabilities are not
-priced), Table 2 PTD-P +7%..+18%, ZeRO-3 +55%..+244%: since a block's parameter collectives are priced as one
-grouped call (as FSDP2 runs them), DeepSpeed's 2021 ZeRO-3, which scaled far worse, is no longer near; two
-530B ZeRO-3 rows left out. The A100's curves are burst rates too; no sustained A100 figure is published that
-we found.
+the reserved peaks torchtitan reports. Left: ``repeat_kv``'s reshape of an expanded tensor is a copy priced as
+a view (~15 ms on 8 GPUs); the reduce-scatters' copies into their group's buffer run on the compute stream but
+are priced with the collective, beside backward (~26 ms); the blocks' all-gathers are waited for (0.10 s on 8
+GPUs, 0.19 on 128, their copies out of the group's buffer, ~26 ms, included) because autopar's runtime does
+not prefetch a checkpointed block's gathers, where torchtitan's FSDP2 does. Megatron Table 1 +0%..+21%
+(largest on the small, pipeline-free models, whose dropouts over the s x s probabilities are not priced),
+Table 2 PTD-P +7%..+18%, ZeRO-3 +55%..+244%: since a block's parameter collectives are priced as one grouped
+call (as FSDP2 runs them), DeepSpeed's 2021 ZeRO-3, which scaled far worse, is no longer near; two 530B ZeRO-3
+rows left out. The A100's curves are burst rates too; no sustained A100 figure is published that we found.
 
 Usage: ``python benchmarks/fidelity.py [--only NAME ...] [--quick] [--plan-float8] [--terms] [--json PATH]``
 (``--terms``: each torchtitan row's predicted step split by what runs, ``benchmarks/step_terms.py``).
