@@ -23,18 +23,28 @@ fits the device.
   DeepSpeed did is listed and left out). TFLOP/s per GPU by Megatron's eq. 3 over the predicted step. Megatron ran fused
   kernels (``fidelity_runs.KERNEL_NOTE``): these rows show where the profile and they differ.
 
-Results (main, 2026-12-06; every row plans in 1-27 s here): 22 rows compared, mean |error| 35.2%.
-torchtitan 8B, pinned with its own op-level checkpointing (``checkpoint="selective_op"``): +28% on 8
-GPUs [band +21%..+36%], +27% on 128; the predicted peaks (63.9 and 48.3 GiB reserved) are 18-19 GiB below
-the reserved peaks torchtitan reports (pinned with autopar's 'selective', which keeps every matmul, they
-were +35%/+34% and within 3% in memory: an accident of keeping more). Megatron Table 1 +2%..+24%
-(largest on the small, pipeline-free models, whose dropouts over the s x s probabilities are not
-priced), Table 2 PTD-P +9%..+18%, ZeRO-3 +55%..+244%: since a block's parameter collectives are priced
-as one grouped call (as FSDP2 runs them), DeepSpeed's 2021 ZeRO-3, which scaled far worse, is no
-longer near; two 530B ZeRO-3 rows left out. The per-kernel curves are isolated-kernel rates: the runs
-sustained less (torchtitan's GPUs were power-capped at 500 W).
+Results (branch titan-time, 2026-12-07; every row plans in 1-11 s here): 22 rows compared, mean |error| 32.2%
+(35.2% before). torchtitan 8B, pinned with its own op-level checkpointing (``checkpoint="selective_op"``): +6%
+on 8 GPUs [band -0%..+12%], +7% on 128 [+1%..+13%] (+28% and +27% before). The predicted step on 8 GPUs, 2.68
+s against the measured 2.84 (``--terms``): matmuls 1.35 s, attention 0.51, memory-bound ops 0.68, AdamW 0.04,
+waited communication 0.10. What moved it, in order (the 8-GPU error after each): ``autopar.plan`` prices the
+bf16 compute copy as ``compile`` runs it, so the fp32 of the eager RMSNorm, rotary and loss is priced at 4
+bytes (+20%); complex views free and ``type_as`` reading its input alone (+23%); the additions autograd runs
+to sum a value's gradients (+20%); torch's foreach AdamW's 20 accesses per element (+19%); the log-softmax
+``cross_entropy_loss`` writes (+19%); Hopper's tensor cores at the rate they sustain under a power limit,
+0.848 of a burst's (``hardware.gpus``; +6%). The predicted peaks (64.3 and 48.7 GiB reserved) are 18 GiB below
+the reserved peaks torchtitan reports. Left: ``repeat_kv``'s reshape of an expanded tensor is a copy priced as
+a view (~15 ms on 8 GPUs); the reduce-scatters' copies into their group's buffer run on the compute stream but
+are priced with the collective, beside backward (~26 ms); the blocks' all-gathers are waited for (0.10 s on 8
+GPUs, 0.19 on 128, their copies out of the group's buffer, ~26 ms, included) because autopar's runtime does
+not prefetch a checkpointed block's gathers, where torchtitan's FSDP2 does. Megatron Table 1 +0%..+21%
+(largest on the small, pipeline-free models, whose dropouts over the s x s probabilities are not priced),
+Table 2 PTD-P +7%..+18%, ZeRO-3 +55%..+244%: since a block's parameter collectives are priced as one grouped
+call (as FSDP2 runs them), DeepSpeed's 2021 ZeRO-3, which scaled far worse, is no longer near; two 530B ZeRO-3
+rows left out. The A100's curves are burst rates too; no sustained A100 figure is published that we found.
 
-Usage: ``python benchmarks/fidelity.py [--only NAME ...] [--quick] [--plan-float8] [--json PATH]``.
+Usage: ``python benchmarks/fidelity.py [--only NAME ...] [--quick] [--plan-float8] [--terms] [--json PATH]``
+(``--terms``: each torchtitan row's predicted step split by what runs, ``benchmarks/step_terms.py``).
 Writes benchmarks/results/fidelity.json. Planning seconds per row are printed (single runs on
 whatever this machine is running besides).
 """
@@ -61,6 +71,7 @@ from benchmarks import megatron_gpt, titan_llama  # noqa: E402
 from benchmarks.fidelity_runs import (GRAND_TETON_PEAKS, KERNEL_NOTE, MEGATRON_T1, MEGATRON_T2, TITAN,  # noqa: E402
                                       TITAN_NOTE, MegatronRun, TitanRun, grand_teton)
 from benchmarks.grid_pricing import Point, Shape, price_point  # noqa: E402
+from benchmarks.step_terms import FAMILIES, format_terms, step_terms  # noqa: E402
 from examples import gpt, llama  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benchmarks" / "results" / "fidelity.json"
@@ -82,6 +93,8 @@ class Row:
     """Predicted peak as the caching allocator reserves it."""
     fits: bool | None = None
     plan_s: float = 0.0
+    terms: dict[str, float] = field(default_factory=dict)
+    """The predicted step split by what runs (``step_terms``), at the prediction's peak."""
     eager: bool = False
     excluded: str = ""
     notes: list[str] = field(default_factory=list)
@@ -132,6 +145,7 @@ def titan_row(run: TitanRun, plan_float8: bool) -> Row:
         tps.append(run.batch * run.config.seq / plan.predicted.step_time_s / gpus)
         if peak == GRAND_TETON_PEAKS[1]:
             row.predicted_gib, row.fits = reserved_gib(profile, plan.predicted.peak_memory_bytes)
+            row.terms = step_terms(plan)
     row.plan_s = (time.perf_counter() - began) / len(GRAND_TETON_PEAKS)
     row.predicted, row.band = tps[1], (tps[0], tps[2])
     if run.checkpoint == "selective_op":
@@ -200,12 +214,14 @@ HEADER = (f"{'run':<30} {'pinned configuration':<44} {'measured':>9} {'predicted
           f"{'GiB':>6} {'pred GiB':>12} {'plan s':>7}")
 
 
-def report(rows: list[Row]) -> dict[str, object]:
+def report(rows: list[Row], terms: bool = False) -> dict[str, object]:
     print(HEADER)
     for r in rows:
         if r.name.startswith("megatron") and r is next(x for x in rows if x.name.startswith("megatron")):
             print("  (Megatron rows: TFLOP/s per GPU by eq. 3; memory is not published, predicted shown)")
         print(fmt(r))
+        if terms and r.terms:
+            print(f"    step {1e3 * sum(r.terms[f] for f in FAMILIES):.0f} ms: {format_terms(r.terms)}")
     eager = [r for r in rows if r.eager and r.error is not None]
     within = all(abs(r.error) <= EAGER_TOLERANCE for r in eager) if eager else None
     compared = [r for r in rows if r.error is not None and not r.excluded]
@@ -224,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=[], help="rows whose name contains this (repeatable)")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--plan-float8", action="store_true", help="plan the float8 runs in bf16 too")
+    parser.add_argument("--terms", action="store_true", help="print the torchtitan rows' predicted step by term")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     wanted = list(QUICK) if args.quick else args.only
@@ -234,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  planning {run.name} ...", file=sys.stderr, flush=True)
         rows.append(titan_row(run, args.plan_float8) if isinstance(run, TitanRun) else megatron_row(run))
         print(f"  {fmt(rows[-1])}", file=sys.stderr, flush=True)
-    summary = report(rows)
+    summary = report(rows, args.terms)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rows": [{**asdict(r), "error": r.error} for r in rows], **summary}, indent=1))
     print(f"written to {args.json}")

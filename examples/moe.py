@@ -162,9 +162,10 @@ def dispatch_capacity(x: torch.Tensor, routing: Routing, experts: Experts, capac
     in_slot = (position[..., None] == torch.arange(capacity, device=x.device)).float()  # (b, k*s, c)
     dispatch = (kept[..., None] * in_slot[:, :, None, :]).view(b, k, s, e, capacity)
     combine = (dispatch * routing.weights.transpose(1, 2)[..., None, None]).sum(dim=1)
-    slots = torch.einsum("bsec,bsh->ebch", dispatch.sum(dim=1), x)
+    # the routing counts in fp32 (exact to 2^24); the tokens are dispatched and combined in their own dtype
+    slots = torch.einsum("bsec,bsh->ebch", dispatch.sum(dim=1).to(x.dtype), x)
     out = experts(slots.reshape(e, b * capacity, h)).view(e, b, capacity, h)
-    return torch.einsum("bsec,ebch->bsh", combine, out)
+    return torch.einsum("bsec,ebch->bsh", combine.to(out.dtype), out)
 
 
 class MoE(nn.Module):

@@ -3,12 +3,14 @@ planner prepares it (``search.problem``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 from torch import nn
 
 from autopar.config import PlanConfig
+from autopar.hardware import get_profile
 from autopar.mesh import Mesh
 from autopar.search.context import search_context
 from autopar.search.memory import Solved
@@ -51,3 +53,10 @@ def assert_one_price(plan: Any) -> None:
     assert plan.solver["objective_s"] == pytest.approx(predicted.step_time_s, rel=1e-9)
     assert sum(predicted.terms.values()) == pytest.approx(predicted.step_time_s, rel=1e-12)
     assert predicted.compute_time_s + predicted.comm_time_s == pytest.approx(predicted.step_time_s, rel=1e-9)
+
+
+H100_STATE_ONCE = dataclasses.replace(get_profile("h100"), name="h100-state-once", optimizer_traffic=2.0)
+"""h100 with the optimizer's update moving its state once each way (the cpu profile's figure), for tests of
+ZeRO-1 chosen for memory: there it costs time (its reduce-scatter and all-gather wait where DDP's all-reduce
+hides behind backward). With the GPU's foreach AdamW (5x the state's bytes), sharding the update saves more
+than those collectives cost on a large parameter, and every parameter would be ZeRO-1 whatever the limit."""

@@ -88,7 +88,7 @@ def test_bad_command_lines_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     ("def f():\n    return nn.Linear(8, 8), ('tokens',), loss\n", "f",
      r"example_inputs\[0\] is 'tokens' \(str\); inputs must be tensors"),
     ("def f():\n    return nn.Linear(8, 8), (torch.randn(2, 8),)\n", "f",
-     r"returned a torch.float32 tensor of shape \(2, 8\); pass loss_fn"),
+     r"returned a torch.bfloat16 tensor of shape \(2, 8\); pass loss_fn"),  # the bf16 compute copy planned
     ("", "nothing", "has no function 'nothing'"),
 ], ids=["model-is-a-string", "not-a-tuple", "targets-as-loss-fn", "string-input", "non-scalar-output",
         "no-function"])

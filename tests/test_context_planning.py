@@ -129,7 +129,9 @@ def test_a_binding_memory_limit_picks_context_parallelism() -> None:
     mesh = autopar.Mesh({"cp": 2}, "h100")
     free = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets)
     assert all(n.inputs == ["R", "R", "R"] for n in free.nodes if n.op == SDPA)
-    limit = 0.6 * free.predicted.peak_memory_bytes
+    # 0.6 of it fits with the blocks' parameters gathered again in backward and attention whole (1.318 of
+    # 1.320 MB) since the compute copy is planned (bf16 internals, the fp32 the model upcasts to)
+    limit = 0.55 * free.predicted.peak_memory_bytes
     tight = autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, memory_limit=limit)
     assert tight.predicted.peak_memory_bytes <= limit
     assert [n.inputs for n in tight.nodes if n.op == SDPA] == [["S(2)", "R", "R"]] * 2

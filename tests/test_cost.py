@@ -61,8 +61,8 @@ def _mm_time(ctx: CostContext, ways: int = 1) -> float:
 
 
 def _whole_mm_time(ctx: CostContext) -> float:
-    """8192^3 bf16 matmul on one H100: 2 N^3 = 1.1e12 FLOPs at 989 TFLOP/s x 0.803 (the
-    measured maximum, ``hardware.gpus``) is 1.384 ms forward, 4.152 ms a step."""
+    """8192^3 bf16 matmul on one H100: 2 N^3 = 1.1e12 FLOPs at 989 TFLOP/s x 0.681 (the measured
+    maximum sustained, ``hardware.gpus``) is 1.632 ms forward, 4.896 ms a step."""
     return _mm_time(ctx)
 
 
@@ -70,7 +70,7 @@ def test_partial_input_matmul_is_whole_work() -> None:
     """mm(Partial, Replicate) -> Partial: every rank multiplies the whole (partial) matrix."""
     ctx = _ctx({"tp": 8})
     whole = _whole_mm_time(ctx)
-    assert whole == pytest.approx(4.152e-3, rel=1e-3)
+    assert whole == pytest.approx(4.896e-3, rel=1e-3)
     cost = op_cost(_mm(), Strategy(((P,),), ((P,), (R,))), ctx)
     assert cost.time == pytest.approx(whole + _fixed(ctx), rel=1e-9)
 
@@ -217,5 +217,8 @@ def test_tiny_model_step_on_h100_is_bound_by_dispatch() -> None:
     kernel_ops = [n for n in plan.nodes if n.op.startswith("aten.") and n.op not in
                   {str(t) for t in VIEW_OPS}]
     hw = get_profile("h100")
-    assert len(kernel_ops) >= 4  # two linears, relu, sum
-    assert plan.predicted.step_time_s >= len(kernel_ops) * (hw.op_overhead + hw.backward_op_overhead)
+    # two linears, relu, sum, each with a backward; the input's cast to bf16 (the compute copy's
+    # entry, as compile runs it) has none: no gradient reaches an input
+    assert sum(n.backward_s > 0 for n in kernel_ops) >= 4
+    assert plan.predicted.step_time_s >= sum(hw.op_overhead + (hw.backward_op_overhead if n.backward_s else 0.0)
+                                             for n in kernel_ops)

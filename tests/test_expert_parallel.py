@@ -64,9 +64,10 @@ def test_wide_moe_plans_expert_parallel_by_cost(capacity_factor: float | None) -
     cfg = wide_config(capacity_factor)
     slots = cfg.experts * 8 * cfg.capacity(cfg.max_seq_len) * cfg.hidden * 2 // 4
     dispatch = [c for c in ep.collectives if ".moe" in c.module and c.kind == "all_to_all" and c.bytes == slots]
-    for layer in ("layers.0.moe", "layers.1.moe"):  # dispatch (into the experts) and combine, each reversed
-        assert sorted((c.phase, c.module) for c in dispatch if c.module.startswith(layer)) == [
-            ("backward", layer), ("backward", f"{layer}.experts"), ("forward", layer), ("forward", f"{layer}.experts")]
+    # dispatch (into the experts) and combine, each reversed: on whichever edge of the tokens' way into
+    # (and out of) the experts the ILP finds cheapest, its reshapes' or the experts' own (equal bytes)
+    for layer in ("layers.0.moe", "layers.1.moe"):
+        assert sorted(c.phase for c in dispatch if c.module.startswith(layer)) == ["backward"] * 2 + ["forward"] * 2
     assert_one_price(ep)
     link, n = EP4.link(0), 4
     bandwidth = EP4.hardware.bus_bandwidth_of("all_to_all", link.intra_node) or link.bandwidth  # measured, else the link's

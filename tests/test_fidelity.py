@@ -16,7 +16,7 @@ import pytest
 
 import autopar
 from autopar.hardware import load_profile
-from benchmarks import calibrate_gpu, fidelity, titan_llama
+from benchmarks import calibrate_gpu, fidelity, step_terms, titan_llama
 from benchmarks.fidelity_runs import MegatronRun, TitanRun
 from examples import gpt
 
@@ -31,6 +31,23 @@ def test_a_titan_row_is_planned_pinned_with_a_band_and_reserved_memory() -> None
     assert row.predicted is not None and row.band is not None and row.band[0] <= row.predicted <= row.band[1]
     assert row.error == pytest.approx(row.predicted / 1e6 - 1) and row.eager and row.fits
     assert row.predicted_gib is not None and row.predicted_gib > 0
+
+
+def test_a_titan_rows_step_terms_add_up_to_its_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--terms``: the predicted step split by what runs sums to the step the row's prediction is
+    made of (tokens per GPU = local tokens / step)."""
+    run = TitanRun(name="tiny titan", config=TINY_TITAN, axes={"dp": 8}, batch=16, measured_tps=1e6,
+                   measured_gib=1.0, checkpoint="selective_op")
+    row = fidelity.titan_row(run, plan_float8=False)
+    step_s = sum(row.terms[f] for f in step_terms.FAMILIES)
+    assert row.predicted == pytest.approx(2 * TINY_TITAN.seq / step_s, rel=1e-9)
+    assert all(row.terms[f] >= 0 for f in step_terms.FAMILIES) and row.terms["matmul"] > 0
+    assert row.terms["attention"] > 0 and row.terms["optimizer"] > 0
+    fidelity.report([row], terms=True)
+    assert "matmul" in capsys.readouterr().out
+    assert step_terms.family("aten.linear.default") == "matmul"
+    assert step_terms.family("aten.scaled_dot_product_attention.default") == "attention"
+    assert step_terms.family("aten.mul.Tensor") == "memory-bound"
 
 
 def test_a_float8_row_is_listed_and_left_out() -> None:

@@ -26,7 +26,7 @@ from autopar.runtime.forked import run_ranks
 from examples import gpt, llama
 from numerics_harness import (EPS, LR, TP_PLANS, Reference, check, compile_gpt, mismatches, reference,
                               reference_accumulated, run_checked, run_compiled)
-from tests.planning import assert_one_price
+from tests.planning import H100_STATE_ONCE, assert_one_price
 
 def _gpt_frozen() -> Any:
     """GPT with its position table frozen: no gradient, no optimizer state, not ZeRO-1."""
@@ -231,9 +231,10 @@ def test_zero1_refuses_training_without_its_optimizer() -> None:
 
 
 def _plan(**kwargs: Any) -> autopar.Plan:
-    """GPT on dp=4 (h100), batch split on dp (the search tries only micro-batches that split 4 ways)."""
+    """GPT on dp=4 (h100, its update moving the state once: ``H100_STATE_ONCE``), batch split on dp (the
+    search tries only micro-batches that split 4 ways)."""
     model, inputs, loss_fn, targets = gpt.build()
-    return autopar.plan(model, autopar.Mesh({"dp": 4}, "h100"), inputs, loss_fn=loss_fn, example_targets=targets,
+    return autopar.plan(model, autopar.Mesh({"dp": 4}, H100_STATE_ONCE), inputs, loss_fn=loss_fn, example_targets=targets,
                         data_axes=("dp",), **kwargs)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from autopar.mesh import Mesh
 from autopar.result.plan import Plan
 from autopar.search import planner
 from autopar.search.planned import PlannedStep
+from autopar.runtime.mixed import PRECISION_OF_DTYPE, compute_copy, mixed_compute_dtype
 from autopar.search.problem import Problem, Problems, Step, first_place
 
 
@@ -39,9 +41,22 @@ def plan_step(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...
               loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
               example_targets: tuple[Any, ...] = (), progress: bool = False, **options: Any) -> PlannedStep:
     """``plan``, keeping the captured graph and the chosen strategies (what running it needs)."""
+    config, mesh = PlanConfig.from_options(**options), as_mesh(mesh)
+    model, config = as_compiled(model, config, mesh)
     step = Step(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs,
                 example_targets=example_targets, loss_fn=loss_fn)
-    return planner.plan(step, PlanConfig.from_options(**options), as_mesh(mesh), progress=progress)
+    return planner.plan(step, config, mesh, progress=progress)
+
+
+def as_compiled(model: nn.Module, config: PlanConfig, mesh: Mesh) -> tuple[nn.Module, PlanConfig]:
+    """The model and config ``compile`` plans: under mixed precision an fp32 model's bf16 compute copy
+    (``runtime.mixed``), whose captured dtypes are those that run (a norm's or a loss's ``x.float()``
+    priced at fp32, not at the compute width), and ``masters`` set; any other model as it is."""
+    dtype = mixed_compute_dtype(model, config.precision, mesh.hardware.default_precision) \
+        if isinstance(model, nn.Module) else None
+    if dtype is None:
+        return model, config
+    return compute_copy(model, dtype), replace(config, precision=PRECISION_OF_DTYPE[dtype], masters=True)
 
 
 def prepare(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] = (), *,
@@ -52,6 +67,7 @@ def prepare(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple[Any, ...] 
     one ILP without searching (``search.ilp.solve``)."""
     config, mesh = PlanConfig.from_options(**options), as_mesh(mesh)
     check(config, mesh)
+    model, config = as_compiled(model, config, mesh)
     step = Step(model=model, example_inputs=example_inputs, example_kwargs=example_kwargs,
                 example_targets=example_targets, loss_fn=loss_fn)
     return Problems(step, config).first(first_place(config, mesh), config.memory.limit(mesh))

@@ -17,7 +17,7 @@ from autopar.rules.attention import ATTENTION_OPS, busiest_pairs, ring_dim, spli
 from autopar.rules.conv import CONV_OPS, is_transposed
 from autopar.rules.ring import busiest_steps
 from autopar.rules.routing import HF_GROUPED_MM
-from autopar.rules.strategy import OpCall, Strategy, shard_dim
+from autopar.rules.strategy import OpCall, Strategy, local_numel, shard_dim
 
 aten = torch.ops.aten
 
@@ -28,8 +28,26 @@ VIEW_OPS = {
     aten.expand.default, aten.slice.Tensor, aten.select.int, aten.alias.default, aten.flatten.using_ints,
     aten.unflatten.int, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
     aten.detach.default,
+    # a complex view of real pairs and back (torch.view_as_complex / view_as_real): same storage
+    aten.view_as_complex.default, aten.view_as_real.default,
     operator.getitem,  # picks one output of a multi-output op: Python, not even a dispatch
 }
+
+SHAPE_ONLY_ARGS: dict[object, tuple[int, ...]] = {
+    aten.type_as.default: (1,),
+    **{op: (0,) for op in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                           aten.empty_like.default, aten.new_zeros.default, aten.new_ones.default,
+                           aten.new_full.default, aten.new_empty.default)},
+}
+"""Inputs an op reads for their dtype, shape or device only, never their elements: ``x.type_as(y)``
+casts x to y's dtype; a ``*_like`` or ``new_*`` factory writes a tensor shaped or typed like its input."""
+
+INTERNAL_WRITES: dict[object, int] = {aten.cross_entropy_loss.default: 0}
+"""Ops that write a tensor the size of one of their inputs (its index here) besides their outputs, and
+read it back: ``cross_entropy_loss`` runs ``log_softmax`` over its logits, then ``nll_loss`` picks the
+targets' entries of it (forward: read the logits, write their log-softmax; backward, at twice the
+forward as every op: ``nll_loss``'s gradient written at the logits' size, ``log_softmax``'s backward
+reading it and the log-softmax and writing the logits' gradient)."""
 
 
 def op_flops(call: OpCall) -> float:
@@ -183,13 +201,16 @@ def op_bytes(target: object, inputs: list[TensorMeta], outputs: tuple[TensorMeta
             numel = local_numel(t, k)
         return precision.tensor_bytes(t, numel)
 
-    read = [size(k) for k in range(len(inputs))]
+    skipped = SHAPE_ONLY_ARGS.get(target, ())
+    read = [0 if k in skipped else size(k) for k in range(len(inputs))]
     if target in (aten.index.Tensor, aten.gather.default) and outputs and outputs[0] is not None:
         # A gather reads the picked elements of its source, not all of it (an embedding-sized
         # table indexed by a few positions).
         picked = outputs[0].numel if local_numel is None else local_numel(outputs[0], len(inputs))
         read[0] = min(read[0], size(0, picked))
     written = [size(k) for k in range(len(inputs), len(tensors)) if tensors[k] is not None]
+    if target in INTERNAL_WRITES:
+        written.append(size(INTERNAL_WRITES[target]))
     if target in IN_PLACE_WRITES and written and inputs[0].numel:
         # the destination's written positions, on a rank its share of them (split on dims no index reaches)
         share = (local_numel(inputs[0], 0) if local_numel is not None else inputs[0].numel) / inputs[0].numel
@@ -245,3 +266,19 @@ def with_fixed_cost(work: float, fixed: float, hw: HardwareProfile) -> float:
 
 BACKWARD_FACTOR = 2.0
 """Backward costs about twice the forward: gradients for inputs and for weights."""
+
+
+def gradient_sums_time(call: OpCall, strategy: Strategy, mesh: Mesh, precision: Precision,
+                       grad_sums: tuple[int, ...]) -> float:
+    """Seconds of the additions autograd runs as the op's gradients for its inputs join those their
+    earlier readers sent (``grad_sums`` per tensor input, ``problem.gradients.gradient_sums``): each
+    an elementwise add at the input's local size, reading two gradients and writing one, after its
+    own fixed cost (a kernel of its own: eager autograd adds a second gradient into the first)."""
+    hw = mesh.hardware
+    total = 0.0
+    for n, meta, placements in zip(grad_sums, call.tensor_inputs, strategy.inputs):
+        if n and meta is not None and placements is not None:
+            elements = local_numel(meta, placements, mesh.shape)
+            work = roofline_time(float(elements), 3.0 * precision.tensor_bytes(meta, elements), mesh, precision)
+            total += n * with_fixed_cost(work, hw.backward_op_overhead, hw)
+    return total

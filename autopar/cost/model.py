@@ -13,8 +13,8 @@ from torch.distributed.tensor import Partial
 from autopar.cost.buckets import DEFAULT_BUCKET_BYTES
 from autopar.cost.collectives import (ALL_REDUCE, CollectiveCall, collective_time, grad_placement_at_consumer,
                                       grad_placement_at_producer, reshard)
-from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, op_bytes, op_efficiency, rank_flops, ring_launches,
-                                  ring_of, roofline_time, with_fixed_cost)
+from autopar.cost.compute import (BACKWARD_FACTOR, VIEW_OPS, gradient_sums_time, op_bytes, op_efficiency,
+                                  rank_flops, ring_launches, ring_of, roofline_time, with_fixed_cost)
 from autopar.cost.draws import draw_time
 from autopar.cost.groups import grouped_calls
 from autopar.cost.moe import compute_factor, is_moe, pair_share
@@ -24,7 +24,7 @@ from autopar.cost.precision import Precision
 from autopar.cost.saved import SavedTensors
 from autopar.mesh import Mesh
 from autopar.rules.redistribute import redistribute_steps
-from autopar.rules.strategy import (OpCall, Placements, Strategy, is_float, is_partial, is_replicate, local_numel,
+from autopar.rules.strategy import (OpCall, Placements, Strategy, is_partial, is_replicate, local_numel,
                                     shard_dim)
 
 
@@ -116,13 +116,15 @@ def splits_work(strategy: Strategy, mesh_dim: int) -> bool:
 
 
 def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: bool | None = None,
-            saved: bool | None = None, kept: SavedTensors | None = None) -> NodeCost:
+            saved: bool | None = None, kept: SavedTensors | None = None, grad_sums: tuple[int, ...] = ()
+            ) -> NodeCost:
     """One rank's seconds for the op in a step (its share of the work by roofline, forward
     and, when its backward runs, backward at ``BACKWARD_FACTOR`` times, each phase after its
     fixed cost), and the bytes it keeps for backward. ``backward`` (default: a training
     step) says the op's backward runs; ``saved`` (default: likewise) that backward keeps
     anything of it (a frozen prefix runs neither); ``kept`` which outputs autograd keeps and
-    what it keeps inside (``problem.saved_activations``; default: every output)."""
+    what it keeps inside (``problem.saved_activations``; default: every output); ``grad_sums`` per tensor
+    input whether autograd adds the gradient it sends back to earlier readers' (``gradient_sums``)."""
     backward = ctx.train if backward is None else backward
     saved = ctx.train if saved is None else saved
     mesh = ctx.mesh
@@ -141,9 +143,10 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
                                                                               ctx.global_draws)
     time = forward
     memory = 0.0
-    if backward and any(is_float(o) for o in call.outputs):  # else nothing to differentiate: no backward op
+    if backward and any(_differentiable(o) for o in call.outputs):  # else nothing to differentiate: no backward op
         launches = ring_launches(call, strategy, mesh, backward=True) if ring else int(kernel)
         time += with_fixed_cost(BACKWARD_FACTOR * work, hw.backward_op_overhead * launches, hw)
+        time += gradient_sums_time(call, strategy, mesh, ctx.precision, grad_sums)
     # outputs saved for backward; views and in-place ops return their input's memory
     sizes = [ctx.precision.tensor_bytes(o, local_numel(o, pl, mesh.shape)) if o is not None and pl is not None
              else 0 for o, pl in zip(call.outputs, strategy.outputs)]
@@ -153,6 +156,12 @@ def op_cost(call: OpCall, strategy: Strategy, ctx: CostContext, *, backward: boo
             float(sum(b for b, k in zip(sizes, kept.outputs) if k)) + _internal_bytes(call, strategy, ctx, kept)
     runs = step_repeats(ctx)  # every micro-batch runs the op; one micro-batch's activations are alive at a time
     return NodeCost(time * runs, memory, forward * runs, float(sum(sizes)) if owns else 0.0)
+
+
+def _differentiable(meta: TensorMeta | None) -> bool:
+    """An output autograd sends a gradient back through: floating or complex (a rotary embedding's
+    complex product has a backward kernel as a real one does)."""
+    return meta is not None and (meta.dtype.is_floating_point or meta.dtype.is_complex)
 
 
 def _internal_bytes(call: OpCall, strategy: Strategy, ctx: CostContext, kept: SavedTensors) -> float:
@@ -211,10 +220,11 @@ def parameter_cost(meta: TensorMeta, placements: Placements, ctx: CostContext, *
     stepped = numel if zero1 is None else chunk_elements(numel, ctx.mesh.shape[zero1])
     whole = precision.master_bytes_per_param + precision.grad_bytes_per_param
     state = numel * whole + stepped * (precision.state_bytes_per_param - whole)
-    # Adam reads and writes weights, master copy, m, v and reads the gradient: ~2x the state.
+    # Adam reads and writes weights, master copy, m and v and reads the gradient, in as many passes
+    # as the profile's ``optimizer_traffic`` says (torch's foreach AdamW on a GPU: 20 element accesses)
     hw = ctx.mesh.hardware
-    update = with_fixed_cost(roofline_time(10.0 * stepped, 2.0 * stepped * precision.state_bytes_per_param,
-                                           ctx.mesh, precision), hw.optimizer_param_overhead, hw)
+    moved = hw.optimizer_traffic * stepped * precision.state_bytes_per_param
+    update = with_fixed_cost(roofline_time(10.0 * stepped, moved, ctx.mesh, precision), hw.optimizer_param_overhead, hw)
     return NodeCost(update, float(state))
 
 

@@ -18,6 +18,15 @@ Peaks are datasheet figures; the curves and efficiencies are what published meas
   sequence 512-16k, head dim 64 and 128, causal or not, batch 16k / seqlen, 16 or 32 heads. Those
   count backward as 2.5x forward; autopar prices backward at 2x the same FLOPs at one efficiency,
   so the fraction here is 6/7 x reported / peak (equal total time).
+- Sustained, not burst: the matmul and attention sources above time kernels in short runs, at the
+  boost clock; a training step holds the tensor cores busy for seconds and runs at the clock
+  the power limit allows. ml-engineering (S. Bekman), compute/accelerator/benchmarks/README.md,
+  "What we measured: alone vs all-8 concurrent" (mamf-finder's MAMF, a short burst, against its
+  MSMF, the rate sustained at the power-saturated clock; H200 bf16, its fattest shapes, every GPU
+  of the node computing, 40 runs): 698.6 TFLOP/s sustained at 1405-1527 MHz against 823.9 in
+  bursts, 0.848 (``HOPPER_SUSTAINED``). H100 SXM is the same compute silicon at the same 700 W
+  (the MAMF table: "H200 is the same"), so both Hopper curves are scaled by it. HBM's clock does
+  not drop under the power limit: memory-bound ops are not scaled.
 - Memory-bound ops: 89% of peak bandwidth, torch's ``a * 1.2`` on 4M fp32 elements on an
   A800 80GB (1727 of 1935 GB/s; mli/transformers-benchmarks issue #4, micro_bench.ipynb);
   smaller calls are bound by the per-op fixed cost (``_CUDA_EAGER``). The same fraction is
@@ -63,18 +72,24 @@ def _fraction(points: tuple[tuple[float, float], ...], peak_tflops: float) -> Cu
     return Curve(tuple((x, tflops / peak_tflops) for x, tflops in points))
 
 
-def _attention(measured: dict[tuple[int, bool], tuple[float | None, ...]], peak_tflops: float
-               ) -> tuple[AttentionCurve, ...]:
-    """FlashAttention-2's fwd+bwd TFLOP/s at ``SEQ`` (None: not legible) as autopar's efficiency."""
-    return tuple(AttentionCurve(hd, causal, Curve(tuple((s, 6 / 7 * t / peak_tflops) for s, t in zip(SEQ, tflops)
-                                                        if t is not None)))
+def _attention(measured: dict[tuple[int, bool], tuple[float | None, ...]], peak_tflops: float,
+               sustained: float = 1.0) -> tuple[AttentionCurve, ...]:
+    """FlashAttention-2's fwd+bwd TFLOP/s at ``SEQ`` (None: not legible) as autopar's efficiency, times
+    the ``sustained`` share of a burst's rate."""
+    return tuple(AttentionCurve(hd, causal, Curve(tuple((s, sustained * 6 / 7 * t / peak_tflops)
+                                                        for s, t in zip(SEQ, tflops) if t is not None)))
                  for (hd, causal), tflops in measured.items())
+
+
+HOPPER_SUSTAINED = 698.6 / 823.9
+"""H200's (and H100's) bf16 matmul rate sustained at the power-saturated clock over its short-burst
+rate, 0.848 (module docstring)."""
 
 
 # FLOPs per call -> TFLOP/s (module docstring).
 H100_BF16 = _fraction(((1.34e8, 17.8), (2.68e8, 40.0), (5.37e8, 80.0), (1.07e9, 140.0), (2.15e9, 216.0),
                        (4.29e9, 363.0), (8.59e9, 490.0), (1.72e10, 605.0), (3.44e10, 700.0), (6.87e10, 745.0),
-                       (1.10e12, 794.5)), 989.0)
+                       (1.10e12, 794.5)), 989.0).scaled(HOPPER_SUSTAINED)
 A100_BF16 = _fraction(((3.4e7, 5.0), (2.7e8, 28.0), (9.1e8, 65.0), (2.1e9, 88.0), (4.2e9, 150.0), (1.7e10, 195.0),
                        (2.4e10, 243.0), (5.8e10, 235.0), (1.37e11, 258.0), (2.7e11, 260.0), (4.6e11, 277.0),
                        (1.1e12, 290.0)), 312.0).scaled(271.2 / 290.0)
@@ -85,7 +100,7 @@ HOPPER_FP32 = Curve(tuple((x * 67.0 / 19.5, y) for x, y in A100_FP32.points))
 # FlashAttention-2 fwd+bwd TFLOP/s at SEQ, (head dim, causal) -> values (module docstring).
 H100_ATTENTION = _attention({
     (64, False): (215, 254, 274, 288, 294, 296), (128, False): (248, 294, 320, 326, 335, 338),
-    (64, True): (141, 192, 232, 257, 273, 284), (128, True): (163, 221, 265, 294, 308, 328)}, 989.0)
+    (64, True): (141, 192, 232, 257, 273, 284), (128, True): (163, 221, 265, 294, 308, 328)}, 989.0, HOPPER_SUSTAINED)
 A100_ATTENTION = _attention({
     (64, False): (132, None, 162, 171, 175, 176), (128, False): (None, None, 187, 196, 201, 203),
     (64, True): (88, 119, 140, 156, 165, 171), (128, True): (99, 133, 155, 173, 182, 189)}, 312.0)

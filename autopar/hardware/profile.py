@@ -130,6 +130,11 @@ class HardwareProfile:
     and on CPUs gloo's handshake with the peers."""
     optimizer_param_overhead: float = 0.0
     """Fixed seconds the optimizer spends per parameter tensor and step."""
+    optimizer_traffic: float = 2.0
+    """Bytes Adam's update moves through device memory per byte of the state it steps (weights,
+    gradient, the two moments; ``cost.model.parameter_cost``): 2 where each is read and written once
+    (the update's passes over one tensor served from cache); more where each of the update's
+    elementwise passes streams the state from memory (``hardware.profiles``)."""
     grad_sync_overlap: float = 0.0
     """Fraction of compute that communication issued beside it can hide behind (their own
     stream or thread): bucketed gradient all-reduces behind the last micro-batch's backward,

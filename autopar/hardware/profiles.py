@@ -30,7 +30,13 @@ from autopar.hardware.profile import GB, GiB, TFLOPS, HardwareProfile
 # per collective call (the functional collective's dispatch and NCCL's kernel launch).
 # The host runs ahead of the GPU, so a kernel longer than that hides it. AdamW's default
 # on CUDA is the foreach implementation: a dozen multi-tensor kernels per step for all
-# parameters together, nothing per parameter worth pricing.
+# parameters together, nothing per parameter worth pricing, but each of its passes streams the
+# state through HBM (the shards far exceed the 50 MB L2): with decoupled weight decay
+# (torch/optim/adam.py, ``_multi_tensor_adam``) mul_ of the weights (2 element accesses), lerp_
+# of m (3), mul_ and addcmul_ of v (2 + 3), sqrt, div_ and add_ of its root (2 + 2 + 2), addcdiv_
+# of the weights (4): 20 accesses per element of 4 state tensors, 5x the state's bytes
+# (``optimizer_traffic``; the cpu profile's 2x is what torch's per-tensor loop measures there,
+# 7.6-9.0 ns per fp32 element against 7.8 priced: ``benchmarks/calibrate_offload.py``).
 # Gradient buckets: DDP launches each bucket's NCCL all-reduce on its own stream as soon as
 # the bucket is full, overlapping the rest of backward (Li et al., "PyTorch Distributed",
 # VLDB 2020, arXiv 2006.15704, Sec. 3.2.3 and Fig. 6-7); NCCL's kernels take SMs from the
@@ -57,7 +63,7 @@ _PCIE_GEN5 = {"host_link_bandwidth": 50 * GB, "host_memory_bandwidth": 30.7 * GB
 _PCIE_GEN4 = {"host_link_bandwidth": 25 * GB, "host_memory_bandwidth": 20.5 * GB}
 
 _CUDA_EAGER = {"op_overhead": 10e-6, "backward_op_overhead": 10e-6, "collective_overhead": 10e-6,
-               "overlapped_dispatch": True, "grad_sync_overlap": 0.8, "draw_kernel": True}
+               "overlapped_dispatch": True, "grad_sync_overlap": 0.8, "draw_kernel": True, "optimizer_traffic": 5.0}
 # INT32 lanes x boost clock (NVIDIA A100 and H100 whitepapers: 64 INT32 units per SM on both;
 # 108 SMs at 1.41 GHz, 132 SMs at 1.98 GHz), what a fused random draw's Philox rounds run on.
 _A100_INT32 = 108 * 64 * 1.41e9

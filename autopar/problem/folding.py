@@ -66,7 +66,7 @@ def fold_repeated_blocks(graph: PlanGraph, pins: dict[str, object] | None = None
             # and with whether its inputs do: a linear whose input needs none keeps no weight
             grads_in = tuple(graph.nodes[src].needs_grad for src, _ in node.args)
             sig.append((node.kind, node.op, node.outputs, wiring, strategies_id(node.strategies), repr(pins.get(n)),
-                        node.needs_grad, grads_in, node.saved, node.frozen))
+                        node.needs_grad, grads_in, node.saved, node.frozen, node.grad_sums))
         return tuple(sig)
 
     representative = {n: n for n in graph.order}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from autopar.capture.graph import TensorMeta
+from autopar.cost.compute import SHAPE_ONLY_ARGS
 from autopar.cost.model import CostContext, NodeCost, op_cost
 from autopar.cost.saved import SavedTensors
 from autopar.problem.nodes import OP, PARAM, PlanNode
@@ -95,14 +96,42 @@ def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | N
             if node.kind == PARAM:
                 node.costs = leaf_costs(node, ctx)
     kept = saved_activations(nodes, order, receives, probes)
-    repriced: dict[tuple[int, bool, bool, SavedTensors], list[NodeCost]] = {}  # repeated layers share strategy lists
+    sums = gradient_sums(nodes, order, receives)
+    repriced: dict[tuple[int, bool, bool, SavedTensors, tuple[int, ...]], list[NodeCost]] = {}  # layers share lists
     for name in order:
         node = nodes[name]
         if node.kind == OP and node.call is not None:
             node.kept = kept[name]
             node.saved = any(node.kept.outputs) or node.kept.internal_bytes > 0
-            key = (id(node.strategies), node.needs_grad, node.saved, node.kept)
+            node.grad_sums = sums.get(name, ())
+            key = (id(node.strategies), node.needs_grad, node.saved, node.kept, node.grad_sums)
             if key not in repriced:
                 repriced[key] = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved,
-                                         kept=node.kept) for s in node.strategies]
+                                         kept=node.kept, grad_sums=node.grad_sums) for s in node.strategies]
             node.costs = repriced[key]
+
+
+def gradient_sums(nodes: dict[str, PlanNode], order: list[str], receives: set[str]) -> dict[str, tuple[int, ...]]:
+    """Per op node, per tensor input, 1 where autograd adds the gradient the op sends back for that
+    input to those its earlier readers sent (``PlanNode.grad_sums``): a value read by n ops (or n
+    times by one) has its n gradients summed by n - 1 additions, priced at every reader but the first
+    in graph order (a residual stream read by a block's norm and its residual add: the add's; a norm's
+    output read by three projections: the second's and third's), so that the repeated blocks of a
+    stack price alike. Counted as autograd sends gradients: by each op a gradient reaches, for each
+    input that needs one, except inputs read for their dtype or shape alone (``x.type_as(y)``'s y)."""
+    seen: set[tuple[str, int]] = set()
+    out: dict[str, tuple[int, ...]] = {}
+    for name in order:
+        node = nodes[name]
+        if name not in receives or not node.differentiable or node.call is None:
+            continue
+        shape_only = SHAPE_ONLY_ARGS.get(node.call.target, ())
+        sums = []
+        for k, (src, index) in enumerate(node.args):
+            sends = k not in shape_only and nodes[src].kind == OP and nodes[src].needs_grad
+            sums.append(int(sends and (src, index) in seen))
+            if sends:
+                seen.add((src, index))
+        if any(sums):
+            out[name] = tuple(sums)
+    return out

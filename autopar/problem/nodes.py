@@ -55,6 +55,10 @@ class PlanNode:
     kept: SavedTensors | None = None
     """Which outputs backward keeps and what the op keeps inside (``saved_activations``);
     None: every output (before gradients are settled)."""
+    grad_sums: tuple[int, ...] = ()
+    """Per tensor input (as ``args``), 1 where autograd adds the gradient this op sends back for it to
+    those of the value's earlier readers (a value read by several ops, or twice by one); empty: none
+    (``problem.gradients.gradient_sums``)."""
     as_produced: frozenset[int] = frozenset()
     """Tensor inputs (indices into ``args``) that must arrive exactly as produced, never
     resharded: the op writes into them in place, or they are the base of a view that some

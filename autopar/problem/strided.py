@@ -70,7 +70,8 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
         if wanted and node.kind == OP and node.call is not None and \
                 rules.family_of(node.call.target) in EQUIVARIANT_FAMILIES:
             key = call_key(node.call)
-            key = None if key is None else (key, tuple(sorted(wanted)), node.needs_grad, node.saved, node.kept)
+            key = None if key is None else (key, tuple(sorted(wanted)), node.needs_grad, node.saved, node.kept,
+                                            node.grad_sums)
             known = memo.get(key) if key is not None else None
             if known is None:
                 twins = [t for t in _twins(node.dim_strategies, wanted) if t not in node.dim_strategies]
@@ -79,7 +80,7 @@ def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -
                     dims = [*node.dim_strategies, *twins]
                     strategies = expand(node.call, dims, ctx.mesh.chunks)
                     costs = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved,
-                                     kept=node.kept) for s in strategies]
+                                     kept=node.kept, grad_sums=node.grad_sums) for s in strategies]
                     known = (dims, strategies, costs, node.fallback)
                 if key is not None:
                     memo[key] = known

@@ -48,6 +48,17 @@ def running_precision(model: nn.Module, precision: str | None, default: str) -> 
     return own, None
 
 
+def mixed_compute_dtype(model: nn.Module, precision: str | None, default: str) -> torch.dtype | None:
+    """The dtype an fp32 model computes in when it runs in mixed precision (``precision``, else the
+    hardware's ``default``): bf16 for 'bf16'; None for any other model or precision (it runs as it
+    is, or ``running_precision`` refuses it). ``autopar.plan`` captures the same compute copy as
+    ``compile``, so that a float the model's code upcasts is priced at the width that runs."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes - {torch.float32}:
+        return None
+    return COMPUTE_DTYPE.get(precision or default)
+
+
 def compute_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """The model as it computes under mixed precision, for capture: a copy of its modules
     sharing nothing with it, floating parameters and buffers cast to ``dtype`` (tied ones
