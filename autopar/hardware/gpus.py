@@ -24,7 +24,9 @@ Peaks are datasheet figures; the curves and efficiencies are what published meas
   "What we measured: alone vs all-8 concurrent" (mamf-finder's MAMF, a short burst, against its
   MSMF, the rate sustained at the power-saturated clock; H200 bf16, its fattest shapes, every GPU
   of the node computing, 40 runs): 698.6 TFLOP/s sustained at 1405-1527 MHz against 823.9 in
-  bursts, 0.848 (``HOPPER_SUSTAINED``). H100 SXM is the same compute silicon at the same 700 W
+  bursts, 0.848 (``HOPPER_SUSTAINED``; the revision measured with torch 2.14.0.dev20260810). A later
+  revision of that section, another H200 node with torch 2.14.0, gives 755.5 against 852.1 (0.887):
+  the ratio moves with the node's chips and cooling, so step predictions here carry that +-4%. H100 SXM is the same compute silicon at the same 700 W
   (the MAMF table: "H200 is the same"), so both Hopper curves are scaled by it. HBM's clock does
   not drop under the power limit: memory-bound ops are not scaled.
 - Memory-bound ops: 89% of peak bandwidth, torch's ``a * 1.2`` on 4M fp32 elements on an
