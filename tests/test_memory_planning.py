@@ -4,6 +4,7 @@ plan the search picks runs exactly (every rank rebuilds rank 0's scenario)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
+from autopar.config import PlanConfig
 from autopar.runtime.forked import run_ranks
+from autopar.search.problem import Place, PricedParts, Problems, Step, priced_under, scenarios
 from autopar.memory.scenarios import Scenario, candidates
 from autopar.memory.options import MemoryOptions
 from examples import gpt, llama
@@ -263,3 +266,25 @@ def test_op_policy_refuses_a_block_whose_matmuls_it_cannot_count() -> None:
         autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 3, 8),), checkpoint="selective_op",
                      pipeline=False)
     autopar.plan(model, autopar.Mesh({"dp": 2}, "cpu"), (torch.randn(4, 3, 8),), checkpoint="selective", pipeline=False)
+
+
+def test_scenarios_priced_from_shared_parts_match_each_priced_alone() -> None:
+    """A memory search prices many scenarios of one prepared problem from parts priced once (each
+    policy's replayed ops, regathered ops, parameters with their state twins: ``priced_under``);
+    every node comes out as pricing that scenario alone gives it."""
+    model, inputs, loss_fn, targets = llama.build()
+    store = Problems(Step(model=model, example_inputs=inputs, loss_fn=loss_fn, example_targets=targets),
+                     PlanConfig.from_options(pipeline=False))
+    base = store.at(Place(mesh=autopar.Mesh({"dp": 2}, "cpu")))
+    wanted = [s for s in scenarios(base) if s.micro_batches == 1]
+    assert {s.checkpoint for s in wanted} >= {"none", "selective", "full"} and any(s.regather for s in wanted)
+    assert any(s.checkpoint_blocks is not None for s in wanted) and any(s.zero1 or s.offload for s in wanted)
+    for scenario in wanted:
+        shared = priced_under(base, scenario)
+        alone = priced_under(replace(base, parts=PricedParts()), scenario)
+        assert shared.graph.order == alone.graph.order
+        for name in alone.graph.order:
+            a, b = shared.graph.nodes[name], alone.graph.nodes[name]
+            assert (a.costs, a.comm_times, a.regather, a.block, a.recompute_memory, a.strategies) == \
+                (b.costs, b.comm_times, b.regather, b.block, b.recompute_memory, b.strategies), (scenario, name)
+        assert shared.folding.representative == alone.folding.representative
