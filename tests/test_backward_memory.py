@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar.api.planning import plan_step
 from autopar.cost.backward import working_set_bytes
 from autopar.memory.backward import backward_peak, gradient_flags, transient_rows, working_set
 from autopar.pipeline.stage_memory import rank_peaks, rank_working_sets
 from autopar.rules.strategy import Shard
 from autopar.runtime.memory import LiveBytes
-from autopar.api.planning import plan_step
 from autopar.search import ilp
 from autopar.search.planned import finish
 from autopar.search.problem import Problem

@@ -89,6 +89,13 @@ def _gradients_made_before(graph: PlanGraph, folding: Folding,
     return [p for p, _ in last], [r for _, r in last]
 
 
+def _gradient_bytes(graph: PlanGraph, param: str, ctx: CostContext) -> tuple[float, ...]:
+    """Per strategy of ``param``, its ``.grad``'s bytes on one rank."""
+    meta = graph.nodes[param].outputs[0]
+    return tuple(0.0 if meta is None or s.outputs[0] is None else gradient_bytes(meta, s.outputs[0], ctx)
+                 for s in graph.nodes[param].strategies)
+
+
 def transient_rows(graph: PlanGraph, folding: Folding, ctx: CostContext) -> list[TransientRow]:
     """The rows the backward peak is the largest of (module docstring); a row that cannot be the
     largest under any choice, or exceed 0, is left out."""
@@ -100,8 +107,7 @@ def transient_rows(graph: PlanGraph, folding: Folding, ctx: CostContext) -> list
     consumers = graph.consumers()
     discount = ctx.micro_batches == 1 and not ctx.pipelined
     positions, params = _gradients_made_before(graph, folding, consumers) if discount else ([], [])
-    grads = {p: tuple(gradient_bytes(graph.nodes[p].outputs[0], s.outputs[0], ctx)  # type: ignore[arg-type]
-                      for s in graph.nodes[p].strategies) for p in dict.fromkeys(params)}
+    grads = {p: _gradient_bytes(graph, p, ctx) for p in dict.fromkeys(params)}
     rows = []
     for rep, at in first.items():
         flags = gradient_flags(graph, rep, consumers)
