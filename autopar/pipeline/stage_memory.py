@@ -35,6 +35,7 @@ from autopar.memory.backward import stage_working_sets
 from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 from autopar.pipeline.schedule_sim import torch_order
+from autopar.rules.strategy import Strategy
 
 
 def node_costs(graph: PlanGraph, chosen: dict) -> dict[str, NodeCost]:
@@ -94,7 +95,7 @@ def whole_step_extra(graph: PlanGraph, costs: dict[str, NodeCost], activation_me
     return max(0.0, activation_memory_bytes - shared)
 
 
-def rank_working_sets(graph: PlanGraph, chosen: dict, ctx: CostContext, stage_of: dict[str, int],
+def rank_working_sets(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, stage_of: dict[str, int],
                       rank_of: Sequence[int]) -> tuple[list[float], float]:
     """(each pp rank's largest backward working set under ``chosen``: its stages' largest op's, the
     largest of all: what the whole-step plan's activation bytes hold of it)."""
