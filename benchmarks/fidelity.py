@@ -32,8 +32,11 @@ bf16 compute copy as ``compile`` runs it, so the fp32 of the eager RMSNorm, rota
 bytes (+20%); complex views free and ``type_as`` reading its input alone (+23%); the additions autograd runs
 to sum a value's gradients (+20%); torch's foreach AdamW's 20 accesses per element (+19%); the log-softmax
 ``cross_entropy_loss`` writes (+19%); Hopper's tensor cores at the rate they sustain under a power limit,
-0.848 of a burst's (``hardware.gpus``; +6%). The predicted peaks (64.3 and 48.7 GiB reserved) are 18 GiB below
-the reserved peaks torchtitan reports. Left: ``repeat_kv``'s reshape of an expanded tensor is a copy priced as
+0.848 of a burst's (``hardware.gpus``; +6%). The predicted peaks, 77.5 and 65.8 GiB reserved, are 5 and 1 GiB
+below the 82.4 and 67.0 torchtitan reports (64.3 and 48.7 before the peak held backward's largest working set,
+the loss's: two fp32 logits-sized gradients of 7.8 GiB, less the 3.7 and 0.2 GiB of parameter gradients not
+made before it; 81.7 and 66.1 if the run held those).
+Left: ``repeat_kv``'s reshape of an expanded tensor is a copy priced as
 a view (~15 ms on 8 GPUs); the reduce-scatters' copies into their group's buffer run on the compute stream but
 are priced with the collective, beside backward (~26 ms); the blocks' all-gathers are waited for (0.10 s on 8
 GPUs, 0.19 on 128, their copies out of the group's buffer, ~26 ms, included) because autopar's runtime does

@@ -162,5 +162,5 @@ KERNEL_NOTE = ("Megatron's 2021 kernels beside what is priced (benchmarks/megatr
 
 TITAN_NOTE = ("pinned with torchtitan's own 'op' selective checkpointing (checkpoint='selective_op': attention and "
               "every other linear matmul of a block kept, parallelize_llama.py at 9dec370); its reserved peak is "
-              "above the plan's predicted peak (on 8 GPUs by ~18 GiB): what the run held beyond the live tensors the "
+              "above the plan's predicted peak (on 8 GPUs by ~5 GiB): what the run held beyond the live tensors the "
               "plan counts is not in the source")

@@ -11,10 +11,12 @@ import pytest
 import autopar
 from autopar.errors import MemoryLimitError
 from autopar.search.ilp import solve
-from autopar.search.planned import finish
+from autopar.api.planning import plan_step
+from autopar.pipeline.stages import PipelinePlan
+from autopar.search.planned import PlannedStep, finish
 from autopar.search.problem import scenarios
 from autopar.pipeline.spec import as_pipeline
-from autopar.pipeline.stage_memory import MemoryShares, rank_peaks
+from autopar.pipeline.stage_memory import MemoryShares, rank_peaks, rank_working_sets
 from examples import llama
 
 from tests.planning import problem_at
@@ -45,14 +47,15 @@ def test_stage_state_is_every_parameter_once() -> None:
 
 def test_in_flight_micro_batches_by_schedule() -> None:
     """GPipe keeps all m micro-batches' activations; 1F1B's rank r at most p - r (Narayanan et
-    al. 2021 §2.2.1); what the step adds besides (buffers several stages read, held reshards) is the same on
-    both, a stage's own buffers on its rank."""
+    al. 2021 §2.2.1); what the step adds besides (buffers several stages read, held reshards, the rank's own
+    backward working set: ``memory.backward``) is the same on both, a stage's own buffers on its rank."""
     gpipe, one = _plan(_pinned("gpipe", 4)).pipeline, _plan(_pinned("1f1b", 4)).pipeline
-    extras = []
+    extras: dict[int, list[float]] = {}
     for pipe, in_flight in ((gpipe, [4, 4]), (one, [2, 1])):
         for s, k in zip(pipe.stages, in_flight):
-            extras.append(pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - k * s.activation_bytes)
-    assert extras == pytest.approx([extras[0]] * 4, rel=1e-9)
+            extras.setdefault(s.rank, []).append(
+                pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - k * s.activation_bytes)
+    assert all(g == pytest.approx(o, rel=1e-9) for g, o in extras.values())
     assert one.rank_memory_bytes[0] < gpipe.rank_memory_bytes[0]
 
 
@@ -143,15 +146,25 @@ def test_rank_memory_counts_every_activation_byte_of_the_step() -> None:
     """What GPipe's ranks hold besides their stages' state and m micro-batches of their
     activations, with every stage's activations of one micro-batch, is the whole step's
     activation memory on the stage mesh: its buffers (Llama's rotary tables) included, a buffer one
-    stage alone reads on that stage's ranks only."""
+    stage alone reads on that stage's ranks only; of backward's largest working set (``memory.backward``),
+    each rank holds its own stages' largest instead of the step's."""
     model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
     stage = autopar.plan(model, autopar.Mesh({"stage": 1}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
                          micro_batches=4, memory_limit=math.inf)
-    pipe = _plan(_pinned("gpipe", 4)).pipeline
+    step = plan_step(model, autopar.Mesh({"pp": 2}, "cpu"), inputs, loss_fn=loss_fn, example_targets=targets,
+                     pipeline=_pinned("gpipe", 4))
+    pipe = step.plan.pipeline
+    working, whole = _working_sets(step, pipe)
+    assert working[0] < whole
     for s in pipe.stages:
         extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - 4 * s.activation_bytes
         total = extra + sum(t.activation_bytes + t.buffer_bytes for t in pipe.stages)
-        assert total == pytest.approx(stage.predicted.activation_memory_bytes, rel=1e-12)
+        assert total - working[s.rank] + whole == pytest.approx(stage.predicted.activation_memory_bytes, rel=1e-12)
+
+
+def _working_sets(step: PlannedStep, pipe: PipelinePlan) -> tuple[list[float], float]:
+    """Each pp rank's backward working set, and the step's (``stage_memory.rank_working_sets``)."""
+    return rank_working_sets(step.graph, step.chosen, step.ctx, pipe.stage_of, [s.rank for s in pipe.stages])
 
 
 def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
@@ -169,9 +182,10 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
     assert buffers > 0
     pipe = with_pipeline(stage, _pinned("gpipe", 4), autopar.Mesh({"pp": 2, "dp": 2}, "cpu")).plan.pipeline
     assert pipe is not None
+    working, whole = _working_sets(stage, pipe)
     for s in pipe.stages:
         extra = pipe.rank_memory_bytes[s.rank] - s.state_bytes - s.buffer_bytes - 4 * s.activation_bytes
-        total = extra + sum(t.activation_bytes + t.buffer_bytes for t in pipe.stages)
+        total = extra + sum(t.activation_bytes + t.buffer_bytes for t in pipe.stages) - working[s.rank] + whole
         assert total == pytest.approx(stage.plan.predicted.activation_memory_bytes - buffers, rel=1e-12)
 
 

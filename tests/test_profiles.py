@@ -34,11 +34,16 @@ MiB = 2**20
 # work eager autograd runs that was not priced (issue 31.2): the additions summing a value's
 # gradients and the log-softmax cross_entropy_loss writes (gpt dp2 43.27 -> 44.15 ms, gpt pp2
 # 40.86 -> 41.67, the ZeRO-2 llama 48.89 -> 51.31, whose tied token inputs now stay whole on tp:
-# 4096 bytes more).
+# 4096 bytes more). Then the peaks add backward's largest working set (issue 31.3, ``memory.backward``;
+# steps unchanged): gpt dp2 +292352 (block 0's qkv split: 3 x 128 KiB of output gradients and its
+# 384 KiB input gradient, less the 494080 bytes of .grad not made before it), gpt pp2 rank 0 +428032
+# (its MLP's fc linear, per micro-batch of 64 tokens: 128 KiB output + 32 KiB input + 258 KiB weight
+# and bias gradients), the llama +425472 (layers.0's silu x up product, 3 x 256 KiB less 360960) less
+# 4096 (an equal-cost tie broken back: its token inputs split on tp again).
 CPU_BEFORE = {
-    "gpt dp2": (0.04414854328455286, 13580802.0),
-    "llama dp2xtp2 zero2 selective": (0.05131066764227644, 8618498.0),
-    "gpt pp2 1f1b m4": (0.04166966550677506, 5540864.0),
+    "gpt dp2": (0.04414854328455286, 13873154.0),
+    "llama dp2xtp2 zero2 selective": (0.05131066764227644, 9039874.0),
+    "gpt pp2 1f1b m4": (0.04166966550677506, 5968896.0),
 }
 
 

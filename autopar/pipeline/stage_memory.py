@@ -13,12 +13,15 @@ not the input-gradient step (I), since W still reads the saved inputs (Qi et al.
 activations until W is the upper estimate).
 
 A model buffer read by one stage only (a layer's KV cache in a serving step) is held by that
-stage's ranks for the whole step (``buffer_stages``), like its parameters. What the whole-step plan
-prices once besides the ops' activations, the user inputs and those buffers (a buffer read by
-several stages, a reshard held until backward, a checkpointed block's recompute peak, a prefetched
-gather, the gradient buckets' buffers: ``activation_memory_bytes`` less what ``stage_bytes`` and
-``held_bytes`` share out) is added to every rank: an upper estimate, since each rank holds only its
-stages' share of it.
+stage's ranks for the whole step (``buffer_stages``), like its parameters. Backward's largest working
+set (``memory.backward``: one op's gradients and temporaries) is each rank's own: the largest of its
+stages' ops (``rank_working_sets``; a pipeline's gradients are all made by the first micro-batch's
+backward, so none is discounted). What the whole-step plan prices once besides the ops' activations,
+the user inputs, those buffers and that working set (a buffer read by several stages, a reshard held
+until backward, a checkpointed block's recompute peak, a prefetched gather, the gradient buckets'
+buffers: ``activation_memory_bytes`` less what ``stage_bytes``, ``held_bytes`` and
+``rank_working_sets`` share out) is added to every rank: an upper estimate, since each rank holds
+only its stages' share of it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.cost.model import NodeCost
+from autopar.cost.model import CostContext, NodeCost
+from autopar.memory.backward import stage_working_sets
 from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 from autopar.pipeline.schedule_sim import torch_order
+from autopar.rules.strategy import Strategy
 
 
 def node_costs(graph: PlanGraph, chosen: dict) -> dict[str, NodeCost]:
@@ -90,10 +95,22 @@ def whole_step_extra(graph: PlanGraph, costs: dict[str, NodeCost], activation_me
     return max(0.0, activation_memory_bytes - shared)
 
 
+def rank_working_sets(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, stage_of: dict[str, int],
+                      rank_of: Sequence[int]) -> tuple[list[float], float]:
+    """(each pp rank's largest backward working set under ``chosen``: its stages' largest op's, the
+    largest of all: what the whole-step plan's activation bytes hold of it)."""
+    per_stage = stage_working_sets(graph, chosen, ctx, stage_of, len(rank_of))
+    per_rank = [0.0] * (max(rank_of, default=-1) + 1)
+    for s, r in enumerate(rank_of):
+        per_rank[r] = max(per_rank[r], per_stage[s])
+    return per_rank, max(per_stage, default=0.0)
+
+
 def rank_peaks(schedule: str, p: int, v: int, m: int, rank_of: Sequence[int], state: Sequence[float],
-               act: Sequence[float], extra: float) -> list[float]:
+               act: Sequence[float], extra: float, working: Sequence[float] = ()) -> list[float]:
     """Each pp rank's peak bytes: its stages' state (and buffers held the whole step), the most
-    activations its schedule keeps alive at once (walked in torch's order), and ``extra``."""
+    activations its schedule keeps alive at once (walked in torch's order), ``extra``, and its
+    backward working set (``working``, per rank; none if empty)."""
     peaks = []
     for r, ops in enumerate(torch_order(schedule, p, v, m)):
         has_w = {(s, i) for kind, s, i in ops if kind == "W"}
@@ -104,7 +121,8 @@ def rank_peaks(schedule: str, p: int, v: int, m: int, rank_of: Sequence[int], st
                 peak = max(peak, live)
             elif kind == "W" or (kind in ("B", "I") and (s, i) not in has_w):
                 live -= act[s]
-        peaks.append(sum(b for s, b in enumerate(state) if rank_of[s] == r) + peak + extra)
+        own = working[r] if working else 0.0
+        peaks.append(sum(b for s, b in enumerate(state) if rank_of[s] == r) + peak + extra + own)
     return peaks
 
 

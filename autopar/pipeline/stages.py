@@ -36,8 +36,8 @@ from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import OP, PlanGraph
 from autopar.pipeline.spec import Pipeline, pipeline_compute_s, simulate_pipeline
 from autopar.pipeline.schedule_sim import Simulation
-from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, stage_bytes,
-                                           whole_step_extra)
+from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, rank_working_sets,
+                                           stage_bytes, whole_step_extra)
 from autopar.pipeline.tied import TiedWeight, parameter_stages, shared_ends, tied_parameters, tied_seconds
 from autopar.units import fmt_bytes
 
@@ -267,11 +267,11 @@ def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
     if isinstance(priced, Uncut):
         return priced
     pipelined, total = priced
-    return _with_memory(pipelined, graph, chosen, activation_bytes), total
+    return _with_memory(pipelined, graph, chosen, ctx, activation_bytes), total
 
 
-def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, Strategy], activation_bytes: float
-                 ) -> PipelinePlan:
+def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
+                 activation_bytes: float) -> PipelinePlan:
     """The stages' state and activation bytes, and each pp rank's peak under the schedule."""
     costs = node_costs(graph, chosen)
     count = len(pipelined.stages)
@@ -280,9 +280,10 @@ def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, St
     state, act = stage_bytes(graph, costs, pipelined.stage_of, params, count)
     buffers = buffer_stages(graph, pipelined.stage_of)
     own = held_bytes(costs, buffers, count)
+    working, whole = rank_working_sets(graph, chosen, ctx, pipelined.stage_of, rank_of)
     peaks = rank_peaks(pipelined.schedule, pipelined.size, pipelined.virtual_stages, pipelined.micro_batches,
                        rank_of, [s + b for s, b in zip(state, own)], act,  # a stage's own buffers: the whole step
-                       whole_step_extra(graph, costs, activation_bytes, buffers))
+                       whole_step_extra(graph, costs, activation_bytes - whole, buffers), working)
     stages = [replace(s, state_bytes=state[s.index], activation_bytes=act[s.index], buffer_bytes=own[s.index])
               for s in pipelined.stages]
     return replace(pipelined, stages=stages, rank_memory_bytes=peaks)

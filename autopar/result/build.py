@@ -23,6 +23,8 @@ from autopar.problem.groups import group_names
 from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, price_edge, zigzag_output_gathers
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
+from autopar.cost.backward import gradient_bytes
+from autopar.memory.backward import backward_peak, transient_rows
 from autopar.memory.recompute import block_peak, freed_before_recompute, recompute_peak
 from autopar.solver.ilp import Solution
 from autopar.memory.zero1 import plan_shard_buckets, zero1_dims
@@ -262,7 +264,7 @@ def model_state_parts(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCo
             parts["weights"] += numel * precision.weight_bytes_per_param
             continue
         parts["weights"] += numel * precision.master_bytes_per_param
-        parts["gradients"] += numel * precision.grad_bytes_per_param
+        parts["gradients"] += gradient_bytes(meta, chosen[name].outputs[0], ctx)  # as the backward rows discount it
         if not chosen[name].offload:  # else on the host, not in the device's peak
             stepped = chunk_elements(numel, ctx.mesh.shape[zero1[name]]) if name in zero1 else numel
             parts["optimizer state"] += stepped * (precision.state_bytes_per_param - precision.master_bytes_per_param
@@ -319,6 +321,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
                            for n in graph.order if graph.nodes[n].recompute_memory}),
         sum(c.memory for n, c in zip(graph.order, costs) if n in freed))
     act_mem += windows.prefetched_bytes  # one block's regathers prefetched in backward
+    act_mem += backward_peak(transient_rows(graph, folding, ctx), solution.choice)  # as the ILP's row prices it
     buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
     act_mem += bucket_buffer_bytes(buckets, ctx)
     backward = sum(backward_time(c, ctx) for n, c in zip(graph.order, costs) if graph.nodes[n].kind == OP)

@@ -31,6 +31,7 @@ from autopar.solver.group_terms import GroupTerms
 from autopar.problem.graph import edge_flags
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute_rows import add_recompute_peak
+from autopar.solver.backward_rows import add_backward_peak
 from autopar.pipeline.stage_memory import MemoryShares
 from autopar.solver.milp import COMPUTE, INF, MEMORY, OWN, RESHARDS, SCALE, Model, Result, run
 from autopar.solver.overlap import OverlapTerms
@@ -190,6 +191,7 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     overlap.add_rows(x)
     overlap.add_memory(memory_row, minimize_memory)
     add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
+    add_backward_peak(model, graph, folding, ctx, x, memory_row, minimize_memory)
     memory_row = _memory_use(model, graph, x, memory_row, memory_limit, minimize_memory, shares)
     build = time.perf_counter() - start
     result = _run(model, x, folding, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE,
