@@ -111,8 +111,9 @@ MIXED = [((2,), ("dp",)), ((2, 2), ("dp", "tp"))]
 
 
 def _mixed_options(names: tuple[str, ...]) -> dict[str, Any]:
-    """Priced as h100s (the all-reduce hides behind backward, ZeRO-1's reduce-scatter and
-    all-gather do not: ZeRO-1 only where memory needs it), run in fp32 on gloo; the batch
+    """Priced as h100s with the update moving its state once (``H100_STATE_ONCE``: the all-reduce hides
+    behind backward, ZeRO-1's reduce-scatter and all-gather do not: ZeRO-1 only where memory needs it; at
+    foreach AdamW's traffic sharding the update pays for every parameter), run in fp32 on gloo; the batch
     split on dp, Megatron's TP pinned on tp, nothing else to trade (one micro-batch, no offload)."""
     options: dict[str, Any] = {"precision": "fp32", "data_axes": ("dp",), "micro_batches": 1, "offload": False}
     return {**options, "constraints": TP_PLANS["gpt"]} if "tp" in names else options
@@ -122,7 +123,7 @@ def _mixed_limit(shape: tuple[int, ...], names: tuple[str, ...]) -> float:
     """85% of the way from DDP's peak to every parameter ZeRO-1's (pinned): some must be ZeRO-1,
     not all (nearer DDP's, on dp x tp, storing the free parameters split on tp is enough)."""
     model, inputs, loss_fn, targets = gpt.build()
-    mesh = autopar.Mesh(dict(zip(names, shape)), "h100")
+    mesh = autopar.Mesh(dict(zip(names, shape)), H100_STATE_ONCE)
     peaks = [autopar.plan(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **_mixed_options(names),
                           **pin).predicted.peak_memory_bytes for pin in ({}, {"zero": {"dp": 1}})]
     return 0.15 * peaks[0] + 0.85 * peaks[1]
@@ -132,7 +133,7 @@ def _train_mixed(rank: int, world: int, shape: tuple[int, ...], names: tuple[str
                  ref: Reference) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model, inputs, loss_fn, targets = gpt.build()
-    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, hardware="h100",
+    pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, hardware=H100_STATE_ONCE,
                          memory_limit=limit, **_mixed_options(names), pipeline=False)
     result = run_compiled(pm, (*inputs, *targets), ref)
     return {**result, "zero1": pm.plan.memory.zero1, "trainable": pm.plan.memory.trainable_parameters,

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.config import PlanConfig, check, settled
 from autopar.errors import CompileError, InputError, InputTypeError
+from autopar.hardware import HardwareProfile
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
 from autopar.result.plan import Plan
@@ -39,7 +40,8 @@ from autopar.search.replay import pinned_pipeline, replay, run_axes
 def compile(model: nn.Module, mesh: DeviceMesh | int, example_inputs: tuple[Any, ...] = (), *,
             loss_fn: Callable[..., torch.Tensor] | None = None, example_kwargs: dict[str, Any] | None = None,
             example_targets: tuple[Any, ...] = (), plan: Plan | dict[str, Any] | None = None,
-            init_fn: InitFn | None = None, init_seed: int = 0, seed: int | None = None, hardware: str | None = None,
+            init_fn: InitFn | None = None, init_seed: int = 0, seed: int | None = None,
+            hardware: str | HardwareProfile | None = None,
             replica_axis: str | None = None, _shared_state: dict[str, torch.Tensor] | None = None,
             **options: Any) -> ParallelModule | PipelinedModule:
     """Plan ``model``'s step for ``mesh`` and return this rank's module. Call on every rank with the same
