@@ -142,8 +142,8 @@ def may_fit(step: Problem, leanest: dict[Scenario, Solution], fit: list[Scenario
     if any(step.scenario.saves_at_least(other) for other in fit):
         return True
     lean = ilp.solve(step, None, explain=False, minimize_memory=True, enough_bytes=step.memory_limit, account=account)
-    if isinstance(lean, NoPlan):  # not proven either way: the solve under the limit decides
-        return True
+    if isinstance(lean, NoPlan):  # none needs the limit or less: no fit; else not proven, the solve under it decides
+        return lean.kind != "memory"
     if lean.status == "optimal":
         leanest[step.scenario] = lean
     fits = lean.status != "optimal" or lean.memory_bytes <= step.memory_limit

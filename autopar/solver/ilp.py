@@ -40,6 +40,8 @@ from autopar.solver.warm_start import (NARROW_FROM_COLUMNS, NARROW_KEEP, PairTer
                                        run_started)
 from autopar.units import fmt_bytes
 
+ENOUGH_SLACK = 1e-9
+"""How far over ``enough_bytes`` a least-memory solve's plan may be and still count (HiGHS's bound is strict)."""
 MEMORY_UNIT = 2**20
 """The memory row counts MiB: coefficients far from 1 (2.4e10 bytes of a big model's state)
 break HiGHS's numerics, and coarser units fall under its smallest matrix value (1e-9)."""
@@ -142,7 +144,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     solve). With ``cutoff_s`` only a plan faster than that counts (else ``NoPlan``, unexplained).
     ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``).
     ``enough_bytes``, with ``minimize_memory``: stop at the first plan needing no more (status
-    'target_reached'): whether some plan fits a limit takes a fraction of the leanest plan's proof.
+    'target_reached'), or ``NoPlan`` ('memory') once none can (HiGHS prunes every branch whose bound is
+    over it): whether some plan fits a limit takes a fraction of the leanest plan's proof.
     ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
     bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit. ``fixed``:
     each representative node's strategy given (status 'repriced'): the objective and its terms of that
@@ -200,6 +203,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     if result.values is None:
         if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
             return NoPlan("memory", f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
+        if minimize_memory and enough_bytes is not None and result.status == "infeasible":
+            return NoPlan("memory", f"no plan needs {fmt_bytes(enough_bytes)} per device or less")
         return _no_plan(graph, folding, ctx, memory_limit, minimize_memory, result.status, time_limit_s)
     values = result.values
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
@@ -239,7 +244,9 @@ def _run(model: Model, x: dict[str, list[int]], folding: Folding, time_limit_s: 
         likely = likely_strategies(x, start_costs(), terms, keep=NARROW_KEEP)
         merge_tied(likely, folding.tied)
         return run_started(model, x, likely, time_limit_s, cutoff)
-    return run(model, time_limit_s, cutoff, target=enough_bytes if minimize_memory else None)
+    if minimize_memory and enough_bytes is not None:  # only whether some plan needs no more: HiGHS prunes above it
+        return run(model, time_limit_s, enough_bytes * (1.0 + ENOUGH_SLACK), target=enough_bytes)
+    return run(model, time_limit_s, cutoff)
 
 
 def _one_state_family(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]]) -> None:
