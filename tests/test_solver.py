@@ -24,7 +24,7 @@ from autopar.problem.folding import fold_repeated_blocks
 from autopar.rules.strategy import local_numel, shard_dim
 from autopar.problem.graph import build_plan_graph, edge_flags
 from autopar.errors import MemoryLimitError
-from autopar.solver.ilp import solve
+from autopar.solver.ilp import NoPlan, Solution, solve
 from autopar.result.record import Fallback
 from examples import gpt, llama
 from tests.planning import assert_one_price
@@ -164,6 +164,19 @@ def test_repeated_layers_are_solved_once() -> None:
         time, _ = _total(graph, ctx, {n: solution.choice[folding.representative[n]] for n in graph.order})
         assert time == pytest.approx(solution.objective_s, rel=1e-6)
     assert sizes[2] == sizes[5]
+
+
+def test_whether_some_plan_fits_is_answered_either_way() -> None:
+    """A least-memory solve asked only whether some plan needs ``enough_bytes`` or less stops at the first
+    that does, and where none does says so ('memory'), HiGHS pruning above it, with no leanest plan's proof."""
+    graph, ctx = _llama_graph(2)
+    folding = fold_repeated_blocks(graph)
+    leanest = solve(graph, folding, ctx, None, minimize_memory=True)
+    assert isinstance(leanest, Solution) and leanest.status == "optimal"
+    fits = solve(graph, folding, ctx, None, minimize_memory=True, enough_bytes=leanest.memory_bytes * 1.5)
+    assert isinstance(fits, Solution) and fits.memory_bytes <= leanest.memory_bytes * 1.5
+    none = solve(graph, folding, ctx, None, minimize_memory=True, enough_bytes=leanest.memory_bytes * 0.99)
+    assert isinstance(none, NoPlan) and none.kind == "memory", none
 
 
 def test_plans_are_deterministic() -> None:
