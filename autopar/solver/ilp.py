@@ -165,26 +165,10 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     terms = PairTerms(strategy_columns=len(model.cost))
     prices = prices or EdgePrices(ctx)  # the same reshard recurs on many edges
     assert prices.key == EdgePrices.key_of(ctx), "edge prices kept for another context"
-    classes = sharing_classes(graph, folding)
-    solo: dict[EdgeKey, int] = defaultdict(int)
-    for keys, count in classes.items():
-        if len(keys) == 1:
-            solo[keys[0]] += count
-    shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
-    links: dict[EdgeKey, _Link] = {}
     sync = GradSyncTerms(model, graph, ctx, mult, x, priced=not minimize_memory)
     overlap = OverlapTerms(model, graph, folding, ctx, priced=not minimize_memory)
     groups = GroupTerms(model, graph, ctx, mult, sync, overlap, priced=not minimize_memory)
-    for edge in aggregate_edges(graph, folding):
-        key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, (sync, overlap, groups),
-                         count=solo.get(key, 0), transport=key in shared_keys, terms=terms)
-        if link is not None:
-            links[key] = link
-    for keys, count in classes.items():
-        if len(keys) > 1:
-            _add_shared(model, [links[k] for k in keys], count, memory_row, terms,
-                        MEMORY if minimize_memory else RESHARDS)
+    _link_edges(model, graph, folding, ctx, x, prices, memory_row, minimize_memory, (sync, overlap, groups), terms)
     sync.add_bucket_rows()
     sync.add_gather_rows(x)
     if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``search.planned.with_pipeline``)
@@ -216,6 +200,30 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
                     len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
                     status="repriced" if fixed is not None else result.status, gap=result.gap,
                     time_limit_s=time_limit_s, zero1_params=zero1, terms=named)
+
+
+def _link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContext, x: dict[str, list[int]],
+                prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
+                rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], terms: PairTerms) -> None:
+    """Every edge's ends tied and priced (``_add_edge``); a reshard that several edges share
+    (``sharing_classes``) paid once per tensor (``_add_shared``)."""
+    classes = sharing_classes(graph, folding)
+    solo: dict[EdgeKey, int] = defaultdict(int)
+    for keys, count in classes.items():
+        if len(keys) == 1:
+            solo[keys[0]] += count
+    shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
+    links: dict[EdgeKey, _Link] = {}
+    for edge in aggregate_edges(graph, folding):
+        key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
+        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, rows,
+                         count=solo.get(key, 0), transport=key in shared_keys, terms=terms)
+        if link is not None:
+            links[key] = link
+    for keys, count in classes.items():
+        if len(keys) > 1:
+            _add_shared(model, [links[k] for k in keys], count, memory_row, terms,
+                        MEMORY if minimize_memory else RESHARDS)
 
 
 def _narrowed(graph: PlanGraph, folding: Folding, choice: dict[str, int]) -> PlanGraph:
