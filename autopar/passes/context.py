@@ -10,7 +10,7 @@ import torch.fx
 
 from autopar.cost.model import CostContext
 from autopar.rules.strategy import Strategy
-from autopar.problem.graph import _module_path
+from autopar.problem.shared import module_path
 from autopar.memory.options import MemoryPlan
 from autopar.problem.nodes import PlanGraph
 
@@ -64,7 +64,7 @@ def block_owners(graph: torch.fx.Graph, block_at: Callable[[str], str | None]) -
         if node.op in ("placeholder", "output"):
             continue
         if "nn_module_stack" in node.meta:
-            block = block_at(_module_path(node))
+            block = block_at(module_path(node))
         else:
             users = {owner.get(u) for u in node.users}
             block = users.pop() if len(users) == 1 else None

@@ -37,7 +37,7 @@ import torch.fx
 from autopar.passes.context import PassContext, block_owners, plan_name
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import parse_placements
-from autopar.problem.graph import _module_path
+from autopar.problem.shared import module_path
 from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import PARAM
 
@@ -81,7 +81,7 @@ def _gathers(gm: torch.fx.GraphModule, pc: PassContext) -> Iterator[tuple[torch.
         steps = redistribute_steps(parse_placements(src), parse_placements(dst))
         if not any(s.kind == ALL_GATHER and mesh_shape[s.mesh_dim] > 1 for s in steps):
             continue
-        blocks = {block_of(_module_path(u)) if "nn_module_stack" in u.meta else None for u in node.users}
+        blocks = {block_of(module_path(u)) if "nn_module_stack" in u.meta else None for u in node.users}
         if len(blocks) == 1 and None not in blocks:
             yield node, blocks.pop()
 
@@ -97,7 +97,7 @@ def first_compute(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
     starts: dict[str, torch.fx.Node] = {}
     for node in graph.nodes:
         if node.op == "call_function" and "nn_module_stack" in node.meta:
-            block = block_of(_module_path(node))
+            block = block_of(module_path(node))
             if block is not None and block not in starts:
                 starts[block] = node
     return starts

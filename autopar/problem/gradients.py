@@ -20,8 +20,7 @@ import torch
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.compute import SHAPE_ONLY_ARGS
-from autopar.cost.model import CostContext, NodeCost, op_cost
-from autopar.cost.saved import SavedTensors
+from autopar.cost.model import CostContext
 from autopar.problem.nodes import OP, PARAM, PlanNode
 from autopar.problem.saved_activations import ProbeMemo, saved_activations
 
@@ -78,8 +77,9 @@ def may_need_grad(target: Any, family: str | None, producers: list[tuple[str, in
 
 def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | None, ctx: CostContext,
                      leaf_costs: Any, probes: ProbeMemo) -> None:
-    """Keep ``needs_grad`` only where a gradient arrives from the loss, and reprice what changed
-    (``probes``: the plan's memo of autograd's saved-tensor probes)."""
+    """Keep ``needs_grad`` only where a gradient arrives from the loss (repricing a parameter that
+    gets none), and record per op what its backward keeps and sums (``probes``: the plan's memo of
+    autograd's saved-tensor probes); ops are priced after (``problem.graph``)."""
     if not ctx.train:
         return
     receives: set[str] = {loss} if loss is not None and nodes[loss].needs_grad else set()
@@ -97,18 +97,12 @@ def settle_gradients(nodes: dict[str, PlanNode], order: list[str], loss: str | N
                 node.costs = leaf_costs(node, ctx)
     kept = saved_activations(nodes, order, receives, probes)
     sums = gradient_sums(nodes, order, receives)
-    repriced: dict[tuple[int, bool, bool, SavedTensors, tuple[int, ...]], list[NodeCost]] = {}  # layers share lists
     for name in order:
         node = nodes[name]
         if node.kind == OP and node.call is not None:
             node.kept = kept[name]
             node.saved = any(node.kept.outputs) or node.kept.internal_bytes > 0
             node.grad_sums = sums.get(name, ())
-            key = (id(node.strategies), node.needs_grad, node.saved, node.kept, node.grad_sums)
-            if key not in repriced:
-                repriced[key] = [op_cost(node.call, s, ctx, backward=node.needs_grad, saved=node.saved,
-                                         kept=node.kept, grad_sums=node.grad_sums) for s in node.strategies]
-            node.costs = repriced[key]
 
 
 def gradient_sums(nodes: dict[str, PlanNode], order: list[str], receives: set[str]) -> dict[str, tuple[int, ...]]:

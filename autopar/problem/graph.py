@@ -13,7 +13,7 @@ import torch.fx
 from torch.distributed.tensor import Placement
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from autopar.capture.aliasing import as_produced_args, prior_writes, storage_root, writes_first_arg, written_args
+from autopar.capture.aliasing import writes_first_arg, written_args
 from autopar.capture.graph import CapturedGraph, TensorMeta, hinted
 from autopar.errors import CaptureError
 from autopar.capture.subgraphs import runs_without_grad, subgraph_call
@@ -30,8 +30,9 @@ from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_cou
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, call_key, divides
 from autopar.problem.gradients import differentiable, mark_written_storage, may_need_grad, settle_gradients
-from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
-from autopar.problem.saved_activations import ProbeMemo, cached_probe
+from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode, ProbeMemo
+from autopar.problem.saved_activations import cached_probe
+from autopar.problem.shared import BuildMemo, GraphFacts
 
 FOLLOWER_FAMILIES = {"view", "pointwise", "dropout"}
 _aten = torch.ops.aten
@@ -41,23 +42,6 @@ SAME_ELEMENTS = frozenset({
     _aten.transpose.int, _aten.t.default, _aten.permute.default, _aten.clone.default, _aten.contiguous.default,
 })
 """Ops whose output holds exactly their input's elements (a count over them is the same)."""
-
-
-def _meta_tuple(value: Any, hints: dict[Any, int]) -> tuple[TensorMeta | None, ...]:
-    if isinstance(value, (list, tuple)):
-        return tuple(TensorMeta.of(v, hints) for v in value)
-    return (TensorMeta.of(value, hints),)
-
-
-def _module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    for prefix in ("L__self__.", "model."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    return "" if path in ("L__self__", "model") else path
 
 
 def placeholder_strategies(meta: TensorMeta, mesh_shape: tuple[int, ...],
@@ -115,18 +99,18 @@ def state_twins(node: PlanNode, ctx: CostContext) -> list[Strategy]:
     return out
 
 
-def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) -> PlanGraph:
-    """Candidate strategies and their node costs for every tensor-producing node."""
-    mesh_shape = ctx.mesh.chunks  # what split dims must divide by (zig-zag axes: twice their size)
+def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext,
+                     shared: BuildMemo | None = None) -> PlanGraph:
+    """Candidate strategies and their node costs for every tensor-producing node; ``shared``: what
+    the builds of one search share (``problem.shared``; one of its own when None)."""
+    shared = BuildMemo(rules) if shared is None else shared
+    assert shared.rules is rules, "a BuildMemo serves one rule set"
+    facts, metas = shared.facts(captured.gm), shared.metas(captured)
     nodes: dict[str, PlanNode] = {}
     order: list[str] = []
     loss: str | None = None
     output_names: list[str] = []
     blocks: dict[str, torch.fx.Node] = {}  # higher-order ops priced by their subgraphs
-    memo: StrategyMemo = {}
-    pinned = {n.name: {a.name for a in args} for n, args in as_produced_args(captured.gm.graph).items()}
-    writes = {(reader.name, arg.name): tuple(w.name for w in ws)
-              for (reader, arg), ws in prior_writes(captured.gm.graph).items()}
     trees: dict[str, list[str]] = {}  # storage root -> the planned nodes sharing its storage
     for node in captured.gm.graph.nodes:
         if node.op == "output":
@@ -134,38 +118,73 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
             output_names = [a.name for a in flat if isinstance(a, torch.fx.Node)]
             loss = output_names[0] if captured.train and output_names else None
             continue
-        outputs = _meta_tuple(node.meta.get("val"), captured.size_hints)
+        outputs = metas[node.name]
         if all(o is None for o in outputs) and not written_args(node):
             continue  # placed only for what it writes (a no_grad block updating buffers, returning nothing)
         if node.op == "placeholder":
-            kind = PARAM if node.name in captured.parameters else BUFFER if node.name in captured.buffers else INPUT
-            fqn = captured.parameters.get(node.name) or captured.buffers.get(node.name)
-            module = fqn.rsplit(".", 1)[0] if fqn and "." in fqn else ""
-            trainable = kind == PARAM and bool(getattr(node.meta.get("val"), "requires_grad", True))
-            pn = PlanNode(node.name, kind, "parameter" if kind == PARAM else kind, module, None, outputs, [],
-                          needs_grad=trainable and ctx.train, fqn=fqn, frozen=kind == PARAM and not trainable)
-            pn.strategies = placeholder_strategies(outputs[0], mesh_shape)
-            pn.costs = leaf_costs(pn, ctx)
+            pn = _leaf_node(node, captured, ctx, outputs)
         else:
-            pn = _op_node(node, nodes, rules, ctx, outputs, memo, captured.size_hints)
-            pn.as_produced = frozenset(k for k, (src, _) in enumerate(pn.args) if src in pinned.get(pn.name, ()))
-            if any((pn.name, src) in writes for src, _ in pn.args):
-                pn.written_before = tuple(writes.get((pn.name, src), ()) for src, _ in pn.args)
+            pn = _op_node(node, nodes, ctx, outputs, facts.modules[node.name], shared, captured.size_hints)
+            pn.as_produced = frozenset(k for k, (src, _) in enumerate(pn.args)
+                                       if src in facts.pinned.get(pn.name, ()))
+            if any((pn.name, src) in facts.writes for src, _ in pn.args):
+                pn.written_before = tuple(facts.writes.get((pn.name, src), ()) for src, _ in pn.args)
                 pn.read_versions = tuple(len(w) for w in pn.written_before)
         if subgraph_call(node) is not None:
             blocks[pn.name] = node
         nodes[pn.name] = pn
         order.append(pn.name)
-        trees.setdefault(storage_root(node).name, []).append(pn.name)
+        trees.setdefault(facts.roots[node.name], []).append(pn.name)
         if node.op == "call_function" and writes_first_arg(node.target) and isinstance(node.args[0], torch.fx.Node):
-            mark_written_storage(nodes, pn, trees.get(storage_root(node.args[0]).name, []))
-    _check_buffer_writes(captured, nodes)  # before settling: autograd records what may need a gradient
-    probes: ProbeMemo = {}  # shared with the PlanGraph: edge pricing asks the same probes again
+            mark_written_storage(nodes, pn, trees.get(facts.roots[node.args[0].name], []))
+    _check_buffer_writes(captured, nodes, facts)  # before settling: autograd records what may need a gradient
+    probes = ProbeMemo(shared.probes)  # kept by the PlanGraph: edge pricing asks the same probes again
     settle_gradients(nodes, order, loss, ctx, leaf_costs, probes)
+    _price_ops(nodes, order, ctx)
     for name, fx_node in blocks.items():  # priced by their subgraphs, with or without their backward
         nodes[name].costs = [block_cost(fx_node, ctx, backward=nodes[name].needs_grad)] * len(nodes[name].strategies)
+    _price_own_collectives(nodes, order, loss, output_names, ctx)
+    return PlanGraph(nodes, order, loss, output_names, saved_probes=probes)
+
+
+def _leaf_node(node: torch.fx.Node, captured: CapturedGraph, ctx: CostContext,
+               outputs: tuple[TensorMeta | None, ...]) -> PlanNode:
+    """A parameter, buffer or input placeholder with its placements and what each keeps."""
+    kind = PARAM if node.name in captured.parameters else BUFFER if node.name in captured.buffers else INPUT
+    fqn = captured.parameters.get(node.name) or captured.buffers.get(node.name)
+    module = fqn.rsplit(".", 1)[0] if fqn and "." in fqn else ""
+    trainable = kind == PARAM and bool(getattr(node.meta.get("val"), "requires_grad", True))
+    pn = PlanNode(node.name, kind, "parameter" if kind == PARAM else kind, module, None, outputs, [],
+                  needs_grad=trainable and ctx.train, fqn=fqn, frozen=kind == PARAM and not trainable)
+    pn.strategies = placeholder_strategies(outputs[0], ctx.mesh.chunks)  # split dims divide the chunks
+    pn.costs = leaf_costs(pn, ctx)
+    return pn
+
+
+def _price_ops(nodes: dict[str, PlanNode], order: list[str], ctx: CostContext) -> None:
+    """Each op's cost per strategy, with its backward as settled (``settle_gradients``): once per
+    list of strategies (one per distinct call) and what the backward keeps and sums, which the
+    layers of a stack share."""
+    priced: dict[Hashable, list[NodeCost]] = {}
+    for name in order:
+        node = nodes[name]
+        if node.kind != OP or node.call is None:
+            continue
+        key = (id(node.strategies), node.needs_grad, node.saved, node.kept, node.grad_sums) if ctx.train \
+            else id(node.strategies)
+        if key not in priced:
+            phases = dict(backward=node.needs_grad, saved=node.saved, kept=node.kept, grad_sums=node.grad_sums) \
+                if ctx.train else {}
+            priced[key] = [op_cost(node.call, s, ctx, **phases) for s in node.strategies]
+        node.costs = priced[key]
+
+
+def _price_own_collectives(nodes: dict[str, PlanNode], order: list[str], loss: str | None,
+                           output_names: list[str], ctx: CostContext) -> None:
+    """A loss's own collectives (its count, the whole loss), an expert layer's all-to-alls, ring
+    attention's waited sends, a forward step's outputs gathered on zig-zag axes."""
     gathered = set(output_names) if not ctx.train and ctx.mesh.zigzag_dims() else set()
-    for name in order:  # a loss's own collectives (its count, the whole loss), an expert layer's all-to-alls
+    for name in order:
         node = nodes[name]
         if name == loss or name in gathered or (node.call is not None and (node.call.target in MEAN_AS_PARTIAL
                                                                            or is_moe(node.call.target))):
@@ -176,10 +195,9 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext) 
                      for s in node.strategies]
             if any(times):
                 node.comm_times = times
-    return PlanGraph(nodes, order, loss, output_names, saved_probes=probes)
 
 
-def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode]) -> None:
+def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode], facts: GraphFacts) -> None:
     """Refuse a buffer written in place from values that need a gradient: the buffer would
     carry each step's autograd graph into the next (whose backward then fails, or which
     keeps every step's graph alive). In eager code such a write is usually inside
@@ -190,7 +208,7 @@ def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode]) ->
         if plan_node is None or not plan_node.needs_grad or node.op != "call_function" \
                 or not writes_first_arg(node.target):
             continue
-        root = storage_root(node).name
+        root = facts.roots[node.name]
         if root in captured.buffers and root not in captured.constants:
             raise CaptureError(
                 f"buffer {captured.buffers[root]!r} is written in place ({node.target}) from values that need a "
@@ -250,14 +268,9 @@ def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> li
     return reshard(meta, out, (R,) * ctx.mesh.ndim, ctx.mesh, ctx.precision)
 
 
-StrategyMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost], str | None]]
-"""Strategies, costs and fallback reason per distinct op call: the layers of a deep model repeat
-the same calls. The lists are shared between nodes and never changed in place (passes assign
-new ones)."""
-
-
-def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ctx: CostContext,
-             outputs: tuple[TensorMeta | None, ...], memo: StrategyMemo, hints: dict[Any, int]) -> PlanNode:
+def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], ctx: CostContext, outputs: tuple[TensorMeta | None, ...],
+             module: str, shared: BuildMemo, hints: dict[Any, int]) -> PlanNode:
+    """An op node of ``module`` with its strategies (priced once its backward is settled: ``_price_ops``)."""
     producers: list[tuple[str, int]] = []
 
     def to_meta(a: Any) -> Any:
@@ -280,26 +293,34 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], rules: RuleSet, ct
         args = tuple(to_meta(a) for a in node.args)
         kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
         call = OpCall(node.target, args, kwargs, outputs)
+    rules = shared.rules
     source = nodes[node.args[0].name] if node.target is operator.getitem else None
     needs_grad = may_need_grad(node.target, rules.family_of(node.target), producers, nodes, outputs, ctx.train,
                                source, node.args[1] if source is not None else 0) \
         and not runs_without_grad(node)
-    pn = PlanNode(node.name, "op", str(node.target), _module_path(node), call, outputs, producers, needs_grad)
+    pn = PlanNode(node.name, "op", str(node.target), module, call, outputs, producers, needs_grad)
     pn.family = rules.family_of(node.target)
     pn.differentiable = differentiable(node.target, pn.family)
     pn.follower = pn.family in FOLLOWER_FAMILIES and len(producers) == 1
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1:
         pn.targets_input = _view_root(producers[1][0], nodes)
-    key = call_key(call)
-    known = memo.get(key) if key is not None else None
-    if known is None:
-        dim_strategies, fallback = rules.strategies(call)
-        strategies = expand(call, dim_strategies, ctx.mesh.chunks)
-        known = (dim_strategies, strategies, [op_cost(call, s, ctx) for s in strategies], fallback)
-        if key is not None:
-            memo[key] = known
-    pn.dim_strategies, pn.strategies, pn.costs, pn.fallback = known
+    pn.dim_strategies, pn.strategies, pn.fallback = _strategies(call, ctx, shared)
     return pn
+
+
+def _strategies(call: OpCall, ctx: CostContext, shared: BuildMemo) -> tuple[list[DimStrategy], list[Strategy],
+                                                                            str | None]:
+    """The rule's strategies for ``call``, expanded on the mesh (split dims divide its chunks), with
+    the rule's fallback reason; once per distinct call and mesh (``BuildMemo.strategies``)."""
+    key = call_key(call)
+    memo_key = None if key is None else (key, ctx.mesh.chunks)
+    known = shared.strategies.get(memo_key) if memo_key is not None else None
+    if known is None:
+        dim_strategies, fallback = shared.rules.strategies(call)
+        known = (dim_strategies, expand(call, dim_strategies, ctx.mesh.chunks), fallback)
+        if memo_key is not None:
+            shared.strategies[memo_key] = known
+    return known
 
 
 def _view_root(name: str, nodes: dict[str, PlanNode]) -> str | None:

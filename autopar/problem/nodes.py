@@ -15,6 +15,17 @@ from autopar.rules.strategy import DimStrategy, OpCall, Strategy
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
 
 
+class ProbeMemo:
+    """``node_saved_tensors`` by op call and its arguments' ``needs_grad``: each layer of a deep
+    model repeats the same calls, and pricing asks again per edge. Probes keyed by call read
+    the call alone, so graphs may share them (``by_call``); a call that does not hash is kept by
+    node name, for one graph only."""
+
+    def __init__(self, by_call: dict[Hashable, SavedTensors | None] | None = None) -> None:
+        self.by_call: dict[Hashable, SavedTensors | None] = {} if by_call is None else by_call
+        self.by_node: dict[Hashable, SavedTensors | None] = {}
+
+
 @dataclass
 class PlanNode:
     """One FX node the planner places."""
@@ -99,7 +110,7 @@ class PlanGraph:
     loss: str | None
     """Name of the node holding the scalar loss (training steps)."""
     output_names: list[str]
-    saved_probes: dict[Hashable, SavedTensors | None] = field(default_factory=dict, repr=False, compare=False)
+    saved_probes: ProbeMemo = field(default_factory=lambda: ProbeMemo(), repr=False, compare=False)
     """Memo of ``node_saved_tensors`` by op call (or node) and its arguments' ``needs_grad``
     (``saved_activations.cached_probe``; pricing asks once per edge and candidate strategy:
     tens of thousands of times on a 64-device mesh)."""

@@ -13,7 +13,6 @@ gradient reaches run a backward and keep anything (``settle_gradients``).
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -24,12 +23,7 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.compute import VIEW_OPS
 from autopar.cost.saved import SavedTensors, saved_tensors
 from autopar.rules.strategy import call_key
-from autopar.problem.nodes import OP, PlanNode
-
-ProbeMemo = dict[Hashable, "SavedTensors | None"]
-"""``node_saved_tensors`` by op call and its arguments' ``needs_grad``, for one plan: each
-layer of a deep model repeats the same calls, and pricing asks again per edge."""
-
+from autopar.problem.nodes import OP, PlanNode, ProbeMemo
 
 def node_saved_tensors(node: PlanNode, nodes: dict[str, PlanNode]) -> SavedTensors | None:
     """The probe of one op node (``cost.saved.saved_tensors``); None where it cannot tell
@@ -53,10 +47,11 @@ def cached_probe(node: PlanNode, nodes: dict[str, PlanNode], memo: ProbeMemo) ->
     """``node_saved_tensors`` through ``memo`` (keyed by the call when it hashes, else the node)."""
     needs_grad = tuple(nodes[src].needs_grad for src, _ in node.args)
     call = call_key(node.call) if node.call is not None else None
+    found = memo.by_node if call is None else memo.by_call
     key = (node.name if call is None else call, needs_grad)
-    if key not in memo:
-        memo[key] = node_saved_tensors(node, nodes)
-    return memo[key]
+    if key not in found:
+        found[key] = node_saved_tensors(node, nodes)
+    return found[key]
 
 
 def saved_activations(nodes: dict[str, PlanNode], order: list[str], receives: set[str], memo: ProbeMemo

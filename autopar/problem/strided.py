@@ -20,17 +20,22 @@ placement as a leaf choice. The solver then prices strided and plain layouts ali
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable
 
 from torch.distributed.tensor import Placement, Shard
 
-from autopar.cost.model import CostContext, op_cost
+from autopar.cost.model import CostContext, NodeCost, op_cost
 from autopar.rules import RuleSet, expand
-from autopar.rules.strategy import DimStrategy, is_strided, split_factor, strided
-from autopar.problem.graph import StrategyMemo, call_key, leaf_costs, placeholder_strategies
+from autopar.rules.strategy import DimStrategy, Strategy, is_strided, split_factor, strided
+from autopar.problem.graph import call_key, leaf_costs, placeholder_strategies
 from autopar.problem.nodes import OP, PlanGraph
 
 EQUIVARIANT_FAMILIES = frozenset({"matmul", "pointwise", "view", "dropout"})
 """Op families whose shard-output strategies commute with permuting the sharded dim."""
+
+TwinMemo = dict[Hashable, tuple[list[DimStrategy], list[Strategy], list[NodeCost], str | None]]
+"""A node's strategies with their strided twins, costs and fallback reason, per distinct call and
+demand: the layers of a deep model ask for the same twins."""
 
 Demand = tuple[int, int, int]
 """(output index, tensor dim, split factor) a consumer can take strided."""
@@ -63,7 +68,7 @@ def _twins(dim_strategies: list[DimStrategy], demands: set[Demand]) -> list[DimS
 def add_strided_strategies(graph: PlanGraph, rules: RuleSet, ctx: CostContext) -> None:
     """Offer strided layouts upstream of every consumer that can take one (in place)."""
     demands: dict[str, set[Demand]] = defaultdict(set)
-    memo: StrategyMemo = {}  # repeated layers ask for the same twins of the same calls
+    memo: TwinMemo = {}
     for name in reversed(graph.order):
         node = graph.nodes[name]
         wanted = demands.get(name)

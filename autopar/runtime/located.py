@@ -25,7 +25,7 @@ from torch import nn
 
 from autopar.passes.context import STRATEGY
 from autopar.rules.strategy import placement_str
-from autopar.problem.graph import _module_path
+from autopar.problem.shared import module_path
 
 _SPECIAL_CONSTRUCTORS = (UnicodeError, *(getattr(builtins, "BaseExceptionGroup", ()),))  # more than a message
 
@@ -148,7 +148,7 @@ def describe(node: torch.fx.Node) -> str:
     if strategy is not None:
         inputs = ", ".join(placement_str(p) for p in strategy.inputs)
         text += f", placed {' '.join(placement_str(p) for p in strategy.outputs)} from ({inputs})"
-    own = _module_path(node)
+    own = module_path(node)
     if own:
         return f"{text}, in module {own!r}"
     # a node a pass inserted has no module: say between which modules' nodes it runs
@@ -162,7 +162,7 @@ def _nearest_path(node: torch.fx.Node, step: Any) -> str:
     for _ in range(4):
         level = [m for n in level for m in step(n) if m not in seen]
         seen.update(level)
-        paths = sorted({p for n in level if (p := _module_path(n))})
+        paths = sorted({p for n in level if (p := module_path(n))})
         if paths:
             return ", ".join(paths)
     return ""

@@ -33,6 +33,7 @@ from autopar.problem.graph import build_plan_graph, priced_parameter
 from autopar.problem.nodes import PARAM, PlanGraph, PlanNode
 from autopar.problem.pinning import pin_config
 from autopar.problem.strided import add_strided_strategies
+from autopar.problem.shared import BuildMemo
 from autopar.search.account import Account, timed
 from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.ilp import NoPlan, Solution
@@ -132,9 +133,11 @@ class Problem:
         return repeated_blocks([graph.nodes[n].module for n in graph.order])
 
 
-def prepare(step: Step, config: PlanConfig, place: Place, account: Account | None = None) -> Problem:
+def prepare(step: Step, config: PlanConfig, place: Place, account: Account | None = None,
+            shared: BuildMemo | None = None) -> Problem:
     """Capture ``step`` at ``place``, list and price its strategies, pin what ``config`` pins and fold
-    its repeated blocks: the problem under the default scenario of its pinned memory choices."""
+    its repeated blocks: the problem under the default scenario of its pinned memory choices.
+    ``shared``: what the places of one search share in building their plan graphs."""
     mesh, m, train = place.mesh, place.micro_batches, config.train
     inputs, kwargs, targets = micro_batch_examples((step.example_inputs, step.example_kwargs, step.example_targets),
                                                    step.batch, m, train)
@@ -148,7 +151,7 @@ def prepare(step: Step, config: PlanConfig, place: Place, account: Account | Non
         captured = capture(step.model, inputs, loss_fn=step.loss_fn, example_kwargs=kwargs, example_targets=targets,
                            train=train, symbolic_batch=place.symbolic)
     with timed("strategies", timings, account):
-        graph = build_plan_graph(captured, config.rules, ctx)
+        graph = build_plan_graph(captured, config.rules, ctx, shared)
         add_strided_strategies(graph, config.rules, ctx)
         pinned = pin_config(graph, captured, mesh, config)
         folding = fold_repeated_blocks(graph, pinned.node_pins)
@@ -248,6 +251,7 @@ class Problems:
         if unpipelined:  # the default pipeline search stood down (``config.settled``)
             self.account.record("depth", "pipelines", "not searched", None, unpipelined)
         self._prepared: dict[tuple[Any, ...], Problem] = {}
+        self._shared = BuildMemo(config.rules)
         self._priced: dict[tuple[Any, ...], Problem] = {}
         self._free: dict[tuple[Any, ...], Solution | NoPlan] = {}
 
@@ -255,7 +259,7 @@ class Problems:
         """``place``'s problem as prepared, before any scenario prices it."""
         key = _key(place)
         if key not in self._prepared:
-            self._prepared[key] = prepare(self.step, self.config, place, self.account)
+            self._prepared[key] = prepare(self.step, self.config, place, self.account, self._shared)
         return self._prepared[key]
 
     def refused_symbolic(self, place: Place) -> str:

@@ -24,7 +24,7 @@ from autopar.mesh import Mesh
 from autopar.passes.context import PLAN_NAME, STRATEGY, PassContext
 from autopar.rules.loss import MEAN_AS_PARTIAL
 from autopar.rules.strategy import OpCall, Strategy, parse_placements
-from autopar.problem.graph import _module_path
+from autopar.problem.shared import module_path
 from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 
 RUNTIME_MODULES = ("reshard", "regather", "prefetch", "gather_group", "backward_starts", "partial_mean_loss", "vocab_embedding",
@@ -174,7 +174,7 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], outputs: tuple[Ten
         call = OpCall(node.target, tuple(to_meta(a) for a in node.args),
                       {k: to_meta(v) for k, v in node.kwargs.items()}, outputs)
     needs_grad = train and any(nodes[src].needs_grad for src, _ in producers)
-    plan_node = PlanNode(node.name, OP, str(node.target), _module_path(node), call, outputs, producers, needs_grad)
+    plan_node = PlanNode(node.name, OP, str(node.target), module_path(node), call, outputs, producers, needs_grad)
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1 and nodes[producers[1][0]].kind == INPUT:
         plan_node.targets_input = producers[1][0]
     return plan_node

@@ -1,0 +1,41 @@
+"""Plan-graph builds that share what one search's places share (``problem.shared.BuildMemo``) build
+the graph each builds alone: the same strategies, prices and gradients, node by node."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.capture import capture, reuse_captures
+from autopar.cost.model import CostContext
+from autopar.cost.precision import get_precision
+from autopar.problem.graph import build_plan_graph
+from autopar.problem.nodes import PlanGraph
+from autopar.problem.shared import BuildMemo
+from autopar.rules import DEFAULT_RULES
+from examples import llama
+
+MESHES = (autopar.Mesh({"dp": 2, "tp": 2}, "cpu"), autopar.Mesh({"dp": 4}, "h100"), autopar.Mesh({"tp": 2}, "cpu"))
+
+
+def _fields(graph: PlanGraph) -> list[tuple[object, ...]]:
+    return [(n.name, n.module, n.outputs, n.strategies, n.costs, n.comm_times, n.needs_grad, n.kept, n.grad_sums,
+             n.as_produced, n.fallback) for n in (graph.nodes[name] for name in graph.order)]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_builds_sharing_a_memo_equal_builds_alone(train: bool) -> None:
+    """One model captured symbolic (two sizes of one graph) and concrete, each built on three meshes:
+    with one memo, every node equals the one built with none; the memo keeps one set of facts per graph."""
+    model, (tokens,), loss_fn, (targets,) = llama.build(llama.LlamaConfig(layers=2), batch=8)
+    shared = BuildMemo(DEFAULT_RULES)
+    with reuse_captures():
+        for rows, symbolic in ((8, True), (4, True), (4, False)):
+            captured = capture(model, (tokens[:rows],), loss_fn=loss_fn if train else None,
+                               example_targets=(targets[:rows],) if train else (), train=train,
+                               symbolic_batch=symbolic)
+            for mesh in MESHES:
+                ctx = CostContext(mesh=mesh, precision=get_precision("fp32", None), train=train)
+                alone = build_plan_graph(captured, DEFAULT_RULES, ctx)
+                assert _fields(build_plan_graph(captured, DEFAULT_RULES, ctx, shared)) == _fields(alone)
+    assert len(shared._facts) == 2  # the symbolic graph (both sizes) and the concrete one
