@@ -14,18 +14,19 @@ from autopar.cost.moe import moe_collectives
 from autopar.cost.ring import ring_transfers
 from autopar.cost.zero1 import chunk_elements
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, exposed_sync_time, grad_placements,
-                                grad_sync_dims, held_reshard_bytes, step_repeats)
+                                grad_sync_dims, step_repeats)
 from autopar.rules.strategy import Strategy, local_numel, placement_str
 from autopar.problem.folding import Folding
 from autopar.memory.options import MemoryPlan
 from autopar.solver.grad_terms import single_use_params
 from autopar.problem.groups import group_names
-from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, price_edge, zigzag_output_gathers
+from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, zigzag_output_gathers
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
 from autopar.cost.backward import gradient_bytes
 from autopar.memory.backward import backward_peak, transient_rows
 from autopar.memory.recompute import block_peak, freed_before_recompute, recompute_peak
+from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.ilp import Solution
 from autopar.memory.zero1 import plan_shard_buckets, zero1_dims
 from autopar.result.plan import Plan
@@ -107,7 +108,7 @@ def _reshard_key(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext
     return src, out_index, node.version(arg), required, grad_in  # a write in place between two reads: nothing shared
 
 
-def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext
+def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, prices: EdgePrices
                    ) -> dict[tuple, tuple[EdgeCost, float, str]]:
     """Per shared reshard, the price of its dearest consumer (the ILP's ``_add_shared``: the
     copy is held if any consumer saves it, replayed if any recomputes it): its edge cost,
@@ -116,23 +117,24 @@ def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostConte
     for name in graph.order:
         for arg, (src, out_index) in enumerate(graph.nodes[name].args):
             key = _reshard_key(graph, chosen, ctx, name, arg)
-            edge = price_edge(graph, src, out_index, name, arg, chosen[src], chosen[name], ctx)
-            held = held_reshard_bytes(graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index],
-                                      chosen[name].inputs[arg], ctx, **edge_flags(graph, src, name, arg))
+            meta, produced = graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index]
+            assert meta is not None and produced is not None
+            edge, held = prices.chosen(meta, edge_flags(graph, src, name, arg), produced, chosen[name], arg)
             if key not in best or (edge.time, held) > (best[key][0].time, best[key][1]):
                 best[key] = (edge, held, name)
     return best
 
 
 def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, ledger: _Ledger,
-                     waited: dict[tuple[str, str], float]) -> tuple[float, set[str], list[int]]:
+                     waited: dict[tuple[str, str], float], prices: EdgePrices) -> tuple[float, set[str], list[int]]:
     """Every reshard the step runs (once per tensor, version and placement among its
     consumers, listed at its first consumer) and every loss count reduction; returns the
     bytes resharded copies keep until backward, the parameters gathered again in backward
     and the ledger entries of the gradient reduce-scatters left running beside backward
     (``EdgeCost.unwaited``, parameters read once: ``single_use_params``).
-    ``waited``: the windowed gathers' waited shares (``WindowPrices.waited``)."""
-    prices = _shared_prices(graph, chosen, ctx)
+    ``waited``: the windowed gathers' waited shares (``WindowPrices.waited``); ``prices``: the edges'
+    prices as the ILP kept them."""
+    prices = _shared_prices(graph, chosen, ctx, prices)
     single = single_use_params(graph)
     recorded: set[tuple] = set()
     held = 0.0
@@ -301,8 +303,10 @@ def _node_placements(graph: PlanGraph, chosen: dict[str, Strategy], costs: list[
 
 def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: CostContext,
                timings: dict[str, float], pinned: dict[str, str], *, memory_limit: float | None = None,
-               notes: list[str] | None = None, memory: MemoryPlan | None = None) -> Plan:
-    """The plan of a solution, priced by the same functions as the ILP's objective."""
+               notes: list[str] | None = None, memory: MemoryPlan | None = None,
+               prices: EdgePrices | None = None) -> Plan:
+    """The plan of a solution, priced by the same functions as the ILP's objective; ``prices``: the
+    edge prices its solve kept (``search.problem.Problem.edge_prices``), or priced here alone."""
     mesh = ctx.mesh
     chosen: dict[str, Strategy] = {
         n: graph.nodes[n].strategies[solution.choice[folding.representative[n]]] for n in graph.order}
@@ -312,7 +316,9 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     act_mem = sum(c.memory for n, c in zip(graph.order, costs) if graph.nodes[n].kind != PARAM)
     ledger = _Ledger(mesh)
     windows = plan_windows(graph, chosen, dict(zip(graph.order, costs)), ctx)
-    held, regathered, unwaited = _record_reshards(graph, chosen, ctx, ledger, windows.waited)
+    prices = EdgePrices(ctx) if prices is None else prices
+    assert prices.key == EdgePrices.key_of(ctx), "edge prices kept for another context"
+    held, regathered, unwaited = _record_reshards(graph, chosen, ctx, ledger, windows.waited, prices)
     act_mem += held
     memory = replace(memory or MemoryPlan(), regather=sorted(regathered))
     freed = freed_before_recompute(graph)

@@ -89,7 +89,7 @@ def finish(problem: Problem, solution: Solution) -> PlannedStep:
     notes += context_notes(graph, chosen, problem.ctx.mesh) + expert_notes(graph, chosen, problem.ctx.mesh)
     result = build_plan(graph, folding, solution, problem.ctx, problem.timings, problem.pinned,
                         memory_limit=problem.memory_limit, notes=notes + problem.memory_notes + solution.notes,
-                        memory=_memory_plan(problem))
+                        memory=_memory_plan(problem), prices=problem.edge_prices())
     result.source = _source(problem, solution)
     if solution.status not in ("optimal", "repriced"):  # repriced: no solve, nothing to warn of
         warnings.warn(f"autopar: {solver_note(result.solver)}", stacklevel=5)  # the caller of plan()

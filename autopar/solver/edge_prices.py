@@ -65,6 +65,15 @@ class EdgePrices:
         key = (self._id((meta, tuple(flags.items()))), self._id(produced), self._id(consumed))
         return self._cost_at(key, meta, produced, consumed[0], consumer, flags)
 
+    def chosen(self, meta: TensorMeta, flags: dict[str, bool], produced: Placements, consumer: Strategy,
+               arg: int) -> tuple[EdgeCost, float]:
+        """The edge cost and held bytes of a plan's one edge into ``consumer``'s input ``arg``, as the
+        ILP priced that pair (``build_plan`` lists what its solution runs)."""
+        consumed = (consumer.inputs[arg], tuple(consumer.is_active(i) for i in range(self._ctx.mesh.ndim)))
+        key = (self._id((meta, tuple(flags.items()))), self._id(produced), self._id(consumed))
+        return (self._cost_at(key, meta, produced, consumed[0], consumer, flags),
+                self._held_at(key, meta, produced, consumed[0], flags))
+
     def _held_at(self, key: tuple[int, int, int], meta: TensorMeta, produced: Placements, required: Placements,
                  flags: dict[str, bool]) -> float:
         found = self._held.get(key)
