@@ -144,6 +144,15 @@ def stage_working_sets(graph: PlanGraph, chosen: Mapping[str, Strategy], ctx: Co
     micro-batch after the first finds its gradients made)."""
     consumers = graph.consumers()
     out = [0.0] * count
+    seen: dict[tuple[int, int, tuple[bool, ...], tuple[bool, ...]], float] = {}
     for name, s in stage_of.items():
-        out[s] = max(out[s], working_set(graph, name, chosen[name], ctx, gradient_flags(graph, name, consumers)))
+        flags = gradient_flags(graph, name, consumers)
+        if flags is None:
+            continue
+        # the layers of a stack share their ops' strategy lists (one per distinct call): by identity,
+        # an op's list and chosen strategy say what its working set reads besides the flags
+        key = (id(graph.nodes[name].strategies), id(chosen[name]), tuple(flags[0]), tuple(flags[1]))
+        if key not in seen:
+            seen[key] = working_set(graph, name, chosen[name], ctx, flags)
+        out[s] = max(out[s], seen[key])
     return out
