@@ -5,11 +5,13 @@ torchtitan's op-level ('selective_op') checkpointing, 4 micro-batches and dp x t
 where activations are more than half of the prediction.
 
 The prediction adds backward's largest working set (one op's gradients and temporaries, less the
-parameter gradients not yet made when it runs: ``memory.backward``). What it still leaves out (the
-logits a loss reads in forward, gradients alive beside the op's own, the gradient buckets' flat
-buffer during backward) and over-counts (saved activations backward has freed before that op runs)
-leave it within 11% of the measured peaks, mostly above them (before the working set it was up to
-14% below); each config's figures are in its assertion message.
+parameter gradients not yet made when it runs: ``memory.backward``; the forward at the loss holds
+less, ``tests/test_forward_memory.py``). What it still leaves out (gradients alive beside the op's
+own: the residual stream's, 2 of the 26 MiB of gradients a Llama's SwiGLU backward holds at its
+peak; the gradient buckets' flat buffer during backward) and over-counts (saved activations backward
+has freed before that op runs: 14 MiB there) leave it within 11% of the measured peaks, mostly above
+them (before the working set it was up to 14% below); each config's figures are in its assertion
+message.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ holds two logits-sized tensors (15.7 GiB in fp32 for 16,384 tokens of Llama 3's 
 vocabulary) that no saved-tensor count sees. Measured with torch's ``MemTracker`` on a CPU model
 (4,096 tokens, 32,768 words): 1,024 MiB of temporaries at the backward peak, two fp32 logits.
 
+The loss's forward holds less, so it has no row of its own: the logits (and an upcasting loss's
+fp32 copy of bf16 ones) beside the log-probabilities it saves, at most one and a half fp32 logits,
+with no parameter gradient made either (``tests/test_forward_memory.py``, measured).
+
 A parameter input's gradient is counted too, at the placement and width the op reads the
 parameter (FSDP's gathered gradient, a mixed-precision copy's bf16 one); where it becomes or
 replaces a ``.grad`` the model state counts (``gradient_bytes``, also the state's gradient
