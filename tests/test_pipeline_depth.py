@@ -89,9 +89,9 @@ def test_nothing_fitting_says_why_for_each_depth() -> None:
 
 
 def test_depths_share_their_captures(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A micro-batch size is captured once for all depths: the mesh does not change the graph; and
-    the capture with a symbolic micro-batch (pricing every count, ``capture.symbolic``) once for all
-    sizes and depths."""
+    """One capture with a symbolic micro-batch prices every count at every depth (``capture.symbolic``,
+    standing in for the concrete captures: ``Problems.stand_in``); the whole batch is captured concretely
+    once for all depths (the mesh does not change the graph), and the plan found at its own size."""
     calls: list[int] = []
     symbolic: list[int] = []
     real = torch.export.export
@@ -100,9 +100,10 @@ def test_depths_share_their_captures(monkeypatch: pytest.MonkeyPatch) -> None:
         (symbolic if kwargs.get("dynamic_shapes") else calls).append(args[0].shape[0])
         return real(step, args, **kwargs)
     monkeypatch.setattr(torch.export, "export", counted)
-    _plan({"dp": 4})
+    plan = _plan({"dp": 4})
+    assert plan.source is not None
     assert sorted(calls) == sorted(set(calls))
-    assert 8 in calls and len(calls) > 1  # the whole batch (no pipeline) and some micro-batch sizes
+    assert set(calls) == {8, 8 // plan.source.micro_batches}  # the whole batch, and the plan's micro-batch
     assert len(symbolic) == 1
 
 

@@ -95,3 +95,35 @@ def batch_symbol(gm: torch.fx.GraphModule, user_inputs: list[str], shapes: tuple
 def _symbols(leaf: torch.Tensor | torch.SymInt) -> set[sympy.Symbol]:
     sizes = leaf.shape if isinstance(leaf, torch.Tensor) else (leaf,)
     return {sym for s in sizes if isinstance(s, torch.SymInt) for sym in s.node.expr.free_symbols}
+
+
+def named_as(symbolic: CapturedGraph, concrete: CapturedGraph) -> bool:
+    """Name ``symbolic``'s nodes as ``concrete`` names the same nodes (in place), so that a plan made on one
+    names the nodes of the other; False, renaming nothing, where the graphs do not align: the symbolic one's
+    nodes must be the concrete one's, by op and target in order, with only the symbol's own size arithmetic
+    (nodes computing a ``SymInt``: ``sym_size(tokens, 0)``) between them, whose names export gave away.
+    The symbolic graph is only priced, never run nor recompiled: its names are set on the nodes and in the
+    graph's namespace, not made again by FX."""
+    twins = list(concrete.gm.graph.nodes)
+    names: dict[torch.fx.Node, str] = {}
+    for node in symbolic.gm.graph.nodes:
+        twin = twins[len(names)] if len(names) < len(twins) else None
+        if twin is not None and (node.op, node.target) == (twin.op, twin.target):
+            names[node] = twin.name
+        elif node.op != "call_function" or not isinstance(node.meta.get("val"), torch.SymInt):
+            return False
+    if len(names) != len(twins):
+        return False
+    taken = set(names.values())
+    sizes = (n for n in symbolic.gm.graph.nodes if n not in names)
+    spare = (name for k in range(len(symbolic.gm.graph.nodes)) if (name := f"micro_batch_size_{k}") not in taken)
+    for node, name in [*names.items(), *((n, next(spare)) for n in sizes)]:
+        _set_name(node, name)
+    return True
+
+
+def _set_name(node: torch.fx.Node, name: str) -> None:
+    namespace = node.graph._graph_namespace
+    node.name = name
+    namespace._obj_to_name[node] = name
+    namespace._used_names.add(name)

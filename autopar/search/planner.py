@@ -48,18 +48,48 @@ def plan(step: Step, config: PlanConfig, mesh: Mesh, *, progress: bool = False) 
 
 
 def search(problems: Problems, mesh: Mesh) -> PlannedStep:
-    """``plan``'s search over ``problems`` (a config already checked against ``mesh``)."""
+    """``plan``'s search over ``problems`` (a config already checked against ``mesh``): its places prepared on
+    the step's symbolic capture where it stands in for the concrete ones (``Problems.stand_in``), the plan
+    found then moved onto its concrete capture; searched again on concrete captures where it cannot be."""
     config = problems.config
     try:
         with reuse_captures(), paused_gc():  # every place captures the one step: the shapes alone differ
             limit = config.memory.limit(mesh)
-            found = search_layouts(problems, _search, mesh, limit) if mesh.open else \
-                _search(problems, config.pipeline, mesh, limit, math.inf)
+            problems.stand_in = True
+            found = _searched(problems, mesh, limit)
+            problems.stand_in = False
+            concrete = found if isinstance(found, Pruned) else on_concrete_capture(problems, found, limit)
+            if concrete is None:
+                problems.account.record("search", "stand-in capture", "searched again", None,
+                                        "the symbolic capture's graph is not the concrete one's at the plan's size")
+                concrete = _searched(problems, mesh, limit)
     finally:
+        problems.stand_in = False
         problems.account.close()
-    if isinstance(found, Pruned):
-        raise found.error
-    return replace(found, plan=replace(found.plan, account=list(problems.account.rows)))
+    if isinstance(concrete, Pruned):
+        raise concrete.error
+    return replace(concrete, plan=replace(concrete.plan, account=list(problems.account.rows)))
+
+
+def _searched(problems: Problems, mesh: Mesh, limit: float) -> PlannedStep | Pruned:
+    config = problems.config
+    return search_layouts(problems, _search, mesh, limit) if mesh.open else \
+        _search(problems, config.pipeline, mesh, limit, math.inf)
+
+
+def on_concrete_capture(problems: Problems, step: PlannedStep, memory_limit: float) -> PlannedStep | None:
+    """``step`` on the concrete capture of its micro-batch size (itself if it is on one already): the same
+    plan, now of a graph that runs. None where that capture's graph, priced under the step's scenario, is
+    not the symbolic one's node for node."""
+    if step.captured.batch_symbol is None:
+        return step
+    assert step.scenario is not None and step.plan.source is not None and not problems.stand_in
+    place = Place(mesh=step.ctx.mesh, micro_batches=step.ctx.micro_batches,
+                  pipeline_ranks=step.plan.source.pipeline_ranks)
+    graph = problems.under(place, step.scenario, memory_limit).graph
+    if graph.order != step.graph.order or any(graph.nodes[n] != step.graph.nodes[n] for n in graph.order):
+        return None
+    return replace(step, captured=problems.at(place).captured, graph=graph)
 
 
 def _search(problems: Problems, pipeline: Pipeline | bool | None, mesh: Mesh, limit: float, cutoff_s: float

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from autopar.capture import CapturedGraph, capture
-from autopar.capture.symbolic import SymbolicRefused
+from autopar.capture.symbolic import SymbolicRefused, named_as
 from autopar.config import PlanConfig
 from autopar.cost import get_precision
 from autopar.cost.model import CostContext
@@ -139,8 +139,6 @@ def prepare(step: Step, config: PlanConfig, place: Place, account: Account | Non
     its repeated blocks: the problem under the default scenario of its pinned memory choices.
     ``shared``: what the places of one search share in building their plan graphs."""
     mesh, m, train = place.mesh, place.micro_batches, config.train
-    inputs, kwargs, targets = micro_batch_examples((step.example_inputs, step.example_kwargs, step.example_targets),
-                                                   step.batch, m, train)
     ctx = CostContext(mesh=mesh, precision=_precision(step.model, mesh, config.precision, config.masters),
                       train=train, inputs_whole=not config.axes.input_sharded,
                       bucket_bytes=config.solver.bucket_bytes, micro_batches=m,
@@ -148,8 +146,7 @@ def prepare(step: Step, config: PlanConfig, place: Place, account: Account | Non
     timings: dict[str, float] = {}
     account = account or Account()
     with timed("capture", timings, account):
-        captured = capture(step.model, inputs, loss_fn=step.loss_fn, example_kwargs=kwargs, example_targets=targets,
-                           train=train, symbolic_batch=place.symbolic)
+        captured = captured_at(step, config, m, place.symbolic)
     with timed("strategies", timings, account):
         graph = build_plan_graph(captured, config.rules, ctx, shared)
         add_strided_strategies(graph, config.rules, ctx)
@@ -162,6 +159,14 @@ def prepare(step: Step, config: PlanConfig, place: Place, account: Account | Non
                    pinned.pinned, config.solver.time_limit_s, options, pinned.notes, base_graph=graph, batch=step.batch,
                    batch_ways=math.prod(mesh.axes[a] for a in config.axes.data),
                    memory_shares=_stage_shares(graph, place.pipeline_ranks), place=place)
+
+
+def captured_at(step: Step, config: PlanConfig, m: int, symbolic: bool) -> CapturedGraph:
+    """``step`` captured at micro-batches of batch / m rows, that size a symbol if ``symbolic``."""
+    inputs, kwargs, targets = micro_batch_examples((step.example_inputs, step.example_kwargs, step.example_targets),
+                                                   step.batch, m, config.train)
+    return capture(step.model, inputs, loss_fn=step.loss_fn, example_kwargs=kwargs, example_targets=targets,
+                   train=config.train, symbolic_batch=symbolic)
 
 
 def scenarios(problem: Problem) -> list[Scenario]:
@@ -254,11 +259,30 @@ class Problems:
         self._shared = BuildMemo(config.rules)
         self._priced: dict[tuple[Any, ...], Problem] = {}
         self._free: dict[tuple[Any, ...], Solution | NoPlan] = {}
+        self.stand_in = False
+        """Prepare a place of micro-batches of two rows or more on the step's one capture with a symbolic
+        micro-batch, where that capture has the concrete one's nodes (``_stands_in``): one export serves
+        every count. The search sets it while it runs; its plan then moves onto a concrete capture
+        (``search.planner``), which replaying a plan and compiling always use."""
+        self._stands: bool | None = None
+
+    def _routed(self, place: Place) -> Place:
+        """Where ``place`` is prepared: on the symbolic capture where it stands in (``stand_in``)."""
+        batch = self.step.batch
+        if not self.stand_in or place.symbolic or place.micro_batches == 1 or batch is None \
+                or batch // place.micro_batches < 2:  # export specializes a size of 1
+            return place
+        if self._stands is None:
+            self._stands = _stands_in(self.step, self.config, place.micro_batches)
+        return replace(place, symbolic=True) if self._stands else place
 
     def at(self, place: Place) -> Problem:
         """``place``'s problem as prepared, before any scenario prices it."""
+        place = self._routed(place)
         key = _key(place)
         if key not in self._prepared:
+            if place.symbolic and self._stands is None:  # named as the concrete capture before any is priced
+                self._stands = _stands_in(self.step, self.config, place.micro_batches)
             self._prepared[key] = prepare(self.step, self.config, place, self.account, self._shared)
         return self._prepared[key]
 
@@ -273,7 +297,7 @@ class Problems:
 
     def under(self, place: Place, scenario: Scenario, memory_limit: float) -> Problem:
         """``place``'s problem priced under ``scenario`` (prepared at its micro-batch count), within ``memory_limit``."""
-        place = replace(place, micro_batches=scenario.micro_batches)
+        place = self._routed(replace(place, micro_batches=scenario.micro_batches))
         key = (_key(place), scenario)
         if key not in self._priced:
             self._priced[key] = priced_under(self.at(place), scenario)
@@ -283,7 +307,7 @@ class Problems:
                     ) -> Solution | NoPlan:
         """``solve()``, the ILP of ``place`` under ``scenario`` without the memory row, run once: a pipeline
         search asks for a stage plan's free solve, then its memory search under the limit asks again."""
-        key = (_key(replace(place, micro_batches=scenario.micro_batches)), scenario)
+        key = (_key(self._routed(replace(place, micro_batches=scenario.micro_batches))), scenario)
         if key not in self._free:
             self._free[key] = solve()
         return self._free[key]
@@ -291,6 +315,21 @@ class Problems:
     def first(self, place: Place, memory_limit: float) -> Problem:
         """``place``'s problem under its first scenario: the memory choices pinned, nothing else searched."""
         return self.under(place, scenarios(self.at(place))[0], memory_limit)
+
+
+def _stands_in(step: Step, config: PlanConfig, m: int) -> bool:
+    """Whether the step's capture with a symbolic micro-batch stands in for its concrete captures: its nodes
+    are the concrete capture's (of the whole batch) by op in order, and named so (``capture.symbolic.named_as``:
+    export names the symbol's own arithmetic, shifting later names, and a plan names nodes). Where it is, it
+    prices every size as that size's concrete capture would (``capture.symbolic``). ``m``: a count whose
+    micro-batches are cut from the batch (the whole batch's tensors are other objects, which a capture
+    tells apart), as every count but 1 is."""
+    concrete = captured_at(step, config, 1, False)
+    try:
+        symbolic = captured_at(step, config, m, True)
+    except SymbolicRefused:  # a capture's refusal, made a value at this boundary
+        return False
+    return named_as(symbolic, concrete)
 
 
 def first_place(config: PlanConfig, mesh: Mesh) -> Place:
