@@ -19,6 +19,7 @@ from autopar.cost.precision import get_precision
 from autopar.problem.graph import build_plan_graph
 from autopar.rules import DEFAULT_RULES
 from autopar.search import planner
+from autopar.search import problem as problem_module
 from autopar.search.problem import Problems, Step
 from examples import hf_models, llama
 
@@ -106,3 +107,22 @@ def test_a_plan_that_cannot_move_onto_its_concrete_capture_is_searched_again(mon
     found = planner.plan(step, config, autopar.Mesh({"dp": 2}, "cpu"))
     assert found.captured.batch_symbol is None and found.plan.source.micro_batches == 4
     assert any(row.outcome == "searched again" for row in found.plan.account)
+
+
+def test_a_stand_in_that_fails_to_prepare_leaves_every_count_concrete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A symbolic graph that fails where the concrete one would not (an ``InputError`` preparing it) stands
+    in for nothing: the count is prepared on its concrete capture, and so is every later one."""
+    model, (tokens,), loss_fn, (targets,) = llama.build(llama.LlamaConfig(layers=1), batch=8)
+    step = Step(model=model, example_inputs=(tokens,), example_targets=(targets,), loss_fn=loss_fn)
+    real = problem_module.prepare
+
+    def failing(step: Step, config: PlanConfig, place: Any, *args: Any) -> Any:
+        if place.symbolic:
+            raise autopar.InputError("a symbolic graph this test refuses")
+        return real(step, config, place, *args)
+    monkeypatch.setattr(problem_module, "prepare", failing)
+    problems = Problems(step, PlanConfig.from_options())
+    problems.stand_in = True
+    mesh = autopar.Mesh({"dp": 2}, "cpu")
+    for m in (2, 4):
+        assert problems.at(problem_module.Place(mesh=mesh, micro_batches=m)).captured.batch_symbol is None

@@ -278,12 +278,18 @@ class Problems:
 
     def at(self, place: Place) -> Problem:
         """``place``'s problem as prepared, before any scenario prices it."""
-        place = self._routed(place)
-        key = _key(place)
+        routed = self._routed(place)
+        key = _key(routed)
         if key not in self._prepared:
-            if place.symbolic and self._stands is None:  # named as the concrete capture before any is priced
-                self._stands = _stands_in(self.step, self.config, place.micro_batches)
-            self._prepared[key] = prepare(self.step, self.config, place, self.account, self._shared)
+            if routed.symbolic and self._stands is None:  # named as the concrete capture before any is priced
+                self._stands = _stands_in(self.step, self.config, routed.micro_batches)
+            try:
+                self._prepared[key] = prepare(self.step, self.config, routed, self.account, self._shared)
+            except (SymbolicRefused, InputError):  # a capture's refusal, made a value at this boundary
+                if routed is place:
+                    raise
+                self._stands = False  # the stand-in fails where a concrete capture may not: none stands in
+                return self.at(place)
         return self._prepared[key]
 
     def refused_symbolic(self, place: Place) -> str:
