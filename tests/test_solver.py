@@ -179,6 +179,22 @@ def test_whether_some_plan_fits_is_answered_either_way() -> None:
     assert isinstance(none, NoPlan) and none.kind == "memory", none
 
 
+def test_an_lp_bound_asked_against_a_cutoff_stops_once_over_it() -> None:
+    """The LP relaxation solved whole, and against a cutoff: under its optimum the dual simplex stops as
+    soon as its bound passes the cutoff ('bound'); over it, the optimum is the relaxation's own; the
+    relaxation is no slower than the integer plan."""
+    graph, ctx = _llama_graph(2)
+    folding = fold_repeated_blocks(graph)
+    whole = solve(graph, folding, ctx, None, relaxed=True)
+    assert isinstance(whole, Solution) and whole.status == "relaxed"
+    plan = solve(graph, folding, ctx, None)
+    assert isinstance(plan, Solution) and whole.objective_s <= plan.objective_s * (1 + 1e-9)
+    over = solve(graph, folding, ctx, None, relaxed=True, cutoff_s=whole.objective_s * 0.5)
+    assert isinstance(over, NoPlan) and over.kind == "bound", over
+    under = solve(graph, folding, ctx, None, relaxed=True, cutoff_s=whole.objective_s * 2)
+    assert isinstance(under, Solution) and under.objective_s == pytest.approx(whole.objective_s, rel=1e-7)
+
+
 def test_plans_are_deterministic() -> None:
     model, inputs, loss_fn, targets = llama.build()
     mesh = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")

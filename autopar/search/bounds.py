@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from autopar.cost.model import step_repeats
@@ -76,13 +77,18 @@ class Bounds:
         self.full[scenario] = max(self.node[scenario], bound)
         return self.full[scenario]
 
-    def solve_lp(self, scenario: Scenario) -> bool:
+    def solve_lp(self, scenario: Scenario, beat_s: float = math.inf) -> bool:
         """Bound ``scenario`` by its LP relaxation under the memory limit (no plan within the limit
-        beats it; 0 when not solved to optimality); False when even the relaxation does not fit."""
+        beats it; 0 when not solved to optimality); False when even the relaxation does not fit. Only
+        whether it beats ``beat_s`` (the best plan's seconds) is asked: an LP known to be over it stops
+        there, its bound ``beat_s``."""
         relaxed = ilp.solve(self.step(scenario), self.limit, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
-                            account=self.problems.account)
+                            account=self.problems.account, cutoff_s=None if math.isinf(beat_s) else beat_s)
         if isinstance(relaxed, NoPlan) and relaxed.kind == "memory":
             return False
+        if isinstance(relaxed, NoPlan) and relaxed.kind == "bound":
+            self.lp[scenario] = beat_s
+            return True
         self.lp[scenario] = relaxed.objective_s if isinstance(relaxed, Solution) and relaxed.status == "relaxed" \
             else 0.0  # no bound: the solve under the limit decides
         return True

@@ -123,7 +123,7 @@ def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Sc
             counts["solved"] += 1
         return
     if scenario not in bounds.lp:  # the least-memory solve first: it proves a scenario that cannot fit quickly
-        if may_fit(bounds.step(scenario), found.leanest, found.fit, account) and bounds.solve_lp(scenario):
+        if may_fit(bounds.step(scenario), found.leanest, found.fit, account) and bounds.solve_lp(scenario, beat_s):
             counts["lp_bounds"] += 1
         else:
             waiting.remove(scenario)

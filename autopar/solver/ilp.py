@@ -83,8 +83,9 @@ class NoPlan:
     """Why an ILP gave no plan (what a solve returns instead of a ``Solution``)."""
 
     kind: str
-    """'memory' (nothing fits the limit, or nothing beats the cutoff), 'time_limit' (none found in time),
-    'pins' (the pinned placements conflict) or 'failed' (HiGHS stopped otherwise)."""
+    """'memory' (nothing fits the limit, or nothing beats the cutoff), 'bound' (an LP relaxation's optimum
+    is over the cutoff), 'time_limit' (none found in time), 'pins' (the pinned placements conflict) or
+    'failed' (HiGHS stopped otherwise)."""
     message: str
 
     def error(self) -> Exception:
@@ -147,7 +148,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     'target_reached'), or ``NoPlan`` ('memory') once none can (HiGHS prunes every branch whose bound is
     over it): whether some plan fits a limit takes a fraction of the leanest plan's proof.
     ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
-    bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit. ``fixed``:
+    bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit, or ('bound')
+    once the relaxation is known to be over ``cutoff_s``. ``fixed``:
     each representative node's strategy given (status 'repriced'): the objective and its terms of that
     choice, nothing searched. A solution's ``terms`` are its objective by name (``milp.TERMS``). ``prices``:
     edge prices kept from solves before (``EdgePrices.key`` equal to ``ctx``'s)."""
@@ -185,6 +187,8 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
                   minimize_memory, enough_bytes, relaxed, fixed,
                   lambda: [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms)
     if result.values is None:
+        if relaxed and result.status == "over_cutoff":
+            return NoPlan("bound", f"its LP relaxation is over the cutoff of {cutoff_s:.6g} s")
         if (not explain or cutoff_s is not None) and result.status == "infeasible" and memory_limit is not None:
             return NoPlan("memory", f"no plan fits the memory limit of {fmt_bytes(memory_limit)} per device")
         if minimize_memory and enough_bytes is not None and result.status == "infeasible":
@@ -246,7 +250,7 @@ def _run(model: Model, x: dict[str, list[int]], folding: Folding, time_limit_s: 
     if fixed is not None:
         return run(model, time_limit_s, zero=[j for v, js in x.items() for s, j in enumerate(js) if s != fixed[v]])
     if relaxed:
-        result = run(model, time_limit_s, relaxed=True)
+        result = run(model, time_limit_s, cutoff, relaxed=True)
         return replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
     if len(model.cost) >= NARROW_FROM_COLUMNS and cutoff is None and not minimize_memory:
         likely = likely_strategies(x, start_costs(), terms, keep=NARROW_KEEP)

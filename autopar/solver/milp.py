@@ -13,6 +13,9 @@ INF = highspy.kHighsInf
 PROBING = 1 << 15
 """HiGHS's presolve rule bit (``presolve_rule_off``) for probing (HiGHS 1.16 logs it as
 "Rule 15 (set bit 15 = 32768): Probing")."""
+DUAL_SIMPLEX = 1
+"""HiGHS's ``simplex_strategy`` for the dual simplex: the one whose objective bounds an LP's optimum from
+below at every iteration, so an LP bound over a cutoff is known before it is solved."""
 SCALE = 1e6
 """Objective units per second: microseconds keep HiGHS's tolerances meaningful for sub-second steps."""
 
@@ -101,7 +104,8 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
     ``zero``: columns held at 0 (a narrowed model). ``lean``: skip the search aids a run that
     closes at its root does not use (``LEAN_OPTIONS``). ``target``: stop at the first plan whose
     objective is at most this (HiGHS's ``objective_target``; status 'target_reached'). ``relaxed``:
-    the LP relaxation (no column integral): its optimum bounds the model's from below."""
+    the LP relaxation (no column integral): its optimum bounds the model's from below; with ``cutoff``,
+    status 'over_cutoff' as soon as the dual simplex's objective (a bound on the optimum) passes it."""
     # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
     # banner to stdout doing so, which would land in the CLI's output.
     h = _Highs()
@@ -117,6 +121,10 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
         h.setOptionValue(option, value)
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
+    if cutoff is not None and relaxed:  # HiGHS's dual simplex, unpresolved, stops once its bound passes it
+        h.setOptionValue("presolve", "off")
+        h.setOptionValue("solver", "simplex")
+        h.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
     if target is not None:
         h.setOptionValue("objective_target", float(target))
     n = len(model.cost)
@@ -161,6 +169,8 @@ def interpret(status: highspy.HighsModelStatus, info: object, solution: object, 
         name, feasible = "infeasible", False
     elif status == statuses.kObjectiveTarget:
         name = "target_reached"
+    elif status == statuses.kObjectiveBound:  # an LP's dual objective passed the cutoff: the optimum is over it
+        name, feasible = "over_cutoff", False
     else:
         name = str(status).rsplit(".", 1)[-1]
     if not feasible:
