@@ -179,11 +179,12 @@ def test_whether_some_plan_fits_is_answered_either_way() -> None:
     assert isinstance(none, NoPlan) and none.kind == "memory", none
 
 
+@pytest.mark.slow
 def test_an_lp_bound_asked_against_a_cutoff_stops_once_over_it() -> None:
     """The LP relaxation solved whole, and against a cutoff: under its optimum the dual simplex stops as
     soon as its bound passes the cutoff ('bound'); over it, the optimum is the relaxation's own; the
     relaxation is no slower than the integer plan."""
-    graph, ctx = _llama_graph(2)
+    graph, ctx = _llama_graph(1)
     folding = fold_repeated_blocks(graph)
     whole = solve(graph, folding, ctx, None, relaxed=True)
     assert isinstance(whole, Solution) and whole.status == "relaxed"
