@@ -272,17 +272,22 @@ class Problems:
         if not self.stand_in or place.symbolic or place.micro_batches == 1 or batch is None \
                 or batch // place.micro_batches < 2:  # export specializes a size of 1
             return place
+        return replace(place, symbolic=True) if self._named(place.micro_batches) else place
+
+    def _named(self, m: int) -> bool:
+        """Whether the symbolic capture stands in (worked out once, at a count ``m`` cut from the batch,
+        naming its nodes before any place prices them)."""
         if self._stands is None:
-            self._stands = _stands_in(self.step, self.config, place.micro_batches)
-        return replace(place, symbolic=True) if self._stands else place
+            self._stands = _stands_in(self.step, self.config, m)
+        return self._stands
 
     def at(self, place: Place) -> Problem:
         """``place``'s problem as prepared, before any scenario prices it."""
         routed = self._routed(place)
         key = _key(routed)
         if key not in self._prepared:
-            if routed.symbolic and self._stands is None:  # named as the concrete capture before any is priced
-                self._stands = _stands_in(self.step, self.config, routed.micro_batches)
+            if routed.symbolic:  # named as the concrete capture before any is priced
+                self._named(routed.micro_batches)
             try:
                 self._prepared[key] = prepare(self.step, self.config, routed, self.account, self._shared)
             except (SymbolicRefused, InputError):  # a capture's refusal, made a value at this boundary

@@ -24,7 +24,7 @@ from autopar.mesh import Mesh
 from autopar.passes.context import PLAN_NAME, STRATEGY, PassContext
 from autopar.rules.loss import MEAN_AS_PARTIAL
 from autopar.rules.strategy import OpCall, Strategy, parse_placements
-from autopar.problem.shared import module_path
+from autopar.problem.shared import module_path, output_metas
 from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 
 RUNTIME_MODULES = ("reshard", "regather", "prefetch", "gather_group", "backward_starts", "partial_mean_loss", "vocab_embedding",
@@ -138,7 +138,7 @@ def plan_graph(gm: torch.fx.GraphModule, planned: set[str], params: dict[str, st
     for node in gm.graph.nodes:
         if node.name not in planned:
             continue
-        outputs = _metas(node.meta.get("val"), hints)
+        outputs = output_metas(node.meta.get("val"), hints)
         if node.op == "placeholder":
             kind = PARAM if node.name in params else BUFFER if node.name in buffers else INPUT
             fqn = params.get(node.name) or buffers.get(node.name)
@@ -178,9 +178,3 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], outputs: tuple[Ten
     if node.target in MEAN_AS_PARTIAL and len(producers) > 1 and nodes[producers[1][0]].kind == INPUT:
         plan_node.targets_input = producers[1][0]
     return plan_node
-
-
-def _metas(value: Any, hints: dict[Any, int]) -> tuple[TensorMeta | None, ...]:
-    if isinstance(value, (list, tuple)):
-        return tuple(TensorMeta.of(v, hints) for v in value)
-    return (TensorMeta.of(value, hints),)
