@@ -153,3 +153,35 @@ def test_each_free_ilp_is_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _plan({"dp": 4}, memory_limit=256 * KiB, **PINS)
     assert plan.pipeline is not None and free
     assert len(free) == len(set(free)), sorted(free, key=str)
+
+
+def test_stage_plans_that_cannot_beat_another_depths_plan_are_not_solved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the seconds of a plan found elsewhere (another depth's), each count's stage plan is bounded by
+    its LP relaxation before it is solved: p x the cutoff under it, no pipeline of that count beats the cutoff
+    (a pipeline's ranks' work adds up to its stage plan's step). A cutoff nothing beats solves no stage plan
+    and prunes the depth; a cutoff just above the fastest pipeline keeps it."""
+    from autopar.search import ilp
+    from autopar.search.memory import Pruned
+    from autopar.search.pipeline import unlimited_pipelines
+    from tests.planning import problems
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    solved: list[int] = []
+    real = ilp.solve
+
+    def counted(problem: Any, memory_limit: float | None, **kwargs: Any) -> Any:
+        if not any(kwargs.get(k) for k in ("minimize_memory", "relaxed", "fixed")):
+            solved.append(problem.ctx.micro_batches)
+        return real(problem, memory_limit, **kwargs)
+    monkeypatch.setattr(ilp, "solve", counted)
+
+    def search(cutoff_s: float) -> Any:
+        store = problems(_Stack(), (x,), loss_fn=nn.functional.mse_loss, example_targets=(y,))
+        return unlimited_pipelines(store, autopar.Pipeline(axis="pp"), autopar.Mesh({"pp": 2, "dp": 2}, "cpu"),
+                                   float("inf"), cutoff_s)
+    bounded = search(1e-9)
+    assert isinstance(bounded, Pruned) and bounded.bounded and not solved
+    assert "micro-batch counts bounded" in bounded.reason
+    free = search(float("inf"))
+    kept = search(free.fastest_s * 1.001)
+    assert not isinstance(kept, Pruned) and kept.fastest_s == free.fastest_s

@@ -57,7 +57,8 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
             return at
         _record(problems, 1, at, found, skipped)
         del free[1]
-    for depth, at in _unlimited(problems, spec, mesh, limit, units, skipped).items():
+    fitting = seconds if fits else math.inf
+    for depth, at in _unlimited(problems, spec, mesh, limit, units, skipped, min(fitting, cutoff_s)).items():
         if isinstance(at, Pruned):
             _record(problems, depth, at, found, skipped)
         else:
@@ -84,10 +85,12 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
     return _annotated(depth, found, skipped, time.perf_counter() - began)
 
 
-def _unlimited(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, units: int, skipped: dict[int, str]
-               ) -> dict[int, Unlimited | Pruned]:
+def _unlimited(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, units: int, skipped: dict[int, str],
+               fitting_s: float) -> dict[int, Unlimited | Pruned]:
     """Each pipeline depth's pipelines planned without the memory limit (the search's first round); a depth
-    with more pp ranks than the model has units is not planned (``skipped`` says so)."""
+    with more pp ranks than the model has units is not planned (``skipped`` says so). ``fitting_s``: the
+    fastest plan that fits found so far (or the caller's cutoff); each depth seeks only pipelines faster, and
+    bounds the next (a deeper depth loses ties, so an equal pipeline is not sought)."""
     depths, out = spec.depths(mesh.axes), {}
     for depth in depths[1:]:
         if depth > units:  # no stage would be left without a unit
@@ -96,7 +99,9 @@ def _unlimited(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, uni
             problems.account.record("depth", f"pp={depth}", "pruned", None, skipped[depth])
             continue
         with problems.account.inside(_where(depth, depths)):
-            out[depth] = unlimited_pipelines(problems, *_at_depth(spec, mesh, depth), limit)
+            out[depth] = unlimited_pipelines(problems, *_at_depth(spec, mesh, depth), limit, fitting_s * (1 + 2 * TIE))
+        if isinstance(out[depth], Unlimited):
+            fitting_s = min(fitting_s, out[depth].fitting_s)
     return out
 
 

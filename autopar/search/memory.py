@@ -15,7 +15,7 @@ from autopar.errors import MemoryLimitError
 from autopar.memory.scenarios import Scenario, leanest, zero1_note
 from autopar.search import ilp
 from autopar.search.account import Account
-from autopar.search.bounds import Bounds, may_fit, relaxation
+from autopar.search.bounds import LP_TIME_LIMIT_S, Bounds, may_fit, relaxation
 from autopar.search.planned import finish
 from autopar.search.problem import Place, Problem, Problems, scenarios
 from autopar.solver.ilp import NoPlan, Solution
@@ -50,12 +50,17 @@ class Pruned:
 
     reason: str
     error: Exception
+    bounded: bool = False
+    """No plan of it beats the caller's cutoff (``Bound.cutoff_s``), as a bound proved without solving."""
 
 
 def search_memory(problems: Problems, place: Place, limit: float, bound: Bound = Bound()) -> Solved | Pruned:
     """The fastest plan at ``place`` within ``limit`` over its memory scenarios (module docstring)."""
     candidates = scenarios(problems.at(place))
     first = problems.under(place, candidates[0], limit)
+    if math.isinf(limit) and _over_cutoff(problems, place, first, bound.cutoff_s):
+        why = f"no plan of it predicts less than {fmt_time(bound.cutoff_s)} (its LP relaxation's bound)"
+        return Pruned(why, MemoryLimitError(why), bounded=True)
     if len(candidates) == 1:
         return _one(first, limit, problems.account)
     free = problems.solved_free(place, candidates[0], lambda: ilp.solve(first, None, account=problems.account))
@@ -96,6 +101,27 @@ def free_plan(problems: Problems, place: Place, limit: float) -> tuple[float, bo
     first = problems.under(place, candidates[0], math.inf)
     free = problems.solved_free(place, candidates[0], lambda: ilp.solve(first, None, account=problems.account))
     return (math.inf, False) if isinstance(free, NoPlan) else (free.objective_s, free.memory_bytes <= limit)
+
+
+def _over_cutoff(problems: Problems, place: Place, free: Problem, cutoff_s: float) -> bool:
+    """Whether no plan of ``free`` (``place`` under its first scenario, no memory limit: what the search
+    returns there) predicts less than ``cutoff_s``: its free solve's optimum where solved, else its LP
+    relaxation (no plan beats it), which HiGHS stops once it passes the cutoff. A pipeline's stage plans
+    are bounded so before any is solved (``search.stage_plans``)."""
+    if math.isinf(cutoff_s):
+        return False
+    floor, solved = problems.free_floor(place, free.scenario)
+    if solved or floor >= cutoff_s:
+        return floor >= cutoff_s
+    relaxed = ilp.solve(free, None, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
+                        account=problems.account, cutoff_s=cutoff_s)
+    if isinstance(relaxed, NoPlan) and relaxed.kind == "bound":
+        problems.bounded_free(place, free.scenario, cutoff_s)
+        return True
+    if isinstance(relaxed, Solution) and relaxed.status == "relaxed":
+        problems.bounded_free(place, free.scenario, relaxed.objective_s)
+        return relaxed.objective_s >= cutoff_s
+    return False  # no bound in time: the solve decides
 
 
 def _one(problem: Problem, limit: float, account: Account) -> Solved | Pruned:

@@ -29,7 +29,7 @@ from autopar.search.memory import Pruned
 from autopar.search.pipeline_limited import limited, no_fit
 from autopar.search.planned import PlannedStep
 from autopar.search.problem import Problems
-from autopar.search.stage_plans import PipelineSearch, Priced, Race, StageMesh, label
+from autopar.search.stage_plans import PipelineSearch, Priced, StageMesh, label
 from autopar.units import fmt_time as fmt_s
 
 
@@ -51,6 +51,12 @@ class Unlimited:
         """The fastest pipeline without the limit: what the depth search orders depths by."""
         return min((f.step_time_s for plans in self.free.values() for f in plans), default=math.inf)
 
+    @property
+    def fitting_s(self) -> float:
+        """The fastest of these pipelines that fits the limit: a plan the depth search has already."""
+        return min((f.step_time_s for plans in self.free.values() for f in plans if f.peak_bytes <= self.search.limit),
+                   default=math.inf)
+
 
 def search_pipeline(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, cutoff_s: float = math.inf
                     ) -> PlannedStep | Pruned:
@@ -60,10 +66,12 @@ def search_pipeline(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float
     return unlimited if isinstance(unlimited, Pruned) else limited_pipeline(problems, unlimited, cutoff_s)
 
 
-def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float) -> Unlimited | Pruned:
+def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, cutoff_s: float = math.inf
+                        ) -> Unlimited | Pruned:
     """The pipelines ``spec`` allows on ``mesh`` planned without the memory limit: the stage plan solved at
     the counts ``PipelineSearch.free_plans`` chooses, or, where none of those fits ``limit``, at every count
-    (each bounds its count's plans under the limit)."""
+    (each bounds its count's plans under the limit). ``cutoff_s``: a plan that fits found elsewhere; no
+    pipeline as slow is sought, and where every one is bounded or outrun so, none is found."""
     began = time.perf_counter()
     stage = StageMesh(problems, spec, mesh)
     batch, ways = problems.step.batch, math.prod(mesh.axes.get(a, 1) for a in problems.config.axes.data)
@@ -78,7 +86,7 @@ def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: f
         why = (f"no pipeline of {spec} runs on {spec.axis}={stage.ranks} with a batch of {batch}: torch's schedules "
                f"need micro_batches >= {stage.ranks} stages, dividing the batch{split}")
         return Pruned(why, InputError(why))
-    search = PipelineSearch(stage, choices, limit)
+    search = PipelineSearch(stage, choices, limit, cutoff_s)
     free, how = search.free_plans()
     none_fit = not any(f.peak_bytes <= limit for plans in free.values() for f in plans) and math.isfinite(limit)
     if none_fit:
@@ -86,6 +94,11 @@ def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: f
             if m not in free:
                 free[m] = search.solved(m)
         how = "every micro-batch count solved (no pipeline fits without the limit)" if how else ""
+    if not any(free.values()) and (search.bounded or search.race.outrun):
+        why = (f"no pipeline of it predicts less than {fmt_s(cutoff_s)}, the best plan found elsewhere "
+               f"({len(search.bounded)} micro-batch counts bounded by their stage plans' LP relaxations, "
+               f"{search.race.outrun} pipelines not played out)")
+        return Pruned(why, MemoryLimitError(why), bounded=True)
     return Unlimited(search, {m: free[m] for m in search.counts if m in free}, how, time.perf_counter() - began,
                      none_fit)
 
@@ -111,22 +124,24 @@ def limited_pipeline(problems: Problems, unlimited: Unlimited, cutoff_s: float =
         return Pruned(str(error), error)
     best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
     problems.account.record("pipeline", label(best.choice), "chosen", best.step_time_s, how)
-    return _annotated(best, fitting, len(priced), search.race, unlimited.seconds + time.perf_counter() - began,
-                      how)
+    return _annotated(best, fitting, len(priced), search, unlimited.seconds + time.perf_counter() - began, how)
 
 
-def _annotated(best: Priced, fitting: list[Priced], priced: int, race: Race, seconds: float, how: str
+def _annotated(best: Priced, fitting: list[Priced], priced: int, search: PipelineSearch, seconds: float, how: str
                ) -> PlannedStep:
     """The chosen step, its plan saying what was searched and the runners-up."""
-    plan = best.step.plan
+    plan, race = best.step.plan, search.race
     others = sorted((f for f in fitting if f is not best), key=lambda f: f.step_time_s)[:3]
     runners = "; ".join(f"{label(f.choice)} {fmt_s(f.step_time_s)}" for f in others)
     outrun = (f", {race.outrun} more not played out (their busiest rank's own work was slower than a pipeline "
               "that fits)") if race.outrun else ""
+    if search.bounded:
+        outrun += (f", m={', '.join(map(str, search.bounded))} bounded out (no stage plan of theirs is fast enough: "
+                   "an LP relaxation's bound)")
     note = (f"pipeline search: {priced} pipelines priced (schedules x stages per rank x micro-batches){outrun}, "
             f"{len(fitting)} fit; chosen {label(best.choice)} {fmt_s(best.step_time_s)}"
             + (f"; next: {runners}" if runners else "") + (f"; {how}" if how else ""))
-    notes = [*plan.notes, note] if priced + race.outrun > 1 or how else plan.notes  # pinned: nothing searched
+    notes = [*plan.notes, note] if priced + race.outrun > 1 or how or search.bounded else plan.notes  # pinned: nothing searched
     plan = replace(plan, notes=notes, memory_limit_bytes=race.limit,
                    timings={**plan.timings, "pipeline search": seconds})
     return replace(best.step, plan=plan)

@@ -259,6 +259,7 @@ class Problems:
         self._shared = BuildMemo(config.rules)
         self._priced: dict[tuple[Any, ...], Problem] = {}
         self._free: dict[tuple[Any, ...], Solution | NoPlan] = {}
+        self._floors: dict[tuple[Any, ...], float] = {}
         self.stand_in = False
         """Prepare a place of micro-batches of two rows or more on the step's one capture with a symbolic
         micro-batch, where that capture has the concrete one's nodes (``_stands_in``): one export serves
@@ -318,10 +319,27 @@ class Problems:
                     ) -> Solution | NoPlan:
         """``solve()``, the ILP of ``place`` under ``scenario`` without the memory row, run once: a pipeline
         search asks for a stage plan's free solve, then its memory search under the limit asks again."""
-        key = (_key(self._routed(replace(place, micro_batches=scenario.micro_batches))), scenario)
+        key = self._free_key(place, scenario)
         if key not in self._free:
             self._free[key] = solve()
         return self._free[key]
+
+    def free_floor(self, place: Place, scenario: Scenario) -> tuple[float, bool]:
+        """Seconds no plan of ``place`` under ``scenario`` without the memory row beats (0: none known),
+        and whether that is its free solve's own optimum (else a bound an LP proved: ``bounded_free``)."""
+        key = self._free_key(place, scenario)
+        free = self._free.get(key)
+        if isinstance(free, Solution) and free.status == "optimal":
+            return free.objective_s, True
+        return self._floors.get(key, 0.0), False
+
+    def bounded_free(self, place: Place, scenario: Scenario, floor_s: float) -> None:
+        """Keep ``floor_s``, a bound an LP relaxation proved on ``place``'s free solve under ``scenario``."""
+        key = self._free_key(place, scenario)
+        self._floors[key] = max(self._floors.get(key, 0.0), floor_s)
+
+    def _free_key(self, place: Place, scenario: Scenario) -> tuple[Any, ...]:
+        return _key(self._routed(replace(place, micro_batches=scenario.micro_batches))), scenario
 
     def first(self, place: Place, memory_limit: float) -> Problem:
         """``place``'s problem under its first scenario: the memory choices pinned, nothing else searched."""

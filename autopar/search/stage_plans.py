@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
 from autopar.search.context import search_context
-from autopar.search.memory import Bound, Pruned
+from autopar.search.memory import TIE, Bound, Pruned
 from autopar.pipeline.stages import Uncut
 from autopar.search.planned import PlannedStep, Unpriced, finish, repriced, with_pipeline
 from autopar.search.problem import Place, Problems
@@ -87,13 +87,17 @@ def label(choice: Pipeline) -> str:
 class PipelineSearch:
     """One pipeline search's state: the choices by count, the race, what was refused or did not fit."""
 
-    def __init__(self, stage: StageMesh, choices: list[Pipeline], limit: float) -> None:
+    def __init__(self, stage: StageMesh, choices: list[Pipeline], limit: float, cutoff_s: float = math.inf) -> None:
+        """``cutoff_s``: the seconds of a plan that fits found elsewhere (another depth's): no pipeline as slow
+        is played out or has its stage plan solved."""
         self.stage, self.choices, self.limit = stage, choices, limit
         self.counts = list(dict.fromkeys(c.micro_batches for c in choices))
         self.by_count = {m: [c for c in choices if c.micro_batches == m] for m in self.counts}
-        self.race = Race(limit=limit)
+        self.race = Race(limit=limit, best_s=cutoff_s)
         self.refused: list[str] = []
         self.unfit: list[str] = []  # why a micro-batch count planned under the limit gave no pipeline
+        self.bounded: list[int] = []
+        """Counts whose stage plan was not solved: no pipeline of theirs can beat the race's best."""
 
     def price(self, step: PlannedStep, choices: list[Pipeline], race: Race | None = None,
               refused: list[str] | None = None) -> list[Priced]:
@@ -124,11 +128,25 @@ class PipelineSearch:
         return out
 
     def solved(self, m: int) -> list[Priced]:
-        """The pipelines of m micro-batches on the stage plan solved without the memory limit."""
-        step = self.stage.plan(m, math.inf)
+        """The pipelines of m micro-batches on the stage plan solved without the memory limit (none where
+        that plan is bounded out: ``free_plan``)."""
+        step = self.free_plan(m)
+        return [] if step is None else self.price(step, self.by_count[m])
+
+    def free_plan(self, m: int) -> PlannedStep | None:
+        """The stage plan of m micro-batches solved without the memory limit; None where no pipeline of it
+        can beat the race's best, so it is not solved: a pipeline's busiest rank works at least the average
+        of its p ranks' work, whose sum is the stage plan's step (``pipeline.stages.work_floor_s``), so a
+        stage plan bounded at p x that best (its LP relaxation: ``search.memory``) gives none faster."""
+        beat = self.race.best_s * self.stage.ranks * (1 + 2 * TIE)  # a strictly slower pipeline only
+        step = self.stage.plan(m, math.inf, Bound(cutoff_s=beat))
+        if isinstance(step, Pruned) and step.bounded:
+            self.bounded.append(m)
+            self.stage.problems.account.record("pipeline", f"m={m}", "bounded out", None, step.reason)
+            return None
         if isinstance(step, Pruned):
             raise step.error
-        return self.price(step, self.by_count[m])
+        return step
 
     def free_plans(self) -> tuple[dict[int, list[Priced]], str]:
         """Pipelines of stage plans solved without the memory limit, by count, and how they were found:
@@ -138,9 +156,10 @@ class PipelineSearch:
         counts = self.counts
         if len(counts) == 1:
             return {counts[0]: self.solved(counts[0])}, ""
-        first = self.stage.plan(counts[0], math.inf)
-        if isinstance(first, Pruned):
-            raise first.error
+        first = self.free_plan(counts[0])
+        if first is None:  # nothing to guess from: each count bounded or solved on its own
+            return {counts[0]: [], **{m: self.solved(m) for m in counts[1:]}}, \
+                "each micro-batch count bounded or solved on its own (the first's stage plan bounded out)"
         free = {counts[0]: self.price(first, self.by_count[counts[0]])}
         guesses, unpriced, why = self.guesses(first)
         fits = [g for g in guesses if g.peak_bytes <= self.limit] or guesses
