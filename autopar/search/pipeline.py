@@ -88,19 +88,26 @@ def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: f
         return Pruned(why, InputError(why))
     search = PipelineSearch(stage, choices, limit, cutoff_s)
     free, how = search.free_plans()
+    if not any(free.values()) and (search.bounded or search.race.outrun):  # each slower than the cutoff
+        return _outpaced(search, cutoff_s)
     none_fit = not any(f.peak_bytes <= limit for plans in free.values() for f in plans) and math.isfinite(limit)
     if none_fit:
         for m in search.counts:
             if m not in free:
                 free[m] = search.solved(m)
         how = "every micro-batch count solved (no pipeline fits without the limit)" if how else ""
-    if not any(free.values()) and (search.bounded or search.race.outrun):
-        why = (f"no pipeline of it predicts less than {fmt_s(cutoff_s)}, the best plan found elsewhere "
-               f"({len(search.bounded)} micro-batch counts bounded by their stage plans' LP relaxations, "
-               f"{search.race.outrun} pipelines not played out)")
-        return Pruned(why, MemoryLimitError(why), bounded=True)
     return Unlimited(search, {m: free[m] for m in search.counts if m in free}, how, time.perf_counter() - began,
                      none_fit)
+
+
+def _outpaced(search: PipelineSearch, cutoff_s: float) -> Pruned:
+    """A depth none of whose pipelines was priced: each was slower than ``cutoff_s``, a plan that fits found
+    elsewhere (not played out, or its count's stage plan bounded out). Its free plans bound its plans under the
+    limit, so none of those is sought either."""
+    why = (f"no pipeline of it predicts less than {fmt_s(cutoff_s)}, the best plan found elsewhere "
+           f"({len(search.bounded)} micro-batch counts bounded by their stage plans' LP relaxations, "
+           f"{search.race.outrun} pipelines not played out)")
+    return Pruned(why, MemoryLimitError(why), bounded=True)
 
 
 def limited_pipeline(problems: Problems, unlimited: Unlimited, cutoff_s: float = math.inf) -> PlannedStep | Pruned:
