@@ -98,6 +98,8 @@ class PipelineSearch:
         self.unfit: list[str] = []  # why a micro-batch count planned under the limit gave no pipeline
         self.bounded: list[int] = []
         """Counts whose stage plan was not solved: no pipeline of theirs can beat the race's best."""
+        self.known: dict[int, float] = {}
+        """Count -> the step of a stage plan priced there (a guess's): its free optimum is no slower."""
 
     def price(self, step: PlannedStep, choices: list[Pipeline], race: Race | None = None,
               refused: list[str] | None = None) -> list[Priced]:
@@ -139,6 +141,8 @@ class PipelineSearch:
         of its p ranks' work, whose sum is the stage plan's step (``pipeline.stages.work_floor_s``), so a
         stage plan bounded at p x that best (its LP relaxation: ``search.memory``) gives none faster."""
         beat = self.race.best_s * self.stage.ranks * (1 + 2 * TIE)  # a strictly slower pipeline only
+        if self.known.get(m, math.inf) < beat:  # a plan under it is known: no bound can rule the count out
+            beat = math.inf
         step = self.stage.plan(m, math.inf, Bound(cutoff_s=beat))
         if isinstance(step, Pruned) and step.bounded:
             self.bounded.append(m)
@@ -185,6 +189,7 @@ class PipelineSearch:
                     return out, dict.fromkeys(self.counts[1:], ""), step.reason
                 unpriced[m] = step.reason
                 continue
+            self.known[m] = step.plan.predicted.step_time_s
             out += self.price(step, self.by_count[m], own, [])
         return out, unpriced, ""
 
