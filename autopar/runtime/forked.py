@@ -19,7 +19,6 @@ import math
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -83,13 +82,24 @@ def _process_group_threads() -> list[str]:
     return sorted(n for n in names if n.startswith(PROCESS_GROUP_THREADS))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store(rank: int, world: int, port: Any, timeout_s: float) -> dist.TCPStore:
+    """The group's store: rank 0 serves it on a port the OS picks as it binds, and says which in ``port``
+    (a shared int) for the others to join. A port picked free beforehand can be taken (another process, a
+    gloo connection) before the store binds it: the group then failed with EADDRINUSE."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        port.value = store.port
+        return store
+    deadline = time.monotonic() + timeout_s
+    while port.value == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 served no store within {timeout_s:.0f} s")
+        time.sleep(0.002)
+    return dist.TCPStore("127.0.0.1", port.value, world, is_master=False, timeout=timeout)
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple,
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: Any, queue: Any, args: tuple,
                timeout_s: float) -> None:
     faulthandler.enable()  # a rank killed by a signal (a crash in C++) prints where it was
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a rank that never reports
@@ -98,11 +108,11 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: 
     queue.put(_run(fn, rank, world, port, args, timeout_s))
 
 
-def _run(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, timeout_s: float) -> _Report:
+def _run(fn: Callable[..., Any], rank: int, world: int, port: Any, args: tuple, timeout_s: float) -> _Report:
     """``fn`` on this rank, its error stamped when it is caught: before ``destroy_process_group``
     closes the connections its peers then fail on ("Connection closed by peer")."""
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=_store(rank, world, port, timeout_s),
                                 timeout=datetime.timedelta(seconds=timeout_s))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         return _Report(rank, None, traceback.format_exc(), time.time())
@@ -129,7 +139,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     _check_no_process_group_threads()
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    port = _free_port()
+    port = ctx.Value("i", 0)  # the store's, once rank 0 serves it (``_store``)
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue, args, timeout_s))
              for r in range(world)]
     for p in procs:
