@@ -3,6 +3,7 @@ tests that fork ranks (``ranks``), so that the fast tier (``-m "not ranks and no
 runs without them; a module of sweeps only is then not even collected (collecting the OpInfo sweep
 traces every sample)."""
 
+import functools
 import inspect
 import sys
 import types
@@ -42,6 +43,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         function = getattr(item, "function", None)
         if function is not None and _reaches(function, seen):
             item.add_marker(pytest.mark.ranks)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("ranks") is not None:
+        _warm_the_tracer()
+
+
+@functools.cache
+def _warm_the_tracer() -> None:
+    """Export a tiny step in this process once, before its first forked test: torch.export's first use
+    imports ~400 modules (networkx and inductor's among them) and fills its tables, which every rank forked
+    from a process that never exported pays again (a 4-rank test of tests/test_numerics.py took 5 s
+    rather than 3)."""
+    linear = torch.nn.Linear(4, 4)
+
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.nn.functional.scaled_dot_product_attention(x, x, linear(x), is_causal=True)
+            return torch.nn.functional.cross_entropy(y.flatten(0, 1), torch.zeros(4, dtype=torch.long))
+
+    torch.export.export(Step(), (torch.ones(1, 4, 4),), strict=False)
 
 
 def _reaches(function: types.FunctionType, seen: dict[types.CodeType, bool]) -> bool:

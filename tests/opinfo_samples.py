@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from sharding_sim import OpCase
 from test_rules_bruteforce import UNTESTED, _describe
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 _frozen = torch.backends.flags_frozen()
@@ -78,10 +79,25 @@ class _Recorder(torch.fx.Interpreter):
 
 def trace_calls(fn: Callable[..., Any], *inputs: Any) -> list[Call]:
     """The aten calls ``fn(*inputs)`` makes, as torch.export's training IR records them."""
-    gm = make_fx(fn, pre_dispatch=True)(*inputs)
+    with _lean_tracing():
+        gm = make_fx(fn, pre_dispatch=True)(*inputs)
     recorder = _Recorder(gm)
     recorder.run(*inputs)
     return recorder.calls
+
+
+@contextlib.contextmanager
+def _lean_tracing() -> Iterator[None]:
+    """Trace without what the recorder never reads, as ``autopar.capture.export`` does: each node's stack
+    trace, and the Python code of the graph (the recorder interprets it node by node). A quarter of the
+    sweep's tracing, which runs in every pytest-xdist worker's collection (the same calls are recorded)."""
+    previous = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        with _use_lazy_graph_module(True):
+            yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = previous
 
 
 @contextlib.contextmanager

@@ -148,12 +148,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     try:
         _collect(queue, procs, reports, timeout_s + grace_s, time.monotonic() + limit_s)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-        alive = [p for p in procs if p.is_alive()]
-        _dump_stacks(alive)  # interrupted (a test's timeout) or reported and stuck: say where, then kill
-        for p in alive:
-            p.kill()
+        _end(procs, reports)
     errors = sorted((r for r in reports.values() if r.error), key=lambda r: (r.raised_at, r.rank))
     if errors:
         first = errors[0]
@@ -162,11 +157,26 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     return [reports[r].result for r in range(world)]
 
 
+def _end(procs: list[Any], reports: dict[int, _Report]) -> None:
+    """Give the ranks that reported 10 s in all to exit (closing their groups), then dump the stacks of
+    every rank still alive and kill it. A rank that never reported is not waited for: the run has failed
+    (a rank died, or ranks stayed silent past a failure or the limit) or was interrupted (a test's
+    timeout), and nothing it could still send is read."""
+    deadline = time.monotonic() + 10
+    for rank, p in enumerate(procs):
+        if rank in reports:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    _dump_stacks(alive)  # reported and stuck, silent, or interrupted: say where, then kill
+    for p in alive:
+        p.kill()
+
+
 def _collect(queue: Any, procs: list[Any], reports: dict[int, _Report], patience_s: float,
              limit: float) -> None:
     """Read every rank's report; a rank that exited without one (killed by a signal: its
     traceback is on stderr) fails at once, and ranks silent ``patience_s`` after the first
-    error, or at ``limit`` (a ``time.monotonic()``), have their stacks dumped (stderr) and fail."""
+    error, or at ``limit`` (a ``time.monotonic()``), fail (``_end`` then dumps their stacks)."""
     deadline = math.inf
     while len(reports) < len(procs):
         try:
@@ -178,12 +188,10 @@ def _collect(queue: Any, procs: list[Any], reports: dict[int, _Report], patience
                                   + _first_error(reports))
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(procs))) - set(reports))
-                _dump_stacks([procs[r] for r in missing])
                 raise RankFailure(f"ranks {missing} did not report {patience_s:.0f} s after a failure (stacks on "
                                   f"stderr)" + _first_error(reports)) from None
             if time.monotonic() > limit:
                 missing = sorted(set(range(len(procs))) - set(reports))
-                _dump_stacks([procs[r] for r in missing])
                 raise RankFailure(f"ranks {missing} did not report within the run's limit (stacks on stderr)")
             continue
         reports[report.rank] = report
