@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from sharding_sim import OpCase
 from test_rules_bruteforce import UNTESTED, _describe
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 _frozen = torch.backends.flags_frozen()
@@ -30,6 +29,7 @@ from torch.testing._internal.common_methods_invocations import op_db  # noqa: E4
 from torch.testing._internal.opinfo.core import OpInfo  # noqa: E402
 from torch.utils._pytree import tree_map_only  # noqa: E402
 
+from autopar.capture.export import lean_tracing  # noqa: E402
 from autopar.rules import DEFAULT_RULES  # noqa: E402
 
 if not _frozen:  # importing torch's test utilities froze torch.backends flags for the whole session: undo
@@ -79,25 +79,11 @@ class _Recorder(torch.fx.Interpreter):
 
 def trace_calls(fn: Callable[..., Any], *inputs: Any) -> list[Call]:
     """The aten calls ``fn(*inputs)`` makes, as torch.export's training IR records them."""
-    with _lean_tracing():
+    with lean_tracing():  # as autopar captures: the recorder reads no stack trace, no graph code
         gm = make_fx(fn, pre_dispatch=True)(*inputs)
     recorder = _Recorder(gm)
     recorder.run(*inputs)
     return recorder.calls
-
-
-@contextlib.contextmanager
-def _lean_tracing() -> Iterator[None]:
-    """Trace without what the recorder never reads, as ``autopar.capture.export`` does: each node's stack
-    trace, and the Python code of the graph (the recorder interprets it node by node). A quarter of the
-    sweep's tracing, which runs in every pytest-xdist worker's collection (the same calls are recorded)."""
-    previous = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
-    try:
-        with _use_lazy_graph_module(True):
-            yield
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = previous
 
 
 @contextlib.contextmanager

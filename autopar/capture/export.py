@@ -129,7 +129,7 @@ def _captured(model: nn.Module, step: TrainStep, flat: tuple[Any, ...], signatur
 
 def _export(step: TrainStep, flat: tuple[Any, ...], dynamic: tuple[Any, ...] | None = None) -> ExportedProgram:
     try:
-        with _lean_tracing():
+        with lean_tracing():
             program = torch.export.export(step, flat, strict=False,
                                           dynamic_shapes=None if dynamic is None else {"flat": dynamic})
         return program
@@ -242,7 +242,7 @@ def _reuse_key(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 @contextlib.contextmanager
-def _lean_tracing() -> Iterator[None]:
+def lean_tracing() -> Iterator[None]:
     """Export without the bookkeeping nothing here reads, restored afterwards.
 
     Stack traces: FX records one per node (``CapturedTraceback.extract`` and symbolization,
