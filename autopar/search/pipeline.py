@@ -14,6 +14,8 @@ work is already slower than a pipeline that fits is not played out (``Uncut(outr
 
 Only when no pipeline planned without the limit fits is every count's free ILP solved (each bounds its
 count's plans under the limit) and stage plans solved again under the limit (``search.pipeline_limited``).
+Those counts are solved in the second half (``limited_pipeline``), once the caller's best plan that fits
+is known: a count whose stage plan's LP relaxation cannot beat it is not solved.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class Unlimited:
     seconds: float
     """How long this half took (the plan's "pipeline search" timing adds the second's)."""
     none_fit: bool
-    """No pipeline of the counts first solved fits the limit: stage plans are solved under it."""
+    """No pipeline of the counts first solved fits the limit: every count's free plan is solved, then stage
+    plans under the limit (``limited_pipeline``)."""
 
     @property
     def fastest_s(self) -> float:
@@ -69,9 +72,9 @@ def search_pipeline(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float
 def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, cutoff_s: float = math.inf
                         ) -> Unlimited | Pruned:
     """The pipelines ``spec`` allows on ``mesh`` planned without the memory limit: the stage plan solved at
-    the counts ``PipelineSearch.free_plans`` chooses, or, where none of those fits ``limit``, at every count
-    (each bounds its count's plans under the limit). ``cutoff_s``: a plan that fits found elsewhere; no
-    pipeline as slow is sought, and where every one is bounded or outrun so, none is found."""
+    the counts ``PipelineSearch.free_plans`` chooses (where none of those fits ``limit``, the other counts
+    are solved by ``limited_pipeline``). ``cutoff_s``: a plan that fits found elsewhere; no pipeline as slow
+    is sought, and where every one is bounded or outrun so, none is found."""
     began = time.perf_counter()
     stage = StageMesh(problems, spec, mesh)
     batch, ways = problems.step.batch, math.prod(mesh.axes.get(a, 1) for a in problems.config.axes.data)
@@ -91,13 +94,22 @@ def unlimited_pipelines(problems: Problems, spec: Pipeline, mesh: Mesh, limit: f
     if not any(free.values()) and (search.bounded or search.race.outrun):  # each slower than the cutoff
         return _outpaced(search, cutoff_s)
     none_fit = not any(f.peak_bytes <= limit for plans in free.values() for f in plans) and math.isfinite(limit)
-    if none_fit:
-        for m in search.counts:
-            if m not in free:
-                free[m] = search.solved(m)
-        how = "every micro-batch count solved (no pipeline fits without the limit)" if how else ""
     return Unlimited(search, {m: free[m] for m in search.counts if m in free}, how, time.perf_counter() - began,
                      none_fit)
+
+
+def _every_count(unlimited: Unlimited, cutoff_s: float) -> Unlimited:
+    """``unlimited`` with every micro-batch count's free stage plan solved (each bounds its count's plans
+    under the limit), but for counts whose pipelines cannot beat ``cutoff_s``, the caller's best plan that
+    fits: those are bounded out or not played out (``PipelineSearch.free_plan``), as no plan under the limit
+    of theirs is faster either."""
+    search, free = unlimited.search, dict(unlimited.free)
+    search.race.best_s = min(search.race.best_s, cutoff_s)
+    for m in search.counts:
+        if m not in free:
+            free[m] = search.solved(m)
+    how = "every micro-batch count solved (no pipeline fits without the limit)" if unlimited.how else ""
+    return replace(unlimited, free={m: free[m] for m in search.counts}, how=how)
 
 
 def _outpaced(search: PipelineSearch, cutoff_s: float) -> Pruned:
@@ -115,9 +127,13 @@ def limited_pipeline(problems: Problems, unlimited: Unlimited, cutoff_s: float =
     stage plans solved under the limit (``search.pipeline_limited``); none is sought where the plans without
     the limit are no faster than ``cutoff_s`` (the depth search has a plan as fast already)."""
     began = time.perf_counter()
+    if unlimited.none_fit:
+        unlimited = _every_count(unlimited, cutoff_s)
     search, free, how = unlimited.search, unlimited.free, unlimited.how
     limit = search.limit
     priced = [f for plans in free.values() for f in plans]
+    if not priced and (search.bounded or search.race.outrun):  # each slower than the cutoff
+        return _outpaced(search, cutoff_s)
     if unlimited.none_fit:
         fastest = unlimited.fastest_s
         if priced and fastest >= cutoff_s:
