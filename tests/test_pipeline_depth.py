@@ -185,3 +185,42 @@ def test_stage_plans_that_cannot_beat_another_depths_plan_are_not_solved(monkeyp
     free = search(float("inf"))
     kept = search(free.fastest_s * 1.001)
     assert not isinstance(kept, Pruned) and kept.fastest_s == free.fastest_s
+
+
+def test_counts_beyond_the_first_are_solved_only_once_a_cutoff_is_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no pipeline of the counts first solved fits the limit, the depth's other counts' free stage plans
+    (each bounding its count's plans under the limit) are solved in the depth search's second round, when
+    the best plan that fits elsewhere is known: against a cutoff nothing beats, none of them is solved (each
+    is bounded by its LP relaxation); with none, every count is."""
+    from autopar.search import ilp
+    from autopar.search.memory import Pruned
+    from autopar.search.pipeline import limited_pipeline, unlimited_pipelines
+    from tests.planning import problems
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16), torch.randn(32, 8)
+    solved: list[int] = []
+    real = ilp.solve
+
+    def counted(problem: Any, memory_limit: float | None, **kwargs: Any) -> Any:
+        if memory_limit is None and not any(kwargs.get(k) for k in ("minimize_memory", "relaxed", "fixed")):
+            solved.append(problem.ctx.micro_batches)
+        return real(problem, memory_limit, **kwargs)
+    monkeypatch.setattr(ilp, "solve", counted)
+
+    def first_round() -> Any:
+        store = problems(_Stack(), (x,), loss_fn=nn.functional.mse_loss, example_targets=(y,))
+        found = unlimited_pipelines(store, autopar.Pipeline(axis="pp"), autopar.Mesh({"pp": 2, "dp": 2}, "cpu"),
+                                    100 * KiB)
+        assert not isinstance(found, Pruned) and found.none_fit
+        return store, found
+    store, unlimited = first_round()
+    first = set(solved)
+    assert first < set(unlimited.search.counts)  # some counts are left for the second round
+    solved.clear()
+    pruned = limited_pipeline(store, unlimited, cutoff_s=1e-9)
+    assert isinstance(pruned, Pruned) and not solved
+    assert set(unlimited.search.bounded) == set(unlimited.search.counts) - first
+    store, unlimited = first_round()
+    solved.clear()
+    limited_pipeline(store, unlimited)
+    assert set(unlimited.search.counts) - first <= set(solved)
