@@ -53,6 +53,20 @@ def test_a_scenarios_bound_never_exceeds_its_free_optimum() -> None:
     assert tighter >= len(candidates) // 2
 
 
+def test_a_relaxation_bounded_by_its_lp_is_never_faster_than_the_bound() -> None:
+    """``Bounds.bound_relaxation`` rules a relaxation out only where its free optimum is no faster than the
+    plan to beat: never just below that optimum; and the LP is tight enough to rule it out just above."""
+    store = _problems()
+    candidates = scenarios(store.at(PLACE))
+    for group in dict.fromkeys(map(relaxation, candidates)):
+        free = Bounds(store, PLACE, math.inf, candidates).solve_relaxation(group)
+        assert isinstance(free, Solution)
+        assert not Bounds(store, PLACE, math.inf, candidates).bound_relaxation(group, free.objective_s * 1.001)
+        below = Bounds(store, PLACE, math.inf, candidates)
+        assert below.bound_relaxation(group, free.objective_s * 0.99)
+        assert all(below.of(s) >= free.objective_s * 0.99 for s in candidates if relaxation(s) == group)
+
+
 def _every_scenario(store: Problems, limit: float) -> Solved | Pruned:
     """The search's answer by solving every scenario under the limit, nothing pruned."""
     candidates = scenarios(store.at(PLACE))
@@ -93,9 +107,11 @@ def test_a_scenario_tried_first_or_a_cutoff_above_the_best_never_changes_the_pla
         assert isinstance(hinted, Solved)
         assert hinted.solution.objective_s == pytest.approx(best.solution.objective_s, rel=1e-9)
         assert hinted.solution.scenario == best.solution.scenario
-    capped = search_memory(store, PLACE, limit, Bound(cutoff_s=best.solution.objective_s * 1.001))
+    capped = search_memory(_problems(), PLACE, limit, Bound(cutoff_s=best.solution.objective_s * 1.001))
     assert isinstance(capped, Solved)
     assert capped.solution.objective_s == pytest.approx(best.solution.objective_s, rel=1e-9)
+    # given a plan to beat, a relaxation its LP puts past it is not solved (``Bounds.bound_relaxation``)
+    assert capped.solution.search["free_solves"] < best.solution.search["free_solves"]
     below = search_memory(store, PLACE, limit, Bound(cutoff_s=best.solution.objective_s * 0.999))
     assert isinstance(below, Pruned) and isinstance(below.error, MemoryLimitError)
     assert "predicts less than" in below.reason

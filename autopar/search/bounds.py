@@ -32,7 +32,8 @@ class Bounds:
       is captured again to be bounded: running the batch as more micro-batches never makes a node
       faster (its FLOPs add up to the same, its bytes and fixed costs do not shrink);
     - once its relaxation (``relaxation``: same micro-batches, ZeRO-1 and offload) is solved
-      without the memory row, that optimum plus the least recompute the scenario adds. For any
+      without the memory row (or, where a plan to beat is known, bounded by that solve's LP
+      relaxation: ``bound_relaxation``), that optimum (or bound) plus the least recompute the scenario adds. For any
       plan, checkpointing adds each replayed op's forward time and its replayed reshards, gathering
       again adds collectives and windows whose exposure is >= 0, and the windows a checkpointed
       block's recompute could hide are those of the gradient buckets only, which hide at most
@@ -53,7 +54,8 @@ class Bounds:
                 by_rest[rest] = node_bound(self.step(rest).graph)
             self.node[scenario] = by_rest[rest]
         self.free: dict[Scenario, float | None] = {}
-        """Relaxation -> its optimum without the memory row (None when not proven)."""
+        """Relaxation -> its optimum without the memory row, or a bound no plan of it beats (None when
+        neither is proven)."""
         self.full: dict[Scenario, float] = {}
         self.lp: dict[Scenario, float] = {}
         """Scenario -> its LP relaxation's optimum under the memory limit (``solve_lp``)."""
@@ -100,6 +102,19 @@ class Bounds:
         """Record ``solution``, a free solve of ``group``, if ``group`` is a relaxation."""
         if group == relaxation(group):
             self.free[group] = solution.objective_s if solution.status == "optimal" else None
+
+    def bound_relaxation(self, group: Scenario, beat_s: float) -> bool:
+        """Whether no plan of ``group``, a relaxation, beats ``beat_s`` without the memory row, by its LP
+        relaxation (HiGHS's dual simplex, stopped once past ``beat_s``): then its scenarios' bounds are no
+        faster than ``beat_s`` either and the free solve is not needed. Far cheaper than that solve, and in
+        practice as tight (the placement LP's vertices are nearly integral)."""
+        relaxed = ilp.solve(self.step(group), None, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
+                            account=self.problems.account, cutoff_s=beat_s)
+        over = (isinstance(relaxed, NoPlan) and relaxed.kind == "bound") or \
+            (isinstance(relaxed, Solution) and relaxed.status == "relaxed" and relaxed.objective_s >= beat_s)
+        if over:
+            self.free[group] = beat_s
+        return over
 
     def solve_relaxation(self, group: Scenario) -> Solution | NoPlan:
         """Solve ``group`` without the memory row and record its bound; its solution, or why there is none."""

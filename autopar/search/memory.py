@@ -135,9 +135,13 @@ def _one(problem: Problem, limit: float, account: Account) -> Solved | Pruned:
 def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Scenario], beat_s: float,
              limit: float) -> None:
     """One step of the branch and bound on ``scenario``, the least bound waiting: bound its group by a
-    free solve, then itself by its LP under the limit (if it may fit at all), then solve it."""
+    free solve (by that solve's LP first, where a plan to beat is known: ``Bounds.bound_relaxation``), then
+    itself by its LP under the limit (if it may fit at all), then solve it."""
     counts, account = found.counts, bounds.problems.account
     group = relaxation(scenario)
+    if not bounds.has(group) and math.isfinite(beat_s) and bounds.bound_relaxation(group, beat_s):
+        counts["lp_bounds"] += 1  # no plan of the group beats the best: its free solve is not needed
+        return
     if not bounds.has(group):  # one free solve bounds every scenario of its group
         relaxed = bounds.solve_relaxation(group)
         counts["free_solves"] += 1
