@@ -145,20 +145,26 @@ def node_bound(graph: PlanGraph) -> float:
                for node in graph.nodes.values() if node.costs)
 
 
+def leanest_over(step: Problem) -> bool:
+    """Every node at its leanest strategy is over the problem's limit (all other memory terms are >= 0, so
+    no plan fits); on a pipeline's stage mesh each node counts at the busiest rank's share (``MemoryShares``),
+    as the solve's memory row does."""
+    shares = step.memory_shares
+    least = sum(min(c.memory for c in node.costs) * (1.0 if shares is None else shares.weight(node))
+                for node in step.graph.nodes.values() if node.costs)
+    return least > step.memory_limit
+
+
 def may_fit(step: Problem, leanest: dict[Scenario, Solution], fit: list[Scenario], account: Account | None = None
             ) -> bool:
     """Whether some plan of the problem's scenario fits its limit. Solving for the least memory, stopped
     at the first plan that fits (HiGHS's objective target), proves a scenario that cannot fit far sooner
     than the fastest plan under the limit is proven infeasible. Before that, every node at its leanest
-    strategy: all other memory terms are >= 0, so when that sum is over the limit no solve is needed. On a
-    pipeline's stage mesh each node counts at the busiest rank's share (``MemoryShares``), as the solve's
-    memory row does. No solve either for a scenario that saves at least what one in ``fit`` (scenarios with
-    a plan that fits) saves (``Scenario.saves_at_least``): the solve under the limit decides. ``leanest``
-    gains the least-memory plans found (what a no-fit error reports)."""
-    shares = step.memory_shares
-    least = sum(min(c.memory for c in node.costs) * (1.0 if shares is None else shares.weight(node))
-                for node in step.graph.nodes.values() if node.costs)
-    if least > step.memory_limit:
+    strategy (``leanest_over``): when that is over the limit no solve is needed. No solve either for a
+    scenario that saves at least what one in ``fit`` (scenarios with a plan that fits) saves
+    (``Scenario.saves_at_least``): the solve under the limit decides. ``leanest`` gains the least-memory
+    plans found (what a no-fit error reports)."""
+    if leanest_over(step):
         return False
     if any(step.scenario.saves_at_least(other) for other in fit):
         return True

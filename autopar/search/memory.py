@@ -15,7 +15,7 @@ from autopar.errors import MemoryLimitError
 from autopar.memory.scenarios import Scenario, leanest, zero1_note
 from autopar.search import ilp
 from autopar.search.account import Account
-from autopar.search.bounds import LP_TIME_LIMIT_S, Bounds, may_fit, relaxation
+from autopar.search.bounds import LP_TIME_LIMIT_S, Bounds, leanest_over, may_fit, relaxation
 from autopar.search.planned import finish
 from autopar.search.problem import Place, Problem, Problems, scenarios
 from autopar.solver.ilp import NoPlan, Solution
@@ -152,8 +152,8 @@ def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Sc
             waiting.remove(group)
             counts["solved"] += 1
         return
-    if scenario not in bounds.lp:  # the least-memory solve first: it proves a scenario that cannot fit quickly
-        if may_fit(bounds.step(scenario), found.leanest, found.fit, account) and bounds.solve_lp(scenario, beat_s):
+    if scenario not in bounds.lp:
+        if _bounded(scenario, bounds, found, beat_s):
             counts["lp_bounds"] += 1
         else:
             waiting.remove(scenario)
@@ -172,6 +172,18 @@ def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Sc
         found.fates[scenario] = ("failed", None, solution.message)
     else:
         found.fates[scenario] = ("pruned", None, "no plan within the limit beats the best found")
+
+
+def _bounded(scenario: Scenario, bounds: Bounds, found: _Found, beat_s: float) -> bool:
+    """``scenario`` bounded by its LP under the limit, where some plan of it may fit (False: none does).
+    Without a plan to beat, the least-memory solve first: it proves a scenario that cannot fit quickly.
+    With one, the LP first (stopped once past it): past it, the scenario is out whether it fits or not,
+    so the least-memory solve is asked only of what the LP leaves in."""
+    step, account = bounds.step(scenario), bounds.problems.account
+    if math.isinf(beat_s) or leanest_over(step):
+        return may_fit(step, found.leanest, found.fit, account) and bounds.solve_lp(scenario, beat_s)
+    return bounds.solve_lp(scenario, beat_s) and \
+        (bounds.lp[scenario] >= beat_s or may_fit(step, found.leanest, found.fit, account))
 
 
 class _Found:
