@@ -16,7 +16,7 @@ from autopar.search import ilp
 from autopar.search.bounds import Bounds, relaxation
 from autopar.search.memory import Bound, Pruned, Solved, _Found, search_memory
 from autopar.search.problem import Place, Problems, scenarios
-from autopar.solver.ilp import Solution, solve
+from autopar.solver.ilp import NoPlan, Solution, solve
 from examples import gpt
 from tests.planning import problems as step_problems
 
@@ -173,3 +173,29 @@ def test_checkpointing_the_first_blocks_keeps_one_plan_for_every_block() -> None
     assert untied.choice[part] != chosen[part] and untied.objective_s <= tied.objective_s + 1e-12
 
 
+
+
+def test_an_lp_bound_and_the_solve_it_lets_through_share_one_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An LP bound that does not rule its problem out leaves its model for the solve that follows
+    (``search.ilp``): one build for both, the same plan as a solve of its own; one that rules it out keeps
+    none."""
+    from autopar.search import ilp as search_ilp
+    built: list[object] = []
+    real = search_ilp.build
+
+    def counted(*args: object, **kwargs: object) -> object:
+        built.append(args[0])
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(search_ilp, "build", counted)
+    store = _problems()
+    first = store.first(PLACE, math.inf)
+    alone = search_ilp.solve(first, None)
+    assert isinstance(alone, Solution) and len(built) == 1
+    relaxed = search_ilp.solve(first, None, relaxed=True, cutoff_s=alone.objective_s * 2)
+    assert isinstance(relaxed, Solution) and relaxed.status == "relaxed" and len(built) == 2
+    after = search_ilp.solve(first, None)
+    assert isinstance(after, Solution) and len(built) == 2  # the LP's model
+    assert after.choice == alone.choice and after.objective_s == alone.objective_s
+    ruled_out = search_ilp.solve(first, None, relaxed=True, cutoff_s=alone.objective_s / 2)
+    assert isinstance(ruled_out, NoPlan) and ruled_out.kind == "bound"
+    assert first.parts.kept_model is None

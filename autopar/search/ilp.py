@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from autopar.search.account import Account
 from autopar.search.problem import Problem
-from autopar.solver.ilp import NoPlan, Solution
+from autopar.solver.ilp import Built, NoPlan, Solution, build
 from autopar.solver.ilp import solve as solve_ilp
 
 
@@ -17,9 +17,13 @@ def solve(problem: Problem, memory_limit: float | None, *, minimize_memory: bool
     ``time_limit_s``: HiGHS's limit, at most the problem's (an LP bound is given less); ``account``: where
     the search keeps what it tried (``search.account``)."""
     limit = problem.solver_time_limit_s if time_limit_s is None else min(time_limit_s, problem.solver_time_limit_s)
+    built = None if fixed is not None else _model(problem, memory_limit, minimize_memory)
     result = solve_ilp(problem.graph, problem.folding, problem.ctx, memory_limit, minimize_memory=minimize_memory,
                        time_limit_s=limit, explain=explain, cutoff_s=cutoff_s, shares=problem.memory_shares,
-                       enough_bytes=enough_bytes, relaxed=relaxed, fixed=fixed, prices=problem.edge_prices())
+                       enough_bytes=enough_bytes, relaxed=relaxed, fixed=fixed, prices=problem.edge_prices(),
+                       built=built)
+    if relaxed and built is not None and isinstance(result, Solution):  # not ruled out: its solve likely next
+        problem.parts.kept_model = built
     if isinstance(result, Solution):
         result.scenario = problem.scenario
     if account is not None:
@@ -28,6 +32,19 @@ def solve(problem: Problem, memory_limit: float | None, *, minimize_memory: bool
                        "" if isinstance(result, NoPlan) else
                        f"{result.num_variables:,} variables, {result.num_constraints:,} constraints")
     return result
+
+
+def _model(problem: Problem, memory_limit: float | None, minimize_memory: bool) -> Built:
+    """The problem's model: the one its last LP bound built, where that LP did not rule it out (an LP bound
+    and the solve it lets through share one build), else a new one. One model is kept per prepared place,
+    and only until the solve takes it."""
+    kept, parts = problem.parts.kept_model, problem.parts
+    if kept is not None and kept.of(problem.graph, problem.folding, memory_limit, minimize_memory,
+                                    problem.memory_shares):
+        parts.kept_model = None
+        return kept
+    return build(problem.graph, problem.folding, problem.ctx, memory_limit, minimize_memory=minimize_memory,
+                 shares=problem.memory_shares, prices=problem.edge_prices())
 
 
 def _what(problem: Problem, memory_limit: float | None, minimize_memory: bool, relaxed: bool) -> str:

@@ -36,7 +36,7 @@ from autopar.problem.strided import add_strided_strategies
 from autopar.problem.shared import BuildMemo
 from autopar.search.account import Account, timed
 from autopar.solver.edge_prices import EdgePrices
-from autopar.solver.ilp import NoPlan, Solution
+from autopar.solver.ilp import Built, NoPlan, Solution
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +83,9 @@ class PricedParts:
     """Ops priced as gathering their parameters again (``memory.regather.regathering``)."""
     edge_prices: dict[tuple[Any, ...], EdgePrices] = field(default_factory=dict)
     """The edge prices of its solves, by what of the context prices an edge (``EdgePrices.key``)."""
+    kept_model: Built | None = None
+    """The model of its last LP bound that did not rule its problem out, until that problem's solve takes
+    it (``search.ilp``)."""
 
 
 @dataclass

@@ -56,6 +56,7 @@ class Solution:
     num_variables: int
     num_constraints: int
     build_seconds: float
+    """Seconds building its model took (an LP bound and the solve after it share one: ``Built``)."""
     solve_seconds: float
     status: str = "optimal"
     """'optimal', or 'time_limit' when HiGHS stopped at its time limit with this plan."""
@@ -135,28 +136,35 @@ def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dic
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
     return x, memory_row
 
-def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
-          *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
-          cutoff_s: float | None = None, shares: MemoryShares | None = None,
-          enough_bytes: float | None = None, relaxed: bool = False, fixed: dict[str, int] | None = None,
-          prices: EdgePrices | None = None) -> Solution | NoPlan:
-    """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``), or ``NoPlan``
-    saying why there is none: with ``explain`` its message says what the leanest plan needs (another
-    solve). With ``cutoff_s`` only a plan faster than that counts (else ``NoPlan``, unexplained).
-    ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``).
-    ``enough_bytes``, with ``minimize_memory``: stop at the first plan needing no more (status
-    'target_reached'), or ``NoPlan`` ('memory') once none can (HiGHS prunes every branch whose bound is
-    over it): whether some plan fits a limit takes a fraction of the leanest plan's proof.
-    ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
-    bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit, or ('bound')
-    once the relaxation is known to be over ``cutoff_s``. ``fixed``:
-    each representative node's strategy given (status 'repriced'): the objective and its terms of that
-    choice, nothing searched. A solution's ``terms`` are its objective by name (``milp.TERMS``). ``prices``:
-    edge prices kept from solves before (``EdgePrices.key`` equal to ``ctx``'s)."""
+@dataclass(frozen=True, eq=False)
+class Built:
+    """One problem's model, built once (``build``), solved by ``solve`` as often as asked: an LP bound
+    and then the ILP of the same problem share it. ``solve`` checks it is of the problem it is given."""
+
+    graph: PlanGraph
+    folding: Folding
+    memory_limit: float | None
+    minimize_memory: bool
+    shares: MemoryShares | None
+    model: Model
+    x: dict[str, list[int]]
+    memory_row: dict[int, float]
+    terms: PairTerms
+    sync: GradSyncTerms
+    seconds: float
+    """How long building it took."""
+
+    def of(self, graph: PlanGraph, folding: Folding, memory_limit: float | None, minimize_memory: bool,
+           shares: MemoryShares | None) -> bool:
+        return (self.graph is graph and self.folding is folding and self.memory_limit == memory_limit
+                and self.minimize_memory == minimize_memory and self.shares is shares)
+
+
+def build(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None, *,
+          minimize_memory: bool = False, shares: MemoryShares | None = None, prices: EdgePrices | None = None
+          ) -> Built:
+    """The model ``solve`` runs (its arguments as there)."""
     start = time.perf_counter()
-    given = fixed
-    if fixed is not None:  # one strategy per node: the model of that choice alone, a fraction of the whole
-        graph, fixed = _narrowed(graph, folding, fixed), {v: 0 for v in fixed}
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
     model = Model()
@@ -182,7 +190,39 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
     add_backward_peak(model, graph, folding, ctx, x, memory_row, minimize_memory)
     memory_row = _memory_use(model, graph, x, memory_row, memory_limit, minimize_memory, shares)
-    build = time.perf_counter() - start
+    return Built(graph, folding, memory_limit, minimize_memory, shares, model, x, memory_row, terms, sync,
+                 time.perf_counter() - start)
+
+
+def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: float | None,
+          *, minimize_memory: bool = False, time_limit_s: float = 120.0, explain: bool = True,
+          cutoff_s: float | None = None, shares: MemoryShares | None = None,
+          enough_bytes: float | None = None, relaxed: bool = False, fixed: dict[str, int] | None = None,
+          prices: EdgePrices | None = None, built: Built | None = None) -> Solution | NoPlan:
+    """The cheapest plan within ``memory_limit`` (or the leanest, ``minimize_memory``), or ``NoPlan``
+    saying why there is none: with ``explain`` its message says what the leanest plan needs (another
+    solve). With ``cutoff_s`` only a plan faster than that counts (else ``NoPlan``, unexplained).
+    ``shares``: the memory row is one pipeline rank's share of the step's (``MemoryShares``).
+    ``enough_bytes``, with ``minimize_memory``: stop at the first plan needing no more (status
+    'target_reached'), or ``NoPlan`` ('memory') once none can (HiGHS prunes every branch whose bound is
+    over it): whether some plan fits a limit takes a fraction of the leanest plan's proof.
+    ``relaxed``: the LP relaxation's optimum only (status 'relaxed'; its choice means nothing), a
+    bound no plan within the limit beats; ``NoPlan`` when even the relaxation does not fit, or ('bound')
+    once the relaxation is known to be over ``cutoff_s``. ``fixed``:
+    each representative node's strategy given (status 'repriced'): the objective and its terms of that
+    choice, nothing searched. A solution's ``terms`` are its objective by name (``milp.TERMS``). ``prices``:
+    edge prices kept from solves before (``EdgePrices.key`` equal to ``ctx``'s). ``built``: this problem's
+    model built before (``build``; not with ``fixed``)."""
+    given = fixed
+    if fixed is not None:  # one strategy per node: the model of that choice alone, a fraction of the whole
+        assert built is None, "a fixed choice builds its own narrowed model"
+        graph, fixed = _narrowed(graph, folding, fixed), {v: 0 for v in fixed}
+    if built is None:
+        built = build(graph, folding, ctx, memory_limit, minimize_memory=minimize_memory, shares=shares,
+                      prices=prices)
+    assert built.of(graph, folding, memory_limit, minimize_memory, shares), "a model built for another problem"
+    model, x, memory_row, terms, sync = built.model, built.x, built.memory_row, built.terms, built.sync
+    start = time.perf_counter()
     result = _run(model, x, folding, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE,
                   minimize_memory, enough_bytes, relaxed, fixed,
                   lambda: [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms)
@@ -195,13 +235,14 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
             return NoPlan("memory", f"no plan needs {fmt_bytes(enough_bytes)} per device or less")
         return _no_plan(graph, folding, ctx, memory_limit, minimize_memory, result.status, time_limit_s)
     values = result.values
+    reps, mult = list(x), folding.multiplicity
     choice = {v: int(np.argmax([values[j] for j in x[v]])) for v in reps}
     memory = sum(weight * values[j] for j, weight in memory_row.items())
     zero1 = sum(mult[v] for v in reps if graph.nodes[v].strategies[choice[v]].zero1 is not None)
     choice = dict(given) if given is not None else choice  # the narrowed graph's index 0 is the choice given
     named = {} if minimize_memory or relaxed else {k: v / SCALE for k, v in model.term_values(values).items()}
     return Solution(choice, result.objective if minimize_memory else result.objective / SCALE, memory,
-                    len(model.cost), len(model.rows), build, time.perf_counter() - start - build,
+                    len(model.cost), len(model.rows), built.seconds, time.perf_counter() - start,
                     status="repriced" if fixed is not None else result.status, gap=result.gap,
                     time_limit_s=time_limit_s, zero1_params=zero1, terms=named)
 
