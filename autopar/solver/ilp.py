@@ -14,28 +14,25 @@ sum of every node's bytes at peak, weighted by how many nodes it stands for. HiG
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from autopar.cost.collectives import grad_placement_at_consumer
-from autopar.cost.model import CostContext, EdgeCost, backward_time
+from autopar.cost.model import CostContext, backward_time
 from autopar.errors import InputError, MemoryLimitError, SolverTimeLimitError
 from autopar.problem.folding import Folding
+from autopar.solver.edge_links import link_edges
 from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.group_terms import GroupTerms
-from autopar.problem.graph import edge_flags
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.recompute_rows import add_recompute_peak
 from autopar.solver.backward_rows import add_backward_peak
 from autopar.pipeline.stage_memory import MemoryShares
-from autopar.solver.milp import COMPUTE, INF, MEMORY, OWN, RESHARDS, SCALE, Model, Result, run
+from autopar.solver.milp import COMPUTE, INF, MEMORY, OWN, SCALE, Model, Result, run
 from autopar.solver.overlap import OverlapTerms
-from autopar.solver.sharing import EdgeKey, sharing_classes
 from autopar.solver.warm_start import (NARROW_FROM_COLUMNS, NARROW_KEEP, PairTerms, likely_strategies, merge_tied,
                                        run_started)
 from autopar.units import fmt_bytes
@@ -93,25 +90,6 @@ class NoPlan:
         """The error a user gets when this is the last word."""
         kinds = {"memory": MemoryLimitError, "time_limit": SolverTimeLimitError, "pins": InputError}
         return kinds.get(self.kind, RuntimeError)(self.message)
-
-
-@dataclass
-class _Edge:
-    producer: str
-    out_index: int
-    consumer: str
-    arg: int
-    count: int
-
-
-def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
-    counts: dict[tuple[str, int, str, int], int] = defaultdict(int)
-    rep = folding.representative
-    for name in graph.order:
-        for arg, (src, idx) in enumerate(graph.nodes[name].args):
-            counts[(rep[src], idx, rep[name], arg)] += 1
-    return [_Edge(p, i, c, a, n) for (p, i, c, a), n in counts.items()]
-
 
 
 def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dict[str, int],
@@ -178,7 +156,7 @@ def build(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     sync = GradSyncTerms(model, graph, ctx, mult, x, priced=not minimize_memory)
     overlap = OverlapTerms(model, graph, folding, ctx, priced=not minimize_memory)
     groups = GroupTerms(model, graph, ctx, mult, sync, overlap, priced=not minimize_memory)
-    _link_edges(model, graph, folding, ctx, x, prices, memory_row, minimize_memory, (sync, overlap, groups), terms)
+    link_edges(model, graph, folding, ctx, x, prices, memory_row, minimize_memory, (sync, overlap, groups), terms)
     sync.add_bucket_rows()
     sync.add_gather_rows(x)
     if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``search.planned.with_pipeline``)
@@ -245,30 +223,6 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
                     len(model.cost), len(model.rows), built.seconds, time.perf_counter() - start,
                     status="repriced" if fixed is not None else result.status, gap=result.gap,
                     time_limit_s=time_limit_s, zero1_params=zero1, terms=named)
-
-
-def _link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContext, x: dict[str, list[int]],
-                prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
-                rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], terms: PairTerms) -> None:
-    """Every edge's ends tied and priced (``_add_edge``); a reshard that several edges share
-    (``sharing_classes``) paid once per tensor (``_add_shared``)."""
-    classes = sharing_classes(graph, folding)
-    solo: dict[EdgeKey, int] = defaultdict(int)
-    for keys, count in classes.items():
-        if len(keys) == 1:
-            solo[keys[0]] += count
-    shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
-    links: dict[EdgeKey, _Link] = {}
-    for edge in aggregate_edges(graph, folding):
-        key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, rows,
-                         count=solo.get(key, 0), transport=key in shared_keys, terms=terms)
-        if link is not None:
-            links[key] = link
-    for keys, count in classes.items():
-        if len(keys) > 1:
-            _add_shared(model, [links[k] for k in keys], count, memory_row, terms,
-                        MEMORY if minimize_memory else RESHARDS)
 
 
 def _narrowed(graph: PlanGraph, folding: Folding, choice: dict[str, int]) -> PlanGraph:
@@ -358,219 +312,3 @@ def _no_plan(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit:
                   "input_sharded conflict on some edge)")
 
 
-@dataclass
-class _Link:
-    """An edge's transport variables, for reshards shared with sibling edges."""
-
-    e: list[list[int]]
-    """e[a][b]: producer placement group a feeds consumer group b."""
-    target: list[tuple]
-    """Consumer group b -> what it asks for: (placement, gradient placement sent back)."""
-    cost: list[list[float]]
-    """cost[a][b]: reshard objective for one real tensor."""
-    mem: list[list[float]]
-    """mem[a][b]: bytes it holds until backward."""
-
-
-def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
-              rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], *, count: int, transport: bool,
-              terms: PairTerms) -> _Link | None:
-    """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
-    the memory it keeps: a parameter gathered in forward stays gathered until backward),
-    ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
-    gets explicit pair variables, returned for pricing reshards shared with other edges.
-    ``terms`` learns the edge's pair columns (for the start HiGHS is given); ``rows``: the terms
-    priced beyond the edge (gradient syncs, overlap windows, grouped collectives' calls)."""
-    sync, overlap, groups = rows
-    prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
-    grad = graph.sends_gradient(edge.producer, edge.consumer)
-    groups_p: dict[object, list[int]] = defaultdict(list)
-    for s, strat in enumerate(prod.strategies):
-        groups_p[strat.outputs[edge.out_index]].append(s)
-    groups_c: dict[object, list[int]] = defaultdict(list)
-    for s, strat in enumerate(cons.strategies):
-        active = tuple(strat.is_active(i) for i in range(ctx.mesh.ndim))
-        groups_c[(strat.inputs[edge.arg], active)].append(s)
-    keys_p, keys_c = list(groups_p), list(groups_c)
-    meta = prod.outputs[edge.out_index]
-    assert meta is not None
-    flags = edge_flags(graph, edge.producer, edge.consumer, edge.arg)
-    unit_mem = prices.held(meta, flags, keys_p, keys_c)
-    unit_cost = unit_mem if minimize_memory else [
-        [t * SCALE for t in row]
-        for row in prices.times(meta, flags, keys_p, keys_c, [cons.strategies[groups_c[b][0]] for b in keys_c])]
-    mem = [[m * count for m in row] for row in unit_mem]
-    cost = [[c * count for c in row] for row in unit_cost]
-
-    syncing = sync.edge(edge.producer, groups_p, keys_c, grad)
-    def price(a: int, b: int) -> EdgeCost:
-        return prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]])
-    window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count, price)
-    unwaited = sync.unwaited(edge.producer, count, price) if grad else None
-    grouping = groups.edge(edge.producer, edge.consumer, price)
-
-    columns: dict[tuple[int, int], int] = {}
-
-    def add(j: int, a: int, b: int) -> None:
-        """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
-        columns[(a, b)] = j
-        model.add_cost(j, cost[a][b], MEMORY if minimize_memory else RESHARDS)
-        if mem[a][b]:
-            memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
-        syncing.note(j, a, b)
-        if window is not None:
-            window(j, a, b)
-        if unwaited is not None:
-            unwaited(j, a, b)
-        if grouping is not None:
-            grouping.note(j, a, b)
-    link = None
-    if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
-        if transport:
-            link = _transport(model, edge, x, groups_p, groups_c, add, ctx, grad, unit_cost, unit_mem)
-        link = _add_as_produced_edge(model, edge, x, groups_p, groups_c, add, link)
-    elif transport:
-        link = _transport(model, edge, x, groups_p, groups_c, add, ctx, grad, unit_cost, unit_mem)
-    else:
-        _link_ends(model, edge, x, groups_p, groups_c, add, grad, cons.follower)
-    syncing.close()
-    if grouping is not None:
-        grouping.close()
-    if edge.arg in cons.as_produced:  # pairs of differing placements are ruled out
-        columns = {(a, b): j for (a, b), j in columns.items() if keys_p[a] == keys_c[b][0]}
-    terms.add_edge(edge.producer, edge.consumer, groups_p, groups_c, columns, syncing.columns())
-    return link
-
-
-def _link_ends(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-               add: Callable[[int, int, int], None], needs_grad: bool, follower: bool) -> None:
-    """Tie an edge's ends with as few variables as its shape allows."""
-    keys_p, keys_c = list(groups_p), list(groups_c)
-    inputs_taken = {placement for placement, _ in keys_c}
-    if (follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1
-            and all(a in inputs_taken for a in keys_p)):  # every producer choice stays usable
-        _add_follower_edge(model, edge, x, groups_p, groups_c, add)
-        return None
-    if edge.producer == edge.consumer:  # one decision on both ends
-        where_p = {s: i for i, a in enumerate(keys_p) for s in groups_p[a]}
-        where_c = {s: i for i, b in enumerate(keys_c) for s in groups_c[b]}
-        for s, j in enumerate(x[edge.producer]):
-            add(j, where_p[s], where_c[s])
-        return
-    if len(keys_p) == 1 or len(keys_c) == 1:
-        for a, ka in enumerate(keys_p):
-            for b, kb in enumerate(keys_c):
-                if len(keys_p) == 1:
-                    for s in groups_c[kb]:
-                        add(x[edge.consumer][s], a, b)
-                else:
-                    for s in groups_p[ka]:
-                        add(x[edge.producer][s], a, b)
-        return
-    _transport(model, edge, x, groups_p, groups_c, add, None, needs_grad, [], [])
-
-
-def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-               add: Callable[[int, int, int], None], ctx: CostContext | None, needs_grad: bool,
-               unit_cost: list[list[float]], unit_mem: list[list[float]]) -> _Link | None:
-    """Pair variables e[a][b] whose marginals are the two ends' choices (and, given ``ctx``,
-    the link for pricing reshards shared with sibling edges)."""
-    keys_p, keys_c = list(groups_p), list(groups_c)
-    e = [[model.var(0.0, integer=False) for b in range(len(keys_c))] for a in range(len(keys_p))]
-    for a in range(len(keys_p)):
-        for b in range(len(keys_c)):
-            add(e[a][b], a, b)
-    for a, ka in enumerate(keys_p):
-        row = {e[a][b]: 1.0 for b in range(len(keys_c))}
-        row.update({x[edge.producer][s]: -1.0 for s in groups_p[ka]})
-        model.rows.append((row, 0.0, 0.0))
-    for b, kb in enumerate(keys_c):
-        row = {e[a][b]: 1.0 for a in range(len(keys_p))}
-        row.update({x[edge.consumer][s]: -1.0 for s in groups_c[kb]})
-        model.rows.append((row, 0.0, 0.0))
-    if ctx is None:
-        return None
-    train = ctx.train and needs_grad
-    target = [(placement, tuple(grad_placement_at_consumer(r, act) for r, act in zip(placement, active))
-               if train else None) for placement, active in keys_c]
-    return _Link(e, target, unit_cost, unit_mem)
-
-
-def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float],
-                terms: PairTerms, term: str) -> None:
-    """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor.
-    The shared copy is held until backward if any of its consumers saves it, so y carries the
-    largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
-    ids: dict[tuple, int] = {}  # targets as ints: hashing placements per (a, b) pair was the cost here
-    targets = [[ids.setdefault(t, len(ids)) for t in link.target] for link in links]
-    cost: dict[tuple[int, int], float] = defaultdict(float)
-    mem: dict[tuple[int, int], float] = defaultdict(float)
-    for link, target in zip(links, targets):
-        mine_cost: dict[tuple[int, int], float] = {}  # per link, the last group asking for a target counts
-        mine_mem: dict[tuple[int, int], float] = {}
-        for a, (cost_row, mem_row) in enumerate(zip(link.cost, link.mem)):
-            for t, c, m in zip(target, cost_row, mem_row):
-                mine_cost[(a, t)], mine_mem[(a, t)] = c, m
-        for key, c in mine_cost.items():
-            cost[key] = max(cost[key], c)
-            mem[key] = max(mem[key], mine_mem[key])
-    y: dict[tuple[int, int], int] = {}
-    for link, target in zip(links, targets):
-        for a, row in enumerate(link.e):
-            for b, e_ab in enumerate(row):
-                key = (a, target[b])
-                if key not in y:
-                    y[key] = model.var(cost[key] * count, integer=False, term=term)
-                    if mem[key]:
-                        memory_row[y[key]] = memory_row.get(y[key], 0.0) + mem[key] * count
-                model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, INF))
-                terms.extra[e_ab].append(y[key])
-
-
-def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-                       add: Callable[[int, int, int], None]) -> None:
-    """A view or elementwise op takes its input as produced: resharding before it costs
-    the same as after it, so only matching placements are linked (far fewer variables)."""
-    keys_p, keys_c = list(groups_p), list(groups_c)
-    flow_in: dict[int, dict[int, float]] = {a: {} for a in range(len(keys_p))}
-    index_p = {k: i for i, k in enumerate(keys_p)}  # distinct keys: a scan per consumer group was quadratic
-    for b, (placement, _active) in enumerate(keys_c):
-        a = index_p.get(placement)
-        if a is None:  # no producer strategy delivers this input: rule the consumer strategies out
-            model.rows.append(({x[edge.consumer][s]: 1.0 for s in groups_c[keys_c[b]]}, 0.0, 0.0))
-            continue
-        e = model.var(0.0, integer=False)
-        add(e, a, b)
-        flow_in[a][e] = 1.0
-        row = {e: 1.0}
-        row.update({x[edge.consumer][s]: -1.0 for s in groups_c[keys_c[b]]})
-        model.rows.append((row, 0.0, 0.0))
-    for a, ka in enumerate(keys_p):
-        row = dict(flow_in[a])
-        row.update({x[edge.producer][s]: -1.0 for s in groups_p[ka]})
-        model.rows.append((row, 0.0, 0.0))
-
-
-def _add_as_produced_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-                          add: Callable[[int, int, int], None], link: _Link | None) -> _Link | None:
-    """The consumer takes the input exactly as produced: only equal placements are linked
-    (with transport variables already made for a shared reshard, the others are fixed to 0)."""
-    keys_p, keys_c = list(groups_p), list(groups_c)
-    if link is not None:
-        for a, ka in enumerate(keys_p):
-            for b, (placement, _active) in enumerate(keys_c):
-                if ka != placement:
-                    model.rows.append(({link.e[a][b]: 1.0}, 0.0, 0.0))
-        return link
-    if edge.producer == edge.consumer:  # one decision on both ends: rule out the strategies that differ
-        for s in range(len(x[edge.consumer])):
-            a = next(i for i, k in enumerate(keys_p) if s in groups_p[k])
-            b = next(i for i, k in enumerate(keys_c) if s in groups_c[k])
-            if keys_p[a] != keys_c[b][0]:
-                model.rows.append(({x[edge.consumer][s]: 1.0}, 0.0, 0.0))
-            else:
-                add(x[edge.consumer][s], a, b)
-        return None
-    _add_follower_edge(model, edge, x, groups_p, groups_c, add)
-    return None

@@ -45,13 +45,13 @@ class Pair:
 
 @dataclass
 class PairTerms:
-    """What the local search prices: filled while the ILP is built (``ilp._add_edge``)."""
+    """What the local search prices: filled while the ILP is built (``edge_links._add_edge``)."""
 
     strategy_columns: int
     """Columns below this are strategy choices (made first); the others are transport or auxiliary."""
     pairs: list[Pair] = field(default_factory=list)
     extra: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
-    """Transport column -> shared-reshard columns it forces to 1 (``ilp._add_shared``)."""
+    """Transport column -> shared-reshard columns it forces to 1 (``edge_links._add_shared``)."""
 
     def add_edge(self, producer: str, consumer: str, groups_p: dict[object, list[int]],
                  groups_c: dict[object, list[int]], columns: dict[tuple[int, int], int],
