@@ -33,12 +33,13 @@ class Bounds:
       faster (its FLOPs add up to the same, its bytes and fixed costs do not shrink);
     - once its relaxation (``relaxation``: same micro-batches, ZeRO-1 and offload) is solved
       without the memory row (or, where a plan to beat is known, bounded by that solve's LP
-      relaxation: ``bound_relaxation``), that optimum (or bound) plus the least recompute the scenario adds. For any
-      plan, checkpointing adds each replayed op's forward time and its replayed reshards, gathering
-      again adds collectives and windows whose exposure is >= 0, and the windows a checkpointed
-      block's recompute could hide are those of the gradient buckets only, which hide at most
-      ``grad_sync_overlap`` of the last micro-batch's share of it. So the scenario predicts at least
-      the relaxation's time plus (1 - eff / repeats) x its least recompute (tested against free solves);
+      relaxation: ``bound_relaxation``), that optimum (or bound) plus the least recompute the
+      scenario adds. For any plan, checkpointing adds each replayed op's forward time and its
+      replayed reshards, gathering again adds collectives and windows whose exposure is >= 0, and
+      the windows a checkpointed block's recompute could hide are those of the gradient buckets
+      only, which hide at most ``grad_sync_overlap`` of the last micro-batch's share of it. So the
+      scenario predicts at least the relaxation's time plus (1 - eff / repeats) x its least recompute
+      (tested against free solves);
     - once it is the least bound left, its own ILP's LP relaxation under the memory limit
       (``solve_lp``): the only bound that sees memory, so the one that rules out scenarios a
       tight limit makes slow."""

@@ -10,13 +10,14 @@ say what each depth gave or why it gave nothing.
 
 The search runs in two rounds. First every depth is planned without the memory limit (the step's free
 solve; each pipeline depth's stage plans at the counts its search picks): cheap, and in practice no plan
-under the limit is faster. A depth none of whose pipelines fits solves its other counts' free stage plans in
-the second round, where the best plan that fits by then bounds them (``search.pipeline``). Then each depth is planned under the limit, bounded by the best plan found so
+under the limit is faster. Then each depth is planned under the limit, bounded by the best plan found so
 far: first the depths with a plan that fits already (nothing more to solve), then the others, fastest
-without the limit first. A pipeline depth whose plans without the limit are no faster than the bound is
-not planned again, the stage plans' memory searches seek only what can beat it, and the unpipelined
-step's memory search (where memory binds, most of the ILPs) stops at the scenarios whose bounds cannot.
-With memory to spare the first round's plans fit and the second only prices them.
+without the limit first. A depth none of whose pipelines fits solves its other counts' free stage plans
+then, where the best plan that fits by that time bounds them (``search.pipeline``). A pipeline depth whose
+plans without the limit are no faster than the bound is not planned again, the stage plans' memory
+searches seek only what can beat it, and the unpipelined step's memory search (where memory binds, most
+of the ILPs) stops at the scenarios whose bounds cannot. With memory to spare the first round's plans fit
+and the second only prices them.
 """
 
 from __future__ import annotations
