@@ -25,6 +25,17 @@ def relaxation(scenario: Scenario) -> Scenario:
     return replace(scenario, checkpoint="none", checkpoint_blocks=None, regather=False, regather_blocks=None)
 
 
+def lp_floor(step: Problem, memory_limit: float | None, beat_s: float, account: Account) -> float | None:
+    """Seconds no plan of ``step`` within ``memory_limit`` (None: no memory row) beats, by its LP relaxation,
+    which HiGHS's dual simplex stops once it passes ``beat_s``: ``beat_s`` then, its optimum where solved, 0
+    where not in time (no bound: a solve decides); None where even the relaxation does not fit."""
+    relaxed = ilp.solve(step, memory_limit, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
+                        account=account, cutoff_s=None if math.isinf(beat_s) else beat_s)
+    if isinstance(relaxed, NoPlan):
+        return None if relaxed.kind == "memory" else beat_s if relaxed.kind == "bound" else 0.0
+    return relaxed.objective_s if relaxed.status == "relaxed" else 0.0
+
+
 class Bounds:
     """Seconds no plan of a scenario can beat, the larger of three bounds:
     - every node at its fastest strategy, with no collective (edges, gradient sync and exposed
@@ -85,15 +96,10 @@ class Bounds:
         beats it; 0 when not solved to optimality); False when even the relaxation does not fit. Only
         whether it beats ``beat_s`` (the best plan's seconds) is asked: an LP known to be over it stops
         there, its bound ``beat_s``."""
-        relaxed = ilp.solve(self.step(scenario), self.limit, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
-                            account=self.problems.account, cutoff_s=None if math.isinf(beat_s) else beat_s)
-        if isinstance(relaxed, NoPlan) and relaxed.kind == "memory":
+        floor = lp_floor(self.step(scenario), self.limit, beat_s, self.problems.account)
+        if floor is None:
             return False
-        if isinstance(relaxed, NoPlan) and relaxed.kind == "bound":
-            self.lp[scenario] = beat_s
-            return True
-        self.lp[scenario] = relaxed.objective_s if isinstance(relaxed, Solution) and relaxed.status == "relaxed" \
-            else 0.0  # no bound: the solve under the limit decides
+        self.lp[scenario] = floor
         return True
 
     def has(self, group: Scenario) -> bool:
@@ -109,10 +115,8 @@ class Bounds:
         relaxation (HiGHS's dual simplex, stopped once past ``beat_s``): then its scenarios' bounds are no
         faster than ``beat_s`` either and the free solve is not needed. Far cheaper than that solve, and in
         practice as tight (the placement LP's vertices are nearly integral)."""
-        relaxed = ilp.solve(self.step(group), None, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
-                            account=self.problems.account, cutoff_s=beat_s)
-        over = (isinstance(relaxed, NoPlan) and relaxed.kind == "bound") or \
-            (isinstance(relaxed, Solution) and relaxed.status == "relaxed" and relaxed.objective_s >= beat_s)
+        floor = lp_floor(self.step(group), None, beat_s, self.problems.account)
+        over = floor is not None and floor >= beat_s
         if over:
             self.free[group] = beat_s
         return over

@@ -15,7 +15,7 @@ from autopar.errors import MemoryLimitError
 from autopar.memory.scenarios import Scenario, leanest, zero1_note
 from autopar.search import ilp
 from autopar.search.account import Account
-from autopar.search.bounds import LP_TIME_LIMIT_S, Bounds, leanest_over, may_fit, relaxation
+from autopar.search.bounds import Bounds, leanest_over, lp_floor, may_fit, relaxation
 from autopar.search.planned import finish
 from autopar.search.problem import Place, Problem, Problems, scenarios
 from autopar.solver.ilp import NoPlan, Solution
@@ -113,15 +113,9 @@ def _over_cutoff(problems: Problems, place: Place, free: Problem, cutoff_s: floa
     floor, solved = problems.free_floor(place, free.scenario)
     if solved or floor >= cutoff_s:
         return floor >= cutoff_s
-    relaxed = ilp.solve(free, None, explain=False, relaxed=True, time_limit_s=LP_TIME_LIMIT_S,
-                        account=problems.account, cutoff_s=cutoff_s)
-    if isinstance(relaxed, NoPlan) and relaxed.kind == "bound":
-        problems.bounded_free(place, free.scenario, cutoff_s)
-        return True
-    if isinstance(relaxed, Solution) and relaxed.status == "relaxed":
-        problems.bounded_free(place, free.scenario, relaxed.objective_s)
-        return relaxed.objective_s >= cutoff_s
-    return False  # no bound in time: the solve decides
+    floor = lp_floor(free, None, cutoff_s, problems.account) or 0.0  # 0: no bound, the solve decides
+    problems.bounded_free(place, free.scenario, floor)
+    return floor >= cutoff_s
 
 
 def _one(problem: Problem, limit: float, account: Account) -> Solved | Pruned:
