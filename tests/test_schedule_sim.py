@@ -41,12 +41,14 @@ def _stages(p: int, v: int) -> list[SimpleNamespace]:
             for k in range(v)]
 
 
-@pytest.mark.parametrize("schedule, p, m", [(s, p, m) for s in MULTI for p, m in [(2, 4), (4, 8), (4, 12), (8, 16)]])
-def test_multi_stage_orders_are_torchs_tables(schedule: str, p: int, m: int) -> None:
+@pytest.mark.parametrize("schedule, p, v, m", [(s, p, 2, m) for s in MULTI for p, m in [(2, 4), (4, 8), (4, 12), (8, 16)]]
+                         + [("interleaved_1f1b", p, v, m) for p, v, m in [(2, 4, 6), (4, 3, 8), (4, 4, 12), (3, 2, 9)]])
+def test_multi_stage_orders_are_torchs_tables(schedule: str, p: int, v: int, m: int) -> None:
     """The compute actions of ``pipeline_order`` (which the runtime runs, with sends and receives
-    put between them) verbatim, an OVERLAP_F_B opened into its forward, then its backward."""
-    built = MULTI[schedule](_stages(p, 2), m)
-    order = torch_order(schedule, p, 2, m)
+    put between them) verbatim, an OVERLAP_F_B opened into its forward, then its backward; the order
+    is read without torch's lowering to communication actions, which leaves them as they are."""
+    built = MULTI[schedule](_stages(p, v), m)
+    order = torch_order(schedule, p, v, m)
     for r in range(p):
         assert list(order[r]) == _table(built.pipeline_order[r])
         with_comms = [a for a in built.pipeline_order_with_comms[r] if a.is_compute_op]
