@@ -224,3 +224,50 @@ def test_counts_beyond_the_first_are_solved_only_once_a_cutoff_is_known(monkeypa
     solved.clear()
     limited_pipeline(store, unlimited)
     assert set(unlimited.search.counts) - first <= set(solved)
+
+
+def test_a_count_a_bounded_count_divides_is_bounded_unsolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a count's stage plan is bounded out, each count it divides is bounded out with no capture, LP or
+    solve of its own (its free optimum is no less: ``PipelineSearch.free_plan``)."""
+    from autopar.search import ilp
+    from autopar.search.memory import Pruned
+    from autopar.search.pipeline import limited_pipeline, unlimited_pipelines
+    from tests.planning import problems
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16), torch.randn(32, 8)
+    asked: list[int] = []
+    real = ilp.solve
+
+    def counted(problem: Any, memory_limit: float | None, **kwargs: Any) -> Any:
+        asked.append(problem.ctx.micro_batches)
+        return real(problem, memory_limit, **kwargs)
+    monkeypatch.setattr(ilp, "solve", counted)
+    store = problems(_Stack(), (x,), loss_fn=nn.functional.mse_loss, example_targets=(y,))
+    unlimited = unlimited_pipelines(store, autopar.Pipeline(axis="pp"), autopar.Mesh({"pp": 2, "dp": 2}, "cpu"),
+                                    100 * KiB)
+    assert not isinstance(unlimited, Pruned) and unlimited.none_fit
+    asked.clear()
+    assert isinstance(limited_pipeline(store, unlimited, cutoff_s=1e-9), Pruned)
+    bounded = unlimited.search.bounded
+    assert bounded == sorted(bounded) and len(bounded) >= 2
+    assert asked == [bounded[0]]  # the first LP rules out the rest, each a multiple of it
+    assert all(m % bounded[0] == 0 for m in bounded)
+    reasons = [r.detail for r in store.account.rows if r.outcome == "bounded out"]
+    assert any(f"no faster than m={bounded[0]}" in why for why in reasons)
+
+
+@pytest.mark.parametrize("mesh", [{"pp": 2, "dp": 2}, {"pp": 2, "dp": 2, "tp": 2}])
+def test_more_micro_batches_never_make_a_stage_plan_faster(mesh: dict[str, int]) -> None:
+    """What bounding a count by a count dividing it rests on: the free stage plan's optimum does not fall as
+    each micro-batch is cut into equal parts."""
+    from autopar.search.stage_plans import StageMesh
+    from tests.planning import problems
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16), torch.randn(32, 8)
+    store = problems(_Stack(), (x,), loss_fn=nn.functional.mse_loss, example_targets=(y,))
+    stage = StageMesh(store, autopar.Pipeline(axis="pp"), autopar.Mesh(mesh, "cpu"))
+    seconds = {m: stage.plan(m, float("inf")).plan.predicted.step_time_s for m in (2, 4, 8, 16)}
+    for k in seconds:
+        for m in seconds:
+            if m > k and m % k == 0:
+                assert seconds[m] >= seconds[k] * (1 - 1e-9), (k, m, seconds)

@@ -139,18 +139,28 @@ class PipelineSearch:
         """The stage plan of m micro-batches solved without the memory limit; None where no pipeline of it
         can beat the race's best, so it is not solved: a pipeline's busiest rank works at least the average
         of its p ranks' work, whose sum is the stage plan's step (``pipeline.stages.work_floor_s``), so a
-        stage plan bounded at p x that best (its LP relaxation: ``search.memory``) gives none faster."""
+        stage plan bounded at p x that best (its LP relaxation: ``search.memory``) gives none faster. Nor is
+        it solved where a count k dividing m was bounded out so (the best only falls): cutting each of k's
+        micro-batches into m / k equal ones makes no plan faster (each op's FLOPs add up to the same, its
+        bytes read, fixed costs, reshards and unhidden gradient sync do not shrink; every split of the
+        smaller rows divides the larger), so m's free optimum is no less than k's."""
         beat = self.race.best_s * self.stage.ranks * (1 + 2 * TIE)  # a strictly slower pipeline only
         if self.known.get(m, math.inf) < beat:  # a plan under it is known: no bound can rule the count out
             beat = math.inf
+        coarser = next((k for k in self.bounded if k < m and m % k == 0), None) if math.isfinite(beat) else None
+        if coarser is not None:
+            return self._bounded_out(m, f"no faster than m={coarser}, bounded out already (each of its micro-batches "
+                                        f"splits one of m={coarser}'s)")
         step = self.stage.plan(m, math.inf, Bound(cutoff_s=beat))
         if isinstance(step, Pruned) and step.bounded:
-            self.bounded.append(m)
-            self.stage.problems.account.record("pipeline", f"m={m}", "bounded out", None, step.reason)
-            return None
+            return self._bounded_out(m, step.reason)
         if isinstance(step, Pruned):
             raise step.error
         return step
+
+    def _bounded_out(self, m: int, why: str) -> None:
+        self.bounded.append(m)
+        self.stage.problems.account.record("pipeline", f"m={m}", "bounded out", None, why)
 
     def free_plans(self) -> tuple[dict[int, list[Priced]], str]:
         """Pipelines of stage plans solved without the memory limit, by count, and how they were found:
