@@ -226,7 +226,7 @@ def test_counts_beyond_the_first_are_solved_only_once_a_cutoff_is_known(monkeypa
     assert set(unlimited.search.counts) - first <= set(solved)
 
 
-def test_a_count_a_bounded_count_divides_is_bounded_unsolved(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_counts_a_bounded_count_divides_are_bounded_without_a_solve(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once a count's stage plan is bounded out, each count it divides is bounded out with no capture, LP or
     solve of its own (its free optimum is no less: ``PipelineSearch.free_plan``)."""
     from autopar.search import ilp

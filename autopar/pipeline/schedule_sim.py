@@ -132,8 +132,8 @@ def _orders_only(cls: type) -> type:
     """``cls``, a schedule whose constructor fills ``pipeline_order`` and then lowers it to
     ``pipeline_order_with_comms`` (``_PipelineScheduleRuntime._prepare_schedule_with_comms``), with
     that lowering left at torch's check of the order: the lowering adds communication actions only
-    (the compute actions keep their order, what the simulation reads), and at large p and m its
-    FSDP unshard pass is quadratic (ZBV at p=32, m=512: ~10 s of the ~10 s the constructor takes)."""
+    (the compute actions keep their order, what the simulation reads), and its FSDP unshard pass is
+    quadratic in the schedule's length, nearly all of the constructor's time at large p and m."""
     def validated(self: object, actions: dict, format: str = "compute_only") -> None:
         self._validate_and_set_stage_mapping(actions)  # type: ignore[attr-defined]
     return type(f"_OrdersOnly{cls.__name__}", (cls,), {"_prepare_schedule_with_comms": validated})
