@@ -1,68 +1,107 @@
-"""The start HiGHS is given (``autopar.solver.warm_start``): exact where message passing is
-(a tree), and never a different optimum than the solve without it."""
+"""The MIP solved from its LP relaxation (``autopar.solver.warm_start.run_from_lp``): every path it takes
+(an integral LP, a narrowed plan and reduced-cost fixing) ends at the optimum HiGHS finds without it."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 
 import autopar
-from autopar.solver import ilp
-from autopar.solver.warm_start import PairTerms, likely_strategies
+from autopar.solver import ilp, milp
+from autopar.solver.milp import INF, RESHARDS, Model
+from autopar.solver.warm_start import lp_likely, run_from_lp
 from examples import gpt, llama
 
 
-def _chain(seed: int, nodes: int = 5, strategies: int = 4) -> tuple[dict[str, list[int]], list[float], PairTerms]:
-    """A chain of nodes, each pair of neighbours priced by a random matrix over 2 placement groups."""
+def _pairwise(seed: int, nodes: int, edges: list[tuple[int, int]], knapsack: bool
+              ) -> tuple[Model, dict[str, list[int]]]:
+    """Nodes choosing one of 6 strategies (2 placement groups per edge end) and edges priced by the
+    pair of groups their ends choose, through transport columns as the placement ILP builds them; with
+    ``knapsack``, one row bounds a random weight of the strategies chosen (a memory row)."""
     rng = random.Random(seed)
+    model = Model()
     x: dict[str, list[int]] = {}
-    cost: list[float] = []
     for v in range(nodes):
-        x[f"n{v}"] = list(range(len(cost), len(cost) + strategies))
-        cost += [rng.uniform(0, 10) for _ in range(strategies)]
-    terms = PairTerms(strategy_columns=len(cost))
-    for v in range(nodes - 1):
-        groups_p = {"a": [0, 1], "b": [2, 3]}
-        groups_c = {"a": [0, 2], "b": [1, 3]}
-        columns = {}
-        for ab in itertools.product(range(2), range(2)):
-            columns[ab] = len(cost)
-            cost.append(rng.uniform(0, 20))
-        terms.add_edge(f"n{v}", f"n{v + 1}", groups_p, groups_c, columns, {})
-    return x, cost, terms
+        x[f"n{v}"] = [model.var(rng.uniform(0, 10), integer=True, term=RESHARDS) for _ in range(6)]
+        model.rows.append(({j: 1.0 for j in x[f"n{v}"]}, 1.0, 1.0))
+    for u, v in edges:
+        groups_u = [[0, 1, 2], [3, 4, 5]] if rng.random() < 0.5 else [[0, 2, 4], [1, 3, 5]]
+        groups_v = [[0, 2, 4], [1, 3, 5]] if rng.random() < 0.5 else [[0, 1, 2], [3, 4, 5]]
+        e = [[model.var(rng.uniform(0, 20), integer=False, term=RESHARDS, implied_integer=True) for _ in range(2)]
+             for _ in range(2)]
+        for a, group in enumerate(groups_u):
+            model.rows.append(({**{e[a][b]: 1.0 for b in range(2)}, **{x[f"n{u}"][s]: -1.0 for s in group}}, 0.0, 0.0))
+        for b, group in enumerate(groups_v):
+            model.rows.append(({**{e[a][b]: 1.0 for a in range(2)}, **{x[f"n{v}"][s]: -1.0 for s in group}}, 0.0, 0.0))
+    if knapsack:
+        weights = {j: rng.uniform(1, 5) for cols in x.values() for j in cols}
+        cheapest = sum(min(weights[j] for j in cols) for cols in x.values())
+        model.rows.append((weights, -INF, cheapest * 1.3))
+    return model, x
 
 
-def _price(choice: dict[str, int], x: dict[str, list[int]], cost: list[float], terms: PairTerms) -> float:
-    total = sum(cost[x[v][s]] for v, s in choice.items())
-    for p in terms.pairs:
-        total += sum(cost[c] for c in p.columns[(p.group_p[choice[p.producer]], p.group_c[choice[p.consumer]])])
-    return total
+def _cycle(n: int) -> list[tuple[int, int]]:
+    return [(v, (v + 1) % n) for v in range(n)] + [(v, (v + 3) % n) for v in range(0, n, 2)]
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_on_a_chain_the_first_choice_is_the_optimum(seed: int) -> None:
-    x, cost, terms = _chain(seed)
-    likely = likely_strategies(x, cost, terms, keep=2)
-    best = min((dict(zip(x, combo)) for combo in itertools.product(*(range(len(c)) for c in x.values()))),
-               key=lambda choice: _price(choice, x, cost, terms))
-    assert _price({v: s[0] for v, s in likely.items()}, x, cost, terms) == pytest.approx(_price(best, x, cost, terms))
-    assert all(len(s) == 2 and len(set(s)) == 2 for s in likely.values())
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("knapsack", [False, True])
+def test_the_lp_led_solve_finds_highs_optimum(seed: int, knapsack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = _pairwise(seed, 10, _cycle(10), knapsack)
+    runs: list[dict[str, object]] = []
+    real_run = milp.run
+
+    def counted(*args: object, **kwargs: object) -> milp.Result:
+        runs.append(kwargs)
+        return real_run(*args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr("autopar.solver.warm_start.run", counted)
+    led = run_from_lp(model, x, {}, 60.0, None)
+    plain = real_run(model, 60.0)
+    assert led.status == plain.status == "optimal"
+    assert led.objective == pytest.approx(plain.objective, rel=1e-9)
+    assert led.values is not None
+    assert all(abs(led.values[j] - round(led.values[j])) <= 1e-6 for j in model.integer)
+    assert runs[0].get("relaxed") and len(runs) in (1, 3)  # the LP integral, or a narrowed plan and the fixed MIP
+    if knapsack:  # the memory row leaves the LP fractional: reduced costs fix columns
+        assert len(runs) == 3 and runs[2]["zero"] and runs[2]["start"]
+
+
+def test_each_path_is_taken() -> None:
+    """A tree's pairwise LP is integral (the local polytope is exact there); cycles and a knapsack row
+    leave it fractional, and reduced costs then fix columns before the whole MIP runs."""
+    tree, x = _pairwise(0, 8, [(v, v + 1) for v in range(7)], knapsack=False)
+    lp = milp.run(tree, 60.0, relaxed=True)
+    assert lp.values is not None and all(abs(lp.values[j] - round(lp.values[j])) <= 1e-6 for j in tree.integer)
+    fractional = 0
+    for seed in range(12):
+        model, x = _pairwise(seed, 10, _cycle(10), knapsack=True)
+        lp = milp.run(model, 60.0, relaxed=True)
+        assert lp.values is not None and lp.reduced_costs is not None
+        fractional += any(abs(lp.values[j] - round(lp.values[j])) > 1e-6 for j in model.integer)
+    assert fractional >= 3
+
+
+def test_likely_strategies_are_the_lp_support_then_least_reduced_cost() -> None:
+    x = {"a": [0, 1, 2, 3, 4], "b": [5, 6]}
+    values = [0.0, 0.5, 0.0, 0.5, 0.0, 1.0, 0.0]
+    reduced = [3.0, 0.0, 1.0, 0.0, 1.0, 0.0, 9.0]
+    assert lp_likely(x, values, reduced, keep=4) == {"a": [1, 3, 2, 4], "b": [0, 1]}
+    assert lp_likely(x, values, reduced, keep=1) == {"a": [1, 3], "b": [0]}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("build, mesh", [(gpt.build, {"dp": 2, "tp": 2}), (llama.build, {"dp": 2, "tp": 2}),
-                                         (llama.build, {"tp": 4})])
-def test_the_start_changes_speed_not_the_optimum(build: object, mesh: dict[str, int],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("build, mesh, limit", [(gpt.build, {"dp": 2, "tp": 2}, None),
+                                                (llama.build, {"dp": 2, "tp": 2}, None),
+                                                (llama.build, {"tp": 4}, None),
+                                                (gpt.build, {"dp": 2, "tp": 2}, 13e6)])  # the memory row binds
+def test_the_lp_led_solve_changes_speed_not_the_optimum(build: object, mesh: dict[str, int], limit: float | None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs, loss_fn, targets = build()  # type: ignore[operator]
-    kwargs = {"loss_fn": loss_fn, "example_targets": targets}
-    monkeypatch.setattr(ilp, "NARROW_FROM_COLUMNS", 0)  # these models are small: narrowed only when told
-    started = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **{"pipeline": False, **kwargs})
-    # every strategy kept: no narrowed solve, so HiGHS runs from its own heuristics
-    monkeypatch.setattr(ilp, "likely_strategies", lambda x, cost, terms, keep: {v: list(range(len(c)))
-                                                                               for v, c in x.items()})
-    cold = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **{"pipeline": False, **kwargs})
-    assert started.predicted.step_time_s == pytest.approx(cold.predicted.step_time_s, rel=1e-6)
-    assert started.solver["status"] == cold.solver["status"] == "optimal"
+    kwargs = {"loss_fn": loss_fn, "example_targets": targets, "pipeline": False, "memory_limit": limit}
+    monkeypatch.setattr(ilp, "LP_LED_FROM_COLUMNS", 0)  # these models are small: led by the LP only when told
+    led = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **kwargs)
+    monkeypatch.setattr(ilp, "LP_LED_FROM_COLUMNS", 10**9)
+    cold = autopar.plan(model, autopar.Mesh(mesh, "h100"), inputs, **kwargs)
+    assert led.predicted.step_time_s == pytest.approx(cold.predicted.step_time_s, rel=1e-6)
+    assert led.solver["status"] == cold.solver["status"] == "optimal"

@@ -21,7 +21,6 @@ from autopar.solver.group_terms import GroupTerms
 from autopar.solver.milp import INF, MEMORY, RESHARDS, SCALE, Model
 from autopar.solver.overlap import OverlapTerms
 from autopar.solver.sharing import EdgeKey, sharing_classes
-from autopar.solver.warm_start import PairTerms
 
 
 @dataclass
@@ -45,7 +44,7 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
 
 def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContext, x: dict[str, list[int]],
                 prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
-                rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], terms: PairTerms) -> None:
+                rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms]) -> None:
     """Every edge's ends tied and priced (``_add_edge``); a reshard that several edges share
     (``sharing_classes``) paid once per tensor (``_add_shared``)."""
     classes = sharing_classes(graph, folding)
@@ -58,13 +57,12 @@ def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContex
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
         link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, rows,
-                         count=solo.get(key, 0), transport=key in shared_keys, terms=terms)
+                         count=solo.get(key, 0), transport=key in shared_keys)
         if link is not None:
             links[key] = link
     for keys, count in classes.items():
         if len(keys) > 1:
-            _add_shared(model, [links[k] for k in keys], count, memory_row, terms,
-                        MEMORY if minimize_memory else RESHARDS)
+            _add_shared(model, [links[k] for k in keys], count, memory_row, MEMORY if minimize_memory else RESHARDS)
 
 
 @dataclass
@@ -83,14 +81,12 @@ class _Link:
 
 def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
               prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
-              rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], *, count: int, transport: bool,
-              terms: PairTerms) -> _Link | None:
+              rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], *, count: int, transport: bool) -> _Link | None:
     """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
     the memory it keeps: a parameter gathered in forward stays gathered until backward),
     ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
     gets explicit pair variables, returned for pricing reshards shared with other edges.
-    ``terms`` learns the edge's pair columns (for the start HiGHS is given); ``rows``: the terms
-    priced beyond the edge (gradient syncs, overlap windows, grouped collectives' calls)."""
+    ``rows``: the terms priced beyond the edge (gradient syncs, overlap windows, grouped collectives' calls)."""
     sync, overlap, groups = rows
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
     grad = graph.sends_gradient(edge.producer, edge.consumer)
@@ -119,11 +115,8 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     unwaited = sync.unwaited(edge.producer, count, price) if grad else None
     grouping = groups.edge(edge.producer, edge.consumer, price)
 
-    columns: dict[tuple[int, int], int] = {}
-
     def add(j: int, a: int, b: int) -> None:
         """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
-        columns[(a, b)] = j
         model.add_cost(j, cost[a][b], MEMORY if minimize_memory else RESHARDS)
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
@@ -146,9 +139,6 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     syncing.close()
     if grouping is not None:
         grouping.close()
-    if edge.arg in cons.as_produced:  # pairs of differing placements are ruled out
-        columns = {(a, b): j for (a, b), j in columns.items() if keys_p[a] == keys_c[b][0]}
-    terms.add_edge(edge.producer, edge.consumer, groups_p, groups_c, columns, syncing.columns())
     return link
 
 
@@ -186,7 +176,8 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
     """Pair variables e[a][b] whose marginals are the two ends' choices (and, given ``ctx``,
     the link for pricing reshards shared with sibling edges)."""
     keys_p, keys_c = list(groups_p), list(groups_c)
-    e = [[model.var(0.0, integer=False) for b in range(len(keys_c))] for a in range(len(keys_p))]
+    # 0 or 1 at integral x: each end's marginals are then one group's indicator
+    e = [[model.var(0.0, integer=False, implied_integer=True) for b in range(len(keys_c))] for a in range(len(keys_p))]
     for a in range(len(keys_p)):
         for b in range(len(keys_c)):
             add(e[a][b], a, b)
@@ -207,7 +198,7 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
 
 
 def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float],
-                terms: PairTerms, term: str) -> None:
+                term: str) -> None:
     """y[a, t] >= every sibling edge's e[a][b] asking for t: each reshard paid once per tensor.
     The shared copy is held until backward if any of its consumers saves it, so y carries the
     largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
@@ -234,7 +225,6 @@ def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[i
                     if mem[key]:
                         memory_row[y[key]] = memory_row.get(y[key], 0.0) + mem[key] * count
                 model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, INF))
-                terms.extra[e_ab].append(y[key])
 
 
 def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
@@ -249,7 +239,7 @@ def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], group
         if a is None:  # no producer strategy delivers this input: rule the consumer strategies out
             model.rows.append(({x[edge.consumer][s]: 1.0 for s in groups_c[keys_c[b]]}, 0.0, 0.0))
             continue
-        e = model.var(0.0, integer=False)
+        e = model.var(0.0, integer=False, implied_integer=True)  # the sum of consumer columns below
         add(e, a, b)
         flow_in[a][e] = 1.0
         row = {e: 1.0}

@@ -181,16 +181,6 @@ class _EdgeSync:
         for d in self.dims.get((a, b), ()):
             self.selectors[(a, d)].append(j)
 
-    def columns(self) -> dict[tuple[int, int], list[int]]:
-        """(producer group, consumer group) -> the sync columns that pairing sets (after
-        ``close``): per dim the all-reduce, or the reduce-scatter where only twins sync there."""
-        y = self.terms.y
-
-        def column(a: int, d: int) -> int:
-            plain = (self.producer, self.keys_p[a], d, False)
-            return y[plain] if plain in y else y[(self.producer, self.keys_p[a], d, True)]
-        return {(a, b): [column(a, d) for d in dims] for (a, b), dims in self.dims.items() if dims}
-
     def close(self) -> None:
         """y[p, a, d] >= the sum of this edge's selectors (at most one of them is 1), split by
         the chosen strategy of group a where it holds both a plain placement and its ZeRO-1

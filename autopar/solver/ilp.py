@@ -14,7 +14,6 @@ sum of every node's bytes at peak, weighted by how many nodes it stands for. HiG
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,8 +32,7 @@ from autopar.solver.backward_rows import add_backward_peak
 from autopar.pipeline.stage_memory import MemoryShares
 from autopar.solver.milp import COMPUTE, INF, MEMORY, OWN, SCALE, Model, Result, run
 from autopar.solver.overlap import OverlapTerms
-from autopar.solver.warm_start import (NARROW_FROM_COLUMNS, NARROW_KEEP, PairTerms, likely_strategies, merge_tied,
-                                       run_started)
+from autopar.solver.warm_start import LP_LED_FROM_COLUMNS, run_from_lp
 from autopar.units import fmt_bytes
 
 ENOUGH_SLACK = 1e-9
@@ -114,10 +112,11 @@ def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dic
         model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
     return x, memory_row
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Built:
     """One problem's model, built once (``build``), solved by ``solve`` as often as asked: an LP bound
-    and then the ILP of the same problem share it. ``solve`` checks it is of the problem it is given."""
+    and then the ILP of the same problem share it, and its LP relaxation once solved. ``solve`` checks it
+    is of the problem it is given."""
 
     graph: PlanGraph
     folding: Folding
@@ -127,10 +126,11 @@ class Built:
     model: Model
     x: dict[str, list[int]]
     memory_row: dict[int, float]
-    terms: PairTerms
-    sync: GradSyncTerms
     seconds: float
     """How long building it took."""
+    relaxation: Result | None = None
+    """Its LP relaxation's optimum, once solved to the end (not stopped at a cutoff): an LP bound and
+    the ILP after it read the one solve (``warm_start.run_from_lp``)."""
 
     def of(self, graph: PlanGraph, folding: Folding, memory_limit: float | None, minimize_memory: bool,
            shares: MemoryShares | None) -> bool:
@@ -150,13 +150,12 @@ def build(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     _one_state_family(model, graph, reps, x)
     for v, w in folding.tied.items():  # one plan in every instance of a split class
         model.rows.extend(({a: 1.0, b: -1.0}, 0.0, 0.0) for a, b in zip(x[v], x[w]))
-    terms = PairTerms(strategy_columns=len(model.cost))
     prices = prices or EdgePrices(ctx)  # the same reshard recurs on many edges
     assert prices.key == EdgePrices.key_of(ctx), "edge prices kept for another context"
     sync = GradSyncTerms(model, graph, ctx, mult, x, priced=not minimize_memory)
     overlap = OverlapTerms(model, graph, folding, ctx, priced=not minimize_memory)
     groups = GroupTerms(model, graph, ctx, mult, sync, overlap, priced=not minimize_memory)
-    link_edges(model, graph, folding, ctx, x, prices, memory_row, minimize_memory, (sync, overlap, groups), terms)
+    link_edges(model, graph, folding, ctx, x, prices, memory_row, minimize_memory, (sync, overlap, groups))
     sync.add_bucket_rows()
     sync.add_gather_rows(x)
     if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``search.planned.with_pipeline``)
@@ -168,7 +167,7 @@ def build(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
     add_backward_peak(model, graph, folding, ctx, x, memory_row, minimize_memory)
     memory_row = _memory_use(model, graph, x, memory_row, memory_limit, minimize_memory, shares)
-    return Built(graph, folding, memory_limit, minimize_memory, shares, model, x, memory_row, terms, sync,
+    return Built(graph, folding, memory_limit, minimize_memory, shares, model, x, memory_row,
                  time.perf_counter() - start)
 
 
@@ -199,11 +198,9 @@ def solve(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
         built = build(graph, folding, ctx, memory_limit, minimize_memory=minimize_memory, shares=shares,
                       prices=prices)
     assert built.of(graph, folding, memory_limit, minimize_memory, shares), "a model built for another problem"
-    model, x, memory_row, terms, sync = built.model, built.x, built.memory_row, built.terms, built.sync
+    model, x, memory_row = built.model, built.x, built.memory_row
     start = time.perf_counter()
-    result = _run(model, x, folding, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE,
-                  minimize_memory, enough_bytes, relaxed, fixed,
-                  lambda: [c + sync.seconds.get(j, 0.0) for j, c in enumerate(model.cost)], terms)
+    result = _run(built, time_limit_s, None if cutoff_s is None else cutoff_s * SCALE, enough_bytes, relaxed, fixed)
     if result.values is None:
         if relaxed and result.status == "over_cutoff":
             return NoPlan("bound", f"its LP relaxation is over the cutoff of {cutoff_s:.6g} s")
@@ -236,22 +233,24 @@ def _narrowed(graph: PlanGraph, folding: Folding, choice: dict[str, int]) -> Pla
     return replace(graph, nodes=nodes)
 
 
-def _run(model: Model, x: dict[str, list[int]], folding: Folding, time_limit_s: float, cutoff: float | None,
-         minimize_memory: bool, enough_bytes: float | None, relaxed: bool, fixed: dict[str, int] | None,
-         start_costs: Callable[[], list[float]], terms: PairTerms) -> Result:
-    """HiGHS on ``model`` as ``solve`` asks: the given choice fixed, the LP relaxation, a narrowed start, or
-    plain. A start pays for a plan to be found, not for a bound (a memory search's cutoff solves, mostly
-    pruned at the root) nor for the leanest plan."""
+def _run(built: Built, time_limit_s: float, cutoff: float | None, enough_bytes: float | None, relaxed: bool,
+         fixed: dict[str, int] | None) -> Result:
+    """HiGHS on ``built``'s model as ``solve`` asks: the given choice fixed, the LP relaxation, led by the LP,
+    or plain. The LP leads a solve that must find a plan, not one asked for a bound only (a memory search's
+    cutoff solves, mostly pruned at the root) nor for the leanest plan."""
+    model, x = built.model, built.x
     if fixed is not None:
         return run(model, time_limit_s, zero=[j for v, js in x.items() for s, j in enumerate(js) if s != fixed[v]])
     if relaxed:
-        result = run(model, time_limit_s, cutoff, relaxed=True)
+        result = built.relaxation or run(model, time_limit_s, cutoff, relaxed=True)
+        if result.status == "optimal":
+            built.relaxation = result
+        if cutoff is not None and result.values is not None and result.objective > cutoff:
+            return replace(result, values=None, status="over_cutoff")
         return replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
-    if len(model.cost) >= NARROW_FROM_COLUMNS and cutoff is None and not minimize_memory:
-        likely = likely_strategies(x, start_costs(), terms, keep=NARROW_KEEP)
-        merge_tied(likely, folding.tied)
-        return run_started(model, x, likely, time_limit_s, cutoff)
-    if minimize_memory and enough_bytes is not None:  # only whether some plan needs no more: HiGHS prunes above it
+    if len(model.cost) >= LP_LED_FROM_COLUMNS and cutoff is None and not built.minimize_memory:
+        return run_from_lp(model, x, built.folding.tied, time_limit_s, built.relaxation)
+    if built.minimize_memory and enough_bytes is not None:  # only whether some plan needs no more
         return run(model, time_limit_s, enough_bytes * (1.0 + ENOUGH_SLACK), target=enough_bytes)
     return run(model, time_limit_s, cutoff)
 

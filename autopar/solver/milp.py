@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from itertools import chain
+from dataclasses import dataclass, replace
 
 import highspy
 import numpy as np
@@ -48,18 +49,27 @@ class Model:
         self.cost: list[float] = []
         self.upper: list[float] = []
         self.integer: list[int] = []
+        self.implied_integer: list[int] = []
+        """Continuous columns whose rows make them 0 or 1 wherever the integer columns are integral (an
+        edge's transport columns): a bound that fixes integer columns may fix these alike."""
         self.rows: list[tuple[dict[int, float], float, float]] = []
         self.terms: dict[int, dict[str, float]] = {}
         """Column -> term -> its share of the column's cost."""
+        self._rows_made = -1
+        self._row_arrays: tuple[np.ndarray, ...] = ()
 
-    def var(self, cost: float, integer: bool, upper: float = 1.0, term: str | None = None) -> int:
-        """A column costing ``cost`` (of ``term``; a cost of 0 needs none)."""
+    def var(self, cost: float, integer: bool, upper: float = 1.0, term: str | None = None,
+            implied_integer: bool = False) -> int:
+        """A column costing ``cost`` (of ``term``; a cost of 0 needs none); ``implied_integer``: continuous,
+        but integral wherever the integer columns are (``Model.implied_integer``)."""
         assert term is not None or cost == 0.0, "a priced column names its term"
         self.cost.append(0.0)
         self.upper.append(upper)
-        if integer:
-            self.integer.append(len(self.cost) - 1)
         j = len(self.cost) - 1
+        if integer:
+            self.integer.append(j)
+        elif implied_integer:
+            self.implied_integer.append(j)
         if cost:
             self.add_cost(j, cost, term)  # type: ignore[arg-type]
         return j
@@ -69,6 +79,21 @@ class Model:
         self.cost[j] += amount
         terms = self.terms.setdefault(j, {})
         terms[term] = terms.get(term, 0.0) + amount
+
+    def row_arrays(self) -> tuple[np.ndarray, ...]:
+        """The rows as HiGHS takes them (starts, indices, values, lower, upper), made once per model: a
+        solve led by the LP runs HiGHS on one model up to three times."""
+        if self._rows_made != len(self.rows):  # rows are only ever appended
+            rows = self.rows
+            sizes = np.fromiter((len(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
+            starts = np.zeros(len(rows), dtype=np.int32)
+            np.cumsum(sizes[:-1], out=starts[1:])
+            self._row_arrays = (starts, np.fromiter(chain.from_iterable(r for r, _, _ in rows), dtype=np.int32),
+                                np.fromiter(chain.from_iterable(r.values() for r, _, _ in rows), dtype=np.float64),
+                                np.fromiter((lo for _, lo, _ in rows), dtype=np.float64, count=len(rows)),
+                                np.fromiter((hi for _, _, hi in rows), dtype=np.float64, count=len(rows)))
+            self._rows_made = len(rows)
+        return self._row_arrays
 
     def term_values(self, values: Sequence[float]) -> dict[str, float]:
         """Each term's part of the objective at ``values`` (objective units)."""
@@ -93,6 +118,8 @@ class Result:
     gap: float | None
     """Relative gap between the plan found and the best bound (0 when proven optimal; None
     when no plan was found)."""
+    reduced_costs: list[float] | None = None
+    """An LP relaxation's optimal reduced costs (``run(relaxed=True)``), else None."""
     time_limit_s: float
 
 
@@ -104,8 +131,9 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
     ``zero``: columns held at 0 (a narrowed model). ``lean``: skip the search aids a run that
     closes at its root does not use (``LEAN_OPTIONS``). ``target``: stop at the first plan whose
     objective is at most this (HiGHS's ``objective_target``; status 'target_reached'). ``relaxed``:
-    the LP relaxation (no column integral): its optimum bounds the model's from below; with ``cutoff``,
-    status 'over_cutoff' as soon as the dual simplex's objective (a bound on the optimum) passes it."""
+    the LP relaxation (no column integral), with its reduced costs: its optimum bounds the model's from
+    below; with ``cutoff``, status 'over_cutoff' as soon as the dual simplex's objective (a bound on the
+    optimum) passes it."""
     # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
     # banner to stdout doing so, which would land in the CLI's output.
     h = _Highs()
@@ -121,7 +149,8 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
         h.setOptionValue(option, value)
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
-    if cutoff is not None and relaxed:  # HiGHS's dual simplex, unpresolved, stops once its bound passes it
+    if relaxed:  # unpresolved: on these models HiGHS's LP presolve costs more than the dual simplex's whole
+        # solve, and the dual simplex stops once its bound passes a cutoff
         h.setOptionValue("presolve", "off")
         h.setOptionValue("solver", "simplex")
         h.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
@@ -132,16 +161,8 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
     upper[list(zero)] = 0.0
     h.addCols(n, np.array(model.cost), np.zeros(n), upper, 0,
               np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
-    starts, indices, values, lower, upper = [], [], [], [], []
-    for row, lo, hi in model.rows:
-        starts.append(len(indices))
-        for j, v in row.items():
-            indices.append(j)
-            values.append(v)
-        lower.append(lo)
-        upper.append(hi)
-    h.addRows(len(model.rows), np.array(lower), np.array(upper), len(indices),
-              np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values))
+    starts, indices, values, lower, upper = model.row_arrays()
+    h.addRows(len(model.rows), lower, upper, len(indices), starts, indices, values)
     if model.integer and not relaxed:
         h.changeColsIntegrality(len(model.integer), np.array(model.integer, dtype=np.int32),
                                 np.array([highspy.HighsVarType.kInteger] * len(model.integer)))
@@ -149,6 +170,8 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
         h.setSolution(len(start), np.array(list(start), dtype=np.int32), np.array(list(start.values())))
     h.run()
     result = interpret(h.getModelStatus(), h.getInfo(), lambda: list(h.getSolution().col_value), time_limit_s)
+    if relaxed and result.status == "optimal":
+        result = replace(result, reduced_costs=list(h.getSolution().col_dual))
     if cutoff is not None and result.values is not None and result.objective > cutoff:
         # HiGHS prunes by the bound but may keep (and call optimal) an incumbent above it
         # that a heuristic found first (the Llama-3-70B shape: 589 s against a 7.9 s bound)
