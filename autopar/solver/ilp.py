@@ -248,7 +248,8 @@ def _run(built: Built, time_limit_s: float, cutoff: float | None, enough_bytes: 
         if cutoff is not None and result.values is not None and result.objective > cutoff:
             return replace(result, values=None, status="over_cutoff")
         return replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
-    if len(model.cost) >= LP_LED_FROM_COLUMNS and cutoff is None and not built.minimize_memory:
+    led = len(model.cost) >= LP_LED_FROM_COLUMNS or built.relaxation is not None  # (an LP bound's, kept)
+    if led and cutoff is None and not built.minimize_memory:
         return run_from_lp(model, x, built.folding.tied, time_limit_s, built.relaxation)
     if built.minimize_memory and enough_bytes is not None:  # only whether some plan needs no more
         return run(model, time_limit_s, enough_bytes * (1.0 + ENOUGH_SLACK), target=enough_bytes)

@@ -21,8 +21,9 @@ from autopar.solver.milp import Model, Result, run
 NARROW_KEEP = 4
 """Strategies per node the narrowed solve keeps at least (``lp_likely``)."""
 LP_LED_FROM_COLUMNS = 10_000
-"""Models with fewer columns are solved at once: HiGHS finds their optimum in a fraction of a
-second, and an LP and a narrowed solve first only add to it (a memory search's many small solves)."""
+"""Models with fewer columns are solved at once, unless their LP relaxation was solved before (an LP
+bound's): HiGHS finds their optimum in a fraction of a second, and an LP and a narrowed solve first
+only add to it (a memory search's many small solves)."""
 
 INTEGRAL = 1e-6
 """How far from 0 or 1 an LP's strategy column may be and still count as chosen (HiGHS's own MIP
@@ -41,9 +42,9 @@ def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], tim
       price least (``lp_likely``), gives a plan (a small MIP, solved in a fraction of the whole);
     * a column whose reduced cost d is over that plan's gap to the LP bound is 0 in every plan at
       least as good (each plan's objective is at least the bound plus d times the column), so the
-      whole MIP runs with those columns fixed at 0, started from the plan: its optimum is the whole
-      model's. Fixed are the strategy columns and the edges' transport columns, 0 or 1 in every
-      integral plan (``Model.implied_integer``).
+      whole MIP runs with those columns fixed at 0, cut off above that plan: its optimum, or that plan
+      where nothing beats it, is the whole model's. Fixed are the strategy columns and the edges'
+      transport columns, 0 or 1 in every integral plan (``Model.implied_integer``).
     """
     began = time.perf_counter()
     def left() -> float:  # the limit is for all the runs together
@@ -59,10 +60,15 @@ def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], tim
                  lean=True)
     if narrow.values is None:  # nothing among the likeliest: HiGHS's own heuristics find a plan
         return replace(run(model, left()), time_limit_s=time_limit_s)
-    room = narrow.objective - lp.objective + FIX_SLACK * max(1.0, abs(narrow.objective))
-    fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > room]
-    start = {j: round(narrow.values[j]) for cols in x.values() for j in cols}
-    return replace(run(model, left(), start=start, zero=fixed, lean=True), time_limit_s=time_limit_s)
+    slack = FIX_SLACK * max(1.0, abs(narrow.objective))
+    fixed = [j for j in (*model.integer, *model.implied_integer)
+             if lp.reduced_costs[j] > narrow.objective - lp.objective + slack]
+    # the narrowed plan as a bound, not as a start: HiGHS (1.16) misprices a start in a presolved space
+    # whose columns were fixed by their bounds (a GPT plan: 692.87 priced 691.34 there, and "optimal")
+    result = run(model, left(), narrow.objective + slack, zero=fixed)
+    if result.values is None and result.status == "infeasible":  # none beats it: the narrowed plan is optimal
+        result = replace(narrow, status="optimal", gap=0.0)
+    return replace(result, time_limit_s=time_limit_s)
 
 
 def lp_likely(x: dict[str, list[int]], values: list[float], reduced_costs: list[float],
