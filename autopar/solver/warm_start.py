@@ -60,14 +60,17 @@ def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], tim
                  lean=True)
     if narrow.values is None:  # nothing among the likeliest: HiGHS's own heuristics find a plan
         return replace(run(model, left()), time_limit_s=time_limit_s)
-    slack = FIX_SLACK * max(1.0, abs(narrow.objective))
-    fixed = [j for j in (*model.integer, *model.implied_integer)
-             if lp.reduced_costs[j] > narrow.objective - lp.objective + slack]
+    price = sum(c * v for c, v in zip(model.cost, narrow.values))  # its plan's, as the solve below prices it
+    slack = FIX_SLACK * max(1.0, abs(price))
+    fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > price - lp.objective + slack]
     # the narrowed plan as a bound, not as a start: HiGHS (1.16) misprices a start in a presolved space
     # whose columns were fixed by their bounds (a GPT plan: 692.87 priced 691.34 there, and "optimal")
-    result = run(model, left(), narrow.objective + slack, zero=fixed)
+    result = run(model, left(), price + slack, zero=fixed)
     if result.values is None and result.status == "infeasible":  # none beats it: the narrowed plan is optimal
-        result = replace(narrow, status="optimal", gap=0.0)
+        result = replace(narrow, objective=price, status="optimal", gap=0.0)
+    elif result.values is None:  # out of time before beating it: the narrowed plan, its gap to the LP bound
+        result = replace(narrow, objective=price, status=result.status,
+                         gap=(price - lp.objective) / max(abs(price), 1e-12))
     return replace(result, time_limit_s=time_limit_s)
 
 
