@@ -83,6 +83,20 @@ def test_a_cutoff_leaves_the_plans_under_it(seed: int) -> None:
         assert led.values is None and led.status == "infeasible"
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_target_asks_only_whether_some_plan_reaches_it(seed: int) -> None:
+    """With a target (a least-memory solve's ``enough_bytes``), the led solve answers as HiGHS's own target
+    does: some plan at most it where the optimum is, none where the target is under the optimum."""
+    model, x = _pairwise(seed, 10, _cycle(10), knapsack=True)
+    best = milp.run(model, 60.0)
+    assert best.values is not None
+    reached = run_from_lp(model, x, {}, 60.0, None, best.objective * 1.05 * (1 + 1e-9), best.objective * 1.05)
+    assert reached.values is not None and reached.objective <= best.objective * 1.05 * (1 + 1e-9)
+    assert reached.status in ("optimal", "target_reached")
+    missed = run_from_lp(model, x, {}, 60.0, None, best.objective * 0.999 * (1 + 1e-9), best.objective * 0.999)
+    assert missed.values is None and missed.status == "infeasible"
+
+
 def test_each_path_is_taken() -> None:
     """A tree's pairwise LP is integral (the local polytope is exact there); cycles and a knapsack row
     leave it fractional, and reduced costs then fix columns before the whole MIP runs."""

@@ -35,9 +35,10 @@ more than HiGHS's tolerances on the LP's duals and on the MIP's proof (``mip_rel
 
 
 def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], time_limit_s: float,
-                relaxation: Result | None, cutoff: float | None = None) -> Result:
+                relaxation: Result | None, cutoff: float | None = None, target: float | None = None) -> Result:
     """HiGHS on ``model``, led by its LP relaxation (``relaxation`` where solved before); with ``cutoff``
-    (objective units), only a plan cheaper than it counts ('infeasible' where there is none, as ``run``):
+    (objective units), only a plan cheaper than it counts ('infeasible' where there is none, as ``run``);
+    with ``target``, the first plan found at most that is enough (``run``'s, status 'target_reached'):
 
     * an LP over the cutoff rules every plan out; an LP optimum whose strategy columns are integral is
       a plan, and optimal: no MIP is run;
@@ -62,7 +63,9 @@ def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], tim
     likely = lp_likely(x, lp.values, lp.reduced_costs)
     merge_tied(likely, tied)
     narrow = run(model, left(), cutoff, zero=[j for v, cols in x.items() for s, j in enumerate(cols)
-                                              if s not in likely[v]], lean=True)
+                                              if s not in likely[v]], lean=True, target=target)
+    if target is not None and narrow.values is not None:  # a plan under the cutoff is all that was asked
+        return replace(narrow, time_limit_s=time_limit_s)
     if narrow.values is None and cutoff is None:  # nothing among the likeliest: HiGHS's heuristics find a plan
         return replace(run(model, left()), time_limit_s=time_limit_s)
     # its plan's price read from its columns: HiGHS (1.16) misprices a start in a presolved space whose columns
@@ -72,7 +75,8 @@ def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], tim
     beat = min(b for b in (price, cutoff) if b is not None)
     slack = FIX_SLACK * max(1.0, abs(beat))
     fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > beat - lp.objective + slack]
-    result = run(model, left(), beat if price is None else min(price + slack, cutoff or math.inf), zero=fixed)
+    result = run(model, left(), beat if price is None else min(price + slack, cutoff or math.inf), zero=fixed,
+                 target=target)
     if result.values is None and price is not None:
         if result.status == "infeasible":  # none beats it: the narrowed plan is optimal
             result = replace(narrow, objective=price, status="optimal", gap=0.0)
