@@ -75,8 +75,8 @@ def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], tim
     beat = min(b for b in (price, cutoff) if b is not None)
     slack = FIX_SLACK * max(1.0, abs(beat))
     fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > beat - lp.objective + slack]
-    result = run(model, left(), beat if price is None else min(price + slack, cutoff or math.inf), zero=fixed,
-                 target=target)
+    bound = beat if price is None else min(price + slack, math.inf if cutoff is None else cutoff)
+    result = run(model, left(), bound, zero=fixed, target=target)
     if result.values is None and price is not None:
         if result.status == "infeasible":  # none beats it: the narrowed plan is optimal
             result = replace(narrow, objective=price, status="optimal", gap=0.0)
