@@ -67,36 +67,6 @@ def test_the_lp_led_solve_finds_highs_optimum(seed: int, knapsack: bool, monkeyp
         assert len(runs) == 3 and runs[2]["zero"]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_a_cutoff_leaves_the_plans_under_it(seed: int) -> None:
-    """With a cutoff, the led solve finds the optimum where it is under the cutoff, and no plan ('infeasible',
-    as HiGHS's own cutoff says) where it is not: a cutoff over the LP bound and under the optimum included."""
-    model, x = _pairwise(seed, 10, _cycle(10), knapsack=True)
-    best = milp.run(model, 60.0)
-    bound = milp.run(model, 60.0, relaxed=True)
-    assert best.values is not None and bound.values is not None and bound.objective < best.objective
-    for cutoff in (best.objective * 1.01, best.objective * 1.000001):
-        led = run_from_lp(model, x, {}, 60.0, None, cutoff)
-        assert led.status == "optimal" and led.objective == pytest.approx(best.objective, rel=1e-9)
-    for cutoff in ((bound.objective + best.objective) / 2, bound.objective * 0.99):
-        led = run_from_lp(model, x, {}, 60.0, bound if cutoff > bound.objective else None, cutoff)
-        assert led.values is None and led.status == "infeasible"
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_a_target_asks_only_whether_some_plan_reaches_it(seed: int) -> None:
-    """With a target (a least-memory solve's ``enough_bytes``), the led solve answers as HiGHS's own target
-    does: some plan at most it where the optimum is, none where the target is under the optimum."""
-    model, x = _pairwise(seed, 10, _cycle(10), knapsack=True)
-    best = milp.run(model, 60.0)
-    assert best.values is not None
-    reached = run_from_lp(model, x, {}, 60.0, None, best.objective * 1.05 * (1 + 1e-9), best.objective * 1.05)
-    assert reached.values is not None and reached.objective <= best.objective * 1.05 * (1 + 1e-9)
-    assert reached.status in ("optimal", "target_reached")
-    missed = run_from_lp(model, x, {}, 60.0, None, best.objective * 0.999 * (1 + 1e-9), best.objective * 0.999)
-    assert missed.values is None and missed.status == "infeasible"
-
-
 def test_each_path_is_taken() -> None:
     """A tree's pairwise LP is integral (the local polytope is exact there); cycles and a knapsack row
     leave it fractional, and reduced costs then fix columns before the whole MIP runs."""

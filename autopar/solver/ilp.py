@@ -235,10 +235,9 @@ def _narrowed(graph: PlanGraph, folding: Folding, choice: dict[str, int]) -> Pla
 
 def _run(built: Built, time_limit_s: float, cutoff: float | None, enough_bytes: float | None, relaxed: bool,
          fixed: dict[str, int] | None) -> Result:
-    """HiGHS on ``built``'s model as ``solve`` asks: the given choice fixed, the LP relaxation, led by the LP
-    (a large model, or one whose LP an LP bound solved), or plain (the leanest plan, and small models). A
-    least-memory solve given ``enough_bytes`` only asks whether some plan needs no more: HiGHS prunes above it
-    and stops at the first such plan."""
+    """HiGHS on ``built``'s model as ``solve`` asks: the given choice fixed, the LP relaxation, led by the LP,
+    or plain. The LP leads a solve that must find a plan, not one asked for a bound only (a memory search's
+    cutoff solves, mostly pruned at the root) nor for the leanest plan."""
     model, x = built.model, built.x
     if fixed is not None:
         return run(model, time_limit_s, zero=[j for v, js in x.items() for s, j in enumerate(js) if s != fixed[v]])
@@ -250,15 +249,11 @@ def _run(built: Built, time_limit_s: float, cutoff: float | None, enough_bytes: 
             return replace(result, values=None, status="over_cutoff")
         return replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
     led = len(model.cost) >= LP_LED_FROM_COLUMNS or built.relaxation is not None  # (an LP bound's, kept)
+    if led and cutoff is None and not built.minimize_memory:
+        return run_from_lp(model, x, built.folding.tied, time_limit_s, built.relaxation)
     if built.minimize_memory and enough_bytes is not None:  # only whether some plan needs no more
-        cutoff, target = enough_bytes * (1.0 + ENOUGH_SLACK), enough_bytes
-    elif built.minimize_memory:  # the leanest plan itself
-        return run(model, time_limit_s, cutoff)
-    else:
-        target = None
-    if led:
-        return run_from_lp(model, x, built.folding.tied, time_limit_s, built.relaxation, cutoff, target)
-    return run(model, time_limit_s, cutoff, target=target)
+        return run(model, time_limit_s, enough_bytes * (1.0 + ENOUGH_SLACK), target=enough_bytes)
+    return run(model, time_limit_s, cutoff)
 
 
 def _one_state_family(model: Model, graph: PlanGraph, reps: list[str], x: dict[str, list[int]]) -> None:

@@ -12,7 +12,6 @@ The plan returned is still HiGHS's proven optimum of the whole MIP: this changes
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -35,54 +34,43 @@ more than HiGHS's tolerances on the LP's duals and on the MIP's proof (``mip_rel
 
 
 def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], time_limit_s: float,
-                relaxation: Result | None, cutoff: float | None = None, target: float | None = None) -> Result:
-    """HiGHS on ``model``, led by its LP relaxation (``relaxation`` where solved before); with ``cutoff``
-    (objective units), only a plan cheaper than it counts ('infeasible' where there is none, as ``run``);
-    with ``target``, the first plan found at most that is enough (``run``'s, status 'target_reached'):
+                relaxation: Result | None) -> Result:
+    """HiGHS on ``model``, led by its LP relaxation (``relaxation`` where solved before):
 
-    * an LP over the cutoff rules every plan out; an LP optimum whose strategy columns are integral is
-      a plan, and optimal: no MIP is run;
+    * an LP optimum whose strategy columns are integral is a plan, and optimal: no MIP is run;
     * else the MIP narrowed to each node's strategies the LP uses, and those its reduced costs
       price least (``lp_likely``), gives a plan (a small MIP, solved in a fraction of the whole);
-    * a column whose reduced cost d is over the gap between that plan (or the cutoff, the lesser) and
-      the LP bound is 0 in every plan at least as good (each plan's objective is at least the bound plus
-      d times the column), so the whole MIP runs with those columns fixed at 0, cut off above that plan:
-      its optimum, or that plan where nothing beats it, is the whole model's. Fixed are the strategy
-      columns and the edges' transport columns, 0 or 1 in every integral plan (``Model.implied_integer``).
+    * a column whose reduced cost d is over that plan's gap to the LP bound is 0 in every plan at
+      least as good (each plan's objective is at least the bound plus d times the column), so the
+      whole MIP runs with those columns fixed at 0, cut off above that plan: its optimum, or that plan
+      where nothing beats it, is the whole model's. Fixed are the strategy columns and the edges'
+      transport columns, 0 or 1 in every integral plan (``Model.implied_integer``).
     """
     began = time.perf_counter()
     def left() -> float:  # the limit is for all the runs together
         return max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)
-    lp = relaxation if relaxation is not None else run(model, time_limit_s, cutoff, relaxed=True)
-    if lp.status == "over_cutoff" or cutoff is not None and lp.values is not None and lp.objective > cutoff:
-        return Result(values=None, objective=0.0, status="infeasible", gap=None, time_limit_s=time_limit_s)
+    lp = relaxation if relaxation is not None else run(model, time_limit_s, relaxed=True)
     if lp.values is None or lp.reduced_costs is None:  # infeasible (the MIP too), or out of time
-        return lp if lp.status == "infeasible" else replace(run(model, left(), cutoff), time_limit_s=time_limit_s)
+        return lp if lp.status == "infeasible" else replace(run(model, left()), time_limit_s=time_limit_s)
     if all(abs(lp.values[j] - round(lp.values[j])) <= INTEGRAL for j in model.integer):
         return replace(lp, status="optimal", gap=0.0, reduced_costs=None, time_limit_s=time_limit_s)
     likely = lp_likely(x, lp.values, lp.reduced_costs)
     merge_tied(likely, tied)
-    narrow = run(model, left(), cutoff, zero=[j for v, cols in x.items() for s, j in enumerate(cols)
-                                              if s not in likely[v]], lean=True, target=target)
-    if target is not None and narrow.values is not None:  # a plan under the cutoff is all that was asked
-        return replace(narrow, time_limit_s=time_limit_s)
-    if narrow.values is None and cutoff is None:  # nothing among the likeliest: HiGHS's heuristics find a plan
+    narrow = run(model, left(), zero=[j for v, cols in x.items() for s, j in enumerate(cols) if s not in likely[v]],
+                 lean=True)
+    if narrow.values is None:  # nothing among the likeliest: HiGHS's own heuristics find a plan
         return replace(run(model, left()), time_limit_s=time_limit_s)
-    # its plan's price read from its columns: HiGHS (1.16) misprices a start in a presolved space whose columns
-    # were fixed by their bounds (a GPT plan: 692.87 priced 691.34 there, and "optimal"), so it bounds the
-    # whole MIP instead of starting it
-    price = None if narrow.values is None else sum(c * v for c, v in zip(model.cost, narrow.values))
-    beat = min(b for b in (price, cutoff) if b is not None)
-    slack = FIX_SLACK * max(1.0, abs(beat))
-    fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > beat - lp.objective + slack]
-    bound = beat if price is None else min(price + slack, math.inf if cutoff is None else cutoff)
-    result = run(model, left(), bound, zero=fixed, target=target)
-    if result.values is None and price is not None:
-        if result.status == "infeasible":  # none beats it: the narrowed plan is optimal
-            result = replace(narrow, objective=price, status="optimal", gap=0.0)
-        else:  # out of time before beating it: the narrowed plan, its gap to the LP bound
-            result = replace(narrow, objective=price, status=result.status,
-                             gap=(price - lp.objective) / max(abs(price), 1e-12))
+    price = sum(c * v for c, v in zip(model.cost, narrow.values))  # its plan's, as the solve below prices it
+    slack = FIX_SLACK * max(1.0, abs(price))
+    fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > price - lp.objective + slack]
+    # the narrowed plan as a bound, not as a start: HiGHS (1.16) misprices a start in a presolved space
+    # whose columns were fixed by their bounds (a GPT plan: 692.87 priced 691.34 there, and "optimal")
+    result = run(model, left(), price + slack, zero=fixed)
+    if result.values is None and result.status == "infeasible":  # none beats it: the narrowed plan is optimal
+        result = replace(narrow, objective=price, status="optimal", gap=0.0)
+    elif result.values is None:  # out of time before beating it: the narrowed plan, its gap to the LP bound
+        result = replace(narrow, objective=price, status=result.status,
+                         gap=(price - lp.objective) / max(abs(price), 1e-12))
     return replace(result, time_limit_s=time_limit_s)
 
 
