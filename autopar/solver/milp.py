@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass, replace
+from itertools import chain
 
 import highspy
 import numpy as np
