@@ -56,7 +56,7 @@ def test_the_lp_led_solve_finds_highs_optimum(seed: int, knapsack: bool, monkeyp
         runs.append(kwargs)
         return real_run(*args, **kwargs)  # type: ignore[arg-type]
     monkeypatch.setattr("autopar.solver.warm_start.run", counted)
-    led = run_from_lp(model, x, {}, 60.0, None)
+    led = run_from_lp(model, x, 60.0, None)
     plain = real_run(model, 60.0)
     assert led.status == plain.status == "optimal"
     assert led.objective == pytest.approx(plain.objective, rel=1e-9)
@@ -120,7 +120,7 @@ def test_a_narrowed_plan_that_is_optimal_is_priced_as_it_is() -> None:
     place, limit = Place(mesh=autopar.Mesh({"dp": 2}, "h100")), 9.3 * 2**20
     problem = store.under(place, scenarios(store.at(place))[1], limit)
     built = ilp.build(problem.graph, problem.folding, problem.ctx, limit, shares=problem.memory_shares)
-    led = run_from_lp(built.model, built.x, built.folding.tied, 60.0, None)
+    led = run_from_lp(built.model, built.x, 60.0, None)
     plain = milp.run(built.model, 60.0)
     assert led.values is not None and plain.values is not None
     assert led.objective == pytest.approx(plain.objective, rel=1e-9)

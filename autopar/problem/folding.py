@@ -93,8 +93,9 @@ def split_folding(folding: Folding, graph: PlanGraph) -> Folding:
     or whose parameters are gathered again in backward (``PlanNode.regather``), apart from
     those that do not: their costs differ, so they are priced apart. Each part of a class is
     represented by its first node, and every part is tied to the class's first part, one
-    strategy for all: free, the parts made the ILP twice as large and far harder (a partly
-    checkpointed stack solved dozens of times slower than a wholly checkpointed one)."""
+    strategy for all (free, the parts made the ILP twice as large and far harder: a partly
+    checkpointed stack solved dozens of times slower than a wholly checkpointed one). The ILP
+    prices tied parts on one set of columns (``solver.ilp``, ``solver.edge_links``)."""
     representative: dict[str, str] = {}
     first: dict[tuple[str, bool, bool], str] = {}
     head: dict[str, str] = {}  # class -> its first part's representative

@@ -45,21 +45,29 @@ def aggregate_edges(graph: PlanGraph, folding: Folding) -> list[_Edge]:
 def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContext, x: dict[str, list[int]],
                 prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
                 rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms]) -> None:
-    """Every edge's ends tied and priced (``_add_edge``); a reshard that several edges share
-    (``sharing_classes``) paid once per tensor (``_add_shared``)."""
+    """Every edge's ends tied and priced (``_priced``, ``_link``); a reshard that several edges share
+    (``sharing_classes``) paid once per tensor (``_add_shared``). The edges between the same parts of
+    split classes (``Folding.tied``: their strategy columns are one) share one set of pair columns, each
+    edge priced on them: in any plan their pairs are the same, and a split stack's model stays the size
+    of a whole one's."""
     classes = sharing_classes(graph, folding)
     solo: dict[EdgeKey, int] = defaultdict(int)
     for keys, count in classes.items():
         if len(keys) == 1:
             solo[keys[0]] += count
     shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
-    links: dict[EdgeKey, _Link] = {}
+    head = folding.tied
+    alike: dict[tuple, list[_Edge]] = defaultdict(list)  # edges whose pairs are one: same columns, same way linked
     for edge in aggregate_edges(graph, folding):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
-        link = _add_edge(model, graph, ctx, edge, x, prices, memory_row, minimize_memory, rows,
-                         count=solo.get(key, 0), transport=key in shared_keys)
-        if link is not None:
-            links[key] = link
+        alike[(head.get(edge.producer, edge.producer), edge.out_index, head.get(edge.consumer, edge.consumer),
+               edge.arg, key in shared_keys, graph.sends_gradient(edge.producer, edge.consumer))].append(edge)
+    links: dict[EdgeKey, _Link] = {}
+    for (*_, transport, _grad), edges in alike.items():
+        members = [_priced(model, graph, ctx, edge, prices, memory_row, minimize_memory, rows,
+                           count=solo.get((edge.producer, edge.out_index, edge.consumer, edge.arg), 0))
+                   for edge in edges]
+        links.update(_link(model, ctx, members, x, transport))
     for keys, count in classes.items():
         if len(keys) > 1:
             _add_shared(model, [links[k] for k in keys], count, memory_row, MEMORY if minimize_memory else RESHARDS)
@@ -79,14 +87,31 @@ class _Link:
     """mem[a][b]: bytes it holds until backward."""
 
 
-def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: dict[str, list[int]],
-              prices: EdgePrices, memory_row: dict[int, float], minimize_memory: bool,
-              rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms], *, count: int, transport: bool) -> _Link | None:
-    """Link the edge's two ends; its objective is reshard time (or, when minimizing memory,
-    the memory it keeps: a parameter gathered in forward stays gathered until backward),
-    ``count`` times for tensors that reshard for this edge alone. With ``transport`` the edge
-    gets explicit pair variables, returned for pricing reshards shared with other edges.
-    ``rows``: the terms priced beyond the edge (gradient syncs, overlap windows, grouped collectives' calls)."""
+@dataclass
+class _Member:
+    """One edge priced: its ends' strategies by the placement they produce and take, its prices per pair,
+    and ``add(j, a, b)`` pricing variable j as running producer group a into consumer group b."""
+
+    edge: _Edge
+    groups_p: dict[object, list[int]]
+    groups_c: dict[object, list[int]]
+    unit_cost: list[list[float]]
+    unit_mem: list[list[float]]
+    add: Callable[[int, int, int], None]
+    close: Callable[[], None]
+    """Adds the rows its pairs' gradient syncs and grouped calls need, once every pair is priced."""
+    as_produced: bool
+    follower: bool
+    grad: bool
+
+
+def _priced(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, prices: EdgePrices,
+            memory_row: dict[int, float], minimize_memory: bool, rows: tuple[GradSyncTerms, OverlapTerms, GroupTerms],
+            *, count: int) -> _Member:
+    """The edge priced: its objective is reshard time (or, when minimizing memory, the memory it keeps: a
+    parameter gathered in forward stays gathered until backward), ``count`` times for tensors that reshard
+    for this edge alone. ``rows``: the terms priced beyond the edge (gradient syncs, overlap windows, grouped
+    collectives' calls)."""
     sync, overlap, groups = rows
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
     grad = graph.sends_gradient(edge.producer, edge.consumer)
@@ -116,7 +141,6 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
     grouping = groups.edge(edge.producer, edge.consumer, price)
 
     def add(j: int, a: int, b: int) -> None:
-        """Variable j is 1 exactly when this edge runs producer group a into consumer group b."""
         model.add_cost(j, cost[a][b], MEMORY if minimize_memory else RESHARDS)
         if mem[a][b]:
             memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
@@ -127,31 +151,62 @@ def _add_edge(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, x: 
             unwaited(j, a, b)
         if grouping is not None:
             grouping.note(j, a, b)
-    link = None
-    if edge.arg in cons.as_produced:  # written in place (or a view written through): never resharded
-        if transport:
-            link = _transport(model, edge, x, groups_p, groups_c, add, ctx, grad, unit_cost, unit_mem)
-        link = _add_as_produced_edge(model, edge, x, groups_p, groups_c, add, link)
-    elif transport:
-        link = _transport(model, edge, x, groups_p, groups_c, add, ctx, grad, unit_cost, unit_mem)
-    else:
-        _link_ends(model, edge, x, groups_p, groups_c, add, grad, cons.follower)
-    syncing.close()
-    if grouping is not None:
-        grouping.close()
-    return link
+
+    def close() -> None:
+        syncing.close()
+        if grouping is not None:
+            grouping.close()
+    return _Member(edge, groups_p, groups_c, unit_cost, unit_mem, add, close, edge.arg in cons.as_produced,
+                   cons.follower, grad)
+
+
+def _link(model: Model, ctx: CostContext, members: list[_Member], x: dict[str, list[int]], transport: bool
+          ) -> dict[EdgeKey, _Link]:
+    """Link the ends of ``members`` (edges between the same columns, linked alike) once, each pricing the
+    variables; with ``transport`` they get explicit pair variables, returned by edge for pricing reshards
+    shared with other edges."""
+    first = members[0]
+    assert all((list(m.groups_p), list(m.groups_c), m.as_produced, m.follower) ==
+               (list(first.groups_p), list(first.groups_c), first.as_produced, first.follower) for m in members), \
+        "edges between the same columns linked two ways"
+    edge, groups_p, groups_c, grad = first.edge, first.groups_p, first.groups_c, first.grad
+
+    def add(j: int, a: int, b: int) -> None:
+        """Variable j is 1 exactly when these edges run producer group a into consumer group b."""
+        for member in members:
+            member.add(j, a, b)
+    e = _transport(model, edge, x, groups_p, groups_c, add) if transport else None
+    if first.as_produced:  # written in place (or a view written through): never resharded
+        _add_as_produced_edge(model, edge, x, groups_p, groups_c, add, e)
+    elif not transport:
+        _link_ends(model, edge, x, groups_p, groups_c, add, first.follower)
+    for member in members:
+        member.close()
+    if e is None:
+        return {}
+    train = ctx.train and grad
+    target = [(placement, tuple(grad_placement_at_consumer(r, act) for r, act in zip(placement, active))
+               if train else None) for placement, active in groups_c]
+    return {(m.edge.producer, m.edge.out_index, m.edge.consumer, m.edge.arg): _Link(e, target, m.unit_cost, m.unit_mem)
+            for m in members}
+
+
+def _one_decision(edge: _Edge, x: dict[str, list[int]]) -> bool:
+    """Whether one choice of strategy decides both ends: an edge into its own node, or between parts of one
+    split class, which share their columns (``ilp._strategy_columns``)."""
+    return x[edge.producer] is x[edge.consumer]
 
 
 def _link_ends(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-               add: Callable[[int, int, int], None], needs_grad: bool, follower: bool) -> None:
+               add: Callable[[int, int, int], None], follower: bool) -> None:
     """Tie an edge's ends with as few variables as its shape allows."""
     keys_p, keys_c = list(groups_p), list(groups_c)
     inputs_taken = {placement for placement, _ in keys_c}
-    if (follower and edge.producer != edge.consumer and len(keys_p) > 1 and len(keys_c) > 1
+    if (follower and not _one_decision(edge, x) and len(keys_p) > 1 and len(keys_c) > 1
             and all(a in inputs_taken for a in keys_p)):  # every producer choice stays usable
         _add_follower_edge(model, edge, x, groups_p, groups_c, add)
         return None
-    if edge.producer == edge.consumer:  # one decision on both ends
+    if _one_decision(edge, x):
         where_p = {s: i for i, a in enumerate(keys_p) for s in groups_p[a]}
         where_c = {s: i for i, b in enumerate(keys_c) for s in groups_c[b]}
         for s, j in enumerate(x[edge.producer]):
@@ -167,14 +222,12 @@ def _link_ends(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
                     for s in groups_p[ka]:
                         add(x[edge.producer][s], a, b)
         return
-    _transport(model, edge, x, groups_p, groups_c, add, None, needs_grad, [], [])
+    _transport(model, edge, x, groups_p, groups_c, add)
 
 
 def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-               add: Callable[[int, int, int], None], ctx: CostContext | None, needs_grad: bool,
-               unit_cost: list[list[float]], unit_mem: list[list[float]]) -> _Link | None:
-    """Pair variables e[a][b] whose marginals are the two ends' choices (and, given ``ctx``,
-    the link for pricing reshards shared with sibling edges)."""
+               add: Callable[[int, int, int], None]) -> list[list[int]]:
+    """Pair variables e[a][b] whose marginals are the two ends' choices."""
     keys_p, keys_c = list(groups_p), list(groups_c)
     # 0 or 1 at integral x: each end's marginals are then one group's indicator
     e = [[model.var(0.0, integer=False, implied_integer=True) for b in range(len(keys_c))] for a in range(len(keys_p))]
@@ -189,12 +242,7 @@ def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
         row = {e[a][b]: 1.0 for a in range(len(keys_p))}
         row.update({x[edge.consumer][s]: -1.0 for s in groups_c[kb]})
         model.rows.append((row, 0.0, 0.0))
-    if ctx is None:
-        return None
-    train = ctx.train and needs_grad
-    target = [(placement, tuple(grad_placement_at_consumer(r, act) for r, act in zip(placement, active))
-               if train else None) for placement, active in keys_c]
-    return _Link(e, target, unit_cost, unit_mem)
+    return e
 
 
 def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[int, float],
@@ -252,17 +300,17 @@ def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], group
 
 
 def _add_as_produced_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-                          add: Callable[[int, int, int], None], link: _Link | None) -> _Link | None:
+                          add: Callable[[int, int, int], None], e: list[list[int]] | None) -> None:
     """The consumer takes the input exactly as produced: only equal placements are linked
-    (with transport variables already made for a shared reshard, the others are fixed to 0)."""
+    (with transport variables ``e`` already made for a shared reshard, the others are fixed to 0)."""
     keys_p, keys_c = list(groups_p), list(groups_c)
-    if link is not None:
+    if e is not None:
         for a, ka in enumerate(keys_p):
             for b, (placement, _active) in enumerate(keys_c):
                 if ka != placement:
-                    model.rows.append(({link.e[a][b]: 1.0}, 0.0, 0.0))
-        return link
-    if edge.producer == edge.consumer:  # one decision on both ends: rule out the strategies that differ
+                    model.rows.append(({e[a][b]: 1.0}, 0.0, 0.0))
+        return
+    if _one_decision(edge, x):  # rule out the strategies that differ
         for s in range(len(x[edge.consumer])):
             a = next(i for i, k in enumerate(keys_p) if s in groups_p[k])
             b = next(i for i, k in enumerate(keys_c) if s in groups_c[k])
@@ -270,6 +318,5 @@ def _add_as_produced_edge(model: Model, edge: _Edge, x: dict[str, list[int]], gr
                 model.rows.append(({x[edge.consumer][s]: 1.0}, 0.0, 0.0))
             else:
                 add(x[edge.consumer][s], a, b)
-        return None
+        return
     _add_follower_edge(model, edge, x, groups_p, groups_c, add)
-    return None

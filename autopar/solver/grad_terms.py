@@ -96,7 +96,7 @@ class GradSyncTerms:
             for j, strategy in zip(js, node.strategies):
                 call = zero1_gather_call(meta, strategy, self.ctx)
                 if call is not None:
-                    rows[call.mesh_dim][j] = float(self.mult[v] * call.nbytes)
+                    rows[call.mesh_dim][j] = rows[call.mesh_dim].get(j, 0.0) + float(self.mult[v] * call.nbytes)
         for dim, row in rows.items():
             self._bucket_row(ALL_GATHER, dim, row, self.ctx.precision.master_bytes_per_param)
 

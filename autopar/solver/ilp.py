@@ -14,6 +14,7 @@ sum of every node's bytes at peak, weighted by how many nodes it stands for. HiG
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -90,27 +91,33 @@ class NoPlan:
         return kinds.get(self.kind, RuntimeError)(self.message)
 
 
-def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], mult: dict[str, int],
-                      minimize_memory: bool) -> tuple[dict[str, list[int]], dict[int, float]]:
+def _strategy_columns(model: Model, graph: PlanGraph, reps: list[str], folding: Folding, minimize_memory: bool
+                      ) -> tuple[dict[str, list[int]], dict[int, float]]:
     """One binary column per strategy of each representative node, exactly one chosen per node,
-    priced by its time (or memory) times the node's multiplicity; the columns and their bytes."""
+    priced by its time (or memory) times the node's multiplicity; the columns and their bytes. A part
+    of a split class (``Folding.tied``: one strategy for every part) shares its first part's columns,
+    its prices added to theirs: columns the solver would otherwise keep equal by rows."""
     x: dict[str, list[int]] = {}
-    memory_row: dict[int, float] = {}
-    for v in reps:
+    memory_row: dict[int, float] = defaultdict(float)
+    mult = folding.multiplicity
+    for v in sorted(reps, key=lambda v: v in folding.tied):  # each class's first part before the others
         node = graph.nodes[v]
-        x[v] = []
+        head = folding.tied.get(v)
+        if head is None:
+            x[v] = [model.var(0.0, integer=True) for _ in node.costs]
+            model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
+        else:
+            assert len(node.costs) == len(x[head]), "a tied part with other strategies than its class's"
+            x[v] = x[head]
         own_comm = node.comm_times or [0.0] * len(node.costs)
-        for cost, comm in zip(node.costs, own_comm):
-            j = model.var(0.0, integer=True)
+        for j, cost, comm in zip(x[v], node.costs, own_comm):
             if minimize_memory:
                 model.add_cost(j, mult[v] * cost.memory, MEMORY)
             else:
                 model.add_cost(j, mult[v] * cost.time * SCALE, COMPUTE)
                 model.add_cost(j, mult[v] * comm * SCALE, OWN)
-            x[v].append(j)
-            memory_row[j] = mult[v] * cost.memory
-        model.rows.append(({j: 1.0 for j in x[v]}, 1.0, 1.0))
-    return x, memory_row
+            memory_row[j] += mult[v] * cost.memory
+    return {v: x[v] for v in reps}, dict(memory_row)
 
 @dataclass(eq=False)
 class Built:
@@ -146,10 +153,8 @@ def build(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     reps = [n for n in graph.order if folding.representative[n] == n]
     mult = folding.multiplicity
     model = Model()
-    x, memory_row = _strategy_columns(model, graph, reps, mult, minimize_memory)
+    x, memory_row = _strategy_columns(model, graph, reps, folding, minimize_memory)
     _one_state_family(model, graph, reps, x)
-    for v, w in folding.tied.items():  # one plan in every instance of a split class
-        model.rows.extend(({a: 1.0, b: -1.0}, 0.0, 0.0) for a, b in zip(x[v], x[w]))
     prices = prices or EdgePrices(ctx)  # the same reshard recurs on many edges
     assert prices.key == EdgePrices.key_of(ctx), "edge prices kept for another context"
     sync = GradSyncTerms(model, graph, ctx, mult, x, priced=not minimize_memory)
@@ -160,8 +165,12 @@ def build(graph: PlanGraph, folding: Folding, ctx: CostContext, memory_limit: fl
     sync.add_gather_rows(x)
     if shares is None:  # a pipeline's stage mesh holds no bucket buffers (``search.planned.with_pipeline``)
         sync.add_buffer_memory(memory_row)
-    sync.add_overlap_row({j: mult[v] * backward_time(cost, ctx) * SCALE for v in reps if graph.nodes[v].kind == OP
-                          for j, cost in zip(x[v], graph.nodes[v].costs)})
+    backward: dict[int, float] = defaultdict(float)  # tied parts share columns: their seconds add up
+    for v in reps:
+        if graph.nodes[v].kind == OP:
+            for j, cost in zip(x[v], graph.nodes[v].costs):
+                backward[j] += mult[v] * backward_time(cost, ctx) * SCALE
+    sync.add_overlap_row(dict(backward))
     overlap.add_rows(x)
     overlap.add_memory(memory_row, minimize_memory)
     add_recompute_peak(model, graph, reps, x, mult, memory_row, minimize_memory)
@@ -250,7 +259,7 @@ def _run(built: Built, time_limit_s: float, cutoff: float | None, enough_bytes: 
         return replace(result, status="relaxed") if result.status == "optimal" else result  # else no bound
     led = len(model.cost) >= LP_LED_FROM_COLUMNS or built.relaxation is not None  # (an LP bound's, kept)
     if led and cutoff is None and not built.minimize_memory:
-        return run_from_lp(model, x, built.folding.tied, time_limit_s, built.relaxation)
+        return run_from_lp(model, x, time_limit_s, built.relaxation)
     if built.minimize_memory and enough_bytes is not None:  # only whether some plan needs no more
         return run(model, time_limit_s, enough_bytes * (1.0 + ENOUGH_SLACK), target=enough_bytes)
     return run(model, time_limit_s, cutoff)

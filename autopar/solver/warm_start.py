@@ -13,7 +13,6 @@ The plan returned is still HiGHS's proven optimum of the whole MIP: this changes
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import replace
 
 from autopar.solver.milp import Model, Result, run
@@ -33,8 +32,7 @@ FIX_SLACK = 1e-6
 more than HiGHS's tolerances on the LP's duals and on the MIP's proof (``mip_rel_gap`` 1e-7)."""
 
 
-def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], time_limit_s: float,
-                relaxation: Result | None) -> Result:
+def run_from_lp(model: Model, x: dict[str, list[int]], time_limit_s: float, relaxation: Result | None) -> Result:
     """HiGHS on ``model``, led by its LP relaxation (``relaxation`` where solved before):
 
     * an LP optimum whose strategy columns are integral is a plan, and optimal: no MIP is run;
@@ -55,7 +53,6 @@ def run_from_lp(model: Model, x: dict[str, list[int]], tied: dict[str, str], tim
     if all(abs(lp.values[j] - round(lp.values[j])) <= INTEGRAL for j in model.integer):
         return replace(lp, status="optimal", gap=0.0, reduced_costs=None, time_limit_s=time_limit_s)
     likely = lp_likely(x, lp.values, lp.reduced_costs)
-    merge_tied(likely, tied)
     narrow = run(model, left(), zero=[j for v, cols in x.items() for s, j in enumerate(cols) if s not in likely[v]],
                  lean=True)
     if narrow.values is None:  # nothing among the likeliest: HiGHS's own heuristics find a plan
@@ -83,15 +80,3 @@ def lp_likely(x: dict[str, list[int]], values: list[float], reduced_costs: list[
         rest = sorted((s for s in range(len(cols)) if s not in used), key=lambda s: (reduced_costs[cols[s]], s))
         likely[v] = used + rest[:max(keep - len(used), 0)]
     return likely
-
-
-def merge_tied(likely: dict[str, list[int]], tied: dict[str, str]) -> None:
-    """Tied parts keep the same strategies in a narrowed start: each part every strategy any
-    part of its class keeps."""
-    parts: dict[str, list[str]] = defaultdict(list)
-    for v, w in tied.items():
-        parts[w].append(v)
-    for w, vs in parts.items():
-        merged = list(dict.fromkeys(s for p in (w, *vs) for s in likely[p]))
-        for p in (w, *vs):
-            likely[p] = merged
