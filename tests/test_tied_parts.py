@@ -17,6 +17,8 @@ from autopar.solver import ilp, milp
 from examples import gpt, llama
 from tests.planning import problems
 
+pytestmark = pytest.mark.slow  # each a few solves of a tiny model: seconds
+
 def _binding(problem: Problem) -> float:
     """A limit halfway between the leanest plan's bytes and the fastest plan's: the memory row decides."""
     fastest = ilp.solve(problem.graph, problem.folding, problem.ctx, None, shares=problem.memory_shares)
