@@ -57,6 +57,9 @@ class Mesh:
     device until ``search.layout`` lays them out."""
     _shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _links: tuple[AxisLink, ...] = field(init=False, repr=False, compare=False)
+    priced: dict[object, float] = field(init=False, repr=False, compare=False)
+    """Prices of this mesh's collectives by call (``cost.collectives.collective_time``): a function of the
+    fields above alone, which edge pricing asks for over a million times in a large search."""
 
     def __init__(self, axes: dict[str, int] | None = None, hardware: str | HardwareProfile = "h100",
                  devices_per_node: int = 8, zigzag: frozenset[str] | tuple[str, ...] = (), *,
@@ -90,6 +93,7 @@ class Mesh:
         # links hundreds of thousands of times per plan.
         object.__setattr__(self, "_shape", tuple(self.axes.values()))
         object.__setattr__(self, "_links", tuple(self._make_link(d) for d in range(len(self._shape))))
+        object.__setattr__(self, "priced", {})
 
     @classmethod
     def from_device_mesh(cls, device_mesh: "DeviceMesh", hardware: str | HardwareProfile | None = None,

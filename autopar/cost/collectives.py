@@ -110,7 +110,14 @@ def collective_time(call: CollectiveCall, mesh: Mesh) -> float:
     (``collective_overhead``: its launch and the wait for the slowest rank, added even where
     the host dispatches ahead, so a bucket's time splits linearly into a per-call part,
     ``call_time``, and per-gradient transfers, ``transfer_time``); a ``grouped`` call's
-    transfer alone (its group pays the call once)."""
+    transfer alone (its group pays the call once). Priced once per mesh (``Mesh.priced``)."""
+    found = mesh.priced.get(call)
+    if found is None:
+        found = mesh.priced[call] = _collective_time(call, mesh)
+    return found
+
+
+def _collective_time(call: CollectiveCall, mesh: Mesh) -> float:
     if mesh.shape[call.mesh_dim] == 1:
         return 0.0
     if call.grouped:  # the group's one call pays it (``cost.groups``)
