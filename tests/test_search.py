@@ -117,6 +117,34 @@ def test_a_scenario_tried_first_or_a_cutoff_above_the_best_never_changes_the_pla
     assert "predicts less than" in below.reason
 
 
+def test_with_a_plan_to_beat_a_scenario_is_asked_whether_it_fits_only_when_it_is_solved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a plan to beat, a scenario's first step is its LP bound alone: a least-memory solve (a MIP)
+    is asked of it only once it is the least bound left and about to be solved, since most that the LP
+    leaves in are bounded out by a plan found before then."""
+    from autopar.search import memory
+    asked: list[object] = []
+    real = memory.may_fit
+
+    def fit(step: object, *args: object, **kwargs: object) -> bool:
+        asked.append(step.scenario)  # type: ignore[attr-defined]
+        return real(step, *args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(memory, "may_fit", fit)
+    store, limit = _problems(), LIMITS_MIB[0] * MiB
+    best = search_memory(store, PLACE, limit)
+    assert isinstance(best, Solved)
+    scenario, beat_s = best.solution.scenario, best.solution.objective_s * 2  # a plan to beat, slower than its own
+    candidates = scenarios(store.at(PLACE))
+    bounds, found, waiting = Bounds(store, PLACE, limit, candidates), _Found(candidates[0], math.inf), [scenario]
+    bounds.free[relaxation(scenario)] = 0.0  # its group bounded: the next step is its own LP
+    asked.clear()
+    memory._advance(scenario, bounds, found, waiting, beat_s, limit)
+    assert scenario in bounds.lp and bounds.lp[scenario] < beat_s and waiting == [scenario] and not asked
+    memory._advance(scenario, bounds, found, waiting, beat_s, limit)  # the least bound left: solved
+    assert asked == [scenario] and not waiting and found.best is not None
+    assert found.best.solution.objective_s == pytest.approx(best.solution.objective_s, rel=1e-9)
+
+
 def test_a_scenario_saves_at_least_what_it_checkpoints_and_regathers_beyond_another() -> None:
     from autopar.memory.scenarios import Scenario
 

@@ -150,13 +150,14 @@ def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Sc
         if _bounded(scenario, bounds, found, beat_s):
             counts["lp_bounds"] += 1
         else:
-            waiting.remove(scenario)
-            counts["not_fitting"] += 1
-            found.fates[scenario] = ("does not fit", None, "its leanest plan is over the limit")
+            _does_not_fit(scenario, found, waiting)
+        return
+    step = bounds.step(scenario)
+    if scenario not in found.checked and not _fits(step, found, account):  # asked only of what is solved
+        _does_not_fit(scenario, found, waiting)
         return
     waiting.remove(scenario)
     counts["solved"] += 1
-    step = bounds.step(scenario)
     solution = ilp.solve(step, limit, explain=False, cutoff_s=None if math.isinf(beat_s) else beat_s * (1 - TIE),
                          account=account)
     if isinstance(solution, Solution):
@@ -171,13 +172,26 @@ def _advance(scenario: Scenario, bounds: Bounds, found: _Found, waiting: list[Sc
 def _bounded(scenario: Scenario, bounds: Bounds, found: _Found, beat_s: float) -> bool:
     """``scenario`` bounded by its LP under the limit, where some plan of it may fit (False: none does).
     Without a plan to beat, the least-memory solve first: it proves a scenario that cannot fit quickly.
-    With one, the LP first (stopped once past it): past it, the scenario is out whether it fits or not,
-    so the least-memory solve is asked only of what the LP leaves in."""
+    With one, the LP alone (stopped once past it): past it, the scenario is out whether it fits or not,
+    and one the LP leaves in is asked whether some plan fits only once it is the least bound left, about
+    to be solved (``_advance``): most are bounded out by a plan found before then, and a least-memory
+    solve (a MIP) costs more than their LP."""
     step, account = bounds.step(scenario), bounds.problems.account
     if math.isinf(beat_s) or leanest_over(step):
-        return may_fit(step, found.leanest, found.fit, account) and bounds.solve_lp(scenario, beat_s)
-    return bounds.solve_lp(scenario, beat_s) and \
-        (bounds.lp[scenario] >= beat_s or may_fit(step, found.leanest, found.fit, account))
+        return _fits(step, found, account) and bounds.solve_lp(scenario, beat_s)
+    return bounds.solve_lp(scenario, beat_s)
+
+
+def _fits(step: Problem, found: _Found, account: Account) -> bool:
+    """``may_fit``, noting that the scenario was asked."""
+    found.checked.add(step.scenario)
+    return may_fit(step, found.leanest, found.fit, account)
+
+
+def _does_not_fit(scenario: Scenario, found: _Found, waiting: list[Scenario]) -> None:
+    waiting.remove(scenario)
+    found.counts["not_fitting"] += 1
+    found.fates[scenario] = ("does not fit", None, "its leanest plan is over the limit")
 
 
 class _Found:
@@ -194,6 +208,8 @@ class _Found:
         """Scenarios with a plan that fits (``may_fit``'s and ``add``'s)."""
         self.leanest: dict[Scenario, Solution] = {}
         """Scenario -> its least-memory plan, where ``may_fit`` solved for it (a no-fit error reuses them)."""
+        self.checked: set[Scenario] = set()
+        """Scenarios asked whether some plan of theirs fits (``_fits``)."""
         self.counts: Counter[str] = Counter()
         """Scenarios, free solves, and scenarios solved under the limit, skipped because their
         leanest plan does not fit, or left when the search stopped (``Solution.search``)."""
