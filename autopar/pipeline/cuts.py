@@ -3,12 +3,22 @@ balanced by predicted seconds, or as pinned (``Pipeline.stage_blocks``)."""
 
 from __future__ import annotations
 
+import functools
+
 from autopar.errors import InputError
 
 
 def balanced_cuts(weights: list[float], stages: int) -> list[int]:
     """Start index of each stage's first unit: ``stages`` contiguous non-empty groups of
     ``weights`` whose heaviest group is lightest (earliest cuts among equals)."""
+    return list(_balanced_cuts(tuple(weights), stages))
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_cuts(weights: tuple[float, ...], stages: int) -> tuple[int, ...]:
+    """``balanced_cuts``, once per weights and count: a pipeline search cuts one stage plan for each schedule,
+    and those of one count of stages cut it alike (an O(stages x units^2) program: 45 ms at 96 blocks and 64
+    stages)."""
     n = len(weights)
     prefix = [0.0]
     for w in weights:
@@ -28,7 +38,7 @@ def balanced_cuts(weights: list[float], stages: int) -> list[int]:
     for k in range(stages, 0, -1):
         i = start[k][i]
         cuts.append(i)
-    return cuts[::-1]
+    return tuple(cuts[::-1])
 
 
 def pinned_cuts(stage_blocks: tuple[tuple[str, ...], ...], blocks: list[str], stages: int) -> list[int]:
