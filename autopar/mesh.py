@@ -59,7 +59,7 @@ class Mesh:
     _links: tuple[AxisLink, ...] = field(init=False, repr=False, compare=False)
     priced: dict[object, float] = field(init=False, repr=False, compare=False)
     """Prices of this mesh's collectives by call (``cost.collectives.collective_time``): a function of the
-    fields above alone, which edge pricing asks for over a million times in a large search."""
+    fields above alone, which pricing the ILP's edges asks for again and again."""
 
     def __init__(self, axes: dict[str, int] | None = None, hardware: str | HardwareProfile = "h100",
                  devices_per_node: int = 8, zigzag: frozenset[str] | tuple[str, ...] = (), *,
