@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from autopar.cost.collectives import grad_placement_at_consumer
 from autopar.cost.model import CostContext, EdgeCost
@@ -67,7 +68,7 @@ def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContex
         members = [_priced(model, graph, ctx, edge, prices, memory_row, minimize_memory, rows,
                            count=solo.get((edge.producer, edge.out_index, edge.consumer, edge.arg), 0))
                    for edge in edges]
-        links.update(_link(model, ctx, members, x, transport))
+        links.update(_link(model, ctx, members, x, transport, memory_row))
     for keys, count in classes.items():
         if len(keys) > 1:
             _add_shared(model, [links[k] for k in keys], count, memory_row, MEMORY if minimize_memory else RESHARDS)
@@ -98,6 +99,14 @@ class _Member:
     unit_cost: list[list[float]]
     unit_mem: list[list[float]]
     add: Callable[[int, int, int], None]
+    cost: list[list[float]]
+    """cost[a][b]: what ``add`` prices a pair's column at (``count`` tensors; reshard time or held bytes)."""
+    mem: list[list[float]]
+    """mem[a][b]: what ``add`` puts in the memory row for a pair's column."""
+    term: str
+    """The objective term ``add`` prices under (reshards, or memory when minimizing it)."""
+    hooked: bool
+    """Whether ``add`` tells terms beyond the edge (gradient syncs, windows, grouped calls) of each pair."""
     close: Callable[[], None]
     """Adds the rows its pairs' gradient syncs and grouped calls need, once every pair is priced."""
     as_produced: bool
@@ -126,42 +135,52 @@ def _priced(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, price
     meta = prod.outputs[edge.out_index]
     assert meta is not None
     flags = edge_flags(graph, edge.producer, edge.consumer, edge.arg)
-    unit_mem = prices.held(meta, flags, keys_p, keys_c)
+    ids = prices.ids(meta, flags, keys_p, keys_c)
+    consumers = [cons.strategies[groups_c[b][0]] for b in keys_c]
+    unit_mem = prices.held(ids, meta, flags, keys_p, keys_c)
     unit_cost = unit_mem if minimize_memory else [
-        [t * SCALE for t in row]
-        for row in prices.times(meta, flags, keys_p, keys_c, [cons.strategies[groups_c[b][0]] for b in keys_c])]
+        [t * SCALE for t in row] for row in prices.times(ids, meta, flags, keys_p, keys_c, consumers)]
     mem = [[m * count for m in row] for row in unit_mem]
     cost = [[c * count for c in row] for row in unit_cost]
 
     syncing = sync.edge(edge.producer, groups_p, keys_c, grad)
     def price(a: int, b: int) -> EdgeCost:
-        return prices.cost(meta, flags, keys_p[a], keys_c[b], cons.strategies[groups_c[keys_c[b]][0]])
+        return prices.cost(ids, a, b, meta, flags, keys_p[a], keys_c[b][0], consumers[b])
     window = overlap.edge((edge.producer, edge.out_index, edge.consumer, edge.arg), count, price)
     unwaited = sync.unwaited(edge.producer, count, price) if grad else None
     grouping = groups.edge(edge.producer, edge.consumer, price)
 
-    def add(j: int, a: int, b: int) -> None:
-        model.add_cost(j, cost[a][b], MEMORY if minimize_memory else RESHARDS)
-        if mem[a][b]:
-            memory_row[j] = memory_row.get(j, 0.0) + mem[a][b]
-        syncing.note(j, a, b)
-        if window is not None:
-            window(j, a, b)
-        if unwaited is not None:
-            unwaited(j, a, b)
-        if grouping is not None:
-            grouping.note(j, a, b)
+    hooks = [hook for hook in (syncing.note if syncing.dims else None, window, unwaited,
+                               None if grouping is None else grouping.note) if hook is not None]
+    term = MEMORY if minimize_memory else RESHARDS
+    add = _adder(model, cost, mem, memory_row, term, hooks)
 
     def close() -> None:
         syncing.close()
         if grouping is not None:
             grouping.close()
-    return _Member(edge, groups_p, groups_c, unit_cost, unit_mem, add, close, edge.arg in cons.as_produced,
-                   cons.follower, grad)
+    return _Member(edge, groups_p, groups_c, unit_cost, unit_mem, add, cost, mem, term, bool(hooks), close,
+                   edge.arg in cons.as_produced, cons.follower, grad)
 
 
-def _link(model: Model, ctx: CostContext, members: list[_Member], x: dict[str, list[int]], transport: bool
-          ) -> dict[EdgeKey, _Link]:
+def _adder(model: Model, cost: list[list[float]], mem: list[list[float]], memory_row: dict[int, float], term: str,
+           hooks: list[Callable[[int, int, int], None]]) -> Callable[[int, int, int], None]:
+    """``add(j, a, b)``: column j priced as running producer group a into consumer group b, its
+    reshard's cost and held bytes, then told to the ``hooks`` (the terms beyond the edge) in order."""
+    add_cost = model.add_cost
+
+    def add(j: int, a: int, b: int) -> None:
+        add_cost(j, cost[a][b], term)
+        held = mem[a][b]
+        if held:
+            memory_row[j] = memory_row.get(j, 0.0) + held
+        for hook in hooks:
+            hook(j, a, b)
+    return add
+
+
+def _link(model: Model, ctx: CostContext, members: list[_Member], x: dict[str, list[int]], transport: bool,
+          memory_row: dict[int, float]) -> dict[EdgeKey, _Link]:
     """Link the ends of ``members`` (edges between the same columns, linked alike) once, each pricing the
     variables; with ``transport`` they get explicit pair variables, returned by edge for pricing reshards
     shared with other edges."""
@@ -171,15 +190,17 @@ def _link(model: Model, ctx: CostContext, members: list[_Member], x: dict[str, l
         "edges between the same columns linked two ways"
     edge, groups_p, groups_c, grad = first.edge, first.groups_p, first.groups_c, first.grad
 
-    def add(j: int, a: int, b: int) -> None:
+    def every(j: int, a: int, b: int) -> None:
         """Variable j is 1 exactly when these edges run producer group a into consumer group b."""
         for member in members:
             member.add(j, a, b)
-    e = _transport(model, edge, x, groups_p, groups_c, add) if transport else None
+    add = first.add if len(members) == 1 else every
+    fresh = None if any(m.hooked for m in members) else partial(_price_fresh, model, members, memory_row)
+    e = _transport(model, edge, x, groups_p, groups_c, add, fresh) if transport else None
     if first.as_produced:  # written in place (or a view written through): never resharded
         _add_as_produced_edge(model, edge, x, groups_p, groups_c, add, e)
     elif not transport:
-        _link_ends(model, edge, x, groups_p, groups_c, add, first.follower)
+        _link_ends(model, edge, x, groups_p, groups_c, add, first.follower, fresh)
     for member in members:
         member.close()
     if e is None:
@@ -191,6 +212,28 @@ def _link(model: Model, ctx: CostContext, members: list[_Member], x: dict[str, l
             for m in members}
 
 
+def _price_fresh(model: Model, members: list[_Member], memory_row: dict[int, float], first: int) -> None:
+    """Columns ``first`` on, one per pair (a, b) in order, priced as every member's ``add`` prices them pair
+    by pair (sums in the members' order, the memory row's entries added in the columns' order), where no
+    member tells terms beyond the edge: a transport edge's hundreds of pairs priced in one go."""
+    costs = [[c for row in m.cost for c in row] for m in members]
+    mems = [[b for row in m.mem for b in row] for m in members]
+    total, terms, term = model.cost, model.terms, members[0].term
+    for j, priced in enumerate(zip(*costs), start=first):
+        amount = priced[0]
+        for more in priced[1:]:
+            amount += more
+        total[j] += amount  # a fresh column's 0.0
+        terms[j] = {term: amount}
+    for j, held in enumerate(zip(*mems), start=first):
+        if any(held):
+            kept = 0.0
+            for b in held:
+                if b:
+                    kept += b
+            memory_row[j] = kept
+
+
 def _one_decision(edge: _Edge, x: dict[str, list[int]]) -> bool:
     """Whether one choice of strategy decides both ends: an edge into its own node, or between parts of one
     split class, which share their columns (``ilp._strategy_columns``)."""
@@ -198,7 +241,7 @@ def _one_decision(edge: _Edge, x: dict[str, list[int]]) -> bool:
 
 
 def _link_ends(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-               add: Callable[[int, int, int], None], follower: bool) -> None:
+               add: Callable[[int, int, int], None], follower: bool, fresh: Callable[[int], None] | None) -> None:
     """Tie an edge's ends with as few variables as its shape allows."""
     keys_p, keys_c = list(groups_p), list(groups_c)
     inputs_taken = {placement for placement, _ in keys_c}
@@ -222,18 +265,23 @@ def _link_ends(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dic
                     for s in groups_p[ka]:
                         add(x[edge.producer][s], a, b)
         return
-    _transport(model, edge, x, groups_p, groups_c, add)
+    _transport(model, edge, x, groups_p, groups_c, add, fresh)
 
 
 def _transport(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,
-               add: Callable[[int, int, int], None]) -> list[list[int]]:
-    """Pair variables e[a][b] whose marginals are the two ends' choices."""
+               add: Callable[[int, int, int], None], fresh: Callable[[int], None] | None) -> list[list[int]]:
+    """Pair variables e[a][b] whose marginals are the two ends' choices, each priced by ``add``, or all at
+    once by ``fresh`` (``_price_fresh``) where the edges have one."""
     keys_p, keys_c = list(groups_p), list(groups_c)
     # 0 or 1 at integral x: each end's marginals are then one group's indicator
-    e = [[model.var(0.0, integer=False, implied_integer=True) for b in range(len(keys_c))] for a in range(len(keys_p))]
-    for a in range(len(keys_p)):
-        for b in range(len(keys_c)):
-            add(e[a][b], a, b)
+    first = model.columns(len(keys_p) * len(keys_c), implied_integer=True)
+    e = [list(range(first + a * len(keys_c), first + (a + 1) * len(keys_c))) for a in range(len(keys_p))]
+    if fresh is not None:
+        fresh(first)
+    else:
+        for a, row in enumerate(e):
+            for b, j in enumerate(row):
+                add(j, a, b)
     for a, ka in enumerate(keys_p):
         row = {e[a][b]: 1.0 for b in range(len(keys_c))}
         row.update({x[edge.producer][s]: -1.0 for s in groups_p[ka]})
@@ -252,27 +300,27 @@ def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[i
     largest of the siblings' prices (they differ only in what each consumer keeps or replays)."""
     ids: dict[tuple, int] = {}  # targets as ints: hashing placements per (a, b) pair was the cost here
     targets = [[ids.setdefault(t, len(ids)) for t in link.target] for link in links]
-    cost: dict[tuple[int, int], float] = defaultdict(float)
-    mem: dict[tuple[int, int], float] = defaultdict(float)
+    cost: dict[int, dict[int, float]] = defaultdict(dict)  # producer group a -> target -> the largest price
+    mem: dict[int, dict[int, float]] = defaultdict(dict)
     for link, target in zip(links, targets):
-        mine_cost: dict[tuple[int, int], float] = {}  # per link, the last group asking for a target counts
-        mine_mem: dict[tuple[int, int], float] = {}
         for a, (cost_row, mem_row) in enumerate(zip(link.cost, link.mem)):
-            for t, c, m in zip(target, cost_row, mem_row):
-                mine_cost[(a, t)], mine_mem[(a, t)] = c, m
-        for key, c in mine_cost.items():
-            cost[key] = max(cost[key], c)
-            mem[key] = max(mem[key], mine_mem[key])
-    y: dict[tuple[int, int], int] = {}
+            mine_mem = dict(zip(target, mem_row))  # per link, the last group asking for a target counts
+            most_cost, most_mem = cost[a], mem[a]
+            for t, c in dict(zip(target, cost_row)).items():
+                most_cost[t] = max(most_cost.get(t, 0.0), c)
+                most_mem[t] = max(most_mem.get(t, 0.0), mine_mem[t])
+    y: dict[int, dict[int, int]] = defaultdict(dict)  # producer group a -> target -> its column
+    rows = model.rows
     for link, target in zip(links, targets):
         for a, row in enumerate(link.e):
-            for b, e_ab in enumerate(row):
-                key = (a, target[b])
-                if key not in y:
-                    y[key] = model.var(cost[key] * count, integer=False, term=term)
-                    if mem[key]:
-                        memory_row[y[key]] = memory_row.get(y[key], 0.0) + mem[key] * count
-                model.rows.append(({y[key]: 1.0, e_ab: -1.0}, 0.0, INF))
+            mine, most_cost, most_mem = y[a], cost[a], mem[a]
+            for e_ab, t in zip(row, target):
+                j = mine.get(t)
+                if j is None:
+                    j = mine[t] = model.var(most_cost[t] * count, integer=False, term=term)
+                    if most_mem[t]:
+                        memory_row[j] = memory_row.get(j, 0.0) + most_mem[t] * count
+                rows.append(({j: 1.0, e_ab: -1.0}, 0.0, INF))
 
 
 def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,

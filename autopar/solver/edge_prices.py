@@ -16,6 +16,9 @@ from autopar.capture.graph import TensorMeta
 from autopar.cost.model import CostContext, EdgeCost, edge_cost, held_reshard_bytes
 from autopar.rules.strategy import Placements, Strategy
 
+EdgeIds = tuple[int, list[int], list[int]]
+"""An edge's interned keys (``EdgePrices.ids``): its tensor and flags, its producer groups, its consumer groups."""
+
 
 class EdgePrices:
     """Memoized ``edge_cost`` times and ``held_reshard_bytes`` of one solve's edges."""
@@ -26,6 +29,11 @@ class EdgePrices:
         self._ids: dict[Hashable, int] = {}
         self._cost: dict[tuple[int, int, int], EdgeCost] = {}
         self._held: dict[tuple[int, int, int], float] = {}
+        self._seen: dict[int, tuple[object, int]] = {}
+        self._held_rows: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[list[float]]] = {}
+        self._time_rows: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[list[float]]] = {}
+        """An edge's whole matrices (``held``, ``times``), by its keys: a memory search builds its scenarios'
+        models out of the same edges, and an edge's pairs number up to hundreds."""
 
     @staticmethod
     def key_of(ctx: CostContext) -> tuple[Hashable, ...]:
@@ -38,39 +46,66 @@ class EdgePrices:
     def _id(self, key: Hashable) -> int:
         return self._ids.setdefault(key, len(self._ids))
 
-    def _ids_of(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
-                keys_c: list[tuple[Placements, tuple[bool, ...]]]) -> tuple[int, list[int], list[int]]:
-        return (self._id((meta, tuple(flags.items()))), [self._id(a) for a in keys_p],
-                [self._id(b) for b in keys_c])
+    def _id_of(self, key: Hashable) -> int:
+        """``_id`` of a placement a strategy holds, found by the object first: hashing a tuple of DTensor
+        placements runs a Python ``__hash__`` per placement, and a strategy's tuple recurs on every edge it
+        ends. The entry keeps the object, so its ``id`` is not another's while it is there."""
+        seen = self._seen.get(id(key))
+        if seen is not None and seen[0] is key:
+            return seen[1]
+        found = self._id(key)
+        self._seen[id(key)] = (key, found)
+        return found
 
-    def held(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
+    def ids(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
+            keys_c: list[tuple[Placements, tuple[bool, ...]]]) -> EdgeIds:
+        """One edge's keys interned: the tensor and its flags, each producer group's placement and each
+        consumer group's (placement asked for, the consumer's split per mesh dim). Every price of the
+        edge's pairs below reads them."""
+        return (self._id((meta, tuple(flags.items()))), [self._id_of(a) for a in keys_p],
+                [self._id((self._id_of(placement), active)) for placement, active in keys_c])
+
+    def held(self, ids: EdgeIds, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
              keys_c: list[tuple[Placements, tuple[bool, ...]]]) -> list[list[float]]:
-        """Bytes held until backward when producer group a feeds consumer group b; ``keys_c[b]``
-        is (placement asked for, the consumer's split per mesh dim)."""
-        edge, ids_p, ids_c = self._ids_of(meta, flags, keys_p, keys_c)
-        return [[self._held_at((edge, ia, ib), meta, a, b[0], flags) for ib, b in zip(ids_c, keys_c)]
+        """Bytes held until backward when producer group a feeds consumer group b (``ids``: ``self.ids`` of
+        the same edge); the caller does not change the rows."""
+        key = (ids[0], tuple(ids[1]), tuple(ids[2]))
+        found = self._held_rows.get(key)
+        if found is None:
+            edge, ids_p, ids_c = ids
+            found = self._held_rows[key] = [
+                [self._held_at((edge, ia, ib), meta, a, b[0], flags) for ib, b in zip(ids_c, keys_c)]
                 for ia, a in zip(ids_p, keys_p)]
+        return found
 
-    def times(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
+    def times(self, ids: EdgeIds, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
               keys_c: list[tuple[Placements, tuple[bool, ...]]], consumers: list[Strategy]) -> list[list[float]]:
         """Reshard seconds (both directions) of producer group a feeding consumer group b;
-        ``consumers[b]`` is a strategy of group b (its split is what ``edge_cost`` reads)."""
-        edge, ids_p, ids_c = self._ids_of(meta, flags, keys_p, keys_c)
-        return [[self._cost_at((edge, ia, ib), meta, a, b[0], consumer, flags).time
+        ``consumers[b]`` is a strategy of group b (its split is what ``edge_cost`` reads); the caller does not
+        change the rows."""
+        key = (ids[0], tuple(ids[1]), tuple(ids[2]))
+        found = self._time_rows.get(key)
+        if found is None:
+            edge, ids_p, ids_c = ids
+            found = self._time_rows[key] = [
+                [self._cost_at((edge, ia, ib), meta, a, b[0], consumer, flags).time
                  for ib, b, consumer in zip(ids_c, keys_c, consumers)] for ia, a in zip(ids_p, keys_p)]
+        return found
 
-    def cost(self, meta: TensorMeta, flags: dict[str, bool], produced: Placements,
-             consumed: tuple[Placements, tuple[bool, ...]], consumer: Strategy) -> EdgeCost:
-        """The whole ``edge_cost`` (its collectives too) of one pair, as ``times`` prices it."""
-        key = (self._id((meta, tuple(flags.items()))), self._id(produced), self._id(consumed))
-        return self._cost_at(key, meta, produced, consumed[0], consumer, flags)
+    def cost(self, ids: EdgeIds, a: int, b: int, meta: TensorMeta, flags: dict[str, bool], produced: Placements,
+             required: Placements, consumer: Strategy) -> EdgeCost:
+        """The whole ``edge_cost`` (its collectives too) of pair (a, b) of the edge ``ids`` names, as
+        ``times`` prices it: ``produced`` is group a's placement, ``required`` what group b asks for."""
+        edge, ids_p, ids_c = ids
+        return self._cost_at((edge, ids_p[a], ids_c[b]), meta, produced, required, consumer, flags)
 
     def chosen(self, meta: TensorMeta, flags: dict[str, bool], produced: Placements, consumer: Strategy,
                arg: int) -> tuple[EdgeCost, float]:
         """The edge cost and held bytes of a plan's one edge into ``consumer``'s input ``arg``, as the
         ILP priced that pair (``build_plan`` lists what its solution runs)."""
         consumed = (consumer.inputs[arg], tuple(consumer.is_active(i) for i in range(self._ctx.mesh.ndim)))
-        key = (self._id((meta, tuple(flags.items()))), self._id(produced), self._id(consumed))
+        key = (self._id((meta, tuple(flags.items()))), self._id_of(produced),
+               self._id((self._id_of(consumed[0]), consumed[1])))
         return (self._cost_at(key, meta, produced, consumed[0], consumer, flags),
                 self._held_at(key, meta, produced, consumed[0], flags))
 

@@ -63,9 +63,9 @@ class Model:
         """A column costing ``cost`` (of ``term``; a cost of 0 needs none); ``implied_integer``: continuous,
         but integral wherever the integer columns are (``Model.implied_integer``)."""
         assert term is not None or cost == 0.0, "a priced column names its term"
+        j = len(self.cost)
         self.cost.append(0.0)
         self.upper.append(upper)
-        j = len(self.cost) - 1
         if integer:
             self.integer.append(j)
         elif implied_integer:
@@ -74,11 +74,23 @@ class Model:
             self.add_cost(j, cost, term)  # type: ignore[arg-type]
         return j
 
+    def columns(self, n: int, implied_integer: bool = False) -> int:
+        """n continuous columns in [0, 1] costing nothing yet, numbered from the one returned (``var``'s, in bulk)."""
+        first = len(self.cost)
+        self.cost.extend([0.0] * n)
+        self.upper.extend([1.0] * n)
+        if implied_integer:
+            self.implied_integer.extend(range(first, first + n))
+        return first
+
     def add_cost(self, j: int, amount: float, term: str) -> None:
         """Add ``amount`` of ``term`` to column j's cost."""
         self.cost[j] += amount
-        terms = self.terms.setdefault(j, {})
-        terms[term] = terms.get(term, 0.0) + amount
+        terms = self.terms.get(j)
+        if terms is None:
+            self.terms[j] = {term: amount}
+        else:
+            terms[term] = terms.get(term, 0.0) + amount
 
     def row_arrays(self) -> tuple[np.ndarray, ...]:
         """The rows as HiGHS takes them (starts, indices, values, lower, upper), made once per model: a
