@@ -4,8 +4,9 @@ strategies and their costs."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.model import NodeCost
@@ -13,6 +14,7 @@ from autopar.cost.saved import SavedTensors
 from autopar.rules.strategy import DimStrategy, OpCall, Strategy
 
 PARAM, BUFFER, INPUT, OP = "param", "buffer", "input", "op"
+T = TypeVar("T")
 
 
 class ProbeMemo:
@@ -24,6 +26,27 @@ class ProbeMemo:
     def __init__(self, by_call: dict[Hashable, SavedTensors | None] | None = None) -> None:
         self.by_call: dict[Hashable, SavedTensors | None] = {} if by_call is None else by_call
         self.by_node: dict[Hashable, SavedTensors | None] = {}
+
+
+class EdgeMemo:
+    """What a graph's edges alone decide (its order and each node's args), computed once for the graph
+    and its copies: a scenario's copy reprices nodes (``dataclasses.replace`` on the graph and its nodes,
+    ``PlanGraph.edges`` carried over) and keeps every edge, and a memory search builds hundreds of models
+    of such copies."""
+
+    def __init__(self) -> None:
+        self.consumers: dict[str, list[tuple[str, int, int]]] | None = None
+        self.by_folding: dict[tuple[str, int], tuple[object, object]] = {}
+        """(what, ``id`` of a folding) -> (that folding, what its edges give); the entry keeps the folding,
+        so its ``id`` names no other while it is there."""
+
+    def folded(self, what: str, folding: object, make: Callable[[], T]) -> T:
+        """``make()``, the ``what`` of the graph's edges under ``folding``, made once per folding."""
+        key = (what, id(folding))
+        found = self.by_folding.get(key)
+        if found is None or found[0] is not folding:
+            found = self.by_folding[key] = (folding, make())
+        return found[1]  # type: ignore[return-value]
 
 
 @dataclass
@@ -111,6 +134,9 @@ class PlanGraph:
     """Name of the node holding the scalar loss (training steps)."""
     output_names: list[str]
     saved_probes: ProbeMemo = field(default_factory=lambda: ProbeMemo(), repr=False, compare=False)
+    edges: EdgeMemo = field(default_factory=EdgeMemo, repr=False, compare=False)
+    """What its edges decide (``EdgeMemo``), shared by its copies with other prices: a graph of other edges
+    is made anew (``build_plan_graph``), never by ``replace``."""
     """Memo of ``node_saved_tensors`` by op call (or node) and its arguments' ``needs_grad``
     (``saved_activations.cached_probe``; pricing asks once per edge and candidate strategy:
     tens of thousands of times on a 64-device mesh)."""
@@ -134,9 +160,12 @@ class PlanGraph:
         return frozenset(p for p, n in uses.items() if n == 1 and self.nodes[p].kind == PARAM)
 
     def consumers(self) -> dict[str, list[tuple[str, int, int]]]:
-        """node -> [(consumer, consumer arg index, producer output index)]."""
-        out: dict[str, list[tuple[str, int, int]]] = {n: [] for n in self.order}
-        for name in self.order:
-            for k, (src, idx) in enumerate(self.nodes[name].args):
-                out[src].append((name, k, idx))
-        return out
+        """node -> [(consumer, consumer arg index, producer output index)]; made once for the graph and
+        its copies (``edges``), not to be changed."""
+        if self.edges.consumers is None:
+            out: dict[str, list[tuple[str, int, int]]] = {n: [] for n in self.order}
+            for name in self.order:
+                for k, (src, idx) in enumerate(self.nodes[name].args):
+                    out[src].append((name, k, idx))
+            self.edges.consumers = out
+        return self.edges.consumers

@@ -51,7 +51,7 @@ def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContex
     split classes (``Folding.tied``: their strategy columns are one) share one set of pair columns, each
     edge priced on them: in any plan their pairs are the same, and a split stack's model stays the size
     of a whole one's."""
-    classes = sharing_classes(graph, folding)
+    classes = graph.edges.folded("sharing classes", folding, lambda: sharing_classes(graph, folding))
     solo: dict[EdgeKey, int] = defaultdict(int)
     for keys, count in classes.items():
         if len(keys) == 1:
@@ -59,7 +59,7 @@ def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContex
     shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
     head = folding.tied
     alike: dict[tuple, list[_Edge]] = defaultdict(list)  # edges whose pairs are one: same columns, same way linked
-    for edge in aggregate_edges(graph, folding):
+    for edge in graph.edges.folded("edges", folding, lambda: aggregate_edges(graph, folding)):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
         alike[(head.get(edge.producer, edge.producer), edge.out_index, head.get(edge.consumer, edge.consumer),
                edge.arg, key in shared_keys, graph.sends_gradient(edge.producer, edge.consumer))].append(edge)
