@@ -39,3 +39,38 @@ def test_builds_sharing_a_memo_equal_builds_alone(train: bool) -> None:
                 alone = build_plan_graph(captured, DEFAULT_RULES, ctx)
                 assert _fields(build_plan_graph(captured, DEFAULT_RULES, ctx, shared)) == _fields(alone)
     assert len(shared._facts) == 2  # the symbolic graph (both sizes) and the concrete one
+
+
+def _model_of(problem, limit: float) -> tuple[object, ...]:
+    from autopar.solver import ilp
+    built = ilp.build(problem.graph, problem.folding, problem.ctx, limit, shares=problem.memory_shares,
+                      prices=problem.edge_prices())
+    model = built.model
+    return (model.cost, model.upper, model.integer, model.implied_integer, model.rows, model.terms,
+            built.memory_row, built.x)
+
+
+@pytest.mark.slow
+def test_scenario_copies_sharing_their_edges_build_the_models_fresh_graphs_build() -> None:
+    """A memory search's scenarios reprice copies of one graph that share what its edges decide
+    (``PlanGraph.edges``: consumers, sharing classes, folded edges; partial checkpointing splits the
+    folding): each scenario's model equals, column for column and row for row, the model of its graph
+    copied with nothing shared."""
+    from dataclasses import replace
+
+    from autopar.config import PlanConfig
+    from autopar.problem.nodes import EdgeMemo
+    from autopar.search.problem import Place, Problems, Step, scenarios
+
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=2), batch=8)
+    problems = Problems(Step(model=model, example_inputs=inputs, loss_fn=loss_fn, example_targets=targets),
+                        PlanConfig.from_options(pipeline=False))
+    place = Place(mesh=autopar.Mesh({"dp": 2, "tp": 2}, "cpu"))
+    every = [s for s in scenarios(problems.at(place)) if s.micro_batches == 1]
+    partial = [s for s in every if s.checkpoint_blocks is not None or s.regather_blocks is not None]
+    assert partial and len(every) > len(partial)  # split foldings among them
+    for scenario in [*every[:2], *partial[::max(1, len(partial) // 3)]]:
+        shared = problems.under(place, scenario, 1e12)
+        assert shared.graph.edges is problems.at(place).graph.edges
+        alone = replace(shared, graph=replace(shared.graph, edges=EdgeMemo()))
+        assert _model_of(shared, 1e12) == _model_of(alone, 1e12), scenario.describe()

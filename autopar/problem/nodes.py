@@ -134,12 +134,12 @@ class PlanGraph:
     """Name of the node holding the scalar loss (training steps)."""
     output_names: list[str]
     saved_probes: ProbeMemo = field(default_factory=lambda: ProbeMemo(), repr=False, compare=False)
-    edges: EdgeMemo = field(default_factory=EdgeMemo, repr=False, compare=False)
-    """What its edges decide (``EdgeMemo``), shared by its copies with other prices: a graph of other edges
-    is made anew (``build_plan_graph``), never by ``replace``."""
     """Memo of ``node_saved_tensors`` by op call (or node) and its arguments' ``needs_grad``
     (``saved_activations.cached_probe``; pricing asks once per edge and candidate strategy:
     tens of thousands of times on a 64-device mesh)."""
+    edges: EdgeMemo = field(default_factory=EdgeMemo, repr=False, compare=False)
+    """What its edges decide (``EdgeMemo``), shared by its copies with other prices: a graph of other edges
+    is made anew (``build_plan_graph``), never by ``replace``."""
 
     def sends_gradient(self, producer: str, consumer: str) -> bool:
         """True when backward sends a gradient from ``consumer`` to ``producer``: both need one
