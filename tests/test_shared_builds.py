@@ -41,10 +41,12 @@ def test_builds_sharing_a_memo_equal_builds_alone(train: bool) -> None:
     assert len(shared._facts) == 2  # the symbolic graph (both sizes) and the concrete one
 
 
-def _model_of(problem, limit: float) -> tuple[object, ...]:
+def _model_of(problem, limit: float, fresh: bool = False) -> tuple[object, ...]:
+    """The problem's model; ``fresh``: priced by edge prices of its own (none kept from other builds)."""
     from autopar.solver import ilp
+    from autopar.solver.edge_prices import EdgePrices
     built = ilp.build(problem.graph, problem.folding, problem.ctx, limit, shares=problem.memory_shares,
-                      prices=problem.edge_prices())
+                      prices=EdgePrices(problem.ctx) if fresh else problem.edge_prices())
     model = built.model
     return (model.cost, model.upper, model.integer, model.implied_integer, model.rows, model.terms,
             built.memory_row, built.x)
@@ -54,8 +56,8 @@ def _model_of(problem, limit: float) -> tuple[object, ...]:
 def test_scenario_copies_sharing_their_edges_build_the_models_fresh_graphs_build() -> None:
     """A memory search's scenarios reprice copies of one graph that share what its edges decide
     (``PlanGraph.edges``: consumers, sharing classes, folded edges; partial checkpointing splits the
-    folding): each scenario's model equals, column for column and row for row, the model of its graph
-    copied with nothing shared."""
+    folding), priced by one search's edge prices (kept keys and matrices): each scenario's model equals,
+    column for column and row for row, the model of its graph copied with nothing shared, priced afresh."""
     from dataclasses import replace
 
     from autopar.config import PlanConfig
@@ -73,4 +75,4 @@ def test_scenario_copies_sharing_their_edges_build_the_models_fresh_graphs_build
         shared = problems.under(place, scenario, 1e12)
         assert shared.graph.edges is problems.at(place).graph.edges
         alone = replace(shared, graph=replace(shared.graph, edges=EdgeMemo()))
-        assert _model_of(shared, 1e12) == _model_of(alone, 1e12), scenario.describe()
+        assert _model_of(shared, 1e12) == _model_of(alone, 1e12, fresh=True), scenario.describe()
