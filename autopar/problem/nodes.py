@@ -36,16 +36,17 @@ class EdgeMemo:
 
     def __init__(self) -> None:
         self.consumers: dict[str, list[tuple[str, int, int]]] | None = None
-        self.by_folding: dict[tuple[str, int], tuple[object, object]] = {}
-        """(what, ``id`` of a folding) -> (that folding, what its edges give); the entry keeps the folding,
+        self.by_owner: dict[tuple[Hashable, int], tuple[object, object]] = {}
+        """(what, ``id`` of the object it is made for) -> (that object, what it is); the entry keeps the object,
         so its ``id`` names no other while it is there."""
 
-    def folded(self, what: str, folding: object, make: Callable[[], T]) -> T:
-        """``make()``, the ``what`` of the graph's edges under ``folding``, made once per folding."""
-        key = (what, id(folding))
-        found = self.by_folding.get(key)
-        if found is None or found[0] is not folding:
-            found = self.by_folding[key] = (folding, make())
+    def kept(self, what: Hashable, owner: object, make: Callable[[], T]) -> T:
+        """``make()``, the ``what`` of the graph's edges under ``owner`` (a folding, a node's strategy list),
+        made once per such object."""
+        key = (what, id(owner))
+        found = self.by_owner.get(key)
+        if found is None or found[0] is not owner:
+            found = self.by_owner[key] = (owner, make())
         return found[1]  # type: ignore[return-value]
 
 

@@ -16,6 +16,7 @@ from autopar.cost.model import CostContext, EdgeCost
 from autopar.problem.folding import Folding
 from autopar.problem.graph import edge_flags
 from autopar.problem.nodes import PlanGraph
+from autopar.rules.strategy import Strategy
 from autopar.solver.edge_prices import EdgePrices
 from autopar.solver.grad_terms import GradSyncTerms
 from autopar.solver.group_terms import GroupTerms
@@ -51,7 +52,7 @@ def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContex
     split classes (``Folding.tied``: their strategy columns are one) share one set of pair columns, each
     edge priced on them: in any plan their pairs are the same, and a split stack's model stays the size
     of a whole one's."""
-    classes = graph.edges.folded("sharing classes", folding, lambda: sharing_classes(graph, folding))
+    classes = graph.edges.kept("sharing classes", folding, lambda: sharing_classes(graph, folding))
     solo: dict[EdgeKey, int] = defaultdict(int)
     for keys, count in classes.items():
         if len(keys) == 1:
@@ -59,7 +60,7 @@ def link_edges(model: Model, graph: PlanGraph, folding: Folding, ctx: CostContex
     shared_keys = {k for keys in classes if len(keys) > 1 for k in keys}
     head = folding.tied
     alike: dict[tuple, list[_Edge]] = defaultdict(list)  # edges whose pairs are one: same columns, same way linked
-    for edge in graph.edges.folded("edges", folding, lambda: aggregate_edges(graph, folding)):
+    for edge in graph.edges.kept("edges", folding, lambda: aggregate_edges(graph, folding)):
         key = (edge.producer, edge.out_index, edge.consumer, edge.arg)
         alike[(head.get(edge.producer, edge.producer), edge.out_index, head.get(edge.consumer, edge.consumer),
                edge.arg, key in shared_keys, graph.sends_gradient(edge.producer, edge.consumer))].append(edge)
@@ -124,13 +125,10 @@ def _priced(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, price
     sync, overlap, groups = rows
     prod, cons = graph.nodes[edge.producer], graph.nodes[edge.consumer]
     grad = graph.sends_gradient(edge.producer, edge.consumer)
-    groups_p: dict[object, list[int]] = defaultdict(list)
-    for s, strat in enumerate(prod.strategies):
-        groups_p[strat.outputs[edge.out_index]].append(s)
-    groups_c: dict[object, list[int]] = defaultdict(list)
-    for s, strat in enumerate(cons.strategies):
-        active = tuple(strat.is_active(i) for i in range(ctx.mesh.ndim))
-        groups_c[(strat.inputs[edge.arg], active)].append(s)
+    groups_p = graph.edges.kept(("produced", edge.out_index), prod.strategies,
+                                lambda: _grouped(prod.strategies, lambda strat: strat.outputs[edge.out_index]))
+    groups_c = graph.edges.kept(("taken", edge.arg, ctx.mesh.ndim), cons.strategies, lambda: _grouped(
+        cons.strategies, lambda strat: (strat.inputs[edge.arg], tuple(strat.is_active(i) for i in range(ctx.mesh.ndim)))))
     keys_p, keys_c = list(groups_p), list(groups_c)
     meta = prod.outputs[edge.out_index]
     assert meta is not None
@@ -161,6 +159,16 @@ def _priced(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, price
             grouping.close()
     return _Member(edge, groups_p, groups_c, unit_cost, unit_mem, add, cost, mem, term, bool(hooks), close,
                    edge.arg in cons.as_produced, cons.follower, grad)
+
+
+def _grouped(strategies: list[Strategy], key: Callable[[Strategy], object]) -> dict[object, list[int]]:
+    """A node's strategies by what an edge end reads of them (the placement produced, or taken and the
+    split per mesh dim), in order; kept for every build whose node holds the same list (``EdgeMemo``), so
+    never changed."""
+    groups: dict[object, list[int]] = {}
+    for s, strat in enumerate(strategies):
+        groups.setdefault(key(strat), []).append(s)
+    return groups
 
 
 def _adder(model: Model, cost: list[list[float]], mem: list[list[float]], memory_row: dict[int, float], term: str,
