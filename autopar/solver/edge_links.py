@@ -138,8 +138,9 @@ def _priced(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, price
     unit_mem = prices.held(ids, meta, flags, keys_p, keys_c)
     unit_cost = unit_mem if minimize_memory else [
         [t * SCALE for t in row] for row in prices.times(ids, meta, flags, keys_p, keys_c, consumers)]
-    mem = [[m * count for m in row] for row in unit_mem]
-    cost = [[c * count for c in row] for row in unit_cost]
+    # count x 1.0 is the price itself: an edge of one tensor (most of them) keeps the rows, read only
+    mem = unit_mem if count == 1 else [[m * count for m in row] for row in unit_mem]
+    cost = unit_cost if count == 1 else [[c * count for c in row] for row in unit_cost]
 
     syncing = sync.edge(edge.producer, groups_p, keys_c, grad)
     def price(a: int, b: int) -> EdgeCost:
