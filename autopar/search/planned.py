@@ -107,6 +107,12 @@ def repriced(problem: Problem, step: PlannedStep) -> PlannedStep | Unpriced:
     """``step``'s strategies priced on ``problem`` (the same step at another micro-batch size, priced under
     ``step``'s memory scenario), solving nothing: the pipeline search prices each micro-batch count so.
     Nodes are matched by their place in graph order (``matched``); ``Unpriced`` says why they cannot be."""
+    solution = repriced_solution(problem, step)
+    return solution if isinstance(solution, Unpriced) else finish(problem, solution)
+
+
+def repriced_solution(problem: Problem, step: PlannedStep) -> Solution | Unpriced:
+    """``repriced``'s solution, before it is made a plan (``finish``): its objective is the plan's step."""
     graph, folding = problem.graph, problem.folding
     same = matched(graph, step.graph)
     if isinstance(same, str):
@@ -124,7 +130,7 @@ def repriced(problem: Problem, step: PlannedStep) -> PlannedStep | Unpriced:
     solution = ilp.solve(problem, None, fixed=choice)  # the choice priced by the ILP's own terms, nothing searched
     if isinstance(solution, NoPlan):
         return Unpriced(f"the stage plan's choice has no plan at this size: {solution.message}")
-    return finish(problem, solution)
+    return solution
 
 
 def matched(graph: PlanGraph, planned: PlanGraph) -> dict[str, str] | str:

@@ -11,7 +11,7 @@ from autopar.pipeline.spec import Pipeline
 from autopar.search.context import search_context
 from autopar.search.memory import TIE, Bound, Pruned
 from autopar.pipeline.stages import Uncut
-from autopar.search.planned import PlannedStep, Unpriced, finish, repriced, with_pipeline
+from autopar.search.planned import PlannedStep, Unpriced, finish, repriced_solution, with_pipeline
 from autopar.search.problem import Place, Problems
 
 
@@ -70,14 +70,23 @@ class StageMesh:
             found = search_context(self.problems, self.place(m), limit, bound)
         return found if isinstance(found, Pruned) else finish(found.problem, found.solution)
 
-    def reprice(self, step: PlannedStep, m: int, limit: float) -> PlannedStep | Unpriced:
-        """``step``'s strategies priced for micro-batches of batch / m rows, on the symbolic capture; or why not."""
+    def reprice(self, step: PlannedStep, m: int, limit: float, beat_s: float = math.inf
+                ) -> PlannedStep | Unpriced | float:
+        """``step``'s strategies priced for micro-batches of batch / m rows, on the symbolic capture; or why not;
+        or, where no pipeline of that plan can take ``beat_s`` or less, its step's seconds alone (not made a
+        plan): a pipeline's busiest rank works at least the average of its p ranks' work, whose sum is the
+        stage plan's step (``pipeline.stages.work_floor_s``), so each of its pipelines would be outrun."""
         place = replace(self.place(m, symbolic=True), mesh=step.ctx.mesh)  # the layout the plan was solved on
         refused = self.problems.refused_symbolic(place)
         if refused:
             return Unpriced(refused, whole=True)
         assert step.scenario is not None
-        return repriced(self.problems.under(place, replace(step.scenario, micro_batches=m), limit), step)
+        problem = self.problems.under(place, replace(step.scenario, micro_batches=m), limit)
+        solution = repriced_solution(problem, step)
+        if isinstance(solution, Unpriced):
+            return solution
+        seconds = sum(solution.terms.values())  # the plan's predicted step (``result.build``)
+        return seconds if seconds > beat_s * self.ranks * (1 + 2 * TIE) else finish(problem, solution)
 
 
 def label(choice: Pipeline) -> str:
@@ -193,11 +202,14 @@ class PipelineSearch:
         out = self.price(first, self.by_count[self.counts[0]], own, [])
         unpriced: dict[int, str] = {}
         for m in self.counts[1:]:
-            step = self.stage.reprice(first, m, self.limit)
+            step = self.stage.reprice(first, m, self.limit, own.best_s)
             if isinstance(step, Unpriced):
                 if step.whole:  # no symbolic capture of this step prices it at all
                     return out, dict.fromkeys(self.counts[1:], ""), step.reason
                 unpriced[m] = step.reason
+                continue
+            if isinstance(step, float):  # each of its pipelines slower than a guess that fits: none is the target
+                self.known[m] = step
                 continue
             self.known[m] = step.plan.predicted.step_time_s
             out += self.price(step, self.by_count[m], own, [])
