@@ -136,11 +136,9 @@ def _priced(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, price
     ids = prices.ids(meta, flags, keys_p, keys_c)
     consumers = [cons.strategies[groups_c[b][0]] for b in keys_c]
     unit_mem = prices.held(ids, meta, flags, keys_p, keys_c)
-    unit_cost = unit_mem if minimize_memory else [
-        [t * SCALE for t in row] for row in prices.times(ids, meta, flags, keys_p, keys_c, consumers)]
-    # count x 1.0 is the price itself: an edge of one tensor (most of them) keeps the rows, read only
-    mem = unit_mem if count == 1 else [[m * count for m in row] for row in unit_mem]
-    cost = unit_cost if count == 1 else [[c * count for c in row] for row in unit_cost]
+    unit_cost = unit_mem if minimize_memory else prices.scaled(
+        prices.times(ids, meta, flags, keys_p, keys_c, consumers), SCALE)
+    mem, cost = prices.scaled(unit_mem, count), prices.scaled(unit_cost, count)
 
     syncing = sync.edge(edge.producer, groups_p, keys_c, grad)
     def price(a: int, b: int) -> EdgeCost:
@@ -323,13 +321,12 @@ def _add_shared(model: Model, links: list[_Link], count: int, memory_row: dict[i
     for link, target in zip(links, targets):
         for a, row in enumerate(link.e):
             mine, most_cost, most_mem = y[a], cost[a], mem[a]
-            for e_ab, t in zip(row, target):
-                j = mine.get(t)
-                if j is None:
+            for t in target:  # y columns made in the order the pairs first ask for them
+                if t not in mine:
                     j = mine[t] = model.var(most_cost[t] * count, integer=False, term=term)
                     if most_mem[t]:
                         memory_row[j] = memory_row.get(j, 0.0) + most_mem[t] * count
-                rows.append(({j: 1.0, e_ab: -1.0}, 0.0, INF))
+            rows.extend([({mine[t]: 1.0, e_ab: -1.0}, 0.0, INF) for e_ab, t in zip(row, target)])
 
 
 def _add_follower_edge(model: Model, edge: _Edge, x: dict[str, list[int]], groups_p: dict, groups_c: dict,

@@ -34,6 +34,9 @@ class EdgePrices:
         self._time_rows: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[list[float]]] = {}
         """An edge's whole matrices (``held``, ``times``), by its keys: a memory search builds its scenarios'
         models out of the same edges, and an edge's pairs number up to hundreds."""
+        self._scaled: dict[tuple[int, float], tuple[list[list[float]], list[list[float]]]] = {}
+        """(``id`` of a kept matrix, factor) -> (that matrix, it scaled): the entry keeps the matrix, so its
+        ``id`` names no other while it is there."""
 
     @staticmethod
     def key_of(ctx: CostContext) -> tuple[Hashable, ...]:
@@ -91,6 +94,18 @@ class EdgePrices:
                 [self._cost_at((edge, ia, ib), meta, a, b[0], consumer, flags).time
                  for ib, b, consumer in zip(ids_c, keys_c, consumers)] for ia, a in zip(ids_p, keys_p)]
         return found
+
+    def scaled(self, rows: list[list[float]], factor: float) -> list[list[float]]:
+        """``rows`` (a matrix this object returned, or one this returned) times ``factor``, made once per
+        matrix and factor: a memory search's builds price the same edges again. ``rows`` itself where the
+        factor is 1 (exact); read only, as the rows it scales."""
+        if factor == 1:
+            return rows
+        key = (id(rows), factor)
+        found = self._scaled.get(key)
+        if found is None or found[0] is not rows:
+            found = self._scaled[key] = (rows, [[value * factor for value in row] for row in rows])
+        return found[1]
 
     def cost(self, ids: EdgeIds, a: int, b: int, meta: TensorMeta, flags: dict[str, bool], produced: Placements,
              required: Placements, consumer: Strategy) -> EdgeCost:
