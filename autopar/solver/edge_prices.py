@@ -5,7 +5,8 @@ residual stream), so one solve prices each distinct (tensor, edge flags, produce
 placement, requested placement and split) once. Keys are interned to small ints: hashing
 a tuple of DTensor placements runs Python ``__hash__`` per placement, and an 8B Llama's
 ILP looks up ~70,000 pairs. An ``EdgePrices`` serves every solve whose context prices edges alike
-(``EdgePrices.key``): a memory search's scenarios of one prepared problem share one.
+(``EdgePrices.key``): a memory search's scenarios of one prepared problem share one, and with it
+each edge's whole price matrices, made once for all of their builds.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ class EdgePrices:
         return found
 
     def scaled(self, rows: list[list[float]], factor: float) -> list[list[float]]:
-        """``rows`` (a matrix this object returned, or one this returned) times ``factor``, made once per
-        matrix and factor: a memory search's builds price the same edges again. ``rows`` itself where the
-        factor is 1 (exact); read only, as the rows it scales."""
+        """``rows`` (a matrix this object returned or scaled) times ``factor``, made once per matrix and factor:
+        a memory search's builds price the same edges again. ``rows`` itself where the factor is 1 (exact);
+        read only, as the rows it scales."""
         if factor == 1:
             return rows
         key = (id(rows), factor)
