@@ -127,8 +127,10 @@ def _priced(model: Model, graph: PlanGraph, ctx: CostContext, edge: _Edge, price
     grad = graph.sends_gradient(edge.producer, edge.consumer)
     groups_p = graph.edges.kept(("produced", edge.out_index), prod.strategies,
                                 lambda: _grouped(prod.strategies, lambda strat: strat.outputs[edge.out_index]))
-    groups_c = graph.edges.kept(("taken", edge.arg, ctx.mesh.ndim), cons.strategies, lambda: _grouped(
-        cons.strategies, lambda strat: (strat.inputs[edge.arg], tuple(strat.is_active(i) for i in range(ctx.mesh.ndim)))))
+    def taken(strat: Strategy) -> tuple[object, tuple[bool, ...]]:
+        return strat.inputs[edge.arg], tuple(strat.is_active(i) for i in range(ctx.mesh.ndim))
+    groups_c = graph.edges.kept(("taken", edge.arg, ctx.mesh.ndim), cons.strategies,
+                                lambda: _grouped(cons.strategies, taken))
     keys_p, keys_c = list(groups_p), list(groups_c)
     meta = prod.outputs[edge.out_index]
     assert meta is not None
