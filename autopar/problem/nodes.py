@@ -28,26 +28,33 @@ class ProbeMemo:
         self.by_node: dict[Hashable, SavedTensors | None] = {}
 
 
-class EdgeMemo:
-    """What a graph's edges alone decide (its order and each node's args), computed once for the graph
-    and its copies: a scenario's copy reprices nodes (``dataclasses.replace`` on the graph and its nodes,
-    ``PlanGraph.edges`` carried over) and keeps every edge, and a memory search builds hundreds of models
-    of such copies."""
+class ObjectMemo:
+    """Values made once per object that is not hashed cheaply or by value (a folding, a strategy list, a
+    tuple of DTensor placements, a price matrix), found by the object itself."""
 
     def __init__(self) -> None:
-        self.consumers: dict[str, list[tuple[str, int, int]]] | None = None
         self.by_owner: dict[tuple[Hashable, int], tuple[object, object]] = {}
         """(what, ``id`` of the object it is made for) -> (that object, what it is); the entry keeps the object,
         so its ``id`` names no other while it is there."""
 
     def kept(self, what: Hashable, owner: object, make: Callable[[], T]) -> T:
-        """``make()``, the ``what`` of the graph's edges under ``owner`` (a folding, a node's strategy list),
-        made once per such object."""
+        """``make()``, the ``what`` of ``owner``, made once per such object."""
         key = (what, id(owner))
         found = self.by_owner.get(key)
         if found is None or found[0] is not owner:
             found = self.by_owner[key] = (owner, make())
         return found[1]  # type: ignore[return-value]
+
+
+class EdgeMemo(ObjectMemo):
+    """What a graph's edges alone decide (its order and each node's args), computed once for the graph
+    and its copies: a scenario's copy reprices nodes (``dataclasses.replace`` on the graph and its nodes,
+    ``PlanGraph.edges`` carried over) and keeps every edge, and a memory search builds hundreds of models
+    of such copies. ``kept`` holds what a folding or a node's strategy list gives of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.consumers: dict[str, list[tuple[str, int, int]]] | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ from collections.abc import Hashable
 
 from autopar.capture.graph import TensorMeta
 from autopar.cost.model import CostContext, EdgeCost, edge_cost, held_reshard_bytes
+from autopar.problem.nodes import ObjectMemo
 from autopar.rules.strategy import Placements, Strategy
 
 EdgeIds = tuple[int, list[int], list[int]]
@@ -30,14 +31,12 @@ class EdgePrices:
         self._ids: dict[Hashable, int] = {}
         self._cost: dict[tuple[int, int, int], EdgeCost] = {}
         self._held: dict[tuple[int, int, int], float] = {}
-        self._seen: dict[int, tuple[object, int]] = {}
+        self._by_object = ObjectMemo()
+        """Interned placements and scaled matrices, by the object (``_id_of``, ``scaled``)."""
         self._held_rows: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[list[float]]] = {}
         self._time_rows: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[list[float]]] = {}
         """An edge's whole matrices (``held``, ``times``), by its keys: a memory search builds its scenarios'
         models out of the same edges, and an edge's pairs number up to hundreds."""
-        self._scaled: dict[tuple[int, float], tuple[list[list[float]], list[list[float]]]] = {}
-        """(``id`` of a kept matrix, factor) -> (that matrix, it scaled): the entry keeps the matrix, so its
-        ``id`` names no other while it is there."""
 
     @staticmethod
     def key_of(ctx: CostContext) -> tuple[Hashable, ...]:
@@ -53,13 +52,8 @@ class EdgePrices:
     def _id_of(self, key: Hashable) -> int:
         """``_id`` of a placement a strategy holds, found by the object first: hashing a tuple of DTensor
         placements runs a Python ``__hash__`` per placement, and a strategy's tuple recurs on every edge it
-        ends. The entry keeps the object, so its ``id`` is not another's while it is there."""
-        seen = self._seen.get(id(key))
-        if seen is not None and seen[0] is key:
-            return seen[1]
-        found = self._id(key)
-        self._seen[id(key)] = (key, found)
-        return found
+        ends."""
+        return self._by_object.kept("id", key, lambda: self._id(key))
 
     def ids(self, meta: TensorMeta, flags: dict[str, bool], keys_p: list[Placements],
             keys_c: list[tuple[Placements, tuple[bool, ...]]]) -> EdgeIds:
@@ -102,11 +96,8 @@ class EdgePrices:
         read only, as the rows it scales."""
         if factor == 1:
             return rows
-        key = (id(rows), factor)
-        found = self._scaled.get(key)
-        if found is None or found[0] is not rows:
-            found = self._scaled[key] = (rows, [[value * factor for value in row] for row in rows])
-        return found[1]
+        return self._by_object.kept(("scaled", factor), rows,
+                                    lambda: [[value * factor for value in row] for row in rows])
 
     def cost(self, ids: EdgeIds, a: int, b: int, meta: TensorMeta, flags: dict[str, bool], produced: Placements,
              required: Placements, consumer: Strategy) -> EdgeCost:
