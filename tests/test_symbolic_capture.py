@@ -32,7 +32,9 @@ MESH = autopar.Mesh({"dp": 2, "tp": 2}, "cpu")
 BUILDS: dict[str, Callable[[int], tuple[Any, ...]]] = {
     "llama": lambda batch: llama.build(llama.LlamaConfig(layers=4), batch=batch),
     # its router computes (batch x seq) token counts: export names that arithmetic, shifting later nodes' names
-    "moe": lambda batch: moe.build(batch=batch)}
+    "moe": lambda batch: moe.build(batch=batch),
+    # enough blocks to replicate: the first block makes that arithmetic, the others read it there
+    "moe-replicated": lambda batch: moe.build(moe.MoEConfig(layers=4), batch=batch)}
 
 
 def _graph(name: str, rows: int, symbolic: bool) -> PlanGraph:
@@ -74,6 +76,16 @@ def test_a_symbolic_capture_at_each_size_is_that_size_captured(name: str) -> Non
             hidden = model.cfg.hidden
             assert concrete.nodes["linear"].costs[0].output_bytes == rows * tokens.shape[1] * hidden * 4
     assert exports.count(True) == 1 and exports.count(False) == 5  # one symbolic capture served every size
+
+
+def test_blocks_reading_the_first_blocks_size_arithmetic_are_replicated() -> None:
+    """The symbolic capture of blocks whose router computes (batch x seq) token counts traces 3 blocks and
+    replicates the rest (the arithmetic, made in the first block and read by the others, runs before them);
+    the test above finds it the concrete capture at each size."""
+    model, inputs, loss_fn, targets = _built("moe-replicated")
+    with reuse_captures():
+        captured = capture(model, inputs, loss_fn=loss_fn, example_targets=targets, symbolic_batch=True)
+    assert any("traced 3 of 4 blocks" in note for note in captured.notes), captured.notes
 
 
 class _NoGradBlock(nn.Module):

@@ -100,13 +100,30 @@ def split(graph: torch.fx.Graph, specs: list[InputSpec], pattern: Pattern, trace
     first = next((i for i, b in enumerate(index) if b is not None), None)
     if first is None:
         return "no traced op lies in a block"
-    units = _units(body[first:], index[first:], traced)
+    sizes = _size_arithmetic(body[:first], body[first:])
+    kept = [(n, b) for n, b in zip(body[first:], index[first:]) if n not in sizes]
+    units = _units([n for n, _ in kept], [b for _, b in kept], traced)
     if isinstance(units, str):
         return units
     blocks, rest = units
-    result = Traced(placeholders, body[:first], blocks, [*rest, nodes[-1]])
+    result = Traced(placeholders, [*body[:first], *sizes], blocks, [*rest, nodes[-1]])
     result.position = {n: (b, i) for b, block in enumerate(blocks) for i, n in enumerate(block)}
     return _find_block_inputs(result, specs, pattern, traced)
+
+
+def _size_arithmetic(prefix: list[Node], after: list[Node]) -> dict[Node, None]:
+    """The nodes among ``after`` that compute a symbolic size (``1280*s0``) from the graph's inputs alone,
+    in order. The tracer makes each such expression once, in the first block that needs it, and the
+    later blocks read it there; taken out of the blocks (they run before them, pure) every block reads
+    it alike and the blocks repeat."""
+    outside = set(prefix)
+    sizes: dict[Node, None] = {}
+    for node in after:
+        scalar = isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+        if node.op == "call_function" and scalar and \
+                all(x.op == "placeholder" or x in outside or x in sizes for x in node.all_input_nodes):
+            sizes[node] = None
+    return sizes
 
 
 def _units(body: list[Node], index: list[int | None], traced: int) -> tuple[list[list[Node]], list[Node]] | str:
