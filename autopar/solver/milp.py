@@ -23,11 +23,12 @@ SCALE = 1e6
 LEAN_OPTIONS: dict[str, bool] = {"mip_heuristic_run_feasibility_jump": False, "mip_detect_symmetry": False,
                                  "mip_heuristic_run_rins": False, "mip_heuristic_run_rens": False,
                                  "mip_heuristic_run_root_reduced_cost": False}
-"""For the runs of a narrowed start (``warm_start.run_started``): the narrowed MIP is small and
-the whole one starts from its plan, so neither needs feasibility jump (a heuristic for a first
-plan) nor symmetry detection (both close at or near the root, where orbits are not used), nor
-the sub-MIP heuristics searching near the root's solution for a better plan than the start.
-Each saves HiGHS time on the started runs and none changes an optimum (``benchmarks/solve_time.py``)."""
+"""For the runs of a solve led by its LP relaxation (``warm_start.run_from_lp``): the narrowed MIP is
+small, and the whole one runs cut off just above the narrowed plan, which it mostly proves optimal, so
+neither needs feasibility jump (a heuristic for a first plan) nor symmetry detection (both close at or
+near the root, where orbits are not used), nor the sub-MIP heuristics searching near the root's solution
+for a plan. None changes an optimum. A MIP with no plan in hand keeps them: they find the plan that
+prunes its tree."""
 
 
 COMPUTE, OWN, RESHARDS, GRAD_SYNC, WINDOWS = "compute", "own collectives", "reshards", "gradient sync", \

@@ -62,7 +62,7 @@ def run_from_lp(model: Model, x: dict[str, list[int]], time_limit_s: float, rela
     fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > price - lp.objective + slack]
     # the narrowed plan as a bound, not as a start: HiGHS (1.16) misprices a start in a presolved space
     # whose columns were fixed by their bounds (a GPT plan: 692.87 priced 691.34 there, and "optimal")
-    result = run(model, left(), price + slack, zero=fixed)
+    result = run(model, left(), price + slack, zero=fixed, lean=True)
     if result.values is None and result.status == "infeasible":  # none beats it: the narrowed plan is optimal
         result = replace(narrow, objective=price, status="optimal", gap=0.0)
     elif result.values is None:  # out of time before beating it: the narrowed plan, its gap to the LP bound
