@@ -33,7 +33,7 @@ from autopar.solver.backward_rows import add_backward_peak
 from autopar.pipeline.stage_memory import MemoryShares
 from autopar.solver.milp import COMPUTE, INF, MEMORY, OWN, SCALE, Model, Result, run
 from autopar.solver.overlap import OverlapTerms
-from autopar.solver.warm_start import LP_LED_FROM_COLUMNS, run_from_lp
+from autopar.solver.warm_start import LP_LED_FROM_COLUMNS, run_from_lp, run_under
 from autopar.units import fmt_bytes
 
 ENOUGH_SLACK = 1e-9
@@ -245,8 +245,9 @@ def _narrowed(graph: PlanGraph, folding: Folding, choice: dict[str, int]) -> Pla
 def _run(built: Built, time_limit_s: float, cutoff: float | None, enough_bytes: float | None, relaxed: bool,
          fixed: dict[str, int] | None) -> Result:
     """HiGHS on ``built``'s model as ``solve`` asks: the given choice fixed, the LP relaxation, led by the LP,
-    or plain. The LP leads a solve that must find a plan, not one asked for a bound only (a memory search's
-    cutoff solves, mostly pruned at the root) nor for the leanest plan."""
+    or plain. The LP leads a solve that must find a plan (``run_from_lp``), and on a large model, or one
+    whose LP bound was solved, it fixes the columns a cutoff solve's plans cannot use (``run_under``: a
+    memory search's, seeking only plans faster than one in hand); not the leanest plan's solve."""
     model, x = built.model, built.x
     if fixed is not None:
         return run(model, time_limit_s, zero=[j for v, js in x.items() for s, j in enumerate(js) if s != fixed[v]])
@@ -262,6 +263,8 @@ def _run(built: Built, time_limit_s: float, cutoff: float | None, enough_bytes: 
         return run_from_lp(model, x, time_limit_s, built.relaxation)
     if built.minimize_memory and enough_bytes is not None:  # only whether some plan needs no more
         return run(model, time_limit_s, enough_bytes * (1.0 + ENOUGH_SLACK), target=enough_bytes)
+    if led and cutoff is not None:
+        return run_under(model, time_limit_s, cutoff, built.relaxation)
     return run(model, time_limit_s, cutoff)
 
 

@@ -5,7 +5,9 @@ proves a plan optimal quickly once it holds a good one, which its own heuristics
 relaxation, unpresolved (HiGHS's dual simplex), is a fraction of that, and it leads the solve
 (``run_from_lp``): its optimum is often integral on a model whose layers are alike, and otherwise its
 support and reduced costs name each node's likely strategies (a small MIP gives a plan from them) and
-the columns no plan as good as that one uses (fixed at 0 before the whole MIP runs).
+the columns no plan as good as that one uses (fixed at 0 before the whole MIP runs). A solve that seeks
+only plans under a cutoff (``run_under``) fixes the columns no such plan uses alike, with no plan of its
+own to find first.
 
 The plan returned is still HiGHS's proven optimum of the whole MIP: this changes speed only.
 """
@@ -69,6 +71,21 @@ def run_from_lp(model: Model, x: dict[str, list[int]], time_limit_s: float, rela
         result = replace(narrow, objective=price, status=result.status,
                          gap=(price - lp.objective) / max(abs(price), 1e-12))
     return replace(result, time_limit_s=time_limit_s)
+
+
+def run_under(model: Model, time_limit_s: float, cutoff: float, relaxation: Result | None) -> Result:
+    """HiGHS on ``model`` for a plan cheaper than ``cutoff`` (``run``'s), the columns its LP relaxation
+    (``relaxation`` where solved before) rules out fixed at 0: a column whose reduced cost d is over the
+    cutoff's gap to the LP bound is 0 in every plan under the cutoff (each plan's objective is at least the
+    bound plus d times the column). Fixed are the columns 0 or 1 in every integral plan, as in ``run_from_lp``."""
+    began = time.perf_counter()
+    lp = relaxation if relaxation is not None else run(model, time_limit_s, relaxed=True)
+    if lp.values is None or lp.reduced_costs is None:  # infeasible (the MIP too), or out of time
+        return lp if lp.status == "infeasible" else run(model, time_limit_s, cutoff)
+    slack = FIX_SLACK * max(1.0, abs(cutoff))
+    fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > cutoff - lp.objective + slack]
+    left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)
+    return replace(run(model, left, cutoff, zero=fixed), time_limit_s=time_limit_s)
 
 
 def lp_likely(x: dict[str, list[int]], values: list[float], reduced_costs: list[float],
