@@ -184,6 +184,7 @@ def _price_own_collectives(nodes: dict[str, PlanNode], order: list[str], loss: s
     """A loss's own collectives (its count, the whole loss), an expert layer's all-to-alls, ring
     attention's waited sends, a forward step's outputs gathered on zig-zag axes."""
     gathered = set(output_names) if not ctx.train and ctx.mesh.zigzag_dims() else set()
+    waited: dict[int, list[float]] = {}  # by strategy list (one per distinct call, as ``_price_ops`` prices)
     for name in order:
         node = nodes[name]
         if name == loss or name in gathered or (node.call is not None and (node.call.target in MEAN_AS_PARTIAL
@@ -191,8 +192,11 @@ def _price_own_collectives(nodes: dict[str, PlanNode], order: list[str], loss: s
             node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(
                 node, s, ctx, name == loss, name in gathered)) * step_repeats(ctx) for s in node.strategies]
         elif node.call is not None and node.call.target in ATTENTION_OPS:  # ring attention's sends, as waited for
-            times = [ring_waited_time(node.call, s, ctx.mesh, ctx.precision, ctx.train) * step_repeats(ctx)
-                     for s in node.strategies]
+            times = waited.get(id(node.strategies))
+            if times is None:
+                times = waited[id(node.strategies)] = [
+                    ring_waited_time(node.call, s, ctx.mesh, ctx.precision, ctx.train) * step_repeats(ctx)
+                    for s in node.strategies]
             if any(times):
                 node.comm_times = times
 

@@ -60,22 +60,45 @@ def block_positions(local_keys: int, dim: int, kv_placements: Placements, mesh_s
     return query_positions(local_keys, dim, kv_placements, mesh_shape, owner, zigzag)
 
 
+class Run(NamedTuple):
+    """Rows of consecutive global positions within one held chunk (``rules.attention.runs``)."""
+
+    first: int
+    rows: int
+    position: int
+    """The global position of row ``first``; row ``first + t`` is at ``position + t``."""
+
+
+def position_runs(positions: torch.Tensor, chunk: int, causal: bool) -> tuple[Run, ...]:
+    """``positions``'s runs (``rules.attention.runs``) with the global position each starts at; for a
+    call that is not causal, all its rows as one (only their count matters)."""
+    if not causal:
+        return (Run(0, positions.numel(), 0),)
+    return tuple(Run(a, n, int(positions[a])) for a, n in runs(positions, chunk))
+
+
 def step_pieces(q_positions: torch.Tensor, q_chunk: int, k_positions: torch.Tensor, k_chunk: int,
                 causal: bool) -> list[Piece]:
     """The pieces the rank's rows compute against one key block (module docstring)."""
+    return run_pieces(position_runs(q_positions, q_chunk, causal), position_runs(k_positions, k_chunk, causal),
+                      causal)
+
+
+def run_pieces(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], causal: bool) -> list[Piece]:
+    """``step_pieces`` of the rows' and the key block's runs: a run's positions are consecutive, so its
+    first and last are known, and two runs hold the same positions when they start alike, as long."""
     if not causal:
-        return [Piece(0, q_positions.numel(), 0, k_positions.numel(), FULL)]
+        return [Piece(0, sum(r.rows for r in q_runs), 0, sum(r.rows for r in k_runs), FULL)]
     pieces = []
-    for (qf, qc), (kf, kc) in itertools.product(runs(q_positions, q_chunk), runs(k_positions, k_chunk)):
-        qs, ks = q_positions[qf:qf + qc], k_positions[kf:kf + kc]
-        if int(ks[0]) > int(qs[-1]):
+    for q, k in itertools.product(q_runs, k_runs):
+        if k.position > q.position + q.rows - 1:
             continue
-        if int(ks[-1]) <= int(qs[0]):
-            pieces.append(Piece(qf, qc, kf, kc, FULL))
-        elif qc == kc and bool(torch.equal(qs, ks)):
-            pieces.append(Piece(qf, qc, kf, kc, DIAGONAL))
+        if k.position + k.rows - 1 <= q.position:
+            pieces.append(Piece(q.first, q.rows, k.first, k.rows, FULL))
+        elif q.rows == k.rows and q.position == k.position:
+            pieces.append(Piece(q.first, q.rows, k.first, k.rows, DIAGONAL))
         else:
-            pieces.append(Piece(qf, qc, kf, kc, MASKED))
+            pieces.append(Piece(q.first, q.rows, k.first, k.rows, MASKED))
     return pieces
 
 
@@ -95,16 +118,19 @@ def busiest_steps(length: int, dim: int, q_placements: Placements, kv_placements
     splitting = [d for d, p in enumerate(q_placements) if shard_dim(p) == dim or d == ring]
     n = mesh_shape[ring]
     busiest, most = [0] * n, [0] * n
+    blocks: dict[tuple[int, ...], tuple[Run, ...]] = {}  # owner -> its key block's runs, for every rank's steps
     for picked in itertools.product(*(range(mesh_shape[d]) for d in splitting)):
         coordinate = [0] * len(mesh_shape)
         for d, c in zip(splitting, picked):
             coordinate[d] = c
-        q_positions = query_positions(q_local, dim, q_placements, mesh_shape, tuple(coordinate), zigzag)
+        q_runs = position_runs(query_positions(q_local, dim, q_placements, mesh_shape, tuple(coordinate), zigzag),
+                               q_chunk, causal)
         for j in range(n):
-            source = (coordinate[ring] - j) % n
-            k_positions = block_positions(k_local, dim, kv_placements, mesh_shape, tuple(coordinate), ring, source,
-                                          zigzag)
-            pieces = step_pieces(q_positions, q_chunk, k_positions, k_chunk, causal)
+            owner = tuple((coordinate[ring] - j) % n if d == ring else c for d, c in enumerate(coordinate))
+            if owner not in blocks:
+                blocks[owner] = position_runs(query_positions(k_local, dim, kv_placements, mesh_shape, owner, zigzag),
+                                              k_chunk, causal)
+            pieces = run_pieces(q_runs, blocks[owner], causal)
             busiest[j] = max(busiest[j], sum(p.pairs() for p in pieces))
             most[j] = max(most[j], len(pieces))
     return tuple(zip(busiest, most))
