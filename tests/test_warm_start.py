@@ -11,7 +11,7 @@ import autopar
 from autopar.search.problem import Place, scenarios
 from autopar.solver import ilp, milp
 from autopar.solver.milp import INF, RESHARDS, Model
-from autopar.solver.warm_start import lp_likely, run_from_lp
+from autopar.solver.warm_start import lp_likely, run_from_lp, run_under
 from examples import gpt, llama
 from tests.planning import problems
 
@@ -67,6 +67,23 @@ def test_the_lp_led_solve_finds_highs_optimum(seed: int, knapsack: bool, monkeyp
     assert runs[0].get("relaxed") and len(runs) in (1, 3)  # the LP integral, or a narrowed plan and the fixed MIP
     if knapsack:  # the memory row leaves the LP fractional: reduced costs fix columns
         assert len(runs) == 3 and runs[2]["zero"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("above", [1.0001, 1.05, 0.9999])
+def test_a_cutoff_solve_fixing_columns_by_reduced_costs_is_the_plain_one(seed: int, above: float) -> None:
+    """With a cutoff just over the optimum (or further, or under it), the solve whose LP's reduced costs
+    fix columns finds the plain cutoff solve's optimum (or, as it, no plan), from its own LP or one given."""
+    model, x = _pairwise(seed, 10, _cycle(10), knapsack=True)
+    optimum = milp.run(model, 60.0).objective
+    plain = milp.run(model, 60.0, optimum * above)
+    lp = milp.run(model, 60.0, relaxed=True)
+    for relaxation in (None, lp):
+        fixed = run_under(model, 60.0, optimum * above, relaxation)
+        assert fixed.status == plain.status == ("optimal" if above > 1 else "infeasible")
+        assert fixed.objective == pytest.approx(plain.objective, rel=1e-9)
+    slack = 1e-6 * optimum * above
+    assert above < 1 or any(c > optimum * above - lp.objective + slack for c in lp.reduced_costs)  # some fixed
 
 
 def test_each_path_is_taken() -> None:

@@ -82,6 +82,8 @@ def run_under(model: Model, time_limit_s: float, cutoff: float, relaxation: Resu
     lp = relaxation if relaxation is not None else run(model, time_limit_s, relaxed=True)
     if lp.values is None or lp.reduced_costs is None:  # infeasible (the MIP too), or out of time
         return lp if lp.status == "infeasible" else run(model, time_limit_s, cutoff)
+    if lp.objective > cutoff:  # its bound is over the cutoff: no plan under it (as ``run`` says so)
+        return Result(values=None, objective=0.0, status="infeasible", gap=None, time_limit_s=time_limit_s)
     slack = FIX_SLACK * max(1.0, abs(cutoff))
     fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > cutoff - lp.objective + slack]
     left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)
