@@ -72,6 +72,31 @@ def test_step_pieces_skip_blocks_after_the_rows() -> None:
     assert step_pieces(mine, 2, torch.tensor([2, 3, 4, 5]), 2, causal=False) == [Piece(0, 4, 0, 4, FULL)]
 
 
+@pytest.mark.parametrize("n, zigzag", [(2, False), (2, True), (4, False), (4, True), (8, True)])
+def test_step_pieces_are_the_pairs_each_query_attends(n: int, zigzag: bool) -> None:
+    """Every rank's pieces against every block, found from runs of positions, cover exactly the (query,
+    key) pairs a causal mask keeps (brute-forced per pair); a diagonal piece is the same positions on
+    both sides, a full one holds no masked pair."""
+    placements, zig = (Shard(2),), frozenset({0}) if zigzag else frozenset()
+    chunk = 16 // n // (2 if zigzag else 1)
+    held = [query_positions(16 // n, 2, placements, (n,), (r,), zig) for r in range(n)]
+    for q in held:
+        for k in held:
+            kept = {(i, j) for i in range(len(q)) for j in range(len(k)) if k[j] <= q[i]}
+            covered: set[tuple[int, int]] = set()
+            for piece in step_pieces(q, chunk, k, chunk, causal=True):
+                rect = {(piece.q_first + a, piece.k_first + b) for a in range(piece.q_count)
+                        for b in range(piece.k_count)}
+                if piece.mode == FULL:
+                    assert rect <= kept
+                if piece.mode == DIAGONAL:
+                    assert torch.equal(q[piece.q_first:piece.q_first + piece.q_count],
+                                       k[piece.k_first:piece.k_first + piece.k_count])
+                covered |= rect & kept
+                assert len(rect & kept) == piece.pairs() or piece.mode != DIAGONAL
+            assert covered == kept
+
+
 def test_busiest_steps_by_hand() -> None:
     """8 causal tokens on 2 ranks. Contiguous: step 0 both ranks their diagonal (4 x 5 / 2 = 10
     pairs), step 1 rank 1 the whole of rank 0's block (16), rank 0 nothing: 10 + 16 = 26 of the
