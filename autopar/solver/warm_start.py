@@ -61,7 +61,7 @@ def run_from_lp(model: Model, x: dict[str, list[int]], time_limit_s: float, rela
         return replace(run(model, left()), time_limit_s=time_limit_s)
     price = sum(c * v for c, v in zip(model.cost, narrow.values))  # its plan's, as the solve below prices it
     slack = FIX_SLACK * max(1.0, abs(price))
-    fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > price - lp.objective + slack]
+    fixed = _ruled_out(model, lp, price)
     # the narrowed plan as a bound, not as a start: HiGHS (1.16) misprices a start in a presolved space
     # whose columns were fixed by their bounds (a GPT plan: 692.87 priced 691.34 there, and "optimal")
     result = run(model, left(), price + slack, zero=fixed, lean=True)
@@ -84,10 +84,16 @@ def run_under(model: Model, time_limit_s: float, cutoff: float, relaxation: Resu
         return lp if lp.status == "infeasible" else run(model, time_limit_s, cutoff)
     if lp.objective > cutoff:  # its bound is over the cutoff: no plan under it (as ``run`` says so)
         return Result(values=None, objective=0.0, status="infeasible", gap=None, time_limit_s=time_limit_s)
-    slack = FIX_SLACK * max(1.0, abs(cutoff))
-    fixed = [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > cutoff - lp.objective + slack]
     left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)
-    return replace(run(model, left, cutoff, zero=fixed), time_limit_s=time_limit_s)
+    return replace(run(model, left, cutoff, zero=_ruled_out(model, lp, cutoff)), time_limit_s=time_limit_s)
+
+
+def _ruled_out(model: Model, lp: Result, bound: float) -> list[int]:
+    """The columns, 0 or 1 in every integral plan, that no plan as cheap as ``bound`` (up to ``FIX_SLACK``)
+    uses: their reduced cost at the LP optimum ``lp`` is over the bound's gap to it."""
+    assert lp.reduced_costs is not None
+    over = bound - lp.objective + FIX_SLACK * max(1.0, abs(bound))
+    return [j for j in (*model.integer, *model.implied_integer) if lp.reduced_costs[j] > over]
 
 
 def lp_likely(x: dict[str, list[int]], values: list[float], reduced_costs: list[float],
