@@ -22,7 +22,7 @@ from torch import nn
 import autopar
 from autopar.api.planning import plan_step
 from autopar.cost.backward import working_set_bytes
-from autopar.memory.backward import backward_peak, gradient_flags, transient_rows, working_set
+from autopar.memory.backward import backward_peak, gradient_flags, op_working_sets, transient_rows, working_set
 from autopar.pipeline.stage_memory import rank_peaks, rank_working_sets
 from autopar.rules.strategy import Shard
 from autopar.runtime.memory import LiveBytes
@@ -161,7 +161,7 @@ def test_each_pipeline_rank_holds_its_own_stages_working_set() -> None:
                      pipeline=autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=4))
     pipe = step.plan.pipeline
     rank_of = [s.rank for s in pipe.stages]
-    working, whole = rank_working_sets(step.graph, step.chosen, step.ctx, pipe.stage_of, rank_of)
+    working, whole = rank_working_sets(op_working_sets(step.graph, step.chosen, step.ctx), pipe.stage_of, rank_of)
     mlp = 2 * 64 * 512 * 4 + 2 * 64 * 128 * 4 + (512 * 128 + 512) * 4
     assert working == [mlp, mlp] and whole == mlp
     loss = next(n for n in step.graph.order if step.graph.nodes[n].op == "aten.cross_entropy_loss.default")

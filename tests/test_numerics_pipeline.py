@@ -28,7 +28,7 @@ from autopar.errors import InputError
 from autopar.runtime.forked import TIMEOUT_S, run_ranks
 from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.pipeline import PipelinedModule
-from autopar.pipeline.stages import balanced_cuts
+from autopar.pipeline.cuts import balanced_cuts
 from examples import gpt, hf_models, llama
 from numerics_harness import EPS, LR, STEPS, Reference, mismatches, reference
 

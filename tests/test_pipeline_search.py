@@ -16,6 +16,7 @@ from autopar.pipeline.stages import PipelinePlan
 from autopar.search.planned import PlannedStep, finish
 from autopar.search.problem import scenarios
 from autopar.pipeline.spec import as_pipeline
+from autopar.memory.backward import op_working_sets
 from autopar.pipeline.stage_memory import MemoryShares, rank_peaks, rank_working_sets
 from examples import llama
 
@@ -164,7 +165,8 @@ def test_rank_memory_counts_every_activation_byte_of_the_step() -> None:
 
 def _working_sets(step: PlannedStep, pipe: PipelinePlan) -> tuple[list[float], float]:
     """Each pp rank's backward working set, and the step's (``stage_memory.rank_working_sets``)."""
-    return rank_working_sets(step.graph, step.chosen, step.ctx, pipe.stage_of, [s.rank for s in pipe.stages])
+    return rank_working_sets(op_working_sets(step.graph, step.chosen, step.ctx), pipe.stage_of,
+                             [s.rank for s in pipe.stages])
 
 
 def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:

@@ -138,14 +138,13 @@ def backward_peak(rows: Sequence[TransientRow], choice: Mapping[str, int]) -> fl
     return max([0.0, *(r.at(choice) for r in rows)])
 
 
-def stage_working_sets(graph: PlanGraph, chosen: Mapping[str, Strategy], ctx: CostContext,
-                       stage_of: Mapping[str, int], count: int) -> list[float]:
-    """Per pipeline stage, the largest working set of its ops under ``chosen`` (no discount: every
-    micro-batch after the first finds its gradients made)."""
+def op_working_sets(graph: PlanGraph, chosen: Mapping[str, Strategy], ctx: CostContext) -> dict[str, float]:
+    """Per op with a backward, its working set under ``chosen`` (no discount: every micro-batch after the
+    first finds its gradients made): what a pipeline stage's largest is taken from."""
     consumers = graph.consumers()
-    out = [0.0] * count
+    out: dict[str, float] = {}
     seen: dict[tuple[int, int, tuple[bool, ...], tuple[bool, ...]], float] = {}
-    for name, s in stage_of.items():
+    for name in graph.order:
         flags = gradient_flags(graph, name, consumers)
         if flags is None:
             continue
@@ -154,5 +153,5 @@ def stage_working_sets(graph: PlanGraph, chosen: Mapping[str, Strategy], ctx: Co
         key = (id(graph.nodes[name].strategies), id(chosen[name]), tuple(flags[0]), tuple(flags[1]))
         if key not in seen:
             seen[key] = working_set(graph, name, chosen[name], ctx, flags)
-        out[s] = max(out[s], seen[key])
+        out[name] = seen[key]
     return out

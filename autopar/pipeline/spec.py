@@ -252,17 +252,3 @@ def simulate_pipeline(schedule: str, pp_size: int, virtual_stages: int, micro_ba
     rank_of = [where.stage_rank(s, pp_size) for s in range(pp_size * virtual_stages)]
     return simulate(schedule, pp_size, virtual_stages, micro_batches, [split_backward(f, b) for f, b in stage_s],
                     rank_of, send_s)
-
-
-def pipeline_compute_s(pipeline: Pipeline, pp_size: int, stage_s: Sequence[tuple[float, float]],
-                       rank_of: Sequence[int]) -> tuple[float, float]:
-    """(seconds of the step's compute with its bubble, the bubble's seconds) under the
-    schedule, transfers aside (module docstring); ``stage_s``: each stage's (forward, backward)
-    seconds of one micro-batch (its waited collectives included), ``rank_of``: its pp rank.
-    Simulated for every schedule: p=8, v=2, m=64 takes 2.2 ms for zbv, 1.7 ms for
-    interleaved_1f1b and dualpipev, 0.6-0.9 ms for gpipe and 1f1b (one busy 2-core CPU; with
-    transfers 1.1-3.4 ms). Torch's order is built once per schedule, p, v and m and kept: 3-4 ms
-    for gpipe and 1f1b, 30-60 ms for the others."""
-    sim = simulate(pipeline.schedule, pp_size, pipeline.virtual_stages, pipeline.micro_batches,
-                   [split_backward(f, b) for f, b in stage_s], rank_of)
-    return sim.span_s, sim.bubble_s

@@ -27,15 +27,13 @@ only its stages' share of it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from autopar.cost.model import CostContext, NodeCost
-from autopar.memory.backward import stage_working_sets
+from autopar.cost.model import NodeCost
 from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode
 from autopar.pipeline.schedule_sim import torch_order
-from autopar.rules.strategy import Strategy
 
 
 def node_costs(graph: PlanGraph, chosen: dict) -> dict[str, NodeCost]:
@@ -95,11 +93,13 @@ def whole_step_extra(graph: PlanGraph, costs: dict[str, NodeCost], activation_me
     return max(0.0, activation_memory_bytes - shared)
 
 
-def rank_working_sets(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, stage_of: dict[str, int],
-                      rank_of: Sequence[int]) -> tuple[list[float], float]:
-    """(each pp rank's largest backward working set under ``chosen``: its stages' largest op's, the
-    largest of all: what the whole-step plan's activation bytes hold of it)."""
-    per_stage = stage_working_sets(graph, chosen, ctx, stage_of, len(rank_of))
+def rank_working_sets(working: Mapping[str, float], stage_of: Mapping[str, int], rank_of: Sequence[int]
+                      ) -> tuple[list[float], float]:
+    """(each pp rank's largest backward working set: its stages' largest op's, the largest of all: what the
+    whole-step plan's activation bytes hold of it); ``working``: each op's (``memory.backward.op_working_sets``)."""
+    per_stage = [0.0] * len(rank_of)
+    for name, s in stage_of.items():
+        per_stage[s] = max(per_stage[s], working.get(name, 0.0))
     per_rank = [0.0] * (max(rank_of, default=-1) + 1)
     for s, r in enumerate(rank_of):
         per_rank[r] = max(per_rank[r], per_stage[s])

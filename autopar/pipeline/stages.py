@@ -20,25 +20,17 @@ parameters (``PipelinePlan.rank_ends``). The step ends with the latest rank.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+import functools
+from dataclasses import dataclass, field
 from collections import Counter
 from typing import NamedTuple
 
-from autopar.cost.collectives import point_to_point_time
-from autopar.cost.model import CostContext
 from autopar.errors import InputError
-from autopar.mesh import Mesh
-from autopar.rules.strategy import Strategy, local_numel
-from autopar.pipeline.crossing import constant_ops, crossing_bytes, recomputed_ops
-from autopar.pipeline.cuts import balanced_cuts, pinned_cuts
 from autopar.problem.block_paths import block_of
 from autopar.problem.nodes import OP, PlanGraph
-from autopar.pipeline.spec import Pipeline, pipeline_compute_s, simulate_pipeline
+from autopar.pipeline.spec import simulate_pipeline
 from autopar.pipeline.schedule_sim import Simulation
-from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, rank_working_sets,
-                                           stage_bytes, whole_step_extra)
-from autopar.pipeline.tied import TiedWeight, parameter_stages, shared_ends, tied_parameters, tied_seconds
+from autopar.pipeline.tied import TiedWeight, shared_ends
 from autopar.units import fmt_bytes
 
 HEAD, TAIL = "(head)", "(tail)"
@@ -113,12 +105,6 @@ class PipelinePlan:
     stage_mesh: dict[str, int]
     """Each stage's sub-mesh (the mesh without the pipeline axis), which the placements refer to."""
     stages: list[StagePlan]
-    bubble_fraction: float
-    """Predicted share of the pipeline's compute span the busiest rank idles (``pipeline.spec``)."""
-    bubble_s: float
-    """The span, transfers aside, less the busiest rank's compute seconds."""
-    p2p_s: float
-    """Predicted seconds the point-to-point transfers add to the span (they delay their receivers)."""
     grad_sync_s: float
     """Predicted seconds of the slowest rank's gradient buckets after its pipeline has drained."""
     update_s: float
@@ -146,6 +132,30 @@ class PipelinePlan:
                      "on the stage mesh")
     stage_of: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Captured op node -> stage (derived from ``stages``; what the split pass cuts by)."""
+
+    @functools.cached_property
+    def _spans(self) -> tuple[float, float, float]:
+        """(the span transfers aside, its bubble, the span): two plays of the schedule, made for a plan's
+        report only (a search prices many pipelines and keeps one)."""
+        compute = self.simulate(transfers=False)
+        return compute.span_s, compute.bubble_s, self.simulate().span_s
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Predicted share of the pipeline's compute span the busiest rank idles (``pipeline.spec``)."""
+        compute, bubble, _ = self._spans
+        return bubble / compute if compute else 0.0
+
+    @property
+    def bubble_s(self) -> float:
+        """The span, transfers aside, less the busiest rank's compute seconds."""
+        return self._spans[1]
+
+    @property
+    def p2p_s(self) -> float:
+        """Predicted seconds the point-to-point transfers add to the span (they delay their receivers)."""
+        compute, _, span = self._spans
+        return span - compute
 
     def simulate(self, transfers: bool = True) -> Simulation:
         """The schedule played out with the stages' predicted seconds (``pipeline.schedule_sim``)."""
@@ -227,138 +237,12 @@ def block_units(graph: PlanGraph) -> tuple[list[str], dict[str, int]]:
 
 @dataclass(frozen=True)
 class Uncut:
-    """Why a step was not cut into a pipeline's stages and priced (what ``plan_stages`` returns
+    """Why a step was not cut into a pipeline's stages and priced (what ``StagePricing.price`` returns
     instead): the model has too few units for its stages, or (``outrun``) its busiest rank's own work
     (``work_floor_s``) already takes longer than the seconds it had to beat, so it is not played out."""
 
     reason: str
     outrun: bool = False
-
-
-def plan_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
-                nodes: list, collectives: list, update_s: dict[str, float], stage_plan_step_s: float,
-                activation_bytes: float, beat_s: float = math.inf) -> tuple[PipelinePlan, float] | Uncut:
-    """Cut the step into ``pipeline``'s stages and price the pipelined step. ``mesh``: the
-    whole mesh (pipeline axis included); ``nodes``/``collectives``: the sub-mesh plan's
-    ``NodePlacement``s and ``PlannedCollective``s; ``update_s``: parameter -> optimizer seconds;
-    ``activation_bytes``: the sub-mesh plan's predicted activation memory of one micro-batch.
-    ``Uncut`` where the model has too few units for the stages, or rather than play the schedule out
-    when its work floor is over ``beat_s`` (a search's best pipeline so far: building torch's order of
-    a long schedule takes up to a second, most of a large model's pipeline pricing)."""
-    p = mesh.axes[pipeline.axis]
-    count = pipeline.stages(p)
-    blocks, unit = block_units(graph)
-    repeated = [b for b in blocks if b not in (HEAD, TAIL)]
-    if not repeated or len(blocks) < count:
-        return Uncut(f"pipeline {pipeline.schedule} on {pipeline.axis}={p} with {pipeline.virtual_stages} "
-                     f"stages per rank needs {count} stages of at least one unit each (the head, a repeated "
-                     f"block, the tail); the model has {len(blocks)} "
-                     f"({', '.join(blocks) or 'no indexed block container'})")
-    seconds = {n.name: (n.forward_s, n.backward_s) for n in nodes}
-    weights = [0.0] * len(blocks)
-    for name, u in unit.items():
-        weights[u] += sum(seconds[name])
-    starts = pinned_cuts(pipeline.stage_blocks, blocks, count) if pipeline.stage_blocks is not None \
-        else balanced_cuts(weights, count)
-    stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(blocks))]
-    stage_of = {name: stage_of_unit[u] for name, u in unit.items()}
-    priced = _priced(graph, chosen, ctx, pipeline, mesh, stage_of, blocks, stage_of_unit, seconds, collectives,
-                     update_s, stage_plan_step_s, beat_s)
-    if isinstance(priced, Uncut):
-        return priced
-    pipelined, total = priced
-    return _with_memory(pipelined, graph, chosen, ctx, activation_bytes), total
-
-
-def _with_memory(pipelined: PipelinePlan, graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext,
-                 activation_bytes: float) -> PipelinePlan:
-    """The stages' state and activation bytes, and each pp rank's peak under the schedule."""
-    costs = node_costs(graph, chosen)
-    count = len(pipelined.stages)
-    rank_of = [s.rank for s in pipelined.stages]
-    params = parameter_stages(graph, pipelined.stage_of, rank_of)
-    state, act = stage_bytes(graph, costs, pipelined.stage_of, params, count)
-    buffers = buffer_stages(graph, pipelined.stage_of)
-    own = held_bytes(costs, buffers, count)
-    working, whole = rank_working_sets(graph, chosen, ctx, pipelined.stage_of, rank_of)
-    peaks = rank_peaks(pipelined.schedule, pipelined.size, pipelined.virtual_stages, pipelined.micro_batches,
-                       rank_of, [s + b for s, b in zip(state, own)], act,  # a stage's own buffers: the whole step
-                       whole_step_extra(graph, costs, activation_bytes - whole, buffers), working)
-    stages = [replace(s, state_bytes=state[s.index], activation_bytes=act[s.index], buffer_bytes=own[s.index])
-              for s in pipelined.stages]
-    return replace(pipelined, stages=stages, rank_memory_bytes=peaks)
-
-
-def _priced(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, pipeline: Pipeline, mesh: Mesh,
-            stage_of: dict[str, int], blocks: list[str], stage_of_unit: list[int],
-            seconds: dict[str, tuple[float, float]], collectives: list, update_s: dict[str, float],
-            stage_plan_step_s: float, beat_s: float) -> tuple[PipelinePlan, float] | Uncut:
-    p = mesh.axes[pipeline.axis]
-    count = pipeline.stages(p)
-    rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
-    constants = constant_ops(graph, chosen, ctx)
-    times = _stage_seconds(graph, constants, stage_of, seconds, collectives, count)
-    params = parameter_stages(graph, stage_of, rank_of)
-    sends = crossing_bytes(graph, chosen, ctx, stage_of, count, constants)
-    send_s = _send_seconds(pipeline, mesh, sends, rank_of)
-    sync = _sync_seconds(collectives, graph, params, rank_of, p)
-    update = [sum(update_s.get(n, 0.0) for n, held in params.items() for s in held if rank_of[s] == r)
-              for r in range(p)]
-    tied = tied_parameters(graph, chosen, ctx, params, rank_of, mesh.names.index(pipeline.axis), mesh) \
-        if ctx.train else []
-    floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in times], rank_of,
-                         [s + t for s, t in zip(sync, tied_seconds(tied, p))], update)
-    if floor > beat_s:
-        return Uncut(f"its busiest rank's own work, {floor:.6g} s, is over {beat_s:.6g} s", outrun=True)
-    stages = []
-    for s in range(count):
-        mine = [n for n, held in params.items() if s in held]
-        names = [b for b, u in zip(blocks, stage_of_unit) if u == s]
-        stages.append(StagePlan(index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
-                                parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine),
-                                parameters=len(mine), sends_bytes=sends[s] if s < count - 1 else 0.0,
-                                send_s=send_s[s]))
-    compute, bubble = pipeline_compute_s(pipeline, p, [(f, b) for f, b in times], rank_of)
-    plan = PipelinePlan(axis=pipeline.axis, size=p, schedule=pipeline.schedule,
-                        virtual_stages=pipeline.virtual_stages, micro_batches=pipeline.micro_batches,
-                        stage_mesh=dict(ctx.mesh.axes), stages=stages,
-                        bubble_fraction=bubble / compute if compute else 0.0, bubble_s=bubble, p2p_s=0.0,
-                        grad_sync_s=max(sync), update_s=max(update), stage_plan_step_time_s=stage_plan_step_s,
-                        grad_sync_per_rank_s=sync, update_per_rank_s=update, stage_of=stage_of, tied=tied)
-    if not ctx.train:
-        plan.output_bytes = _output_bytes(graph, chosen, ctx)
-        plan.output_s = (p - 1) * point_to_point_time(plan.output_bytes, mesh.names.index(pipeline.axis), mesh)
-    timed = plan.simulate()
-    plan.p2p_s = timed.span_s - compute
-    return plan, max(end.end_s for end in plan.rank_ends(timed)) + plan.output_s
-
-
-def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[str, int],
-                   seconds: dict[str, tuple[float, float]], collectives: list, count: int) -> list[list[float]]:
-    """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives', and
-    the forward of the ``constants`` of earlier stages it computes again rather than receives
-    (``pipeline.crossing``)."""
-    times = [[0.0, 0.0] for _ in range(count)]
-    for name, s in stage_of.items():
-        times[s][0] += seconds[name][0]
-        times[s][1] += seconds[name][1]
-    for c in collectives:  # the stages' own collectives, once per micro-batch
-        if c.consumer and c.phase in ("forward", "recompute", "backward"):
-            s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
-            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
-    for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):
-        times[s][0] += sum(seconds[name][0] for name in again)
-    return times
-
-
-def _output_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> float:
-    """Bytes per device of a forward-only step's outputs, each output tensor once, as placed."""
-    total = 0.0
-    for name in dict.fromkeys(graph.output_names):
-        meta = graph.nodes[name].outputs[0] if name in graph.nodes else None
-        if meta is not None and name in chosen:
-            total += ctx.precision.tensor_bytes(meta, local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape))
-    return total
 
 
 def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of: list[int], sync_s: list[float],
@@ -371,35 +255,3 @@ def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of
     for (f, b), r in zip(stage_s, rank_of):
         work[r] += micro_batches * (f + b)
     return max(w + g + u for w, g, u in zip(work, sync_s, update_s))
-
-
-def _local_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, name: str) -> float:
-    meta = graph.nodes[name].outputs[0]
-    assert meta is not None
-    return float(local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape) * ctx.precision.weight_bytes_per_param)
-
-
-def _send_seconds(pipeline: Pipeline, mesh: Mesh, sends: list[float], rank_of: list[int]) -> list[float]:
-    """Per cut (after stage s), seconds of one transfer across it on the pipeline axis (0 when
-    both stages run on one rank: torch hands the values over in memory)."""
-    dim = mesh.names.index(pipeline.axis)
-    out = [0.0] * len(sends)
-    for cut, nbytes in enumerate(sends[:-1]):
-        if rank_of[cut] != rank_of[cut + 1] and nbytes:
-            out[cut] = point_to_point_time(nbytes, dim, mesh)
-    return out
-
-
-def _sync_seconds(collectives: list, graph: PlanGraph, params: dict[str, tuple[int, ...]], rank_of: list[int],
-                  p: int) -> list[float]:
-    """Each rank's gradient buckets, each bucket's time shared out by its parameters held on
-    the rank (a rank reduces only its stages' gradients), waited for in full."""
-    per_rank = [0.0] * p
-    for c in collectives:
-        if c.consumer:
-            continue
-        names = c.tensor.split(",")
-        for name in names:
-            for s in params.get(name, ()):
-                per_rank[rank_of[s]] += c.time_s / len(names)
-    return per_rank

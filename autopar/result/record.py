@@ -193,6 +193,9 @@ class PlanRecord:
         out = asdict(self)
         if out["pipeline"] is not None:
             del out["pipeline"]["stage_of"]  # derived from the stages' blocks
+            pipe = self.pipeline
+            assert pipe is not None
+            out["pipeline"].update(bubble_fraction=pipe.bubble_fraction, bubble_s=pipe.bubble_s, p2p_s=pipe.p2p_s)
         out["plan_hash"] = self.plan_hash()
         return out
 

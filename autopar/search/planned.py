@@ -1,5 +1,5 @@
 """A solution made into a plan (``finish``), a plan's strategies priced on another capture of its step
-(``repriced``), and a stage mesh's plan cut into a pipeline (``with_pipeline``)."""
+(``repriced``), and a stage mesh's plan cut into pipelines (``StepPipelines``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from autopar.memory.options import MemoryPlan
 from autopar.memory.scenarios import Scenario
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
-from autopar.pipeline.stages import Uncut, plan_stages
+from autopar.pipeline.pricing import StagePricing
+from autopar.pipeline.stages import Uncut
 from autopar.problem.nodes import PlanGraph
 from autopar.result.notes import context_notes, expert_notes, unsplit_batch_notes
 from autopar.result.plan import Plan
@@ -154,28 +155,42 @@ def _ranks(outputs: tuple[TensorMeta | None, ...]) -> tuple[tuple[int, object] |
     return tuple(None if o is None else (o.ndim, o.dtype) for o in outputs)
 
 
+class StepPipelines:
+    """A stage mesh's plan (``step``, planned for one micro-batch) cut into pipelines on ``mesh`` (the whole
+    mesh, the pipeline axis included): what the cuts share priced once (``pipeline.pricing``)."""
+
+    def __init__(self, step: PlannedStep, mesh: Mesh) -> None:
+        plan = step.plan
+        # The stage plan's activations include its gradient-bucket buffers, held for a micro-batched
+        # step (``bucket_buffer_bytes``); the pipelined runtime keeps none (``runtime.pipeline``'s
+        # ``reduce_buckets`` flattens one bucket at a time after the drain), and as the whole model's
+        # they would land on every rank.
+        activation_bytes = plan.predicted.activation_memory_bytes - bucket_buffer_bytes(plan.grad_buckets, step.ctx)
+        self.step = step
+        self.pricing = StagePricing(step.graph, step.chosen, step.ctx, mesh, plan.nodes, plan.collectives,
+                                    {n.name: n.update_s for n in plan.nodes}, plan.predicted.step_time_s,
+                                    activation_bytes)
+
+    def cut(self, pipeline: Pipeline, beat_s: float = math.inf) -> PlannedStep | Uncut:
+        """The step cut into ``pipeline``'s stages, its predicted step time the pipelined one
+        (``pipeline.stages``) and its peak memory the busiest pp rank's under the schedule
+        (``pipeline.stage_memory``); ``Uncut`` when the model cannot be cut so, or when no such step can
+        take ``beat_s`` seconds or less."""
+        staged = self.pricing.price(pipeline, beat_s)
+        if isinstance(staged, Uncut):
+            return staged
+        pipelined, step_time = staged
+        plan = self.step.plan
+        peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
+        state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
+        peak = pipelined.rank_memory_bytes[peak_rank]
+        notes = [*plan.notes, f"pipeline: {pipelined.estimate}"]
+        predicted = replace(plan.predicted, step_time_s=step_time, peak_memory_bytes=peak,
+                            parameter_memory_bytes=state, activation_memory_bytes=peak - state,
+                            memory_parts={"model state (its stages)": state, "activations in flight": peak - state})
+        return replace(self.step, plan=replace(plan, pipeline=pipelined, notes=notes, predicted=predicted))
+
+
 def with_pipeline(step: PlannedStep, pipeline: Pipeline, mesh: Mesh, beat_s: float = math.inf) -> PlannedStep | Uncut:
-    """``step`` (planned on ``pipeline``'s stage mesh for one micro-batch) cut into the pipeline's stages,
-    its predicted step time the pipelined one (``pipeline.stages``) and its peak memory the busiest pp
-    rank's under the schedule (``pipeline.stage_memory``); ``Uncut`` when the model cannot be cut so, or
-    when no such step can take ``beat_s`` seconds or less."""
-    plan = step.plan
-    update_s = {n.name: n.update_s for n in plan.nodes}
-    # The stage plan's activations include its gradient-bucket buffers, held for a micro-batched
-    # step (``bucket_buffer_bytes``); the pipelined runtime keeps none (``runtime.pipeline``'s
-    # ``reduce_buckets`` flattens one bucket at a time after the drain), and as the whole model's
-    # they would land on every rank.
-    activation_bytes = plan.predicted.activation_memory_bytes - bucket_buffer_bytes(plan.grad_buckets, step.ctx)
-    staged = plan_stages(step.graph, step.chosen, step.ctx, pipeline, mesh, plan.nodes, plan.collectives, update_s,
-                         plan.predicted.step_time_s, activation_bytes, beat_s)
-    if isinstance(staged, Uncut):
-        return staged
-    pipelined, step_time = staged
-    peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
-    state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
-    peak = pipelined.rank_memory_bytes[peak_rank]
-    notes = [*plan.notes, f"pipeline: {pipelined.estimate}"]
-    predicted = replace(plan.predicted, step_time_s=step_time, peak_memory_bytes=peak, parameter_memory_bytes=state,
-                        activation_memory_bytes=peak - state,
-                        memory_parts={"model state (its stages)": state, "activations in flight": peak - state})
-    return replace(step, plan=replace(plan, pipeline=pipelined, notes=notes, predicted=predicted))
+    """``step`` cut into one pipeline (``StepPipelines.cut``)."""
+    return StepPipelines(step, mesh).cut(pipeline, beat_s)

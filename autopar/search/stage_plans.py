@@ -11,7 +11,7 @@ from autopar.pipeline.spec import Pipeline
 from autopar.search.context import search_context
 from autopar.search.memory import TIE, Bound, Pruned
 from autopar.pipeline.stages import Uncut
-from autopar.search.planned import PlannedStep, Unpriced, finish, repriced_solution, with_pipeline
+from autopar.search.planned import PlannedStep, StepPipelines, Unpriced, finish, repriced_solution
 from autopar.search.problem import Place, Problems
 
 
@@ -118,9 +118,9 @@ class PipelineSearch:
         race = self.race if race is None else race
         refused = self.refused if refused is None else refused
         account = self.stage.problems.account
-        out = []
+        out, pipelines = [], StepPipelines(step, self.stage.mesh)
         for choice in choices:
-            staged = with_pipeline(step, choice, self.stage.mesh, race.best_s)
+            staged = pipelines.cut(choice, race.best_s)
             if isinstance(staged, Uncut):
                 if staged.outrun:
                     race.outrun += 1
