@@ -108,15 +108,15 @@ def _reshard_key(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext
     return src, out_index, node.version(arg), required, grad_in  # a write in place between two reads: nothing shared
 
 
-def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, prices: EdgePrices
-                   ) -> dict[tuple, tuple[EdgeCost, float, str]]:
+def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, prices: EdgePrices,
+                   keys: dict[tuple[str, int], tuple]) -> dict[tuple, tuple[EdgeCost, float, str]]:
     """Per shared reshard, the price of its dearest consumer (the ILP's ``_add_shared``: the
     copy is held if any consumer saves it, replayed if any recomputes it): its edge cost,
-    held bytes and the consumer."""
+    held bytes and the consumer. ``keys``: each (consumer, argument)'s ``_reshard_key``."""
     best: dict[tuple, tuple[EdgeCost, float, str]] = {}
     for name in graph.order:
         for arg, (src, out_index) in enumerate(graph.nodes[name].args):
-            key = _reshard_key(graph, chosen, ctx, name, arg)
+            key = keys[name, arg]
             meta, produced = graph.nodes[src].outputs[out_index], chosen[src].outputs[out_index]
             assert meta is not None and produced is not None
             edge, held = prices.chosen(meta, edge_flags(graph, src, name, arg), produced, chosen[name], arg)
@@ -134,7 +134,9 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     (``EdgeCost.unwaited``, parameters read once: ``single_use_params``).
     ``waited``: the windowed gathers' waited shares (``WindowPrices.waited``); ``prices``: the edges'
     prices as the ILP kept them."""
-    prices = _shared_prices(graph, chosen, ctx, prices)
+    reshards = {(name, arg): _reshard_key(graph, chosen, ctx, name, arg)
+                for name in graph.order for arg in range(len(graph.nodes[name].args))}
+    prices = _shared_prices(graph, chosen, ctx, prices, reshards)
     single = single_use_params(graph)
     recorded: set[tuple] = set()
     held = 0.0
@@ -144,7 +146,7 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     for name in graph.order:
         node = graph.nodes[name]
         for arg, (src, out_index) in enumerate(node.args):
-            key = _reshard_key(graph, chosen, ctx, name, arg)
+            key = reshards[name, arg]
             if key in recorded:  # shared with an earlier consumer
                 continue
             recorded.add(key)
@@ -232,8 +234,8 @@ def _beside_backward(ledger: _Ledger, buckets: list[GradBucket], unwaited: list[
     pool = sum(times) + sum(ledger.collectives[i].time_s for i in unwaited)
     exposed = exposed_sync_time(pool, backward_s, ctx)
     share = exposed / pool if pool else 1.0
-    for bucket, call in zip(buckets, calls):
-        ledger.record(call, "backward", ",".join(bucket.params), "", "(gradient buckets)", waited=share)
+    for bucket, call, time in zip(buckets, calls, times):
+        ledger.record(call, "backward", ",".join(bucket.params), "", "(gradient buckets)", waited=share, time=time)
     runs = step_repeats(ctx)
     for i in unwaited:
         c = ledger.collectives[i]
@@ -328,11 +330,12 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
         sum(c.memory for n, c in zip(graph.order, costs) if n in freed))
     act_mem += windows.prefetched_bytes  # one block's regathers prefetched in backward
     act_mem += backward_peak(transient_rows(graph, folding, ctx), solution.choice)  # as the ILP's row prices it
-    buckets = plan_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
+    sync_dims = param_sync_dims(graph, chosen, ctx)
+    buckets = plan_buckets(graph, chosen, sync_dims, ctx)
     act_mem += bucket_buffer_bytes(buckets, ctx)
     backward = sum(backward_time(c, ctx) for n, c in zip(graph.order, costs) if graph.nodes[n].kind == OP)
     beside = _beside_backward(ledger, buckets, unwaited, backward, ctx)
-    shard_buckets = plan_shard_buckets(graph, chosen, param_sync_dims(graph, chosen, ctx), ctx)
+    shard_buckets = plan_shard_buckets(graph, chosen, sync_dims, ctx)
     for sb in shard_buckets:  # at the optimizer step: never beside backward
         ledger.record(CollectiveCall(sb.kind, sb.mesh_dim, sb.nbytes, bucketed=True), "optimizer",
                       ",".join(sb.params), "optimizer", "(ZeRO-1 buckets)")
