@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +142,67 @@ def test_chunked_prefill_bounds_tpot_under_long_prompts() -> None:
     longest_step = times.mixed_s(512, 512 * 8000, 64, 64 * 8064)
     assert chunked.max() <= longest_step
     assert np.percentile(chunked, 99) < 0.5 * np.percentile(whole, 99)
+
+
+def per_token(pool: Pool, requests: Requests) -> tuple[list[float], list[float]]:
+    """One aggregated replica run step by step, every request's tokens counted one by one: the
+    simulator's policies written plainly, as a reference for its exact times."""
+    times, cap, chunked = pool.step_times, pool.step_times.kv_capacity_tokens, pool.chunked_prefill
+    arrival, prompt, output = (requests.arrival_s.tolist(), requests.prompt_tokens.tolist(),
+                               requests.output_tokens.tolist())
+    n = len(arrival)
+    first, finish, prefilled, generated = [math.nan] * n, [math.nan] * n, [0] * n, [0] * n
+    queue: list[int] = []
+    running: list[int] = []
+    arrived, now = 0, 0.0
+    while arrived < n or running or queue:
+        if not running and not queue:  # idle: the next arrival starts a step alone, at once
+            now, arrived = arrival[arrived], arrived + 1
+            queue.append(arrived - 1)
+        while queue and len(running) < pool.max_batch and \
+                sum(prompt[i] + output[i] for i in running + queue[:1]) <= cap:
+            running.append(queue.pop(0))
+        decodes = [i for i in running if prefilled[i] == prompt[i]]
+        waiting = [i for i in running if prefilled[i] < prompt[i]]
+        decodes = decodes if chunked or not waiting else []
+        budget, chunks = pool.token_budget - len(decodes), []
+        for i in waiting:
+            chunk = min(prompt[i] - prefilled[i], budget) if chunked else prompt[i] - prefilled[i]
+            if chunk <= 0 or (not chunked and chunks and chunk > budget):
+                break
+            chunks.append((i, chunk))
+            budget -= chunk
+        now += times.mixed_s(sum(c for _, c in chunks), sum(c * prefilled[i] + c * (c + 1) // 2 for i, c in chunks),
+                             len(decodes), sum(prompt[i] + generated[i] for i in decodes))
+        for i in decodes:
+            generated[i] += 1
+        for i, c in chunks:
+            prefilled[i] += c
+            if prefilled[i] == prompt[i]:
+                first[i], generated[i] = now, 1
+        for i in [i for i in running if generated[i] == output[i]]:
+            finish[i] = now
+            running.remove(i)
+        while arrived < n and arrival[arrived] <= now:
+            queue.append(arrived)
+            arrived += 1
+    return first, finish
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_simulated_times_are_those_of_a_per_token_run(chunked: bool) -> None:
+    """Exact times (the same floats) of a small, busy replica: batches and caches full, prompts chunked
+    or whole, decodes stalled by whole prompts, one-token outputs; every step priced by its context."""
+    times = LinearTimes(base=1e-3, per_token=3e-5, per_pair=1e-8, per_decode=7e-5, per_context=3e-7,
+                        kv_capacity_tokens=160)
+    pool = Pool(step_times=times, replicas=1, max_batch=4, token_budget=24, chunked_prefill=chunked)
+    workload = Workload(prompt_tokens=Uniform(low=1, high=60), output_tokens=Uniform(low=1, high=30),
+                        arrival_rate=60.0, seed=3)
+    requests = workload.sample(60)
+    result = simulate(Deployment(name="d", serve=pool), requests)
+    first, finish = per_token(pool, requests)
+    assert np.any(result.first_token_s == result.finish_s) and np.all(np.isfinite(result.finish_s))
+    assert result.first_token_s.tolist() == first and result.finish_s.tolist() == finish
 
 
 def test_simulation_is_deterministic_for_a_seed() -> None:
