@@ -58,10 +58,8 @@ class _Request:
     """Output tokens in all."""
     prefilled: int = 0
     """Prompt tokens prefilled so far."""
-    generated: int = 0
-    """Output tokens produced so far."""
-    ready: bool = False
-    """On a decode replica: its KV cache has arrived."""
+    order: int = 0
+    """Its admission number on the replica whose batch holds it: a batch runs in admission order."""
     first_token: float = math.nan
     """When the user got the first token."""
     finish: float = math.nan
@@ -72,7 +70,11 @@ class _Request:
 
 @dataclass(kw_only=True, eq=False)
 class _Replica:
-    """One replica's queue, running batch and cache (mutable, internal)."""
+    """One replica's queue, running batch and cache (mutable, internal).
+
+    Every decoding request gains one token per decode step of its replica, so none is touched per
+    step: the replica counts its decode steps, keeps each decoding request under the count at which
+    its last token comes, and keeps the sum of their contexts as a base that the count moves."""
 
     pool: Pool
     """Its pool."""
@@ -82,8 +84,23 @@ class _Replica:
     """Index in its pool (routing ties go to the lowest)."""
     queue: deque[_Request] = field(default_factory=deque)
     """Routed here, not yet admitted, in arrival order."""
-    running: list[_Request] = field(default_factory=list)
-    """Admitted: holding cache, in admission order."""
+    batch: int = 0
+    """Requests admitted and still in the batch (at most ``max_batch``)."""
+    admitted: int = 0
+    """Requests admitted so far (numbers the next one: ``_Request.order``)."""
+    prefilling: deque[_Request] = field(default_factory=deque)
+    """Admitted, prompt not yet whole, in admission order ('serve' and 'prefill'). Steps prefill them
+    in this order and only the last chunk of a step may leave a prompt unfinished, so they finish in it too."""
+    joining: list[_Request] = field(default_factory=list)
+    """Past their first token since the last step was planned: they decode from the next step on."""
+    decoding: list[tuple[int, int, _Request]] = field(default_factory=list)
+    """Decoding requests, a heap of (``decode_steps`` at their last token, admission number, request):
+    those ending in one step come off it in batch order, the order the step's work is done in."""
+    decode_steps: int = 0
+    """Decode steps run (each gives every request of ``decoding`` a token)."""
+    context_base: int = 0
+    """The decoding requests' context tokens (prompt and tokens generated) less ``len(decoding) x
+    decode_steps``: the sum over them of prompt + output - the count at their last token."""
     kv_used: int = 0
     """Cache tokens reserved."""
     load: int = 0
@@ -92,8 +109,10 @@ class _Replica:
     """A step is running."""
     capacity: int = 0
     """Cache tokens the replica holds (read once: a StepTimes may compute it)."""
-    work: list[tuple[_Request, int]] = field(default_factory=list)
-    """The running step's work: (request, prefill chunk tokens), chunk 0 for a decode token."""
+    step_decodes: int = 0
+    """Requests of ``decoding`` the running step gives a token (all of them, or none)."""
+    step_chunks: list[tuple[_Request, int]] = field(default_factory=list)
+    """The running step's prefill chunks: (request, prompt tokens)."""
 
     def need(self, req: _Request) -> int:
         """Cache tokens a request reserves here: its prompt on a prefill replica (it leaves after
@@ -103,7 +122,9 @@ class _Replica:
     def work_of(self, req: _Request) -> int:
         """Tokens of work a request brings here (its routing load): prompt tokens to prefill, and
         output tokens to produce (the first by the prefill's last step, or delivered by a transfer)."""
-        return {"serve": req.prompt + req.output - 1, "prefill": req.prompt, "decode": req.output}[self.role]
+        if self.role == "serve":
+            return req.prompt + req.output - 1
+        return req.prompt if self.role == "prefill" else req.output
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,8 +223,8 @@ class _Simulation:
 
     def __init__(self, deployment: Deployment, requests: Requests) -> None:
         self.requests = requests
-        self.reqs = [_Request(index=i, arrival=float(a), prompt=int(p), output=int(o)) for i, (a, p, o) in
-                     enumerate(zip(requests.arrival_s, requests.prompt_tokens, requests.output_tokens))]
+        columns = (requests.arrival_s.tolist(), requests.prompt_tokens.tolist(), requests.output_tokens.tolist())
+        self.reqs = [_Request(index=i, arrival=a, prompt=p, output=o) for i, (a, p, o) in enumerate(zip(*columns))]
         roles = ("serve",) if not deployment.disaggregated else ("prefill", "decode")
         self.pools = {role: [_Replica(pool=pool, role=role, index=k, capacity=pool.step_times.kv_capacity_tokens)
                              for k in range(pool.replicas)]
@@ -247,12 +268,16 @@ class _Simulation:
 
     def admit(self, rep: _Replica, now: float) -> None:
         capacity, limit = rep.capacity, rep.pool.max_batch
-        while rep.queue and len(rep.running) < limit and rep.kv_used + rep.need(rep.queue[0]) <= capacity:
+        while rep.queue and rep.batch < limit and rep.kv_used + rep.need(rep.queue[0]) <= capacity:
             req = rep.queue.popleft()
             rep.kv_used += rep.need(req)
-            rep.running.append(req)
+            rep.batch += 1
+            req.order = rep.admitted
+            rep.admitted += 1
             if rep.role == "decode":  # the cache has room: pull the request's KV from its prefill replica
                 self.push(now + rep.pool.step_times.kv_transfer_s(req.prompt), _TRANSFER_END, (rep, req))
+            else:
+                rep.prefilling.append(req)
 
     def start(self, rep: _Replica, now: float) -> None:
         """Start a step on an idle replica that has work."""
@@ -262,31 +287,41 @@ class _Simulation:
         if not 0 <= duration < math.inf:
             raise InputError(f"step times of {rep.pool.describe()} gave a {rep.role} step of {duration!r} s; "
                              "steps must take a finite time >= 0")
-        if rep.work:
+        if rep.step_decodes or rep.step_chunks:
             rep.busy = True
             self.push(now + duration, _STEP_END, rep)
 
     def end_step(self, rep: _Replica, now: float) -> None:
         rep.busy = False
-        for req, chunk in rep.work:
-            rep.load -= max(chunk, 1)
-            if chunk:
-                req.prefilled += chunk
-                if req.prefilled == req.prompt:
-                    req.generated = 1  # prefill's last chunk yields the first token
-                    if rep.role == "prefill":
-                        rep.running.remove(req)  # leaves the batch; its cache stays until sent
-                        req.holder = rep
-                        self.route(self.pools["decode"], req, now)
-                    else:
-                        req.first_token = now
-                        self.maybe_finish(rep, req, now)
-            else:
-                req.generated += 1
-                self.maybe_finish(rep, req, now)
-        rep.work = []
+        if rep.step_decodes:
+            rep.load -= rep.step_decodes
+            rep.decode_steps += 1
+            ended = []
+            while rep.decoding and rep.decoding[0][0] <= rep.decode_steps:
+                ended.append(heapq.heappop(rep.decoding))
+            for last, _, req in ended:
+                rep.context_base -= req.prompt + req.output - last
+                self.finish(rep, req, now)
+        for req, chunk in rep.step_chunks:
+            rep.load -= chunk
+            req.prefilled += chunk
+            if req.prefilled == req.prompt:
+                self.end_prefill(rep, req, now)
+        rep.step_chunks = []
         self.admit(rep, now)
         self.start(rep, now)
+
+    def end_prefill(self, rep: _Replica, req: _Request, now: float) -> None:
+        """A prompt is prefilled, and its last chunk has yielded the first token."""
+        first = rep.prefilling.popleft()
+        assert first is req, "prompts finish prefilling in admission order"
+        if rep.role == "prefill":
+            rep.batch -= 1  # leaves the batch; its cache stays until sent
+            req.holder = rep
+            self.route(self.pools["decode"], req, now)
+        else:
+            req.first_token = now
+            self.decode_or_finish(rep, req, now)
 
     def end_transfer(self, item: tuple[_Replica, _Request], now: float) -> None:
         rep, req = item
@@ -296,47 +331,55 @@ class _Simulation:
         req.holder = None
         self.admit(holder, now)
         self.start(holder, now)
-        req.ready = True
         req.first_token = now
         rep.load -= 1  # the first token, produced by prefill, is delivered now
-        self.maybe_finish(rep, req, now)
+        self.decode_or_finish(rep, req, now)
         self.start(rep, now)
 
-    def maybe_finish(self, rep: _Replica, req: _Request, now: float) -> None:
-        if req.generated < req.output:
-            return
+    def decode_or_finish(self, rep: _Replica, req: _Request, now: float) -> None:
+        """A request has its first token: it is done, or decodes the rest."""
+        if req.output == 1:
+            self.finish(rep, req, now)
+        else:
+            rep.joining.append(req)
+
+    def finish(self, rep: _Replica, req: _Request, now: float) -> None:
         req.finish = now
-        rep.running.remove(req)
+        rep.batch -= 1
         rep.kv_used -= rep.need(req)
         self.done += 1
         self.admit(rep, now)
 
 
 def _plan_step(rep: _Replica) -> float:
-    """Fill ``rep.work`` with the next step's work and return its duration (0 when there is none)."""
+    """Set the next step's work (``step_decodes``, ``step_chunks``) and return its duration (0 when there is none)."""
     pool, times = rep.pool, rep.pool.step_times
-    decodes = [r for r in rep.running if r.prefilled == r.prompt and (rep.role != "decode" or r.ready)]
-    waiting = [r for r in rep.running if r.prefilled < r.prompt] if rep.role != "decode" else []
-    if waiting and not pool.chunked_prefill:
-        decodes = []  # no chunking: a step prefills whole prompts, alone
-    budget = pool.token_budget - len(decodes)
+    for req in rep.joining:  # one token out (by prefill): its last comes output - 1 decode steps from now
+        last = rep.decode_steps + req.output - 1
+        heapq.heappush(rep.decoding, (last, req.order, req))
+        rep.context_base += req.prompt + req.output - last
+    rep.joining.clear()
+    decodes = len(rep.decoding)
+    if rep.prefilling and not pool.chunked_prefill:
+        decodes = 0  # no chunking: a step prefills whole prompts, alone
+    budget = pool.token_budget - decodes
     chunks: list[tuple[_Request, int]] = []
-    pairs = 0
-    for req in waiting:
+    prefill_tokens = pairs = 0
+    for req in rep.prefilling:
         left = req.prompt - req.prefilled
         chunk = min(left, budget) if pool.chunked_prefill else left
         if chunk <= 0 or (not pool.chunked_prefill and chunks and chunk > budget):
             break
         chunks.append((req, chunk))
+        prefill_tokens += chunk
         pairs += chunk * req.prefilled + chunk * (chunk + 1) // 2
         budget -= chunk
-    rep.work = [(r, 0) for r in decodes] + chunks
-    prefill_tokens = sum(c for _, c in chunks)
-    context = sum(r.prompt + r.generated for r in decodes)
-    if not rep.work:
+    rep.step_decodes, rep.step_chunks = decodes, chunks
+    context = rep.context_base + decodes * rep.decode_steps if decodes else 0
+    if not decodes and not chunks:
         return 0.0
     if not chunks:
-        return times.decode_s(len(decodes), context)
+        return times.decode_s(decodes, context)
     if not decodes:
         return times.prefill_s(prefill_tokens, pairs)
-    return times.mixed_s(prefill_tokens, pairs, len(decodes), context)
+    return times.mixed_s(prefill_tokens, pairs, decodes, context)
