@@ -33,6 +33,7 @@ blocks prefetched, every block that gathers again but a container's last (``pref
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -201,6 +202,10 @@ class OverlapTerms:
         rep = folding.representative
         self.uses = windowed_params(graph)
         self.keys = {(rep[p], 0, rep[c], arg) for p, (c, arg) in self.uses.items()}
+        self.block_uses: dict[str | None, list[tuple[str, str, int]]] = defaultdict(list)
+        """Block -> its windowed uses (parameter, consumer, argument), in ``uses``' order."""
+        for p, (c, arg) in self.uses.items():
+            self.block_uses[block_of(graph.nodes[c].module)].append((p, c, arg))
         self.gather: dict[EdgeKey, dict[int, float]] = defaultdict(dict)
         """Windowed edge -> variable -> seconds (x SCALE) of one real edge's gather it selects."""
         self.regather: dict[EdgeKey, dict[int, float]] = defaultdict(dict)
@@ -314,11 +319,10 @@ class OverlapTerms:
         rep = self.folding.representative
         out: dict[int, float] = defaultdict(float)
         represented: set[str] = set()
-        for p, (c, arg) in self.uses.items():
-            if block_of(self.graph.nodes[c].module) == block:
-                for j, w in terms.get((rep[p], 0, rep[c], arg), {}).items():
-                    out[j] += w
-                represented.add(block_of(self.graph.nodes[rep[c]].module) or "")
+        for p, c, arg in self.block_uses.get(block, ()):
+            for j, w in terms.get((rep[p], 0, rep[c], arg), {}).items():
+                out[j] += w
+            represented.add(block_of(self.graph.nodes[rep[c]].module) or "")
         for j, w in (j_w for b in represented for j_w in self.calls.get((b, phase), {}).items()):
             out[j] += w
         return {j: w for j, w in out.items() if w}
@@ -329,17 +333,26 @@ class OverlapTerms:
         rep = self.folding.representative
         out: dict[int, float] = defaultdict(float)
         fastest = slowest = 0.0
+        for name in self._block_ops.get(block, ()):
+            v = rep[name]
+            seconds = [(c.forward if phase == "forward" else c.time - c.forward) * SCALE
+                       for c in self.graph.nodes[v].costs]
+            fastest += min(seconds)
+            slowest += max(seconds)
+            for j, w in zip(x[v], seconds):
+                out[j] += w
+        return dict(out), fastest, slowest
+
+    @functools.cached_property
+    def _block_ops(self) -> dict[str, list[str]]:
+        """Block -> its op nodes, in graph order."""
+        out: dict[str, list[str]] = defaultdict(list)
         for name in self.graph.order:
             node = self.graph.nodes[name]
-            if node.kind == OP and block_of(node.module) == block:
-                v = rep[name]
-                seconds = [(c.forward if phase == "forward" else c.time - c.forward) * SCALE
-                           for c in self.graph.nodes[v].costs]
-                fastest += min(seconds)
-                slowest += max(seconds)
-                for j, w in zip(x[v], seconds):
-                    out[j] += w
-        return dict(out), fastest, slowest
+            block = block_of(node.module) if node.kind == OP else None
+            if block is not None:
+                out[block].append(name)
+        return out
 
     def _comm_range(self, terms: dict[EdgeKey, dict[int, float]], block: str, phase: str) -> tuple[float, float]:
         """The least and most ``block``'s windowed communication can be (each edge's extremes, a
@@ -347,9 +360,9 @@ class OverlapTerms:
         rep = self.folding.representative
         least = most = 0.0
         represented: set[str] = set()
-        for p, (c, arg) in self.uses.items():
+        for p, c, arg in self.block_uses.get(block, ()):
             values = terms.get((rep[p], 0, rep[c], arg))
-            if values and block_of(self.graph.nodes[c].module) == block:
+            if values:
                 least += min(values.values())
                 most += max(values.values())
                 represented.add(block_of(self.graph.nodes[rep[c]].module) or "")
