@@ -53,13 +53,15 @@ def test_bad_depth_searches_are_refused(pipeline: autopar.Pipeline, mesh: dict[s
 def test_ample_memory_keeps_the_step_unpipelined() -> None:
     """With room to spare the 4-block stack runs fastest as plain data parallelism (a pipeline
     pays its bubble); the plan is the one ``plan`` gives without a pipeline, and the note lists
-    every depth with its time."""
+    every depth with its time, or why none of its pipelines was played out (each rank's wait for the
+    first micro-batch and its own work are already slower)."""
     plan = _plan({"dp": 4})
     assert plan.pipeline is None
     assert plan.plan_hash() == _plan({"dp": 4}, None).plan_hash()
     note = plan.notes[-1]
     assert note.startswith("pipeline depth search: 3 depths tried, chosen no pipeline")
-    assert all(f"pp={k} " in note for k in (1, 2, 4))
+    assert "pp=1 " in note
+    assert all(f"pp={k} " in note or f"pp={k}: no pipeline of it predicts less than" in note for k in (2, 4))
 
 
 def test_a_tight_limit_chooses_the_fastest_fitting_depth() -> None:

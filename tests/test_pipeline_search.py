@@ -191,6 +191,34 @@ def test_pipelined_ranks_hold_no_gradient_bucket_buffers() -> None:
         assert total == pytest.approx(stage.plan.predicted.activation_memory_bytes - buffers, rel=1e-12)
 
 
+def test_pipelines_priced_on_one_stage_plan_are_each_priced_alone() -> None:
+    """A pipeline search prices one stage plan under each schedule in turn (``StepPipelines``), sharing what
+    their cuts share: every pipeline is the one that stage plan cut for it alone gives, in either order, and
+    a plan changed after it was priced changes none priced after it."""
+    from autopar.search.planned import StepPipelines, with_pipeline
+
+    model, inputs, loss_fn, targets = llama.build(llama.LlamaConfig(layers=4))
+    problem = problem_at(model, autopar.Mesh({"dp": 2}, "cpu"), inputs, m=4, pipeline_ranks=2, limit=math.inf,
+                         loss_fn=loss_fn, example_targets=targets)
+    stage = finish(problem, solve(problem, None))
+    mesh = autopar.Mesh({"pp": 2, "dp": 2}, "cpu")
+    choices = [_pinned("gpipe", 4), _pinned("1f1b", 4), _pinned("interleaved_1f1b", 4, 2), _pinned("zbv", 4, 2),
+               _pinned("dualpipev", 4, 2), _pinned("1f1b", 4)]
+    alone = [with_pipeline(stage, c, mesh) for c in choices]
+    for order in (choices, choices[::-1]):
+        shared = StepPipelines(stage, mesh)
+        for choice in order:
+            got, want = shared.cut(choice), alone[choices.index(choice)]
+            assert isinstance(got, PlannedStep) and isinstance(want, PlannedStep)
+            assert got.plan.predicted == want.plan.predicted and got.plan.pipeline == want.plan.pipeline
+            assert (got.plan.pipeline.bubble_s, got.plan.pipeline.p2p_s) == \
+                (want.plan.pipeline.bubble_s, want.plan.pipeline.p2p_s)
+            got.plan.pipeline.grad_sync_per_rank_s.append(1.0)  # the plan's own lists
+            got.plan.pipeline.tied.clear()
+            got.plan.pipeline.stage_of.clear()
+    assert len({a.plan.pipeline.stages[0].rank for a in alone}) == 1 and alone[2].plan.pipeline.stages[2].rank == 0
+
+
 def test_a_stage_mesh_may_fit_by_its_share_of_the_state() -> None:
     """The memory search's quick bound (every node at its leanest, ``search.bounds.may_fit``) counts a
     stage mesh's nodes at the busiest rank's share, as its solve does: a limit below the whole
@@ -247,24 +275,33 @@ def test_the_finest_micro_batch_count_is_searched() -> None:
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2),
                                         ("dualpipev", 2)])
-def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int) -> None:
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16)])
+def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int, p: int, m: int) -> None:
     """``work_floor_s`` (what ``Uncut(outrun=True)`` rules pipelines out by) is below every schedule's
-    played-out step: each rank's actions run one after another, then its buckets and update."""
+    played-out step: each rank's actions run one after another, after the first micro-batch's forward
+    reached its first stage, then its buckets and update; with the last rank's stages the slowest, it is
+    that rank's wait for the first micro-batch and its work, exactly where nothing else waits."""
     import random
 
     from autopar.pipeline.spec import Pipeline, simulate_pipeline
     from autopar.pipeline.stages import work_floor_s
     rng = random.Random(0)
-    p, m = 4, 8
     rank_of = [Pipeline(schedule=schedule, virtual_stages=v).stage_rank(s, p) for s in range(p * v)]
     for _ in range(20):
         stage_s = [(rng.uniform(0.1, 1.0), rng.uniform(0.2, 2.0)) for _ in range(p * v)]
-        sends = [rng.uniform(0.0, 0.3) for _ in range(p * v)]
+        sends = [rng.uniform(0.0, 0.3) if rank_of[s] != rank_of[min(s + 1, p * v - 1)] else 0.0
+                 for s in range(p * v)]
         sync, update = [rng.uniform(0, 1) for _ in range(p)], [rng.uniform(0, 1) for _ in range(p)]
         sim = simulate_pipeline(schedule, p, v, m, stage_s, sends)
         drained = [acts[-1][4] if acts else 0.0 for acts in sim.placed]
         step = max(d + g + u for d, g, u in zip(drained, sync, update))  # no rank ends before this
-        assert work_floor_s(m, stage_s, rank_of, sync, update) <= step + 1e-12
+        assert work_floor_s(m, stage_s, rank_of, sync, update, sends) <= step * (1 + 1e-12)
+    if v == 1:  # the last stage busiest: its rank waits for the first micro-batch, then never again
+        stage_s, sends = [(0.1, 0.2)] * (p - 1) + [(1.0, 2.0)], [0.05] * (p - 1) + [0.0]
+        sim = simulate_pipeline(schedule, p, v, m, stage_s, sends)
+        floor = work_floor_s(m, stage_s, rank_of, [0.0] * p, [0.0] * p, sends)
+        assert floor == pytest.approx((p - 1) * 0.15 + m * 3.0, rel=1e-12)
+        assert floor == pytest.approx(sim.placed[-1][-1][4], rel=1e-12)
 
 
 @pytest.mark.slow

@@ -112,7 +112,8 @@ class StagePricing:
             self._layouts[key] = self._layout(pipeline, rank_of)
         layout = self._layouts[key]
         floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in layout.times], rank_of,
-                             [s + t for s, t in zip(layout.sync, tied_seconds(layout.tied, p))], layout.update)
+                             [s + t for s, t in zip(layout.sync, tied_seconds(layout.tied, p))], layout.update,
+                             [s.send_s for s in layout.stages])
         if floor > beat_s:
             return Uncut(f"its busiest rank's own work, {floor:.6g} s, is over {beat_s:.6g} s", outrun=True)
         plan = self._plan(pipeline, layout)

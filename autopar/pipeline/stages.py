@@ -246,12 +246,20 @@ class Uncut:
 
 
 def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of: list[int], sync_s: list[float],
-                 update_s: list[float]) -> float:
+                 update_s: list[float], send_s: list[float]) -> float:
     """Seconds no pipelined step of these stages beats: a rank runs its actions one after another
     (every micro-batch's forward and backward of each of its stages), then its gradient buckets
     and tied weights' all-reduces (``sync_s``) and its optimizer step (``PipelinePlan.rank_ends``),
-    so the step lasts at least the longest such sum, whatever the bubble, transfers and waits add."""
+    and none of them before the first micro-batch's forward has come through the stages before its
+    first (each action of a stage waits on that stage's forward, which waits on the one before it:
+    their forward seconds and the transfers across their cuts, ``send_s``, 0 within a rank), so the step
+    lasts at least the longest such sum, whatever else the bubble, transfers and waits add."""
     work = [0.0] * len(sync_s)
     for (f, b), r in zip(stage_s, rank_of):
         work[r] += micro_batches * (f + b)
-    return max(w + g + u for w, g, u in zip(work, sync_s, update_s))
+    fill, reached = [-1.0] * len(sync_s), 0.0  # each rank's first stage's earliest start
+    for (f, _), r, send in zip(stage_s, rank_of, send_s):
+        if fill[r] < 0:
+            fill[r] = reached
+        reached += f + send
+    return max(max(t, 0.0) + w + g + u for t, w, g, u in zip(fill, work, sync_s, update_s))
