@@ -1,6 +1,6 @@
 """The backward working set in the plan's peak: the largest transient one op's backward holds
 (``cost.backward``), priced once here for the ILP's row (``solver.backward_rows``), the plan's
-predicted peak (``result.build``) and each pipeline rank's (``pipeline.stages``).
+predicted peak (``result.build``) and each pipeline rank's (``pipeline.stage_memory``).
 
 The plan's peak holds every saved activation and every parameter's gradient. Backward runs one op
 at a time, so it adds the largest op's working set, not all. With one micro-batch outside a

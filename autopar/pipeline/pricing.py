@@ -4,9 +4,9 @@ transfers, each pp rank's peak memory under it.
 
 A pipeline search prices one stage plan under every schedule and stages-per-rank choice of its micro-batch
 count. What those pipelines share is made once: each op's seconds, the units' weights, the ops of constants
-alone and each op's backward working set once per stage plan; the cut once per count of stages; the stages'
-seconds, parameters, transfers, gradient sync and memory once per cut and placement of its stages on the pp
-ranks (the schedules of one stages-per-rank count and shape share it). What differs by schedule (the order
+alone and each op's backward working set once per stage plan; the cut once per count of stages
+(``pipeline.cuts`` keeps it); the stages' seconds, parameters, transfers, gradient sync and memory once per cut
+and placement of its stages on the pp ranks (the schedules of one stages-per-rank count and shape share it). What differs by schedule (the order
 played out, the activations in flight) is priced per pipeline."""
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class StagePricing:
                              [s + t for s, t in zip(layout.sync, tied_seconds(layout.tied, p))], layout.update,
                              [s.send_s for s in layout.stages])
         if floor > beat_s:
-            return Uncut(f"its busiest rank's own work, {floor:.6g} s, is over {beat_s:.6g} s", outrun=True)
+            return Uncut(f"its busiest rank's wait for the first micro-batch and own work, {floor:.6g} s, is over "
+                         f"{beat_s:.6g} s", outrun=True)
         plan = self._plan(pipeline, layout)
         timed = plan.simulate()
         if key not in self._memory:
@@ -181,7 +182,7 @@ class StagePricing:
         """The stages' state and activation bytes, and each pp rank's peak under the schedule."""
         rank_of = [s.rank for s in pipelined.stages]
         peaks = rank_peaks(pipelined.schedule, pipelined.size, pipelined.virtual_stages, pipelined.micro_batches,
-                           rank_of, [s + b for s, b in zip(memory.state, memory.buffers)],  # the whole step's
+                           rank_of, [s + b for s, b in zip(memory.state, memory.buffers)],  # own buffers: the whole step
                            memory.activations, memory.extra, memory.working)
         stages = [replace(s, state_bytes=memory.state[s.index], activation_bytes=memory.activations[s.index],
                           buffer_bytes=memory.buffers[s.index]) for s in pipelined.stages]

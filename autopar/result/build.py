@@ -87,7 +87,8 @@ class _Ledger:
     def record(self, call: CollectiveCall, phase: str, tensor: str, consumer: str, module: str, count: int = 1,
                waited: float = 1.0, data_dependent: bool = False, time: float | None = None) -> None:
         """``waited``: the share of the call the step waits for; ``data_dependent``: its bytes are an
-        expectation; ``time``: its seconds where they are not ``collective_time``'s (a group's)."""
+        expectation; ``time``: its seconds where known (a group's, which are not ``collective_time``'s, or
+        ones priced already), else ``collective_time``'s."""
         axis = self.mesh.names[call.mesh_dim]
         time = collective_time(call, self.mesh) if time is None else time
         self.collectives.append(PlannedCollective(
