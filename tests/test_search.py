@@ -67,6 +67,35 @@ def test_a_relaxation_bounded_by_its_lp_is_never_faster_than_the_bound() -> None
         assert all(below.of(s) >= free.objective_s * 0.99 for s in candidates if relaxation(s) == group)
 
 
+def test_a_relaxation_is_bounded_by_one_with_fewer_micro_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relaxation's free optimum is no faster than the same relaxation's at a micro-batch count dividing its
+    own; so once that one is ruled out (by its LP) against a plan to beat, ``Bounds.bound_relaxation`` rules
+    the finer count out without its LP, and its scenarios' bounds say so."""
+    import autopar.search.bounds as bounds_module
+
+    store = _problems()
+    candidates = scenarios(store.at(PLACE))
+    groups = list(dict.fromkeys(map(relaxation, candidates)))
+    free = {g: Bounds(store, PLACE, math.inf, candidates).solve_relaxation(g) for g in groups}
+    pairs = [(k, g) for k in groups for g in groups if k.micro_batches < g.micro_batches
+             and g.micro_batches % k.micro_batches == 0 and replace(k, micro_batches=g.micro_batches) == g]
+    assert pairs
+    solved_lp: list[int] = []
+    lp_floor = bounds_module.lp_floor
+    monkeypatch.setattr(bounds_module, "lp_floor", lambda step, *a: solved_lp.append(
+        step.scenario.micro_batches) or lp_floor(step, *a))
+    for coarse, fine in pairs:
+        slow, fast = free[fine], free[coarse]
+        assert isinstance(slow, Solution) and isinstance(fast, Solution)
+        assert slow.objective_s >= fast.objective_s * (1 - 1e-9)
+        bounds, beat = Bounds(store, PLACE, math.inf, candidates), fast.objective_s * 0.99
+        solved_lp.clear()
+        assert bounds.bound_relaxation(coarse, beat) and solved_lp == [coarse.micro_batches]
+        assert bounds.bound_relaxation(fine, beat) and solved_lp == [coarse.micro_batches]
+        assert all(bounds.of(s) >= beat for s in candidates if relaxation(s) == fine)
+        assert not Bounds(store, PLACE, math.inf, candidates).bound_relaxation(fine, slow.objective_s * 1.001)
+
+
 def _every_scenario(store: Problems, limit: float) -> Solved | Pruned:
     """The search's answer by solving every scenario under the limit, nothing pruned."""
     candidates = scenarios(store.at(PLACE))

@@ -114,12 +114,28 @@ class Bounds:
         """Whether no plan of ``group``, a relaxation, beats ``beat_s`` without the memory row, by its LP
         relaxation (HiGHS's dual simplex, stopped once past ``beat_s``): then its scenarios' bounds are no
         faster than ``beat_s`` either and the free solve is not needed. Far cheaper than that solve, and in
-        practice as tight (the placement LP's vertices are nearly integral)."""
+        practice as tight (the placement LP's vertices are nearly integral). No LP is needed where a
+        relaxation alike but for fewer micro-batches, their count dividing ``group``'s, is bounded or solved
+        at ``beat_s`` or more: cutting each of its micro-batches into equal ones makes no plan faster (each
+        op's FLOPs add up to the same; its bytes read, fixed costs, reshards and unhidden gradient sync do
+        not shrink; every split of the smaller rows divides the larger), as a pipeline's stage plans are
+        bounded (``search.stage_plans.PipelineSearch.free_plan``)."""
+        coarser = self._coarser_bound(group)
+        if coarser >= beat_s:
+            self.free[group] = coarser
+            return True
         floor = lp_floor(self.step(group), None, beat_s, self.problems.account)
         over = floor is not None and floor >= beat_s
         if over:
             self.free[group] = beat_s
         return over
+
+    def _coarser_bound(self, group: Scenario) -> float:
+        """The largest bound (or optimum) of a relaxation like ``group`` but for fewer micro-batches, their
+        count dividing ``group``'s: no plan of ``group`` beats it (``bound_relaxation``); 0 where none is."""
+        m = group.micro_batches
+        return max((b for g, b in self.free.items() if b is not None and g.micro_batches < m
+                    and m % g.micro_batches == 0 and replace(g, micro_batches=m) == group), default=0.0)
 
     def solve_relaxation(self, group: Scenario) -> Solution | NoPlan:
         """Solve ``group`` without the memory row and record its bound; its solution, or why there is none."""
