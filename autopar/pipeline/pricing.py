@@ -5,9 +5,9 @@ transfers, each pp rank's peak memory under it.
 A pipeline search prices one stage plan under every schedule and stages-per-rank choice of its micro-batch
 count. What those pipelines share is made once: each op's seconds, the units' weights, the ops of constants
 alone and each op's backward working set once per stage plan; the cut once per count of stages
-(``pipeline.cuts`` keeps it); the stages' seconds, parameters, transfers, gradient sync and memory once per cut
-and placement of its stages on the pp ranks (the schedules of one stages-per-rank count and shape share it). What differs by schedule (the order
-played out, the activations in flight) is priced per pipeline."""
+(``pipeline.cuts`` keeps it); the stages' seconds, parameters, transfers, gradient sync and memory once per
+cut and placement of its stages on the pp ranks (the schedules of one stages-per-rank count and shape share
+it). What differs by schedule (the order played out, the activations in flight) is priced per pipeline."""
 
 from __future__ import annotations
 
@@ -181,9 +181,9 @@ class StagePricing:
     def _with_memory(self, pipelined: PipelinePlan, memory: _Memory) -> PipelinePlan:
         """The stages' state and activation bytes, and each pp rank's peak under the schedule."""
         rank_of = [s.rank for s in pipelined.stages]
+        held = [s + b for s, b in zip(memory.state, memory.buffers)]  # a stage's own buffers: the whole step
         peaks = rank_peaks(pipelined.schedule, pipelined.size, pipelined.virtual_stages, pipelined.micro_batches,
-                           rank_of, [s + b for s, b in zip(memory.state, memory.buffers)],  # own buffers: the whole step
-                           memory.activations, memory.extra, memory.working)
+                           rank_of, held, memory.activations, memory.extra, memory.working)
         stages = [replace(s, state_bytes=memory.state[s.index], activation_bytes=memory.activations[s.index],
                           buffer_bytes=memory.buffers[s.index]) for s in pipelined.stages]
         return replace(pipelined, stages=stages, rank_memory_bytes=peaks)
