@@ -202,10 +202,6 @@ class OverlapTerms:
         rep = folding.representative
         self.uses = windowed_params(graph)
         self.keys = {(rep[p], 0, rep[c], arg) for p, (c, arg) in self.uses.items()}
-        self.block_uses: dict[str | None, list[tuple[str, str, int]]] = defaultdict(list)
-        """Block -> its windowed uses (parameter, consumer, argument), in ``uses``' order."""
-        for p, (c, arg) in self.uses.items():
-            self.block_uses[block_of(graph.nodes[c].module)].append((p, c, arg))
         self.gather: dict[EdgeKey, dict[int, float]] = defaultdict(dict)
         """Windowed edge -> variable -> seconds (x SCALE) of one real edge's gather it selects."""
         self.regather: dict[EdgeKey, dict[int, float]] = defaultdict(dict)
@@ -319,7 +315,7 @@ class OverlapTerms:
         rep = self.folding.representative
         out: dict[int, float] = defaultdict(float)
         represented: set[str] = set()
-        for p, c, arg in self.block_uses.get(block, ()):
+        for p, c, arg in self._block_uses.get(block, ()):
             for j, w in terms.get((rep[p], 0, rep[c], arg), {}).items():
                 out[j] += w
             represented.add(block_of(self.graph.nodes[rep[c]].module) or "")
@@ -344,6 +340,14 @@ class OverlapTerms:
         return dict(out), fastest, slowest
 
     @functools.cached_property
+    def _block_uses(self) -> dict[str | None, list[tuple[str, str, int]]]:
+        """Block -> its windowed uses (parameter, consumer, argument), in ``uses``' order."""
+        out: dict[str | None, list[tuple[str, str, int]]] = defaultdict(list)
+        for p, (c, arg) in self.uses.items():
+            out[block_of(self.graph.nodes[c].module)].append((p, c, arg))
+        return out
+
+    @functools.cached_property
     def _block_ops(self) -> dict[str, list[str]]:
         """Block -> its op nodes, in graph order."""
         out: dict[str, list[str]] = defaultdict(list)
@@ -360,7 +364,7 @@ class OverlapTerms:
         rep = self.folding.representative
         least = most = 0.0
         represented: set[str] = set()
-        for p, c, arg in self.block_uses.get(block, ()):
+        for p, c, arg in self._block_uses.get(block, ()):
             values = terms.get((rep[p], 0, rep[c], arg))
             if values:
                 least += min(values.values())
