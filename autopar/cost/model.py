@@ -294,6 +294,18 @@ def param_sync_calls(meta: TensorMeta, produced: Placements, sync_dims: frozense
             CollectiveCall(ALL_REDUCE, d, grads.tensor_bytes(meta, numel), bucketed=True) for d in sorted(sync_dims)]
 
 
+@dataclass(frozen=True)
+class EdgeCalls:
+    """An edge's collectives both ways and their seconds per run, all of ``edge_cost`` but whether the forward
+    runs again: a memory scenario's flags change only that (``EdgePrices`` keeps these per edge, not per scenario)."""
+
+    forward: tuple[CollectiveCall, ...]
+    backward: tuple[CollectiveCall, ...]
+    unwaited: float
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+
+
 def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy,
               ctx: CostContext, *, from_parameter: bool, needs_grad: bool, recomputed: bool = False,
               saves_input: bool = True, regathered: bool = False, grouped: bool = False) -> EdgeCost:
@@ -311,6 +323,21 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
     whose gather (again) and gradient reduce-scatter join its block's one collective of each
     (``cost.groups``): priced at their transfers here, their group pays the call.
     """
+    calls = edge_calls(meta, produced, required, consumer, ctx, from_parameter=from_parameter, needs_grad=needs_grad,
+                       grouped=grouped)
+    return priced_edge(calls, ctx, runs_again(ctx, from_parameter, needs_grad, recomputed, saves_input, regathered))
+
+
+def priced_edge(calls: EdgeCalls, ctx: CostContext, again: bool) -> EdgeCost:
+    """``edge_cost`` of an edge whose collectives are ``calls``, its forward run ``again`` in backward or not."""
+    seconds = calls.forward_s + calls.backward_s + (calls.forward_s if again else ())
+    return EdgeCost(sum(seconds) * step_repeats(ctx), calls.forward, calls.backward, calls.forward if again else (),
+                    calls.unwaited)
+
+
+def edge_calls(meta: TensorMeta, produced: Placements, required: Placements, consumer: Strategy, ctx: CostContext,
+               *, from_parameter: bool, needs_grad: bool, grouped: bool = False) -> EdgeCalls:
+    """``edge_cost``'s collectives, each way, and their seconds."""
     mesh, precision = ctx.mesh, ctx.precision
     forward = reshard(meta, produced, required, mesh, precision)
     if grouped:
@@ -333,9 +360,8 @@ def edge_cost(meta: TensorMeta, produced: Placements, required: Placements, cons
         elif (from_parameter and precision.reduce_bytes_per_param == precision.master_bytes_per_param
                 and _ends_scattering(grad_in, grad_out, mesh.shape)):
             unwaited = collective_time(backward[-1], mesh)
-    again = forward if runs_again(ctx, from_parameter, needs_grad, recomputed, saves_input, regathered) else []
-    time = sum(collective_time(c, mesh) for c in (*forward, *backward, *again)) * step_repeats(ctx)
-    return EdgeCost(time, tuple(forward), tuple(backward), tuple(again), unwaited)
+    return EdgeCalls(tuple(forward), tuple(backward), unwaited, tuple(collective_time(c, mesh) for c in forward),
+                     tuple(collective_time(c, mesh) for c in backward))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -6,7 +6,9 @@ placement, requested placement and split) once. Keys are interned to small ints:
 a tuple of DTensor placements runs Python ``__hash__`` per placement, and an 8B Llama's
 ILP looks up ~70,000 pairs. An ``EdgePrices`` serves every solve whose context prices edges alike
 (``EdgePrices.key``): a memory search's scenarios of one prepared problem share one, and with it
-each edge's whole price matrices, made once for all of their builds.
+each edge's whole price matrices, made once for all of their builds; a scenario that flags an edge
+recomputed or gathered again prices it from the collectives another scenario found for it
+(``cost.model.priced_edge``): the flags decide only whether its forward runs again.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from autopar.capture.graph import TensorMeta
-from autopar.cost.model import CostContext, EdgeCost, edge_cost, held_reshard_bytes
+from autopar.cost.model import (CostContext, EdgeCalls, EdgeCost, edge_calls, held_reshard_bytes, priced_edge,
+                                runs_again)
 from autopar.problem.nodes import ObjectMemo
 from autopar.rules.strategy import Placements, Strategy
 
@@ -30,6 +33,11 @@ class EdgePrices:
         self.key = self.key_of(ctx)
         self._ids: dict[Hashable, int] = {}
         self._cost: dict[tuple[int, int, int], EdgeCost] = {}
+        self._calls: dict[tuple[int, int, int], EdgeCalls] = {}
+        """An edge's collectives by (its tensor and the flags they depend on, a, b): memory scenarios flag an
+        edge recomputed or regathered, which only decides whether its forward runs again."""
+        self._core: dict[int, int] = {}
+        """An edge's interned key -> that of its tensor and the flags its collectives depend on."""
         self._held: dict[tuple[int, int, int], float] = {}
         self._by_object = ObjectMemo()
         """Interned placements and scaled matrices, by the object (``_id_of``, ``scaled``)."""
@@ -127,5 +135,16 @@ class EdgePrices:
                  consumer: Strategy, flags: dict[str, bool]) -> EdgeCost:
         found = self._cost.get(key)
         if found is None:
-            found = self._cost[key] = edge_cost(meta, produced, required, consumer, self._ctx, **flags)
+            core = self._core.get(key[0])
+            if core is None:  # what the edge's collectives depend on: not whether its forward runs again
+                core = self._core[key[0]] = self._id(("calls", meta, flags["from_parameter"], flags["needs_grad"],
+                                                      flags["grouped"]))
+            calls = self._calls.get((core, key[1], key[2]))
+            if calls is None:
+                calls = self._calls[(core, key[1], key[2])] = edge_calls(
+                    meta, produced, required, consumer, self._ctx, from_parameter=flags["from_parameter"],
+                    needs_grad=flags["needs_grad"], grouped=flags["grouped"])
+            again = runs_again(self._ctx, flags["from_parameter"], flags["needs_grad"], flags["recomputed"],
+                               flags["saves_input"], flags["regathered"])
+            found = self._cost[key] = priced_edge(calls, self._ctx, again)
         return found
