@@ -63,7 +63,8 @@ class Bounds:
         for scenario in scenarios:
             rest = replace(scenario, micro_batches=fewest, regather=False, regather_blocks=None)  # regathers: edges
             if rest not in by_rest:
-                by_rest[rest] = node_bound(self.step(rest).graph)
+                graph = self.step(rest).graph
+                by_rest[rest] = self.step(rest).parts.by_graph.kept("node bound", graph, lambda: node_bound(graph))
             self.node[scenario] = by_rest[rest]
         self.free: dict[Scenario, float | None] = {}
         """Relaxation -> its optimum without the memory row, or a bound no plan of it beats (None when
@@ -153,11 +154,16 @@ class Bounds:
         key = (scenario.micro_batches, scenario.checkpoint, scenario.checkpoint_blocks)  # all it depends on
         if key not in self.floors:
             step, base = self.step(scenario), self.step(group)
-            eff = step.ctx.mesh.hardware.grad_sync_overlap if step.ctx.train else 0.0
-            added = sum(min(c.time - b.time for c, b in zip(node.costs, base.graph.nodes[name].costs))
-                        for name, node in step.graph.nodes.items() if node.costs)
-            self.floors[key] = max(0.0, 1.0 - eff / step_repeats(step.ctx)) * max(0.0, added)
+            self.floors[key] = base.parts.by_graph.kept(("recompute floor", *key), base.graph,
+                                                        lambda: _recompute_floor(step, base))
         return self.floors[key]
+
+
+def _recompute_floor(step: Problem, base: Problem) -> float:
+    eff = step.ctx.mesh.hardware.grad_sync_overlap if step.ctx.train else 0.0
+    added = sum(min(c.time - b.time for c, b in zip(node.costs, base.graph.nodes[name].costs))
+                for name, node in step.graph.nodes.items() if node.costs)
+    return max(0.0, 1.0 - eff / step_repeats(step.ctx)) * max(0.0, added)
 
 
 def node_bound(graph: PlanGraph) -> float:
@@ -170,10 +176,15 @@ def leanest_over(step: Problem) -> bool:
     """Every node at its leanest strategy is over the problem's limit (all other memory terms are >= 0, so
     no plan fits); on a pipeline's stage mesh each node counts at the busiest rank's share (``MemoryShares``),
     as the solve's memory row does."""
-    shares = step.memory_shares
-    least = sum(min(c.memory for c in node.costs) * (1.0 if shares is None else shares.weight(node))
-                for node in step.graph.nodes.values() if node.costs)
-    return least > step.memory_limit
+    shares, graph = step.memory_shares, step.graph
+    least = step.parts.by_graph.kept("least memory", graph, lambda: _least_memory(graph))
+    return sum(bytes_ * (1.0 if shares is None else shares.weight(graph.nodes[name]))
+               for name, bytes_ in least.items()) > step.memory_limit
+
+
+def _least_memory(graph: PlanGraph) -> dict[str, float]:
+    """Each priced node's least memory over its strategies."""
+    return {name: min(c.memory for c in node.costs) for name, node in graph.nodes.items() if node.costs}
 
 
 def may_fit(step: Problem, leanest: dict[Scenario, Solution], fit: list[Scenario], account: Account | None = None

@@ -30,7 +30,7 @@ from autopar.problem.batch import example_batch, micro_batch_examples
 from autopar.problem.block_paths import repeated_blocks
 from autopar.problem.folding import Folding, fold_repeated_blocks, split_folding
 from autopar.problem.graph import build_plan_graph, priced_parameter
-from autopar.problem.nodes import PARAM, PlanGraph, PlanNode
+from autopar.problem.nodes import PARAM, ObjectMemo, PlanGraph, PlanNode
 from autopar.problem.pinning import pin_config
 from autopar.problem.strided import add_strided_strategies
 from autopar.problem.shared import BuildMemo
@@ -86,6 +86,9 @@ class PricedParts:
     kept_model: Built | None = None
     """The model of its last LP bound that did not rule its problem out, until that problem's solve takes
     it (``search.ilp``)."""
+    by_graph: ObjectMemo = field(default_factory=ObjectMemo)
+    """What the memory search's bounds read off a scenario's graph (``search.bounds``), made once per graph:
+    each pipeline count's memory search asks again of the same scenarios."""
 
 
 @dataclass
