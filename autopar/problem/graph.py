@@ -276,26 +276,13 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], ctx: CostContext, 
              module: str, shared: BuildMemo, hints: dict[Any, int]) -> PlanNode:
     """An op node of ``module`` with its strategies (priced once its backward is settled: ``_price_ops``)."""
     producers: list[tuple[str, int]] = []
-
-    def to_meta(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            src = nodes.get(a.name)
-            if src is None:  # non-tensor value: a symbolic size, priced at its hint where it has one
-                val = a.meta.get("val")
-                return hinted(val, hints) if isinstance(val, torch.SymInt) and not free_unbacked_symbols(val) else val
-            producers.append((a.name, 0))
-            return src.outputs[0]
-        if isinstance(a, (list, tuple)):
-            return type(a)(to_meta(x) for x in a)
-        return a
-
     if node.target is operator.getitem:
         src, index = node.args[0], node.args[1]
         producers.append((src.name, index))
         call = OpCall(node.target, (nodes[src.name].outputs[index], index), {}, outputs)
     else:
-        args = tuple(to_meta(a) for a in node.args)
-        kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
+        args = tuple(_to_meta(a, nodes, hints, producers) for a in node.args)
+        kwargs = {k: _to_meta(v, nodes, hints, producers) for k, v in node.kwargs.items()}
         call = OpCall(node.target, args, kwargs, outputs)
     rules = shared.rules
     source = nodes[node.args[0].name] if node.target is operator.getitem else None
@@ -310,6 +297,22 @@ def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], ctx: CostContext, 
         pn.targets_input = _view_root(producers[1][0], nodes)
     pn.dim_strategies, pn.strategies, pn.fallback = _strategies(call, ctx, shared)
     return pn
+
+
+def _to_meta(a: Any, nodes: dict[str, PlanNode], hints: dict[Any, int], producers: list[tuple[str, int]]) -> Any:
+    """An op's argument with each node it reads replaced by that node's output meta (noted in ``producers``).
+    Not a closure: a recursive one is a reference cycle, which keeps the graph's nodes for the cyclic
+    collector rather than reference counting to free."""
+    if isinstance(a, torch.fx.Node):
+        src = nodes.get(a.name)
+        if src is None:  # non-tensor value: a symbolic size, priced at its hint where it has one
+            val = a.meta.get("val")
+            return hinted(val, hints) if isinstance(val, torch.SymInt) and not free_unbacked_symbols(val) else val
+        producers.append((a.name, 0))
+        return src.outputs[0]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(x, nodes, hints, producers) for x in a)
+    return a
 
 
 def _strategies(call: OpCall, ctx: CostContext, shared: BuildMemo) -> tuple[list[DimStrategy], list[Strategy],

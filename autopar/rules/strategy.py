@@ -172,15 +172,18 @@ def call_key(call: OpCall) -> Hashable | None:
     return call.identity
 
 
-def _identity(call: OpCall) -> Hashable | None:
-    def freeze(a: Any) -> Any:
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(freeze(x) for x in a))
-        if isinstance(a, dict):
-            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
-        return a
+def _frozen(a: Any) -> Any:
+    """``a`` with its lists, tuples and dicts made hashable tuples (not a closure: a recursive one is a
+    reference cycle, left to the cyclic collector)."""
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_frozen(x) for x in a))
+    if isinstance(a, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in a.items()))
+    return a
 
-    key = (call.target, freeze(call.args), freeze(call.kwargs), call.outputs)
+
+def _identity(call: OpCall) -> Hashable | None:
+    key = (call.target, _frozen(call.args), _frozen(call.kwargs), call.outputs)
     try:
         hash(key)
     except TypeError:

@@ -58,7 +58,9 @@ class Unpriced:
 def paused_gc() -> Iterator[None]:
     """Python's cyclic collector off while the ILPs are built: they allocate millions of small acyclic
     objects (freed by reference counting), and the full collections those trigger walk the whole
-    captured graph each time."""
+    captured graph each time. Resumed, it walks every object allocated meanwhile that is still alive, so
+    ``planner.plan`` holds it off until the search's problems (acyclic, freed by reference counting) are
+    gone."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -44,7 +44,8 @@ def plan(step: Step, config: PlanConfig, mesh: Mesh, *, progress: bool = False) 
     its kinds) when there is none."""
     check(config, mesh)
     config, unpipelined = settled(config, mesh)
-    return search(Problems(step, config, progress, unpipelined=unpipelined), mesh)
+    with paused_gc():  # until the problems are freed: resumed before, the collector walks them all at once
+        return search(Problems(step, config, progress, unpipelined=unpipelined), mesh)
 
 
 def search(problems: Problems, mesh: Mesh) -> PlannedStep:
