@@ -63,8 +63,8 @@ class Bounds:
         for scenario in scenarios:
             rest = replace(scenario, micro_batches=fewest, regather=False, regather_blocks=None)  # regathers: edges
             if rest not in by_rest:
-                graph = self.step(rest).graph
-                by_rest[rest] = self.step(rest).parts.by_graph.kept("node bound", graph, lambda: node_bound(graph))
+                step = self.step(rest)
+                by_rest[rest] = step.parts.by_graph.kept("node bound", step.graph, lambda: node_bound(step.graph))
             self.node[scenario] = by_rest[rest]
         self.free: dict[Scenario, float | None] = {}
         """Relaxation -> its optimum without the memory row, or a bound no plan of it beats (None when
