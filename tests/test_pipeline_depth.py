@@ -85,6 +85,22 @@ def test_a_tight_limit_chooses_the_fastest_fitting_depth() -> None:
     assert re.search(r"pp=1: no plan of \d+ memory scenarios fits and predicts less than", plan.notes[-1])
 
 
+def test_an_unpipelined_step_that_does_not_fit_is_planned_after_the_pipelines() -> None:
+    """Under a limit that no plan made without it fits, the pipeline depths are planned under it first and
+    bound the unpipelined step's memory search, though its free plan is the fastest (its model state is
+    every rank's, a stage's share on a pipeline's); the fastest plan that fits is chosen all the same."""
+    plan = _plan({"dp": 4}, memory_limit=64 * KiB)
+    depths = [r.item for r in plan.account if r.level == "depth"]
+    assert depths == ["pp=2", "pp=4", "pp=1", "pp=1"]  # planned in this order, then the one chosen
+    assert plan.pipeline is None and plan.predicted.peak_memory_bytes <= 64 * KiB
+    for depth in (2, 4):
+        try:
+            rival = _plan({"pp": depth, "dp": 4 // depth}, autopar.Pipeline(axis="pp"), memory_limit=64 * KiB)
+        except autopar.MemoryLimitError:
+            continue
+        assert rival.predicted.step_time_s >= plan.predicted.step_time_s
+
+
 def test_nothing_fitting_says_why_for_each_depth() -> None:
     with pytest.raises(autopar.MemoryLimitError, match=r"no pipeline depth on dp=2 .*pp=1: .*pp=2: "):
         _plan({"dp": 2}, memory_limit=16 * KiB, **PINS)

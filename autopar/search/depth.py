@@ -11,8 +11,13 @@ say what each depth gave or why it gave nothing.
 The search runs in two rounds. First every depth is planned without the memory limit (the step's free
 solve; each pipeline depth's stage plans at the counts its search picks): cheap, and in practice no plan
 under the limit is faster. Then each depth is planned under the limit, bounded by the best plan found so
-far: first the depths with a plan that fits already (nothing more to solve), then the others, fastest
-without the limit first. A depth none of whose pipelines fits solves its other counts' free stage plans
+far: first the depths with a plan that fits already (nothing more to solve), then the other pipeline depths,
+fastest without the limit first, then the unpipelined step where its free plan does not fit: that plan
+holds every parameter's state on each rank, so the memory it must save costs it more than a pipeline, whose
+ranks hold a stage's share (Llama-3-70B on 512 H100s: fastest free at 6.9 s, 10.5 s under the limit against
+the pipelines' 8.9 s), and planned last it is bounded by their best. The order decides only how soon a
+depth is bounded: the plan is the fastest that fits whichever comes first (of equally fast plans, which one
+can differ). A depth none of whose pipelines fits solves its other counts' free stage plans
 then, where the best plan that fits by that time bounds them (``search.pipeline``). A pipeline depth whose
 plans without the limit are no faster than the bound is not planned again, the stage plans' memory
 searches seek only what can beat it, and the unpipelined step's memory search (where memory binds, most
@@ -52,7 +57,7 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
         return _unpipelined(problems, mesh, limit, depths, cutoff_s)
     free: dict[int, Unlimited | None] = {1: None}  # depth -> its pipelines without the limit (1: none)
     seconds, fits = free_plan(problems, Place(mesh=mesh), limit)
-    order = {1: (not fits, seconds)}  # what fits without the limit first (nothing more to solve), then fastest
+    order = {1: (not fits, not fits, seconds)}  # (no fit, the unpipelined step and no fit, seconds): see above
     if math.isinf(seconds):  # no plan even without the limit: the step itself is refused, its error said first
         at = _unpipelined(problems, mesh, limit, depths, cutoff_s)
         if isinstance(at, Pruned) and not isinstance(at.error, MemoryLimitError):
@@ -64,7 +69,7 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
         if isinstance(at, Pruned):
             _record(problems, depth, at, found, skipped)
         else:
-            free[depth], order[depth] = at, (at.none_fit, at.fastest_s)
+            free[depth], order[depth] = at, (at.none_fit, False, at.fastest_s)
     for depth in sorted(free, key=lambda k: (*order[k], k)):  # the likeliest plans first: they bound the rest
         fastest = min((s.plan.predicted.step_time_s for s in found.values()), default=math.inf)
         cutoff = min(fastest * (1 + 2 * TIE), cutoff_s)  # an equal plan still planned: the shallower depth wins
