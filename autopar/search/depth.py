@@ -14,8 +14,7 @@ under the limit is faster. Then each depth is planned under the limit, bounded b
 far: first the depths with a plan that fits already (nothing more to solve), then the other pipeline depths,
 fastest without the limit first, then the unpipelined step where its free plan does not fit: that plan
 holds every parameter's state on each rank, so the memory it must save costs it more than a pipeline, whose
-ranks hold a stage's share (Llama-3-70B on 512 H100s: fastest free at 6.9 s, 10.5 s under the limit against
-the pipelines' 8.9 s), and planned last it is bounded by their best. The order decides only how soon a
+ranks hold a stage's share, and planned last it is bounded by their best. The order decides only how soon a
 depth is bounded: the plan is the fastest that fits whichever comes first (of equally fast plans, which one
 can differ). A depth none of whose pipelines fits solves its other counts' free stage plans
 then, where the best plan that fits by that time bounds them (``search.pipeline``). A pipeline depth whose
