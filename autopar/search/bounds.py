@@ -72,7 +72,6 @@ class Bounds:
         self.full: dict[Scenario, float] = {}
         self.lp: dict[Scenario, float] = {}
         """Scenario -> its LP relaxation's optimum under the memory limit (``solve_lp``)."""
-        self.floors: dict[tuple[int, str, int | None], float] = {}
 
     def step(self, scenario: Scenario) -> Problem:
         """The problem priced under ``scenario``, within the search's limit."""
@@ -151,15 +150,13 @@ class Bounds:
         """(1 - eff / repeats) x the least recompute seconds any plan of ``scenario`` adds."""
         if scenario.checkpoint == "none":
             return 0.0
-        key = (scenario.micro_batches, scenario.checkpoint, scenario.checkpoint_blocks)  # all it depends on
-        if key not in self.floors:
-            step, base = self.step(scenario), self.step(group)
-            self.floors[key] = base.parts.by_graph.kept(("recompute floor", *key), base.graph,
-                                                        lambda: _recompute_floor(step, base))
-        return self.floors[key]
+        step, base = self.step(scenario), self.step(group)  # its checkpointing and base graph decide it
+        return base.parts.by_graph.kept(("recompute floor", scenario.checkpoint, scenario.checkpoint_blocks),
+                                        base.graph, lambda: _recompute_floor(step, base))
 
 
 def _recompute_floor(step: Problem, base: Problem) -> float:
+    """``Bounds._recompute_floor`` of ``step`` over ``base``, its relaxation."""
     eff = step.ctx.mesh.hardware.grad_sync_overlap if step.ctx.train else 0.0
     added = sum(min(c.time - b.time for c, b in zip(node.costs, base.graph.nodes[name].costs))
                 for name, node in step.graph.nodes.items() if node.costs)
