@@ -112,6 +112,16 @@ def test_group_timeout_reads_what_the_group_waits() -> None:
     assert run_ranks(check, 2) == [7.0, 7.0]
 
 
+def _world_timeout(rank: int, world: int) -> float:
+    return group_timeout(dist.group.WORLD).total_seconds()
+
+
+def test_the_world_group_waits_the_timeout_once_every_rank_joined() -> None:
+    """Joining (store, gloo's connections, a barrier) waits ``JOIN_S`` on a busy machine; the collectives
+    the function then runs wait ``timeout_s``."""
+    assert run_ranks(_world_timeout, 2, timeout_s=3) == [3.0, 3.0]
+
+
 def test_forking_beside_a_live_process_group_is_refused() -> None:
     """A process group's threads (its store's, gloo's loops) forked mid-lock can hang a rank's own
     ``init_process_group``: run_ranks refuses to fork while they run, and forks again once the

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from autopar.runtime.gloo import one_worker_per_group
 
@@ -38,6 +39,11 @@ TIMEOUT_S = 60
 GRACE_S = 30
 """After a rank failed, how long past ``timeout_s`` the others have to report before the
 parent dumps their stacks and kills them."""
+
+JOIN_S = 60
+"""How long the ranks wait for each other to form the world group (rank 0's store, gloo's
+connections, a first barrier), whatever the collectives' ``timeout_s``: a rank forked on a busy
+machine can start a second or more after its peers."""
 
 LIMIT_S = 1200
 """How long a run may take in all: ranks that have not reported by then have their stacks
@@ -82,19 +88,18 @@ def _process_group_threads() -> list[str]:
     return sorted(n for n in names if n.startswith(PROCESS_GROUP_THREADS))
 
 
-def _store(rank: int, world: int, port: Any, timeout_s: float) -> dist.TCPStore:
+def _store(rank: int, world: int, port: Any, timeout: datetime.timedelta) -> dist.TCPStore:
     """The group's store: rank 0 serves it on a port the OS picks as it binds, and says which in ``port``
     (a shared int) for the others to join. A port picked free beforehand can be taken (another process, a
     gloo connection) before the store binds it: the group then failed with EADDRINUSE."""
-    timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         port.value = store.port
         return store
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout.total_seconds()
     while port.value == 0:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 served no store within {timeout_s:.0f} s")
+            raise TimeoutError(f"rank 0 served no store within {timeout.total_seconds():.0f} s")
         time.sleep(0.002)
     return dist.TCPStore("127.0.0.1", port.value, world, is_master=False, timeout=timeout)
 
@@ -111,12 +116,17 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: Any, queue: 
 def _run(fn: Callable[..., Any], rank: int, world: int, port: Any, args: tuple, timeout_s: float) -> _Report:
     """``fn`` on this rank, its error stamped when it is caught: before ``destroy_process_group``
     closes the connections its peers then fail on ("Connection closed by peer")."""
+    join = datetime.timedelta(seconds=max(timeout_s, JOIN_S))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, store=_store(rank, world, port, timeout_s),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=_store(rank, world, port, join),
+                                timeout=join)
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         return _Report(rank, None, traceback.format_exc(), time.time())
     try:
+        # A rank's group is up once its own side of each connection is: without the barrier a rank whose fn
+        # runs no collective could return and close its connections while a peer still completes its side.
+        dist.barrier()
+        c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), dist.group.WORLD)
         return _Report(rank, fn(rank, world, *args), None, 0.0)
     except BaseException:  # noqa: BLE001
         return _Report(rank, None, traceback.format_exc(), time.time())
