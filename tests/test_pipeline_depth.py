@@ -4,6 +4,7 @@ planning only, no ranks (compile's side: tests/test_numerics_pipeline.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -99,6 +100,51 @@ def test_an_unpipelined_step_that_does_not_fit_is_planned_after_the_pipelines() 
         except autopar.MemoryLimitError:
             continue
         assert rival.predicted.step_time_s >= plan.predicted.step_time_s
+
+
+class _Counts:
+    """Stands in for a depth's counts planned under the limit (``search.pipeline.Limited``): each count's
+    fastest free pipeline and the plan it gives under the limit, planned only while faster than the cutoff."""
+
+    def __init__(self, depth: int, counts: list[tuple[float, float]], log: list[tuple[int, float, float]]) -> None:
+        self.depth, self.counts, self.log, self.fitting_s = depth, counts, log, math.inf
+
+    @property
+    def done(self) -> bool:
+        return not self.counts
+
+    @property
+    def next_s(self) -> float:
+        return self.counts[0][0] if self.counts else math.inf
+
+    def step(self, cutoff_s: float) -> None:
+        free_s, limited_s = self.counts.pop(0)
+        if free_s >= cutoff_s:
+            self.counts.clear()
+            return
+        self.log.append((self.depth, free_s, cutoff_s))
+        self.fitting_s = min(self.fitting_s, limited_s)
+
+
+def test_depths_none_of_whose_pipelines_fit_take_their_counts_fastest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline depths planned under the limit take their micro-batch counts together, the fastest free
+    pipelines of any depth first: pp=4's first count, planned before pp=2's second, bounds it out (planned
+    depth after depth, pp=2's second count was planned, bounded only by pp=2's first)."""
+    from types import SimpleNamespace
+
+    from autopar.search import depth
+    from autopar.search.account import Account
+    from autopar.search.memory import TIE
+    log: list[tuple[int, float, float]] = []
+    counts = {2: _Counts(2, [(1.0, 5.0), (2.5, 2.4)], log), 4: _Counts(4, [(1.1, 2.0)], log)}
+    monkeypatch.setattr(depth, "start_limited", lambda problems, unlimited, cutoff_s: counts[unlimited.depth])
+    monkeypatch.setattr(depth, "end_limited", lambda problems, at: at)
+    ended: dict[int, float] = {}
+    monkeypatch.setattr(depth, "_record", lambda problems, k, at, found, skipped: ended.update({k: at.fitting_s}))
+    turns = {k: SimpleNamespace(depth=k, fastest_s=c.next_s) for k, c in counts.items()}
+    depth._in_turns(SimpleNamespace(account=Account()), turns, [1, 2, 4], {}, {}, math.inf)  # type: ignore[arg-type]
+    assert log == [(2, 1.0, math.inf), (4, 1.1, 5.0 * (1 + 2 * TIE))]  # pp=2's second count (2.5 s) not planned
+    assert ended == {2: 5.0, 4: 2.0}
 
 
 def test_nothing_fitting_says_why_for_each_depth() -> None:

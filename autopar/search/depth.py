@@ -11,13 +11,15 @@ say what each depth gave or why it gave nothing.
 The search runs in two rounds. First every depth is planned without the memory limit (the step's free
 solve; each pipeline depth's stage plans at the counts its search picks): cheap, and in practice no plan
 under the limit is faster. Then each depth is planned under the limit, bounded by the best plan found so
-far: first the depths with a plan that fits already (nothing more to solve), then the other pipeline depths,
-fastest without the limit first, then the unpipelined step where its free plan does not fit: that plan
-holds every parameter's state on each rank, so the memory it must save costs it more than a pipeline, whose
-ranks hold a stage's share, and planned last it is bounded by their best. The order decides only how soon a
-depth is bounded: the plan is the fastest that fits whichever comes first (of equally fast plans, which one
-can differ). A depth none of whose pipelines fits solves its other counts' free stage plans
-then, where the best plan that fits by that time bounds them (``search.pipeline``). A pipeline depth whose
+far: first the depths with a plan that fits already (nothing more to solve), then the other pipeline depths
+together, a micro-batch count at a time, the count whose pipelines are fastest without the limit first, of
+any depth (so the best plan any depth has found bounds the counts every other has left), then the
+unpipelined step where its free plan does not fit: that plan holds every parameter's state on each rank, so
+the memory it must save costs it more than a pipeline, whose ranks hold a stage's share, and planned last it
+is bounded by their best. The order decides only how soon a depth is bounded: the plan is the fastest
+that fits whichever comes first (of equally fast plans, which one can differ). A depth none of whose
+pipelines fits solves its other counts' free stage plans as it starts, where the best plan that fits by
+that time bounds them (``search.pipeline``). A pipeline depth whose
 plans without the limit are no faster than the bound is not planned again, the stage plans' memory
 searches seek only what can beat it, and the unpipelined step's memory search (where memory binds, most
 of the ILPs) stops at the scenarios whose bounds cannot. With memory to spare the first round's plans fit
@@ -36,7 +38,8 @@ from autopar.pipeline.spec import Pipeline
 from autopar.pipeline.stages import block_units
 from autopar.search.context import plan_on
 from autopar.search.memory import TIE, Bound, Pruned, free_plan
-from autopar.search.pipeline import Unlimited, limited_pipeline, unlimited_pipelines
+from autopar.search.pipeline import (Limited, Unlimited, end_limited, limited_pipeline, start_limited,
+                                     unlimited_pipelines)
 from autopar.search.planned import PlannedStep
 from autopar.search.problem import Place, Problems
 from autopar.units import fmt_bytes, fmt_time
@@ -69,10 +72,15 @@ def search_depths(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, 
             _record(problems, depth, at, found, skipped)
         else:
             free[depth], order[depth] = at, (at.none_fit, False, at.fastest_s)
-    for depth in sorted(free, key=lambda k: (*order[k], k)):  # the likeliest plans first: they bound the rest
-        fastest = min((s.plan.predicted.step_time_s for s in found.values()), default=math.inf)
-        cutoff = min(fastest * (1 + 2 * TIE), cutoff_s)  # an equal plan still planned: the shallower depth wins
+    ordered = sorted(free, key=lambda k: (*order[k], k))  # the likeliest plans first: they bound the rest
+    turns = {k: at for k in ordered if (at := free[k]) is not None and at.none_fit}
+    for depth in ordered:
+        if depth in turns:
+            if depth == next(iter(turns)):
+                _in_turns(problems, turns, depths, found, skipped, cutoff_s)
+            continue
         unlimited = free[depth]
+        cutoff = _cutoff(found, math.inf, cutoff_s)
         if unlimited is None:
             at = _unpipelined(problems, mesh, limit, depths, cutoff)
             if isinstance(at, Pruned) and not isinstance(at.error, MemoryLimitError):
@@ -113,6 +121,42 @@ def _unlimited(problems: Problems, spec: Pipeline, mesh: Mesh, limit: float, uni
 
 def _where(depth: int, depths: list[int]) -> str:
     return f"pp={depth} (depth {depths.index(depth) + 1} of {len(depths)})"
+
+
+def _cutoff(found: dict[int, PlannedStep], fitting_s: float, cutoff_s: float) -> float:
+    """What a depth's plans must beat: the best plan found (``found``'s, or ``fitting_s``), and the caller's
+    ``cutoff_s``; an equal plan is still planned, so that the shallower depth wins ties."""
+    fastest = min((s.plan.predicted.step_time_s for s in found.values()), default=fitting_s)
+    return min(min(fastest, fitting_s) * (1 + 2 * TIE), cutoff_s)
+
+
+def _in_turns(problems: Problems, turns: dict[int, Unlimited], depths: list[int], found: dict[int, PlannedStep],
+              skipped: dict[int, str], cutoff_s: float) -> None:
+    """The pipeline depths none of whose pipelines fits without the limit, planned under it together: of
+    every depth's micro-batch counts left, the one whose free pipelines are fastest is planned next (a depth
+    not started counts as its fastest free pipeline; ties to the depths' order), so that the best plan any
+    depth has found bounds the counts every other has left. Planned one depth after another, a depth's counts
+    were bounded only by the depths before it."""
+    started: dict[int, Limited] = {}
+    waiting = list(turns)
+    while waiting:
+        depth = min(waiting, key=lambda k: (started[k].next_s if k in started else turns[k].fastest_s,
+                                            waiting.index(k)))
+        cutoff = _cutoff(found, min((s.fitting_s for s in started.values()), default=math.inf), cutoff_s)
+        with problems.account.inside(_where(depth, depths)):
+            at = started.get(depth) or start_limited(problems, turns[depth], cutoff)
+            if isinstance(at, Pruned):
+                _record(problems, depth, at, found, skipped)
+                waiting.remove(depth)
+                continue
+            started[depth] = at
+            if not at.done:
+                at.step(cutoff)
+        if at.done:
+            waiting.remove(depth)
+    for depth, at in started.items():
+        with problems.account.inside(_where(depth, depths)):
+            _record(problems, depth, end_limited(problems, at), found, skipped)
 
 
 def _unpipelined(problems: Problems, mesh: Mesh, limit: float, depths: list[int], cutoff_s: float

@@ -28,7 +28,7 @@ from autopar.errors import InputError, MemoryLimitError
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
 from autopar.search.memory import Pruned
-from autopar.search.pipeline_limited import limited, no_fit
+from autopar.search.pipeline_limited import Counts, no_fit
 from autopar.search.planned import PlannedStep
 from autopar.search.problem import Problems
 from autopar.search.stage_plans import PipelineSearch, Priced, StageMesh, label
@@ -122,32 +122,86 @@ def _outpaced(search: PipelineSearch, cutoff_s: float) -> Pruned:
     return Pruned(why, MemoryLimitError(why), bounded=True)
 
 
+@dataclass
+class Limited:
+    """A pipeline search's second half under way: its pipelines priced so far and the counts left to plan under
+    the limit (``Counts``; none where a free pipeline fits)."""
+
+    unlimited: Unlimited
+    priced: list[Priced]
+    counts: Counts | None
+    seconds: float
+    """Both halves' seconds so far."""
+
+    @property
+    def done(self) -> bool:
+        return self.counts is None or self.counts.done
+
+    @property
+    def next_s(self) -> float:
+        """The fastest free pipeline of the count ``step`` plans next (``Counts.next_s``)."""
+        return math.inf if self.counts is None else self.counts.next_s
+
+    @property
+    def fitting_s(self) -> float:
+        """The fastest pipeline that fits priced so far."""
+        limit = self.unlimited.search.limit
+        return min((f.step_time_s for f in (*self.priced, *(self.counts.out if self.counts else ()))
+                    if f.peak_bytes <= limit), default=math.inf)
+
+    def step(self, cutoff_s: float = math.inf) -> None:
+        """Plan the next count under the limit (``Counts.step``), seeking only plans faster than ``cutoff_s``."""
+        began = time.perf_counter()
+        assert self.counts is not None
+        self.counts.step(cutoff_s)
+        self.seconds += time.perf_counter() - began
+
+
 def limited_pipeline(problems: Problems, unlimited: Unlimited, cutoff_s: float = math.inf) -> PlannedStep | Pruned:
     """The fastest pipeline that fits the limit, from ``unlimited``'s plans and, where none of those fits,
     stage plans solved under the limit (``search.pipeline_limited``); none is sought where the plans without
     the limit are no faster than ``cutoff_s`` (the depth search has a plan as fast already)."""
+    started = start_limited(problems, unlimited, cutoff_s)
+    if isinstance(started, Pruned):
+        return started
+    while not started.done:
+        started.step(cutoff_s)
+    return end_limited(problems, started)
+
+
+def start_limited(problems: Problems, unlimited: Unlimited, cutoff_s: float = math.inf) -> Limited | Pruned:
+    """``limited_pipeline`` up to its counts planned under the limit (``Limited.step`` plans them): where no
+    pipeline fits without the limit, every count's free stage plan solved; pruned where those cannot beat
+    ``cutoff_s``."""
     began = time.perf_counter()
     if unlimited.none_fit:
         unlimited = _every_count(unlimited, cutoff_s)
-    search, free, how = unlimited.search, unlimited.free, unlimited.how
-    limit = search.limit
+    search, free = unlimited.search, unlimited.free
     priced = [f for plans in free.values() for f in plans]
     if not priced and (search.bounded or search.race.outrun):  # each slower than the cutoff
         return _outpaced(search, cutoff_s)
+    counts = None
     if unlimited.none_fit:
         fastest = unlimited.fastest_s
         if priced and fastest >= cutoff_s:
             why = (f"its pipelines planned without the memory limit do not fit and are no faster ({fmt_s(fastest)}) "
                    f"than the best plan found ({fmt_s(cutoff_s)}): not planned under the limit")
             return Pruned(why, MemoryLimitError(why))
-        priced += limited(search, free, cutoff_s)
-    fitting = [f for f in priced if f.peak_bytes <= limit]
+        counts = Counts(search, free)
+    return Limited(unlimited, priced, counts, unlimited.seconds + time.perf_counter() - began)
+
+
+def end_limited(problems: Problems, started: Limited) -> PlannedStep | Pruned:
+    """The fastest pipeline that fits of those ``started`` priced, once its counts are planned."""
+    search, how = started.unlimited.search, started.unlimited.how
+    priced = [*started.priced, *(started.counts.out if started.counts else ())]
+    fitting = [f for f in priced if f.peak_bytes <= search.limit]
     if not fitting:
-        error = no_fit(priced, search.refused, search.unfit, limit, search.stage.spec)
+        error = no_fit(priced, search.refused, search.unfit, search.limit, search.stage.spec)
         return Pruned(str(error), error)
     best = min(fitting, key=lambda f: f.step_time_s)  # min keeps the first of equals
     problems.account.record("pipeline", label(best.choice), "chosen", best.step_time_s, how)
-    return _annotated(best, fitting, len(priced), search, unlimited.seconds + time.perf_counter() - began, how)
+    return _annotated(best, fitting, len(priced), search, started.seconds, how)
 
 
 def _annotated(best: Priced, fitting: list[Priced], priced: int, search: PipelineSearch, seconds: float, how: str

@@ -20,29 +20,54 @@ WORTH_A_SEARCH = 0.05
 much faster than the best pipeline that fits: each such plan is a memory search of many ILPs."""
 
 
-def limited(search: PipelineSearch, free: dict[int, list[Priced]], cutoff_s: float = math.inf) -> list[Priced]:
-    """Pipelines of stage plans solved under the limit: micro-batch counts whose free pipelines were
-    fastest first, until the next count's free pipelines are not ``WORTH_A_SEARCH`` faster than the best
-    that fits, free or solved under the limit (a plan under the limit is priced no faster than its free one
-    in practice). Stopping at the first count that fits would miss a finer count that needs no
-    checkpointing. ``cutoff_s``: the caller's best plan so far (a shallower depth's): a count whose free
-    pipelines are no faster is not planned under the limit, and it bounds each stage plan as the race's
-    best does."""
-    def fastest(m: int) -> float:
-        return min((f.step_time_s for f in free[m]), default=math.inf)
-    out: list[Priced] = []
-    limit, race = search.limit, search.race
-    fitting = [f for m in free for f in free[m] if f.peak_bytes <= limit]  # free pipelines that fit already
-    for m in sorted(free, key=fastest):  # sorted is stable: ties keep the choices' order
-        fits = fitting + [f for f in out if f.peak_bytes <= limit]
-        if fastest(m) >= min((1 - WORTH_A_SEARCH) * min((f.step_time_s for f in fits), default=math.inf), cutoff_s):
-            break  # this count, and every later one, cannot beat a pipeline that fits by enough
-        best = min(fits, key=lambda f: f.step_time_s, default=None)  # min keeps the first of equals
-        step = _under_limit(search.stage, m, limit, search.unfit, search.stage.ranks * min(race.best_s, cutoff_s),
+class Counts:
+    """A pipeline search's micro-batch counts planned under the limit one at a time (``step``), counts whose
+    free pipelines were fastest first, until the next count's free pipelines are not ``WORTH_A_SEARCH``
+    faster than the best that fits, free or solved under the limit (a plan under the limit is priced no
+    faster than its free one in practice). Stopping at the first count that fits would miss a finer count
+    that needs no checkpointing. One count at a time, so that the depth search can take turns between
+    depths (``search.depth``): each count is then bounded by the best plan any depth has found."""
+
+    def __init__(self, search: PipelineSearch, free: dict[int, list[Priced]]) -> None:
+        self.search, self.free = search, free
+        self.waiting = sorted(free, key=self.fastest)  # sorted is stable: ties keep the choices' order
+        self.out: list[Priced] = []
+        self.fitting = [f for m in free for f in free[m] if f.peak_bytes <= search.limit]  # free, fitting already
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting
+
+    def fastest(self, m: int) -> float:
+        return min((f.step_time_s for f in self.free[m]), default=math.inf)
+
+    @property
+    def next_s(self) -> float:
+        """The fastest free pipeline of the count ``step`` plans next."""
+        return self.fastest(self.waiting[0]) if self.waiting else math.inf
+
+    @property
+    def fitting_s(self) -> float:
+        """The fastest pipeline of these counts that fits so far."""
+        return min((f.step_time_s for f in self.fitting), default=math.inf)
+
+    def step(self, cutoff_s: float = math.inf) -> None:
+        """The next count planned under the limit, where its free pipelines may still beat both the best that
+        fits here by ``WORTH_A_SEARCH`` and ``cutoff_s`` (the caller's best plan so far: it bounds each stage
+        plan as the race's best does); otherwise no count is planned any more (``done``)."""
+        m = self.waiting.pop(0)
+        if self.fastest(m) >= min((1 - WORTH_A_SEARCH) * self.fitting_s, cutoff_s):
+            self.waiting.clear()  # this count, and every later one, cannot beat a pipeline that fits by enough
+            return
+        best = min(self.fitting, key=lambda f: f.step_time_s, default=None)  # min keeps the first of equals
+        search = self.search
+        step = _under_limit(search.stage, m, search.limit, search.unfit,
+                            search.stage.ranks * min(search.race.best_s, cutoff_s),
                             None if best is None else best.step.scenario)
         if step is not None:
-            out += search.price(step, search.by_count[m])
-    return out
+            priced = search.price(step, search.by_count[m])
+            self.out += priced
+            self.fitting += [f for f in priced if f.peak_bytes <= search.limit]
 
 
 def _under_limit(stage: StageMesh, m: int, limit: float, unfit: list[str], cutoff_s: float,
