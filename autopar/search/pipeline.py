@@ -145,9 +145,10 @@ class Limited:
     @property
     def fitting_s(self) -> float:
         """The fastest pipeline that fits priced so far."""
-        limit = self.unlimited.search.limit
-        return min((f.step_time_s for f in (*self.priced, *(self.counts.out if self.counts else ()))
-                    if f.peak_bytes <= limit), default=math.inf)
+        if self.counts is not None:  # it holds the free pipelines that fit too
+            return self.counts.fitting_s
+        return min((f.step_time_s for f in self.priced if f.peak_bytes <= self.unlimited.search.limit),
+                   default=math.inf)
 
     def step(self, cutoff_s: float = math.inf) -> None:
         """Plan the next count under the limit (``Counts.step``), seeking only plans faster than ``cutoff_s``."""
