@@ -19,11 +19,10 @@ the memory it must save costs it more than a pipeline, whose ranks hold a stage'
 is bounded by their best. The order decides only how soon a depth is bounded: the plan is the fastest
 that fits whichever comes first (of equally fast plans, which one can differ). A depth none of whose
 pipelines fits solves its other counts' free stage plans as it starts, where the best plan that fits by
-that time bounds them (``search.pipeline``). A pipeline depth whose
-plans without the limit are no faster than the bound is not planned again, the stage plans' memory
-searches seek only what can beat it, and the unpipelined step's memory search (where memory binds, most
-of the ILPs) stops at the scenarios whose bounds cannot. With memory to spare the first round's plans fit
-and the second only prices them.
+that time bounds them (``search.pipeline``). A pipeline depth whose plans without the limit are no
+faster than the bound is not planned again, the stage plans' memory searches seek only what can beat it,
+and the unpipelined step's memory search (where memory binds, most of the ILPs) stops at the scenarios
+whose bounds cannot. With memory to spare the first round's plans fit and the second only prices them.
 """
 
 from __future__ import annotations
@@ -135,8 +134,8 @@ def _in_turns(problems: Problems, turns: dict[int, Unlimited], depths: list[int]
     """The pipeline depths none of whose pipelines fits without the limit, planned under it together: of
     every depth's micro-batch counts left, the one whose free pipelines are fastest is planned next (a depth
     not started counts as its fastest free pipeline; ties to the depths' order), so that the best plan any
-    depth has found bounds the counts every other has left. Planned one depth after another, a depth's counts
-    were bounded only by the depths before it."""
+    depth has found bounds the counts every other has left (depth after depth, a depth's counts would be
+    bounded only by the depths before it)."""
     started: dict[int, Limited] = {}
     waiting = list(turns)
     while waiting:
