@@ -114,8 +114,8 @@ class GradSync:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
-        if not self._flat:
-            self._flat = {d: torch.zeros(self.numel[d], dtype=self.dtype, device=grad.device) for d in self.dims}
+        if not self._flat:  # every element is written before it is read: each parameter's region is copied in
+            self._flat = {d: torch.empty(self.numel[d], dtype=self.dtype, device=grad.device) for d in self.dims}
         dim = self.first_dim[name]
         region = self._region(dim, name)
         if name in self._received:  # a second contribution in one backward: sum, unless already sent
@@ -199,10 +199,13 @@ class GradSync:
         return self._region(dims[-1], name)
 
     def _write_grads(self) -> None:
+        """``.grad`` becomes the reduced sum (plus what it held before this synchronization):
+        with nothing before, the buffer's own region, as DDP's ``gradient_as_bucket_view`` (no
+        copy back; the buffers are fresh each synchronization, so a later backward never writes
+        into gradients handed out); the unreduced ``.grad`` autograd made is dropped."""
         for name in sorted(self._received):
             param = self.params[name]
             reduced = self._reduced(name).view(param.shape).to(param.dtype)
             before = self._before[name]
-            assert param.grad is not None
             # Exactly (earlier sum) + (reduced sum): the same bits on every replica.
-            param.grad.copy_(reduced if before is None else before + reduced)
+            param.grad = reduced if before is None else before + reduced
