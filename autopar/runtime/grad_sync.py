@@ -69,13 +69,22 @@ class GradSync:
                     self.offset[bucket.mesh_dim][piece.param] = self.numel[bucket.mesh_dim]
                 self.numel[bucket.mesh_dim] += piece.stop - piece.start
             self.span.append((start, self.numel[bucket.mesh_dim]))
-        names = {name for b in buckets for name in b.params}
+        members = [bucket.params for bucket in buckets]
+        names = {name for params_in in members for name in params_in}
         self.first_dim = {name: min(d for d in self.dims if name in self.offset[d]) for name in names}
-        self.early: dict[str, list[int]] = defaultdict(list)  # buckets a parameter's arrival may complete
-        for i, bucket in enumerate(buckets):
-            for name in bucket.params:
+        self.size = {name: params[name].numel() for name in names}
+        # Fixed per plan, so that a hook costs O(its buckets), not O(parameters): the buckets each
+        # parameter is in, those its arrival may complete, and which buckets can be launched during
+        # backward (every parameter's first mesh dim is the bucket's: none waits on an earlier dim)
+        self.member_of: dict[str, list[int]] = defaultdict(list)
+        self.early: dict[str, list[int]] = defaultdict(list)
+        for i, (bucket, params_in) in enumerate(zip(buckets, members)):
+            for name in params_in:
+                self.member_of[name].append(i)
                 if self.first_dim[name] == bucket.mesh_dim:
                     self.early[name].append(i)
+        self.launchable = [all(self.first_dim[n] == b.mesh_dim for n in m) for b, m in zip(buckets, members)]
+        self.distinct = [len(m) for m in members]
         # Reduced in fp32 at least (reduce_dtype=fp32): a bf16 model's gradients too, as the plan prices them
         self.dtype = functools.reduce(torch.promote_types, [params[n].dtype for n in sorted(names)], torch.float32)
         self._reset()
@@ -101,6 +110,7 @@ class GradSync:
 
     def _reset_backward(self) -> None:
         self._received: set[str] = set()  # in this backward
+        self._pending = list(self.distinct)  # per bucket: its parameters not yet received in this backward
         self._work: dict[int, Any] = {}  # launched bucket -> async work
         self._callback_queued = False
 
@@ -119,11 +129,13 @@ class GradSync:
         dim = self.first_dim[name]
         region = self._region(dim, name)
         if name in self._received:  # a second contribution in one backward: sum, unless already sent
-            if any(name in self.buckets[i].params for i in self._work):
+            if any(i in self._work for i in self.member_of[name]):
                 raise RuntimeError(f"a second gradient of {name} arrived after its bucket was reduced")
             region.add_(grad.reshape(-1))
             return
         self._received.add(name)
+        for i in self.early[name]:
+            self._pending[i] -= 1
         if name in self._accumulated:  # an earlier micro-batch's gradient is in the buffer
             region.add_(grad.reshape(-1))
         else:
@@ -134,17 +146,12 @@ class GradSync:
         if self.deferred:
             return
         for i in self.early[name]:
-            if self._ready_early(i):
+            if self._pending[i] == 0 and self.launchable[i]:  # every slice is in, none waits on an earlier dim
                 self._launch(i)
 
     def _region(self, dim: int, name: str) -> torch.Tensor:
         start = self.offset[dim][name]
-        return self._flat[dim][start: start + self.params[name].numel()]
-
-    def _ready_early(self, i: int) -> bool:
-        """Every slice is in and none needs reducing over an earlier mesh dim first."""
-        bucket = self.buckets[i]
-        return all(n in self._received and self.first_dim[n] == bucket.mesh_dim for n in bucket.params)
+        return self._flat[dim][start: start + self.size[name]]
 
     def _launch(self, i: int) -> None:
         start, stop = self.span[i]
@@ -163,7 +170,7 @@ class GradSync:
             self.comm.settle()
             for work in self._work.values():
                 work.wait()
-            missing = sorted({n for b in self.buckets for n in b.params} - self._received)
+            missing = sorted(self.first_dim.keys() - self._received)
             if missing:
                 raise RuntimeError(
                     f"gradient synchronization: no gradient arrived in this backward for {', '.join(missing)}, "
