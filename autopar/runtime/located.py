@@ -47,8 +47,10 @@ class ProgramLocator:
 
     def __init__(self, program: torch.fx.GraphModule) -> None:
         self._program = program
-        self._programs: dict[CodeType, tuple[torch.fx.GraphModule, list[torch.fx.Node]]] = {}
-        """Forward code -> its program or region, and that one's nodes in order."""
+        self._programs: dict[int, tuple[CodeType, torch.fx.GraphModule, list[torch.fx.Node]]] = {}
+        """id of a forward's code -> that code (kept, so the id stays its own), its program or region,
+        and that one's nodes in order. Keyed by id: hashing a code object hashes its bytecode and
+        constants on every lookup, tens of microseconds for a program's, several per runtime-op call."""
         self._last: tuple[torch.fx.Node, bool] | None = None  # the last runtime op of a backward: (node, ended)
         for child in program.children():
             if not isinstance(child, torch.fx.GraphModule):
@@ -117,14 +119,15 @@ class ProgramLocator:
         return None
 
     def _node_of(self, frame: FrameType) -> torch.fx.Node | None:
-        found = self._programs.get(frame.f_code)
-        if found is None and frame.f_code.co_name == "forward":  # a program recompiled since: its new code
-            self._programs = {type(m).forward.__code__: (m, list(m.graph.nodes)) for m in self._program.modules()
-                              if isinstance(m, torch.fx.GraphModule)}
-            found = self._programs.get(frame.f_code)
+        code = frame.f_code
+        found = self._programs.get(id(code))
+        if found is None and code.co_name == "forward":  # a program recompiled since: its new code
+            self._programs = {id(c): (c, m, list(m.graph.nodes)) for m in self._program.modules()
+                              if isinstance(m, torch.fx.GraphModule) for c in (type(m).forward.__code__,)}
+            found = self._programs.get(id(code))
         if found is None:
             return None
-        program, nodes = found
+        _, program, nodes = found
         index = program._lineno_map.get(frame.f_lineno - program._prologue_start)  # type: ignore[union-attr]
         return nodes[index] if index is not None and index < len(nodes) else None
 
