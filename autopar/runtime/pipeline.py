@@ -287,7 +287,9 @@ def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], m
                    log: CollectiveLog | None) -> None:
     """All-reduce (sum) the gradients this rank holds of each of the plan's buckets, one
     collective per bucket on its mesh dim (in fp32 at least, as ``GradSync`` reduces them).
-    The ranks of one stage hold the same parameters, so they run the same collectives."""
+    The ranks of one stage hold the same parameters, so they run the same collectives. A
+    gradient the bucket holds whole, in its own dtype, becomes its region of the bucket (as
+    ``GradSync`` hands them out: no copy back); a piece of one is copied back into it."""
     for bucket in buckets:
         pieces = [(params[s.param], s.start, s.stop) for s in bucket.slices if s.param in params]
         pieces = [(p, a, b) for p, a, b in pieces if p.grad is not None]
@@ -300,7 +302,11 @@ def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], m
         dist.all_reduce(flat, group=mesh.get_group(bucket.mesh_dim))
         offset = 0
         for p, a, b in pieces:
-            p.grad.view(-1)[a:b].copy_(flat[offset:offset + b - a])
+            region = flat[offset:offset + b - a]
+            if b - a == p.numel() and p.grad.dtype == dtype:
+                p.grad = region.view(p.shape)
+            else:
+                p.grad.view(-1)[a:b].copy_(region)
             offset += b - a
 
 
