@@ -153,10 +153,16 @@ def stash_grads(params: list[nn.Parameter]) -> dict[nn.Parameter, torch.Tensor |
 
 
 def restore_grads(stashed: dict[nn.Parameter, torch.Tensor | None], total: torch.Tensor) -> None:
-    """Each gradient := what it held before the step + the step's sum / the step's count."""
+    """Each gradient := what it held before the step + the step's sum / the step's count. The
+    step's sum is divided in place when nothing was held (the same quotient, without a second
+    gradient-sized tensor: ``.grad`` is the step's own, made by its backward or its buckets)."""
     for p, before in stashed.items():
         if p.grad is None:
             p.grad = before
             continue
-        step = p.grad / total.to(p.grad.device)
+        divisor = total.to(p.grad.device)
+        if before is None and type(p.grad) is torch.Tensor and torch.result_type(p.grad, divisor) == p.grad.dtype:
+            p.grad.div_(divisor)
+            continue
+        step = p.grad / divisor
         p.grad = step.to(p.grad.dtype) if before is None else before + step.to(p.grad.dtype)
