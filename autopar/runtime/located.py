@@ -50,7 +50,10 @@ class ProgramLocator:
         self._programs: dict[int, tuple[CodeType, torch.fx.GraphModule, list[torch.fx.Node]]] = {}
         """id of a forward's code -> that code (kept, so the id stays its own), its program or region,
         and that one's nodes in order. Keyed by id: hashing a code object hashes its bytecode and
-        constants on every lookup, tens of microseconds for a program's, several per runtime-op call."""
+        constants on every lookup (1.4 us for a 400-line program's), several per runtime-op call."""
+        self._sites: dict[tuple[int, int], torch.fx.Node | None] = {}
+        """(id of a program's code, bytecode offset) -> the node of that call site: a frame's line
+        number is found by scanning its code's line table from the start, long in a long program."""
         self._last: tuple[torch.fx.Node, bool] | None = None  # the last runtime op of a backward: (node, ended)
         for child in program.children():
             if not isinstance(child, torch.fx.GraphModule):
@@ -124,12 +127,16 @@ class ProgramLocator:
         if found is None and code.co_name == "forward":  # a program recompiled since: its new code
             self._programs = {id(c): (c, m, list(m.graph.nodes)) for m in self._program.modules()
                               if isinstance(m, torch.fx.GraphModule) for c in (type(m).forward.__code__,)}
+            self._sites = {}  # the ids of codes no longer held may be reused
             found = self._programs.get(id(code))
         if found is None:
             return None
-        _, program, nodes = found
-        index = program._lineno_map.get(frame.f_lineno - program._prologue_start)  # type: ignore[union-attr]
-        return nodes[index] if index is not None and index < len(nodes) else None
+        site = (id(code), frame.f_lasti)
+        if site not in self._sites:
+            _, program, nodes = found
+            index = program._lineno_map.get(frame.f_lineno - program._prologue_start)  # type: ignore[union-attr]
+            self._sites[site] = nodes[index] if index is not None and index < len(nodes) else None
+        return self._sites[site]
 
 
 def _tracebacks(exc: BaseException) -> list[Any]:
