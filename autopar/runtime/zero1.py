@@ -107,12 +107,13 @@ class ZeroOneShards:
         """Each ZeRO-1 parameter's gradient chunk, summed over its dim where the plan reduces it
         there and taken from ``.grad`` as it is elsewhere (None: no gradient on any rank)."""
         grads: dict[str, torch.Tensor | None] = {}
+        scattered: set[str] = set()  # taken from the buckets below
         for name, chunk in self.chunks.items():
             grad = chunk.param.grad
             if grad is None:
                 grads[name] = None
-            elif id(chunk.param) in self.scattered:  # filled by the buckets below
-                grads[name] = torch.empty(chunk.hi - chunk.lo, dtype=grad.dtype, device=grad.device)
+            elif id(chunk.param) in self.scattered:
+                scattered.add(name)
             else:  # not reduced on this dim: every rank holds the whole gradient, and takes its chunk
                 grads[name] = grad.reshape(-1)[chunk.lo:chunk.hi].clone()
         for bucket in self.buckets:
@@ -128,18 +129,28 @@ class ZeroOneShards:
             self._record(REDUCE_SCATTER, bucket, rows)
             self.settle()
             mine = fc.wait_tensor(fc.reduce_scatter_single(rows.view(-1), "sum", 0, self.mesh.get_group(bucket.mesh_dim)))
-            self._scatter(bucket, mine, grads)
+            self._scatter(bucket, mine, grads, scattered)
         return grads
 
-    def _scatter(self, bucket: ShardBucket, mine: torch.Tensor, grads: dict[str, torch.Tensor | None]) -> None:
-        """This rank's reduced columns into its chunks' gradients (when the parameter has one)."""
+    def _scatter(self, bucket: ShardBucket, mine: torch.Tensor, grads: dict[str, torch.Tensor | None],
+                 scattered: set[str]) -> None:
+        """This rank's reduced columns as its chunks' gradients (of the ``scattered`` parameters):
+        a chunk whose real elements are all in this bucket, in the gradient's dtype, is a view of
+        them (no copy); one cut across buckets is copied in piece by piece."""
         offset = 0
         for s in bucket.slices:
-            chunk, grad = self.chunks[s.param], grads[s.param]
-            if grad is not None:
-                stop = min(s.stop, chunk.hi - chunk.lo)  # past the real elements: padding
-                if stop > s.start:
-                    grad[s.start:stop] = mine[offset: offset + stop - s.start].to(grad.dtype)
+            if s.param in scattered:
+                chunk = self.chunks[s.param]
+                dtype, real = chunk.param.grad.dtype, chunk.hi - chunk.lo  # type: ignore[union-attr]
+                grad = grads.get(s.param)
+                if grad is None and s.start == 0 and s.stop >= real and mine.dtype == dtype:
+                    grads[s.param] = mine[offset: offset + real]
+                else:
+                    if grad is None:
+                        grad = grads[s.param] = torch.empty(real, dtype=dtype, device=mine.device)
+                    stop = min(s.stop, real)  # past the real elements: padding
+                    if stop > s.start:
+                        grad[s.start:stop] = mine[offset: offset + stop - s.start].to(dtype)
             offset += s.stop - s.start
 
     def all_gather(self) -> None:
