@@ -8,7 +8,8 @@ its first mesh dim; a bucket whose slices are all in, and whose parameters need 
 mesh dim, is launched at once as an async all-reduce, overlapping the rest of backward.
 An end-of-backward callback reduces the remaining buckets in mesh-dim order (a gradient
 reduced over dims 0 and 1 enters dim 1's buffer already summed over dim 0), then sets
-``.grad`` to what it held before this backward plus the reduced sum, so ``opt.step()`` right
+``.grad`` to what it held before this backward plus the reduced sum (with nothing before, the
+sum's own region of the buffer, as DDP's ``gradient_as_bucket_view``), so ``opt.step()`` right
 after ``loss.backward()`` sees synchronized gradients, identical on every replica, and
 gradients accumulated over several backward passes stay correct. The buffers are fp32
 (or wider): a mixed-precision step's masters have fp32 gradients, and a bf16 model's
