@@ -78,16 +78,19 @@ def gradient_buckets(params: list[tuple[str, int, frozenset[int]]], itemsize: in
 
 @dataclass(frozen=True)
 class ShardBucket:
-    """One bucket of ZeRO-1 chunks (``autopar.cost.zero1``): a reduce-scatter of gradients or
+    """One bucket of ZeRO-1 columns (``autopar.cost.zero1``): a reduce-scatter of gradients or
     an all-gather of updated parameters on one mesh dim, run at the optimizer step."""
 
     kind: str
     """'reduce_scatter' or 'all_gather'."""
     mesh_dim: int
     ways: int
-    """Ranks on ``mesh_dim``: each slice moves this many chunks' columns."""
+    """Ranks on ``mesh_dim``: each column holds one element of each rank's row."""
+    columns: tuple[int, int]
+    """Columns ``[start, stop)`` of the kind's streams on ``mesh_dim``, one stream's after another's."""
     slices: tuple[BucketSlice, ...]
-    """Columns ``[start, stop)`` of each parameter's chunks (elements of one chunk), in packing order."""
+    """The parameters it moves elements of, in stream order: each one's padded elements lie at
+    ``[start, stop)`` of its stream."""
     nbytes: int
     """M of the collective: the columns' elements on every rank (``ways`` x columns x itemsize)."""
 
@@ -96,27 +99,40 @@ class ShardBucket:
         return tuple(dict.fromkeys(s.param for s in self.slices))
 
 
-def shard_buckets(kind: str, params: list[tuple[str, int, int, int]], itemsize: int, cap: int) -> list[ShardBucket]:
-    """``params``: (name, chunk elements c, mesh dim, ways) in parameter order. Per mesh dim,
-    the chunks' columns in backward order (reverse parameter order), cut every ``cap``
-    bytes of ``ways`` x columns (a whole number of columns: ``zero1.shard_bucket_cap``)."""
-    buckets: list[ShardBucket] = []
-    for dim in sorted({d for _, _, d, _ in params}):
-        ways = next(n for _, _, d, n in params if d == dim)
-        per_bucket = cap // (itemsize * ways)
-        if per_bucket * itemsize * ways != cap:
-            raise ValueError(f"bucket size {cap} is not a whole number of {ways}-element columns of {itemsize} bytes")
-        slices: list[BucketSlice] = []
-        room = per_bucket
-        for name, chunk, d, _ in reversed(params):
-            start = 0
-            while d == dim and start < chunk:
-                take = min(room, chunk - start)
-                slices.append(BucketSlice(name, start, start + take))
-                start, room = start + take, room - take
-                if room == 0:
-                    buckets.append(ShardBucket(kind, dim, ways, tuple(slices), cap))
-                    slices, room = [], per_bucket
-        if slices:
-            buckets.append(ShardBucket(kind, dim, ways, tuple(slices), (per_bucket - room) * itemsize * ways))
+def shard_buckets(kind: str, mesh_dim: int, ways: int, streams: list[list[tuple[str, int]]], itemsize: int,
+                  cap: int) -> list[ShardBucket]:
+    """The buckets of one kind on one mesh dim. ``streams``: each stream's parameters (name,
+    chunk elements c) in stream order, each taking ``ways * c`` elements end to end, viewed as
+    ``ways`` rows; the columns of the streams one after another, cut every ``cap`` bytes of
+    ``ways`` x columns (a whole number of columns: ``zero1.shard_bucket_cap``)."""
+    per_bucket = cap // (itemsize * ways)
+    if per_bucket * itemsize * ways != cap:
+        raise ValueError(f"bucket size {cap} is not a whole number of {ways}-element columns of {itemsize} bytes")
+    placed: list[tuple[int, list[tuple[str, int, int]]]] = []  # (columns, [(name, start, stop)]) per stream
+    for stream in streams:
+        layout, position = [], 0
+        for name, chunk in stream:
+            layout.append((name, position, position + ways * chunk))
+            position += ways * chunk
+        placed.append((position // ways, layout))
+    total = sum(width for width, _ in placed)
+    buckets = []
+    for start in range(0, total, per_bucket):
+        stop = min(start + per_bucket, total)
+        slices = tuple(BucketSlice(*s) for s in _touched(placed, ways, start, stop))
+        buckets.append(ShardBucket(kind, mesh_dim, ways, (start, stop), slices, (stop - start) * ways * itemsize))
     return buckets
+
+
+def _touched(placed: list[tuple[int, list[tuple[str, int, int]]]], ways: int, start: int, stop: int
+             ) -> list[tuple[str, int, int]]:
+    """The parameters with an element in columns ``[start, stop)`` of the streams (row r of a
+    stream of w columns holds its elements ``[r * w, (r + 1) * w)``)."""
+    out, first = [], 0
+    for width, layout in placed:
+        a, b = max(start - first, 0), min(stop - first, width)
+        if a < b:
+            out += [(name, lo, hi) for name, lo, hi in layout
+                    if any(lo < r * width + b and r * width + a < hi for r in range(ways))]
+        first += width
+    return out

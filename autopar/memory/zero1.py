@@ -26,21 +26,24 @@ def zero1_dims(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) 
 
 def plan_shard_buckets(graph: PlanGraph, chosen: dict[str, Strategy], sync_dims: dict[str, frozenset[int]],
                        ctx: CostContext) -> list[ShardBucket]:
-    """Reduce-scatter buckets (ZeRO-1 parameters synchronized on their ZeRO-1 dim), then the
-    all-gather buckets (every ZeRO-1 parameter), each stream cut as ``shard_buckets`` does."""
-    dims = zero1_dims(graph, chosen, ctx)
-    chunks = []
-    for name, d in dims.items():
+    """Reduce-scatter buckets, then all-gather buckets, per ZeRO-1 dim d: two streams in
+    backward order, the parameters synchronized on d (reduce-scattered and all-gathered) and
+    the others (all-gathered only), each cut as ``shard_buckets`` does."""
+    chunks: dict[int, list[tuple[str, int]]] = {}
+    for name, d in zero1_dims(graph, chosen, ctx).items():
         meta = graph.nodes[name].outputs[0]
         assert meta is not None
-        chunk = chunk_elements(local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape), ctx.mesh.shape[d])
-        chunks.append((name, chunk, d, ctx.mesh.shape[d]))
+        numel = local_numel(meta, chosen[name].outputs[0], ctx.mesh.shape)
+        chunks.setdefault(d, []).append((name, chunk_elements(numel, ctx.mesh.shape[d])))
     precision = ctx.precision
+    scattered = {d: [c for c in reversed(on_d) if d in sync_dims.get(c[0], ())] for d, on_d in chunks.items()}
+    kept = {d: [c for c in reversed(on_d) if d not in sync_dims.get(c[0], ())] for d, on_d in chunks.items()}
     out = []
-    for kind, params, itemsize in ((REDUCE_SCATTER, [c for c in chunks if c[2] in sync_dims.get(c[0], ())],
-                                    precision.grad_bytes_per_param),
-                                   (ALL_GATHER, chunks, precision.master_bytes_per_param)):
-        for d in sorted({c[2] for c in params}):
-            cap = shard_bucket_cap(ctx.bucket_bytes, itemsize, ctx.mesh.shape[d])
-            out += shard_buckets(kind, [c for c in params if c[2] == d], itemsize, cap)
+    for kind, itemsize in ((REDUCE_SCATTER, precision.grad_bytes_per_param),
+                           (ALL_GATHER, precision.master_bytes_per_param)):
+        for d in sorted(chunks):
+            streams = [scattered[d]] if kind == REDUCE_SCATTER else [scattered[d], kept[d]]
+            if any(streams):
+                ways = ctx.mesh.shape[d]
+                out += shard_buckets(kind, d, ways, streams, itemsize, shard_bucket_cap(ctx.bucket_bytes, itemsize, ways))
     return out

@@ -94,7 +94,8 @@ class ParallelModule(nn.Module):
         # ZeRO-3: saved gathered parameters are swapped for handles and gathered again in backward
         self._regathers = any(n.op == "call_module" and n.target == "regather" for n in gm.graph.nodes)
         self.grad_sync = GradSync(plan.grad_buckets, params_by_node, device_mesh, comm)
-        self.zero1 = ZeroOneShards(plan.shard_buckets, params_by_node, device_mesh, comm.settle)
+        self.zero1 = ZeroOneShards(plan.shard_buckets, params_by_node, device_mesh, comm.settle,
+                                   reduced_elsewhere=(n for b in plan.grad_buckets for n in b.params))
         self._zero1_stepper = False  # pm.optimizer made a ZeRO-1 optimizer: the only one that syncs those gradients
 
     @property

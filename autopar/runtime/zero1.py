@@ -1,211 +1,176 @@
-"""ZeRO-1 at the optimizer step: gradients reduce-scattered into each rank's chunk, updated
-chunks all-gathered into the whole parameters, in the plan's buckets (``Plan.shard_buckets``,
-laid out as ``autopar.cost.zero1`` prices them).
+"""ZeRO-1 at the optimizer step: gradients reduce-scattered into each rank's row, updated
+rows all-gathered into the whole parameters, in the plan's buckets (``Plan.shard_buckets``,
+laid out as ``autopar.cost.zero1`` prices them; the buffers: ``runtime.zero1_streams``).
 
-A ZeRO-1 parameter's local tensor, flattened and padded to ``n * c`` elements, is n chunks
-of c; the rank at index i on the parameter's ZeRO-1 mesh dim owns chunk i (``Chunk.view``:
-the real elements of it, a view of the parameter's own storage, so the optimizer updates
-the parameter in place and holds state for those elements only). Backward leaves each
-rank's own (unreduced on that dim) gradient in ``.grad``, accumulated over micro-batches
-and scaled as any gradient; ``reduce_scatter`` sums it over the dim into the chunk's
-gradient, ``all_gather`` copies every rank's updated chunk into the parameter. A bucket
-holds columns ``[start, stop)`` of its parameters' chunks: row r of its input is chunk r's
-columns, so one ``reduce_scatter_tensor`` leaves each rank its own columns summed, and
-one ``all_gather_tensor`` returns every rank's. Every bucket runs at every step on every
-rank (a parameter without a gradient contributes zeros and is not stepped), so all ranks
-issue the same collectives.
+Per ZeRO-1 mesh dim, the parameters the plan reduce-scatters there form one stream and the
+others (whose gradient is whole on every rank already) a second; each is a flat buffer the
+parameters are views of, n rows of which the rank at index i owns row i (its ``Chunk`` of
+each parameter: the view the optimizer steps, with state for those elements only).
+Backward leaves each rank's own (unreduced on that dim) gradient in ``.grad``, accumulated
+over micro-batches and scaled as any gradient; a reduce-scattered parameter's is moved into
+its stream's gradient buffer as soon as backward has accumulated it (and ``.grad`` becomes
+its region there). A bucket holds columns ``[start, stop)`` of its kind's streams: row r of
+its input is row r's columns, so one ``reduce_scatter_tensor`` leaves each rank its own
+columns summed, and one ``all_gather_into_tensor`` returns every rank's. A bucket of a whole
+stream reads (and writes) the stream's buffer itself, with no copy. Every bucket runs at
+every step on every rank (a parameter without a gradient contributes zeros and is not
+stepped), so all ranks issue the same collectives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import math
-from dataclasses import dataclass
-
+from collections.abc import Callable, Iterable
 import torch
-import torch.distributed._functional_collectives as fc
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.cost.buckets import ShardBucket
 from autopar.cost.zero1 import ALL_GATHER, REDUCE_SCATTER
 from autopar.runtime.ops import CollectiveLog
-
-
-@dataclass(frozen=True, kw_only=True)
-class Chunk:
-    """Where one ZeRO-1 parameter's chunk lies."""
-
-    param: nn.Parameter
-    """The module's parameter (this rank's local tensor of it)."""
-    mesh_dim: int
-    """The mesh dim its optimizer state is sharded on."""
-    ways: int
-    """Ranks on ``mesh_dim``."""
-    index: int
-    """This rank's index on ``mesh_dim``: it owns chunk ``index``."""
-    size: int
-    """Elements per chunk, padding included (``ceil(numel / ways)``)."""
-
-    @property
-    def lo(self) -> int:
-        return min(self.index * self.size, self.param.numel())
-
-    @property
-    def hi(self) -> int:
-        return min((self.index + 1) * self.size, self.param.numel())
-
-    def view(self) -> torch.Tensor:
-        """This rank's real elements of the parameter, sharing its storage (the optimizer's tensor)."""
-        return self.param.detach().view(-1)[self.lo:self.hi]
-
-    @property
-    def whole(self) -> bool:
-        """The chunks hold exactly the parameter's elements: no padding."""
-        return self.ways * self.size == self.param.numel()
-
-    def padded(self, flat: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """A flat tensor of the parameter's elements (or zeros for None), padded and viewed (ways, size):
-        without padding, in its dtype, a view (no copy: the bucket's row copy is the one copy)."""
-        if flat is not None and self.whole and flat.dtype == dtype and flat.is_contiguous():
-            return flat.view(self.ways, self.size)
-        out = torch.zeros(self.ways * self.size, dtype=dtype, device=self.param.device)
-        if flat is not None:
-            out[: flat.numel()] = flat.reshape(-1)
-        return out.view(self.ways, self.size)
+from autopar.runtime.zero1_streams import Chunk, Stream
 
 
 class ZeroOneShards:
-    """The ZeRO-1 parameters of one rank and the plan's buckets for them."""
+    """The ZeRO-1 parameters of one rank, their streams and the plan's buckets for them."""
 
     def __init__(self, buckets: list[ShardBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
-                 settle: Callable[[], None] = lambda: None) -> None:
+                 settle: Callable[[], None] = lambda: None, reduced_elsewhere: Iterable[str] = ()) -> None:
+        """``reduced_elsewhere``: parameters the gradient buckets (``GradSync``) also reduce,
+        which set their ``.grad`` themselves at the end of backward."""
         self.buckets = buckets
         self.settle = settle
         """Waits for the collectives the program left in flight (``Comm.settle``): on a CPU
         mesh no two collectives may run at once."""
         self.mesh = mesh
         self.log: CollectiveLog | None = None
-        self.chunks: dict[str, Chunk] = {}  # parameter node -> its chunk (every one is in an all-gather bucket)
-        for bucket in buckets:
-            for name in bucket.params:
-                param = params[name]
-                if not param.is_contiguous():
-                    raise RuntimeError(f"ZeRO-1 parameter {name} is not contiguous: its chunk would not be a view")
-                self.chunks[name] = Chunk(param=param, mesh_dim=bucket.mesh_dim, ways=bucket.ways,
-                                          index=mesh.get_local_rank(bucket.mesh_dim),
-                                          size=math.ceil(param.numel() / bucket.ways))
-        self.scattered = frozenset(id(params[n]) for b in buckets if b.kind == REDUCE_SCATTER for n in b.params)
+        dtypes = [params[s.param].dtype for b in buckets for s in b.slices]
+        # reduced in fp32 at least, as the plan prices gradients (reduce_dtype=fp32)
+        self.dtype = torch.promote_types(torch.float32, max(dtypes, key=lambda t: t.itemsize)) if dtypes \
+            else torch.float32
+        self.streams: dict[tuple[int, str], Stream] = {}  # (mesh dim, kind of its first bucket) -> stream
+        for dim in sorted({b.mesh_dim for b in buckets}):
+            on_dim = [b for b in buckets if b.mesh_dim == dim]
+            scattered = _stream(b for b in on_dim if b.kind == REDUCE_SCATTER)
+            kept = [n for n in _stream(b for b in on_dim if b.kind == ALL_GATHER) if n not in set(scattered)]
+            ways, index = on_dim[0].ways, mesh.get_local_rank(dim)
+            for kind, names in ((REDUCE_SCATTER, scattered), (ALL_GATHER, kept)):
+                if names:
+                    self.streams[(dim, kind)] = Stream(names, params, dim, ways, index,
+                                                       self.dtype if kind == REDUCE_SCATTER else None)
+        self.chunks: dict[str, Chunk] = {n: c for s in self.streams.values() for n, c in s.chunks.items()}
+        """Parameter node -> its chunk (every ZeRO-1 parameter is in an all-gather bucket)."""
+        self.scattered = frozenset(id(params[n]) for (_, kind), s in self.streams.items() if kind == REDUCE_SCATTER
+                                   for n in s.chunks)
         """Parameters whose ``.grad`` the step reduce-scatters (by id): backward leaves them this
         rank's own there; the others' gradient is already whole on every rank."""
-        # reduced in fp32 at least, as the plan prices gradients (reduce_dtype=fp32)
-        self.dtype = torch.float32 if not self.chunks else torch.promote_types(
-            torch.float32, max((c.param.dtype for c in self.chunks.values()), key=lambda t: t.itemsize))
+        elsewhere = set(reduced_elsewhere)
+        for (_, kind), stream in self.streams.items():
+            for name in stream.chunks if kind == REDUCE_SCATTER else ():
+                if name not in elsewhere:  # into the buffer as soon as accumulated: no second gradient held
+                    params[name].register_post_accumulate_grad_hook(lambda p, s=stream, n=name: s.take_grad(n))
 
     def reduce_scatter(self) -> dict[str, torch.Tensor | None]:
-        """Each ZeRO-1 parameter's gradient chunk, summed over its dim where the plan reduces it
-        there and taken from ``.grad`` as it is elsewhere (None: no gradient on any rank)."""
-        grads: dict[str, torch.Tensor | None] = {}
-        scattered: set[str] = set()  # taken from the buckets below
-        for name, chunk in self.chunks.items():
-            grad = chunk.param.grad
-            if grad is None:
-                grads[name] = None
-            elif id(chunk.param) in self.scattered:
-                scattered.add(name)
-            else:  # not reduced on this dim: every rank holds the whole gradient, and takes its chunk
-                grads[name] = grad.reshape(-1)[chunk.lo:chunk.hi].clone()
+        """Each ZeRO-1 parameter's gradient on this rank's elements, summed over its dim where
+        the plan reduces it there and taken from ``.grad`` as it is elsewhere (None: no
+        gradient on any rank, or no elements on this rank)."""
+        reduced: dict[int, torch.Tensor] = {}  # mesh dim -> this rank's row of the summed gradients
+        for (dim, kind), stream in self.streams.items():
+            if kind == REDUCE_SCATTER:
+                for name in stream.chunks:
+                    stream.take_grad(name)
+                reduced[dim] = torch.empty(stream.columns, dtype=self.dtype, device=stream.weights.device)
         for bucket in self.buckets:
             if bucket.kind != REDUCE_SCATTER:
                 continue
-            width = sum(s.stop - s.start for s in bucket.slices)
-            rows = torch.empty(bucket.ways, width, dtype=self.dtype, device=self._device(bucket))
-            offset = 0
-            for s in bucket.slices:
-                chunk = self.chunks[s.param]
-                rows[:, offset: offset + s.stop - s.start] = chunk.padded(chunk.param.grad, self.dtype)[:, s.start:s.stop]
-                offset += s.stop - s.start
+            stream, (start, stop) = self.streams[(bucket.mesh_dim, REDUCE_SCATTER)], bucket.columns
+            assert stream.grads is not None
+            whole = (start, stop) == (0, stream.columns)
+            rows = stream.grads if whole else stream.rows(stream.grads, start, stop).contiguous()
             self._record(REDUCE_SCATTER, bucket, rows)
             self.settle()
-            mine = fc.wait_tensor(fc.reduce_scatter_single(rows.view(-1), "sum", 0, self.mesh.get_group(bucket.mesh_dim)))
-            self._scatter(bucket, mine, grads, scattered)
+            dist.reduce_scatter_tensor(reduced[bucket.mesh_dim][start:stop], rows.view(-1),
+                                       group=self.mesh.get_group(bucket.mesh_dim))
+        grads: dict[str, torch.Tensor | None] = {}
+        for (dim, kind), stream in self.streams.items():
+            base = stream.index * stream.columns
+            for name, chunk in stream.chunks.items():
+                grad = chunk.param.grad
+                if grad is None or chunk.lo == chunk.hi:
+                    grads[name] = None
+                elif kind == REDUCE_SCATTER:
+                    grads[name] = reduced[dim][chunk.offset + chunk.lo - base: chunk.offset + chunk.hi - base]
+                else:  # not reduced on this dim: every rank holds the whole gradient
+                    grads[name] = grad.reshape(-1)[chunk.lo:chunk.hi]
         return grads
 
-    def _scatter(self, bucket: ShardBucket, mine: torch.Tensor, grads: dict[str, torch.Tensor | None],
-                 scattered: set[str]) -> None:
-        """This rank's reduced columns as its chunks' gradients (of the ``scattered`` parameters):
-        a chunk whose real elements are all in this bucket, in the gradient's dtype, is a view of
-        them (no copy); one cut across buckets is copied in piece by piece."""
-        offset = 0
-        for s in bucket.slices:
-            if s.param in scattered:
-                chunk = self.chunks[s.param]
-                dtype, real = chunk.param.grad.dtype, chunk.hi - chunk.lo  # type: ignore[union-attr]
-                grad = grads.get(s.param)
-                if grad is None and s.start == 0 and s.stop >= real and mine.dtype == dtype:
-                    grads[s.param] = mine[offset: offset + real]
-                else:
-                    if grad is None:
-                        grad = grads[s.param] = torch.empty(real, dtype=dtype, device=mine.device)
-                    stop = min(s.stop, real)  # past the real elements: padding
-                    if stop > s.start:
-                        grad[s.start:stop] = mine[offset: offset + stop - s.start].to(dtype)
-            offset += s.stop - s.start
-
+    @torch.no_grad()
     def all_gather(self) -> None:
-        """Every rank's updated chunks into the whole parameters, bucket by bucket."""
+        """Every rank's updated rows into the whole parameters, bucket by bucket."""
         self.settle()
         for bucket in self.buckets:
             if bucket.kind != ALL_GATHER:
                 continue
-            dtypes = {self.chunks[s.param].param.dtype for s in bucket.slices}
-            if len(dtypes) > 1:
-                raise RuntimeError(f"ZeRO-1 all-gather bucket mixes dtypes {sorted(map(str, dtypes))}: the plan "
-                                   "prices one width for every parameter")
-            dtype, = dtypes
-            width = sum(s.stop - s.start for s in bucket.slices)
-            pieces = []  # each chunk's columns, zeros past its real elements (the padding)
-            for s in bucket.slices:
-                own = self.chunks[s.param].view()
-                piece = own[min(s.start, own.numel()):min(s.stop, own.numel())]
-                pieces.append(piece)
-                if piece.numel() < s.stop - s.start:
-                    pieces.append(own.new_zeros(s.stop - s.start - piece.numel()))
-            mine = torch.cat(pieces)
+            parts = self._parts(bucket)
+            group = self.mesh.get_group(bucket.mesh_dim)
+            if len(parts) == 1 and parts[0][1:] == (0, parts[0][0].columns):  # a whole stream: in place
+                stream = parts[0][0]
+                mine = stream.weights.view(stream.ways, stream.columns)[stream.index]
+                self._record(ALL_GATHER, bucket, mine, bucket.ways)
+                dist.all_gather_into_tensor(stream.weights, mine, group=group)
+                continue
+            pieces = [s.weights.view(s.ways, s.columns)[s.index, a:b] for s, a, b in parts]
+            mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             self._record(ALL_GATHER, bucket, mine, bucket.ways)
-            rows = fc.wait_tensor(fc.all_gather_single(mine, 0, self.mesh.get_group(bucket.mesh_dim)))
-            self._gather(bucket, rows.view(bucket.ways, width))
+            rows = torch.empty(bucket.ways * mine.numel(), dtype=mine.dtype, device=mine.device)
+            dist.all_gather_into_tensor(rows, mine, group=group)
+            offset = 0
+            for stream, a, b in parts:
+                stream.rows(stream.weights, a, b).copy_(rows.view(bucket.ways, -1)[:, offset: offset + b - a])
+                offset += b - a
 
-    @torch.no_grad()
-    def _gather(self, bucket: ShardBucket, rows: torch.Tensor) -> None:
-        offset = 0
-        for s in bucket.slices:
-            chunk = self.chunks[s.param]
-            flat = chunk.param.detach().view(-1)
-            width = s.stop - s.start
-            if chunk.whole:  # every rank's columns in one copy
-                flat.view(bucket.ways, chunk.size)[:, s.start:s.stop].copy_(rows[:, offset: offset + width])
-            else:
-                for r in range(bucket.ways):
-                    lo, hi = r * chunk.size + s.start, min(r * chunk.size + s.stop, flat.numel())
-                    if hi > lo:
-                        flat[lo:hi] = rows[r, offset: offset + hi - lo]
-            offset += width
+    def _parts(self, bucket: ShardBucket) -> list[tuple[Stream, int, int]]:
+        """An all-gather bucket's columns, per stream: the reduce-scattered stream's columns
+        come first in the column space, the kept stream's after them."""
+        out, first = [], 0
+        for kind in (REDUCE_SCATTER, ALL_GATHER):
+            stream = self.streams.get((bucket.mesh_dim, kind))
+            if stream is None:
+                continue
+            a, b = max(bucket.columns[0] - first, 0), min(bucket.columns[1] - first, stream.columns)
+            if a < b:
+                out.append((stream, a, b))
+            first += stream.columns
+        return out
 
-    def gather_whole(self, chunk: Chunk, value: torch.Tensor) -> torch.Tensor:
-        """A tensor of ``chunk``'s size (optimizer state) as the parameter's whole local tensor,
-        from every rank's chunk (one all-gather on the chunk's dim; not one of the step's)."""
-        padded = torch.zeros(chunk.size, dtype=value.dtype, device=value.device)
-        padded[: value.numel()] = value
+    def gather_whole(self, chunk: Chunk, value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``chunk``'s elements (optimizer state; None where this rank has none, on
+        ``like``'s dtype) as the parameter's whole local tensor, from every rank's elements:
+        one all-gather on the chunk's dim, not one of the step's."""
+        numel, ways = chunk.param.numel(), self.mesh.size(chunk.mesh_dim)
+        padded = torch.zeros(numel, dtype=like.dtype, device=like.device)
+        if value is not None:
+            padded[chunk.lo:chunk.hi] = value.reshape(-1)
         self.settle()
-        whole = fc.wait_tensor(fc.all_gather_single(padded, 0, self.mesh.get_group(chunk.mesh_dim)))
-        return whole[: chunk.param.numel()].view(chunk.param.shape).clone()
-
-    def _device(self, bucket: ShardBucket) -> torch.device:
-        return self.chunks[bucket.slices[0].param].param.device
+        gathered = torch.empty(ways * numel, dtype=like.dtype, device=like.device)
+        dist.all_gather_into_tensor(gathered, padded, group=self.mesh.get_group(chunk.mesh_dim))
+        whole = torch.empty_like(padded)
+        for rank, row in enumerate(gathered.view(ways, numel)):
+            lo, hi = chunk.owned(rank)
+            whole[lo:hi] = row[lo:hi]
+        return whole.view(chunk.param.shape)
 
     def _record(self, kind: str, bucket: ShardBucket, sent: torch.Tensor, ways: int = 1) -> None:
         """Log the collective with its M (the bytes before scattering, or after gathering)."""
         if self.log is not None:
             self.log.entries.append(("optimizer", kind, bucket.mesh_dim, ways * sent.numel() * sent.element_size()))
+
+
+def _stream(buckets: Iterable[ShardBucket]) -> list[str]:
+    """The parameters of one stream's buckets, in stream order."""
+    start: dict[str, int] = {}
+    for bucket in buckets:
+        for s in bucket.slices:
+            start[s.param] = s.start
+    return sorted(start, key=start.__getitem__)
+
