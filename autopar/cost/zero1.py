@@ -5,22 +5,26 @@ parameters run it is a choice per parameter: a placement replicated on one of th
 is offered twice, as is (DDP) and as its twin sharding the optimizer state on ``zero1_dim``
 (the first such dim; ``Strategy.zero1``), and the ILP picks (a pin of stage 1 offers the
 twin alone). A ZeRO-1 parameter on dim d keeps its weights and its whole gradient, but
-only a 1/n shard of its optimizer state (n = the size of d): its local tensor, flattened
-and padded to ``n * c`` elements with ``c = ceil(numel / n)``, is cut into n chunks of c,
-and the rank at index i on d owns chunk i. At the optimizer step (after backward, not overlapping it):
+only about 1/n of its optimizer state (n = the size of d). Per dim d, the ZeRO-1 parameters
+form streams (``memory.zero1.plan_shard_buckets``): those whose gradient backward leaves
+Partial on d, and the others; each stream is its parameters' local tensors, each padded to
+``n * c`` elements with ``c = ceil(numel / n)``, end to end in backward order, viewed as n
+rows: the rank at index i owns row i (``runtime.zero1_streams``: a flat buffer the
+parameters are views of, as DeepSpeed lays them). At the optimizer step (after backward,
+not overlapping it):
 
-- the gradient is reduce-scattered on d (when backward leaves it Partial there, i.e. d
-  is one of its sync dims; else every rank already holds it whole and takes its chunk),
-  ``M = n * c`` gradient elements, bucketed;
-- the optimizer updates the chunk (its state is c elements);
-- the updated chunks are all-gathered on d into the whole parameter, ``M = n * c``
-  weight elements, bucketed.
+- the first stream's gradients are reduce-scattered on d (the others' are whole on every
+  rank already: each takes its row), ``M = n * c`` gradient elements per parameter, bucketed;
+- the optimizer updates the rank's row (its state has the row's elements);
+- every stream's updated rows are all-gathered on d into the parameters, ``M = n * c``
+  weight elements per parameter, bucketed.
 
 RS + AG move the bytes of one all-reduce; the RS replaces the parameter's all-reduce on
-d. Buckets pack chunk columns (n elements each, one per rank) in backward order, at most
-``cap`` bytes each (``shard_bucket_cap``), a parameter straddling two buckets where it
-must, so a stream of M bytes runs exactly ``ceil(M / cap)`` calls: the ILP prices that
-count and the runtime runs those buckets.
+d. Buckets cut a kind's streams' columns (n elements each, one per row; the first
+stream's columns, then the second's) every ``cap`` bytes (``shard_bucket_cap``), so M
+bytes run exactly ``ceil(M / cap)`` calls: the ILP prices that count and the runtime runs
+those buckets. A parameter's state on a rank is what its row holds of it: ``c`` per
+parameter is the row's length summed, the bound the memory model prices.
 
 Mixed precision keeps fp32 master weights as the parameters themselves (the program reads
 bf16 casts), so the master is not sharded: Adam's m and v are.
@@ -59,7 +63,7 @@ def padded_elements(numel: int, ways: int) -> int:
 
 
 def shard_bucket_cap(cap: int, itemsize: int, ways: int) -> int:
-    """Bytes of a full bucket of chunk columns: whole columns of ``ways`` elements that fit in ``cap``."""
+    """Bytes of a full bucket of stream columns: whole columns of ``ways`` elements that fit in ``cap``."""
     columns = cap // itemsize // ways
     if columns < 1:
         raise ValueError(f"bucket size {cap} holds no column of {ways} {itemsize}-byte elements")

@@ -10,8 +10,8 @@ Backward leaves each rank's own (unreduced on that dim) gradient in ``.grad``, a
 over micro-batches and scaled as any gradient; a reduce-scattered parameter's is moved into
 its stream's gradient buffer as soon as backward has accumulated it (and ``.grad`` becomes
 its region there). A bucket holds columns ``[start, stop)`` of its kind's streams: row r of
-its input is row r's columns, so one ``reduce_scatter_tensor`` leaves each rank its own
-columns summed, and one ``all_gather_into_tensor`` returns every rank's. A bucket of a whole
+its input is row r's columns, so one ``reduce_scatter_single`` leaves each rank its own
+columns summed, and one ``all_gather_single`` returns every rank's. A bucket of a whole
 stream reads (and writes) the stream's buffer itself, with no copy. Every bucket runs at
 every step on every rank (a parameter without a gradient contributes zeros and is not
 stepped), so all ranks issue the same collectives.
@@ -89,7 +89,7 @@ class ZeroOneShards:
             rows = stream.grads if whole else stream.rows(stream.grads, start, stop).contiguous()
             self._record(REDUCE_SCATTER, bucket, rows)
             self.settle()
-            dist.reduce_scatter_tensor(reduced[bucket.mesh_dim][start:stop], rows.view(-1),
+            dist.reduce_scatter_single(reduced[bucket.mesh_dim][start:stop], rows.view(-1),
                                        group=self.mesh.get_group(bucket.mesh_dim))
         grads: dict[str, torch.Tensor | None] = {}
         for (dim, kind), stream in self.streams.items():
@@ -117,13 +117,13 @@ class ZeroOneShards:
                 stream = parts[0][0]
                 mine = stream.weights.view(stream.ways, stream.columns)[stream.index]
                 self._record(ALL_GATHER, bucket, mine, bucket.ways)
-                dist.all_gather_into_tensor(stream.weights, mine, group=group)
+                dist.all_gather_single(stream.weights, mine, group=group)
                 continue
             pieces = [s.weights.view(s.ways, s.columns)[s.index, a:b] for s, a, b in parts]
             mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             self._record(ALL_GATHER, bucket, mine, bucket.ways)
             rows = torch.empty(bucket.ways * mine.numel(), dtype=mine.dtype, device=mine.device)
-            dist.all_gather_into_tensor(rows, mine, group=group)
+            dist.all_gather_single(rows, mine, group=group)
             offset = 0
             for stream, a, b in parts:
                 stream.rows(stream.weights, a, b).copy_(rows.view(bucket.ways, -1)[:, offset: offset + b - a])
@@ -153,7 +153,7 @@ class ZeroOneShards:
             padded[chunk.lo:chunk.hi] = value.reshape(-1)
         self.settle()
         gathered = torch.empty(ways * numel, dtype=like.dtype, device=like.device)
-        dist.all_gather_into_tensor(gathered, padded, group=self.mesh.get_group(chunk.mesh_dim))
+        dist.all_gather_single(gathered, padded, group=self.mesh.get_group(chunk.mesh_dim))
         whole = torch.empty_like(padded)
         for rank, row in enumerate(gathered.view(ways, numel)):
             lo, hi = chunk.owned(rank)
