@@ -71,3 +71,23 @@ def test_streams_reduce_scatter_and_all_gather_exactly() -> None:
         for name, numel in (("a", 9), ("b", 5), ("c", 4)):
             spans = results[0]["owned"][name]
             assert spans[0][0] == 0 and spans[-1][1] == numel and spans[0][1] == spans[1][0], spans
+
+
+def _replaced_rank(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    params = {"a": nn.Parameter(torch.randn(3, 3))}
+    buckets = [b for kind in (REDUCE_SCATTER, ALL_GATHER)
+               for b in shard_buckets(kind, 0, world, [[("a", chunk_elements(9, world))]], 4, 1 << 20)]
+    shards = ZeroOneShards(buckets, params, mesh)
+    params["a"].data = params["a"].detach().clone()  # as module.to would
+    try:
+        shards.reduce_scatter()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_parameter_whose_storage_was_replaced_is_an_error() -> None:
+    """The all-gather writes the stream's buffer: a parameter no longer viewing it would keep
+    its old values silently, so the step refuses, before its collectives."""
+    assert all("no longer views" in message for message in run_ranks(_replaced_rank, 2))

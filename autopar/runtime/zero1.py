@@ -76,6 +76,7 @@ class ZeroOneShards:
         gradient on any rank, or no elements on this rank)."""
         reduced: dict[int, torch.Tensor] = {}  # mesh dim -> this rank's row of the summed gradients
         for (dim, kind), stream in self.streams.items():
+            stream.check_views()
             if kind == REDUCE_SCATTER:
                 for name in stream.chunks:
                     stream.take_grad(name)

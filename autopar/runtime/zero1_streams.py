@@ -86,6 +86,16 @@ class Stream:
         # padding stays zero: .grad is written into the parameters' regions only
         self.grads = None if grad_dtype is None else torch.zeros_like(self.weights, dtype=grad_dtype)
 
+    def check_views(self) -> None:
+        """Raise unless every parameter is still a view of ``weights``: one whose storage was
+        replaced (``module.to``, ``param.data = ...``) would miss every all-gather silently."""
+        for name, chunk in self.chunks.items():
+            region = self.weights[chunk.offset:]
+            if chunk.param.data_ptr() != region.data_ptr() or not chunk.param.is_contiguous():
+                raise RuntimeError(f"ZeRO-1 parameter {name} no longer views its stream's buffer (its storage was "
+                                   "replaced after compile, e.g. by module.to or .data =): the step would not "
+                                   "update it; load values with load_state_dict or copy_ instead")
+
     def rows(self, buffer: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Columns ``[start, stop)`` of ``buffer`` (one of this stream's) as (ways, stop - start)."""
         return buffer.view(self.ways, self.columns)[:, start:stop]
