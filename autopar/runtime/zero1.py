@@ -48,7 +48,8 @@ class ZeroOneShards:
         # reduced in fp32 at least, as the plan prices gradients (reduce_dtype=fp32)
         self.dtype = torch.promote_types(torch.float32, max(dtypes, key=lambda t: t.itemsize)) if dtypes \
             else torch.float32
-        self.streams: dict[tuple[int, str], Stream] = {}  # (mesh dim, kind of its first bucket) -> stream
+        # (mesh dim, REDUCE_SCATTER) -> the stream reduce-scattered there, (mesh dim, ALL_GATHER) -> the one only gathered
+        self.streams: dict[tuple[int, str], Stream] = {}
         for dim in sorted({b.mesh_dim for b in buckets}):
             on_dim = [b for b in buckets if b.mesh_dim == dim]
             scattered = _stream(b for b in on_dim if b.kind == REDUCE_SCATTER)
