@@ -39,6 +39,9 @@ def _rank(rank: int, world: int, cap_bytes: int) -> dict[str, Any]:
     for name, p in params.items():
         p.grad = _grad(name, rank)
     grads = shards.reduce_scatter()
+    # .grad now views the step's gradient buffer, which the streams no longer hold: zero_grad frees it
+    released = all(s.grads is None for s in shards.streams.values()) and \
+        all(params[n].grad._base is not None for n in ("a", "c")) and params["b"].grad._base is None
     want = {n: _grad(n, 0) if n == "b" else sum(_grad(n, r) for r in range(world)) for n in SHAPES}
     reduced = {n: g is None or torch.equal(g, want[n].reshape(-1)[shards.chunks[n].lo:shards.chunks[n].hi])
                for n, g in grads.items()}
@@ -54,7 +57,7 @@ def _rank(rank: int, world: int, cap_bytes: int) -> dict[str, Any]:
             mark[lo:hi] = 100.0 * (r + 1)
         gathered[name] = torch.equal(p.detach(), before[name] + mark.view(p.shape))
     owned = {n: [c.owned(r) for r in range(world)] for n, c in shards.chunks.items()}
-    return {"reduced": reduced, "gathered": gathered, "owned": owned, "buckets": len(buckets),
+    return {"reduced": reduced, "gathered": gathered, "owned": owned, "buckets": len(buckets), "released": released,
             "scattered": sorted(n for n, p in params.items() if id(p) in shards.scattered)}
 
 
@@ -67,7 +70,7 @@ def test_streams_reduce_scatter_and_all_gather_exactly() -> None:
         results = run_ranks(_rank, 2, cap_bytes)
         for r in results:
             assert all(r["reduced"].values()) and all(r["gathered"].values()), r
-            assert r["scattered"] == ["a", "c"] and r["buckets"] == count
+            assert r["scattered"] == ["a", "c"] and r["buckets"] == count and r["released"]
         for name, numel in (("a", 9), ("b", 5), ("c", 4)):
             spans = results[0]["owned"][name]
             assert spans[0][0] == 0 and spans[-1][1] == numel and spans[0][1] == spans[1][0], spans

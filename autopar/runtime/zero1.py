@@ -86,9 +86,9 @@ class ZeroOneShards:
             if bucket.kind != REDUCE_SCATTER:
                 continue
             stream, (start, stop) = self.streams[(bucket.mesh_dim, REDUCE_SCATTER)], bucket.columns
-            assert stream.grads is not None
+            buffer = stream.gradient_buffer()
             whole = (start, stop) == (0, stream.columns)
-            rows = stream.grads if whole else stream.rows(stream.grads, start, stop).contiguous()
+            rows = buffer if whole else stream.rows(buffer, start, stop).contiguous()
             self._record(REDUCE_SCATTER, bucket, rows)
             self.settle()
             dist.reduce_scatter_single(reduced[bucket.mesh_dim][start:stop], rows.view(-1),
@@ -104,6 +104,7 @@ class ZeroOneShards:
                     grads[name] = reduced[dim][chunk.offset + chunk.lo - base: chunk.offset + chunk.hi - base]
                 else:  # not reduced on this dim: every rank holds the whole gradient
                     grads[name] = grad.reshape(-1)[chunk.lo:chunk.hi]
+            stream.release()
         return grads
 
     @torch.no_grad()

@@ -57,7 +57,7 @@ class Chunk:
 
 class Stream:
     """One stream's buffers: ``weights`` (the parameters are views of it) and, for a
-    reduce-scattered stream, ``grads`` (their ``.grad``, where the dtype lets it be)."""
+    reduce-scattered stream, each step's ``grads`` (their ``.grad``, where the dtype lets it be)."""
 
     def __init__(self, names: list[str], params: dict[str, nn.Parameter], mesh_dim: int, ways: int, index: int,
                  grad_dtype: torch.dtype | None) -> None:
@@ -83,8 +83,15 @@ class Stream:
             self.chunks[name] = Chunk(param=param, mesh_dim=mesh_dim, offset=offset, columns=self.columns,
                                       index=index)
             offset += size
-        # padding stays zero: .grad is written into the parameters' regions only
-        self.grads = None if grad_dtype is None else torch.zeros_like(self.weights, dtype=grad_dtype)
+        self.pads = [(c.offset + c.param.numel(), c.offset + size) for c, size in zip(self.chunks.values(), sizes)
+                     if size > c.param.numel()]
+        """Stream elements past each parameter's own: zeros in every buffer."""
+        self.grad_dtype = grad_dtype
+        """The gradient buffer's dtype (None: a stream only all-gathered, with none)."""
+        self.grads: torch.Tensor | None = None
+        """This step's gradient buffer, from the first gradient backward accumulates to the
+        reduce-scatter (``release``); the ``.grad`` views of it keep it until ``zero_grad``,
+        so gradients live as long as backward's own would."""
 
     def check_views(self) -> None:
         """Raise unless every parameter is still a view of ``weights``: one whose storage was
@@ -100,11 +107,23 @@ class Stream:
         """Columns ``[start, stop)`` of ``buffer`` (one of this stream's) as (ways, stop - start)."""
         return buffer.view(self.ways, self.columns)[:, start:stop]
 
+    def gradient_buffer(self) -> torch.Tensor:
+        """``grads``, made for this step's gradients if none is held (its padding zeroed)."""
+        if self.grads is None:
+            assert self.grad_dtype is not None, "a stream only all-gathered holds no gradients"
+            self.grads = torch.empty(self.weights.numel(), dtype=self.grad_dtype, device=self.weights.device)
+            for lo, hi in self.pads:
+                self.grads[lo:hi].zero_()
+        return self.grads
+
+    def release(self) -> None:
+        """The step has reduce-scattered ``grads``: the next backward fills a new one."""
+        self.grads = None
+
     def grad_region(self, name: str) -> torch.Tensor:
         """Where parameter ``name``'s gradient lies in ``grads``, shaped as the parameter."""
-        assert self.grads is not None
         chunk = self.chunks[name]
-        return self.grads[chunk.offset: chunk.offset + chunk.param.numel()].view(chunk.param.shape)
+        return self.gradient_buffer()[chunk.offset: chunk.offset + chunk.param.numel()].view(chunk.param.shape)
 
     def take_grad(self, name: str) -> None:
         """``.grad`` into ``grads`` (zeros for none), then, in ``grads``' dtype, a view of it:
