@@ -13,6 +13,7 @@ the runtime reduces them in mesh-dim order.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -127,12 +128,22 @@ def shard_buckets(kind: str, mesh_dim: int, ways: int, streams: list[list[tuple[
 def _touched(placed: list[tuple[int, list[tuple[str, int, int]]]], ways: int, start: int, stop: int
              ) -> list[tuple[str, int, int]]:
     """The parameters with an element in columns ``[start, stop)`` of the streams (row r of a
-    stream of w columns holds its elements ``[r * w, (r + 1) * w)``)."""
+    stream of w columns holds its elements ``[r * w, (r + 1) * w)``), in stream order. Each row's
+    piece is found by bisection: a bucket of a big model's stream meets a few parameters per row
+    of hundreds, and a plan lists thousands of buckets."""
     out, first = [], 0
     for width, layout in placed:
         a, b = max(start - first, 0), min(stop - first, width)
         if a < b:
-            out += [(name, lo, hi) for name, lo, hi in layout
-                    if any(lo < r * width + b and r * width + a < hi for r in range(ways))]
+            starts = [lo for _, lo, _ in layout]
+            hit: set[int] = set()
+            for row in range(ways):
+                lo, hi = row * width + a, row * width + b
+                i = max(bisect_right(starts, lo) - 1, 0)  # parameters laid end to end: none before i reaches lo
+                while i < len(layout) and layout[i][1] < hi:
+                    if layout[i][2] > lo:
+                        hit.add(i)
+                    i += 1
+            out += [layout[i] for i in sorted(hit)]
         first += width
     return out
