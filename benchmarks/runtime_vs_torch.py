@@ -25,14 +25,14 @@ per rank on each side. Losses of the first ``--check-steps`` steps, on both side
 single-device model's (rtol 1e-4). ``compile s``: the slowest rank's ``autopar.compile`` wall time
 (the torch side's set-up beside it).
 
-``--profile ROW``: torch's profiler on rank 0 over ``--steps`` steps of that row, both sides:
+``--profile ROW``: torch's profiler on rank 0 (``--profile-rank``) over ``--steps`` steps of that row, both sides:
 collective calls and bytes per step, the top ops by self CPU time, and the step's op count
 (``benchmarks/step_profile.py``).
 
 Usage: ``python benchmarks/runtime_vs_torch.py [--rows zero3,zero2] [--reps 5] [--steps 5]
-[--profile zero3] [--json PATH] [--autopar CHECKOUT]``; the JSON goes to
-``benchmarks/results/runtime_vs_torch.json``. ``--autopar``: another checkout's autopar against the same
-hand plans (a baseline: ``--autopar ../main``).
+[--profile zero3] [--profile-rank 2] [--json PATH] [--autopar CHECKOUT]``; the JSON (each rank's median
+CPU ms per step too: ``rank_cpu_ms``) goes to ``benchmarks/results/runtime_vs_torch.json``.
+``--autopar``: another checkout's autopar against the same hand plans (a baseline: ``--autopar ../main``).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
         from benchmarks.step_profile import profile_sides
 
         out["profile"] = profile_sides({n: s.step for n, s in sides[args.profile].items()}, tokens, targets,
-                                       args.steps, rank == 0)
+                                       args.steps, rank == args.profile_rank)
     return out
 
 
@@ -206,6 +206,7 @@ def summarize(name: str, results: list[dict[str, Any]], ref: list[float]) -> dic
     return {"row": name, "ratio": statistics.median(ratios), "ratios": ratios,
             "torch_cpu_ms": 1e3 * statistics.median(mean_cpu["torch"]),
             "autopar_cpu_ms": 1e3 * statistics.median(mean_cpu["autopar"]),
+            "rank_cpu_ms": {side: [1e3 * statistics.median(r["cpu_s"]) for r in ranks] for side, ranks in per_rank.items()},
             "torch_setup_s": max(r["setup_s"] for r in per_rank["torch"]),
             "compile_s": max(r["setup_s"] for r in per_rank["autopar"]),
             "plan": per_rank["autopar"][0]["plan"], "losses_match_single_device": losses_ok,
@@ -232,7 +233,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check-steps", type=int, default=3, help="steps whose losses are checked against one device")
-    ap.add_argument("--profile", default="", help="a row to profile with torch's profiler (rank 0)")
+    ap.add_argument("--profile", default="", help="a row to profile with torch's profiler")
+    ap.add_argument("--profile-rank", type=int, default=0, help="the rank whose profile is reported (a pipeline's "
+                    "last stage: 2)")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
     ap.add_argument("--autopar", type=Path, default=None, help="run another checkout's autopar (a baseline)")
     args = ap.parse_args()
@@ -258,7 +261,7 @@ def main() -> None:
         print("some row's losses differ from the single-device model's: " +
               ", ".join(r["row"] for r in rows if not r["losses_match_single_device"]))
     if args.profile:
-        print(results[0]["profile"])
+        print(results[args.profile_rank]["profile"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "sizes": SIZES, "batch": BATCH, "config": {k: str(v) for k, v in vars(args).items()},
