@@ -135,6 +135,10 @@ class Comm:
         self.grad_groups: dict[str, GradientGroup] = {}
         """Tag -> the gradient group its members' backwards hand their gradients to
         (``runtime.grouped``: made for the program's ``reduce_group=`` calls)."""
+        self.weight_pass = False
+        """Backward runs as input then weight gradients (a zero-bubble schedule): torch's weight pass
+        (``stage_backward_weight``) takes each parameter's gradient from ``autograd.grad``, which
+        refuses a parameter it gets none for, so a member of a gradient group returns zeros there."""
 
     def settle(self) -> None:
         """On a CPU mesh, wait for every collective left running on this mesh: called before
@@ -348,7 +352,7 @@ class _Redistribute(torch.autograd.Function):
         if ctx.reduce_group is not None and ctx.parameter is not None:  # reduced with its group's, into .grad
             group, index = ctx.reduce_group
             group.add(index, ctx.parameter, grad, ctx.bwd)
-            return None, *rest
+            return torch.zeros_like(ctx.parameter) if ctx.comm.weight_pass else None, *rest
         if ctx.parameter is None or grad.dtype != ctx.input_dtype:
             with ctx.comm.sized_by_data(ctx.data_dependent):
                 return ctx.comm.run(grad, ctx.bwd, "backward").to(ctx.input_dtype), *rest

@@ -332,7 +332,8 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
     user_inputs = list(step.captured.user_inputs)
     comm = Comm(stage_mesh, step.ctx.mesh.zigzag_dims())
-    program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, splits_backward(pipeline, p))
+    comm.weight_pass = splits_backward(pipeline, p)
+    program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, comm.weight_pass)
     constants = constant_ops(step.graph, step.chosen, step.ctx)
     programs = split_stages(program, pp.stage_of, count, user_inputs, constants)
     keep = {name for s in mine for name in programs[s].state}
