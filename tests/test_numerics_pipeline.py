@@ -30,7 +30,7 @@ from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.pipeline import PipelinedModule
 from autopar.pipeline.cuts import balanced_cuts
 from examples import gpt, hf_models, llama
-from numerics_harness import EPS, LR, STEPS, Reference, mismatches, reference
+from numerics_harness import EPS, LR, STEPS, Reference, mismatches, planned_counts, reference
 
 
 def _llama() -> Any:
@@ -137,6 +137,9 @@ CASES = [
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
+    # each dp rank counts its own row's targets (row 1's none): the loss Partial on dp, its sum over the
+    # micro-batches all-reduced once a step
+    Case("hf_llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
     Case("hf_llama", (2,), ("pp",), "interleaved_1f1b", 4, 2),
     Case("hf_llama", (2,), ("pp",), "zbv", 4, 2),
     Case("hf_llama", (2,), ("pp",), "dualpipev", 4, 2),  # stages 0 and 3 on rank 0: the targets read there
@@ -190,13 +193,14 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     log = CollectiveLog()
     pm.attach_log(log)
-    losses, grads, ran, sent = [], {}, Counter(), {}
+    losses, grads, ran, sent, entries = [], {}, Counter(), {}, Counter()
     for i in range(STEPS):
         loss = pm.step(*inputs, *targets, **kwargs)
         assert isinstance(loss, DTensor) and not loss.requires_grad and loss.device_mesh is mesh
         losses.append(loss.to_local().item())
         if i == 0:
             ran = Counter(log.transfers)
+            entries = Counter((p, k, pm.stage_mesh.mesh_dim_names[d], b) for p, k, d, b in log.entries)
             sent = {m.index: list(m.sent_bytes) for m in pm.stage_modules}
             state = pm.state_dict()
             grads = {k: DTensor.from_local(p.grad, pm.stage_mesh, state[k].placements, run_check=False).full_tensor()
@@ -208,6 +212,7 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     return {"losses": losses, "held": sorted(k for k, _ in pm.named_parameters()), "with_grad": sorted(grads),
             "state_keys": sorted(pm.state_dict()), "misplaced": _misplaced(pm, mesh),
             "ran": ran, "planned": pm.plan.pipeline.step_transfers(), "sent": sent,
+            "entries": entries, "planned_entries": planned_counts(pm.plan),
             "sends": [(s.sends_bytes, s.index == len(pm.plan.pipeline.stages) - 1) for s in pm.plan.pipeline.stages],
             "grad_mismatches": mismatches({k: ref.grads[k] for k in grads}, grads),
             "state_mismatches": mismatches({k: ref.state[k] for k in params}, params),
@@ -272,6 +277,7 @@ def _check_training(case: Case, timeout_s: float = TIMEOUT_S) -> list[dict[str, 
     assert saved >= set(ref.state), f"state no rank's state_dict() has: {sorted(set(ref.state) - saved)}"
     _check_replicas(results)
     _check_transfers(results)
+    _check_collectives(results)
     _check_sends(results)
     return results
 
@@ -297,6 +303,24 @@ def _check_transfers(results: list[dict[str, Any]]) -> None:
         columns[column] = columns.get(column, Counter()) + result["ran"]
     for column, ran in columns.items():
         assert ran == results[0]["planned"], f"column {column}: ran {ran}, planned {results[0]['planned']}"
+
+
+def _check_collectives(results: list[dict[str, Any]]) -> None:
+    """Per pp column, the stage mesh's collectives of a training step (its ranks' stages together
+    run the whole step once) are those the plan lists, the loss's all-reduces included (each
+    micro-batch's count, the step's summed loss once). Backward all-reduces aside: those hold the
+    gradient buckets, which run as a piece on each stage holding some of a bucket's parameters
+    (a tied weight's on each of its stages), as ``pipeline.pricing`` prices them per rank."""
+    def unbucketed(counts: Counter) -> Counter:
+        return Counter({k: n for k, n in counts.items() if k[:2] != ("backward", "all_reduce")})
+
+    columns: dict[tuple[int, ...], Counter] = {}
+    for result in results:
+        column = tuple(result["coordinate"][1:])
+        columns[column] = columns.get(column, Counter()) + result["entries"]
+    planned = unbucketed(results[0]["planned_entries"])
+    for column, ran in columns.items():
+        assert unbucketed(ran) == planned, f"column {column}: ran {sorted(ran.items())}, planned {planned}"
 
 
 def _check_replicas(results: list[dict[str, Any]]) -> None:

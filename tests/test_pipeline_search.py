@@ -322,14 +322,15 @@ def test_ruling_out_by_work_floor_keeps_the_chosen_pipeline(monkeypatch: pytest.
 @pytest.mark.parametrize("mesh,options", [({"pp": 2, "dp": 2}, {"data_axes": ("dp",), "zero": {"dp": 3}}),
                                           ({"pp": 2, "tp": 2}, {"checkpoint": "full"})], ids=["zero3", "tp-ckpt"])
 def test_the_ranks_work_adds_up_to_the_stage_plans_step(mesh: dict[str, int], options: dict[str, Any]) -> None:
-    """Every micro-batch's forward and backward of every stage, every rank's buckets and update
-    add up to the stage plan's step: so p x the fastest fitting pipeline cuts off stage plans
-    that cannot beat it (``search.pipeline_limited._under_limit``; a busiest rank works >= the average)."""
+    """Every micro-batch's forward and backward of every stage, every rank's buckets and update, and
+    the last stage's summed loss add up to the stage plan's step: so p x the fastest fitting pipeline
+    cuts off stage plans that cannot beat it (``search.pipeline_limited._under_limit``; a busiest rank
+    works >= the average)."""
     plan = _plan(_pinned("1f1b", 4), mesh, **options)
     pipe = plan.pipeline
     assert pipe is not None
     work = (pipe.micro_batches * sum(s.forward_s + s.backward_s for s in pipe.stages)
-            + sum(pipe.grad_sync_per_rank_s) + sum(pipe.update_per_rank_s))
+            + sum(pipe.grad_sync_per_rank_s) + sum(pipe.update_per_rank_s) + pipe.loss_s)
     assert work >= pipe.stage_plan_step_time_s * (1 - 1e-9)
     assert plan.predicted.step_time_s * pipe.size >= work
 

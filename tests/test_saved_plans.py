@@ -59,7 +59,7 @@ def test_a_pipelined_plan_round_trips_and_is_made_again_without_searching() -> N
 
 
 def test_a_plan_for_another_step_or_mesh_is_refused_with_what_differs() -> None:
-    plan, (model, inputs, loss_fn, targets) = _gpt()
+    plan, (model, inputs, loss_fn, targets) = _gpt(pipeline=False)  # a pipeline's mesh has its pp axis too
     wider = gpt.build(gpt.GPTConfig(layers=2, hidden=GPT.hidden * 2))
     with pytest.raises(autopar.InputError, match="made for another step"):
         replay(problems(wider[0], wider[1], loss_fn=wider[2], example_targets=wider[3]),
@@ -107,7 +107,7 @@ def test_compile_runs_a_saved_plan_without_solving() -> None:
     """The CLI's ``--json`` (``Plan.to_json``) handed to ``compile``: no rank solves an ILP, every rank runs
     the saved plan (its notes as saved), the loss is the single device's; compiled again in the process,
     the model is not traced again and runs alike; on another mesh it is refused."""
-    plan, (model, inputs, loss_fn, targets) = _gpt()
+    plan, (model, inputs, loss_fn, targets) = _gpt(pipeline=False)  # a module called as pm(...), not pm.step
     saved = json.loads(json.dumps(plan.to_json()))
     results = run_ranks(_run_saved, 4, saved)
     assert [r["solves"] for r in results] == [0] * 4

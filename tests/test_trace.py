@@ -119,8 +119,9 @@ def _by_track(events: list[dict], pid: int) -> dict[str, list[dict]]:
 ])
 def test_pipelined_trace_per_pp_rank(tmp_path: Path, schedule: str, mesh: dict[str, int], options: dict) -> None:
     """One process per pp rank: its stages' actions in the schedule's order with a bubble in every
-    idle gap until it drains, its sends on point-to-point tracks, then its gradient buckets, the
-    wait for the loss and its update; the slowest rank's last span ends at the step time."""
+    idle gap until it drains, its sends on point-to-point tracks, then its gradient buckets (the
+    last stage's rank: and the summed loss's all-reduce), the wait for the loss and its update; the
+    slowest rank's last span ends at the step time."""
     plan = _pipelined(schedule, mesh, **options)
     pipe = plan.pipeline
     path = tmp_path / "step.json"
@@ -154,7 +155,8 @@ def test_pipelined_trace_per_pp_rank(tmp_path: Path, schedule: str, mesh: dict[s
         for track, bars in tracks.items():
             if track.startswith("point-to-point to pp rank"):
                 assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(bars, bars[1:]))
-        assert sum(e["dur"] for e in sync) == pytest.approx(pipe.grad_sync_per_rank_s[r] * 1e6, rel=1e-9)
+        loss_s = pipe.loss_s if r == pipe.stages[-1].rank else 0.0
+        assert sum(e["dur"] for e in sync) == pytest.approx((pipe.grad_sync_per_rank_s[r] + loss_s) * 1e6, rel=1e-9)
         ends.append(max(e["ts"] + e["dur"] for bars in tracks.values() for e in bars))
     assert max(ends) == pytest.approx(plan.predicted.step_time_s * 1e6, rel=1e-9)
     assert any(e["name"] == "bubble" for e in events if e["ph"] == "X")

@@ -4,7 +4,8 @@ Each call names the forward redistribution (producer's placement -> what the con
 needs) and the backward one (the gradient the consumer sends -> what the producer
 wants). A parameter's gradient stays Partial on its sync dims; the runtime all-reduces
 it once after backward. User inputs arrive whole and are sliced here unless they come
-already split; a training step's loss is reduced so every rank returns all of it.
+already split; a training step's loss is reduced so every rank returns all of it (a pipelined
+step's is left as placed: its schedule's micro-batches' sum is reduced once, ``cost.summed_loss``).
 A ZeRO-3 parameter's gather is a ``self.regather`` call instead (``autopar.runtime.regather``).
 """
 
@@ -18,6 +19,7 @@ import torch.fx
 from torch.distributed.tensor import Replicate
 
 from autopar.cost.model import grad_placements, param_grad_target
+from autopar.cost.summed_loss import loss_summed_once
 from autopar.passes.context import PassContext, plan_name, strategy_of
 from autopar.rules.redistribute import ALL_GATHER, redistribute_steps
 from autopar.rules.strategy import Placements, placement_str
@@ -99,7 +101,7 @@ def insert_reshards(gm: torch.fx.GraphModule, pc: PassContext) -> torch.fx.Graph
             _reshard_inputs(gm, node, name, pc, shared)
     for node, args, kwargs in rerouted:
         _insert_after(gm, node, args, kwargs)
-    if pc.graph.loss is not None:
+    if pc.graph.loss is not None and not loss_summed_once(pc.ctx):
         loss = next(n for n in graph.nodes if plan_name(n) == pc.graph.loss)
         _insert_after(gm, loss, _reshard_args(loss, pc.chosen[pc.graph.loss].outputs[0],
                                               (Replicate(),) * len(pc.mesh_shape), None))

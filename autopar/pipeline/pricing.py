@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from autopar.cost.collectives import point_to_point_time
 from autopar.cost.model import CostContext, NodeCost
+from autopar.cost.summed_loss import SUMMED_LOSS
 from autopar.memory.backward import op_working_sets
 from autopar.mesh import Mesh
 from autopar.pipeline.crossing import constant_ops, crossing_bytes, recomputed_ops
@@ -82,6 +83,11 @@ class StagePricing:
         return weights
 
     @functools.cached_property
+    def loss_s(self) -> float:
+        """Seconds of the step's summed loss all-reduced once by the last stage's ranks (``cost.summed_loss``)."""
+        return sum(c.time_s * c.count for c in self.collectives if c.consumer == SUMMED_LOSS)
+
+    @functools.cached_property
     def constants(self) -> frozenset[str]:
         return constant_ops(self.graph, self.chosen, self.ctx)
 
@@ -111,8 +117,9 @@ class StagePricing:
         if key not in self._layouts:
             self._layouts[key] = self._layout(pipeline, rank_of)
         layout = self._layouts[key]
-        floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in layout.times], rank_of,
-                             [s + t for s, t in zip(layout.sync, tied_seconds(layout.tied, p))], layout.update,
+        after = [s + t for s, t in zip(layout.sync, tied_seconds(layout.tied, p))]  # each rank's, once it drained
+        after[rank_of[-1]] += self.loss_s
+        floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in layout.times], rank_of, after, layout.update,
                              [s.send_s for s in layout.stages])
         if floor > beat_s:
             return Uncut(f"its busiest rank's wait for the first micro-batch and own work, {floor:.6g} s, is over "
@@ -162,7 +169,7 @@ class StagePricing:
                             grad_sync_s=max(layout.sync), update_s=max(layout.update),
                             stage_plan_step_time_s=self.stage_plan_step_s, grad_sync_per_rank_s=list(layout.sync),
                             update_per_rank_s=list(layout.update), stage_of=dict(layout.stage_of),
-                            tied=list(layout.tied))  # a plan's own, as the layout is shared
+                            tied=list(layout.tied), loss_s=self.loss_s)  # a plan's own, as the layout is shared
         if not ctx.train:
             plan.output_bytes = _output_bytes(graph, chosen, ctx)
             plan.output_s = (p - 1) * point_to_point_time(plan.output_bytes, self.mesh.names.index(pipeline.axis),
@@ -199,7 +206,7 @@ def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[s
         times[s][0] += seconds[name][0]
         times[s][1] += seconds[name][1]
     for c in collectives:  # the stages' own collectives, once per micro-batch
-        if c.consumer and c.phase in ("forward", "recompute", "backward"):
+        if c.consumer and c.consumer != SUMMED_LOSS and c.phase in ("forward", "recompute", "backward"):
             s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
             times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
     for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):

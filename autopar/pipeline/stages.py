@@ -123,6 +123,10 @@ class PipelinePlan:
     a training step (its loss's broadcast, a few bytes, is not priced)."""
     output_s: float = 0.0
     """Predicted seconds of that broadcast: p - 1 point-to-point sends from the last stage's rank."""
+    loss_s: float = 0.0
+    """Predicted seconds of a training step's loss, summed over its micro-batches, all-reduced on the
+    stage mesh by the last stage's ranks after their tied weights, before they send it
+    (``cost.summed_loss``)."""
     tied: list[TiedWeight] = field(default_factory=list)
     """Weights held by several pp ranks (read by stages on each), whose gradients a training step
     all-reduces between them after the buckets (``pipeline.tied``), in the order it runs them."""
@@ -167,11 +171,12 @@ class PipelinePlan:
         """Each rank after its pipeline drains, as ``runtime.pipeline.PipelinedModule.step`` runs
         it: its gradient buckets, its tied weights' all-reduces (each once all its ranks are
         ready), then the loss broadcast from the last stage's rank (which sends it after its own
-        buckets and tied weights), then its optimizer step. The step ends at the latest."""
+        buckets, tied weights and the loss's all-reduce on the stage mesh: ``loss_s``), then its
+        optimizer step. The step ends at the latest."""
         drained = [acts[-1][4] if acts else 0.0 for acts in sim.placed]
         synced = [d + g for d, g in zip(drained, self.grad_sync_per_rank_s)]
         tied = shared_ends(self.tied, synced)
-        loss_at = tied[self.stages[-1].rank][1]
+        loss_at = tied[self.stages[-1].rank][1] + self.loss_s
         return [RankEnd(d, s, a, b, max(b, loss_at), max(b, loss_at) + u)
                 for d, s, (a, b), u in zip(drained, synced, tied, self.update_per_rank_s)]
 
@@ -248,9 +253,9 @@ class Uncut:
 def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of: list[int], sync_s: list[float],
                  update_s: list[float], send_s: list[float]) -> float:
     """Seconds no pipelined step of these stages beats: a rank runs its actions one after another
-    (every micro-batch's forward and backward of each of its stages), then its gradient buckets
-    and tied weights' all-reduces (``sync_s``) and its optimizer step (``PipelinePlan.rank_ends``),
-    and none of them before the first micro-batch's forward has come through the stages before its
+    (every micro-batch's forward and backward of each of its stages), then its gradient buckets and
+    tied weights' all-reduces (the last stage's rank also the summed loss's: ``sync_s``) and its
+    optimizer step (``PipelinePlan.rank_ends``), and none of them before the first micro-batch's forward has come through the stages before its
     first (each action of a stage waits on that stage's forward, which waits on the one before it:
     their forward seconds and the transfers across their cuts, ``send_s``, 0 within a rank), so the step
     lasts at least the longest such sum, whatever else the bubble, transfers and waits add."""

@@ -24,6 +24,7 @@ from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.ring import ring_waited_time
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
                                 step_repeats, zero1_gather_call)
+from autopar.cost.summed_loss import SUMMED_LOSS_BYTES, loss_summed_once, summed_loss_dims
 from autopar.cost.zero1 import zero1_dim
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
@@ -189,8 +190,7 @@ def _price_own_collectives(nodes: dict[str, PlanNode], order: list[str], loss: s
         node = nodes[name]
         if name == loss or name in gathered or (node.call is not None and (node.call.target in MEAN_AS_PARTIAL
                                                                            or is_moe(node.call.target))):
-            node.comm_times = [sum(collective_time(c, ctx.mesh) for c in own_collectives(
-                node, s, ctx, name == loss, name in gathered)) * step_repeats(ctx) for s in node.strategies]
+            node.comm_times = [_own_seconds(node, s, ctx, name == loss, name in gathered) for s in node.strategies]
         elif node.call is not None and node.call.target in ATTENTION_OPS:  # ring attention's sends, as waited for
             times = waited.get(id(node.strategies))
             if times is None:
@@ -220,18 +220,28 @@ def _check_buffer_writes(captured: CapturedGraph, nodes: dict[str, PlanNode], fa
                 "torch.no_grad() (torch.export does not record torch.inference_mode() blocks)")
 
 
-def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool,
-                    is_output: bool = False) -> list[CollectiveCall]:
-    """Collectives a node's strategy runs by itself: a batch-split mean loss summing its count,
-    an expert-parallel layer's all-to-alls (``cost.moe``, forward and backward), the step's
-    loss reduced so that every rank returns all of it, and a forward step's output gathered on
-    its zig-zag axes."""
+def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_output: bool = False
+                    ) -> list[CollectiveCall]:
+    """Collectives a node's strategy runs by itself once per micro-batch: a batch-split mean loss
+    summing its count, an expert-parallel layer's all-to-alls (``cost.moe``, forward and
+    backward), and a forward step's output gathered on its zig-zag axes."""
     calls = loss_count_reductions(node, strategy, ctx)
     if node.call is not None:
         calls += [c.call for c in moe_collectives(node.call, strategy, ctx.mesh, ctx.precision, ctx.train)]
     if is_output:
         calls += zigzag_output_gathers(node, strategy, ctx)
-    return [*calls, *loss_replication(node, strategy, ctx)] if is_loss else calls
+    return calls
+
+
+def _own_seconds(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool, is_output: bool) -> float:
+    """Seconds per step of a node's own collectives (``own_collectives``), and for the loss of its
+    reduction so that every rank returns all of it: once per micro-batch, or once per step
+    (``cost.summed_loss``)."""
+    replicated = loss_replication(node, strategy, ctx) if is_loss else []
+    summed = loss_summed_once(ctx)
+    per_micro_batch = [*own_collectives(node, strategy, ctx, is_output), *([] if summed else replicated)]
+    once = sum(collective_time(c, ctx.mesh) for c in replicated) if summed else 0.0
+    return sum(collective_time(c, ctx.mesh) for c in per_micro_batch) * step_repeats(ctx) + once
 
 
 def zigzag_output_gathers(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
@@ -266,9 +276,13 @@ def loss_count_reductions(node: PlanNode, strategy: Strategy, ctx: CostContext) 
 
 
 def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
-    """Collectives that give every rank the whole loss."""
+    """Collectives that give every rank the whole loss: each micro-batch's as placed, or where the
+    step sums its micro-batches' losses first (``cost.summed_loss``) that fp32 sum's
+    all-reduce on each dim the loss is Partial on, once."""
     out, meta = strategy.outputs[0], node.outputs[0]
     assert out is not None and meta is not None
+    if loss_summed_once(ctx):
+        return [CollectiveCall(ALL_REDUCE, d, SUMMED_LOSS_BYTES) for d in summed_loss_dims(out, ctx.mesh.shape)]
     return reshard(meta, out, (R,) * ctx.mesh.ndim, ctx.mesh, ctx.precision)
 
 

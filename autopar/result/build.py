@@ -12,6 +12,7 @@ from autopar.cost.buckets import GradBucket, gradient_buckets
 from autopar.cost.groups import GroupKey, edge_groups, group_call
 from autopar.cost.moe import moe_collectives
 from autopar.cost.ring import ring_transfers
+from autopar.cost.summed_loss import SUMMED_LOSS, loss_summed_once
 from autopar.cost.zero1 import chunk_elements
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, backward_time, exposed_sync_time, grad_placements,
                                 grad_sync_dims, step_repeats)
@@ -343,8 +344,10 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     memory = _with_state(memory, graph, chosen, ctx)
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
+        once = loss_summed_once(ctx)
         for call in loss_replication(loss, chosen[graph.loss], ctx):
-            ledger.record(call, "forward", graph.loss, "output", loss.module, step_repeats(ctx))
+            ledger.record(call, "forward", graph.loss, SUMMED_LOSS if once else "output", loss.module,
+                          1 if once else step_repeats(ctx))
     for name in dict.fromkeys(graph.output_names):  # a forward step's outputs, gathered on zig-zag axes
         for call in zigzag_output_gathers(graph.nodes[name], chosen[name], ctx):
             ledger.record(call, "forward", name, "output", graph.nodes[name].module, step_repeats(ctx))

@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from autopar.cost.summed_loss import SUMMED_LOSS
 from autopar.result.record import PlanRecord
 from autopar.result.spans import BESIDE, COMPUTE, TRACKS, WAITED, Span
 from autopar.result.trace_pipeline import pipeline_chrome_trace
@@ -94,6 +95,8 @@ def timeline(plan: PlanRecord) -> list[Span]:
                     layout.collective(c, "backward", waited=_unwaited_share(c, m, micro_batches))
     for c in by_node[("backward", "")]:  # gradient buckets, beside the last backward
         layout.collective(c, "backward", hidden_from=last_backward)
+    for c in by_node[("forward", SUMMED_LOSS)]:  # the micro-batches' summed loss, replicated once
+        layout.collective(c, "forward")
     optimizer = by_node[("optimizer", "optimizer")]
     for c in optimizer:
         if c.kind == "reduce_scatter":

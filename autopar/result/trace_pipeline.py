@@ -54,7 +54,10 @@ def pipeline_timeline(plan: Any) -> list[list[Span]]:
             spans.append(Span(name=f"tied weights' gradients (all-reduce on {pipe.axis})", track=WAITED,
                               start_s=end.tied_start_s, seconds=end.tied_end_s - end.tied_start_s, phase="backward",
                               args={"weights": [w.parameter for w in pipe.tied if r in w.ranks]}))
-        if end.update_start_s > end.tied_end_s:
+        if end.update_start_s > end.tied_end_s and r == loss_rank:
+            spans.append(Span(name="the step's summed loss (all-reduce on the stage mesh)", track=WAITED,
+                              start_s=end.tied_end_s, seconds=end.update_start_s - end.tied_end_s, phase="forward"))
+        elif end.update_start_s > end.tied_end_s:
             spans.append(Span(name=f"waiting for the loss from pp rank {loss_rank}", track=COMPUTE,
                               start_s=end.tied_end_s, seconds=end.update_start_s - end.tied_end_s, phase="bubble"))
         if end.end_s > end.update_start_s:

@@ -13,13 +13,13 @@ whole to every micro-batch), and each stage reads the user inputs it needs from 
 micro-batch it runs (``runtime.stages.MicroBatchStage``): none is sent from stage to stage,
 nor is a value of constants alone, which each later stage reading it computes again
 (``passes.split_stages``, priced so: ``pipeline.crossing``). The last stage's loss of each
-micro-batch is weighted exactly as ``runtime.microbatch`` weighs it (1/m for a mean, 1 for a
-sum, its target count for a cross entropy dividing by counted targets, the accumulated
-gradients then divided by the step's total count). After the schedule, the gradients of this rank's parameters are
+micro-batch is weighted exactly as ``runtime.microbatch`` weighs it and left as placed
+(``runtime.pipeline_loss``). After the schedule, the gradients of this rank's parameters are
 all-reduced over the stage mesh's data axes once, bucket by bucket as the plan lists them
 (the pieces of each bucket this rank holds), those of weights tied across pp ranks (an
 embedding the last stage's output head reuses) are summed with their other copies'
-(``runtime.tied``), and the step's loss is broadcast from the last stage to every rank.
+(``runtime.tied``), the last stage's ranks all-reduce the sum of their micro-batches' weighted
+losses once, and the step's loss is broadcast from the last stage to every rank.
 
 A forward-only step (``train=False``: a serving step, ``compile_serving``) is ``pm(*inputs)``:
 one micro-batch through the stages in order on ``ScheduleGPipe`` built without a loss, which
@@ -46,9 +46,10 @@ from autopar.cost.buckets import GradBucket
 from autopar.errors import InputError
 from autopar.passes.split_stages import split_stages
 from autopar.runtime.module import copy_state_in, set_by_path
-from autopar.runtime.microbatch import COUNT, MEAN, restore_grads, stash_grads, weighed
+from autopar.runtime.microbatch import restore_grads, stash_grads
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
+from autopar.runtime.pipeline_loss import StepLoss, step_loss
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.random import RandomSource
 from autopar.runtime.stages import MicroBatchStage, StageModule, ValueMeta, fake_shard, stage_metas
@@ -92,8 +93,8 @@ class PipelinedModule(nn.Module):
     def __init__(self, *, plan: Plan, pipeline: Pipeline, device_mesh: DeviceMesh, stage_mesh: DeviceMesh,
                  comm: Comm, modules: list[StageModule], metas: list[tuple[list[ValueMeta], list[ValueMeta]]],
                  params: dict[str, nn.Parameter], fqns: dict[str, str], buffers: dict[str, torch.Tensor],
-                 placements: dict[str, tuple[Placement, ...]], signature: StepSignature, loss_kind: str | None,
-                 loss_dtype: torch.dtype | None, loss_out: torch.dtype,
+                 placements: dict[str, tuple[Placement, ...]], signature: StepSignature, loss: StepLoss | None,
+                 loss_out: torch.dtype,
                  tied: TiedGradients, aliases: dict[str, str], transient: frozenset[str] = frozenset(),
                  outputs: list[ValueMeta] | None = None,
                  output_placements: list[tuple[Placement, ...] | None] | None = None) -> None:
@@ -105,8 +106,7 @@ class PipelinedModule(nn.Module):
         self.signature = signature
         self._comm = comm
         self._placements = placements
-        self._loss_kind = loss_kind
-        self._loss_dtype = loss_dtype  # mixed precision: each micro-batch's bf16 loss made fp32, as ParallelModule
+        self._loss = loss  # None: a forward-only step
         self._loss_out = loss_out
         self._outputs = outputs or []  # a forward-only step's outputs (the last stage's), broadcast to every pp rank
         self._output_placements = output_placements or []
@@ -135,17 +135,16 @@ class PipelinedModule(nn.Module):
         single = self.pipeline.schedule in ("gpipe", "1f1b")
         # no loss function: torch's schedule runs forward only (``has_backward`` False; a serving step)
         self._schedule = cls(self._stages[0] if single else self._stages, n_microbatches=self.pipeline.micro_batches,
-                             loss_fn=self._weigh if self._loss_kind is not None else None, scale_grads=False)
+                             loss_fn=self._weigh if self._loss is not None else None, scale_grads=False)
         self._last_rank = self.pipeline.stage_rank(count - 1, p)
         self._group = group
-        self._counts: list[torch.Tensor] = []
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """A forward-only step (compiled ``train=False``, one micro-batch: a serving step): the
         stages in order, each stage's values sent point to point to the next stage's ranks by the
         schedule, then the last stage's outputs broadcast over the pipeline axis, so that every rank
         returns them: DTensors on the stage mesh, placed as planned (as ``ParallelModule`` returns)."""
-        if self._loss_kind is not None:
+        if self._loss is not None:
             raise InputError("a pipelined module trains with loss = pm.step(*inputs, *targets, **kwargs): a call of "
                              "one rank's stages is not the step")
         self._hand_inputs(inputs, kwargs)
@@ -202,30 +201,26 @@ class PipelinedModule(nn.Module):
         return values
 
     def _weigh(self, output: Any, micro_batch: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's loss as the step weighs it (``runtime.microbatch``); called by the
+        """A micro-batch's loss as the step weighs it (``runtime.pipeline_loss``); called by the
         schedule on the last stage right after that micro-batch's forward."""
+        assert self._loss is not None
         loss = output[0] if isinstance(output, (tuple, list)) else output
-        if self._loss_dtype is not None:
-            loss = loss.to(self._loss_dtype)
-        m = self.pipeline.micro_batches
-        if self._loss_kind == COUNT and m > 1:
-            count = self._modules_run[-1].program.get_submodule("partial_mean_loss").last_count
-            if count is None:
-                raise RuntimeError("the step's loss divides by a count, but the program recorded none")
-            self._counts.append(count.detach())
-            return weighed(loss, count)
-        return loss * (1.0 / m) if self._loss_kind == MEAN and m > 1 else loss
+        return self._loss.weigh(loss, self._last_count)
+
+    def _last_count(self) -> torch.Tensor | None:
+        """The count the last stage's loss divided by in the micro-batch it ran last."""
+        return self._modules_run[-1].program.get_submodule("partial_mean_loss").last_count
 
     def step(self, *inputs: Any, **kwargs: Any) -> DTensor:
         """One training step on the whole batch: forward and backward of every micro-batch
         by the schedule, gradients added to ``.grad`` (as ``backward`` would) and synchronized
         over the data axes once; returns the step's loss on every rank (replicated, detached)."""
-        if self._loss_kind is None:
+        if self._loss is None:
             raise InputError("pm.step trains: this module was compiled with train=False (call pm(...) for outputs)")
         self._hand_inputs(inputs, kwargs)
         params = [p for p in self.parameters() if p.requires_grad]
         stashed = stash_grads(params)
-        self._counts = []
+        self._loss.begin()
         losses: list[torch.Tensor] = []
         try:
             self._schedule.step(target=torch.arange(self.pipeline.micro_batches), losses=losses, return_outputs=False)
@@ -234,14 +229,11 @@ class PipelinedModule(nn.Module):
         self._comm.settle()  # gloo: nothing of the stages' left running beside the buckets (``runtime.ops``)
         reduce_buckets(self.plan.grad_buckets, self._params_by_node, self.stage_mesh, self.log)
         self._tied.reduce(self.log)
-        total = torch.stack(self._counts).sum() if self._counts else torch.ones((), dtype=torch.float32)
-        summed = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros(())
-        shared = torch.stack([summed.float(), total.float()])
+        shared = self._loss.shared(losses, self.log)
         dist.broadcast(shared, group=self._group, group_src=self._last_rank)
         restore_grads(stashed, shared[1])
-        loss = shared[0] / shared[1] if self._loss_kind == COUNT else shared[0]
-        return DTensor.from_local(loss.to(self._loss_out), self.device_mesh, (Replicate(),) * self.device_mesh.ndim,
-                                  run_check=False)
+        loss = self._loss.value(shared).to(self._loss_out)
+        return DTensor.from_local(loss, self.device_mesh, (Replicate(),) * self.device_mesh.ndim, run_check=False)
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any = None, **kwargs: Any
                   ) -> torch.optim.Optimizer:
@@ -355,13 +347,13 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
         slots = [user_inputs.index(name) for name in programs[s].user_inputs]  # one placeholder per leaf, in order
         modules.append(StageModule(programs[s], tensors, slots, regathers))
     loss_meta = step.graph.nodes[step.graph.loss].outputs[0] if step.graph.loss is not None else None
+    loss = None if kind is None else step_loss(step, kind, pipeline.micro_batches, compute_dtype, stage_mesh)
     return PipelinedModule(
         plan=step.plan, pipeline=pipeline, device_mesh=mesh, stage_mesh=stage_mesh, comm=comm, modules=modules,
         metas=[metas[s] for s in mine], params=params, fqns={n: kinds[n][1] for n in params},
         buffers={kinds[n][1]: state.local[n] for n in keep if kinds[n][0] == "buffer"},
-        placements=state.placements, transient=state.transient, signature=signature, loss_kind=kind,
+        placements=state.placements, transient=state.transient, signature=signature, loss=loss,
         tied=TiedGradients(pp.tied, mesh, pipeline.axis, params), aliases=step.captured.tied,
-        loss_dtype=torch.float32 if compute_dtype is not None else None,
         loss_out=torch.float32 if compute_dtype is not None or loss_meta is None else loss_meta.dtype,
         outputs=metas[-1][1], output_placements=[step.chosen[n].outputs[0] if n in step.chosen else None
                                                  for n in step.graph.output_names])
