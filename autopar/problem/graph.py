@@ -24,12 +24,14 @@ from autopar.cost.moe import is_moe, moe_collectives
 from autopar.cost.ring import ring_waited_time
 from autopar.cost.model import (CostContext, EdgeCost, NodeCost, edge_cost, input_cost, op_cost, parameter_cost,
                                 step_repeats, zero1_gather_call)
-from autopar.cost.summed_loss import SUMMED_LOSS_BYTES, loss_summed_once, summed_loss_dims
+from autopar.cost.summed_loss import loss_summed_once
 from autopar.cost.zero1 import zero1_dim
 from autopar.rules.attention import ATTENTION_OPS
 from autopar.rules.loss import MEAN_AS_PARTIAL, is_partial_mean_loss, static_count
 from autopar.rules import RuleSet, expand
 from autopar.rules.strategy import R, DimStrategy, OpCall, S, Strategy, call_key, divides
+from autopar.problem.loss_collectives import (loss_count_reductions, loss_replication, mark_loss_root,
+                                             summed_count_root)
 from autopar.problem.gradients import differentiable, mark_written_storage, may_need_grad, settle_gradients
 from autopar.problem.nodes import BUFFER, INPUT, OP, PARAM, PlanGraph, PlanNode, ProbeMemo
 from autopar.problem.saved_activations import cached_probe
@@ -138,6 +140,7 @@ def build_plan_graph(captured: CapturedGraph, rules: RuleSet, ctx: CostContext,
         trees.setdefault(facts.roots[node.name], []).append(pn.name)
         if node.op == "call_function" and writes_first_arg(node.target) and isinstance(node.args[0], torch.fx.Node):
             mark_written_storage(nodes, pn, trees.get(facts.roots[node.args[0].name], []))
+    mark_loss_root(nodes, loss)
     _check_buffer_writes(captured, nodes, facts)  # before settling: autograd records what may need a gradient
     probes = ProbeMemo(shared.probes)  # kept by the PlanGraph: edge pricing asks the same probes again
     settle_gradients(nodes, order, loss, ctx, leaf_costs, probes)
@@ -185,12 +188,14 @@ def _price_own_collectives(nodes: dict[str, PlanNode], order: list[str], loss: s
     """A loss's own collectives (its count, the whole loss), an expert layer's all-to-alls, ring
     attention's waited sends, a forward step's outputs gathered on zig-zag axes."""
     gathered = set(output_names) if not ctx.train and ctx.mesh.zigzag_dims() else set()
+    counted = summed_count_root(nodes, ctx) is not None
     waited: dict[int, list[float]] = {}  # by strategy list (one per distinct call, as ``_price_ops`` prices)
     for name in order:
         node = nodes[name]
         if name == loss or name in gathered or (node.call is not None and (node.call.target in MEAN_AS_PARTIAL
                                                                            or is_moe(node.call.target))):
-            node.comm_times = [_own_seconds(node, s, ctx, name == loss, name in gathered) for s in node.strategies]
+            node.comm_times = [_own_seconds(node, s, ctx, name == loss, name in gathered, counted)
+                               for s in node.strategies]
         elif node.call is not None and node.call.target in ATTENTION_OPS:  # ring attention's sends, as waited for
             times = waited.get(id(node.strategies))
             if times is None:
@@ -233,11 +238,12 @@ def own_collectives(node: PlanNode, strategy: Strategy, ctx: CostContext, is_out
     return calls
 
 
-def _own_seconds(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool, is_output: bool) -> float:
+def _own_seconds(node: PlanNode, strategy: Strategy, ctx: CostContext, is_loss: bool, is_output: bool,
+                 counted: bool) -> float:
     """Seconds per step of a node's own collectives (``own_collectives``), and for the loss of its
     reduction so that every rank returns all of it: once per micro-batch, or once per step
-    (``cost.summed_loss``)."""
-    replicated = loss_replication(node, strategy, ctx) if is_loss else []
+    (``cost.summed_loss``; ``counted``: with its count)."""
+    replicated = loss_replication(node, strategy, ctx, counted) if is_loss else []
     summed = loss_summed_once(ctx)
     per_micro_batch = [*own_collectives(node, strategy, ctx, is_output), *([] if summed else replicated)]
     once = sum(collective_time(c, ctx.mesh) for c in replicated) if summed else 0.0
@@ -253,37 +259,6 @@ def zigzag_output_gathers(node: PlanNode, strategy: Strategy, ctx: CostContext) 
         return []
     whole = tuple(R if d in zigzag and p.is_shard() else p for d, p in enumerate(out))
     return reshard(meta, out, whole, ctx.mesh, ctx.precision) if whole != tuple(out) else []
-
-
-def count_source(node: PlanNode, ctx: CostContext) -> str:
-    """Where a batch-split 'mean' loss gets its global count: 'static' (shapes), 'input'
-    (the whole targets input every rank received) or 'reduce' (local counts summed)."""
-    assert node.call is not None
-    x, targets = node.call.args[0], node.call.args[1]
-    if static_count(node.call.target, tuple(x.shape), not targets.dtype.is_floating_point) is not None:
-        return "static"
-    return "input" if ctx.inputs_whole and node.targets_input is not None else "reduce"
-
-
-def loss_count_reductions(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
-    """A batch-split 'mean' loss whose count needs data it does not have sums it over the
-    split mesh dims (4-byte all-reduces)."""
-    if node.call is None or not is_partial_mean_loss(node.call, strategy) or count_source(node, ctx) != "reduce":
-        return []
-    out = strategy.outputs[0]
-    assert out is not None
-    return [CollectiveCall(ALL_REDUCE, d, 4) for d, p in enumerate(out) if p.is_partial() and ctx.mesh.shape[d] > 1]
-
-
-def loss_replication(node: PlanNode, strategy: Strategy, ctx: CostContext) -> list[CollectiveCall]:
-    """Collectives that give every rank the whole loss: each micro-batch's as placed, or where the
-    step sums its micro-batches' losses first (``cost.summed_loss``) that fp32 sum's
-    all-reduce on each dim the loss is Partial on, once."""
-    out, meta = strategy.outputs[0], node.outputs[0]
-    assert out is not None and meta is not None
-    if loss_summed_once(ctx):
-        return [CollectiveCall(ALL_REDUCE, d, SUMMED_LOSS_BYTES) for d in summed_loss_dims(out, ctx.mesh.shape)]
-    return reshard(meta, out, (R,) * ctx.mesh.ndim, ctx.mesh, ctx.precision)
 
 
 def _op_node(node: torch.fx.Node, nodes: dict[str, PlanNode], ctx: CostContext, outputs: tuple[TensorMeta | None, ...],

@@ -89,6 +89,8 @@ class PlanNode:
     targets_input: str | None = None
     """For a loss: the user input its targets are a view of, if any (counted whole when
     every rank receives the whole batch)."""
+    loss_root: bool = False
+    """The op whose value the step returns as its loss (``problem.loss_collectives.mark_loss_root``)."""
     fqn: str | None = None
     frozen: bool = False
     """A parameter with ``requires_grad=False``: no gradient, no sync, no optimizer state."""

@@ -21,7 +21,8 @@ from autopar.problem.folding import Folding
 from autopar.memory.options import MemoryPlan
 from autopar.solver.grad_terms import single_use_params
 from autopar.problem.groups import group_names
-from autopar.problem.graph import edge_flags, loss_count_reductions, loss_replication, zigzag_output_gathers
+from autopar.problem.graph import edge_flags, zigzag_output_gathers
+from autopar.problem.loss_collectives import loss_count_reductions, loss_replication, summed_count_root
 from autopar.problem.nodes import OP, PARAM, PlanGraph
 from autopar.solver.overlap import plan_windows
 from autopar.cost.backward import gradient_bytes
@@ -345,7 +346,7 @@ def build_plan(graph: PlanGraph, folding: Folding, solution: Solution, ctx: Cost
     if graph.loss is not None:  # every rank returns the whole loss
         loss = graph.nodes[graph.loss]
         once = loss_summed_once(ctx)
-        for call in loss_replication(loss, chosen[graph.loss], ctx):
+        for call in loss_replication(loss, chosen[graph.loss], ctx, summed_count_root(graph.nodes, ctx) is not None):
             ledger.record(call, "forward", graph.loss, SUMMED_LOSS if once else "output", loss.module,
                           1 if once else step_repeats(ctx))
     for name in dict.fromkeys(graph.output_names):  # a forward step's outputs, gathered on zig-zag axes

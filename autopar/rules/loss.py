@@ -27,6 +27,10 @@ REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = 0, 1, 2
 
 MEAN_AS_PARTIAL = {aten.cross_entropy_loss.default, aten.mse_loss.default}
 """Ops whose batch-split 'mean' runs as sum / global count (see ``local_mean_loss``)."""
+LOSS_VIEWS = frozenset({"reshape", "view", "flatten", "squeeze", "unsqueeze", "clone", "contiguous", "alias",
+                        "_to_copy", "to"})
+"""Ops (by overload packet) between a step's loss op and its output that keep its value (a
+scalar reshaped, copied or cast): the step returns that op's value."""
 
 
 def _reduction(call: OpCall) -> int:

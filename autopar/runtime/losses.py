@@ -20,7 +20,9 @@ class PartialMeanLoss(nn.Module):
     ``self.partial_mean_loss(op, mesh_dims, count, *args)`` with the loss op's own
     arguments. ``count`` is the global count (a number), the whole targets to count it
     on, or None: count the local targets and sum over ``mesh_dims``. The last call's global
-    count stays in ``last_count``: a step of micro-batches weighs each by it.
+    count stays in ``last_count``: a step of micro-batches weighs each by it. ``per_step``: the
+    local sum, not divided, and its local count in ``last_count`` (a pipelined step sums both
+    once: ``runtime.pipeline_loss``).
     """
 
     def __init__(self, comm: Comm) -> None:
@@ -29,8 +31,12 @@ class PartialMeanLoss(nn.Module):
         self.last_count: torch.Tensor | None = None
 
     def forward(self, op: str, mesh_dims: tuple[int, ...], count: float | torch.Tensor | None,
-                *args: Any) -> torch.Tensor:
+                *args: Any, per_step: bool = False) -> torch.Tensor:
         target = getattr(torch.ops.aten, op.split(".")[1]).default
+        if per_step:
+            with torch.no_grad():
+                self.last_count = loss_rules.global_count(target, args).to(torch.float32)
+            return loss_rules.local_mean_loss(target, args, torch.ones((), dtype=torch.float32))
         with torch.no_grad():
             if isinstance(count, torch.Tensor):  # the whole targets
                 count = loss_rules.global_count(target, (args[0], count, *args[2:]))

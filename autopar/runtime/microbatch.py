@@ -38,15 +38,12 @@ from torch import nn
 from autopar.capture.schema import schema_arg
 from autopar.errors import InputError
 from autopar.runtime.grad_sync import GradSync
-from autopar.rules.loss import MEAN_AS_PARTIAL, REDUCTION_MEAN, REDUCTION_SUM, counted_mean
+from autopar.rules.loss import LOSS_VIEWS, MEAN_AS_PARTIAL, REDUCTION_MEAN, REDUCTION_SUM, counted_mean
 
 MEAN, SUM, COUNT = "mean", "sum", "count"
 """How micro-batch losses combine (see the module docstring)."""
 
 aten = torch.ops.aten
-_VIEWS = {"reshape", "view", "flatten", "squeeze", "unsqueeze", "clone", "contiguous", "alias", "_to_copy", "to"}
-"""Ops between the loss's reduction and the step's output that keep its value (a scalar
-reshaped, copied or cast)."""
 _MEANS = {aten.mean.default, aten.mean.dim}
 _SUMS = {aten.sum.default, aten.sum.dim_IntList}
 
@@ -68,7 +65,7 @@ def loss_root(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
     """The op that computes the step's loss: the output's producer, seen through views and casts."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     node = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and _packet(node) in _VIEWS:
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and _packet(node) in LOSS_VIEWS:
         node = node.args[0]
     return node if isinstance(node, torch.fx.Node) else None
 

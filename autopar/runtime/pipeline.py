@@ -4,8 +4,8 @@ The plan (``plan.pipeline``) names the stages; every rank builds the whole progr
 its stage mesh (the mesh without the pipeline axis: ``stage_device_mesh``), cuts it into
 stages (``passes.split_stages``) and keeps the ones its coordinate on the pipeline axis
 holds, with their parameters only. Each is a ``PipelineStage`` on the pipeline axis's
-process group; its own collectives (tensor parallelism, ZeRO gathers, the loss's count)
-run on the stage mesh, among the ranks holding the same stage.
+process group; its own collectives (tensor parallelism, ZeRO gathers) run on the stage mesh,
+among the ranks holding the same stage.
 
 ``pm.step(*inputs, *targets)`` on every rank: the inputs are cut into micro-batches as
 ``pm.step`` of ``runtime.microbatch`` cuts them (inputs whose leading dim is not the batch go
