@@ -255,10 +255,11 @@ def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of
     """Seconds no pipelined step of these stages beats: a rank runs its actions one after another
     (every micro-batch's forward and backward of each of its stages), then its gradient buckets and
     tied weights' all-reduces (the last stage's rank also the summed loss's: ``sync_s``) and its
-    optimizer step (``PipelinePlan.rank_ends``), and none of them before the first micro-batch's forward has come through the stages before its
-    first (each action of a stage waits on that stage's forward, which waits on the one before it:
-    their forward seconds and the transfers across their cuts, ``send_s``, 0 within a rank), so the step
-    lasts at least the longest such sum, whatever else the bubble, transfers and waits add."""
+    optimizer step (``PipelinePlan.rank_ends``), and none of them before the first micro-batch's
+    forward has come through the stages before its first (each action of a stage waits on that
+    stage's forward, which waits on the one before it: their forward seconds and the transfers across
+    their cuts, ``send_s``, 0 within a rank), so the step lasts at least the longest such sum,
+    whatever else the bubble, transfers and waits add."""
     work = [0.0] * len(sync_s)
     for (f, b), r in zip(stage_s, rank_of):
         work[r] += micro_batches * (f + b)
