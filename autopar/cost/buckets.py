@@ -100,6 +100,10 @@ class ShardBucket:
         return tuple(dict.fromkeys(s.param for s in self.slices))
 
 
+_Placed = tuple[int, list[tuple[str, int, int]], list[int]]
+"""One stream laid out: its columns, its parameters' (name, start, stop) elements, and their starts."""
+
+
 def shard_buckets(kind: str, mesh_dim: int, ways: int, streams: list[list[tuple[str, int]]], itemsize: int,
                   cap: int) -> list[ShardBucket]:
     """The buckets of one kind on one mesh dim. ``streams``: each stream's parameters (name,
@@ -109,14 +113,14 @@ def shard_buckets(kind: str, mesh_dim: int, ways: int, streams: list[list[tuple[
     per_bucket = cap // (itemsize * ways)
     if per_bucket * itemsize * ways != cap:
         raise ValueError(f"bucket size {cap} is not a whole number of {ways}-element columns of {itemsize} bytes")
-    placed: list[tuple[int, list[tuple[str, int, int]]]] = []  # (columns, [(name, start, stop)]) per stream
+    placed: list[_Placed] = []
     for stream in streams:
         layout, position = [], 0
         for name, chunk in stream:
             layout.append((name, position, position + ways * chunk))
             position += ways * chunk
-        placed.append((position // ways, layout))
-    total = sum(width for width, _ in placed)
+        placed.append((position // ways, layout, [lo for _, lo, _ in layout]))
+    total = sum(width for width, _, _ in placed)
     buckets = []
     for start in range(0, total, per_bucket):
         stop = min(start + per_bucket, total)
@@ -125,17 +129,15 @@ def shard_buckets(kind: str, mesh_dim: int, ways: int, streams: list[list[tuple[
     return buckets
 
 
-def _touched(placed: list[tuple[int, list[tuple[str, int, int]]]], ways: int, start: int, stop: int
-             ) -> list[tuple[str, int, int]]:
+def _touched(placed: list[_Placed], ways: int, start: int, stop: int) -> list[tuple[str, int, int]]:
     """The parameters with an element in columns ``[start, stop)`` of the streams (row r of a
     stream of w columns holds its elements ``[r * w, (r + 1) * w)``), in stream order. Each row's
     piece is found by bisection: a bucket of a big model's stream meets a few parameters per row
     of hundreds, and a plan lists thousands of buckets."""
     out, first = [], 0
-    for width, layout in placed:
+    for width, layout, starts in placed:
         a, b = max(start - first, 0), min(stop - first, width)
         if a < b:
-            starts = [lo for _, lo, _ in layout]
             hit: set[int] = set()
             for row in range(ways):
                 lo, hi = row * width + a, row * width + b

@@ -53,7 +53,8 @@ class ZeroOneShards:
         for dim in sorted({b.mesh_dim for b in buckets}):
             on_dim = [b for b in buckets if b.mesh_dim == dim]
             scattered = _stream(b for b in on_dim if b.kind == REDUCE_SCATTER)
-            kept = [n for n in _stream(b for b in on_dim if b.kind == ALL_GATHER) if n not in set(scattered)]
+            taken = set(scattered)
+            kept = [n for n in _stream(b for b in on_dim if b.kind == ALL_GATHER) if n not in taken]
             ways, index = on_dim[0].ways, mesh.get_local_rank(dim)
             for kind, names in ((REDUCE_SCATTER, scattered), (ALL_GATHER, kept)):
                 if names:
