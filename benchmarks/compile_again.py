@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, row: Row, profile: bool) -> dict[str, Any]:
 
     def compile_(m: torch.nn.Module, **extra: Any) -> Any:
         return autopar.compile(m, mesh, (tokens,), loss_fn=causal_lm_loss, example_targets=(targets,),
-                               **row.options, **{"pipeline": False, **extra})
+                               **{"pipeline": False, **row.options, **extra})
     out: dict[str, Any] = {}
     pm, out["cold"], out["cold_cpu"] = _timed(lambda: compile_(model))
     saved = pm.plan.to_json()
