@@ -134,6 +134,10 @@ CASES = [
     Case("llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": llama.TP_PLAN}),
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),
+    # zero-bubble schedules with sharded parameters: their gradient groups arrive over several of torch's
+    # weight-pass calls
+    Case("llama", (2, 2), ("pp", "dp"), "zbv", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
+    Case("llama", (2, 2), ("pp", "dp"), "dualpipev", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
@@ -420,6 +424,19 @@ def test_balanced_cuts() -> None:
 def test_pipeline_input_errors(pipeline: autopar.Pipeline, mesh: dict[str, int], message: str) -> None:
     with pytest.raises(InputError, match=re.escape(message)):
         _plan(pipeline, mesh)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_zero_bubble_schedules_refuse_gathers_again(schedule: str) -> None:
+    """A split backward runs an op of both input and weight gradients twice, reading what it saved in each:
+    ZeRO-3's gathers in backward would run twice as often as priced, so such a plan is refused when pinned,
+    and an unpinned schedule is another one."""
+    pin = autopar.Pipeline(axis="pp", schedule=schedule, micro_batches=4)
+    with pytest.raises(InputError, match=re.escape("ZeRO-2 (zero={axis: 2}) runs with this one")):
+        _plan(pin, {"pp": 2, "dp": 2}, data_axes=("dp",), zero={"dp": 3})
+    searched = _plan(autopar.Pipeline(axis="pp"), {"pp": 2, "dp": 2}, data_axes=("dp",), zero={"dp": 3})
+    assert searched.memory.regather and searched.pipeline is not None
+    assert searched.pipeline.schedule not in ("zbv", "dualpipev")
 
 
 def test_checkpointing_inside_stages_is_planned() -> None:

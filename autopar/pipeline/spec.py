@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
-from autopar.pipeline.schedule_sim import Simulation, simulate, split_backward
+from autopar.pipeline.schedule_sim import WEIGHT_GRAD, Simulation, simulate, split_backward, torch_order
 
 STAGE_AXIS = "stage"
 """The one axis, of size 1, of a stage mesh when the whole mesh is the pipeline axis."""
@@ -215,6 +215,14 @@ class Pipeline:
         if self.schedule in V_SHAPED:
             return stage if stage < pp_size else 2 * pp_size - 1 - stage
         return stage % pp_size
+
+    def splits_backward(self, pp_size: int) -> bool:
+        """Whether torch's schedule runs a stage's backward as two calls, input then weight gradients
+        (zero-bubble schedules): each backward op whose inputs lead to both runs in each, so reads what
+        it saved twice (a checkpointed block recomputes in each)."""
+        assert self.schedule is not None and self.micro_batches is not None and self.virtual_stages is not None
+        orders = torch_order(self.schedule, pp_size, self.virtual_stages, self.micro_batches)
+        return any(kind == WEIGHT_GRAD for ops in orders for kind, _, _ in ops)
 
 
 def _counts(p: int, batch: int | None, batch_ways: int, finest_ways: int) -> list[int]:

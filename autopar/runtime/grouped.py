@@ -18,7 +18,10 @@ destination rank in one flat buffer (rank j's chunks of every member, end to end
 it in one call, left running beside the rest of backward (waited for before the next collective
 on a CPU mesh, ``Comm.settle``), and at the end of backward each member's ``.grad`` gets its piece
 (added to what it holds: gradients accumulate over micro-batches as autograd's would). A group
-whose members' gradients did not all arrive in a backward is an error, never a silent skip.
+whose members' gradients did not all arrive in a backward is an error, never a silent skip. Under a
+split backward (``Comm.weight_pass``) torch's weight pass runs one ``autograd.grad`` per set of
+parameters sharing intermediates, so a group's members arrive over several of them: the stage checks
+its groups once its weight pass is done (``check_grad_groups``), not each ``autograd.grad``.
 """
 
 from __future__ import annotations
@@ -132,8 +135,8 @@ class GradGroup:
 
     def add(self, index: int, param: torch.Tensor, grad: torch.Tensor, steps: tuple[Step, ...]) -> None:
         """Member ``index``'s gradient of this backward (``steps``: its reduction, one reduce-scatter)."""
-        if not self.queued:  # checks at the end of backward that the group ran
-            torch.autograd.Variable._execution_engine.queue_callback(self._check)
+        if not self.queued and not self.comm.weight_pass:  # checks at the end of backward that the group ran
+            torch.autograd.Variable._execution_engine.queue_callback(self.check)
             self.queued = True
         if index in self.members:
             raise RuntimeError(f"gradient group {self.tag}: a second gradient of member {index} in one backward")
@@ -177,13 +180,20 @@ class GradGroup:
             start += numel
             param.grad = grad if param.grad is None else param.grad + grad
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise if some but not all members' gradients arrived since the group last ran."""
         self.queued = False
         if self.members:
             missing = sorted(set(range(self.size)) - set(self.members))
             self.members = {}
             raise RuntimeError(f"gradient group {self.tag}: members {missing} got no gradient in this backward; "
                                "backward must run through the whole step (the loss the compiled module returned)")
+
+
+def check_grad_groups(comm: Comm) -> None:
+    """``GradGroup.check`` of each of ``comm``'s groups (a split backward's, after a weight pass)."""
+    for group in comm.grad_groups.values():
+        group.check()
 
 
 def attach_grad_groups(comm: Comm, program: torch.fx.GraphModule) -> None:

@@ -31,6 +31,7 @@ as the plan lists them (``PipelinePlan.forward_transfers``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from autopar.cost.buckets import GradBucket
 from autopar.errors import InputError
 from autopar.passes.split_stages import split_stages
 from autopar.runtime.module import copy_state_in, set_by_path
+from autopar.runtime.grouped import check_grad_groups
 from autopar.runtime.microbatch import restore_grads, stash_grads
 from autopar.runtime.ops import CollectiveLog, Comm
 from autopar.runtime.parameters import InitFn
@@ -57,8 +59,7 @@ from autopar.runtime.tied import TiedGradients
 from autopar.pipeline.crossing import constant_ops
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline
 from autopar.result.plan import Plan
-from autopar.pipeline.schedule_sim import WEIGHT_GRAD, torch_order
-from autopar.search.planned import PlannedStep
+from autopar.search.planned import SPLIT_REGATHER, PlannedStep
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
                     "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
@@ -129,7 +130,8 @@ class PipelinedModule(nn.Module):
         device = torch.device(self.device_mesh.device_type)
         object.__setattr__(self, "_modules_run", modules)  # not submodules: parameters keep the model's FQNs
         self._stages = [MicroBatchStage(m, m.index, count, device, input_args=tuple(x.example(device) for x in i),
-                                        output_args=tuple(x.example(device) for x in o), group=group)
+                                        output_args=tuple(x.example(device) for x in o), group=group,
+                                        after_backward=functools.partial(check_grad_groups, self._comm))
                         for m, (i, o) in zip(modules, metas)]
         cls = SCHEDULE_CLASSES[self.pipeline.schedule]
         single = self.pipeline.schedule in ("gpipe", "1f1b")
@@ -268,13 +270,6 @@ class PipelinedModule(nn.Module):
         return None
 
 
-def splits_backward(pipeline: Pipeline, p: int) -> bool:
-    """Whether the schedule runs a stage's backward as two calls, input then weight gradients
-    (zero-bubble schedules): a checkpointed block then recomputes in each."""
-    orders = torch_order(pipeline.schedule, p, pipeline.virtual_stages, pipeline.micro_batches)
-    return any(kind == WEIGHT_GRAD for ops in orders for kind, _, _ in ops)
-
-
 def reduce_buckets(buckets: list[GradBucket], params: dict[str, nn.Parameter], mesh: DeviceMesh,
                    log: CollectiveLog | None) -> None:
     """All-reduce (sum) the gradients this rank holds of each of the plan's buckets, one
@@ -324,7 +319,9 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
     user_inputs = list(step.captured.user_inputs)
     comm = Comm(stage_mesh, step.ctx.mesh.zigzag_dims())
-    comm.weight_pass = splits_backward(pipeline, p)
+    comm.weight_pass = pipeline.splits_backward(p)
+    if comm.weight_pass and step.plan.memory.regather:
+        raise InputError(f"this plan pipelines with {pipeline.schedule!r}, whose {SPLIT_REGATHER}")
     program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, comm.weight_pass)
     constants = constant_ops(step.graph, step.chosen, step.ctx)
     programs = split_stages(program, pp.stage_of, count, user_inputs, constants)

@@ -96,7 +96,24 @@ class StageModule(nn.Module):
 class MicroBatchStage(PipelineStage):
     """A ``PipelineStage`` telling its ``StageModule`` which micro-batch each forward runs, so the
     stage reads that micro-batch's user inputs itself rather than receive them from the stage
-    before (torch hands the micro-batch index to ``forward_one_chunk`` only)."""
+    before (torch hands the micro-batch index to ``forward_one_chunk`` only). ``after_backward``
+    runs after each of its backward calls (input, weight or whole): under a split backward the
+    gradient groups are checked then (``runtime.grouped.check_grad_groups``)."""
+
+    def __init__(self, *args: Any, after_backward: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.after_backward = after_backward
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        self.after_backward()
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self.after_backward()
+        return out
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
                           save_forward_output: bool = True) -> Any:

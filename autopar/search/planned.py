@@ -157,6 +157,13 @@ def _ranks(outputs: tuple[TensorMeta | None, ...]) -> tuple[tuple[int, object] |
     return tuple(None if o is None else (o.ndim, o.dtype) for o in outputs)
 
 
+SPLIT_REGATHER = ("its schedule runs each backward as input then weight gradients, and an op of both runs twice, "
+                  "reading the parameters it saved in each: ZeRO-3's gathers in backward would run twice as often "
+                  "as planned, so a plan that gathers parameters again (ZeRO-3) pipelines with another schedule; "
+                  "ZeRO-2 (zero={axis: 2}) runs with this one")
+"""Why a zero-bubble schedule is not cut for a step that gathers parameters again in backward."""
+
+
 class StepPipelines:
     """A stage mesh's plan (``step``, planned for one micro-batch) cut into pipelines on ``mesh`` (the whole
     mesh, the pipeline axis included): what the cuts share priced once (``pipeline.pricing``)."""
@@ -178,6 +185,8 @@ class StepPipelines:
         (``pipeline.stages``) and its peak memory the busiest pp rank's under the schedule
         (``pipeline.stage_memory``); ``Uncut`` when the model cannot be cut so, or when no such step can
         take ``beat_s`` seconds or less."""
+        if self.step.plan.memory.regather and pipeline.splits_backward(self.pricing.mesh.axes[pipeline.axis]):
+            return Uncut(SPLIT_REGATHER)
         staged = self.pricing.price(pipeline, beat_s)
         if isinstance(staged, Uncut):
             return staged
