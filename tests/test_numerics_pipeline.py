@@ -155,6 +155,7 @@ CASES = [
     Case("llama", (2,), ("pp",), "gpipe", 2, 1, {"checkpoint": "selective"}),
     Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "full"}),
     Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "selective"}),
+    Case("llama", (2, 2), ("pp", "tp"), "zbv", 4, 2, {"constraints": llama.TP_PLAN, "checkpoint": "full"}),
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "checkpoint": "full"}),
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3},
                                                           "checkpoint": "selective", "checkpoint_blocks": 3}),
@@ -437,6 +438,22 @@ def test_zero_bubble_schedules_refuse_gathers_again(schedule: str) -> None:
     searched = _plan(autopar.Pipeline(axis="pp"), {"pp": 2, "dp": 2}, data_axes=("dp",), zero={"dp": 3})
     assert searched.memory.regather and searched.pipeline is not None
     assert searched.pipeline.schedule not in ("zbv", "dualpipev")
+
+
+def test_split_backward_prices_the_second_replay() -> None:
+    """Under zbv each stage but the first replays its checkpointed blocks in the input pass and again in
+    the weight pass (the cases above check the replays' collectives against the plan's): its backward is
+    priced one more forward of its blocks than interleaved 1F1B's on the same cut; the first stage runs
+    its backward in one call and replays once."""
+    zbv = _plan(autopar.Pipeline(axis="pp", schedule="zbv", micro_batches=4), {"pp": 2}, checkpoint="full")
+    interleaved = _plan(autopar.Pipeline(axis="pp", schedule="interleaved_1f1b", micro_batches=4, virtual_stages=2),
+                        {"pp": 2}, checkpoint="full")
+    assert [s.blocks for s in zbv.pipeline.stages] == [s.blocks for s in interleaved.pipeline.stages]
+    for z, i in zip(zbv.pipeline.stages, interleaved.pipeline.stages):
+        replay = sum(n.forward_s for n in zbv.nodes
+                     if zbv.pipeline.stage_of.get(n.name) == z.index and n.module.startswith("layers."))
+        assert replay > 0 and z.forward_s == i.forward_s
+        assert z.backward_s - i.backward_s == pytest.approx(replay if z.index else 0.0, rel=1e-9, abs=1e-12)
 
 
 def test_checkpointing_inside_stages_is_planned() -> None:

@@ -113,7 +113,7 @@ class StagePricing:
                          f"block, the tail); the model has {len(self.blocks)} "
                          f"({', '.join(self.blocks) or 'no indexed block container'})")
         rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
-        key = (pipeline.axis, pipeline.stage_blocks, tuple(rank_of))
+        key = (pipeline.axis, pipeline.stage_blocks, tuple(rank_of), pipeline.splits_backward(p))
         if key not in self._layouts:
             self._layouts[key] = self._layout(pipeline, rank_of)
         layout = self._layouts[key]
@@ -138,7 +138,8 @@ class StagePricing:
             else balanced_cuts(self.weights, count)
         stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(self.blocks))]
         stage_of = {name: stage_of_unit[u] for name, u in self.unit.items()}
-        times = _stage_seconds(graph, self.constants, stage_of, self.seconds, self.collectives, count)
+        times = _stage_seconds(graph, self.constants, stage_of, self.seconds, self.collectives, count,
+                               pipeline.splits_backward(p))
         params = parameter_stages(graph, stage_of, rank_of)
         sends = crossing_bytes(graph, chosen, ctx, stage_of, count, self.constants)
         update = [0.0] * p  # each rank's parameters' optimizer seconds, in graph order
@@ -197,21 +198,32 @@ class StagePricing:
 
 
 def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[str, int],
-                   seconds: dict[str, tuple[float, float]], collectives: list, count: int) -> list[list[float]]:
+                   seconds: dict[str, tuple[float, float]], collectives: list, count: int,
+                   split: bool) -> list[list[float]]:
     """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives', and
     the forward of the ``constants`` of earlier stages it computes again rather than receives
-    (``pipeline.crossing``)."""
+    (``pipeline.crossing``). ``split``: the schedule runs backward as input then weight gradients,
+    each replaying a checkpointed block, so its replay runs twice (``replays``)."""
     times = [[0.0, 0.0] for _ in range(count)]
     for name, s in stage_of.items():
         times[s][0] += seconds[name][0]
-        times[s][1] += seconds[name][1]
+        times[s][1] += seconds[name][1] + (seconds[name][0] if graph.nodes[name].replayed and replays(split, s)
+                                           else 0.0)
     for c in collectives:  # the stages' own collectives, once per micro-batch
         if c.consumer and c.consumer != SUMMED_LOSS and c.phase in ("forward", "recompute", "backward"):
             s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
-            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
+            runs = 2 if c.phase == "recompute" and replays(split, s) else 1
+            times[s][0 if c.phase == "forward" else 1] += runs * (c.time_s if c.waited_s is None else c.waited_s)
     for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):
         times[s][0] += sum(seconds[name][0] for name in again)
     return times
+
+
+def replays(split: bool, stage: int) -> bool:
+    """Whether ``stage``'s checkpointed blocks replay twice per micro-batch: under a split backward
+    (``split``) torch runs the input gradients, then the weight gradients, each replaying a block;
+    the first stage (it sends no input gradient) runs its whole backward in one call."""
+    return split and stage > 0
 
 
 def _output_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> float:

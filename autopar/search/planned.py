@@ -16,7 +16,7 @@ from autopar.memory.options import MemoryPlan
 from autopar.memory.scenarios import Scenario
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
-from autopar.pipeline.pricing import StagePricing
+from autopar.pipeline.pricing import StagePricing, replays
 from autopar.pipeline.stages import Uncut
 from autopar.problem.nodes import PlanGraph
 from autopar.result.notes import context_notes, expert_notes, unsplit_batch_notes
@@ -192,6 +192,11 @@ class StepPipelines:
             return staged
         pipelined, step_time = staged
         plan = self.step.plan
+        if pipeline.splits_backward(pipelined.size):  # the replays of blocks run twice (``pricing.replays``)
+            last = len(pipelined.stages) - 1
+            plan = replace(plan, collectives=[
+                replace(c, count=2 * c.count) if c.phase == "recompute"
+                and replays(True, pipelined.stage_of.get(c.consumer, last)) else c for c in plan.collectives])
         peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
         state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
         peak = pipelined.rank_memory_bytes[peak_rank]
