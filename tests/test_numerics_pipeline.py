@@ -138,6 +138,9 @@ CASES = [
     # weight-pass calls
     Case("llama", (2, 2), ("pp", "dp"), "zbv", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
     Case("llama", (2, 2), ("pp", "dp"), "dualpipev", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
+    # a block's grouped gathers replayed in both passes of a split backward, each on its own stage
+    Case("llama", (2, 2), ("pp", "dp"), "zbv", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2},
+                                                          "checkpoint": "full"}),
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
@@ -170,6 +173,11 @@ CASES = [
     Case("tied_gpt", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
     Case("tied_gpt", (2,), ("pp",), "interleaved_1f1b", 4, 2),
     Case("tied_gpt", (2,), ("pp",), "zbv", 4, 2),
+    # a ZeRO-sharded tied weight: each stage reading it gathers (and reduce-scatters) its own copy; gathers it
+    # again in backward where its reader saved it (the head, not the embedding); dualpipev: two stages, one rank
+    Case("tied_gpt", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
+    Case("tied_gpt", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),
+    Case("tied_gpt", (2, 2), ("pp", "dp"), "dualpipev", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
     Case("tied_gpt", (4,), ("pp",), "1f1b", 4),
     Case("hf_gpt2", (2,), ("pp",), "1f1b", 2),
 ]

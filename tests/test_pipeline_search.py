@@ -15,7 +15,8 @@ from autopar.api.planning import plan_step
 from autopar.pipeline.stages import PipelinePlan
 from autopar.search.planned import PlannedStep, finish
 from autopar.search.problem import scenarios
-from autopar.pipeline.spec import as_pipeline
+from autopar.pipeline.schedule_sim import WEIGHT_GRAD, torch_order
+from autopar.pipeline.spec import SCHEDULES, VIRTUAL_CHOICES, Pipeline, as_pipeline
 from autopar.memory.backward import op_working_sets
 from autopar.pipeline.stage_memory import MemoryShares, rank_peaks, rank_working_sets
 from examples import llama
@@ -350,3 +351,16 @@ def test_cutting_off_slow_stage_plans_keeps_the_chosen_pipeline(monkeypatch: pyt
     every = _plan(autopar.Pipeline(axis="pp"), mesh, memory_limit=limit)
     assert searched.to_json()["pipeline"] == every.to_json()["pipeline"]
     assert searched.predicted.step_time_s == every.predicted.step_time_s
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_split_backward_schedules_are_torchs(schedule: str) -> None:
+    """``Pipeline.splits_backward`` names the schedules whose torch orders hold weight-gradient (W)
+    actions, at every count they run."""
+    for p in (2, 3, 4):
+        for v in VIRTUAL_CHOICES[schedule]:
+            for m in (p * v, 2 * p * v, 4 * p * v):
+                pipeline = Pipeline(axis="pp", schedule=schedule, micro_batches=m, virtual_stages=v)
+                pipeline.check_counts(p)
+                split = any(kind == WEIGHT_GRAD for ops in torch_order(schedule, p, v, m) for kind, _, _ in ops)
+                assert pipeline.splits_backward == split, (p, v, m)

@@ -15,7 +15,7 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from autopar.cost.collectives import point_to_point_time
+from autopar.cost.collectives import ALL_GATHER, point_to_point_time
 from autopar.cost.model import CostContext, NodeCost
 from autopar.cost.summed_loss import SUMMED_LOSS
 from autopar.memory.backward import op_working_sets
@@ -27,7 +27,9 @@ from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs
                                            stage_bytes, whole_step_extra)
 from autopar.pipeline.stages import HEAD, TAIL, PipelinePlan, StagePlan, Uncut, block_units, work_floor_s
 from autopar.pipeline.tied import TiedWeight, parameter_stages, tied_parameters, tied_seconds
-from autopar.problem.nodes import PlanGraph
+from autopar.problem.nodes import PARAM, PlanGraph
+from autopar.problem.reshards import gathers_again, readers_by_reshard
+from autopar.result.record import PlannedCollective
 from autopar.rules.strategy import Strategy, local_numel
 
 
@@ -45,6 +47,9 @@ class _Layout:
     sync: list[float]
     update: list[float]
     tied: list[TiedWeight]
+    runs: list[int]
+    """Per collective of the stage plan, how many times a pipelined step runs it per micro-batch
+    (``_collective_stages``, ``replays``)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ class StagePricing:
                          f"block, the tail); the model has {len(self.blocks)} "
                          f"({', '.join(self.blocks) or 'no indexed block container'})")
         rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
-        key = (pipeline.axis, pipeline.stage_blocks, tuple(rank_of), pipeline.splits_backward(p))
+        key = (pipeline.axis, pipeline.stage_blocks, tuple(rank_of), pipeline.splits_backward)
         if key not in self._layouts:
             self._layouts[key] = self._layout(pipeline, rank_of)
         layout = self._layouts[key]
@@ -138,9 +143,10 @@ class StagePricing:
             else balanced_cuts(self.weights, count)
         stage_of_unit = [max(k for k, s in enumerate(starts) if s <= u) for u in range(len(self.blocks))]
         stage_of = {name: stage_of_unit[u] for name, u in self.unit.items()}
-        times = _stage_seconds(graph, self.constants, stage_of, self.seconds, self.collectives, count,
-                               pipeline.splits_backward(p))
         params = parameter_stages(graph, stage_of, rank_of)
+        at = _collective_stages(graph, chosen, ctx, self.collectives, stage_of, count)
+        split = pipeline.splits_backward
+        times = _stage_seconds(graph, self.constants, stage_of, self.seconds, self.collectives, at, count, split)
         sends = crossing_bytes(graph, chosen, ctx, stage_of, count, self.constants)
         update = [0.0] * p  # each rank's parameters' optimizer seconds, in graph order
         for n, held in params.items():
@@ -157,8 +163,18 @@ class StagePricing:
                 index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
                 parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine), parameters=len(mine),
                 sends_bytes=sends[s] if s < count - 1 else 0.0, send_s=send_s[s]))
+        runs = [sum(2 if c.phase == "recompute" and replays(split, s) else 1 for s in stages)
+                for c, stages in zip(self.collectives, at)]
         return _Layout(stage_of=stage_of, rank_of=rank_of, stages=stages, times=times, params=params,
-                       sync=_sync_seconds(self.collectives, params, rank_of, p), update=update, tied=tied)
+                       sync=_sync_seconds(self.collectives, params, rank_of, p), update=update, tied=tied, runs=runs)
+
+    def collectives_of(self, pipeline: Pipeline) -> list[PlannedCollective]:
+        """The stage plan's collectives as ``pipeline`` runs them (one priced already): those a pipelined
+        step runs other than once per micro-batch (``_collective_stages``, ``replays``) counted so."""
+        p = self.mesh.axes[pipeline.axis]
+        rank_of = [pipeline.stage_rank(s, p) for s in range(pipeline.stages(p))]
+        layout = self._layouts[(pipeline.axis, pipeline.stage_blocks, tuple(rank_of), pipeline.splits_backward)]
+        return [replace(c, count=c.count * runs) if runs > 1 else c for c, runs in zip(self.collectives, layout.runs)]
 
     def _plan(self, pipeline: Pipeline, layout: _Layout) -> PipelinePlan:
         """The pipeline's plan but its memory."""
@@ -197,21 +213,49 @@ class StagePricing:
         return replace(pipelined, stages=stages, rank_memory_bytes=peaks)
 
 
+def _collective_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, collectives: list,
+                       stage_of: dict[str, int], count: int) -> list[tuple[int, ...]]:
+    """Per collective of the stage plan, the stages running it each micro-batch (none: gradient buckets,
+    the summed loss): its consumer's (the loss's replication, 'output': the last); a group's, its first
+    member's; a reshard of a parameter read on several stages (a tied weight), each stage with a reader
+    sharing it, as each stage gathers its own copy (and gathers again in backward where a reader saved it)."""
+    reading: dict[str, set[int]] = {}
+    for name, s in stage_of.items():
+        for src, _ in graph.nodes[name].args:
+            if graph.nodes[src].kind == PARAM:
+                reading.setdefault(src, set()).add(s)
+    shared = {(src, first): readers for src, stages in reading.items() if len(stages) > 1
+              for first, readers in readers_by_reshard(graph, chosen, ctx, src).items()}
+    out: list[tuple[int, ...]] = []
+    for c in collectives:
+        if not c.consumer or c.consumer == SUMMED_LOSS or c.phase not in ("forward", "recompute", "backward"):
+            out.append(())
+            continue
+        first = c.consumer.split(",")[0]
+        readers = shared.get((c.tensor, first))
+        if readers is None:
+            out.append((stage_of.get(first, count - 1),))
+            continue
+        if c.phase == "backward" and c.kind == ALL_GATHER:  # gathered again: for the readers that saved it
+            readers = [r for r in readers if gathers_again(graph, c.tensor, r)] or readers
+        out.append(tuple(sorted({stage_of[r] for r in readers if r in stage_of})))
+    return out
+
+
 def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[str, int],
-                   seconds: dict[str, tuple[float, float]], collectives: list, count: int,
-                   split: bool) -> list[list[float]]:
-    """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives', and
-    the forward of the ``constants`` of earlier stages it computes again rather than receives
-    (``pipeline.crossing``). ``split``: the schedule runs backward as input then weight gradients,
-    each replaying a checkpointed block, so its replay runs twice (``replays``)."""
+                   seconds: dict[str, tuple[float, float]], collectives: list, at: list[tuple[int, ...]],
+                   count: int, split: bool) -> list[list[float]]:
+    """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives' (``at``:
+    the stages running each, ``_collective_stages``), and the forward of the ``constants`` of earlier stages
+    it computes again rather than receives (``pipeline.crossing``). ``split``: the schedule runs backward as
+    input then weight gradients, each replaying a checkpointed block, so its replay runs twice (``replays``)."""
     times = [[0.0, 0.0] for _ in range(count)]
     for name, s in stage_of.items():
         times[s][0] += seconds[name][0]
         times[s][1] += seconds[name][1] + (seconds[name][0] if graph.nodes[name].replayed and replays(split, s)
                                            else 0.0)
-    for c in collectives:  # the stages' own collectives, once per micro-batch
-        if c.consumer and c.consumer != SUMMED_LOSS and c.phase in ("forward", "recompute", "backward"):
-            s = stage_of.get(c.consumer, count - 1)  # the loss's replication ('output'): the last stage
+    for c, stages in zip(collectives, at):  # the stages' own collectives, once per micro-batch
+        for s in stages:
             runs = 2 if c.phase == "recompute" and replays(split, s) else 1
             times[s][0 if c.phase == "forward" else 1] += runs * (c.time_s if c.waited_s is None else c.waited_s)
     for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):

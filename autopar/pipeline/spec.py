@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from autopar.errors import InputError, InputTypeError
 from autopar.mesh import Mesh
-from autopar.pipeline.schedule_sim import WEIGHT_GRAD, Simulation, simulate, split_backward, torch_order
+from autopar.pipeline.schedule_sim import Simulation, simulate, split_backward
 
 STAGE_AXIS = "stage"
 """The one axis, of size 1, of a stage mesh when the whole mesh is the pipeline axis."""
@@ -50,6 +50,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev")
 Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ScheduleDualPipeV)."""
 V_SHAPED = ("zbv", "dualpipev")
 """Schedules placing rank r's two stages at r and 2p - 1 - r (a V), else stage s on rank s mod p."""
+SPLIT_BACKWARD = ("zbv", "dualpipev")
+"""The schedules whose torch orders run input and weight gradients apart (I and W actions) at every
+count (``schedule_sim.torch_order``: test_pipeline_search checks it)."""
 
 _VIRTUAL = {"gpipe": (1, 1), "1f1b": (1, 1), "interleaved_1f1b": (2, 1 << 30), "zbv": (2, 2), "dualpipev": (2, 2)}
 """Stages per rank each schedule runs (lowest, highest)."""
@@ -216,13 +219,12 @@ class Pipeline:
             return stage if stage < pp_size else 2 * pp_size - 1 - stage
         return stage % pp_size
 
-    def splits_backward(self, pp_size: int) -> bool:
+    @property
+    def splits_backward(self) -> bool:
         """Whether torch's schedule runs a stage's backward as two calls, input then weight gradients
-        (zero-bubble schedules): each backward op whose inputs lead to both runs in each, so reads what
-        it saved twice (a checkpointed block recomputes in each)."""
-        assert self.schedule is not None and self.micro_batches is not None and self.virtual_stages is not None
-        orders = torch_order(self.schedule, pp_size, self.virtual_stages, self.micro_batches)
-        return any(kind == WEIGHT_GRAD for ops in orders for kind, _, _ in ops)
+        (``SPLIT_BACKWARD``): each backward op whose inputs lead to both runs in each, so reads what it
+        saved twice (a checkpointed block recomputes in each)."""
+        return self.schedule in SPLIT_BACKWARD
 
 
 def _counts(p: int, batch: int | None, batch_ways: int, finest_ways: int) -> list[int]:

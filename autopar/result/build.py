@@ -24,6 +24,7 @@ from autopar.problem.groups import group_names
 from autopar.problem.graph import edge_flags, zigzag_output_gathers
 from autopar.problem.loss_collectives import loss_count_reductions, loss_replication, summed_count_root
 from autopar.problem.nodes import OP, PARAM, PlanGraph
+from autopar.problem.reshards import reshard_key
 from autopar.solver.overlap import plan_windows
 from autopar.cost.backward import gradient_bytes
 from autopar.memory.backward import backward_peak, transient_rows
@@ -100,22 +101,11 @@ class _Ledger:
         self.comm_bytes[axis] += bytes_moved(call, self.mesh) * count
 
 
-def _reshard_key(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, name: str, arg: int) -> tuple:
-    """What one reshard serves: a tensor (and version) needed at one placement, sending back
-    one gradient placement; consumers with the same key share it."""
-    node = graph.nodes[name]
-    src, out_index = node.args[arg]
-    required = chosen[name].inputs[arg]
-    grad_in = (grad_placements(chosen[src].outputs[out_index], required, chosen[name])[0]
-               if ctx.train and graph.sends_gradient(src, name) else None)
-    return src, out_index, node.version(arg), required, grad_in  # a write in place between two reads: nothing shared
-
-
 def _shared_prices(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, prices: EdgePrices,
                    keys: dict[tuple[str, int], tuple]) -> dict[tuple, tuple[EdgeCost, float, str]]:
     """Per shared reshard, the price of its dearest consumer (the ILP's ``_add_shared``: the
     copy is held if any consumer saves it, replayed if any recomputes it): its edge cost,
-    held bytes and the consumer. ``keys``: each (consumer, argument)'s ``_reshard_key``."""
+    held bytes and the consumer. ``keys``: each (consumer, argument)'s ``reshard_key``."""
     best: dict[tuple, tuple[EdgeCost, float, str]] = {}
     for name in graph.order:
         for arg, (src, out_index) in enumerate(graph.nodes[name].args):
@@ -137,7 +127,7 @@ def _record_reshards(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostCon
     (``EdgeCost.unwaited``, parameters read once: ``single_use_params``).
     ``waited``: the windowed gathers' waited shares (``WindowPrices.waited``); ``prices``: the edges'
     prices as the ILP kept them."""
-    reshards = {(name, arg): _reshard_key(graph, chosen, ctx, name, arg)
+    reshards = {(name, arg): reshard_key(graph, chosen, ctx, name, arg)
                 for name in graph.order for arg in range(len(graph.nodes[name].args))}
     prices = _shared_prices(graph, chosen, ctx, prices, reshards)
     single = single_use_params(graph)

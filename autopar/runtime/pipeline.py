@@ -319,9 +319,10 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
     user_inputs = list(step.captured.user_inputs)
     comm = Comm(stage_mesh, step.ctx.mesh.zigzag_dims())
-    comm.weight_pass = pipeline.splits_backward(p)
+    comm.weight_pass = pipeline.splits_backward
     if comm.weight_pass and step.plan.memory.regather:
-        raise InputError(f"this plan pipelines with {pipeline.schedule!r}, whose {SPLIT_REGATHER}")
+        raise InputError(f"this plan pipelines with {pipeline.schedule!r} and gathers parameters again in backward: "
+                         f"{SPLIT_REGATHER}")
     program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, comm.weight_pass)
     constants = constant_ops(step.graph, step.chosen, step.ctx)
     programs = split_stages(program, pp.stage_of, count, user_inputs, constants)

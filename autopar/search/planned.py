@@ -16,7 +16,7 @@ from autopar.memory.options import MemoryPlan
 from autopar.memory.scenarios import Scenario
 from autopar.mesh import Mesh
 from autopar.pipeline.spec import Pipeline
-from autopar.pipeline.pricing import StagePricing, replays
+from autopar.pipeline.pricing import StagePricing
 from autopar.pipeline.stages import Uncut
 from autopar.problem.nodes import PlanGraph
 from autopar.result.notes import context_notes, expert_notes, unsplit_batch_notes
@@ -185,18 +185,14 @@ class StepPipelines:
         (``pipeline.stages``) and its peak memory the busiest pp rank's under the schedule
         (``pipeline.stage_memory``); ``Uncut`` when the model cannot be cut so, or when no such step can
         take ``beat_s`` seconds or less."""
-        if self.step.plan.memory.regather and pipeline.splits_backward(self.pricing.mesh.axes[pipeline.axis]):
+        if self.step.plan.memory.regather and pipeline.splits_backward:
             return Uncut(SPLIT_REGATHER)
         staged = self.pricing.price(pipeline, beat_s)
         if isinstance(staged, Uncut):
             return staged
         pipelined, step_time = staged
         plan = self.step.plan
-        if pipeline.splits_backward(pipelined.size):  # the replays of blocks run twice (``pricing.replays``)
-            last = len(pipelined.stages) - 1
-            plan = replace(plan, collectives=[
-                replace(c, count=2 * c.count) if c.phase == "recompute"
-                and replays(True, pipelined.stage_of.get(c.consumer, last)) else c for c in plan.collectives])
+        plan = replace(plan, collectives=self.pricing.collectives_of(pipeline))
         peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
         state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
         peak = pipelined.rank_memory_bytes[peak_rank]
