@@ -180,6 +180,7 @@ CASES = [
     Case("tied_gpt", (2, 2), ("pp", "dp"), "dualpipev", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
     Case("tied_gpt", (4,), ("pp",), "1f1b", 4),
     Case("hf_gpt2", (2,), ("pp",), "1f1b", 2),
+    Case("hf_gpt2", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),  # HF's tied head
 ]
 _REFERENCES: dict[str, Reference] = {}
 
