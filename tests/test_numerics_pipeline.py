@@ -141,6 +141,8 @@ CASES = [
     # a block's grouped gathers replayed in both passes of a split backward, each on its own stage
     Case("llama", (2, 2), ("pp", "dp"), "zbv", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2},
                                                           "checkpoint": "full"}),
+    Case("hf_llama", (2, 2, 2), ("pp", "dp", "tp"), "zbv", 2, 2,
+         options={"data_axes": ("dp",), "zero": {"dp": 2}, "constraints": hf_models.LLAMA_TP_PLAN, "checkpoint": "full"}),
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
