@@ -142,7 +142,8 @@ CASES = [
     Case("llama", (2, 2), ("pp", "dp"), "zbv", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2},
                                                           "checkpoint": "full"}),
     Case("hf_llama", (2, 2, 2), ("pp", "dp", "tp"), "zbv", 2, 2,
-         options={"data_axes": ("dp",), "zero": {"dp": 2}, "constraints": hf_models.LLAMA_TP_PLAN, "checkpoint": "full"}),
+         options={"data_axes": ("dp",), "zero": {"dp": 2}, "constraints": hf_models.LLAMA_TP_PLAN,
+                  "checkpoint": "full"}),
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
@@ -182,7 +183,8 @@ CASES = [
     Case("tied_gpt", (2, 2), ("pp", "dp"), "dualpipev", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
     Case("tied_gpt", (4,), ("pp",), "1f1b", 4),
     Case("hf_gpt2", (2,), ("pp",), "1f1b", 2),
-    Case("hf_gpt2", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),  # HF's tied head
+    # HF's tied head, ZeRO-3 on its two stages
+    Case("hf_gpt2", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),
 ]
 _REFERENCES: dict[str, Reference] = {}
 
