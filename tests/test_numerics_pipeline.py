@@ -30,7 +30,7 @@ from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.pipeline import PipelinedModule
 from autopar.pipeline.cuts import balanced_cuts
 from examples import gpt, hf_models, llama
-from numerics_harness import EPS, LR, STEPS, Reference, mismatches, planned_counts, reference
+from numerics_harness import EPS, LR, STEPS, Reference, mismatches, planned_counts, reference, reference_accumulated
 
 
 def _llama() -> Any:
@@ -101,8 +101,18 @@ def _hf_gpt2() -> Any:
     return model, inputs, loss_fn, targets, kwargs
 
 
+def _gpt_dropout() -> Any:
+    """GPT with training-mode dropout (p = 0.1 on the residual stream and the attention probabilities)."""
+    return gpt.build(gpt.GPTConfig(dropout=0.1, attn_dropout=0.1))
+
+
 MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack, "hf_llama": _hf_llama,
-                                        "wide_vocab": _wide_vocab, "tied_gpt": _tied_gpt, "hf_gpt2": _hf_gpt2}
+                                        "wide_vocab": _wide_vocab, "tied_gpt": _tied_gpt, "hf_gpt2": _hf_gpt2,
+                                        "gpt_dropout": _gpt_dropout}
+RANDOM = {"gpt_dropout"}
+"""Models drawing random numbers: compiled with ``SEED``, checked against one device drawing from the counter
+stream micro-batch after micro-batch (``reference_accumulated``)."""
+SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -183,16 +193,25 @@ CASES = [
     Case("tied_gpt", (2, 2), ("pp", "dp"), "dualpipev", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
     Case("tied_gpt", (4,), ("pp",), "1f1b", 4),
     Case("hf_gpt2", (2,), ("pp",), "1f1b", 2),
+    # dropout: each stage's draws of a micro-batch numbered as one device numbers them, whatever order the
+    # schedule runs them in, replayed alike by a checkpointed block (twice under zbv)
+    Case("gpt_dropout", (2,), ("pp",), "1f1b", 2),
+    Case("gpt_dropout", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
+    Case("gpt_dropout", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "full", "checkpoint_blocks": 2}),
     # HF's tied head, ZeRO-3 on its two stages
     Case("hf_gpt2", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),
 ]
-_REFERENCES: dict[str, Reference] = {}
+_REFERENCES: dict[tuple[str, int], Reference] = {}
 
 
-def _reference(model: str) -> Reference:
-    if model not in _REFERENCES:
-        _REFERENCES[model] = reference(MODELS[model])
-    return _REFERENCES[model]
+def _reference(model: str, micro_batches: int | None = None) -> Reference:
+    """One device's run; for a model drawing random numbers, micro-batch after micro-batch, as the pipeline
+    numbers its draws."""
+    m = (micro_batches or 1) if model in RANDOM else 1
+    if (model, m) not in _REFERENCES:
+        _REFERENCES[model, m] = reference_accumulated(MODELS[model], m, seed=SEED) if model in RANDOM \
+            else reference(MODELS[model])
+    return _REFERENCES[model, m]
 
 
 def _digest(tensor: torch.Tensor) -> str:
@@ -206,7 +225,7 @@ def _train(rank: int, world: int, case: Case, ref: Reference) -> dict[str, Any]:
     pipeline = autopar.Pipeline(axis="pp", schedule=case.schedule, micro_batches=case.micro_batches,
                                 virtual_stages=case.virtual_stages)
     pm = autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, example_kwargs=kwargs,
-                         pipeline=pipeline, **case.options)
+                         pipeline=pipeline, **({"seed": SEED} if case.model in RANDOM else {}), **case.options)
     assert isinstance(pm, PipelinedModule)
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     log = CollectiveLog()
@@ -277,7 +296,7 @@ def _misplaced(pm: PipelinedModule, mesh: DeviceMesh) -> list[str]:
 
 
 def _check_training(case: Case, timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
-    ref = _reference(case.model)
+    ref = _reference(case.model, case.micro_batches)
     results = run_ranks(_train, math.prod(case.mesh), case, ref, timeout_s=timeout_s)
     held: set[str] = set()
     for rank, result in enumerate(results):
@@ -451,6 +470,23 @@ def test_zero_bubble_schedules_refuse_gathers_again(schedule: str) -> None:
     searched = _plan(autopar.Pipeline(axis="pp"), {"pp": 2, "dp": 2}, data_axes=("dp",), zero={"dp": 3})
     assert searched.memory.regather and searched.pipeline is not None
     assert searched.pipeline.schedule not in ("zbv", "dualpipev")
+
+
+def _compile_dropout_on_torch_stream(rank: int, world: int) -> str:
+    model, inputs, loss_fn, targets = _gpt_dropout()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    try:
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, seed=SEED,
+                        random_stream="torch", pipeline=autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2))
+    except InputError as exc:
+        return str(exc)
+    return "compiled"
+
+
+def test_pipelined_dropout_on_the_torch_stream_is_refused_on_every_rank() -> None:
+    """A torch generator draws in the order a rank runs its stages, not as one device would: refused."""
+    messages = run_ranks(_compile_dropout_on_torch_stream, 2)
+    assert all("only the counter stream draws them as one device does" in m for m in messages), messages
 
 
 def test_split_backward_prices_the_second_replay() -> None:

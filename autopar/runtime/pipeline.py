@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
@@ -54,7 +55,8 @@ from autopar.runtime.parameters import InitFn
 from autopar.runtime.pipeline_loss import StepLoss, step_loss
 from autopar.runtime.program import RankState, rank_program, rank_signature, rank_state, step_loss_kind
 from autopar.runtime.random import RandomSource
-from autopar.runtime.stages import MicroBatchStage, StageModule, ValueMeta, fake_shard, stage_metas
+from autopar.runtime.stages import MicroBatchStage, StageModule, StepDraws, ValueMeta, fake_shard, stage_metas
+from autopar.runtime.stream import CounterStream
 from autopar.runtime.tied import TiedGradients
 from autopar.pipeline.crossing import constant_ops
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline
@@ -334,8 +336,14 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     if missing:
         raise InputError(f"a pipelined step takes tensors only: inputs {missing} (in the order of pm.step's values) "
                          "are not")
-    metas = _metas(step, stage_mesh, len(programs), state, signature, seed, compute_dtype, input_sharded, user_inputs,
-                   constants)
+    metas, draws = _metas(step, stage_mesh, len(programs), state, signature, seed, compute_dtype, input_sharded,
+                          user_inputs, constants)
+    stream = program.get_submodule("random").generator
+    if not isinstance(stream, CounterStream) and _draws_random(program):
+        raise InputError("a pipelined step with random ops (dropout) runs each stage's draws where the schedule puts "
+                         "them, so only the counter stream draws them as one device does: leave random_stream at "
+                         "'counter' (the default), or pin pipeline=False")
+    step_draws = StepDraws(stream, sum(draws)) if isinstance(stream, CounterStream) and sum(draws) else None
     kinds = {name: (kind_, fqn) for name, kind_, fqn in state.placeholders}
     params = {n: _parameter(state.local[n], kinds[n][1] not in state.frozen) for n in keep if kinds[n][0] == "param"}
     modules = []
@@ -343,7 +351,8 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
         tensors = [params[n] if n in params else state.local[n] for n in programs[s].state]
         regathers = any(n.op == "call_module" and n.target == "regather" for n in programs[s].gm.graph.nodes)
         slots = [user_inputs.index(name) for name in programs[s].user_inputs]  # one placeholder per leaf, in order
-        modules.append(StageModule(programs[s], tensors, slots, regathers))
+        starts = (step_draws, sum(draws[:s])) if step_draws is not None and draws[s] else None
+        modules.append(StageModule(programs[s], tensors, slots, regathers, starts))
     loss_meta = step.graph.nodes[step.graph.loss].outputs[0] if step.graph.loss is not None else None
     loss = None if kind is None else step_loss(step, kind, pipeline.micro_batches, compute_dtype, stage_mesh)
     return PipelinedModule(
@@ -357,6 +366,12 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
                                                  for n in step.graph.output_names])
 
 
+def _draws_random(program: nn.Module) -> bool:
+    """Whether the program (its checkpointed regions too) calls a random op."""
+    return any(node.op == "call_module" and node.target == "random" for module in program.modules()
+               if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes)
+
+
 def _parameter(tensor: torch.Tensor, trains: bool) -> nn.Parameter:
     """A stage's parameter: a shared module's Parameter itself (``shared=``), else a new one."""
     return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=trains)
@@ -364,12 +379,14 @@ def _parameter(tensor: torch.Tensor, trains: bool) -> nn.Parameter:
 
 def _metas(step: PlannedStep, mesh: DeviceMesh, count: int, state: RankState, signature: StepSignature,
            seed: RandomSource, compute_dtype: torch.dtype | None, input_sharded: bool, user_inputs: list[str],
-           constants: frozenset[str]) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
-    """Every stage's received and sent values (``runtime.stages.stage_metas``), found on a
-    copy of the program built for the purpose (its modules' state is left behind)."""
+           constants: frozenset[str]) -> tuple[list[tuple[list[ValueMeta], list[ValueMeta]]], list[int]]:
+    """Every stage's received and sent values and its random draws of one micro-batch
+    (``runtime.stages.stage_metas``), found on a copy of the program built for the purpose (its
+    modules' state is left behind)."""
     comm = Comm(mesh, step.ctx.mesh.zigzag_dims())
-    shapes = split_stages(rank_program(step, mesh, comm, seed, compute_dtype, input_sharded),
-                          step.plan.pipeline.stage_of, count, user_inputs, constants)
+    program = rank_program(step, mesh, comm, seed, compute_dtype, input_sharded)
+    stream = program.get_submodule("random").generator
+    shapes = split_stages(program, step.plan.pipeline.stage_of, count, user_inputs, constants)
     fake: dict[str, Any] = {}
     for name, kind, fqn in state.placeholders:
         if kind == "input":
@@ -387,4 +404,5 @@ def _metas(step: PlannedStep, mesh: DeviceMesh, count: int, state: RankState, si
         fake[name] = fake_shard(shape, dtype, placements, mesh, trains)
     inputs = {name: ValueMeta(shape=signature.tensors[k][0], dtype=signature.tensors[k][1], requires_grad=False)
               for k, name in enumerate(user_inputs)}
-    return stage_metas(shapes, fake, inputs, torch.device(mesh.device_type))
+    return stage_metas(shapes, fake, inputs, torch.device(mesh.device_type),
+                       lambda: stream.draws if isinstance(stream, CounterStream) else 0)

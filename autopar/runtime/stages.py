@@ -32,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage
 from autopar.passes.split_stages import StageProgram
 from autopar.runtime.parameters import local_shard
 from autopar.runtime.regather import regather_hooks
+from autopar.runtime.stream import CounterStream
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,33 @@ class ValueMeta:
         return torch.empty(self.shape, dtype=self.dtype, device=device).requires_grad_(self.requires_grad)
 
 
+@dataclass
+class StepDraws:
+    """Where a rank's stages' random draws fall in the step's counter stream: one device running the
+    step micro-batch after micro-batch draws ``per_micro_batch`` a micro-batch, the stages' in order, so
+    a stage's draws of micro-batch j are numbered from ``base + j * per_micro_batch + before`` (``before``:
+    the draws of the stages ahead of it; ``base``: the stream's draws when the step began), whichever
+    order the schedule runs micro-batches and stages in (``runtime.stream``); after the step the stream
+    stands where one device's would."""
+
+    stream: CounterStream
+    per_micro_batch: int
+    base: int = 0
+    micro_batches: int = 0
+
+    def begin(self, micro_batches: int) -> None:
+        if not self.micro_batches:  # each of the rank's stages is handed the step: the first begins it
+            self.base, self.micro_batches = self.stream.draws, micro_batches
+
+    def start(self, chunk: int, before: int) -> None:
+        self.stream.set_state((self.stream.seed, self.base + chunk * self.per_micro_batch + before))
+
+    def end(self) -> None:
+        if self.micro_batches:
+            self.stream.set_state((self.stream.seed, self.base + self.micro_batches * self.per_micro_batch))
+            self.micro_batches = 0
+
+
 class StageModule(nn.Module):
     """One stage program with its state bound: called with the values it receives from the stage
     before (none for the first), reads the user inputs of the micro-batch it runs (``set_inputs``
@@ -54,7 +82,7 @@ class StageModule(nn.Module):
     program's outputs)."""
 
     def __init__(self, program: StageProgram, state: list[torch.Tensor], slots: list[int],
-                 regathers: bool = False) -> None:
+                 regathers: bool = False, draws: tuple[StepDraws, int] | None = None) -> None:
         super().__init__()
         self.index = program.index
         self.program = program.gm
@@ -65,12 +93,17 @@ class StageModule(nn.Module):
         self._micro: list[list[Any]] = []
         self._chunk = 0
         self._regathers = regathers
+        self._draws = draws
         self.sent_bytes: list[int] = []
         """Bytes of what each call returned (what ``PipelineStage`` sends on), cleared by the step."""
 
     def set_inputs(self, micro: list[list[Any]]) -> None:
         """The step's user inputs: per micro-batch, its leaves (``StepSignature.split``)."""
         self._micro = micro
+        if self._draws is not None and micro:
+            self._draws[0].begin(len(micro))
+        elif self._draws is not None:
+            self._draws[0].end()
 
     def at_chunk(self, chunk: int) -> None:
         """The micro-batch the next call runs (``MicroBatchStage``)."""
@@ -78,6 +111,8 @@ class StageModule(nn.Module):
 
     def forward(self, *received: Any) -> Any:
         fed = tuple(self._micro[self._chunk][k] for k in self._slots)
+        if self._draws is not None:
+            self._draws[0].start(self._chunk, self._draws[1])
         with regather_hooks() if self._regathers else contextlib.nullcontext():
             out = self.program(*received, *fed, *self._state)
         # zero-bubble schedules detach a stage's outputs in place once their input gradients
@@ -135,25 +170,30 @@ def _one_group(groups: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def stage_metas(programs: list[StageProgram], fake_state: dict[str, Callable[[], torch.Tensor]],
-                inputs: dict[str, ValueMeta], device: torch.device) -> list[tuple[list[ValueMeta], list[ValueMeta]]]:
-    """Each stage's (received, sent) values, from one fake run of every stage in order.
+                inputs: dict[str, ValueMeta], device: torch.device, drawn: Callable[[], int]
+                ) -> tuple[list[tuple[list[ValueMeta], list[ValueMeta]]], list[int]]:
+    """Each stage's (received, sent) values, and its random draws of one micro-batch (``drawn``: the
+    draws the programs' stream has taken), from one fake run of every stage in order.
     ``fake_state``: state placeholder -> a maker of its local shard (called in fake mode);
     ``inputs``: user input -> one micro-batch of it (a program built for shapes only: its
     collectives' bookkeeping is left as the fake run leaves it)."""
     out: list[tuple[list[ValueMeta], list[ValueMeta]]] = []
+    draws: list[int] = []
     with FakeTensorMode(allow_non_fake_inputs=True):
         received: list[torch.Tensor] = []
         for program in programs:
             fed = [inputs[name].example(device) for name in program.user_inputs]
             state = [fake_state[name]() for name in program.state]
+            before = drawn()
             sent = program.gm(*received, *fed, *state)
+            draws.append(drawn() - before)
             sent = list(sent) if isinstance(sent, (tuple, list)) else [sent]
             bad = [name for name, v in zip(program.outputs, sent) if not isinstance(v, torch.Tensor)]
             if bad:
                 raise RuntimeError(f"pipeline stage {program.index} would send {bad}, not tensors")
             out.append(([_meta(v) for v in received], [_meta(v) for v in sent]))
             received = [v.detach().requires_grad_(v.requires_grad) for v in sent]
-    return out
+    return out, draws
 
 
 def _meta(value: torch.Tensor) -> ValueMeta:
