@@ -229,7 +229,8 @@ def _errors_on_rank(rank: int, world: int) -> dict[str, str]:
 def test_misuse_is_refused_on_every_rank() -> None:
     for out in run_ranks(_errors_on_rank, 2):
         assert "micro_batches=3 must divide the batch" in out["indivisible"], out
-        assert "micro_batches=2 needs a loss" in out["inexact"] and "aten.add" in out["inexact"], out
+        inexact = out["inexact"]
+        assert "micro_batches=2: the step's loss is not a weighted sum" in inexact and "aten.add" in inexact, out
         assert "pm.step" in out["call"], out
         assert "(8, 64)" in out["short_batch"] and "2 micro-batches of (4, 64)" in out["short_batch"], out
         assert "train=False" in out["no_train"], out

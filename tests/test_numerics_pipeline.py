@@ -101,6 +101,20 @@ def _hf_gpt2() -> Any:
     return model, inputs, loss_fn, targets, kwargs
 
 
+def _moe() -> Any:
+    from examples import moe
+    cfg = moe.MoEConfig(vocab_size=32, max_seq_len=8, hidden=16, heads=2, kv_heads=1, ffn_hidden=16, layers=2, experts=4,
+                        top_k=2, capacity_factor=None, shared_expert=True, aux_loss_coef=0.1)
+    return moe.build(cfg, batch=8)
+
+
+def _moe_cap() -> Any:
+    from examples import moe
+    cfg = moe.MoEConfig(vocab_size=32, max_seq_len=8, hidden=16, heads=2, kv_heads=1, ffn_hidden=16, layers=2, experts=4,
+                        top_k=1, capacity_factor=1.0, shared_expert=False, aux_loss_coef=0.1)
+    return moe.build(cfg, batch=8)
+
+
 def _gpt_dropout() -> Any:
     """GPT with training-mode dropout (p = 0.1 on the residual stream and the attention probabilities)."""
     return gpt.build(gpt.GPTConfig(dropout=0.1, attn_dropout=0.1))
@@ -108,7 +122,7 @@ def _gpt_dropout() -> Any:
 
 MODELS: dict[str, Callable[[], Any]] = {"llama": _llama, "gpt": gpt.build, "stack": _stack, "hf_llama": _hf_llama,
                                         "wide_vocab": _wide_vocab, "tied_gpt": _tied_gpt, "hf_gpt2": _hf_gpt2,
-                                        "gpt_dropout": _gpt_dropout}
+                                        "gpt_dropout": _gpt_dropout, "moe": _moe, "moe_cap": _moe_cap}
 RANDOM = {"gpt_dropout"}
 """Models drawing random numbers: compiled with ``SEED``, checked against one device drawing from the counter
 stream micro-batch after micro-batch (``reference_accumulated``)."""
@@ -154,6 +168,10 @@ CASES = [
     Case("hf_llama", (2, 2, 2), ("pp", "dp", "tp"), "zbv", 2, 2,
          options={"data_axes": ("dp",), "zero": {"dp": 2}, "constraints": hf_models.LLAMA_TP_PLAN,
                   "checkpoint": "full"}),
+    Case("moe", (2,), ("pp",), "1f1b", 2),
+    Case("moe", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
+    Case("moe", (2, 2), ("pp", "ep"), "1f1b", 2, options={"data_axes": ("ep",), "expert_axes": ("ep",)}),
+    Case("moe_cap", (2,), ("pp",), "zbv", 4, 2, options={"checkpoint": "full"}),
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),

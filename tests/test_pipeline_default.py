@@ -23,8 +23,8 @@ KiB = 1024
 def _plan(mesh: dict[str, int], model: nn.Module | None = None, **options: Any) -> autopar.Plan:
     torch.manual_seed(0)
     x, y = torch.randn(8, 16), torch.randn(8, 8)
-    return autopar.plan(model or _Stack(), autopar.Mesh(mesh, "cpu"), (x,), loss_fn=nn.functional.mse_loss,
-                        example_targets=(y,), **options)
+    options = {"loss_fn": nn.functional.mse_loss, **options}
+    return autopar.plan(model or _Stack(), autopar.Mesh(mesh, "cpu"), (x,), example_targets=(y,), **options)
 
 
 def _unsearched(plan: autopar.Plan) -> list[str]:
@@ -76,6 +76,26 @@ def test_options_a_pipeline_cannot_run_beside_leave_it_unsearched(options: dict[
     """What a pinned pipeline refuses as an error, the default takes as its reason to search none."""
     plan = _plan({"dp": 4}, **options)
     assert plan.pipeline is None and len(_unsearched(plan)) == 1 and why in _unsearched(plan)[0]
+
+
+def _two_losses(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A loss no weight per micro-batch splits exactly (a mean plus a function of another mean, as an MoE's
+    load-balancing term is)."""
+    return nn.functional.mse_loss(out, y) + out.mean().pow(2)
+
+
+def test_a_loss_micro_batches_do_not_split_plans_the_whole_batch() -> None:
+    """Every pipeline runs micro-batches: for such a loss the default searches none, and no micro-batch count,
+    saying why; a pinned pipeline or micro-batch count is refused at planning (not at the ranks' build)."""
+    plan = _plan({"dp": 4}, loss_fn=_two_losses)
+    assert plan.pipeline is None and plan.memory.micro_batches == 1
+    why = _unsearched(plan)[0]
+    assert "not a weighted sum of its micro-batches' losses" in why and "aten.add" in why
+    with pytest.raises(autopar.MemoryLimitError):  # where only a pipeline fits (the case above)
+        _plan({"dp": 4}, loss_fn=_two_losses, memory_limit=256 * KiB, **PINS)
+    for pinned in ({"pipeline": autopar.Pipeline(from_axis="dp")}, {"micro_batches": 2, "pipeline": False}):
+        with pytest.raises(autopar.InputError, match="not a weighted sum of its micro-batches' losses"):
+            _plan({"dp": 4}, loss_fn=_two_losses, **pinned)
 
 
 def test_a_first_axis_of_one_rank_or_a_pp_axis_leaves_it_unsearched() -> None:

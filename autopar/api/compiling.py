@@ -72,6 +72,7 @@ def compile(model: nn.Module, mesh: DeviceMesh | int, example_inputs: tuple[Any,
     _check_world(mesh)
     _warn_racing_workers(mesh)
     config = PlanConfig.from_options(**options)
+    pipeline_pinned = isinstance(config.pipeline, Pipeline)
     mesh = _replica_mesh(mesh, replica_axis, config)
     planning_mesh = Mesh.from_device_mesh(mesh, hardware)
     config, unpipelined = _checked(config, planning_mesh, replica_axis)
@@ -80,7 +81,10 @@ def compile(model: nn.Module, mesh: DeviceMesh | int, example_inputs: tuple[Any,
     config = replace(config, precision=precision, masters=compute_dtype is not None)
     random = RandomSource(_agreed_seed(seed), exact_torch=config.random_stream == "torch")
     step = _step(planned_model, example_inputs, example_kwargs, example_targets, loss_fn, config, planning_mesh)
-    problems = Problems(step, config, unpipelined=unpipelined)
+    whole = ""
+    if plan is None:  # a plan given was made for this step already
+        config, whole = on_every_rank("checking the loss", lambda: planner.whole_batch(step, config, pipeline_pinned))
+    problems = Problems(step, config, unpipelined=whole or unpipelined)
     if config.pipeline is None:  # every rank captures the step at once, checked alike before rank 0 solves it
         first = on_every_rank("capturing the step", lambda: problems.at(first_place(config, planning_mesh)))
         agree("their captured steps differ", _fingerprint(first))

@@ -27,7 +27,8 @@ from autopar.cost.collectives import ALL_REDUCE
 from autopar.cost.summed_loss import loss_summed_once, summed_loss_dims
 from autopar.problem.loss_collectives import summed_count_root
 from autopar.rules.loss import is_partial_mean_loss
-from autopar.runtime.microbatch import COUNT, MEAN, weighed
+from autopar.problem.micro_losses import COUNT, MEAN
+from autopar.runtime.microbatch import weighed
 from autopar.runtime.ops import CollectiveLog
 from autopar.search.planned import PlannedStep
 

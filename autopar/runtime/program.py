@@ -18,7 +18,7 @@ from autopar.capture.step import StepSignature
 from autopar.passes import PassContext, parallelize_graph
 from autopar.rules.strategy import Strategy
 from autopar.runtime.attention import ContextAttention
-from autopar.runtime.microbatch import SUM, loss_kind
+from autopar.problem.micro_losses import SUM, loss_kind
 from autopar.runtime.mixed import compute_buffer
 from autopar.runtime.grouped import GatherGroup, attach_grad_groups
 from autopar.runtime.moe import ExpertDispatch

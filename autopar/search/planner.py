@@ -28,14 +28,16 @@ from dataclasses import replace
 from autopar.capture import reuse_captures
 from autopar.config import PlanConfig, check, settled
 from autopar.mesh import Mesh
+from autopar.errors import InputError
 from autopar.pipeline.spec import Pipeline
+from autopar.problem.micro_losses import split_refusal
 from autopar.search.context import plan_on
 from autopar.search.depth import search_depths
 from autopar.search.layout import search_layouts
 from autopar.search.memory import Bound, Pruned
 from autopar.search.pipeline import search_pipeline
 from autopar.search.planned import PlannedStep, paused_gc
-from autopar.search.problem import Place, Problems, Step
+from autopar.search.problem import Place, Problems, Step, captured_at
 
 
 def plan(step: Step, config: PlanConfig, mesh: Mesh, *, progress: bool = False) -> PlannedStep:
@@ -43,9 +45,25 @@ def plan(step: Step, config: PlanConfig, mesh: Mesh, *, progress: bool = False) 
     captured graph and chosen strategies it was built from. Raises the user's error (``InputError`` and
     its kinds) when there is none."""
     check(config, mesh)
+    config, whole = whole_batch(step, config, isinstance(config.pipeline, Pipeline))
     config, unpipelined = settled(config, mesh)
     with paused_gc():  # until the problems are freed: resumed before, the collector walks them all at once
-        return search(Problems(step, config, progress, unpipelined=unpipelined), mesh)
+        return search(Problems(step, config, progress, unpipelined=whole or unpipelined), mesh)
+
+
+def whole_batch(step: Step, config: PlanConfig, pipeline_pinned: bool) -> tuple[PlanConfig, str]:
+    """``config`` for a training step whose loss no micro-batches split exactly (``split_refusal``: an MoE's
+    LM loss plus its load-balancing loss, say): one micro-batch, no pipeline, and why; a pin of either
+    (``pipeline_pinned``: the user's pipeline, not the default search's) is refused. Otherwise ``config`` as
+    it is, and ""."""
+    why = split_refusal(captured_at(step, config, 1, False).gm) if config.train else ""
+    if not why:
+        return config, ""
+    if pipeline_pinned or (config.memory.micro_batches or 1) > 1:
+        pinned = f"pipeline={config.pipeline}" if pipeline_pinned else f"micro_batches={config.memory.micro_batches}"
+        raise InputError(f"{pinned}: {why}; return that loss alone (combine the others outside the step) to "
+                         "pipeline it or split its batch")
+    return replace(config, pipeline=None, memory=replace(config.memory, micro_batches=1)), why
 
 
 def search(problems: Problems, mesh: Mesh) -> PlannedStep:
