@@ -172,6 +172,12 @@ CASES = [
     Case("moe", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
     Case("moe", (2, 2), ("pp", "ep"), "1f1b", 2, options={"data_axes": ("ep",), "expert_axes": ("ep",)}),
     Case("moe_capacity", (2,), ("pp",), "zbv", 4, 2, options={"checkpoint": "full", "checkpoint_blocks": 2}),
+    # context parallelism inside the stages: ring (zig-zag), Ulysses, and HF's own mask (all-gathered keys)
+    Case("llama", (2, 2), ("pp", "cp"), "1f1b", 2,
+         options={"context_axes": ("cp",), "context_layout": "zigzag", "context_attention": "ring"}),
+    Case("llama", (2, 2), ("pp", "cp"), "interleaved_1f1b", 2, 2,
+         options={"context_axes": ("cp",), "context_attention": "ulysses"}),
+    Case("hf_llama", (2, 2), ("pp", "cp"), "1f1b", 2, options={"context_axes": ("cp",), "checkpoint": "full"}),
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
