@@ -48,8 +48,7 @@ class _Layout:
     update: list[float]
     tied: list[TiedWeight]
     runs: list[int]
-    """Per collective of the stage plan, how many times a pipelined step runs it per micro-batch
-    (``_collective_stages``, ``replays``)."""
+    """Per collective of the stage plan, how many stages run it per micro-batch (``_collective_stages``)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ class StagePricing:
                          f"block, the tail); the model has {len(self.blocks)} "
                          f"({', '.join(self.blocks) or 'no indexed block container'})")
         rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
-        key = (pipeline.axis, pipeline.stage_blocks, tuple(rank_of), pipeline.splits_backward)
+        key = (pipeline.axis, pipeline.stage_blocks, tuple(rank_of))
         if key not in self._layouts:
             self._layouts[key] = self._layout(pipeline, rank_of)
         layout = self._layouts[key]
@@ -145,8 +144,7 @@ class StagePricing:
         stage_of = {name: stage_of_unit[u] for name, u in self.unit.items()}
         params = parameter_stages(graph, stage_of, rank_of)
         at = _collective_stages(graph, chosen, ctx, self.collectives, stage_of, count)
-        split = pipeline.splits_backward
-        times = _stage_seconds(graph, self.constants, stage_of, self.seconds, self.collectives, at, count, split)
+        times = _stage_seconds(graph, self.constants, stage_of, self.seconds, self.collectives, at, count)
         sends = crossing_bytes(graph, chosen, ctx, stage_of, count, self.constants)
         update = [0.0] * p  # each rank's parameters' optimizer seconds, in graph order
         for n, held in params.items():
@@ -163,17 +161,16 @@ class StagePricing:
                 index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
                 parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine), parameters=len(mine),
                 sends_bytes=sends[s] if s < count - 1 else 0.0, send_s=send_s[s]))
-        runs = [sum(2 if c.phase == "recompute" and replays(split, s) else 1 for s in stages)
-                for c, stages in zip(self.collectives, at)]
+        runs = [len(stages) for stages in at]
         return _Layout(stage_of=stage_of, rank_of=rank_of, stages=stages, times=times, params=params,
                        sync=_sync_seconds(self.collectives, params, rank_of, p), update=update, tied=tied, runs=runs)
 
     def collectives_of(self, pipeline: Pipeline) -> list[PlannedCollective]:
-        """The stage plan's collectives as ``pipeline`` runs them (one priced already): those a pipelined
-        step runs other than once per micro-batch (``_collective_stages``, ``replays``) counted so."""
+        """The stage plan's collectives as ``pipeline`` runs them (one priced already): those several stages
+        run (``_collective_stages``) counted once per stage."""
         p = self.mesh.axes[pipeline.axis]
         rank_of = [pipeline.stage_rank(s, p) for s in range(pipeline.stages(p))]
-        layout = self._layouts[(pipeline.axis, pipeline.stage_blocks, tuple(rank_of), pipeline.splits_backward)]
+        layout = self._layouts[(pipeline.axis, pipeline.stage_blocks, tuple(rank_of))]
         return [replace(c, count=c.count * runs) if runs > 1 else c for c, runs in zip(self.collectives, layout.runs)]
 
     def _plan(self, pipeline: Pipeline, layout: _Layout) -> PipelinePlan:
@@ -244,30 +241,20 @@ def _collective_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostC
 
 def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[str, int],
                    seconds: dict[str, tuple[float, float]], collectives: list, at: list[tuple[int, ...]],
-                   count: int, split: bool) -> list[list[float]]:
+                   count: int) -> list[list[float]]:
     """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives' (``at``:
     the stages running each, ``_collective_stages``), and the forward of the ``constants`` of earlier stages
-    it computes again rather than receives (``pipeline.crossing``). ``split``: the schedule runs backward as
-    input then weight gradients, each replaying a checkpointed block, so its replay runs twice (``replays``)."""
+    it computes again rather than receives (``pipeline.crossing``)."""
     times = [[0.0, 0.0] for _ in range(count)]
     for name, s in stage_of.items():
         times[s][0] += seconds[name][0]
-        times[s][1] += seconds[name][1] + (seconds[name][0] if graph.nodes[name].replayed and replays(split, s)
-                                           else 0.0)
+        times[s][1] += seconds[name][1]
     for c, stages in zip(collectives, at):  # the stages' own collectives, once per micro-batch
         for s in stages:
-            runs = 2 if c.phase == "recompute" and replays(split, s) else 1
-            times[s][0 if c.phase == "forward" else 1] += runs * (c.time_s if c.waited_s is None else c.waited_s)
+            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
     for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):
         times[s][0] += sum(seconds[name][0] for name in again)
     return times
-
-
-def replays(split: bool, stage: int) -> bool:
-    """Whether ``stage``'s checkpointed blocks replay twice per micro-batch: under a split backward
-    (``split``) torch runs the input gradients, then the weight gradients, each replaying a block;
-    the first stage (it sends no input gradient) runs its whole backward in one call."""
-    return split and stage > 0
 
 
 def _output_bytes(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext) -> float:

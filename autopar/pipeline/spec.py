@@ -222,8 +222,8 @@ class Pipeline:
     @property
     def splits_backward(self) -> bool:
         """Whether torch's schedule runs a stage's backward as two calls, input then weight gradients
-        (``SPLIT_BACKWARD``): each backward op whose inputs lead to both runs in each, so reads what it
-        saved twice (a checkpointed block recomputes in each)."""
+        (``SPLIT_BACKWARD``): each backward op whose inputs lead to both runs in each, reading what it saved
+        twice, and torch's weight pass is one autograd call per group of parameters sharing an input."""
         return self.schedule in SPLIT_BACKWARD
 
 

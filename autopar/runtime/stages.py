@@ -142,9 +142,6 @@ class MicroBatchStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
         out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        kept = self.backward_state.get(bwd_chunk_id)
-        if kept is not None and kept[1]:
-            self.backward_state[bwd_chunk_id] = (kept[0], [_one_group(kept[1])], *kept[2:])
         self.after_backward()
         return out
 
@@ -157,16 +154,6 @@ class MicroBatchStage(PipelineStage):
                           save_forward_output: bool = True) -> Any:
         self.submod.at_chunk(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-
-
-def _one_group(groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """torch's weight-pass parameter groups (``stage_backward_input``'s) as one: its weight pass then
-    runs one ``autograd.grad``, not one per group, so a checkpointed block recomputes once in it rather
-    than once per group. Exact: with more than one intermediate, torch's weight pass hands each the
-    gradient the input pass saved for it, whatever reaches it from another."""
-    return {"params": [p for g in groups for p in g["params"]],
-            "intermediates": [i for g in groups for i in g["intermediates"]],
-            "grads": [t for g in groups for t in g["grads"]]}
 
 
 def stage_metas(programs: list[StageProgram], fake_state: dict[str, Callable[[], torch.Tensor]],

@@ -162,6 +162,11 @@ SPLIT_REGATHER = ("its schedule runs each backward as input then weight gradient
                   "as planned, so a plan that gathers parameters again (ZeRO-3) pipelines with another schedule; "
                   "ZeRO-2 (zero={axis: 2}) runs with this one")
 """Why a zero-bubble schedule is not cut for a step that gathers parameters again in backward."""
+SPLIT_CHECKPOINT = ("its schedule runs each backward as input then weight gradients, the weight gradients one "
+                    "autograd call per group of parameters sharing an input (torch's stage_backward_weight), and a "
+                    "checkpointed block recomputes in each call (a Llama block about 8 times a micro-batch): a plan "
+                    "that checkpoints pipelines with another schedule")
+"""Why a zero-bubble schedule is not cut for a step that checkpoints blocks."""
 
 
 class StepPipelines:
@@ -185,8 +190,8 @@ class StepPipelines:
         (``pipeline.stages``) and its peak memory the busiest pp rank's under the schedule
         (``pipeline.stage_memory``); ``Uncut`` when the model cannot be cut so, or when no such step can
         take ``beat_s`` seconds or less."""
-        if self.step.plan.memory.regather and pipeline.splits_backward:
-            return Uncut(SPLIT_REGATHER)
+        if pipeline.splits_backward and (self.step.plan.memory.regather or self.step.plan.memory.checkpoint_blocks):
+            return Uncut(SPLIT_REGATHER if self.step.plan.memory.regather else SPLIT_CHECKPOINT)
         staged = self.pricing.price(pipeline, beat_s)
         if isinstance(staged, Uncut):
             return staged
