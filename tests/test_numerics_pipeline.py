@@ -174,6 +174,7 @@ CASES = [
     Case("llama", (2, 2), ("pp", "cp"), "interleaved_1f1b", 2, 2,
          options={"context_axes": ("cp",), "context_attention": "ulysses"}),
     Case("hf_llama", (2, 2), ("pp", "cp"), "1f1b", 2, options={"context_axes": ("cp",), "checkpoint": "full"}),
+    Case("hf_llama", (2, 2), ("pp", "cp"), "zbv", 4, 2, options={"context_axes": ("cp",)}),
     Case("stack", (2,), ("pp",), None, None, None),
     Case("hf_llama", (2,), ("pp",), "1f1b", 4),
     Case("hf_llama", (2, 2), ("pp", "tp"), "1f1b", 2, options={"constraints": hf_models.LLAMA_TP_PLAN}),
