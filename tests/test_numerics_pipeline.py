@@ -505,20 +505,11 @@ def test_zero_bubble_schedules_refuse_gathers_again(schedule: str) -> None:
     assert searched.pipeline.schedule not in ("zbv", "dualpipev")
 
 
-def _compile_dropout_on_torch_stream(rank: int, world: int) -> str:
-    model, inputs, loss_fn, targets = _gpt_dropout()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    try:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, seed=SEED,
-                        random_stream="torch", pipeline=autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2))
-    except InputError as exc:
-        return str(exc)
-    return "compiled"
-
-
 def test_pipelined_dropout_on_the_torch_stream_is_refused_on_every_rank() -> None:
     """A torch generator draws in the order a rank runs its stages, not as one device would: refused."""
-    messages = run_ranks(_compile_dropout_on_torch_stream, 2)
+    options = {"seed": SEED, "random_stream": "torch",
+               "pipeline": autopar.Pipeline(axis="pp", schedule="1f1b", micro_batches=2)}
+    messages = run_ranks(_compile_bad, 2, _gpt_dropout, options)
     assert all("only the counter stream draws them as one device does" in m for m in messages), messages
 
 
@@ -590,19 +581,20 @@ def test_tied_weight_is_priced_on_both_stages(schedule: str, v: int, p: int, hol
     assert f"wte.weight tied on stages {holders[0][0]} and {holders[-1][0]}" in pipe.describe()
 
 
-def _compile_bad(rank: int, world: int) -> str:
-    model, inputs, loss_fn, targets = _llama()
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+def _compile_bad(rank: int, world: int, build: Callable[[], Any], options: dict[str, Any]) -> str:
+    """compile's error on this rank ("" when it compiled)."""
+    model, inputs, loss_fn, targets = build()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     try:
-        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets,
-                        pipeline=autopar.Pipeline(axis="pp", schedule="zbv", micro_batches=4, virtual_stages=1))
+        autopar.compile(model, mesh, inputs, loss_fn=loss_fn, example_targets=targets, **options)
     except InputError as exc:
         return str(exc)
     return ""
 
 
 def test_compile_refuses_a_bad_pipeline_on_every_rank() -> None:
-    messages = run_ranks(_compile_bad, 2)
+    options = {"pipeline": autopar.Pipeline(axis="pp", schedule="zbv", micro_batches=4, virtual_stages=1)}
+    messages = run_ranks(_compile_bad, 2, _llama, options)
     assert all("virtual_stages" in m for m in messages), messages
 
 
