@@ -116,8 +116,8 @@ class StagePricing:
                          f"stages per rank needs {count} stages of at least one unit each (the head, a repeated "
                          f"block, the tail); the model has {len(self.blocks)} "
                          f"({', '.join(self.blocks) or 'no indexed block container'})")
-        rank_of = [pipeline.stage_rank(s, p) for s in range(count)]
-        key = (pipeline.axis, pipeline.stage_blocks, tuple(rank_of))
+        key = _layout_key(pipeline, p)
+        rank_of = list(key[2])
         if key not in self._layouts:
             self._layouts[key] = self._layout(pipeline, rank_of)
         layout = self._layouts[key]
@@ -168,9 +168,7 @@ class StagePricing:
     def collectives_of(self, pipeline: Pipeline) -> list[PlannedCollective]:
         """The stage plan's collectives as ``pipeline`` runs them (one priced already): those several stages
         run (``_collective_stages``) counted once per stage."""
-        p = self.mesh.axes[pipeline.axis]
-        rank_of = [pipeline.stage_rank(s, p) for s in range(pipeline.stages(p))]
-        layout = self._layouts[(pipeline.axis, pipeline.stage_blocks, tuple(rank_of))]
+        layout = self._layouts[_layout_key(pipeline, self.mesh.axes[pipeline.axis])]
         return [replace(c, count=c.count * runs) if runs > 1 else c for c, runs in zip(self.collectives, layout.runs)]
 
     def _plan(self, pipeline: Pipeline, layout: _Layout) -> PipelinePlan:
@@ -208,6 +206,11 @@ class StagePricing:
         stages = [replace(s, state_bytes=memory.state[s.index], activation_bytes=memory.activations[s.index],
                           buffer_bytes=memory.buffers[s.index]) for s in pipelined.stages]
         return replace(pipelined, stages=stages, rank_memory_bytes=peaks)
+
+
+def _layout_key(pipeline: Pipeline, p: int) -> tuple[str, tuple[tuple[str, ...], ...] | None, tuple[int, ...]]:
+    """What a cut into ``pipeline``'s stages depends on: its axis, pinned blocks and each stage's pp rank."""
+    return pipeline.axis, pipeline.stage_blocks, tuple(pipeline.stage_rank(s, p) for s in range(pipeline.stages(p)))
 
 
 def _collective_stages(graph: PlanGraph, chosen: dict[str, Strategy], ctx: CostContext, collectives: list,

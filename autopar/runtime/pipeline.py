@@ -61,7 +61,7 @@ from autopar.runtime.tied import TiedGradients
 from autopar.pipeline.crossing import constant_ops
 from autopar.pipeline.spec import STAGE_AXIS, Pipeline
 from autopar.result.plan import Plan
-from autopar.search.planned import SPLIT_CHECKPOINT, SPLIT_REGATHER, PlannedStep
+from autopar.search.planned import PlannedStep, schedule_refusal
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
                     "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
@@ -321,12 +321,10 @@ def build_pipelined_module(model: nn.Module, mesh: DeviceMesh, stage_mesh: Devic
     mine = [s for s in range(count) if pipeline.stage_rank(s, p) == mesh.get_local_rank(pipeline.axis)]
     user_inputs = list(step.captured.user_inputs)
     comm = Comm(stage_mesh, step.ctx.mesh.zigzag_dims())
+    refused = schedule_refusal(pipeline, step.plan.memory)
+    if refused:
+        raise InputError(f"this plan pipelines with {pipeline.schedule!r}, but {refused}")
     comm.weight_pass = pipeline.splits_backward
-    if comm.weight_pass and step.plan.memory.regather:
-        raise InputError(f"this plan pipelines with {pipeline.schedule!r} and gathers parameters again in backward: "
-                         f"{SPLIT_REGATHER}")
-    if comm.weight_pass and step.plan.memory.checkpoint_blocks:
-        raise InputError(f"this plan pipelines with {pipeline.schedule!r} and checkpoints blocks: {SPLIT_CHECKPOINT}")
     program = rank_program(step, stage_mesh, comm, seed, compute_dtype, input_sharded, comm.weight_pass)
     constants = constant_ops(step.graph, step.chosen, step.ctx)
     programs = split_stages(program, pp.stage_of, count, user_inputs, constants)

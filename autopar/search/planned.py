@@ -169,6 +169,13 @@ SPLIT_CHECKPOINT = ("its schedule runs each backward as input then weight gradie
 """Why a zero-bubble schedule is not cut for a step that checkpoints blocks."""
 
 
+def schedule_refusal(pipeline: Pipeline, memory: MemoryPlan) -> str:
+    """Why ``pipeline``'s schedule does not run a step of ``memory``'s choices ("" when it does)."""
+    if not pipeline.splits_backward:
+        return ""
+    return SPLIT_REGATHER if memory.regather else SPLIT_CHECKPOINT if memory.checkpoint_blocks else ""
+
+
 class StepPipelines:
     """A stage mesh's plan (``step``, planned for one micro-batch) cut into pipelines on ``mesh`` (the whole
     mesh, the pipeline axis included): what the cuts share priced once (``pipeline.pricing``)."""
@@ -190,14 +197,14 @@ class StepPipelines:
         (``pipeline.stages``) and its peak memory the busiest pp rank's under the schedule
         (``pipeline.stage_memory``); ``Uncut`` when the model cannot be cut so, or when no such step can
         take ``beat_s`` seconds or less."""
-        if pipeline.splits_backward and (self.step.plan.memory.regather or self.step.plan.memory.checkpoint_blocks):
-            return Uncut(SPLIT_REGATHER if self.step.plan.memory.regather else SPLIT_CHECKPOINT)
+        refused = schedule_refusal(pipeline, self.step.plan.memory)
+        if refused:
+            return Uncut(refused)
         staged = self.pricing.price(pipeline, beat_s)
         if isinstance(staged, Uncut):
             return staged
         pipelined, step_time = staged
-        plan = self.step.plan
-        plan = replace(plan, collectives=self.pricing.collectives_of(pipeline))
+        plan = replace(self.step.plan, collectives=self.pricing.collectives_of(pipeline))
         peak_rank = max(range(pipelined.size), key=lambda r: pipelined.rank_memory_bytes[r])
         state = sum(s.state_bytes for s in pipelined.stages if s.rank == peak_rank)
         peak = pipelined.rank_memory_bytes[peak_rank]
