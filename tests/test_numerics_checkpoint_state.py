@@ -208,7 +208,7 @@ def test_blocks_reading_state_written_after_them_match_single_device() -> None:
 
 
 MODELS = {"cnn": build_blocks_cnn, "counted": _counted}
-PIPELINES = [("cnn", "1f1b", 2, 1, "full"), ("cnn", "interleaved_1f1b", 4, 2, "selective"), ("counted", "1f1b", 2, 1, "full")]
+PIPELINES = [("cnn", "1f1b", 2, 1, "full"), ("cnn", "zbv", 4, 2, "selective"), ("counted", "1f1b", 2, 1, "full")]
 
 
 def _train_pipelined(rank: int, world: int, case: tuple[str, str, int, int, str], ref: Reference) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from autopar.runtime.forked import TIMEOUT_S, run_ranks
 from autopar.runtime.ops import CollectiveLog
 from autopar.runtime.pipeline import PipelinedModule
 from autopar.pipeline.cuts import balanced_cuts
+from autopar.pipeline.schedule_sim import replays, split_backward
 from examples import gpt, hf_models, llama, moe
 from numerics_harness import EPS, LR, STEPS, Reference, mismatches, planned_counts, reference, reference_accumulated
 
@@ -162,12 +163,16 @@ CASES = [
     # weight-pass calls
     Case("llama", (2, 2), ("pp", "dp"), "zbv", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
     Case("llama", (2, 2), ("pp", "dp"), "dualpipev", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2}}),
+    # a block's grouped gathers replayed in both passes of a split backward, each on its own stage
+    Case("llama", (2, 2), ("pp", "dp"), "zbv", 4, 2, options={"data_axes": ("dp",), "zero": {"dp": 2},
+                                                          "checkpoint": "full"}),
     Case("hf_llama", (2, 2, 2), ("pp", "dp", "tp"), "zbv", 2, 2,
-         options={"data_axes": ("dp",), "zero": {"dp": 2}, "constraints": hf_models.LLAMA_TP_PLAN}),
+         options={"data_axes": ("dp",), "zero": {"dp": 2}, "constraints": hf_models.LLAMA_TP_PLAN,
+                  "checkpoint": "full"}),
     # mixture of experts: routing, dispatch and combine inside the stages, experts split by expert on ep
     Case("moe", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
     Case("moe", (2, 2), ("pp", "ep"), "1f1b", 2, options={"data_axes": ("ep",), "expert_axes": ("ep",)}),
-    Case("moe_capacity", (2,), ("pp",), "zbv", 4, 2),
+    Case("moe_capacity", (2,), ("pp",), "zbv", 4, 2, options={"checkpoint": "full", "checkpoint_blocks": 2}),
     # context parallelism inside the stages: ring (zig-zag), Ulysses, and HF's own mask (all-gathered keys)
     Case("llama", (2, 2), ("pp", "cp"), "1f1b", 2,
          options={"context_axes": ("cp",), "context_layout": "zigzag", "context_attention": "ring"}),
@@ -184,13 +189,19 @@ CASES = [
     Case("hf_llama", (2,), ("pp",), "interleaved_1f1b", 4, 2),
     Case("hf_llama", (2,), ("pp",), "zbv", 4, 2),
     Case("hf_llama", (2,), ("pp",), "dualpipev", 4, 2),  # stages 0 and 3 on rank 0: the targets read there
-    # checkpointed blocks recompute inside their stages (zero-bubble schedules refuse them:
-    # test_zero_bubble_schedules_refuse_checkpointing): ZeRO-3 regathers, tensor parallelism replays its
-    # collectives, the first 3 blocks only leave a stage with checkpointed and plain blocks
+    # checkpointed blocks recompute inside their stages: zero-bubble schedules recompute twice (input, then
+    # weight gradients: test_split_backward_prices_the_second_replay), ZeRO-3 regathers, tensor parallelism
+    # replays its collectives, the first 3 blocks only leave a stage with checkpointed and plain blocks
     Case("stack", (2,), ("pp",), "1f1b", 2, 1, {"checkpoint": "full"}),
     Case("llama", (2,), ("pp",), "1f1b", 2, 1, {"checkpoint": "full"}),
     Case("llama", (2,), ("pp",), "gpipe", 2, 1, {"checkpoint": "selective"}),
-    Case("llama", (2,), ("pp",), "interleaved_1f1b", 4, 2, {"checkpoint": "selective"}),
+    Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "full"}),
+    Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "selective"}),
+    Case("llama", (2,), ("pp",), "dualpipev", 4, 2, {"checkpoint": "selective"}),
+    Case("llama", (2, 2), ("pp", "tp"), "zbv", 4, 2, {"constraints": llama.TP_PLAN, "checkpoint": "full"}),
+    # dualpipev splits some backwards only: each whole one replays once, each split one twice
+    Case("llama", (2, 2), ("pp", "tp"), "dualpipev", 4, 2, {"constraints": llama.TP_PLAN,
+                                                            "checkpoint": "selective"}),
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "checkpoint": "full"}),
     Case("llama", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3},
                                                           "checkpoint": "selective", "checkpoint_blocks": 3}),
@@ -213,10 +224,10 @@ CASES = [
     Case("tied_gpt", (4,), ("pp",), "1f1b", 4),
     Case("hf_gpt2", (2,), ("pp",), "1f1b", 2),
     # dropout: each stage's draws of a micro-batch numbered as one device numbers them, whatever order the
-    # schedule runs them in, replayed alike by a checkpointed block
+    # schedule runs them in, replayed alike by a checkpointed block (twice under zbv)
     Case("gpt_dropout", (2,), ("pp",), "1f1b", 2),
     Case("gpt_dropout", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",)}),
-    Case("gpt_dropout", (2,), ("pp",), "zbv", 4, 2),
+    Case("gpt_dropout", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "full", "checkpoint_blocks": 2}),
     Case("gpt_dropout", (2,), ("pp",), "interleaved_1f1b", 4, 2, {"checkpoint": "full", "checkpoint_blocks": 2}),
     # HF's tied head, ZeRO-3 on its two stages
     Case("hf_gpt2", (2, 2), ("pp", "dp"), "1f1b", 2, options={"data_axes": ("dp",), "zero": {"dp": 3}}),
@@ -480,16 +491,25 @@ def test_pipeline_input_errors(pipeline: autopar.Pipeline, mesh: dict[str, int],
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
-def test_zero_bubble_schedules_refuse_checkpointing(schedule: str) -> None:
-    """torch's weight pass computes each group of parameters sharing an input in its own autograd call, and a
-    checkpointed block recomputes in each (Llama pp2 x tp2 under zbv: 248 recompute all-reduces a step where one
-    recompute per pass would run 56): refused when pinned, another schedule when searched."""
-    pin = autopar.Pipeline(axis="pp", schedule=schedule, micro_batches=4)
-    with pytest.raises(InputError, match="a plan that checkpoints pipelines with another schedule"):
-        _plan(pin, {"pp": 2}, checkpoint="full")
-    searched = _plan(autopar.Pipeline(axis="pp", micro_batches=4), {"pp": 2}, checkpoint="selective")
-    assert searched.memory.checkpoint_blocks and searched.pipeline is not None
-    assert searched.pipeline.schedule not in ("zbv", "dualpipev")
+def test_split_backward_prices_the_second_replay(schedule: str) -> None:
+    """A split backward replays a stage's checkpointed blocks in its input pass and again in its weight pass
+    (torch's weight-pass calls share one replay), a whole backward once, the first stage's input pass not at
+    all (the cases above check the replays' collectives against the plan's): each stage's replay is priced
+    beside its backward, the forward of its blocks' replayed ops, and the simulation's I and W each carry it."""
+    pipe = autopar.Pipeline(axis="pp", schedule=schedule, micro_batches=4)
+    plan = _plan(pipe, {"pp": 2}, checkpoint="full")
+    assert plan.pipeline is not None and plan.pipeline.schedule == schedule
+    for stage in plan.pipeline.stages:
+        replay = sum(n.forward_s for n in plan.nodes
+                     if plan.pipeline.stage_of.get(n.name) == stage.index and n.module.startswith("layers."))
+        assert replay > 0 and stage.replay_s == pytest.approx(replay, rel=1e-9)
+        f, i, w, b = split_backward(stage.forward_s, stage.backward_s, stage.replay_s, first=stage.index == 0)
+        assert (f, b) == (stage.forward_s, stage.backward_s)
+        assert i + w == pytest.approx(stage.backward_s + (stage.replay_s if stage.index else 0.0), rel=1e-12)
+    counts = replays(schedule, 2, 2, 4)
+    assert counts[0] == 4 and all(c >= 4 for c in counts[1:])  # once a micro-batch, twice where split
+    if schedule == "zbv":  # every backward split
+        assert counts == [4, 8, 8, 8]
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])

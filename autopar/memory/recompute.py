@@ -133,7 +133,7 @@ def _recomputed(node: PlanNode, block: str, *, cached: bool, keep: bool) -> Plan
     costs = [NodeCost(c.time + (0.0 if cached else c.forward), c.output_bytes if keep else 0.0, c.forward,
                       c.output_bytes) for c in node.costs]
     dropped = [0.0 if keep else c.memory for c in node.costs]
-    return replace(node, costs=costs, block=block, recompute_memory=dropped)
+    return replace(node, costs=costs, block=block, recompute_memory=dropped, replayed=not cached)
 
 
 def _target(node: PlanNode) -> object:

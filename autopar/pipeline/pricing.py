@@ -22,6 +22,7 @@ from autopar.memory.backward import op_working_sets
 from autopar.mesh import Mesh
 from autopar.pipeline.crossing import constant_ops, crossing_bytes, recomputed_ops
 from autopar.pipeline.cuts import balanced_cuts, pinned_cuts
+from autopar.pipeline.schedule_sim import replays
 from autopar.pipeline.spec import Pipeline
 from autopar.pipeline.stage_memory import (buffer_stages, held_bytes, node_costs, rank_peaks, rank_working_sets,
                                            stage_bytes, whole_step_extra)
@@ -47,8 +48,8 @@ class _Layout:
     sync: list[float]
     update: list[float]
     tied: list[TiedWeight]
-    runs: list[int]
-    """Per collective of the stage plan, how many stages run it per micro-batch (``_collective_stages``)."""
+    at: list[tuple[int, ...]]
+    """Per collective of the stage plan, the stages running it (``_collective_stages``)."""
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,8 @@ class StagePricing:
         layout = self._layouts[key]
         after = [s + t for s, t in zip(layout.sync, tied_seconds(layout.tied, p))]  # each rank's, once it drained
         after[rank_of[-1]] += self.loss_s
-        floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b in layout.times], rank_of, after, layout.update,
-                             [s.send_s for s in layout.stages])
+        floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b, _ in layout.times], rank_of, after,
+                             layout.update, [s.send_s for s in layout.stages])
         if floor > beat_s:
             return Uncut(f"its busiest rank's wait for the first micro-batch and own work, {floor:.6g} s, is over "
                          f"{beat_s:.6g} s", outrun=True)
@@ -159,17 +160,30 @@ class StagePricing:
             names = [b for b, u in zip(self.blocks, stage_of_unit) if u == s]
             stages.append(StagePlan(
                 index=s, rank=rank_of[s], blocks=names, forward_s=times[s][0], backward_s=times[s][1],
+                replay_s=times[s][2],
                 parameter_bytes=sum(_local_bytes(graph, chosen, ctx, n) for n in mine), parameters=len(mine),
                 sends_bytes=sends[s] if s < count - 1 else 0.0, send_s=send_s[s]))
-        runs = [len(stages) for stages in at]
         return _Layout(stage_of=stage_of, rank_of=rank_of, stages=stages, times=times, params=params,
-                       sync=_sync_seconds(self.collectives, params, rank_of, p), update=update, tied=tied, runs=runs)
+                       sync=_sync_seconds(self.collectives, params, rank_of, p), update=update, tied=tied, at=at)
 
     def collectives_of(self, pipeline: Pipeline) -> list[PlannedCollective]:
-        """The stage plan's collectives as ``pipeline`` runs them (one priced already): those several stages
-        run (``_collective_stages``) counted once per stage."""
-        layout = self._layouts[_layout_key(pipeline, self.mesh.axes[pipeline.axis])]
-        return [replace(c, count=c.count * runs) if runs > 1 else c for c, runs in zip(self.collectives, layout.runs)]
+        """The stage plan's collectives as ``pipeline`` runs them (one priced already): once per stage running
+        each (``_collective_stages``), a replay's as often as its stage replays its blocks (``replays``)."""
+        p = self.mesh.axes[pipeline.axis]
+        layout = self._layouts[_layout_key(pipeline, p)]
+        m = pipeline.micro_batches
+        assert m is not None, "a priced pipeline has its micro-batch count"
+        replayed = replays(pipeline.schedule, p, pipeline.virtual_stages or 1, m)
+        out = []
+        for c, stages in zip(self.collectives, layout.at):
+            if not stages:  # once a step (gradient buckets, the summed loss), not per micro-batch
+                out.append(c)
+                continue
+            runs = sum(replayed[s] for s in stages) if c.phase == "recompute" else len(stages) * m
+            count, left = divmod(c.count * runs, m)  # the stage plan counts a micro-batch's calls m times
+            assert not left, f"collective {c.consumer} runs {c.count} times in {m} micro-batches"
+            out.append(replace(c, count=count) if count != c.count else c)
+        return out
 
     def _plan(self, pipeline: Pipeline, layout: _Layout) -> PipelinePlan:
         """The pipeline's plan but its memory."""
@@ -247,14 +261,18 @@ def _stage_seconds(graph: PlanGraph, constants: frozenset[str], stage_of: dict[s
                    count: int) -> list[list[float]]:
     """Each stage's [forward, backward] seconds of one micro-batch: its ops', their collectives' (``at``:
     the stages running each, ``_collective_stages``), and the forward of the ``constants`` of earlier stages
-    it computes again rather than receives (``pipeline.crossing``)."""
-    times = [[0.0, 0.0] for _ in range(count)]
+    it computes again rather than receives (``pipeline.crossing``), and the part of its backward that
+    replays its checkpointed blocks once: [forward, backward, replay]."""
+    times = [[0.0, 0.0, 0.0] for _ in range(count)]
     for name, s in stage_of.items():
         times[s][0] += seconds[name][0]
         times[s][1] += seconds[name][1]
+        times[s][2] += seconds[name][0] if graph.nodes[name].replayed else 0.0
     for c, stages in zip(collectives, at):  # the stages' own collectives, once per micro-batch
         for s in stages:
-            times[s][0 if c.phase == "forward" else 1] += c.time_s if c.waited_s is None else c.waited_s
+            took = c.time_s if c.waited_s is None else c.waited_s
+            times[s][0 if c.phase == "forward" else 1] += took
+            times[s][2] += took if c.phase == "recompute" else 0.0
     for s, again in enumerate(recomputed_ops(graph, constants, stage_of, count)):
         times[s][0] += sum(seconds[name][0] for name in again)
     return times

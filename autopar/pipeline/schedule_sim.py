@@ -107,11 +107,27 @@ class Simulation:
         return [acts[-1][4] - acts[0][3] if acts else 0.0 for acts in self.placed]
 
 
-def split_backward(forward_s: float, backward_s: float) -> tuple[float, float, float]:
-    """(F, I, W) of a stage from its forward and whole backward: the plan does not price input
-    and weight gradients apart, so each takes half (a matmul's two gradient products are each
-    its forward's size; ops without weights make I the larger half, unpriced here)."""
-    return forward_s, backward_s / 2, backward_s / 2
+def split_backward(forward_s: float, backward_s: float, replay_s: float = 0.0, first: bool = False
+                   ) -> tuple[float, float, float, float]:
+    """(F, I, W, B) of a stage from its forward and whole backward, which replays its checkpointed blocks
+    once (``replay_s`` of it): the plan does not price input and weight gradients apart, so each takes half
+    of the rest (a matmul's two gradient products are each its forward's size; ops without weights make I
+    the larger half, unpriced here); I and W each replay the blocks, except the first stage's I: it computes
+    no input gradient, its weight pass the whole backward (``replays``)."""
+    rest = (backward_s - replay_s) / 2
+    return forward_s, rest + (0.0 if first else replay_s), rest + replay_s, backward_s
+
+
+def replays(schedule: str, p: int, v: int, m: int) -> list[int]:
+    """Per stage, how many times a step replays its checkpointed blocks: once in each whole backward (B)
+    and each weight pass (W), and in each input pass (I) but the first stage's; under a split backward torch
+    computes I and W in calls of their own, a checkpoint recomputing in each (the weight pass's calls, one
+    per group of parameters, share one recompute: ``runtime.stages``)."""
+    counts = [0] * (p * v)
+    for ops in torch_order(schedule, p, v, m):
+        for kind, stage, _ in ops:
+            counts[stage] += kind in (BACKWARD, WEIGHT_GRAD) or (kind == INPUT_GRAD and stage > 0)
+    return counts
 
 
 @lru_cache(maxsize=64)
@@ -273,18 +289,18 @@ class _Run:
         return start + seconds
 
 
-def simulate(schedule: str, p: int, v: int, m: int, stage_s: Sequence[tuple[float, float, float]],
+def simulate(schedule: str, p: int, v: int, m: int, stage_s: Sequence[tuple[float, ...]],
              rank_of: Sequence[int], send_s: Sequence[float] = ()) -> Simulation:
-    """Play the schedule out. ``stage_s``: each stage's (F, I, W) seconds of one micro-batch
-    (B = I + W); ``rank_of``: each stage's pp rank (``Pipeline.stage_rank``, checked against
-    torch's tables); ``send_s``: seconds of one transfer across each cut (after stage s;
-    activations forward and gradients back alike), missing ones 0."""
+    """Play the schedule out. ``stage_s``: each stage's (F, I, W) seconds of one micro-batch, and its whole
+    backward's B where that is not I + W (``split_backward``); ``rank_of``: each stage's pp rank
+    (``Pipeline.stage_rank``, checked against torch's tables); ``send_s``: seconds of one transfer across
+    each cut (after stage s; activations forward and gradients back alike), missing ones 0."""
     program = _program(schedule, p, v, m)
     if tuple(rank_of) != program.rank_of:
         raise ValueError(f"{schedule} runs stages on pp ranks {list(program.rank_of)}, not {list(rank_of)}")
     count = p * v
     seconds = [t[0] for t in stage_s] + [t[1] for t in stage_s] + [t[2] for t in stage_s] + \
-        [t[1] + t[2] for t in stage_s]
+        [t[3] if len(t) > 3 else t[1] + t[2] for t in stage_s]
     cut_s = [float(send_s[s]) if s < len(send_s) and s + 1 < count and rank_of[s] != rank_of[s + 1] else 0.0
              for s in range(count)]
     run = _Run(program, m, seconds, cut_s)

@@ -223,7 +223,8 @@ class Pipeline:
     def splits_backward(self) -> bool:
         """Whether torch's schedule runs a stage's backward as two calls, input then weight gradients
         (``SPLIT_BACKWARD``): each backward op whose inputs lead to both runs in each, reading what it saved
-        twice, and torch's weight pass is one autograd call per group of parameters sharing an input."""
+        twice (a checkpointed block replays in each: ``schedule_sim.replays``), and torch's weight pass is one
+        autograd call per group of parameters sharing an input."""
         return self.schedule in SPLIT_BACKWARD
 
 
@@ -254,11 +255,12 @@ def as_pipeline(pipeline: object) -> Pipeline:
 
 
 def simulate_pipeline(schedule: str, pp_size: int, virtual_stages: int, micro_batches: int,
-                      stage_s: Sequence[tuple[float, float]], send_s: Sequence[float] = ()) -> Simulation:
-    """``schedule_sim.simulate`` of the stages' (forward, backward) seconds of one micro-batch
-    (their waited collectives included), backward halved into I and W, stages placed as
-    ``Pipeline.stage_rank`` places them; ``send_s``: one transfer's seconds across each cut."""
+                      stage_s: Sequence[tuple[float, ...]], send_s: Sequence[float] = ()) -> Simulation:
+    """``schedule_sim.simulate`` of the stages' (forward, backward[, replay]) seconds of one micro-batch (their
+    waited collectives included; the backward replaying the stage's checkpointed blocks once, ``replay``
+    of it, 0 when not given), backward halved into I and W, each replaying the blocks (``schedule_sim.split_backward``),
+    stages placed as ``Pipeline.stage_rank`` places them; ``send_s``: one transfer's seconds across each cut."""
     where = Pipeline(schedule=schedule, virtual_stages=virtual_stages)
     rank_of = [where.stage_rank(s, pp_size) for s in range(pp_size * virtual_stages)]
-    return simulate(schedule, pp_size, virtual_stages, micro_batches, [split_backward(f, b) for f, b in stage_s],
-                    rank_of, send_s)
+    split = [split_backward(t[0], t[1], t[2] if len(t) > 2 else 0.0, first=s == 0) for s, t in enumerate(stage_s)]
+    return simulate(schedule, pp_size, virtual_stages, micro_batches, split, rank_of, send_s)

@@ -51,7 +51,7 @@ class StagePlan:
     """Predicted seconds of its forward for one micro-batch (its waited collectives included, and the
     ops of constants alone of earlier stages it computes again: ``pipeline.crossing``)."""
     backward_s: float
-    """Predicted seconds of its backward for one micro-batch."""
+    """Predicted seconds of its backward for one micro-batch (its checkpointed blocks replayed once)."""
     parameter_bytes: float
     """Bytes of the weights it holds per device (its parameters' local shards)."""
     parameters: int
@@ -60,6 +60,10 @@ class StagePlan:
     """Bytes per device of the activations it sends to the next stage per micro-batch (0 for the last):
     values computed by it or an earlier stage that a later stage reads, user inputs and values of
     constants alone aside (``pipeline.crossing``)."""
+    replay_s: float = 0.0
+    """Of ``backward_s``, the seconds of one replay of its checkpointed blocks (their ops the policy does
+    not keep, and their forward collectives): a split backward replays them in its input and its weight
+    pass (``schedule_sim.split_backward``)."""
     send_s: float = 0.0
     """Predicted seconds of one such transfer, and of the gradients coming back (0: the next
     stage runs on the same rank, or there is none)."""
@@ -164,7 +168,7 @@ class PipelinePlan:
     def simulate(self, transfers: bool = True) -> Simulation:
         """The schedule played out with the stages' predicted seconds (``pipeline.schedule_sim``)."""
         return simulate_pipeline(self.schedule, self.size, self.virtual_stages, self.micro_batches,
-                                 [(s.forward_s, s.backward_s) for s in self.stages],
+                                 [(s.forward_s, s.backward_s, s.replay_s) for s in self.stages],
                                  [s.send_s for s in self.stages] if transfers else ())
 
     def rank_ends(self, sim: Simulation) -> list[RankEnd]:

@@ -122,6 +122,8 @@ class PlanNode:
     recompute_memory: list[float] = field(default_factory=list)
     """Per strategy, bytes of this op's outputs that a checkpointed block drops after forward
     and brings back while recomputing in backward (empty: nothing recomputed)."""
+    replayed: bool = False
+    """In a checkpointed block, its replay runs this op again (its policy does not keep its output)."""
     regather: bool = False
     """A parameter this op saves for backward, gathered for it on a data axis, is freed after
     forward and gathered again in backward (ZeRO-3, FSDP's ``reshard_after_forward``), not

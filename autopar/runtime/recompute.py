@@ -19,11 +19,12 @@ reproduce the forward bit for bit:
   inputs, whose versions it checks: the forward updates the real tensors, once, and each
   recompute runs on a fresh copy of the values the forward found, which it may write freely.
 
-A zero-bubble pipeline schedule (``replays``) runs a stage's backward as two calls, input
+A zero-bubble pipeline schedule (``replays``) runs a stage's backward as two passes, input
 gradients then weight gradients (``torch.distributed.pipelining._backward``), and torch's
-checkpoint recomputes a region once per backward call, so twice. 'full' needs nothing for
-that; 'selective' does: torch hands each kept output out once, then raises ("backward an
-extra time"), so with ``replays`` every recompute gets the kept outputs back.
+checkpoint recomputes a region once per pass (the weight pass's autograd calls, one per group
+of parameters, share one recompute under a ``GraphExecGroup``: ``runtime.stages``), so twice.
+'full' needs nothing for that; 'selective' does: torch hands each kept output out once, then
+raises ("backward an extra time"), so with ``replays`` every recompute gets the kept outputs back.
 """
 
 from __future__ import annotations

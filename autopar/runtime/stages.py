@@ -28,6 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.utils.checkpoint import GraphExecGroup
 
 from autopar.passes.split_stages import StageProgram
 from autopar.runtime.parameters import local_shard
@@ -133,7 +134,9 @@ class MicroBatchStage(PipelineStage):
     stage reads that micro-batch's user inputs itself rather than receive them from the stage
     before (torch hands the micro-batch index to ``forward_one_chunk`` only). ``after_backward``
     runs after each of its backward calls (input, weight or whole): under a split backward the
-    gradient groups are checked then (``runtime.grouped.check_grad_groups``)."""
+    gradient groups are checked then (``runtime.grouped.check_grad_groups``). A weight pass runs under
+    one ``GraphExecGroup``, so a checkpointed block replays once in it, as priced
+    (``pipeline.schedule_sim.replays``)."""
 
     def __init__(self, *args: Any, after_backward: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -146,7 +149,10 @@ class MicroBatchStage(PipelineStage):
         return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
-        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        # torch's weight pass is one autograd.grad per group of parameters sharing an input; under one
+        # GraphExecGroup a checkpointed block recomputes once for all of them, not once per group
+        with GraphExecGroup():
+            out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         self.after_backward()
         return out
 

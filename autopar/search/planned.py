@@ -162,18 +162,11 @@ SPLIT_REGATHER = ("its schedule runs each backward as input then weight gradient
                   "as planned, so a plan that gathers parameters again (ZeRO-3) pipelines with another schedule; "
                   "ZeRO-2 (zero={axis: 2}) runs with this one")
 """Why a zero-bubble schedule is not cut for a step that gathers parameters again in backward."""
-SPLIT_CHECKPOINT = ("its schedule runs each backward as input then weight gradients, the weight gradients one "
-                    "autograd call per group of parameters sharing an input (torch's stage_backward_weight), and a "
-                    "checkpointed block recomputes in each call (a Llama block about 8 times a micro-batch): a plan "
-                    "that checkpoints pipelines with another schedule")
-"""Why a zero-bubble schedule is not cut for a step that checkpoints blocks."""
 
 
 def schedule_refusal(pipeline: Pipeline, memory: MemoryPlan) -> str:
     """Why ``pipeline``'s schedule does not run a step of ``memory``'s choices ("" when it does)."""
-    if not pipeline.splits_backward:
-        return ""
-    return SPLIT_REGATHER if memory.regather else SPLIT_CHECKPOINT if memory.checkpoint_blocks else ""
+    return SPLIT_REGATHER if pipeline.splits_backward and memory.regather else ""
 
 
 class StepPipelines:
