@@ -509,7 +509,7 @@ def test_split_backward_prices_the_second_replay(schedule: str) -> None:
     counts = replays(schedule, 2, 2, 4)
     assert counts[0] == 4 and all(c >= 4 for c in counts[1:])  # once a micro-batch, twice where split
     if schedule == "zbv":  # every backward split
-        assert counts == [4, 8, 8, 8]
+        assert counts == (4, 8, 8, 8)
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])

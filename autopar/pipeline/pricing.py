@@ -173,15 +173,16 @@ class StagePricing:
         layout = self._layouts[_layout_key(pipeline, p)]
         m = pipeline.micro_batches
         assert m is not None, "a priced pipeline has its micro-batch count"
-        replayed = replays(pipeline.schedule, p, pipeline.virtual_stages or 1, m)
+        replayed = replays(pipeline.schedule, p, pipeline.virtual_stages or 1, m) \
+            if any(c.phase == "recompute" for c in self.collectives) else ()
         out = []
         for c, stages in zip(self.collectives, layout.at):
-            if not stages:  # once a step (gradient buckets, the summed loss), not per micro-batch
-                out.append(c)
-                continue
-            runs = sum(replayed[s] for s in stages) if c.phase == "recompute" else len(stages) * m
-            count, left = divmod(c.count * runs, m)  # the stage plan counts a micro-batch's calls m times
-            assert not left, f"collective {c.consumer} runs {c.count} times in {m} micro-batches"
+            if c.phase == "recompute" and stages:
+                # the stage plan counts a micro-batch's calls m times; a stage replays its blocks replayed[s] times
+                count, left = divmod(c.count * sum(replayed[s] for s in stages), m)
+                assert not left, f"collective {c.consumer} runs {c.count} times in {m} micro-batches"
+            else:  # once per stage running it; once a step where none does (gradient buckets, the summed loss)
+                count = c.count * max(len(stages), 1)
             out.append(replace(c, count=count) if count != c.count else c)
         return out
 

@@ -118,7 +118,8 @@ def split_backward(forward_s: float, backward_s: float, replay_s: float = 0.0, f
     return forward_s, rest + (0.0 if first else replay_s), rest + replay_s, backward_s
 
 
-def replays(schedule: str, p: int, v: int, m: int) -> list[int]:
+@lru_cache(maxsize=64)
+def replays(schedule: str, p: int, v: int, m: int) -> tuple[int, ...]:
     """Per stage, how many times a step replays its checkpointed blocks: once in each whole backward (B)
     and each weight pass (W), and in each input pass (I) but the first stage's; under a split backward torch
     computes I and W in calls of their own, a checkpoint recomputing in each (the weight pass's calls, one
@@ -127,7 +128,7 @@ def replays(schedule: str, p: int, v: int, m: int) -> list[int]:
     for ops in torch_order(schedule, p, v, m):
         for kind, stage, _ in ops:
             counts[stage] += kind in (BACKWARD, WEIGHT_GRAD) or (kind == INPUT_GRAD and stage > 0)
-    return counts
+    return tuple(counts)
 
 
 @lru_cache(maxsize=64)
