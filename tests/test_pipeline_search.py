@@ -15,7 +15,7 @@ from autopar.api.planning import plan_step
 from autopar.pipeline.stages import PipelinePlan
 from autopar.search.planned import PlannedStep, finish
 from autopar.search.problem import scenarios
-from autopar.pipeline.schedule_sim import WEIGHT_GRAD, torch_order
+from autopar.pipeline.schedule_sim import WEIGHT_GRAD, replays, torch_order
 from autopar.pipeline.spec import SCHEDULES, VIRTUAL_CHOICES, Pipeline, as_pipeline
 from autopar.memory.backward import op_working_sets
 from autopar.pipeline.stage_memory import MemoryShares, rank_peaks, rank_working_sets
@@ -297,6 +297,17 @@ def test_the_work_floor_never_exceeds_the_played_out_step(schedule: str, v: int,
         drained = [acts[-1][4] if acts else 0.0 for acts in sim.placed]
         step = max(d + g + u for d, g, u in zip(drained, sync, update))  # no rank ends before this
         assert work_floor_s(m, stage_s, rank_of, sync, update, sends) <= step * (1 + 1e-12)
+        # checkpointed blocks replayed (a part of each backward): a split backward replays them twice
+        replayed = [(f, b, rng.uniform(0.0, b)) for f, b in stage_s]
+        sim = simulate_pipeline(schedule, p, v, m, replayed, sends)
+        drained = [acts[-1][4] if acts else 0.0 for acts in sim.placed]
+        step = max(d + g + u for d, g, u in zip(drained, sync, update))
+        extra = [(n - m) * r for n, (_, _, r) in zip(replays(schedule, p, v, m), replayed)]
+        assert work_floor_s(m, stage_s, rank_of, sync, update, sends, extra) <= step * (1 + 1e-12)
+        busy = [0.0] * p  # the floor's work is each rank's busy seconds exactly
+        for (f, b), n, r in zip(stage_s, extra, rank_of):
+            busy[r] += m * (f + b) + n
+        assert sim.busy_s == pytest.approx(busy, rel=1e-9)
     if v == 1:  # the last stage busiest: its rank waits for the first micro-batch, then never again
         stage_s, sends = [(0.1, 0.2)] * (p - 1) + [(1.0, 2.0)], [0.05] * (p - 1) + [0.0]
         sim = simulate_pipeline(schedule, p, v, m, stage_s, sends)

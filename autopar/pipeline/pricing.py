@@ -125,7 +125,7 @@ class StagePricing:
         after = [s + t for s, t in zip(layout.sync, tied_seconds(layout.tied, p))]  # each rank's, once it drained
         after[rank_of[-1]] += self.loss_s
         floor = work_floor_s(pipeline.micro_batches, [(f, b) for f, b, _ in layout.times], rank_of, after,
-                             layout.update, [s.send_s for s in layout.stages])
+                             layout.update, [s.send_s for s in layout.stages], _replayed_s(pipeline, p, layout.times))
         if floor > beat_s:
             return Uncut(f"its busiest rank's wait for the first micro-batch and own work, {floor:.6g} s, is over "
                          f"{beat_s:.6g} s", outrun=True)
@@ -221,6 +221,16 @@ class StagePricing:
         stages = [replace(s, state_bytes=memory.state[s.index], activation_bytes=memory.activations[s.index],
                           buffer_bytes=memory.buffers[s.index]) for s in pipelined.stages]
         return replace(pipelined, stages=stages, rank_memory_bytes=peaks)
+
+
+def _replayed_s(pipeline: Pipeline, p: int, times: list[list[float]]) -> list[float]:
+    """Each stage's seconds of its replays beyond one a micro-batch under ``pipeline``'s schedule: a split
+    backward's second replay (``schedule_sim.replays``); none where no stage replays."""
+    m = pipeline.micro_batches
+    if not pipeline.splits_backward or m is None or not any(r for _, _, r in times):
+        return []
+    counts = replays(pipeline.schedule, p, pipeline.virtual_stages or 1, m)
+    return [(n - m) * r for n, (_, _, r) in zip(counts, times)]
 
 
 def _layout_key(pipeline: Pipeline, p: int) -> tuple[str, tuple[tuple[str, ...], ...] | None, tuple[int, ...]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from collections import Counter
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from autopar.errors import InputError
@@ -255,7 +256,7 @@ class Uncut:
 
 
 def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of: list[int], sync_s: list[float],
-                 update_s: list[float], send_s: list[float]) -> float:
+                 update_s: list[float], send_s: list[float], replayed_s: Sequence[float] = ()) -> float:
     """Seconds no pipelined step of these stages beats: a rank runs its actions one after another
     (every micro-batch's forward and backward of each of its stages), then its gradient buckets and
     tied weights' all-reduces (the last stage's rank also the summed loss's: ``sync_s``) and its
@@ -263,10 +264,13 @@ def work_floor_s(micro_batches: int, stage_s: list[tuple[float, float]], rank_of
     forward has come through the stages before its first (each action of a stage waits on that
     stage's forward, which waits on the one before it: their forward seconds and the transfers across
     their cuts, ``send_s``, 0 within a rank), so the step lasts at least the longest such sum,
-    whatever else the bubble, transfers and waits add."""
+    whatever else the bubble, transfers and waits add. ``replayed_s``: each stage's seconds of the
+    replays of its checkpointed blocks beyond one a micro-batch (a split backward's: ``schedule_sim.replays``)."""
     work = [0.0] * len(sync_s)
     for (f, b), r in zip(stage_s, rank_of):
         work[r] += micro_batches * (f + b)
+    for extra, r in zip(replayed_s, rank_of):
+        work[r] += extra
     fill, reached = [-1.0] * len(sync_s), 0.0  # each rank's first stage's earliest start
     for (f, _), r, send in zip(stage_s, rank_of, send_s):
         if fill[r] < 0:
