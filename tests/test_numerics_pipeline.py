@@ -195,8 +195,6 @@ CASES = [
     Case("stack", (2,), ("pp",), "1f1b", 2, 1, {"checkpoint": "full"}),
     Case("llama", (2,), ("pp",), "1f1b", 2, 1, {"checkpoint": "full"}),
     Case("llama", (2,), ("pp",), "gpipe", 2, 1, {"checkpoint": "selective"}),
-    Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "full"}),
-    Case("llama", (2,), ("pp",), "zbv", 4, 2, {"checkpoint": "selective"}),
     Case("llama", (2,), ("pp",), "dualpipev", 4, 2, {"checkpoint": "selective"}),
     Case("llama", (2, 2), ("pp", "tp"), "zbv", 4, 2, {"constraints": llama.TP_PLAN, "checkpoint": "full"}),
     # dualpipev splits some backwards only: each whole one replays once, each split one twice
