@@ -112,10 +112,12 @@ def split_backward(forward_s: float, backward_s: float, replay_s: float = 0.0, f
     """(F, I, W, B) of a stage from its forward and whole backward, which replays its checkpointed blocks
     once (``replay_s`` of it): the plan does not price input and weight gradients apart, so each takes half
     of the rest (a matmul's two gradient products are each its forward's size; ops without weights make I
-    the larger half, unpriced here); I and W each replay the blocks, except the first stage's I: it computes
-    no input gradient, its weight pass the whole backward (``replays``)."""
+    the larger half, unpriced here), and each replays the blocks (``replays``). The first stage's I computes
+    nothing (torch skips it: it sends no input gradient) and its W the whole backward."""
+    if first:
+        return forward_s, 0.0, backward_s, backward_s
     rest = (backward_s - replay_s) / 2
-    return forward_s, rest + (0.0 if first else replay_s), rest + replay_s, backward_s
+    return forward_s, rest + replay_s, rest + replay_s, backward_s
 
 
 @lru_cache(maxsize=64)

@@ -137,8 +137,8 @@ class PipelinePlan:
     all-reduces between them after the buckets (``pipeline.tied``), in the order it runs them."""
     estimate: str = ("the pipelined step time is an estimate (torch's schedule order played out with each stage's "
                      "predicted seconds, backward halved into input and weight gradients where the schedule splits "
-                     "them, transfers delaying only their receivers); the ILP placed each stage for one micro-batch "
-                     "on the stage mesh")
+                     "them, the first stage's all in its weight pass, transfers delaying only their receivers); the "
+                     "ILP placed each stage for one micro-batch on the stage mesh")
     stage_of: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Captured op node -> stage (derived from ``stages``; what the split pass cuts by)."""
 
