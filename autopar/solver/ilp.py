@@ -302,6 +302,7 @@ def _memory_use(model: Model, graph: PlanGraph, x: dict[str, list[int]], memory_
         model.terms = {j: {MEMORY: c} for j, c in enumerate(model.cost) if c}
     elif memory_limit is not None:
         row = {j: b / MEMORY_UNIT for j, b in memory_row.items()}
+        model.knapsack = len(model.rows)
         model.rows.append((row, -INF, float(memory_limit) / MEMORY_UNIT))
     return memory_row
 

@@ -17,6 +17,8 @@ PROBING = 1 << 15
 DUAL_SIMPLEX = 1
 """HiGHS's ``simplex_strategy`` for the dual simplex: the one whose objective bounds an LP's optimum from
 below at every iteration, so an LP bound over a cutoff is known before it is solved."""
+MIP_REL_GAP = 1e-7
+"""The relative gap between a plan and the best bound at which a MIP's plan counts as optimal."""
 SCALE = 1e6
 """Objective units per second: microseconds keep HiGHS's tolerances meaningful for sub-second steps."""
 
@@ -54,6 +56,8 @@ class Model:
         """Continuous columns whose rows make them 0 or 1 wherever the integer columns are integral (an
         edge's transport columns): a bound that fixes integer columns may fix these alike."""
         self.rows: list[tuple[dict[int, float], float, float]] = []
+        self.knapsack: int | None = None
+        """The memory row's index, where the model has one (a limit on the plan's bytes)."""
         self.terms: dict[int, dict[str, float]] = {}
         """Column -> term -> its share of the column's cost."""
         self._rows_made = -1
@@ -153,7 +157,7 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", 0)
-    h.setOptionValue("mip_rel_gap", 1e-7)
+    h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     # probing binaries took most of HF Llama-3-8B's 1.3 s presolve; the strategy rows are
     # one-of-n choices whose implications the root LP and the start give HiGHS anyway
     h.setOptionValue("presolve_rule_off", PROBING)

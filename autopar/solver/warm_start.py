@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from autopar.solver.branching import branch_on_memory
 from autopar.solver.milp import Model, Result, run
 
 NARROW_KEEP = 4
@@ -64,7 +65,7 @@ def run_from_lp(model: Model, x: dict[str, list[int]], time_limit_s: float, rela
     fixed = _ruled_out(model, lp, price)
     # the narrowed plan as a bound, not as a start: HiGHS (1.16) misprices a start in a presolved space
     # whose columns were fixed by their bounds (a GPT plan: 692.87 priced 691.34 there, and "optimal")
-    result = run(model, left(), price + slack, zero=fixed, lean=True)
+    result = whole(model, left(), price + slack, fixed, lean=True)
     if result.values is None and result.status == "infeasible":  # none beats it: the narrowed plan is optimal
         result = replace(narrow, objective=price, status="optimal", gap=0.0)
     elif result.values is None:  # out of time before beating it: the narrowed plan, its gap to the LP bound
@@ -85,7 +86,28 @@ def run_under(model: Model, time_limit_s: float, cutoff: float, relaxation: Resu
     if lp.objective > cutoff:  # its bound is over the cutoff: no plan under it (as ``run`` says so)
         return Result(values=None, objective=0.0, status="infeasible", gap=None, time_limit_s=time_limit_s)
     left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)
-    return replace(run(model, left, cutoff, zero=_ruled_out(model, lp, cutoff)), time_limit_s=time_limit_s)
+    return replace(whole(model, left, cutoff, _ruled_out(model, lp, cutoff), lean=False), time_limit_s=time_limit_s)
+
+
+def whole(model: Model, time_limit_s: float, cutoff: float, zero: list[int], *, lean: bool) -> Result:
+    """The whole MIP under ``cutoff`` with the ``zero`` columns fixed at 0 (``lean``: ``run``'s). A model
+    with a memory row is branched on it first (``solver.branching``); where that stops early, HiGHS runs
+    for what beats the best plan it found, which is the optimum where nothing does."""
+    began = time.perf_counter()
+    if model.knapsack is None:
+        return run(model, time_limit_s, cutoff, zero=zero, lean=lean)
+    branched = branch_on_memory(model, time_limit_s, cutoff, zero)
+    if branched.result is not None:
+        return branched.result
+    left = max(time_limit_s - (time.perf_counter() - began), 0.01 * time_limit_s)
+    bar = min(cutoff, branched.objective + FIX_SLACK * max(1.0, abs(branched.objective)))
+    result = run(model, left, bar, zero=zero, lean=lean)
+    if result.values is not None or branched.values is None or result.status not in ("infeasible", "time_limit"):
+        return result
+    proven = result.status == "infeasible"  # nothing beats the branch and bound's plan
+    gap = 0.0 if proven else (branched.objective - branched.bound) / max(abs(branched.objective), 1e-12)
+    return Result(values=branched.values, objective=branched.objective, status="optimal" if proven else "time_limit",
+                  gap=gap, time_limit_s=time_limit_s)
 
 
 def _ruled_out(model: Model, lp: Result, bound: float) -> list[int]:
