@@ -54,7 +54,8 @@ Node = tuple[float, list[float], highspy.HighsBasis]
 
 
 class _Lp:
-    """One HiGHS LP (the model's relaxation) whose column bounds each node sets."""
+    """One HiGHS LP, the model's relaxation without its columns held at 0, whose column bounds each node
+    sets (by the model's column numbers)."""
 
     def __init__(self, model: Model, zero: Sequence[int]) -> None:
         h = _Highs()
@@ -62,34 +63,48 @@ class _Lp:
                               ("solver", "simplex"), ("simplex_strategy", DUAL_SIMPLEX)):
             h.setOptionValue(option, value)
         n = len(model.cost)
+        held = np.zeros(n, dtype=bool)
+        held[list(zero)] = True
+        self.n, self.kept = n, np.flatnonzero(~held)
+        self.local = np.full(n, -1, dtype=np.int64)  # model column -> the LP's, -1 where held at 0
+        self.local[self.kept] = np.arange(len(self.kept))
         self.upper = np.array(model.upper, dtype=np.float64)
-        self.upper[list(zero)] = 0.0
-        h.addCols(n, np.array(model.cost), np.zeros(n), self.upper, 0, np.array([], dtype=np.int32),
-                  np.array([], dtype=np.int32), np.array([]))
+        h.addCols(len(self.kept), np.array(model.cost)[self.kept], np.zeros(len(self.kept)), self.upper[self.kept], 0,
+                  np.array([], dtype=np.int32), np.array([], dtype=np.int32), np.array([]))
         starts, indices, values, lower, upper = model.row_arrays()
-        h.addRows(len(model.rows), lower, upper, len(indices), starts, indices, values)
+        sizes = np.diff(np.append(starts, len(indices)))
+        keep = self.local[indices] >= 0
+        counts = np.bincount(np.repeat(np.arange(len(starts)), sizes)[keep], minlength=len(starts))
+        row_starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int32)
+        h.addRows(len(starts), lower, upper, int(keep.sum()), row_starts, self.local[indices[keep]].astype(np.int32),
+                  values[keep])
         self.h, self.changed = h, np.array([], dtype=np.int32)
 
-    def solve(self, bounds: Bounds, basis: highspy.HighsBasis | None, time_limit_s: float) -> Node | str:
-        """The LP's optimum under ``bounds``, or HiGHS's status where it has none ('infeasible': no plan
-        within them); the dual simplex starts from ``basis`` (the parent's: a child's bounds cut its
-        optimum off by little)."""
+    def solve(self, bounds: Bounds, basis: highspy.HighsBasis | None, bar: float, time_limit_s: float) -> Node | str:
+        """The LP's optimum under ``bounds`` where it is under ``bar``, else HiGHS's status ('infeasible':
+        no plan within them; 'over': none under ``bar``, which the dual simplex's bound shows before its
+        optimum); the dual simplex starts from ``basis`` (the parent's: a child's bounds cut its optimum
+        off by little)."""
         if len(self.changed):  # back to the model's bounds, then the node's
             self.h.changeColsBounds(len(self.changed), self.changed, np.zeros(len(self.changed)),
-                                    self.upper[self.changed])
-        self.changed = np.array([j for j, _, _ in bounds], dtype=np.int32)
+                                    self.upper[self.kept[self.changed]])
+        self.changed = self.local[[j for j, _, _ in bounds]].astype(np.int32)
         if bounds:
             self.h.changeColsBounds(len(bounds), self.changed, np.array([lo for _, lo, _ in bounds]),
                                     np.array([hi for _, _, hi in bounds]))
         if basis is not None:
             self.h.setBasis(basis)
         self.h.setOptionValue("time_limit", max(time_limit_s, 0.0))
+        self.h.setOptionValue("objective_bound", bar if math.isfinite(bar) else highspy.kHighsInf)
         self.h.run()
         status = self.h.getModelStatus()
+        if status == highspy.HighsModelStatus.kObjectiveBound:
+            return "over"
         if status != highspy.HighsModelStatus.kOptimal:
             return "infeasible" if status == highspy.HighsModelStatus.kInfeasible else str(status).rsplit(".", 1)[-1]
-        return (float(self.h.getInfo().objective_function_value), list(self.h.getSolution().col_value),
-                self.h.getBasis())
+        values = np.zeros(self.n)
+        values[self.kept] = self.h.getSolution().col_value
+        return float(self.h.getInfo().objective_function_value), values.tolist(), self.h.getBasis()
 
 
 def branch_on_memory(model: Model, time_limit_s: float, cutoff: float | None = None, zero: Sequence[int] = (),
@@ -106,8 +121,8 @@ def branch_on_memory(model: Model, time_limit_s: float, cutoff: float | None = N
     waiting: list[tuple[Bounds, highspy.HighsBasis | None]] = [((), None)]  # the root, then each node's children
     while waiting or queue:
         for bounds, basis in waiting:
-            solved = lp.solve(bounds, basis, time_limit_s - (time.perf_counter() - began))
-            if isinstance(solved, str) and solved != "infeasible":  # out of time, or HiGHS failed: not pruned
+            solved = lp.solve(bounds, basis, _pruned_from(best), time_limit_s - (time.perf_counter() - began))
+            if isinstance(solved, str) and solved not in ("infeasible", "over"):  # out of time, or failed: not pruned
                 return Branched(None, f"the memory row's branch and bound stopped: an LP ended '{solved}'",
                                 best_values, best if best_values is not None else math.inf, -math.inf)
             if not isinstance(solved, str) and solved[0] < _pruned_from(best):
