@@ -7,9 +7,11 @@ relaxation, unpresolved (HiGHS's dual simplex), is a fraction of that, and it le
 support and reduced costs name each node's likely strategies (a small MIP gives a plan from them) and
 the columns no plan as good as that one uses (fixed at 0 before the whole MIP runs). A solve that seeks
 only plans under a cutoff (``run_under``) fixes the columns no such plan uses alike, with no plan of its
-own to find first.
+own to find first. What is left of a model with a memory row is branched on that row (``whole``,
+``solver.branching``) where its LP bound is not already close.
 
-The plan returned is still HiGHS's proven optimum of the whole MIP: this changes speed only.
+The plan returned is still the proven optimum of the whole MIP (HiGHS's, or the branch and bound's over
+HiGHS's LPs, within HiGHS's gap): this changes speed only.
 """
 
 from __future__ import annotations
