@@ -24,13 +24,10 @@ import highspy
 import numpy as np
 from highspy._core import _Highs
 
-from autopar.solver.milp import DUAL_SIMPLEX, MIP_REL_GAP, Model, Result
+from autopar.solver.milp import DUAL_SIMPLEX, INTEGRAL, MIP_REL_GAP, Model, Result
 
 MAX_NODES = 400
 """Nodes the branch and bound solves before it leaves the model to HiGHS's whole MIP."""
-INTEGRAL = 1e-6
-"""How far from an integer an integer column may be and count as integral (HiGHS's MIP feasibility
-tolerance)."""
 
 Bounds = tuple[tuple[int, float, float], ...]
 """A node's column bounds that differ from the model's: (column, lower, upper)."""

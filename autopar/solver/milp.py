@@ -19,6 +19,9 @@ DUAL_SIMPLEX = 1
 below at every iteration, so an LP bound over a cutoff is known before it is solved."""
 MIP_REL_GAP = 1e-7
 """The relative gap between a plan and the best bound at which a MIP's plan counts as optimal."""
+INTEGRAL = 1e-6
+"""How far from an integer an integer column of an LP's solution may be and still count as integral (a
+strategy column as chosen): HiGHS's own MIP feasibility tolerance."""
 SCALE = 1e6
 """Objective units per second: microseconds keep HiGHS's tolerances meaningful for sub-second steps."""
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 
 from autopar.solver.branching import branch_on_memory
-from autopar.solver.milp import Model, Result, run
+from autopar.solver.milp import INTEGRAL, Model, Result, run
 
 NARROW_KEEP = 4
 """Strategies per node the narrowed solve keeps at least (``lp_likely``)."""
@@ -30,9 +30,6 @@ LP_LED_FROM_COLUMNS = 10_000
 bound's): HiGHS finds their optimum in a fraction of a second, and an LP and a narrowed solve first
 only add to it (a memory search's many small solves)."""
 
-INTEGRAL = 1e-6
-"""How far from 0 or 1 an LP's strategy column may be and still count as chosen (HiGHS's own MIP
-feasibility tolerance)."""
 BRANCH_FROM_GAP = 0.01
 """A MIP with a memory row whose cutoff is within this fraction of its LP bound is left to HiGHS: its
 presolve and root close such a gap in a fraction of the memory row's branch and bound (Llama-3-70B's
