@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import highspy
 import numpy as np
-from highspy._core import _Highs
 
-from autopar.solver.milp import DUAL_SIMPLEX, INTEGRAL, MIP_REL_GAP, Model, Result
+from autopar.solver.milp import INTEGRAL, MIP_REL_GAP, Model, Result, highs
 
 MAX_NODES = 400
 """Nodes the branch and bound solves before it leaves the model to HiGHS's whole MIP."""
@@ -55,10 +54,7 @@ class _Lp:
     sets (by the model's column numbers)."""
 
     def __init__(self, model: Model, zero: Sequence[int]) -> None:
-        h = _Highs()
-        for option, value in (("output_flag", False), ("threads", 1), ("random_seed", 0), ("presolve", "off"),
-                              ("solver", "simplex"), ("simplex_strategy", DUAL_SIMPLEX)):
-            h.setOptionValue(option, value)
+        h = highs(dual_lp=True)
         n = len(model.cost)
         held = np.zeros(n, dtype=bool)
         held[list(zero)] = True

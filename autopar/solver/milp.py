@@ -143,6 +143,21 @@ class Result:
     time_limit_s: float
 
 
+def highs(*, dual_lp: bool = False) -> _Highs:
+    """A HiGHS instance as every solve here sets one: silent, one thread, seed 0; with ``dual_lp``, an LP
+    solved unpresolved by the dual simplex (on these models HiGHS's LP presolve costs more than the dual
+    simplex's whole solve, and the dual simplex stops once its bound passes a cutoff)."""
+    # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
+    # banner to stdout doing so, which would land in the CLI's output.
+    h = _Highs()
+    options: dict[str, object] = {"output_flag": False, "threads": 1, "random_seed": 0}
+    if dual_lp:
+        options.update(presolve="off", solver="simplex", simplex_strategy=DUAL_SIMPLEX)
+    for option, value in options.items():
+        h.setOptionValue(option, value)
+    return h
+
+
 def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start: dict[int, float] | None = None,
         zero: Sequence[int] = (), lean: bool = False, target: float | None = None, relaxed: bool = False) -> Result:
     """Solve ``model``; with ``cutoff`` (objective units) only a plan cheaper than it counts:
@@ -154,12 +169,7 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
     the LP relaxation (no column integral), with its reduced costs: its optimum bounds the model's from
     below; with ``cutoff``, status 'over_cutoff' as soon as the dual simplex's objective (a bound on the
     optimum) passes it."""
-    # The base class: highspy.Highs installs Python callbacks (unused here) and prints a
-    # banner to stdout doing so, which would land in the CLI's output.
-    h = _Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
-    h.setOptionValue("random_seed", 0)
+    h = highs(dual_lp=relaxed)
     h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
     # probing binaries took most of HF Llama-3-8B's 1.3 s presolve; the strategy rows are
     # one-of-n choices whose implications the root LP and the start give HiGHS anyway
@@ -169,11 +179,6 @@ def run(model: Model, time_limit_s: float, cutoff: float | None = None, *, start
         h.setOptionValue(option, value)
     if cutoff is not None:
         h.setOptionValue("objective_bound", float(cutoff))
-    if relaxed:  # unpresolved: on these models HiGHS's LP presolve costs more than the dual simplex's whole
-        # solve, and the dual simplex stops once its bound passes a cutoff
-        h.setOptionValue("presolve", "off")
-        h.setOptionValue("solver", "simplex")
-        h.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
     if target is not None:
         h.setOptionValue("objective_target", float(target))
     n = len(model.cost)
